@@ -1,0 +1,3 @@
+from kvbench.cli import main
+
+main()

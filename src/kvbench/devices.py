@@ -1,0 +1,86 @@
+"""Device and dtype resolution, synchronisation, and peak-memory readers."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+from kvbench.errors import KVBenchError
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cuda' without CUDA is an error, not a silent fallback."""
+    name = name.strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise KVBenchError(
+                f"--device {name}: CUDA is not available on this machine (use --device cpu or auto)"
+            )
+        dev = torch.device(name)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise KVBenchError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return dev
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "mps" and torch.backends.mps.is_available():
+        return torch.device("mps")
+    raise KVBenchError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' -> fp16 on CUDA, fp32 elsewhere. fp16 on a CPU is refused: PyTorch has no fast CPU fp16 kernels."""
+    name = name.strip().lower()
+    if name == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise KVBenchError(f"unknown dtype {name!r}; use {', '.join(DTYPES)} or auto")
+    if name == "fp16" and device.type == "cpu":
+        raise KVBenchError(
+            "--dtype fp16 on the CPU: PyTorch's CPU fp16 kernels are very slow or missing; "
+            "use --dtype fp32 (or bf16) on the CPU, or --device cuda"
+        )
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so a clock read after it measures the work and not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """Peak memory in MiB. CUDA: allocated and reserved by PyTorch's allocator since the last reset.
+    CPU: the process's peak resident set size (it cannot be reset, so it is a high-water mark of the whole run)."""
+    if device.type == "cuda":
+        return {
+            "peak_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20,
+            "peak_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20,
+        }
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return {"peak_rss_mib": rss / (2**20 if sys.platform == "darwin" else 2**10)}

@@ -1,0 +1,13 @@
+"""The project's one exception type for bad user input and unmet preconditions.
+
+Library code raises `KVBenchError` with a message that names the bad value and the fix; the CLI turns it into a red
+one-line message on stderr and a non-zero exit. Internal invariants use `assert` instead.
+"""
+
+
+class KVBenchError(Exception):
+    """Bad input or an unmet precondition, explained in one line for the user."""
+
+
+class CacheOverflowError(KVBenchError):
+    """A fixed-capacity cache was asked to hold more tokens than it has slots for."""

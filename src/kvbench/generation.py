@@ -1,0 +1,195 @@
+"""Prefill and decode loops: the no-cache loop and the cached loop, sampling, batched left-padded decoding, timing.
+
+The loop owns the positions and passes them in; the model never guesses them. A batch of prompts of different
+lengths is left-padded so every sequence's last token shares the last column (the logits we sample), with a
+padding mask over every column and positions that start at 0 at each sequence's first real token:
+
+    prompt lengths 3 and 5, T = 5       ids        padding     positions
+                                        _ _ a b c  0 0 1 1 1   0 0 0 1 2
+                                        d e f g h  1 1 1 1 1   0 1 2 3 4
+Each decode step appends one column: ids (B, 1), positions last + 1, padding mask extended by a column of ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbench.caches import cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
+from kvbench.devices import synchronize
+from kvbench.errors import KVBenchError
+from kvbench.model import GPT
+
+PAD_ID = 0  # the id written into padding slots: never attended to, so any id in every vocabulary works
+
+
+@dataclass
+class Sampler:
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_k: int | None = None  # keep the k most likely tokens before sampling; None = all
+    seed: int = 0  # seeds the sampling generator (per generate call, so runs are reproducible)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise KVBenchError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise KVBenchError(f"--top-k must be >= 1, got {self.top_k}")
+
+    def __call__(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """logits (B, V) -> next ids (B, 1)."""
+        if self.temperature == 0:
+            return logits.argmax(-1, keepdim=True)
+        logits = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < logits.size(-1):
+            kth = torch.topk(logits, self.top_k, dim=-1).values[:, -1:]  # (B, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)
+
+
+@dataclass
+class Batch:
+    """Left-padded prompts. ids, positions, padding: (B, T); padding is None when no sequence is padded."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    padding: torch.Tensor | None
+    prompt_lens: list[int]
+
+
+def left_pad(prompts: list[list[int]], device: torch.device | str) -> Batch:
+    if not prompts:
+        raise KVBenchError("no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise KVBenchError(f"prompt {i + 1} is empty (encodes to zero tokens); give at least one token")
+    lens = [len(p) for p in prompts]
+    B, T = len(prompts), max(lens)
+    ids = torch.full((B, T), PAD_ID, dtype=torch.long)
+    real = torch.zeros(B, T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p) :] = torch.tensor(p, dtype=torch.long)
+        real[b, T - len(p) :] = 1
+    positions = (real.cumsum(-1) - 1).clamp(min=0)  # 0 at each sequence's first real token
+    padding = None if min(lens) == T else real.to(device)
+    return Batch(ids.to(device), positions.to(device), padding, lens)
+
+
+@dataclass
+class GenerationResult:
+    cache: str  # registry name of the cache used
+    prompt_lens: list[int]  # real (unpadded) prompt length of each sequence
+    tokens: list[list[int]]  # generated ids per sequence (trimmed after the stop token, if any)
+    ttft_s: float  # time to first token: prefill forward + first sample, device synchronised
+    step_s: list[float] = field(default_factory=list)  # each decode step (forward + sample), synchronised
+    cache_bytes: int = 0  # bytes the caches hold/reserve at the end
+    bytes_copied: int = 0  # history bytes copied by cache updates (torch.cat traffic)
+    logits: list[torch.Tensor] | None = None  # (B, V) fp32 on the CPU for each generated token, if recorded
+
+    @property
+    def new_tokens(self) -> int:
+        return 1 + len(self.step_s)
+
+    @property
+    def total_s(self) -> float:
+        return self.ttft_s + sum(self.step_s)
+
+
+def check_fits(model: GPT, prompt_len: int, max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise KVBenchError(f"new tokens must be >= 1, got {max_new_tokens}")
+    ctx = model.config.block_size
+    if prompt_len + max_new_tokens > ctx:
+        raise KVBenchError(
+            f"prompt length {prompt_len} + new tokens {max_new_tokens} = {prompt_len + max_new_tokens} "
+            f"exceeds the model's context of {ctx} tokens"
+        )
+
+
+@torch.inference_mode()
+def generate(
+    model: GPT,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    cache: str = "dynamic",
+    sampler: Sampler | None = None,
+    stop_token: int | None = None,
+    record_logits: bool = False,
+    on_token: Callable[[list[int]], None] | None = None,
+    caches: list | None = None,
+) -> GenerationResult:
+    """Generate `max_new_tokens` for each prompt through the cache named `cache` ('none': recompute everything).
+
+    Pass `caches` to reuse existing cache objects (they are reset first); otherwise fresh ones are allocated for
+    prompt + new tokens. `on_token(ids)` is called with the B new ids after each token, for streaming.
+    """
+    sampler = sampler or Sampler()
+    device = model.lm_head.weight.device
+    batch = left_pad(prompts, device)
+    B, T = batch.ids.shape
+    check_fits(model, T, max_new_tokens)
+    spec = get_cache_spec(cache)
+    if spec.factory is None:
+        caches = None
+    elif caches is None:
+        caches = make_caches(cache, model.config, B, T + max_new_tokens, model.lm_head.weight.dtype, device)
+    else:
+        for c in caches:
+            c.reset()
+    generator = None
+    if sampler.temperature > 0:
+        generator = torch.Generator(device=device).manual_seed(sampler.seed)
+
+    ids, positions, padding = batch.ids, batch.positions, batch.padding  # what the next forward sees
+    out: list[torch.Tensor] = []  # (B, 1) each
+    logits_log: list[torch.Tensor] | None = [] if record_logits else None
+    done = torch.zeros(B, 1, dtype=torch.bool, device=device)
+    step_s: list[float] = []
+    ttft = 0.0
+    for step in range(max_new_tokens):
+        synchronize(device)
+        t0 = time.perf_counter()
+        # No cache: the whole sequence every step. Cached: the prompt once (prefill), then one token per step.
+        logits = model(ids, positions, caches, padding)[:, -1]  # (B, V)
+        nxt = sampler(logits, generator)  # (B, 1)
+        synchronize(device)
+        dt = time.perf_counter() - t0
+        if step == 0:
+            ttft = dt
+        else:
+            step_s.append(dt)
+        out.append(nxt)
+        if logits_log is not None:
+            logits_log.append(logits.float().cpu())
+        if on_token is not None:
+            on_token(nxt[:, 0].tolist())
+        if stop_token is not None:
+            done |= nxt == stop_token
+            if bool(done.all()):
+                break
+        # The next column: each sequence's next position is its last + 1, and the new token is real.
+        next_pos = positions[:, -1:] + 1  # (B, 1)
+        if caches is None:
+            ids = torch.cat([ids, nxt], dim=1)  # (B, T + step + 1)
+            positions = torch.cat([positions, next_pos], dim=1)
+        else:
+            ids, positions = nxt, next_pos  # (B, 1): the cache holds everything before it
+        if padding is not None:
+            padding = torch.cat([padding, torch.ones_like(padding[:, :1])], dim=1)  # (B, columns so far + 1)
+
+    tokens = torch.cat(out, dim=1).tolist()  # (B, new)
+    if stop_token is not None:
+        tokens = [seq[: seq.index(stop_token)] if stop_token in seq else seq for seq in tokens]
+    return GenerationResult(
+        cache=cache,
+        prompt_lens=batch.prompt_lens,
+        tokens=tokens,
+        ttft_s=ttft,
+        step_s=step_s,
+        cache_bytes=cache_nbytes(caches),
+        bytes_copied=cache_bytes_copied(caches),
+        logits=logits_log,
+    )

@@ -1,0 +1,207 @@
+"""GPT-2 exactly as OpenAI's, written from scratch, with explicit positions, a per-layer KV cache and a padding mask.
+
+Learned absolute positions, pre-LayerNorm blocks, tanh-GELU, tied `lm_head`, 1024 context. Parameter names are
+GPT-2's own (`wte`, `wpe`, `h`, `ln_1`, `attn.c_attn`, `c_proj`, `mlp.c_fc`, `ln_f`, `lm_head`), so a Hugging Face
+checkpoint ports with a copy plus the four Conv1D transposes (see `weights.py`).
+
+Symbols used in shape comments:
+    B batch, T tokens in this forward call, C embedding width, H heads, Dh head dim (C // H),
+    S key/value slots attention reads this call (past + T for most caches), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # max context (number of learned position embeddings)
+    vocab_size: int = 50257  # GPT-2 BPE vocabulary incl. <|endoftext|>
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads (GPT-2 is multi-head: every head has its own K and V)
+    n_embd: int = 768  # residual width C
+    layer_norm_epsilon: float = 1e-5  # as in GPT-2's config.json
+    name: str = field(default="custom", compare=False)  # preset name or config path, for reports
+
+    def __post_init__(self) -> None:
+        assert self.n_embd % self.n_head == 0, f"n_embd {self.n_embd} not divisible by n_head {self.n_head}"
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """K and V for one token across all layers: 2 x layers x heads x head_dim x bytes."""
+        return 2 * self.n_layer * self.n_head * self.head_dim * element_size
+
+
+# One registry of model presets: CLI choices, benchmark sweeps and tests iterate this dict.
+PRESETS: dict[str, GPTConfig] = {
+    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768, name="gpt2"),  # 124M
+    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024, name="gpt2-medium"),  # 355M
+    "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280, name="gpt2-large"),  # 774M
+    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600, name="gpt2-xl"),  # 1.56B
+    # Not a released checkpoint: a 2-layer toy with GPT-2's vocabulary, for fast tests and smoke runs.
+    "gpt2-tiny": GPTConfig(n_layer=2, n_head=4, n_embd=128, name="gpt2-tiny"),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # fused Q, K, V
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        # Fault switch for `kvbench break mask`: keep SDPA's causal flag on during cached decode (the seed's bug 2).
+        # Off in every normal run; see faults.py.
+        self.causal_in_decode = False
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache, mask: AttentionMask) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
+        q, k, v = (
+            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v)
+        )  # (B, H, T, Dh)
+        if cache is not None:
+            # The one line of cache code in attention: store this call's K/V, get back what to attend over.
+            k, v = cache.update(k, v, positions)  # (B, H, S, Dh)
+        attn_mask, is_causal = mask.for_keys(k.size(2))
+        if self.causal_in_decode and cache is not None and T < k.size(2):
+            attn_mask, is_causal = None, True  # BUG on purpose: SDPA aligns this mask top-left
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)  # (B, H, T, Dh)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's tanh-GELU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, cache, mask) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), positions, cache, mask)  # pre-LayerNorm residual blocks
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class AttentionMask:
+    """Which key slots each query of this forward call may read, built once per call and shared by all layers.
+
+    Queries are the last T of `n_valid` filled key slots (columns). Query i sits at column n_valid - T + i and may
+    read columns <= its own (the causal rule aligned bottom-right), restricted to real tokens by `padding`
+    (B, n_valid) when given. Columns >= n_valid (a fixed-size buffer's unfilled tail) are never read.
+    - prefill without padding (T == S): SDPA's own causal flag, the fast path;
+    - a decode step over a cache (T == 1) without padding: no mask at all, every cached key is in the past;
+    - anything else (padding, chunked prefill, a fixed-size buffer): an explicit boolean mask (B, 1, T, S).
+    """
+
+    def __init__(self, T: int, n_valid: int, padding: torch.Tensor | None):
+        self.T, self.n_valid, self.padding = T, n_valid, padding
+        self._built: dict[int, torch.Tensor] = {}
+
+    def for_keys(self, S: int) -> tuple[torch.Tensor | None, bool]:
+        assert S >= self.n_valid, f"attention got {S} key slots but {self.n_valid} are filled"
+        if self.padding is None and S == self.n_valid:
+            if self.T == S:
+                return None, self.T > 1
+            if self.T == 1:
+                return None, False
+        if S not in self._built:
+            self._built[S] = self._build(S)
+        return self._built[S], False
+
+    def _build(self, S: int) -> torch.Tensor:
+        device = self.padding.device if self.padding is not None else None
+        cols = torch.arange(S, device=device)  # (S,)
+        q_cols = self.n_valid - self.T + torch.arange(self.T, device=device)  # (T,)
+        allowed = cols[None, :] <= q_cols[:, None]  # (T, S) causal, bottom-right aligned
+        allowed = allowed[None, None]  # (1, 1, T, S)
+        if self.padding is not None:
+            pad = self.padding.bool()  # (B, n_valid)
+            if S > pad.size(1):
+                pad = F.pad(pad, (0, S - pad.size(1)), value=False)  # (B, S)
+            allowed = allowed & pad[:, None, None, :]  # (B, 1, T, S)
+        # A query whose row is all False (a left-pad query reading only pads) would give NaN; let it read itself.
+        # Such rows belong to padding and are never sampled from.
+        self_col = cols[None, :] == q_cols[:, None]  # (T, S)
+        allowed = allowed | (~allowed.any(-1, keepdim=True) & self_col[None, None])
+        return allowed
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+                ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
+            )
+        )
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> GPT:
+        """GPT-2 initialisation: N(0, std) weights, zero biases, unit LayerNorms; residual projections scaled by
+        1/sqrt(2 * n_layer). Seeded and device-independent (drawn on the CPU, then copied)."""
+        g = torch.Generator().manual_seed(seed)
+        resid_std = std / math.sqrt(2 * self.config.n_layer)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif ".ln_" in name or name.startswith("transformer.ln_f"):
+                    p.fill_(1.0)
+                else:
+                    s = resid_std if name.endswith("c_proj.weight") else std
+                    p.copy_(torch.randn(p.shape, generator=g) * s)
+        return self
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list | None = None,
+        padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits for every input token.
+
+        idx: (B, T) token ids; positions: (B, T) absolute positions, owned by the caller (never guessed here from a
+        length: that guess is the seed's bug 1); caches: one cache object per layer, or None to attend only within
+        `idx` (the no-cache path); padding_mask: (B, past + T), 1 for real tokens and 0 for padding, over every
+        column the caches hold plus this call's. Returns (B, T, V).
+        """
+        B, T = idx.shape
+        assert positions.shape == (B, T), f"positions {tuple(positions.shape)} must match idx {(B, T)}"
+        past = caches[0].length if caches is not None else 0
+        if padding_mask is not None:
+            assert padding_mask.shape == (B, past + T), (
+                f"padding_mask {tuple(padding_mask.shape)} != {(B, past + T)}"
+            )
+        mask = AttentionMask(T, past + T, padding_mask)
+        x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, positions, None if caches is None else caches[i], mask)
+        x = self.transformer.ln_f(x)
+        return self.lm_head(x)  # (B, T, V)

@@ -1,0 +1,231 @@
+"""Resolve and load weights into our GPT-2: Hugging Face hub, a local Hugging Face directory, or seeded random init.
+
+`--weights auto|hub|random|PATH`:
+- hub:    openai-community/gpt2 (-medium, -large, -xl) through huggingface_hub's cache and download (respects
+          HF_HUB_OFFLINE and HF_HOME), then the same loader as PATH;
+- PATH:   a directory with config.json + model.safetensors (or pytorch_model.bin), as `save_pretrained` writes it;
+- random: GPT-2's initialisation, seeded;
+- auto:   the local cache, else the hub if it answers within seconds, else random with a visible warning.
+The port from Hugging Face is a copy plus the transposes of the four Conv1D weights (HF stores them (in, out)).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from kvbench.errors import KVBenchError
+from kvbench.model import GPT, PRESETS, GPTConfig
+
+HUB_REPOS = {
+    "gpt2": "openai-community/gpt2",
+    "gpt2-medium": "openai-community/gpt2-medium",
+    "gpt2-large": "openai-community/gpt2-large",
+    "gpt2-xl": "openai-community/gpt2-xl",
+}
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+RANDOM_WARNING = (
+    "no GPT-2 weights available offline: using random weights (GPT-2 init, seed {seed}). Timings are those of the "
+    "real {name} architecture, but generated text will be meaningless. Use --weights hub online, or --weights PATH."
+)
+
+
+@dataclass
+class LoadedModel:
+    model: GPT
+    config: GPTConfig
+    weights: str  # what was loaded, for every output: "hub:openai-community/gpt2", "random(seed=0, std=0.02)", a path
+    random: bool  # True when the weights are random (text is meaningless)
+    warning: str | None = None  # shown by the CLI, recorded in outputs
+
+
+# --- configs ---------------------------------------------------------------------------------------------------------
+def resolve_config(model: str) -> GPTConfig:
+    """A preset name, or a path to a GPT-2 config.json (or a directory holding one)."""
+    if model in PRESETS:
+        return PRESETS[model]
+    p = Path(model)
+    if p.is_dir():
+        p = p / "config.json"
+    if p.suffix == ".json" or p.exists():
+        return config_from_hf(p)
+    import difflib
+
+    close = difflib.get_close_matches(model, PRESETS, n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise KVBenchError(
+        f"unknown model {model!r}{hint}; known models: {', '.join(PRESETS)}, or a GPT-2 config.json"
+    )
+
+
+def config_from_hf(path: Path) -> GPTConfig:
+    """GPTConfig from a Hugging Face GPT-2 config.json; anything that is not plain GPT-2 is refused by name."""
+    if not path.is_file():
+        raise KVBenchError(f"GPT-2 config not found: {path}")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise KVBenchError(f"{path} is not a readable JSON config: {e}") from None
+    if not isinstance(cfg, dict) or cfg.get("model_type") != "gpt2":
+        got = cfg.get("model_type") if isinstance(cfg, dict) else type(cfg).__name__
+        raise KVBenchError(f"{path} is not a GPT-2 config (model_type={got!r}, expected 'gpt2')")
+    unsupported = {
+        "activation_function": ("gelu_new", cfg.get("activation_function", "gelu_new")),
+        "scale_attn_weights": (True, cfg.get("scale_attn_weights", True)),
+        "scale_attn_by_inverse_layer_idx": (False, cfg.get("scale_attn_by_inverse_layer_idx", False)),
+        "reorder_and_upcast_attn": (False, cfg.get("reorder_and_upcast_attn", False)),
+    }
+    for key, (want, got) in unsupported.items():
+        if got != want:
+            raise KVBenchError(
+                f"{path}: {key}={got!r} is not supported (kvbench's GPT-2 uses {key}={want!r})"
+            )
+    try:
+        return GPTConfig(
+            block_size=int(cfg.get("n_positions", cfg.get("n_ctx", 1024))),
+            vocab_size=int(cfg["vocab_size"]),
+            n_layer=int(cfg["n_layer"]),
+            n_head=int(cfg["n_head"]),
+            n_embd=int(cfg["n_embd"]),
+            layer_norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
+            name=cfg.get("_name_or_path") or str(path.parent),
+        )
+    except KeyError as e:
+        raise KVBenchError(f"{path}: missing field {e.args[0]!r}") from None
+
+
+# --- Hugging Face checkpoints --------------------------------------------------------------------------------------
+def read_hf_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    st, binf = directory / "model.safetensors", directory / "pytorch_model.bin"
+    try:
+        if st.is_file():
+            from safetensors.torch import load_file
+
+            return load_file(str(st))
+        if binf.is_file():
+            return torch.load(binf, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt or truncated files come in many exception types
+        raise KVBenchError(f"cannot read weights from {st if st.is_file() else binf}: {e}") from None
+    raise KVBenchError(f"no model.safetensors or pytorch_model.bin in {directory}")
+
+
+def port_hf_state_dict(model: GPT, hf: dict[str, torch.Tensor], source: str) -> None:
+    """Copy a Hugging Face GPT2LMHeadModel / GPT2Model state dict into `model`: transpose the Conv1D weights,
+    skip the causal-mask buffers, tie lm_head to wte. Missing or mis-shaped tensors are errors naming them."""
+    hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
+    sd = model.state_dict()
+    with torch.no_grad():
+        for key, dst in sd.items():
+            if key == "lm_head.weight":
+                continue  # tied to transformer.wte.weight
+            hf_key = key.removeprefix("transformer.")
+            if hf_key not in hf:
+                raise KVBenchError(f"{source}: tensor {hf_key!r} missing; not a GPT-2 checkpoint?")
+            w = hf[hf_key]
+            if hf_key.endswith(CONV1D_WEIGHTS):
+                w = w.t()
+            if w.shape != dst.shape:
+                raise KVBenchError(
+                    f"{source}: {hf_key} has shape {tuple(w.shape)}, config expects {tuple(dst.shape)}"
+                )
+            dst.copy_(w)
+
+
+def load_from_dir(directory: Path) -> tuple[GPT, GPTConfig]:
+    if not directory.exists():
+        raise KVBenchError(f"weights path not found: {directory}")
+    if not directory.is_dir():
+        raise KVBenchError(
+            f"weights path {directory} is not a directory (want config.json + model.safetensors)"
+        )
+    config = config_from_hf(directory / "config.json")
+    config.name = str(directory)
+    model = GPT(config)
+    port_hf_state_dict(model, read_hf_state_dict(directory), str(directory))
+    return model, config
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One TCP connect to the hub, so deciding we are offline takes seconds, not the half minute of retries that
+    a plain from_pretrained spends."""
+    if _hub_offline():
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def hub_snapshot(name: str, allow_download: bool) -> Path | None:
+    """Local directory with config.json + model.safetensors for a preset, from the cache or (if allowed) the hub."""
+    from huggingface_hub import hf_hub_download
+
+    repo = HUB_REPOS[name]
+    for local_only in (True, False) if allow_download else (True,):
+        try:
+            for f in ("config.json", "model.safetensors"):
+                path = hf_hub_download(repo, f, local_files_only=local_only)
+            return Path(path).parent
+        except Exception:  # huggingface_hub raises several types for "not cached" and network failures
+            continue
+    return None
+
+
+def load_model(
+    model: str | None,
+    weights: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    init_std: float = 0.02,
+) -> LoadedModel:
+    """Build the model named by `model` and fill it from `weights`; see the module docstring for the sources."""
+    if weights not in ("auto", "hub", "random"):  # a path
+        # The directory's config.json decides the architecture; an explicit --model must agree with it.
+        net, config = load_from_dir(Path(weights).expanduser())
+        if model is not None:
+            want = resolve_config(model)
+            got = (config.n_layer, config.n_head, config.n_embd)
+            if (want.n_layer, want.n_head, want.n_embd) != got:
+                raise KVBenchError(
+                    f"--model {model} does not match the checkpoint in {weights} (layers, heads, width = {got})"
+                )
+        return LoadedModel(net.to(device=device, dtype=dtype).eval(), config, str(weights), random=False)
+
+    name = model or "gpt2"
+    config = resolve_config(name)
+    warning = None
+    if weights in ("auto", "hub"):
+        if name not in HUB_REPOS:
+            if weights == "hub":
+                raise KVBenchError(f"no hub weights for {name!r}; hub models: {', '.join(HUB_REPOS)}")
+        else:
+            snap = hub_snapshot(name, allow_download=False) or (
+                hub_snapshot(name, allow_download=True) if hub_reachable() else None
+            )
+            if snap is not None:
+                net, _ = load_from_dir(snap)
+                config = net.config
+                config.name = name
+                return LoadedModel(
+                    net.to(device=device, dtype=dtype).eval(), config, f"hub:{HUB_REPOS[name]}", False
+                )
+            if weights == "hub":
+                why = "HF_HUB_OFFLINE is set" if _hub_offline() else "the hub is not reachable"
+                raise KVBenchError(f"{HUB_REPOS[name]} is not in the local Hugging Face cache and {why}")
+            warning = RANDOM_WARNING.format(seed=seed, name=name)
+    net = GPT(config).init_weights(seed=seed, std=init_std)
+    desc = f"random(seed={seed}, std={init_std})"
+    return LoadedModel(net.to(device=device, dtype=dtype).eval(), config, desc, random=True, warning=warning)
