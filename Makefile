@@ -1,0 +1,58 @@
+# kvbench: `make demo` and `make test` do all the set-up on a fresh machine (they create .venv when needed).
+#
+# torch is pinned to the version kvbench was tested with. pip takes a local CPU wheel where one is configured
+# (CI) and PyPI's default build elsewhere; choose another build with e.g.
+#   make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvbench-installed
+
+# Offline machines with the team's shared GPT-2 ranks file use it; elsewhere tiktoken downloads its gpt2 encoding.
+SHARED_RANKS := $(abspath ../shared/data/gpt2.tiktoken)
+ifneq ($(wildcard $(SHARED_RANKS)),)
+export KVBENCH_TOKENIZER ?= $(SHARED_RANKS)
+endif
+
+.PHONY: install test verify lint format demo bench-quick bench-gpu clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+# What a project's CI runs: every registered cache proven exact on the CPU (gpt2 architecture, random weights).
+verify: $(STAMP)
+	$(BIN)/kvbench verify --weights random --device cpu
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests
+
+# A short tour on the default device: generate, verify, break, a small bench and the memory planner.
+# Real GPT-2 when the hub (or its local cache) is reachable; clearly labelled random weights otherwise.
+demo: $(STAMP)
+	$(BIN)/kvbench generate "The key to fast inference is" --max-new-tokens 40 --cache static
+	$(BIN)/kvbench memory --model llama-3-8b --ctx 8k,128k
+
+bench-quick: $(STAMP)
+	$(BIN)/kvbench bench --config configs/bench/quick.toml
+
+# On a GPU machine with the packages already installed and nothing installable: run from the source tree.
+bench-gpu:
+	PYTHONPATH=src bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny seeded GPT-2s on the CPU, a Hugging Face reference saved to tmp_path, the ranks file."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # a test never reaches the network
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbench.model import GPT, GPTConfig
+
+SHARED_RANKS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gpt2.tiktoken"
+
+# A small, non-default shape (3 layers, 4 heads of 16, short context, small vocabulary) so shape bugs show.
+TINY = dict(n_layer=3, n_head=4, n_embd=64, block_size=128, vocab_size=500)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> GPTConfig:
+    return GPTConfig(**TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_config) -> GPT:
+    # std 0.1, not GPT-2's 0.02: at 0.02 a small random model's greedy output is one token repeated, hiding bugs.
+    return GPT(tiny_config).init_weights(seed=0, std=0.1).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory) -> Path:
+    """A Hugging Face GPT2LMHeadModel (random init, std 0.1) saved with save_pretrained: the independent reference."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(1)
+    cfg = GPT2Config(
+        n_layer=TINY["n_layer"],
+        n_head=TINY["n_head"],
+        n_embd=TINY["n_embd"],
+        n_positions=TINY["block_size"],
+        vocab_size=TINY["vocab_size"],
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(cfg).eval()
+    d = tmp_path_factory.mktemp("hf-gpt2")
+    model.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def ranks_file() -> Path:
+    if not SHARED_RANKS.is_file():
+        pytest.skip(f"GPT-2 ranks file not found at {SHARED_RANKS} (the shared test data is absent)")
+    return SHARED_RANKS

@@ -1,0 +1,152 @@
+"""The CLI through Typer's CliRunner: help, version, generate --json, and every bad input of the foundation."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvbench import __version__
+from kvbench.cli import app
+
+runner = CliRunner()
+TINY = ["--model", "gpt2-tiny", "--weights", "random"]
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_help_lists_the_five_subcommands():
+    r = run("--help")
+    assert r.exit_code == 0, r.output
+    for cmd in ("generate", "verify", "break", "bench", "memory"):
+        assert cmd in r.output
+
+
+def test_version():
+    r = run("--version")
+    assert r.exit_code == 0 and __version__ in r.output
+
+
+def test_generate_json(ranks_file):
+    r = run(
+        "generate",
+        "The key to fast inference is",
+        "-n",
+        12,
+        *TINY,
+        "--tokenizer",
+        ranks_file,
+        "--json",
+        "--no-stop",
+    )
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    c = doc["completions"][0]
+    assert c["prompt_tokens"] == 6 and len(c["tokens"]) == 12
+    assert doc["settings"]["weights"].startswith("random(") and doc["settings"]["random_weights"] is True
+    assert doc["settings"]["cache"] == "dynamic" and doc["cache"]["bytes"] > 0
+    assert doc["timings"]["ttft_ms"] > 0 and doc["timings"]["tpot_ms_median"] > 0
+
+
+def test_generate_batch_equals_solo_runs(ranks_file):
+    """A batch of prompts of different lengths, decoded together, gives each prompt's solo tokens."""
+    prompts = ["Hello", "The key to fast inference is to cache", "KV caches"]
+    args = [
+        "-n",
+        10,
+        "--model",
+        "gpt2-tiny",
+        "--weights",
+        "random",
+        "--tokenizer",
+        ranks_file,
+        "--json",
+        "--no-stop",
+    ]
+    flags = [x for p in prompts for x in ("--prompt", p)]
+    for cache in ("dynamic", "static"):
+        r = run("generate", *flags, *args, "--cache", cache)
+        assert r.exit_code == 0, r.output
+        batch = [c["tokens"] for c in json.loads(r.stdout)["completions"]]
+        solo = [
+            json.loads(run("generate", p, *args, "--cache", cache).stdout)["completions"][0]["tokens"]
+            for p in prompts
+        ]
+        assert batch == solo, cache
+
+
+def test_generate_prompts_file_and_sampling(ranks_file, tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_text("one prompt\n\nanother prompt here\n")
+    r = run(
+        "generate",
+        "--prompts-file",
+        f,
+        "-n",
+        5,
+        *TINY,
+        "--tokenizer",
+        ranks_file,
+        "--json",
+        "--temperature",
+        0.8,
+        "--top-k",
+        20,
+        "--seed",
+        3,
+    )
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert len(doc["completions"]) == 2 and doc["settings"]["top_k"] == 20
+
+
+def test_generate_streams_text_and_summary(ranks_file):
+    r = run("generate", "Hello", "-n", 5, *TINY, "--tokenizer", ranks_file, "--no-stop")
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("Hello") and "median time per output token" in r.output
+
+
+BAD = {
+    "context": (["generate", "hi", "-n", 1500], "exceeds the model's context of 1024"),
+    "unknown model": (["generate", "hi", "--model", "gpt3"], "unknown model 'gpt3'"),
+    "unknown cache": (["generate", "hi", "--cache", "magic"], "unknown cache 'magic'; known caches: none"),
+    "weights path": (["generate", "hi", "--weights", "/no/such/dir"], "weights path not found: /no/such/dir"),
+    "empty prompt": (["generate", "   "], "prompt 1 is empty"),
+    "no prompt": (["generate"], "no prompt given"),
+    "fp16 cpu": (["generate", "hi", "--device", "cpu", "--dtype", "fp16"], "fp16 on the CPU"),
+    "bad dtype": (["generate", "hi", "--dtype", "fp8"], "unknown dtype 'fp8'"),
+    "bad top-k": (["generate", "hi", "--top-k", "0"], "--top-k must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_and_nonzero(case, ranks_file):
+    args, message = BAD[case]
+    extra = [] if "--model" in args or "--weights" in args else ["--model", "gpt2-tiny"]
+    r = run(*args, *extra, "--tokenizer", ranks_file)
+    assert r.exit_code == 2, r.output
+    assert message in r.output, r.output
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_without_cuda(ranks_file):
+    r = run("generate", "hi", "--device", "cuda", *TINY, "--tokenizer", ranks_file)
+    assert r.exit_code == 2 and "CUDA is not available" in r.output, r.output
+
+
+def test_weights_not_gpt2(tmp_path, ranks_file):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    r = run("generate", "hi", "--weights", tmp_path, "--tokenizer", ranks_file)
+    assert r.exit_code == 2 and "is not a GPT-2 config" in r.output and str(tmp_path) in r.output, r.output
+
+
+def test_tokenizer_missing_and_malformed(tmp_path):
+    r = run("generate", "hi", *TINY, "--tokenizer", tmp_path / "none.tiktoken")
+    assert r.exit_code == 2 and "tokenizer path not found" in r.output, r.output
+    bad = tmp_path / "bad.tiktoken"
+    bad.write_text("garbage\n")
+    r = run("generate", "hi", *TINY, "--tokenizer", bad)
+    assert r.exit_code == 2 and "malformed tokenizer file" in r.output, r.output
