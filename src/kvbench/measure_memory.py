@@ -1,0 +1,262 @@
+"""`kvbench memory --measure`: allocate our real caches on a device and hold them against the planner's prediction.
+
+The planner (`memory.py`) predicts bytes with arithmetic; this module builds every cache in the registry for the same
+model, batch and context, fills it, and reads back the bytes of tensor storage each one holds (`nbytes`). The static
+cache must agree to the byte; the others are explained (a growing cache holds exactly what it was given but copies
+its history to grow; a cache added later reports its own difference). It also runs the `dynamic` cache's own copy
+counter for `--copy-traffic`. torch is imported here, never by the planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbench import memory
+from kvbench.caches import CACHES, cache_bytes_copied, cache_nbytes, make_caches
+from kvbench.devices import DTYPES, device_name, resolve_device
+from kvbench.errors import KVBenchError
+from kvbench.model import PRESETS, GPTConfig
+
+# Counting the dynamic cache's copies re-runs every torch.cat; above this many bytes copied it is not worth the wait.
+MAX_COUNTED_COPY_BYTES = 8 * memory.GiB
+
+# What we know about a cache's footprint beyond the prediction, by registry name (others fall back to their summary).
+EXPLAIN = {
+    "none": "caches nothing: every step recomputes K and V for the whole sequence (0 B held, all compute)",
+    "static": "preallocates (B, H, max_len, Dh) K and V per layer up front: reserved whether or not the tokens arrive",
+    "static-graph": "the static cache's buffers; the CUDA graph's private memory pool is not part of nbytes",
+    "dynamic": "holds exactly the tokens it was given, but each step torch.cat allocates a new (B, H, t+1, Dh) "
+    "tensor and copies the history, so for a moment a layer holds both copies (see --copy-traffic)",
+    "paged": "the pool rounds each sequence up to whole blocks of 16 tokens, reserved up front for max_len; the "
+    "per-layer block table (B x blocks int64) is not part of nbytes",
+    "int8": "int8 values plus one scale per token per head (fp16 scales for an fp16 model, fp32 otherwise)",
+}
+# The planner's storage format that models a cache, when it is not --kv-dtype itself.
+PLANNER_FORMAT = {"int8": "int8"}
+
+
+@dataclass
+class MeasureRow:
+    """One registered cache, allocated and filled on the device."""
+
+    cache: str  # registry name
+    summary: str  # the registry's one-line description
+    planner_format: str  # the planner's --kv-dtype that models this cache (int8 for the int8 cache)
+    predicted_bytes: int  # the planner's bytes for batch x ctx tokens in that format (0 for no cache)
+    measured_bytes: int  # sum of nbytes over layers after filling ctx tokens
+    allocated_bytes: int | None  # CUDA: torch.cuda.memory_allocated growth (allocator rounds to 512 B blocks)
+    peak_extra_bytes: int | None  # CUDA: transient bytes above the final footprint while filling (torch.cat)
+    difference: int  # measured - predicted
+    exact: bool  # measured == predicted, to the byte
+    explanation: str  # why any difference is there
+
+
+@dataclass
+class MeasureReport:
+    """Predicted vs measured cache bytes for one model, batch and context on one device."""
+
+    model: str  # kvbench.model preset
+    device: str  # where the caches were allocated
+    kv_dtype: str  # element type of K and V
+    batch: int  # sequences
+    ctx: int  # tokens per sequence
+    predicted_bytes: int  # the planner's figure
+    rows: list[MeasureRow]  # one per registered cache
+    working: list[str] = field(default_factory=list)  # the prediction's arithmetic
+    warnings: list[str] = field(default_factory=list)  # e.g. a context beyond the model's trained maximum
+
+
+def spec_from_gpt_config(cfg: GPTConfig) -> memory.ModelSpec:
+    """Our GPT-2's shape as the planner sees it (MHA: one K/V head per query head)."""
+    return memory.ModelSpec(
+        name=cfg.name,
+        source="kvbench.model.PRESETS",
+        family="gpt2",
+        n_layers=cfg.n_layer,
+        n_heads=cfg.n_head,
+        n_kv_heads=cfg.n_head,
+        head_dim=cfg.head_dim,
+        hidden_size=cfg.n_embd,
+        max_context=cfg.block_size,
+        params=None,
+    )
+
+
+def _gpt_config(name: str) -> GPTConfig:
+    if name not in PRESETS:
+        raise KVBenchError(
+            f"--measure builds our own GPT-2 caches, so it takes a gpt2-family model ({', '.join(PRESETS)}), "
+            f"not {name!r}"
+        )
+    return PRESETS[name]
+
+
+def _torch_dtype(kv_dtype: str) -> torch.dtype:
+    if kv_dtype not in DTYPES:
+        raise KVBenchError(
+            f"--measure allocates real torch caches: use --kv-dtype {', '.join(DTYPES)} (not {kv_dtype})"
+        )
+    return DTYPES[kv_dtype]
+
+
+def _fill(caches, cfg: GPTConfig, batch: int, n0: int, n1: int, dtype, device) -> None:
+    """Prefill n0 tokens in one update, then decode one token per update up to n1, in every layer."""
+    H, Dh = cfg.n_head, cfg.head_dim
+    steps = ([(0, n0)] if n0 > 0 else []) + [(t, t + 1) for t in range(n0, n1)]
+    for start, end in steps:
+        T = end - start
+        k = torch.zeros(batch, H, T, Dh, dtype=dtype, device=device)  # (B, H, T, Dh): values do not matter
+        v = torch.zeros_like(k)
+        pos = torch.arange(start, end, device=device).expand(batch, T)  # (B, T)
+        for c in caches:
+            c.update(k, v, pos)
+
+
+def _explain(
+    name: str,
+    summary: str,
+    no_cache: bool,
+    diff: int,
+    expected: int,
+    measured: int,
+    plain: int,
+    spec: memory.ModelSpec,
+    fmt: memory.KVFormat,
+    batch: int,
+) -> str:
+    """Why a cache's measured bytes are what they are, in one line."""
+    what = EXPLAIN.get(name, summary)
+    if no_cache:
+        return what
+    if name in PLANNER_FORMAT:
+        q = memory.KV_FORMATS[PLANNER_FORMAT[name]]
+        head = (
+            f"equals the planner's --kv-dtype {q.name} figure to the byte ({q.note})"
+            if diff == 0
+            else f"{diff:+,} B vs the planner's --kv-dtype {q.name} figure ({q.note}): its scales are wider"
+        )
+        return f"{head}; {measured / plain:.3f} of the {fmt.name} cache; {what}"
+    if diff == 0:
+        return f"equals the prediction to the byte; {what}"
+    slot = memory.layer_bytes_per_token(spec, fmt) * spec.n_layers * batch
+    extra = f" = {diff // slot:,} extra token slots per sequence" if diff > 0 and diff % slot == 0 else ""
+    return f"{diff:+,} B ({100 * diff / expected:+.2f}%){extra}: {what}"
+
+
+def measure_caches(
+    name: str, batch: int, ctx: int, kv_dtype: str = "fp16", device: str = "auto"
+) -> MeasureReport:
+    """Allocate every registered cache for (batch, ctx), fill it with ctx tokens, and compare nbytes to the plan."""
+    if batch < 1 or ctx < 1:
+        raise KVBenchError(f"--measure needs batch >= 1 and ctx >= 1 (got batch {batch}, ctx {ctx})")
+    cfg = _gpt_config(name)
+    dtype = _torch_dtype(kv_dtype)
+    dev = resolve_device(device)
+    spec = spec_from_gpt_config(cfg)
+    fmt = memory.get_kv_format(kv_dtype)
+    predicted = memory.bytes_per_sequence(spec, fmt, ctx) * batch
+    el = torch.tensor([], dtype=dtype).element_size()
+    working = [
+        f"predicted: 2 (K and V) x {cfg.n_layer} layers x batch {batch} x {cfg.n_head} heads x {ctx} tokens x "
+        f"{cfg.head_dim} head_dim x {el} B ({kv_dtype}) = {memory.fmt_int(predicted)} B = {memory.fmt_bytes(predicted)}",
+        "measured: sum over layers of each cache's nbytes (bytes of K/V tensor storage it holds) after "
+        f"prefilling {ctx - 1} tokens and decoding 1"
+        if ctx > 1
+        else "measured: after one 1-token update",
+    ]
+    cuda = dev.type == "cuda"
+    rows: list[MeasureRow] = []
+    for cname, cspec in CACHES.items():
+        if cuda:
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated(dev)
+        try:
+            caches = make_caches(cname, cfg, batch, ctx, dtype, dev)
+            if caches is not None:
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(dev)
+                _fill(caches, cfg, batch, max(ctx - 1, 0), ctx, dtype, dev)
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+            if "memory" not in str(e).lower() and "alloc" not in str(e).lower():
+                raise
+            raise KVBenchError(
+                f"--measure: the {cname!r} cache for batch {batch} x {ctx} tokens ({memory.fmt_bytes(predicted)}) "
+                f"does not fit on {dev}; lower --batch or --ctx"
+            ) from None
+        measured = cache_nbytes(caches)
+        allocated = peak_extra = None
+        if cuda:
+            torch.cuda.synchronize(dev)
+            allocated = torch.cuda.memory_allocated(dev) - base
+            if caches is not None:
+                peak_extra = max(0, torch.cuda.max_memory_allocated(dev) - base - allocated)
+        pformat = PLANNER_FORMAT.get(cname, kv_dtype)
+        expected = (
+            0 if caches is None else memory.bytes_per_sequence(spec, memory.KV_FORMATS[pformat], ctx) * batch
+        )
+        diff = measured - expected
+        why = _explain(
+            cname, cspec.summary, caches is None, diff, expected, measured, predicted, spec, fmt, batch
+        )
+        rows.append(
+            MeasureRow(
+                cache=cname,
+                summary=cspec.summary,
+                planner_format=pformat,
+                predicted_bytes=expected,
+                measured_bytes=measured,
+                allocated_bytes=allocated,
+                peak_extra_bytes=peak_extra,
+                difference=diff,
+                exact=diff == 0,
+                explanation=why,
+            )
+        )
+        del caches
+    return MeasureReport(
+        model=name,
+        device=f"{dev} ({device_name(dev)})",
+        kv_dtype=kv_dtype,
+        batch=batch,
+        ctx=ctx,
+        predicted_bytes=predicted,
+        rows=rows,
+        working=working,
+        warnings=[
+            f"{name}: {ctx:,} tokens is beyond the {cfg.block_size:,} it was trained for; the caches are "
+            f"allocated anyway (the model's position table stops at {cfg.block_size:,})"
+        ]
+        if ctx > cfg.block_size
+        else [],
+    )
+
+
+def count_copy_traffic(
+    name: str, n0: int, n1: int, batch: int = 1, kv_dtype: str = "fp16", device: str = "auto"
+) -> tuple[int | None, str]:
+    """Run the `dynamic` cache from n0 to n1 tokens and read its own bytes_copied counter.
+
+    Returns (bytes copied, where it ran), or (None, why not): not one of our GPT-2 presets, no `dynamic` cache
+    registered, a storage format torch caches do not have, or more copying than is worth the wait.
+    """
+    if name not in PRESETS:
+        return None, "no counter: only our own GPT-2 presets run through the dynamic cache"
+    if "dynamic" not in CACHES:
+        return None, "no counter: no `dynamic` cache is registered"
+    if kv_dtype not in DTYPES:
+        return None, f"no counter: the dynamic cache stores {', '.join(DTYPES)}, not {kv_dtype}"
+    cfg = PRESETS[name]
+    total = memory.copy_traffic(spec_from_gpt_config(cfg), n0, n1, batch, kv_dtype).exact_bytes
+    if total > MAX_COUNTED_COPY_BYTES:
+        return None, (
+            f"counter skipped: it would copy {memory.fmt_bytes(total)} "
+            f"(over {memory.fmt_bytes(MAX_COUNTED_COPY_BYTES)}); the closed form stands alone"
+        )
+    dtype = DTYPES[kv_dtype]
+    dev = resolve_device(device)
+    caches = make_caches("dynamic", cfg, batch, n1, dtype, dev)
+    _fill(caches, cfg, batch, n0, n1, dtype, dev)
+    return cache_bytes_copied(caches), f"counted by the dynamic cache on {dev}"
