@@ -1,0 +1,246 @@
+"""The `static-graph` cache: a static cache whose decode step has one fixed shape, captured once as a CUDA graph.
+
+Why: at batch 1 a GPT-2 decode step is a few hundred tiny kernels, and on a fast GPU the CPU launching them takes
+longer than the GPU running them. A CUDA graph records the launches once and replays them with one call. A graph
+replays the exact kernels on the exact addresses it recorded, so the step must not change shape or allocate:
+
+    everything that changes per token lives in device buffers the graph reads:
+        tokens (B, 1) and positions (B, 1)   copied in before each replay
+        column (1,)                           the cache slot this step writes = tokens cached so far
+        padding (B, L)                        which columns are real tokens (all True without left padding)
+    attention reads the WHOLE (B, H, L, Dh) buffer, L = max_len, under a mask computed on the device:
+        allowed[b, s] = (s <= column) & padding[b, s]        (B, 1, 1, L)
+    K/V are written with index_copy_ at `column` (a device index, no Python int baked into the graph).
+
+On CUDA the step is warmed up on a side stream, captured once per cache set (batch size and max_len fixed by the
+allocation), and replayed per token. Elsewhere the same fixed-shape step runs eagerly, so CI tests its exactness on
+the CPU. `KVBENCH_COMPILE=1` also runs the step through `torch.compile` (inside the graph on CUDA).
+
+The prefill (T > 1) runs the ordinary eager forward and writes the same buffers. A `StaticGraphCache` used directly
+through `model(...)` (without the runner) behaves as a static cache whose decode step returns the whole buffer, so
+the model's `AttentionMask` excludes the unfilled tail; that path is exact too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvbench.caches import StaticCache
+from kvbench.errors import CacheOverflowError
+from kvbench.model import GPT
+
+COMPILE_ENV = "KVBENCH_COMPILE"  # "1": torch.compile the fixed-shape step (inside the CUDA graph on CUDA)
+WARMUP_STEPS = 3  # eager runs on a side stream before capture (lazy inits, cuBLAS handles, compilation)
+
+
+class StaticGraphCache(StaticCache):
+    """A static cache for the fixed-shape decode step. Same (B, H, max_len, Dh) buffers as `StaticCache`.
+
+    Prefill (T > 1) returns the filled prefix (SDPA's fast causal path); a decode step (T == 1) returns the whole
+    buffer, unfilled tail included, which the attention mask excludes. `runner` holds the `FixedShapeDecoder`
+    (and its CUDA graph) built for these buffers, so reusing the caches reuses the captured graph.
+    """
+
+    def __init__(self, batch, n_head, max_len, head_dim, dtype, device) -> None:
+        super().__init__(batch, n_head, max_len, head_dim, dtype, device)
+        self.runner: FixedShapeDecoder | None = None
+
+    def update(self, k, v, positions):
+        k_view, v_view = super().update(k, v, positions)
+        if k.size(2) > 1:
+            return k_view, v_view  # (B, H, length, Dh)
+        return self.k, self.v  # (B, H, max_len, Dh): fixed shape; columns >= length are masked out
+
+
+class _SlotWriter:
+    """Stands in for one layer's cache inside the fixed-shape step: writes K/V at the device index `column`.
+
+    Holds the cache's tensors, not the cache, so a cache -> runner -> tensors chain has no reference cycle.
+    """
+
+    def __init__(self, k_buf: torch.Tensor, v_buf: torch.Tensor, column: torch.Tensor) -> None:
+        self.k, self.v, self.column = k_buf, v_buf, column  # (B, H, L, Dh), (B, H, L, Dh), (1,)
+
+    def update(self, k, v, positions):
+        self.k.index_copy_(2, self.column, k)  # k: (B, H, 1, Dh) into column `column`
+        self.v.index_copy_(2, self.column, v)
+        return self.k, self.v  # (B, H, L, Dh)
+
+
+class _DeviceMask:
+    """The `AttentionMask` interface over a mask tensor computed on the device: nothing per-step in Python."""
+
+    def __init__(self, allowed: torch.Tensor) -> None:
+        self.allowed = allowed  # (B, 1, 1, L) bool
+
+    def for_keys(self, S: int) -> tuple[torch.Tensor, bool]:
+        assert S == self.allowed.size(-1), (
+            f"fixed-shape step got {S} key slots, buffer has {self.allowed.size(-1)}"
+        )
+        return self.allowed, False
+
+
+def fixed_decode_step(
+    model: GPT,
+    slots: list[_SlotWriter],
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    column: torch.Tensor,
+    padding: torch.Tensor,
+    cols: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step over fixed-size buffers; every input is a device tensor. Returns logits (B, 1, V).
+
+    tokens, positions: (B, 1); column: (1,) slot to write; padding: (B, L) bool; cols: arange(L).
+    A module-level function (not a method) so `torch.compile` guards on tensor shapes, not on a runner's identity.
+    """
+    allowed = (cols[None, :] <= column) & padding  # (B, L): filled columns that hold real tokens
+    mask = _DeviceMask(allowed[:, None, None, :])  # (B, 1, 1, L)
+    tr = model.transformer
+    x = tr.wte(tokens) + tr.wpe(positions)  # (B, 1, C)
+    for block, slot in zip(tr.h, slots, strict=True):
+        x = block(x, positions, slot, mask)
+    return model.lm_head(tr.ln_f(x))  # (B, 1, V)
+
+
+_compiled_step = None
+
+
+def _compiled() -> object:
+    global _compiled_step
+    if _compiled_step is None:
+        _compiled_step = torch.compile(fixed_decode_step, dynamic=False)
+    return _compiled_step
+
+
+def _fault_key(model: GPT) -> tuple:
+    """Model switches read at capture time; a change invalidates a captured graph (see faults)."""
+    return tuple(b.attn.causal_in_decode for b in model.transformer.h)
+
+
+class FixedShapeDecoder:
+    """Runs generation's forward calls for `static-graph` caches: eager prefill, fixed-shape decode steps.
+
+    Call it like the model: `runner(ids, positions, caches, padding) -> logits (B, T, V)`. With T == 1 it copies the
+    inputs into its device buffers and replays the CUDA graph (capturing it on the first decode step), or runs the
+    same step eagerly where there is no graph. It advances the caches' `length` itself (the graph cannot).
+    """
+
+    def __init__(
+        self,
+        model: GPT,
+        caches: list[StaticGraphCache],
+        graph: bool | None = None,
+        compile: bool | None = None,
+    ) -> None:
+        assert caches and all(isinstance(c, StaticGraphCache) for c in caches), (
+            "needs StaticGraphCache per layer"
+        )
+        B, H, L, Dh = caches[0].k.shape
+        device = caches[0].k.device
+        self.model = model
+        self.key = _fault_key(model)
+        self.capacity = L
+        self.use_graph = device.type == "cuda" if graph is None else graph
+        assert not self.use_graph or device.type == "cuda", (
+            f"CUDA graphs need a CUDA device, caches on {device}"
+        )
+        if compile is None:
+            compile = os.environ.get(COMPILE_ENV, "") not in ("", "0")
+        self.compile = compile
+        self._step = _compiled() if compile else fixed_decode_step
+        # The device buffers the step (and the graph) reads. Their addresses never change.
+        self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)  # (B, 1)
+        self.positions = torch.zeros(B, 1, dtype=torch.long, device=device)  # (B, 1)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)  # (1,)
+        self.padding = torch.ones(B, L, dtype=torch.bool, device=device)  # (B, L)
+        self.cols = torch.arange(L, device=device)  # (L,)
+        self.slots = [_SlotWriter(c.k, c.v, self.column) for c in caches]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None  # the graph's static output (B, 1, V)
+        self.captures = 0  # graphs captured (1 on CUDA after the first decode step)
+        self.fixed_steps = 0  # decode steps run through the fixed-shape step (replays or eager)
+
+    def matches(self, model: GPT, caches: list) -> bool:
+        return (
+            model is self.model
+            and self.key == _fault_key(model)
+            and len(caches) == len(self.slots)
+            and all(c.k is s.k and c.v is s.v for c, s in zip(caches, self.slots, strict=True))
+        )
+
+    def _run(self) -> torch.Tensor:
+        return self._step(
+            self.model, self.slots, self.tokens, self.positions, self.column, self.padding, self.cols
+        )
+
+    def _capture(self) -> None:
+        """The torch.cuda.CUDAGraph recipe: warm up on a side stream, then record one step into a graph.
+
+        The warm-up steps run for real with the current inputs: they write this step's K/V into `column`, the
+        same values the replay that follows writes again, so the cache is unchanged by them.
+        """
+        device = self.tokens.device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                self._run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.out = self._run()  # recorded, not run; its storage is the graph's static output
+        self.graph = graph
+        self.captures += 1
+
+    def __call__(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list,
+        padding: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        if ids.size(1) != 1:
+            return self.model(
+                ids, positions, caches, padding, last_only
+            )  # prefill: the ordinary eager forward
+        assert self.matches(self.model, caches), "runner called with caches it was not built for"
+        n = caches[0].length  # tokens cached so far = the column this step writes
+        if n + 1 > self.capacity:
+            raise CacheOverflowError(
+                f"static-graph KV cache overflow: {n} cached + 1 new = {n + 1} tokens, capacity {self.capacity} "
+                f"(allocate max_len >= prompt length + new tokens)"
+            )
+        self.tokens.copy_(ids)
+        self.positions.copy_(positions)
+        self.column.fill_(n)
+        if padding is None:
+            self.padding.fill_(True)
+        else:
+            assert padding.shape == (ids.size(0), n + 1), (
+                f"padding {tuple(padding.shape)} != {(ids.size(0), n + 1)}"
+            )
+            self.padding[:, : n + 1].copy_(padding.bool())
+        if self.use_graph:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+            logits = self.out.clone()  # the static output is overwritten by the next replay
+        else:
+            logits = self._run()
+        for c in caches:
+            c.length = n + 1
+        self.fixed_steps += 1
+        return logits
+
+
+def decode_runner(model: GPT, caches: list) -> FixedShapeDecoder:
+    """The runner for these caches: reused while model and buffers match (one capture per cache set)."""
+    runner = caches[0].runner
+    if runner is None or not runner.matches(model, caches):
+        runner = FixedShapeDecoder(model, caches)
+        caches[0].runner = runner
+    return runner

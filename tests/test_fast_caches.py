@@ -1,0 +1,302 @@
+"""The static-graph, paged and int8 caches: exactness (or documented error), the fixed-shape decode step, paging's
+block accounting, and int8's quantisation bound. CUDA-graph tests run only where CUDA is available."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest
+import torch
+
+from kvbench.caches import CACHES, StaticCache, make_caches
+from kvbench.errors import CacheOverflowError
+from kvbench.generation import generate
+from kvbench.graphs import FixedShapeDecoder, StaticGraphCache, decode_runner
+from kvbench.model import GPT, PRESETS, GPTConfig
+from kvbench.paged import BlockAllocator, PagedCache, paged_memory_report
+from kvbench.quant import Int8Cache, dequantize, memory_ratio, quantize
+
+MINE = ["static-graph", "paged", "int8"]
+MINE_EXACT = [n for n in MINE if CACHES[n].exact]
+PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [26, 43, 38, 32], [7, 9, 400, 12, 5, 5, 301]]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
+
+
+def _logits(res) -> torch.Tensor:
+    return torch.stack(res.logits)  # (N, B, V)
+
+
+# --- registry: my caches are registered, exact ones are exact against the no-cache path --------------------------
+def test_caches_are_registered_with_honest_flags():
+    assert all(n in CACHES for n in MINE)
+    assert CACHES["static-graph"].exact and CACHES["paged"].exact
+    spec = CACHES["int8"]
+    assert not spec.exact and 0 < spec.logit_atol <= 0.5 and 0 < spec.min_greedy_agreement < 1
+    assert CACHES["static-graph"].decode_runner is not None
+
+
+@pytest.mark.parametrize("name", MINE_EXACT)
+def test_exact_caches_equal_no_cache_single_and_batched(tiny_model, name):
+    """fp32, 1e-5: one prompt alone, and three prompts of mixed lengths left-padded into one batch."""
+    for prompts in ([PROMPTS[0]], PROMPTS):
+        ref = generate(tiny_model, prompts, 24, cache="none", record_logits=True)
+        got = generate(tiny_model, prompts, 24, cache=name, record_logits=True)
+        assert got.tokens == ref.tokens, name
+        assert len(set(ref.tokens[0])) > 5, "degenerate greedy output would hide bugs"
+        torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5, msg=name)
+
+
+# --- static-graph: the fixed-shape step -----------------------------------------------------------------------
+def test_generate_runs_the_fixed_shape_step_and_equals_static(tiny_model):
+    cfg = tiny_model.config
+    n_new = 20
+    caches = make_caches("static-graph", cfg, 3, 11 + n_new, torch.float32, "cpu")
+    got = generate(tiny_model, PROMPTS, n_new, cache="static-graph", record_logits=True, caches=caches)
+    runner = caches[0].runner
+    assert isinstance(runner, FixedShapeDecoder)
+    assert runner.fixed_steps == n_new - 1, "every decode step must go through the fixed-shape step"
+    assert runner.captures == 0 and not runner.use_graph  # no graph on the CPU
+    ref = generate(tiny_model, PROMPTS, n_new, cache="static", record_logits=True)
+    assert got.tokens == ref.tokens
+    torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
+    # Reusing the caches reuses the runner (on CUDA: the captured graph).
+    generate(tiny_model, PROMPTS, 5, cache="static-graph", caches=caches)
+    assert caches[0].runner is runner and runner.fixed_steps == n_new - 1 + 4
+
+
+def test_fixed_step_never_reads_the_unfilled_tail(tiny_model):
+    """Attention reads the whole (B, H, max_len, Dh) buffer; the device-computed length mask must hide the tail."""
+    cfg = tiny_model.config
+    ref = generate(tiny_model, PROMPTS, 12, cache="static", record_logits=True)
+    caches = make_caches("static-graph", cfg, 3, 64, torch.float32, "cpu")
+    for c in caches:
+        c.k.fill_(1e4)  # garbage everywhere; the prefill and each step overwrite only the columns they fill
+        c.v.fill_(-1e4)
+    got = generate(tiny_model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches)
+    assert caches[0].runner.fixed_steps == 11
+    torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_static_graph_cache_through_plain_forward_uses_the_models_tail_mask(tiny_model):
+    """Without the runner a decode step's update returns the whole buffer; model.py's AttentionMask hides the tail."""
+    cfg = tiny_model.config
+    ids = torch.tensor([PROMPTS[0]])
+    T = ids.size(1)
+    caches = make_caches("static-graph", cfg, 1, T + 8, torch.float32, "cpu")
+    for c in caches:
+        c.k.fill_(1e4)
+        c.v.fill_(-1e4)
+    with torch.inference_mode():
+        tiny_model(ids, torch.arange(T)[None], caches)
+        nxt = torch.tensor([[7]])
+        step = tiny_model(nxt, torch.tensor([[T]]), caches)[:, -1]
+        full = tiny_model(torch.cat([ids, nxt], 1), torch.arange(T + 1)[None])[:, -1]
+    assert caches[0].runner is None and caches[0].length == T + 1
+    torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
+
+
+def test_fixed_step_overflow_names_capacity(tiny_model):
+    caches = make_caches("static-graph", tiny_model.config, 1, 5, torch.float32, "cpu")
+    with torch.inference_mode():
+        tiny_model(torch.tensor([[1, 2, 3, 4, 5]]), torch.arange(5)[None], caches)
+        runner = decode_runner(tiny_model, caches)
+        with pytest.raises(CacheOverflowError, match="capacity 5"):
+            runner(torch.tensor([[6]]), torch.tensor([[5]]), caches)
+
+
+def test_runner_rebuilt_when_a_fault_switch_changes(tiny_model):
+    """A captured graph bakes in the model's switches; the `mask` fault must not replay a stale graph."""
+    caches = make_caches("static-graph", tiny_model.config, 1, 32, torch.float32, "cpu")
+    clean = generate(tiny_model, [PROMPTS[0]], 8, cache="static-graph", caches=caches)
+    first = caches[0].runner
+    broken = generate(tiny_model, [PROMPTS[0]], 8, cache="static-graph", caches=caches, fault="mask")
+    assert caches[0].runner is not first
+    assert broken.tokens != clean.tokens, "the mask fault must show through the fixed-shape step"
+    again = generate(tiny_model, [PROMPTS[0]], 8, cache="static-graph", caches=caches)
+    assert again.tokens == clean.tokens
+
+
+# --- paged: block accounting ---------------------------------------------------------------------------------
+def test_allocator_allocates_frees_and_reuses():
+    a = BlockAllocator(4)
+    got = [a.allocate() for _ in range(3)]
+    assert got == [0, 1, 2] and a.num_used == 3 and a.num_free == 1
+    a.free([1])
+    assert a.num_used == 2 and a.allocate() == 1, "a freed block is handed out again first"
+    a.allocate()
+    with pytest.raises(CacheOverflowError, match="all 4 blocks"):
+        a.allocate()
+    with pytest.raises(AssertionError):
+        a.free([1, 1])
+
+
+def _rand(H, T, Dh, seed):
+    return torch.randn(H, T, Dh, generator=torch.Generator().manual_seed(seed))
+
+
+def test_paged_sequence_spanning_many_blocks_reads_back_exactly():
+    H, Dh, bs = 2, 8, 4
+    cache = PagedCache(1, H, Dh, num_blocks=32, dtype=torch.float32, device="cpu", block_size=bs, max_len=100)
+    k, v = _rand(H, 37, Dh, 0), _rand(H, 37, Dh, 1)
+    cache.append(0, k[:, :5], v[:, :5])  # a chunk, then one token at a time, as prefill + decode would
+    for t in range(5, 37):
+        cache.append(0, k[:, t : t + 1], v[:, t : t + 1])
+    assert len(cache.tables[0]) == 10 and cache.allocator.num_used == 10  # ceil(37 / 4)
+    rk, rv = cache.read(0)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+
+
+def test_paged_mixed_lengths_interleaved_blocks_free_and_reuse():
+    H, Dh, bs = 2, 8, 4
+    lens = [3, 9, 14]
+    cache = PagedCache(3, H, Dh, num_blocks=12, dtype=torch.float32, device="cpu", block_size=bs, max_len=16)
+    data = {s: (_rand(H, n, Dh, 10 + s), _rand(H, n, Dh, 20 + s)) for s, n in enumerate(lens)}
+    for t in range(max(lens)):  # round-robin token by token: the sequences' blocks interleave in the pool
+        for s, n in enumerate(lens):
+            if t < n:
+                cache.append(s, data[s][0][:, t : t + 1], data[s][1][:, t : t + 1])
+    assert [len(t) for t in cache.tables] == [1, 3, 4]
+    assert cache.tables == [[0], [1, 3, 5], [2, 4, 6, 7]], (
+        "blocks are handed out as sequences grow: interleaved"
+    )
+    for s in range(3):
+        rk, rv = cache.read(s)
+        assert torch.equal(rk, data[s][0]) and torch.equal(rv, data[s][1])
+    assert cache.used_bytes == 8 * cache.block_bytes
+    freed = list(cache.tables[1])
+    cache.free(1)
+    assert cache.allocator.num_used == 5 and cache.seq_lens[1] == 0
+    cache.append(1, data[0][0][:, :2], data[0][1][:, :2])  # a new sequence in slot 1 reuses a freed block
+    assert cache.tables[1][0] in freed
+    for s in (0, 2):  # the others are untouched
+        assert torch.equal(cache.read(s)[0], data[s][0])
+    with pytest.raises(CacheOverflowError, match="capacity 16"):
+        cache.append(2, data[2][0][:, :3], data[2][1][:, :3])
+
+
+def test_paged_batched_update_returns_the_static_view_and_reset_frees_all():
+    B, H, T, Dh = 2, 3, 21, 4
+    paged = PagedCache(B, H, Dh, num_blocks=12, dtype=torch.float32, device="cpu", block_size=4, max_len=24)
+    static = StaticCache(B, H, 24, Dh, torch.float32, "cpu")
+    k, v = torch.randn(B, H, T, Dh), torch.randn(B, H, T, Dh)
+    for chunk in (slice(0, 9), *[slice(t, t + 1) for t in range(9, T)]):
+        pk, pv = paged.update(k[:, :, chunk], v[:, :, chunk], None)
+        sk, sv = static.update(k[:, :, chunk], v[:, :, chunk], None)
+        assert torch.equal(pk, sk) and torch.equal(pv, sv)
+    assert paged.length == T and paged.allocator.num_used == B * 6  # ceil(21 / 4) each
+    assert paged.bytes_copied > 0  # the gather re-reads history (no paged-attention kernel)
+    paged.reset()
+    assert paged.allocator.num_used == 0 and paged.length == 0 and paged.tables == [[], []]
+
+
+def test_paged_memory_report_mixed_lengths():
+    cfg = PRESETS["gpt2"]
+    rep = paged_memory_report(cfg, [5, 16, 17, 100], max_len=128, dtype=torch.float16)
+    per_token = cfg.kv_bytes_per_token(2)  # 36864 bytes: 2 x 12 layers x 768 x 2 bytes
+    assert rep.blocks_used == 1 + 1 + 2 + 7
+    assert rep.paged_bytes == 11 * 16 * per_token
+    assert rep.static_bytes == 4 * 128 * per_token
+    assert rep.needed_bytes == 138 * per_token
+    assert rep.paged_bytes < rep.static_bytes and rep.saving == pytest.approx(1 - 176 / 512)
+    assert rep.paged_waste == pytest.approx(1 - 138 / 176) and rep.static_waste == pytest.approx(
+        1 - 138 / 512
+    )
+
+
+# --- int8: the quantisation bound, memory, and its documented error ---------------------------------------------
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_int8_error_is_at_most_half_a_scale_step(scale_dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (
+        torch.randn(2, 3, 40, 64, generator=g) * torch.logspace(-3, 2, 40)[None, None, :, None]
+    )  # many magnitudes
+    x[0, 0, 5] = 0.0  # an all-zero row: scale 0, dequantises to zeros
+    x[1, 2, 7, 3] = 1e3  # one outlier dominates its row's scale
+    q, scale = quantize(x, scale_dtype)
+    assert q.dtype == torch.int8 and scale.shape == (2, 3, 40, 1) and scale.dtype == scale_dtype
+    assert int(q.abs().max()) <= 127
+    err = (dequantize(q, scale, torch.float32) - x).abs()
+    bound = scale.float() / 2 * (1 + 1e-6) + 1e-12
+    assert bool((err <= bound).all()), float((err - bound).max())
+    assert float(err.max()) > 0, "quantisation should not be lossless on random data"
+    assert torch.equal(dequantize(q, scale, torch.float32)[0, 0, 5], torch.zeros(64))
+
+
+def test_int8_cache_update_and_memory_ratio():
+    B, H, L, Dh = 2, 12, 32, 64
+    c16 = Int8Cache(B, H, L, Dh, torch.float16, "cpu")
+    ref16 = StaticCache(B, H, L, Dh, torch.float16, "cpu")
+    assert c16.nbytes / ref16.nbytes == pytest.approx(66 / 128) == memory_ratio(Dh, torch.float16)
+    c32 = Int8Cache(B, H, L, Dh, torch.float32, "cpu")
+    assert c32.nbytes / StaticCache(B, H, L, Dh, torch.float32, "cpu").nbytes == pytest.approx(68 / 256)
+    k, v = torch.randn(B, H, 5, Dh), torch.randn(B, H, 5, Dh)
+    ko, vo = c32.update(k, v, None)
+    assert ko.shape == (B, H, 5, Dh) and ko.dtype == torch.float32
+    step = c32.k_scale[:, :, :5] / 2
+    assert bool(((ko - k).abs() <= step * (1 + 1e-6)).all()) and not torch.equal(ko, k)
+    ko, vo = c32.update(k[:, :, :1], v[:, :, :1], None)
+    assert ko.shape == (B, H, 6, Dh) and c32.length == 6
+
+
+def test_int8_within_its_documented_tolerance(tiny_model):
+    spec = CACHES["int8"]
+    prompt = PROMPTS[0]
+    res = generate(tiny_model, [prompt], 40, cache="int8", record_logits=True)
+    got = res.tokens[0]
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + got[:-1]])
+        full = tiny_model(ids, torch.arange(ids.size(1))[None])[0, len(prompt) - 1 :]  # (40, V)
+    err = float((torch.stack([r[0] for r in res.logits]) - full).abs().max())
+    agree = float((full.argmax(-1) == torch.tensor(got)).float().mean())
+    assert 1e-6 < err <= spec.logit_atol, err  # lossy (not silently exact) and within the documented bound
+    assert agree >= spec.min_greedy_agreement, agree
+
+
+# --- CUDA: the captured graph (skipped on machines without CUDA) ------------------------------------------------
+def _cuda_model(dtype):
+    cfg = GPTConfig(n_layer=3, n_head=4, n_embd=64, block_size=128, vocab_size=500)
+    return GPT(cfg).init_weights(seed=0, std=0.1).to("cuda", dtype).eval()
+
+
+@cuda
+def test_cuda_graph_replay_equals_eager_static_fp32():
+    model = _cuda_model(torch.float32)
+    caches = make_caches("static-graph", model.config, 3, 11 + 30, torch.float32, "cuda")
+    got = generate(model, PROMPTS, 30, cache="static-graph", record_logits=True, caches=caches)
+    runner = caches[0].runner
+    assert runner.use_graph and runner.captures == 1 and runner.fixed_steps == 29
+    ref = generate(model, PROMPTS, 30, cache="static", record_logits=True)
+    assert got.tokens == ref.tokens
+    torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
+    again = generate(model, PROMPTS, 30, cache="static-graph", record_logits=True, caches=caches)
+    assert runner.captures == 1, "reused caches replay the graph captured before"
+    assert again.tokens == got.tokens
+
+
+@cuda
+def test_cuda_graph_fp16_agrees_with_static():
+    model = _cuda_model(torch.float16)
+    got = generate(model, PROMPTS, 30, cache="static-graph", record_logits=True)
+    ref = generate(model, PROMPTS, 30, cache="static", record_logits=True)
+    diff = (_logits(got)[:5] - _logits(ref)[:5]).abs().max()
+    assert float(diff) < 5e-2, float(diff)
+
+
+@cuda
+@pytest.mark.slow
+def test_cuda_graph_of_compiled_step_equals_eager():
+    model = _cuda_model(torch.float32)
+    caches = make_caches("static-graph", model.config, 3, 11 + 12, torch.float32, "cuda")
+    caches[0].runner = FixedShapeDecoder(model, caches, compile=True)
+    got = generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches)
+    assert caches[0].runner.compile and caches[0].runner.captures == 1
+    ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
+    torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-4, atol=1e-4)
+
+
+def test_static_graph_cache_is_a_static_cache():
+    c = StaticGraphCache(1, 2, 8, 4, torch.float32, "cpu")
+    k, _ = c.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), None)
+    assert k.shape == (1, 2, 3, 4)  # prefill: the filled prefix (SDPA's causal fast path)
+    k, _ = c.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), None)
+    assert k.shape == (1, 2, 8, 4) and c.length == 4 and c.bytes_copied == 0  # decode: the whole buffer
