@@ -21,9 +21,11 @@ import torch
 from kvbench.caches import cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
 from kvbench.devices import synchronize
 from kvbench.errors import KVBenchError
-from kvbench.model import GPT
+from kvbench.model import GPT, CausalSelfAttention
 
 PAD_ID = 0  # the id written into padding slots: never attended to, so any id in every vocabulary works
+# Injected bugs whose branch lives in this module (`kvbench break`; documented in faults.py). None in normal runs.
+FAULTS = ("position", "mask", "padding", "reset")
 
 
 @dataclass
@@ -60,7 +62,7 @@ class Batch:
     prompt_lens: list[int]
 
 
-def left_pad(prompts: list[list[int]], device: torch.device | str) -> Batch:
+def left_pad(prompts: list[list[int]], device: torch.device | str, fault: str | None = None) -> Batch:
     if not prompts:
         raise KVBenchError("no prompts given")
     for i, p in enumerate(prompts):
@@ -75,6 +77,11 @@ def left_pad(prompts: list[list[int]], device: torch.device | str) -> Batch:
         real[b, T - len(p) :] = 1
     positions = (real.cumsum(-1) - 1).clamp(min=0)  # 0 at each sequence's first real token
     padding = None if min(lens) == T else real.to(device)
+    if fault == "padding":  # BUG on purpose (faults.py): right padding, positions 0..T-1, no padding mask
+        ids = torch.full((B, T), PAD_ID, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)  # short rows end in pads: [:, -1] is a pad
+        positions, padding = torch.arange(T).expand(B, T), None
     return Batch(ids.to(device), positions.to(device), padding, lens)
 
 
@@ -120,15 +127,18 @@ def generate(
     record_logits: bool = False,
     on_token: Callable[[list[int]], None] | None = None,
     caches: list | None = None,
+    fault: str | None = None,
 ) -> GenerationResult:
     """Generate `max_new_tokens` for each prompt through the cache named `cache` ('none': recompute everything).
 
     Pass `caches` to reuse existing cache objects (they are reset first); otherwise fresh ones are allocated for
     prompt + new tokens. `on_token(ids)` is called with the B new ids after each token, for streaming.
+    `fault` injects one of the named bugs in FAULTS for `kvbench break` (see faults.py); None in normal runs.
     """
+    assert fault is None or fault in FAULTS, f"unknown fault {fault!r}"
     sampler = sampler or Sampler()
     device = model.lm_head.weight.device
-    batch = left_pad(prompts, device)
+    batch = left_pad(prompts, device, fault)
     B, T = batch.ids.shape
     check_fits(model, T, max_new_tokens)
     spec = get_cache_spec(cache)
@@ -136,9 +146,18 @@ def generate(
         caches = None
     elif caches is None:
         caches = make_caches(cache, model.config, B, T + max_new_tokens, model.lm_head.weight.dtype, device)
-    else:
+    elif (
+        fault != "reset"
+    ):  # BUG on purpose when fault == "reset": reuse the caches with the last prompt's K/V
         for c in caches:
             c.reset()
+    for m in (
+        model.modules()
+    ):  # the `mask` fault's switch (model.py); every call sets it, so it is off unless asked
+        if isinstance(m, CausalSelfAttention):
+            m.causal_in_decode = fault == "mask"
+    # A cache may bring its own runner for forward calls (static-graph: a fixed-shape, CUDA-graph decode step).
+    forward = model if caches is None or spec.decode_runner is None else spec.decode_runner(model, caches)
     generator = None
     if sampler.temperature > 0:
         generator = torch.Generator(device=device).manual_seed(sampler.seed)
@@ -152,8 +171,10 @@ def generate(
     for step in range(max_new_tokens):
         synchronize(device)
         t0 = time.perf_counter()
+        if fault == "position":  # BUG on purpose (faults.py): positions restart at 0 every forward call
+            positions = torch.arange(ids.size(1), device=device).expand(B, -1)  # (B, T this call)
         # No cache: the whole sequence every step. Cached: the prompt once (prefill), then one token per step.
-        logits = model(ids, positions, caches, padding)[:, -1]  # (B, V)
+        logits = forward(ids, positions, caches, padding, last_only=True)[:, -1]  # (B, V)
         nxt = sampler(logits, generator)  # (B, 1)
         synchronize(device)
         dt = time.perf_counter() - t0
@@ -180,6 +201,10 @@ def generate(
         if padding is not None:
             padding = torch.cat([padding, torch.ones_like(padding[:, :1])], dim=1)  # (B, columns so far + 1)
 
+    if fault == "mask":
+        for m in model.modules():
+            if isinstance(m, CausalSelfAttention):
+                m.causal_in_decode = False
     tokens = torch.cat(out, dim=1).tolist()  # (B, new)
     if stop_token is not None:
         tokens = [seq[: seq.index(stop_token)] if stop_token in seq else seq for seq in tokens]

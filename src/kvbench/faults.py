@@ -1,0 +1,226 @@
+"""The registry of injected KV-cache bugs behind `kvbench break`, and the harness that runs each against `verify`.
+
+Each fault is a named, documented variant of the real code path, switched by an explicit argument at the line where
+the bug lives (never a monkeypatch), so `break` runs the same code as `generate`:
+    position        generation.generate   positions restart at 0 every forward call (arange(T) per call)
+    mask            model.CausalSelfAttention.causal_in_decode (set by generate): SDPA's causal flag on in decode
+    padding         generation.left_pad   right padding, positions 0..T-1, no padding mask; logits at [:, -1]
+    reset           generation.generate   caches reused for a new prompt without reset()
+    static-pointer  caches.StaticCache(pointer_fault=True)   write pointer left one slot short after each write
+For each, `break_fault` runs the correct and the faulty path side by side, measures the bug's signature, runs every
+`verify` check with the fault injected, and shows the bug dormant where it cannot fire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.errors import KVBenchError
+from kvbench.model import GPT
+from kvbench.verify import CHECKS, CheckRow, fresh_caches, run, run_verify
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    summary: str  # the bug in one line
+    where: str  # the line it lives at
+    signature: str  # how it shows in output
+    fix: str  # the one-line fix
+    dormant_where: str  # where it cannot fire, so "it works there" proves nothing
+    cache: str = "dynamic"  # the cache it is run against
+    batched: bool = False  # needs a batch of prompts of different lengths
+
+
+# One registry of faults: CLI choices, `break all` and test parametrisation iterate this dict.
+FAULTS: dict[str, Fault] = {
+    "position": Fault(
+        "position",
+        "positions restart at 0 every forward call (arange(T) per call)",
+        "generation.generate, the positions fed to each forward",
+        "fluent garbage: every cached decode step embeds its token at position 0",
+        "positions = past + arange(T): the loop owns the positions and passes them in",
+        "the no-cache path: it feeds the whole sequence every call, so arange(T) is accidentally right",
+    ),
+    "mask": Fault(
+        "mask",
+        "SDPA's causal flag left on during cached decode",
+        "model.CausalSelfAttention.forward (switch causal_in_decode)",
+        "SDPA aligns a non-square causal mask top-left: the one decode query attends only to key 0",
+        "is_causal only when queries and keys are the same tokens (prefill); no mask for a one-token decode step",
+        "the no-cache path and the prefill: there queries and keys are the same T tokens, so causal is right",
+    ),
+    "padding": Fault(
+        "padding",
+        "batched decode with right padding, logits gathered at [:, -1], no padding mask",
+        "generation.left_pad (the layout), used by generate",
+        "short prompts sample from a padding column and attend to pads: their output goes off the rails",
+        "left-pad so every last token shares the last column; carry the padding mask into every step",
+        "a batch of one, or of equal-length prompts: nothing is padded",
+        batched=True,
+    ),
+    "reset": Fault(
+        "reset",
+        "caches reused for a new prompt without reset()",
+        "generation.generate, where passed-in caches are reset",
+        "the new prompt's prefill attends to the previous prompt's stale K/V",
+        "reset() every layer's cache before a new prompt (or allocate fresh caches)",
+        "the first prompt on a fresh cache, and every test that builds a new cache per run",
+    ),
+    "static-pointer": Fault(
+        "static-pointer",
+        "static-cache write pointer off by one: left on the last written slot",
+        "caches.StaticCache.update (constructor flag pointer_fault)",
+        "each decode step overwrites the previous token's K/V: the cache never grows past the prompt",
+        "self.length = end (one past the last written slot), not end - 1",
+        "the prefill (the first token is always right) and every other cache",
+        cache="static",
+    ),
+}
+
+
+def get_fault(name: str) -> Fault:
+    if name not in FAULTS:
+        raise KVBenchError(f"unknown fault {name!r}; known faults: {', '.join(FAULTS)} (or all)")
+    return FAULTS[name]
+
+
+def parse_fault_names(name: str) -> list[str]:
+    return list(FAULTS) if name == "all" else [get_fault(name).name]
+
+
+@dataclass
+class BreakResult:
+    name: str
+    summary: str
+    cache: str
+    detected: bool  # at least one verify check failed with the fault in
+    caught_by: list[str]  # the checks that failed
+    first_divergence: int | None  # first generated step where faulty and correct tokens differ
+    correct_tokens: list[int]
+    faulty_tokens: list[int]
+    signature: str  # the documented signature plus what was measured here
+    fix: str
+    where: str
+    dormant_where: str
+    dormant_shown: str  # the dormant run, done: what it produced
+    checks: list[CheckRow] = field(default_factory=list)
+    correct_text: str | None = None  # decoded, when a tokenizer is available
+    faulty_text: str | None = None
+
+
+@torch.inference_mode()
+def mask_signature(model: GPT, prompt: list[int]) -> dict:
+    """The `mask` bug measured on the model's real layer-0 queries and keys for the first decode step (hook-free:
+    prefill into a dynamic cache, recompute the next token's q/k by hand). SDPA with V = identity returns the
+    attention weights themselves, so we read the distribution each causal flag produces."""
+    device = model.lm_head.weight.device
+    T = len(prompt)
+    caches = fresh_caches(model, "dynamic", 1, T + 1)
+    ids = torch.tensor([prompt], device=device)
+    logits = model(ids, torch.arange(T, device=device)[None], caches)
+    nxt = logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+    tr, attn = model.transformer, model.transformer.h[0].attn
+    x = tr.h[0].ln_1(tr.wte(nxt) + tr.wpe(torch.tensor([[T]], device=device)))  # (1, 1, C)
+    B, _, C = x.shape
+    q, k, _ = attn.c_attn(x).split(C, dim=2)
+    q, k = (t.view(B, 1, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k))  # (1, H, 1, Dh)
+    keys = torch.cat([caches[0].k, k], dim=2)  # (1, H, S, Dh), S = T + 1
+    S = keys.size(2)
+    eye = torch.eye(S, device=device, dtype=q.dtype).expand(1, attn.n_head, S, S)  # V = one-hot per key
+    right = F.scaled_dot_product_attention(q, keys, eye, is_causal=False)[
+        :, :, 0
+    ].float()  # (1, H, S) weights
+    wrong = F.scaled_dot_product_attention(q, keys, eye, is_causal=True)[:, :, 0].float()
+    return {
+        "keys": S,
+        "mass_on_key0_wrong": float(wrong[..., 0].mean()),
+        "mass_on_key0_right": float(right[..., 0].mean()),
+        "keys_attended_wrong": int((wrong > 1e-6).sum(-1).max()),
+        "keys_attended_right": int((right > 1e-6).sum(-1).min()),
+    }
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
+
+
+def break_fault(
+    model: GPT,
+    name: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    reference: str = "hf",
+    hf_dir: str | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+) -> BreakResult:
+    """Run fault `name` against the correct path on prompts[0] (the padding fault: on the batch, showing its
+    shortest prompt), run every verify check with the fault in, and show it dormant where it cannot fire."""
+    f = get_fault(name)
+    prompt, other = prompts[0], prompts[1]
+    if f.batched and (len(prompts) < 2 or len({len(p) for p in prompts}) < 2):
+        raise KVBenchError(
+            f"the {name} fault needs a batch of >= 2 prompts of different lengths (got lengths "
+            f"{[len(p) for p in prompts]}): with one prompt, or equal lengths, nothing is padded and the bug is dormant"
+        )
+    if f.batched:
+        row = min(range(len(prompts)), key=lambda b: len(prompts[b]))  # the shortest: most padding
+        correct = run(model, prompts, new_tokens, f.cache).tokens[row]
+        faulty = run(model, prompts, new_tokens, f.cache, name).tokens[row]
+        dormant = run(model, [prompts[row]], new_tokens, f.cache, name).tokens[0]
+        shown = f"alone (a batch of one) the faulty path gives the correct tokens: {dormant == correct}"
+        signature = f"{f.signature}; shown: the length-{len(prompts[row])} prompt of a batch padded to {max(map(len, prompts))}"
+    elif name == "reset":
+        caches = fresh_caches(model, f.cache, 1, max(len(prompt), len(other)) + new_tokens)
+        run(model, [other], new_tokens, f.cache, name, caches)
+        stale = caches[0].length
+        faulty = run(model, [prompt], new_tokens, f.cache, name, caches).tokens[0]
+        correct = run(model, [prompt], new_tokens, f.cache).tokens[0]
+        dormant = run(model, [prompt], new_tokens, f.cache, name).tokens[0]  # fresh caches: nothing stale
+        shown = f"on a fresh cache the faulty path gives the correct tokens: {dormant == correct}"
+        signature = f"{f.signature}; shown: the prefill started with {stale} stale columns instead of 0"
+    else:
+        res_ok = run(model, [prompt], new_tokens, f.cache)
+        caches = fresh_caches(model, f.cache, 1, len(prompt) + new_tokens, name)
+        res_bad = run(model, [prompt], new_tokens, f.cache, name, caches)
+        correct, faulty = res_ok.tokens[0], res_bad.tokens[0]
+        if name == "static-pointer":
+            shown = f"the prefill's token is right: {faulty[0] == correct[0]}"
+            signature = f"{f.signature}; shown: after {len(prompt) + new_tokens - 1} tokens the cache holds {caches[0].length}"
+        else:
+            dormant = run(model, [prompt], new_tokens, "none", name).tokens[0]
+            shown = f"on the no-cache path the faulty code gives the correct tokens: {dormant == correct}"
+            if name == "mask":
+                s = mask_signature(model, prompt)
+                signature = (
+                    f"{f.signature}; shown (layer 0, first decode step): attention mass on key 0 "
+                    f"{s['mass_on_key0_wrong']:.2f} (correct: {s['mass_on_key0_right']:.2f}), attended to "
+                    f"{s['keys_attended_wrong']} of {s['keys']} keys"
+                )
+            else:
+                signature = f"{f.signature}; shown: decode steps fed position 0 instead of {len(prompt)}, {len(prompt) + 1}, ..."
+    report = run_verify(model, [f.cache], prompts, new_tokens, reference, hf_dir, fault=name)
+    caught = [r.name for r in report.checks if not r.passed]
+    caught_by = [c for c in CHECKS if c in caught]
+    return BreakResult(
+        name=name,
+        summary=f.summary,
+        cache=f.cache,
+        detected=bool(caught_by),
+        caught_by=caught_by,
+        first_divergence=_first_diff(correct, faulty),
+        correct_tokens=correct,
+        faulty_tokens=faulty,
+        signature=signature,
+        fix=f.fix,
+        where=f.where,
+        dormant_where=f.dormant_where,
+        dormant_shown=shown,
+        checks=report.checks,
+        correct_text=decode(correct) if decode else None,
+        faulty_text=decode(faulty) if decode else None,
+    )

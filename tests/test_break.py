@@ -1,0 +1,129 @@
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+from kvbench.errors import KVBenchError
+from kvbench.faults import FAULTS, break_fault, get_fault, mask_signature
+from kvbench.generation import generate
+from kvbench.model import GPT, GPTConfig
+from kvbench.verify import random_prompts, run_verify
+
+CFG = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=500)
+N = 16
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    return GPT(CFG).init_weights(seed=0, std=0.1).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(CFG.vocab_size, 15, 3, seed=1)[::-1]  # lengths 5, 10, 15: shortest shown
+
+
+@pytest.fixture(scope="module")
+def results(model, prompts):
+    return {name: break_fault(model, name, prompts, N) for name in FAULTS}
+
+
+@pytest.fixture(scope="module")
+def control(model, prompts):
+    """The un-faulted path through the same checks: it must pass, or detection would mean nothing."""
+    return run_verify(model, sorted({f.cache for f in FAULTS.values()}), prompts, N)
+
+
+def test_control_passes(control):
+    assert control.passed, [r for r in control.checks if not r.passed]
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_every_fault_is_detected(results, name):
+    r = results[name]
+    assert r.detected and r.caught_by, r.checks
+    assert r.first_divergence is not None, "the faulty run must differ from the correct one"
+    assert r.correct_tokens != r.faulty_tokens
+    assert r.fix and r.dormant_where and r.signature
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_fault_is_dormant_where_documented(results, name):
+    assert r_true(results[name].dormant_shown), results[name].dormant_shown
+
+
+def r_true(shown: str) -> bool:
+    return shown.endswith("True")
+
+
+def test_expected_checks_catch_each_fault(results):
+    assert "greedy" in results["position"].caught_by
+    assert "reference" in results["position"].caught_by  # independent implementation disagrees too
+    assert "logits" in results["mask"].caught_by
+    assert results["padding"].caught_by == ["batched"]  # a batch of one is dormant: only batching shows it
+    assert "cache_state" in results["reset"].caught_by
+    assert "logits" in results["static-pointer"].caught_by
+
+
+def test_position_bug_is_dormant_without_cache(model, prompts):
+    ok = generate(model, [prompts[2]], N, cache="none").tokens
+    assert generate(model, [prompts[2]], N, cache="none", fault="position").tokens == ok
+    assert generate(model, [prompts[2]], N, cache="dynamic", fault="position").tokens != ok
+
+
+def test_mask_signature_attends_to_key_zero_only(model, prompts):
+    s = mask_signature(model, prompts[2])
+    assert s["keys"] == len(prompts[2]) + 1
+    assert s["mass_on_key0_wrong"] == pytest.approx(1.0)
+    assert s["keys_attended_wrong"] == 1
+    assert s["keys_attended_right"] == s["keys"]
+    assert s["mass_on_key0_right"] < 0.9
+
+
+def test_mask_switch_is_off_after_a_faulty_run(model, prompts):
+    generate(model, [prompts[0]], 3, cache="dynamic", fault="mask")
+    assert not any(getattr(m, "causal_in_decode", False) for m in model.modules())
+
+
+def test_padding_needs_a_real_batch(model, prompts):
+    with pytest.raises(KVBenchError, match="dormant"):
+        break_fault(model, "padding", [prompts[0]] * 2, N)
+
+
+def test_unknown_fault_lists_the_known_ones():
+    with pytest.raises(KVBenchError, match="static-pointer"):
+        get_fault("nope")
+
+
+def test_cli_break_json():
+    r = CliRunner().invoke(
+        app,
+        ["break", "mask", "--model", "gpt2-tiny", "--weights", "random", "--new-tokens", "4",
+         "--reference", "none", "--json"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["all_detected"] is True
+    (bug,) = doc["bugs"]
+    assert bug["name"] == "mask" and bug["detected"] and bug["caught_by"]
+    assert bug["first_divergence"] is not None
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["break", "nope"], "known faults"),
+        (["break", "padding", "--batch", "1"], "padding"),
+        (["break", "position", "--new-tokens", "0"], "new-tokens"),
+        (["break", "position", "--new-tokens", "2000"], "context"),
+    ],
+)
+def test_cli_break_bad_input_exits_2(args, match):
+    r = CliRunner().invoke(app, [*args, "--model", "gpt2-tiny", "--weights", "random", "--reference", "none"])
+    assert r.exit_code == 2, r.output
+    assert match in r.output, r.output

@@ -1,0 +1,147 @@
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvbench.caches import CACHES, get_cache_spec
+from kvbench.cli import app
+from kvbench.errors import KVBenchError
+from kvbench.generation import generate
+from kvbench.model import GPT, GPTConfig
+from kvbench.verify import CHECKS, full_logits, random_prompts, run_verify
+
+CFG = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=500)
+N = 24
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CFG).init_weights(seed=0, std=0.1).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(CFG.vocab_size, 15, 3, seed=0)  # lengths 15, 10, 5
+
+
+@pytest.fixture(scope="module")
+def report(model, prompts):
+    return run_verify(model, list(CACHES), prompts, N)
+
+
+def test_prompts_have_three_different_lengths(prompts):
+    assert len({len(p) for p in prompts}) == 3, [len(p) for p in prompts]
+
+
+def test_output_depends_on_the_prompt(model, prompts):
+    a = generate(model, [prompts[0]], N, cache="none").tokens[0]
+    b = generate(model, [prompts[1]], N, cache="none").tokens[0]
+    assert a != b
+    assert len(set(a)) > 3, f"degenerate greedy output {a}"
+
+
+def test_teacher_forced_rows_equal_the_no_cache_loop(model, prompts):
+    """verify's shortcut: one causal forward's argmax rows are the `none` loop's tokens, and its rows its logits."""
+    loop = generate(model, [prompts[0]], N, cache="none", record_logits=True)
+    rows = full_logits(model, prompts[0], loop.tokens[0])[len(prompts[0]) - 1 :]
+    assert rows.argmax(-1).tolist() == loop.tokens[0]
+    torch.testing.assert_close(rows, torch.cat(loop.logits), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_every_check_passes_on_every_cache(report, cache):
+    rows = [r for r in report.checks if r.cache == cache]
+    expected = {"reference", "batched"} if get_cache_spec(cache).factory is None else set(CHECKS)
+    assert {r.name for r in rows} == expected
+    for r in rows:
+        assert r.passed, r
+        assert r.max_abs_diff is not None
+        if not get_cache_spec(cache).exact:
+            assert "lossy" in r.tolerance, r  # lossy caches pass by their documented tolerance, saying so
+
+
+def test_exact_caches_match_to_1e5_in_fp32(report):
+    for r in report.checks:
+        if get_cache_spec(r.cache).exact and r.name != "reference":
+            assert r.max_abs_diff <= 1e-5, r
+
+
+def test_reference_loads_hf_directory(model, prompts, tmp_path):
+    """When weights come from a Hugging Face directory, the reference is loaded from it (our port is checked)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from kvbench.weights import load_model
+
+    torch.manual_seed(1)
+    hf_cfg = GPT2Config(
+        vocab_size=500, n_positions=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None
+    )
+    GPT2LMHeadModel(hf_cfg).save_pretrained(tmp_path)
+    ours = load_model(None, str(tmp_path), torch.device("cpu"), torch.float32).model
+    rep = run_verify(ours, ["none", "dynamic"], prompts, 8, hf_dir=str(tmp_path), checks=("reference",))
+    assert rep.passed and len(rep.checks) == 2, rep.checks
+    # and the check can fail: a port that forgets one Conv1D transpose is caught against the directory
+    with torch.no_grad():
+        w = ours.transformer.h[0].mlp.c_fc.weight
+        ours.transformer.h[0].mlp.c_fc.weight.copy_(w + 0.05 * torch.randn_like(w))
+    rep = run_verify(ours, ["none"], prompts, 8, hf_dir=str(tmp_path), checks=("reference",))
+    assert not rep.passed, rep.checks
+
+
+def test_bf16_reports_near_ties_instead_of_failing(model, prompts):
+    m = GPT(CFG).init_weights(seed=0, std=0.1).eval().to(torch.bfloat16)
+    rep = run_verify(m, ["dynamic"], prompts, 16, reference="none")
+    assert rep.dtype == "bf16"
+    assert any("near-tie" in n for n in rep.notes)
+    for r in rep.checks:
+        assert r.passed or "near-tie" not in r.detail, r
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"new_tokens": 0}, "new-tokens"),
+        ({"new_tokens": 1}, "new-tokens"),
+        ({"new_tokens": 120}, "exceeds the model's context"),
+        ({"reference": "torch"}, "reference"),
+    ],
+)
+def test_bad_input(model, prompts, kwargs, match):
+    args = {"new_tokens": 4, **kwargs}
+    with pytest.raises(KVBenchError, match=match):
+        run_verify(model, ["dynamic"], prompts, **args)
+
+
+def test_bad_batches():
+    with pytest.raises(KVBenchError, match="batch"):
+        random_prompts(500, 10, 1, 0)
+    with pytest.raises(KVBenchError, match="prompt-len"):
+        random_prompts(500, 2, 3, 0)
+
+
+def test_cli_verify_json(tmp_path):
+    r = CliRunner().invoke(
+        app,
+        ["verify", "--model", "gpt2-tiny", "--weights", "random", "--caches", "dynamic,static",
+         "--prompt-len", "6", "--new-tokens", "4", "--reference", "none", "--json"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["passed"] is True
+    assert {c["cache"] for c in doc["checks"]} == {"dynamic", "static"}
+    assert {"name", "cache", "passed", "max_abs_diff", "first_divergence"} <= set(doc["checks"][0])
+
+
+def test_cli_verify_bad_input_exits_2():
+    r = CliRunner().invoke(
+        app, ["verify", "--model", "gpt2-tiny", "--weights", "random", "--new-tokens", "0"]
+    )
+    assert r.exit_code == 2, r.output
+    r = CliRunner().invoke(app, ["verify", "--model", "gpt2-tiny", "--weights", "random", "--caches", "nope"])
+    assert r.exit_code == 2, r.output
