@@ -1,0 +1,185 @@
+"""matplotlib (Agg) figures from bench rows: latency.png (the seed's two panels) and speedup.png.
+
+Colour names the cache (in registry order, so a cache keeps its colour across figures and runs); line style names
+the engine (solid: kvbench, dashed: transformers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator  # noqa: E402
+
+from kvbench.caches import CACHES  # noqa: E402
+
+ENGINE_STYLE = {"kvbench": "-", "hf": "--"}
+ENGINE_LABEL = {"kvbench": "kvbench", "hf": "transformers"}
+
+
+def _colour(cache: str) -> str:
+    names = list(CACHES)
+    i = names.index(cache) if cache in names else len(names)
+    return plt.get_cmap("tab10")(i % 10)
+
+
+def _label(engine: str, cache: str) -> str:
+    return f"{ENGINE_LABEL.get(engine, engine)}: {cache}"
+
+
+def _series(df: pd.DataFrame):
+    """(engine, cache) groups in a stable, readable order: engines as given, caches in registry order."""
+    names = list(CACHES)
+    keys = df[["engine", "cache"]].drop_duplicates().itertuples(index=False)
+    order = sorted(
+        keys, key=lambda k: (k.engine != "kvbench", names.index(k.cache) if k.cache in names else 99)
+    )
+    return [(k.engine, k.cache) for k in order]
+
+
+_PLAIN = FuncFormatter(lambda x, _: f"{x:g}")
+
+
+def _maybe_log(ax, values, ratio: float = 20.0) -> None:
+    """Log y when the values span more than `ratio`, with plain numbers (not 10^k) on the ticks."""
+    v = [x for x in values if x > 0]
+    if v and max(v) / min(v) > ratio:
+        ax.set_yscale("log")
+        if max(v) / min(v) < 300:  # under 2.5 decades: label 1-2-5 steps, not only the powers of ten
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(_PLAIN)
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
+
+
+def _shared_legend(fig, axes) -> None:
+    """One legend under the panels (every panel draws the same engine x cache lines), so none hides data."""
+    handles: dict = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=False):
+            handles.setdefault(lab, h)
+    if handles:
+        fig.legend(
+            list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 5), fontsize=9
+        )
+
+
+def _title(meta: dict) -> str:
+    return f"{meta.get('model', '?')} ({meta.get('weights', '?')}) · {meta.get('device_name', '?')} · {meta.get('dtype', '?')}"
+
+
+def latency_figure(summary: pd.DataFrame, steps: pd.DataFrame, meta: dict, path: Path) -> Path:
+    """Per prompt length, two panels: decode latency by step (median over repeats) and cumulative time including
+    the prefill (the first token at TTFT), one line per engine x cache."""
+    ok = summary[summary["status"] == "ok"]
+    prompt_lens = sorted(ok["prompt_len"].unique()) or sorted(summary["prompt_len"].unique())
+    n = max(len(prompt_lens), 1)
+    fig, axes = plt.subplots(n, 2, figsize=(13, 3.9 * n + 0.6), squeeze=False)  # a row per prompt length
+    for row, plen in enumerate(prompt_lens):
+        ax_step, ax_cum = axes[row]
+        sub = ok[ok["prompt_len"] == plen]
+        all_ms = []
+        for engine, cache in _series(sub):
+            st = steps[(steps.engine == engine) & (steps.cache == cache) & (steps.prompt_len == plen)]
+            if st.empty:
+                continue
+            per_step = st.groupby("step")["latency_ms"].median()  # (decode steps,)
+            ttft_ms = float(sub[(sub.engine == engine) & (sub.cache == cache)]["ttft_ms"].iloc[0])
+            kw = dict(color=_colour(cache), linestyle=ENGINE_STYLE.get(engine, ":"), linewidth=1.4)
+            # decode step j produces token j + 1; token 1 comes from the prefill
+            ax_step.plot(per_step.index + 1, per_step.values, label=_label(engine, cache), **kw)
+            cum = (ttft_ms + per_step.cumsum()) / 1e3
+            ax_cum.plot([1, *(per_step.index + 1)], [ttft_ms / 1e3, *cum.values], **kw)
+            all_ms += list(per_step.values)
+        _maybe_log(ax_step, all_ms, ratio=8.0)
+        ax_step.set(
+            xlabel="generated token (decode step; token 1 is the prefill's)",
+            ylabel="latency per token (ms)",
+            title=f"Per-token decode latency · prompt {plen}",
+        )
+        ax_cum.set(
+            xlabel="generated token",
+            ylabel="cumulative time (s, prefill included)",
+            title=f"Total generation time · prompt {plen}",
+        )
+        for ax in (ax_step, ax_cum):
+            ax.grid(True, which="major", alpha=0.3)
+    fig.suptitle(f"KV cache latency — {_title(meta)} — median of repeats", fontsize=12)
+    _shared_legend(fig, axes.ravel())
+    fig.tight_layout(rect=(0, 0.75 / (3.9 * n + 0.6), 1, 1))  # leave 0.75 inch for the legend
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def speedup_figure(summary: pd.DataFrame, meta: dict, path: Path) -> Path:
+    """Speedup over the same engine's no-cache run, and decode TPOT, against prompt length, per engine x cache."""
+    ok = summary[summary["status"] == "ok"]
+    fig, (ax_sp, ax_tp) = plt.subplots(1, 2, figsize=(13, 4.8))
+    speedups, tpots = [], []
+    for engine, cache in _series(ok):
+        sub = ok[(ok.engine == engine) & (ok.cache == cache)].sort_values("prompt_len")
+        kw = dict(
+            color=_colour(cache),
+            linestyle=ENGINE_STYLE.get(engine, ":"),
+            marker="o",
+            linewidth=1.4,
+            markersize=5,
+        )
+        if cache != "none":
+            ax_sp.plot(sub.prompt_len, sub.speedup_vs_none, label=_label(engine, cache), **kw)
+            speedups += list(sub.speedup_vs_none.dropna())
+        ax_tp.plot(sub.prompt_len, sub.tpot_ms_median, label=_label(engine, cache), **kw)
+        tpots += list(sub.tpot_ms_median.dropna())
+    ax_sp.axhline(1.0, color="grey", linewidth=1, linestyle=":")
+    ax_sp.set(
+        xlabel="prompt length (tokens)",
+        ylabel="speedup vs no cache (×, end to end)",
+        title=f"End-to-end speedup over no cache · {int(ok.new_tokens.max()) if len(ok) else '?'} new tokens",
+    )
+    _maybe_log(ax_sp, speedups + [1.0])
+    ax_tp.set(
+        xlabel="prompt length (tokens)",
+        ylabel="TPOT, median decode step (ms)",
+        title="Time per output token (decode only)",
+    )
+    _maybe_log(ax_tp, tpots)
+    plens = sorted(ok.prompt_len.unique())
+    for ax in (ax_sp, ax_tp):
+        if len(plens) > 1 and plens[-1] / plens[0] >= 4:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(plens)
+        ax.xaxis.set_major_formatter(_PLAIN)
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.grid(True, which="major", alpha=0.3)
+    fig.suptitle(f"KV cache speedup — {_title(meta)}", fontsize=12)
+    _shared_legend(fig, (ax_tp,))
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def write_plots(run_dir: Path, summary: pd.DataFrame, steps: pd.DataFrame, meta: dict) -> list[Path]:
+    """Both figures into `run_dir`, or none when no configuration finished."""
+    if summary.empty or (summary["status"] != "ok").all():
+        return []
+    return [
+        latency_figure(summary, steps, meta, run_dir / "latency.png"),
+        speedup_figure(summary, meta, run_dir / "speedup.png"),
+    ]
+
+
+def replot(run_dir: str | Path) -> list[Path]:
+    """Redraw both figures of an existing run directory from its summary.csv, steps.csv and meta.json."""
+    import json
+
+    run_dir = Path(run_dir)
+    summary = pd.read_csv(run_dir / "summary.csv")
+    steps = pd.read_csv(run_dir / "steps.csv")
+    meta = json.loads((run_dir / "meta.json").read_text())
+    return write_plots(run_dir, summary, steps, meta)

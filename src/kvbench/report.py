@@ -1,0 +1,206 @@
+"""The run directory: meta.json and CSV files, written atomically as rows complete.
+
+Every write goes to a temporary file in the same directory and is moved into place with `os.replace`, so a reader
+(or an interrupted run) only ever sees a complete file: the previous version or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvbench.errors import KVBenchError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def default_run_dir(kind: str = "bench") -> Path:
+    return Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}"
+
+
+def prepare_run_dir(path: str | Path) -> Path:
+    """Create `path` and prove it is writable, before any work is done; a clear error otherwise."""
+    p = Path(path).expanduser()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise KVBenchError(
+            f"--out {p} is not a writable directory ({e.strerror}); choose another --out"
+        ) from None
+    return p
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w", encoding="utf-8", newline="") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _cell(v: Any) -> Any:
+    """NaN -> empty cell; integral floats (byte counts) -> exact integers; other floats -> 7 significant digits."""
+    if isinstance(v, float):
+        if math.isnan(v):
+            return ""
+        return str(int(v)) if v.is_integer() and abs(v) < 2**63 else f"{v:.7g}"
+    return v
+
+
+def write_csv(path: Path, columns: list[str], rows: list[Any]) -> None:
+    """Rows are dataclasses or dicts; NaN is written as an empty cell. Atomic."""
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(columns)
+    for r in rows:
+        d = asdict(r) if not isinstance(r, dict) else r
+        w.writerow([_cell(d.get(c, "")) for c in columns])
+    atomic_write_text(path, buf.getvalue())
+
+
+def write_json(path: Path, doc: Any) -> None:
+    atomic_write_text(path, json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def git_revision() -> dict[str, Any]:
+    """The source tree's commit and whether it had uncommitted changes; None where git is unavailable."""
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(
+                ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    rev = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if rev else None
+    return {"commit": rev, "dirty": bool(status) if status is not None else None}
+
+
+def versions() -> dict[str, str | None]:
+    import importlib.metadata as md
+
+    import torch
+
+    from kvbench import __version__
+
+    out: dict[str, str | None] = {"python": platform.python_version(), "kvbench": __version__}
+    for pkg in ("torch", "transformers", "numpy", "pandas", "matplotlib"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    out["cuda"] = torch.version.cuda
+    out["torch_threads"] = str(torch.get_num_threads())
+    return out
+
+
+def meta_doc(**fields: Any) -> dict[str, Any]:
+    """The common header of meta.json: command line, git revision, versions, host; plus the caller's fields."""
+    return {
+        "command": shlex.join(["kvbench", *sys.argv[1:]]),  # as typed (argv[0] normalised to `kvbench`)
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git": git_revision(),
+        "versions": versions(),
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        **fields,
+    }
+
+
+# --- bench ---------------------------------------------------------------------------------------------------------
+class BenchRecorder:
+    """A bench run directory: meta.json at the start, summary.csv and steps.csv rewritten (atomically) each time a
+    configuration completes, and the plots plus a final meta.json at the end or on interruption."""
+
+    def __init__(self, run_dir: Path, loaded, device, dtype, settings, config_path) -> None:
+        from kvbench.bench import settings_dict
+        from kvbench.devices import device_name, dtype_name
+
+        self.run_dir = run_dir
+        self.dtype = dtype_name(dtype)
+        self.device_label = device.type if device.index is None else f"{device.type}:{device.index}"
+        self.summary: list = []
+        self.steps: list = []
+        self.meta = meta_doc(
+            status="running",
+            config_file=None if config_path is None else str(config_path),
+            settings=settings_dict(settings),
+            model=loaded.config.name,
+            model_config={
+                k: getattr(loaded.config, k)
+                for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+            },
+            weights=loaded.weights,
+            random_weights=loaded.random,
+            device=self.device_label,
+            device_name=device_name(device),
+            dtype=self.dtype,
+            seed=settings.seed,
+            peak_memory_note=(
+                "CUDA: torch.cuda.max_memory_allocated / max_memory_reserved, reset before every run"
+                if device.type == "cuda"
+                else "CPU: the process's peak RSS, a high-water mark of the whole process that cannot be reset"
+            ),
+        )
+        write_json(self.run_dir / "meta.json", self.meta)
+
+    def add(self, result) -> None:
+        from kvbench.bench import StepRow, SummaryRow
+
+        self.summary.append(result.summary)
+        self.steps.extend(result.steps)
+        write_csv(self.run_dir / "summary.csv", SummaryRow.columns(), self.summary)
+        write_csv(self.run_dir / "steps.csv", StepRow.columns(), self.steps)
+
+    def frames(self):
+        import pandas as pd
+
+        from kvbench.bench import StepRow, SummaryRow
+
+        summary = pd.DataFrame([asdict(r) for r in self.summary], columns=SummaryRow.columns())
+        steps = pd.DataFrame([asdict(r) for r in self.steps], columns=StepRow.columns())
+        return summary, steps
+
+    def finish(self, status: str) -> list[Path]:
+        """Write the plots from whatever completed and the final meta.json; returns the files written."""
+        from kvbench.plots import write_plots
+
+        if not self.summary:  # nothing completed: still leave valid (header-only) CSVs
+            self.add_empty()
+        summary, steps = self.frames()
+        pngs = write_plots(self.run_dir, summary, steps, self.meta)
+        self.meta["status"] = status
+        self.meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self.meta["configurations_completed"] = len(self.summary)
+        write_json(self.run_dir / "meta.json", self.meta)
+        names = ["summary.csv", "steps.csv", "meta.json"]
+        return [self.run_dir / n for n in names] + pngs
+
+    def add_empty(self) -> None:
+        from kvbench.bench import StepRow, SummaryRow
+
+        write_csv(self.run_dir / "summary.csv", SummaryRow.columns(), [])
+        write_csv(self.run_dir / "steps.csv", StepRow.columns(), [])
+
+    def json_doc(self) -> dict:
+        rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(r).items()}
+                for r in self.summary]  # fmt: skip
+        return {"run_dir": str(self.run_dir), "meta": self.meta, "summary": rows}
