@@ -184,13 +184,15 @@ class GPT(nn.Module):
         positions: torch.Tensor,
         caches: list | None = None,
         padding_mask: torch.Tensor | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Logits for every input token.
 
         idx: (B, T) token ids; positions: (B, T) absolute positions, owned by the caller (never guessed here from a
         length: that guess is the seed's bug 1); caches: one cache object per layer, or None to attend only within
         `idx` (the no-cache path); padding_mask: (B, past + T), 1 for real tokens and 0 for padding, over every
-        column the caches hold plus this call's. Returns (B, T, V).
+        column the caches hold plus this call's. Returns (B, T, V), or (B, 1, V) for the last token with
+        `last_only` (what generation samples from: it skips the vocabulary projection of every other position).
         """
         B, T = idx.shape
         assert positions.shape == (B, T), f"positions {tuple(positions.shape)} must match idx {(B, T)}"
@@ -204,4 +206,6 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             x = block(x, positions, None if caches is None else caches[i], mask)
         x = self.transformer.ln_f(x)
-        return self.lm_head(x)  # (B, T, V)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, C)
+        return self.lm_head(x)  # (B, T, V) or (B, 1, V)
