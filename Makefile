@@ -41,10 +41,15 @@ format: $(STAMP)
 	$(BIN)/ruff format src tests
 	$(BIN)/ruff check --fix src tests
 
-# A short tour on the default device: generate, verify, break, a small bench and the memory planner.
-# Real GPT-2 when the hub (or its local cache) is reachable; clearly labelled random weights otherwise.
+# A short tour on the default device (about two minutes on a laptop CPU): generate, verify, break, a small bench
+# and the memory planner. Real GPT-2 when the hub (or its local cache) is reachable; clearly labelled random weights
+# otherwise. The bench lands in results/<timestamp>-bench/ (summary.csv, steps.csv, meta.json, two plots).
 demo: $(STAMP)
 	$(BIN)/kvbench generate "The key to fast inference is" --max-new-tokens 40 --cache static
+	$(BIN)/kvbench verify --caches dynamic,static,paged --new-tokens 40
+	$(BIN)/kvbench break position --new-tokens 24
+	$(BIN)/kvbench bench --prompt-len 256 --new-tokens 24 --caches none,dynamic,static --engine kvbench,hf \
+		--repeats 1 --warmup 1
 	$(BIN)/kvbench memory --model llama-3-8b --ctx 8k,128k
 
 bench-quick: $(STAMP)

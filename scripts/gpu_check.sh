@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU check for a machine where the packages are installed but nothing can be installed (and there may be no
-# network): `verify` on CUDA, then the seed's benchmark (configs/bench/seed.toml), from the source tree.
+# network): `verify` on CUDA, the seed's benchmark (configs/bench/seed.toml, every cache beside transformers), the
+# CUDA-graph tests, the compiled static-graph step and gpt2-xl, from the source tree.
 #
 #   scripts/gpu_check.sh            # or: make bench-gpu
 #
@@ -8,6 +9,9 @@
 #   env.txt            nvidia-smi, python and package versions
 #   verify.json/.log   kvbench verify --device cuda (exactness of every cache, fp32, vs transformers)
 #   bench/             summary.csv, steps.csv, meta.json, latency.png, speedup.png of the seed sweep (fp16)
+#   graphs.log         tests/test_fast_caches.py -k cuda (graph capture/replay exactness on the GPU)
+#   bench-compiled/    static-graph with KVBENCH_COMPILE=1: gpt2 fp16, prompt 128, 400 new tokens
+#   bench-xl/          gpt2-xl fp16, prompt 128, 400 new tokens: static, static-graph (compiled) vs transformers
 #   status.txt         exit code of each stage
 # Each stage has its own timeout so the whole script ends in under 8 minutes on an H200. A bench that runs out of
 # time is interrupted with SIGINT: it keeps every completed row and writes its plots (status.txt shows rc=124).
@@ -18,8 +22,9 @@ export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"  # no network on the GPU machine: c
 PY="${PYTHON:-python3}"
 DEST="${OUT:-results/$(date +%Y%m%d-%H%M%S)-gpu}"
 mkdir -p "$DEST"
-VERIFY_TIMEOUT="${VERIFY_TIMEOUT:-120}"
-BENCH_TIMEOUT="${BENCH_TIMEOUT:-300}"
+VERIFY_TIMEOUT="${VERIFY_TIMEOUT:-90}"
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-180}"
+FAST_TIMEOUT="${FAST_TIMEOUT:-60}"
 : >"$DEST/status.txt"
 
 stage() {  # stage NAME TIMEOUT CMD...: run with a timeout (SIGINT first, SIGKILL 15 s later), record the exit code
@@ -46,6 +51,17 @@ stage verify "$VERIFY_TIMEOUT" bash -c \
 
 stage bench "$BENCH_TIMEOUT" "$PY" -m kvbench bench --config configs/bench/seed.toml --out "$DEST/bench"
 
+stage graphs "$FAST_TIMEOUT" bash -c \
+  "'$PY' -m pytest -q -p no:cacheprovider tests/test_fast_caches.py -k cuda >'$DEST/graphs.log' 2>&1"
+
+stage bench-compiled "$FAST_TIMEOUT" env KVBENCH_COMPILE=1 "$PY" -m kvbench bench --model gpt2 --weights auto \
+  --device cuda --dtype fp16 --prompt-len 128 --new-tokens 400 --caches static-graph --engine kvbench \
+  --repeats 3 --out "$DEST/bench-compiled"
+
+stage bench-xl "$((FAST_TIMEOUT + 30))" env KVBENCH_COMPILE=1 "$PY" -m kvbench bench --model gpt2-xl \
+  --weights random --device cuda --dtype fp16 --prompt-len 128 --new-tokens 400 --caches static,static-graph \
+  --engine kvbench,hf --repeats 2 --out "$DEST/bench-xl"
+
 echo "files in $DEST:" >&2
-ls -la "$DEST" "$DEST/bench" >&2 2>/dev/null || true
+ls -la "$DEST" "$DEST"/bench* >&2 2>/dev/null || true
 cat "$DEST/status.txt" >&2

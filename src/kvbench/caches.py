@@ -43,6 +43,17 @@ class LayerCache:
         self.length = 0
         self.bytes_copied = 0
 
+    def check_capacity(self, n_new: int, kind: str) -> tuple[int, int]:
+        """(start, end) slots for `n_new` more tokens; a fixed-capacity cache that cannot hold them is an error
+        naming its capacity."""
+        start, end = self.length, self.length + n_new
+        if self.capacity is not None and end > self.capacity:
+            raise CacheOverflowError(
+                f"{kind} KV cache overflow: {start} cached + {n_new} new = {end} tokens, capacity {self.capacity} "
+                f"(allocate max_len >= prompt length + new tokens)"
+            )
+        return start, end
+
     @property
     def nbytes(self) -> int:
         raise NotImplementedError
@@ -97,14 +108,7 @@ class StaticCache(LayerCache):
         )
 
     def update(self, k, v, positions):
-        T = k.size(2)
-        start = self.length
-        end = start + T
-        if end > self.capacity:
-            raise CacheOverflowError(
-                f"static KV cache overflow: {start} cached + {T} new = {end} tokens, capacity {self.capacity} "
-                f"(allocate max_len >= prompt length + new tokens)"
-            )
+        start, end = self.check_capacity(k.size(2), "static")
         self.k[:, :, start:end].copy_(k)
         self.v[:, :, start:end].copy_(v)
         # BUG on purpose when pointer_fault: the pointer is left on the last written slot instead of one past it,

@@ -86,14 +86,14 @@ def _root(
 
 
 # --- commands ------------------------------------------------------------------------------------------------------
-def load_for_cli(model: str | None, weights: str, device: str, dtype: str, seed: int):
+def load_for_cli(model: str | None, weights: str, device: str, dtype: str, seed: int, init_std: float = 0.02):
     """Resolve device and dtype, load the model, and show the random-weights warning once. Shared by commands."""
     from kvbench.devices import resolve_device, resolve_dtype
     from kvbench.weights import load_model
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    loaded = load_model(model, weights, dev, dt, seed=seed)
+    loaded = load_model(model, weights, dev, dt, seed=seed, init_std=init_std)
     if loaded.warning:
         console.warn(loaded.warning)
     return loaded, dev, dt
@@ -234,14 +234,9 @@ CHECK_INIT_STD = 0.05
 def _load_for_checks(model: str | None, weights: str, device: str, dtype: str, seed: int):
     """Like load_for_cli, with CHECK_INIT_STD for random weights; also the Hugging Face directory the weights came
     from, if any, so the reference loads the checkpoint itself rather than our port of it."""
-    from kvbench.devices import resolve_device, resolve_dtype
-    from kvbench.weights import hub_snapshot, load_model
+    from kvbench.weights import hub_snapshot
 
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    loaded = load_model(model, weights, dev, dt, seed=seed, init_std=CHECK_INIT_STD)
-    if loaded.warning:
-        console.warn(loaded.warning)
+    loaded, dev, dt = load_for_cli(model, weights, device, dtype, seed, init_std=CHECK_INIT_STD)
     hf_dir = None
     if not loaded.random:
         if weights not in ("auto", "hub"):

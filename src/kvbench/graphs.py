@@ -28,7 +28,6 @@ import os
 import torch
 
 from kvbench.caches import StaticCache
-from kvbench.errors import CacheOverflowError
 from kvbench.model import GPT
 
 COMPILE_ENV = "KVBENCH_COMPILE"  # "1": torch.compile the fixed-shape step (inside the CUDA graph on CUDA)
@@ -208,12 +207,9 @@ class FixedShapeDecoder:
                 ids, positions, caches, padding, last_only
             )  # prefill: the ordinary eager forward
         assert self.matches(self.model, caches), "runner called with caches it was not built for"
-        n = caches[0].length  # tokens cached so far = the column this step writes
-        if n + 1 > self.capacity:
-            raise CacheOverflowError(
-                f"static-graph KV cache overflow: {n} cached + 1 new = {n + 1} tokens, capacity {self.capacity} "
-                f"(allocate max_len >= prompt length + new tokens)"
-            )
+        n, _ = caches[0].check_capacity(
+            1, "static-graph"
+        )  # n: tokens cached so far = the column this step writes
         self.tokens.copy_(ids)
         self.positions.copy_(positions)
         self.column.fill_(n)

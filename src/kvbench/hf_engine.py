@@ -24,7 +24,7 @@ import torch
 
 from kvbench.devices import synchronize
 from kvbench.model import GPT
-from kvbench.weights import CONV1D_WEIGHTS
+from kvbench.weights import to_hf_model
 
 # Our cache names -> the transformers `generate` arguments that select the equivalent cache.
 HF_CACHES: dict[str, dict] = {
@@ -34,48 +34,9 @@ HF_CACHES: dict[str, dict] = {
 }
 
 
-def hf_config(model: GPT):
-    from transformers import GPT2Config
-
-    c = model.config
-    return GPT2Config(
-        vocab_size=c.vocab_size,
-        n_positions=c.block_size,
-        n_embd=c.n_embd,
-        n_layer=c.n_layer,
-        n_head=c.n_head,
-        layer_norm_epsilon=c.layer_norm_epsilon,
-        activation_function="gelu_new",
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=None,
-        eos_token_id=None,  # never stop early: exactly N new tokens
-        pad_token_id=0,
-        attn_implementation="sdpa",
-    )
-
-
 def build_hf_model(model: GPT):
-    """A transformers GPT2LMHeadModel holding `model`'s weights (the inverse port), same device and dtype, eval."""
-    from transformers import GPT2LMHeadModel
-
-    weight = model.lm_head.weight
-    hf = GPT2LMHeadModel(hf_config(model))
-    sd = {}
-    for key, t in model.state_dict().items():
-        if key == "lm_head.weight":
-            continue  # tied to wte in both models
-        sd[key] = t.t() if key.endswith(CONV1D_WEIGHTS) else t  # Linear (out, in) -> Conv1D (in, out)
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
-    missing = [
-        k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))
-    ]
-    assert not missing and not unexpected, (
-        f"inverse port mismatch: missing {missing}, unexpected {unexpected}"
-    )
-    hf.tie_weights()
-    return hf.to(device=weight.device, dtype=weight.dtype).eval()
+    """transformers' GPT2LMHeadModel with `model`'s weights, device and dtype, SDPA attention (the inverse port)."""
+    return to_hf_model(model, attn_implementation="sdpa")
 
 
 @dataclass

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from kvbench.caches import LayerCache
-from kvbench.errors import CacheOverflowError
 from kvbench.model import GPTConfig
 
 QMAX = 127  # symmetric: -127..127 (-128 unused, so the range is symmetric around zero)
@@ -63,14 +62,7 @@ class Int8Cache(LayerCache):
         self.capacity = max_len
 
     def update(self, k, v, positions):
-        T = k.size(2)
-        start = self.length
-        end = start + T
-        if end > self.capacity:
-            raise CacheOverflowError(
-                f"int8 KV cache overflow: {start} cached + {T} new = {end} tokens, capacity {self.capacity} "
-                f"(allocate max_len >= prompt length + new tokens)"
-            )
+        start, end = self.check_capacity(k.size(2), "int8")
         for x, q_buf, s_buf in ((k, self.k_q, self.k_scale), (v, self.v_q, self.v_scale)):
             q, s = quantize(x, s_buf.dtype)  # (B, H, T, Dh), (B, H, T, 1)
             q_buf[:, :, start:end].copy_(q)

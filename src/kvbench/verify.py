@@ -309,30 +309,14 @@ def hf_reference(model: GPT, hf_dir: str | None = None):
     attention kernel with us), on our model's device. From `hf_dir` when our weights came from that Hugging Face
     directory (so a bug in our port cannot hide); otherwise our weights converted back (the inverse port:
     transpose the four Conv1D weights)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
-    from kvbench.weights import CONV1D_WEIGHTS
+    from kvbench.weights import to_hf_model
 
-    device = model.lm_head.weight.device
-    if hf_dir is not None:
-        hf = GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
-        return hf.to(device).eval()
-    c = model.config
-    cfg = GPT2Config(
-        vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
-        layer_norm_epsilon=c.layer_norm_epsilon, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, attn_implementation="eager", bos_token_id=None, eos_token_id=None,
-    )  # fmt: skip
-    hf = GPT2LMHeadModel(cfg)
-    sd = {
-        k: (v.t() if k.endswith(CONV1D_WEIGHTS) else v).float().cpu() for k, v in model.state_dict().items()
-    }
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
-    assert not unexpected, f"inverse port produced keys HF does not know: {unexpected}"
-    assert all(k.endswith(("attn.bias", "attn.masked_bias")) for k in missing), (
-        f"HF keys left unset: {missing}"
-    )
-    return hf.to(device).eval()
+    if hf_dir is None:
+        return to_hf_model(model, attn_implementation="eager", dtype=torch.float32)
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    return hf.to(model.lm_head.weight.device).eval()
 
 
 @torch.inference_mode()

@@ -137,6 +137,36 @@ def port_hf_state_dict(model: GPT, hf: dict[str, torch.Tensor], source: str) -> 
             dst.copy_(w)
 
 
+def to_hf_model(model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtype | None = None):
+    """The inverse port: a transformers GPT2LMHeadModel holding `model`'s weights (copy, transpose the four Conv1D
+    weights back to (in, out), lm_head tied), on the model's device, in `dtype` (default: the model's), eval mode.
+    Used as the independent reference (`verify`) and as the `hf` engine (`bench`)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    c, weight = model.config, model.lm_head.weight
+    cfg = GPT2Config(
+        vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
+        layer_norm_epsilon=c.layer_norm_epsilon, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation=attn_implementation, bos_token_id=None, eos_token_id=None,
+        pad_token_id=0,
+    )  # fmt: skip
+    hf = GPT2LMHeadModel(cfg)
+    sd = {
+        k: (t.t() if k.endswith(CONV1D_WEIGHTS) else t)  # Linear (out, in) -> Conv1D (in, out)
+        for k, t in model.state_dict().items()
+        if k != "lm_head.weight"  # tied to wte in both models
+    }
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing = [
+        k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))
+    ]
+    assert not missing and not unexpected, (
+        f"inverse port mismatch: missing {missing}, unexpected {unexpected}"
+    )
+    hf.tie_weights()
+    return hf.to(device=weight.device, dtype=dtype or weight.dtype).eval()
+
+
 def load_from_dir(directory: Path) -> tuple[GPT, GPTConfig]:
     if not directory.exists():
         raise KVBenchError(f"weights path not found: {directory}")
