@@ -1,7 +1,7 @@
 """Transformers' own `generate` on our weights: the library users would otherwise reach for, timed beside ours.
 
-The Hugging Face model is built from our GPT by the inverse of the weight port (copy, transpose the four Conv1D
-weights back to (in, out)), so both engines run the same weights, prompt ids and dtype. Decoding is greedy with
+The Hugging Face model is built from our GPT by the inverse of the weight port (a plain copy: same names and
+(in, out) layouts), so both engines run the same weights, prompt ids and dtype. Decoding is greedy with
 exactly N new tokens (min_new_tokens = max_new_tokens, no end-of-text stop), SDPA attention, and no automatic
 torch.compile (`disable_compile=True`), so HF's static cache is timed eagerly like ours.
 

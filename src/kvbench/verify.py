@@ -307,8 +307,8 @@ def check_cache_state(
 def hf_reference(model: GPT, hf_dir: str | None = None):
     """transformers' GPT2LMHeadModel in fp32 with eager attention (matmul + softmax, not SDPA, so it shares no
     attention kernel with us), on our model's device. From `hf_dir` when our weights came from that Hugging Face
-    directory (so a bug in our port cannot hide); otherwise our weights converted back (the inverse port:
-    transpose the four Conv1D weights)."""
+    directory (so a bug in our port cannot hide); otherwise our weights copied into it (the inverse port:
+    same names and layouts)."""
     from transformers import GPT2LMHeadModel
 
     from kvbench.weights import to_hf_model
@@ -434,7 +434,7 @@ def run_verify(
     if hf is not None:
         notes.append(
             f"reference: {source}"
-            + (f" loaded from {hf_dir}" if hf_dir else ", same weights converted back (Conv1D transposed)")
+            + (f" loaded from {hf_dir}" if hf_dir else ", same weights copied in (the inverse port)")
         )
     if dtype != torch.float32:
         notes.append(

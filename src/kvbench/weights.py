@@ -6,7 +6,8 @@
 - PATH:   a directory with config.json + model.safetensors (or pytorch_model.bin), as `save_pretrained` writes it;
 - random: GPT-2's initialisation, seeded;
 - auto:   the local cache, else the hub if it answers within seconds, else random with a visible warning.
-The port from Hugging Face is a copy plus the transposes of the four Conv1D weights (HF stores them (in, out)).
+The port from Hugging Face is a plain copy: our four projections are Conv1D with (in, out) weights, as GPT-2's own
+checkpoint stores them (model.py says why), and lm_head is tied to wte.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ HUB_REPOS = {
     "gpt2-large": "openai-community/gpt2-large",
     "gpt2-xl": "openai-community/gpt2-xl",
 }
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 RANDOM_WARNING = (
     "no GPT-2 weights available offline: using random weights (GPT-2 init, seed {seed}). Timings are those of the "
     "real {name} architecture, but generated text will be meaningless. Use --weights hub online, or --weights PATH."
@@ -116,8 +116,8 @@ def read_hf_state_dict(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def port_hf_state_dict(model: GPT, hf: dict[str, torch.Tensor], source: str) -> None:
-    """Copy a Hugging Face GPT2LMHeadModel / GPT2Model state dict into `model`: transpose the Conv1D weights,
-    skip the causal-mask buffers, tie lm_head to wte. Missing or mis-shaped tensors are errors naming them."""
+    """Copy a Hugging Face GPT2LMHeadModel / GPT2Model state dict into `model` (same names and layouts; the
+    causal-mask buffers skipped, lm_head tied to wte). Missing or mis-shaped tensors are errors naming them."""
     hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
     sd = model.state_dict()
     with torch.no_grad():
@@ -128,8 +128,6 @@ def port_hf_state_dict(model: GPT, hf: dict[str, torch.Tensor], source: str) -> 
             if hf_key not in hf:
                 raise KVBenchError(f"{source}: tensor {hf_key!r} missing; not a GPT-2 checkpoint?")
             w = hf[hf_key]
-            if hf_key.endswith(CONV1D_WEIGHTS):
-                w = w.t()
             if w.shape != dst.shape:
                 raise KVBenchError(
                     f"{source}: {hf_key} has shape {tuple(w.shape)}, config expects {tuple(dst.shape)}"
@@ -138,8 +136,8 @@ def port_hf_state_dict(model: GPT, hf: dict[str, torch.Tensor], source: str) -> 
 
 
 def to_hf_model(model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtype | None = None):
-    """The inverse port: a transformers GPT2LMHeadModel holding `model`'s weights (copy, transpose the four Conv1D
-    weights back to (in, out), lm_head tied), on the model's device, in `dtype` (default: the model's), eval mode.
+    """The inverse port: a transformers GPT2LMHeadModel holding `model`'s weights (a plain copy, lm_head tied), on
+    the model's device, in `dtype` (default: the model's), eval mode.
     Used as the independent reference (`verify`) and as the `hf` engine (`bench`)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -151,11 +149,7 @@ def to_hf_model(model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtyp
         pad_token_id=0,
     )  # fmt: skip
     hf = GPT2LMHeadModel(cfg)
-    sd = {
-        k: (t.t() if k.endswith(CONV1D_WEIGHTS) else t)  # Linear (out, in) -> Conv1D (in, out)
-        for k, t in model.state_dict().items()
-        if k != "lm_head.weight"  # tied to wte in both models
-    }
+    sd = {k: t for k, t in model.state_dict().items() if k != "lm_head.weight"}  # lm_head: tied to wte in both
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     missing = [
         k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))
