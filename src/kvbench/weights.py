@@ -149,7 +149,8 @@ def to_hf_model(model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtyp
         pad_token_id=0,
     )  # fmt: skip
     hf = GPT2LMHeadModel(cfg)
-    sd = {k: t for k, t in model.state_dict().items() if k != "lm_head.weight"}  # lm_head: tied to wte in both
+    # lm_head.weight is tied to wte in both models
+    sd = {k: t for k, t in model.state_dict().items() if k != "lm_head.weight"}
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     missing = [
         k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))
