@@ -148,6 +148,8 @@ def test_json_output_is_one_document(tmp_path):
     doc = json.loads(result.stdout)
     assert [r["cache"] for r in doc["summary"]] == ["none", "dynamic"]
     assert doc["summary"][0]["bytes_copied_seed_estimate"] is None  # NaN becomes null
+    # one prompt length: speedup.png is drawn as bars per cache (lines would be single points)
+    assert (tmp_path / "j" / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # --- reliability --------------------------------------------------------------------------------------------------

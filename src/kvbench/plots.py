@@ -116,9 +116,45 @@ def latency_figure(summary: pd.DataFrame, steps: pd.DataFrame, meta: dict, path:
     return path
 
 
+def _single_prompt_bars(ok: pd.DataFrame, meta: dict, path: Path) -> Path:
+    """One prompt length: lines against prompt length would be single points, so draw one bar per engine x cache."""
+    rows = [ok[(ok.engine == e) & (ok.cache == c)].iloc[0] for e, c in _series(ok)]
+    labels = [_label(r.engine, r.cache) for r in rows]
+    colours = [_colour(r.cache) for r in rows]
+    hatches = ["" if r.engine == "kvbench" else "//" for r in rows]
+    fig, (ax_sp, ax_tp) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 2.2))
+    y = range(len(rows))
+    panels = (
+        (ax_sp, [r.speedup_vs_none for r in rows], "speedup vs no cache (×, end to end)", "{:.1f}×"),
+        (ax_tp, [r.tpot_ms_median for r in rows], "TPOT, median decode step (ms)", "{:.1f} ms"),
+    )
+    for ax, values, xlabel, fmt in panels:
+        bars = ax.barh(list(y), values, color=colours, hatch=hatches, edgecolor="white")
+        for bar, v in zip(bars, values, strict=True):
+            ax.annotate(fmt.format(v), (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                        xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)  # fmt: skip
+        ax.set_yticks(list(y), labels)
+        ax.invert_yaxis()
+        ax.set_xlabel(xlabel)
+        ax.margins(x=0.15)
+        ax.grid(True, axis="x", alpha=0.3)
+    ax_sp.axvline(1.0, color="grey", linewidth=1, linestyle=":")
+    plen, new = int(ok.prompt_len.iloc[0]), int(ok.new_tokens.max())
+    ax_sp.set_title(f"End-to-end speedup over no cache · prompt {plen}, {new} new tokens")
+    ax_tp.set_title("Time per output token (decode only)")
+    ax_tp.set_yticks(list(y), [""] * len(rows))
+    fig.suptitle(f"KV cache speedup — {_title(meta)}", fontsize=12)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
 def speedup_figure(summary: pd.DataFrame, meta: dict, path: Path) -> Path:
     """Speedup over the same engine's no-cache run, and decode TPOT, against prompt length, per engine x cache."""
     ok = summary[summary["status"] == "ok"]
+    if ok.prompt_len.nunique() == 1:
+        return _single_prompt_bars(ok, meta, path)
     fig, (ax_sp, ax_tp) = plt.subplots(1, 2, figsize=(13, 4.8))
     speedups, tpots = [], []
     for engine, cache in _series(ok):
