@@ -32,3 +32,44 @@ def test_missing_and_malformed_files(tmp_path):
         load_tokenizer(bad)
     with pytest.raises(KVBenchError, match="neither vocab.json"):
         load_tokenizer(tmp_path)
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (what vocab.json and merges.txt are written in)."""
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    out, n = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in out:
+            out[b], n = chr(256 + n), n + 1
+    return out
+
+
+def test_vocab_json_and_merges_txt_directory(ranks_file, tmp_path):
+    """Hugging Face's format (vocab.json + merges.txt), written from the ranks file, loads to the same encoding."""
+    import json
+
+    from tiktoken.load import load_tiktoken_bpe
+
+    ranks = load_tiktoken_bpe(str(ranks_file))
+    u = _byte_to_unicode()
+
+    def s(token: bytes) -> str:
+        return "".join(u[b] for b in token)
+
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) == 1:
+            continue
+        # any split into two lower-ranked tokens rebuilds the same ranks (the merge list only concatenates)
+        a, b = next((token[:i], token[i:]) for i in range(1, len(token))
+                    if ranks.get(token[:i], rank) < rank and ranks.get(token[i:], rank) < rank)  # fmt: skip
+        merges.append(f"{s(a)} {s(b)}")
+    vocab = {s(t): r for t, r in ranks.items()} | {"<|endoftext|>": 50256}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+
+    from_dir, from_ranks = load_tokenizer(tmp_path), load_tokenizer(ranks_file)
+    text = "Hello world: the KV cache keeps past keys and values, naïve 漢字 🙂"
+    assert from_dir.encode("Hello world") == [15496, 995]
+    assert from_dir.encode(text) == from_ranks.encode(text)
+    assert from_dir.source == str(tmp_path)
