@@ -526,3 +526,23 @@ def test_copy_traffic_counter_says_why_it_did_not_run(presets):
     assert r.exit_code == 0, r.output
     t = json.loads(r.stdout)["copy_traffic"][0]
     assert t["exact_bytes"] == 128 * KiB * sum(range(128, 528)) and t["measured_bytes"] is None
+
+
+def test_measure_lengths_reports_paged_against_static():
+    """--measure --lengths: a real paged cache filled with mixed lengths, against independent block arithmetic."""
+    lengths = [37, 130, 260, 528, 75, 400, 12, 300]
+    r = runner.invoke(
+        app,
+        ["memory", "--model", "gpt2", "--measure", "--batch", "8", "--ctx", "528", "--device", "cpu", "--json",
+         "--lengths", ",".join(map(str, lengths))],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    p = json.loads(r.stdout)["paged"]
+    per_token = 2 * 12 * 12 * 64 * 2  # K and V, 12 layers, 12 heads of 64, fp16
+    blocks = sum(-(-n // 16) for n in lengths)
+    assert p["needed_bytes"] == sum(lengths) * per_token
+    assert p["static_bytes"] == 8 * 528 * per_token
+    assert p["blocks_used"] == blocks == 112
+    assert p["paged_bytes"] == blocks * 16 * per_token
+    r = runner.invoke(app, ["memory", "--model", "gpt2", "--lengths", "10,20"])
+    assert r.exit_code == 2 and "--lengths goes with --measure" in r.output, r.output

@@ -534,6 +534,14 @@ def memory(
         bool,
         typer.Option("--measure", help="gpt2 family: allocate every registered cache and compare bytes."),
     ] = False,
+    lengths: Annotated[
+        str | None,
+        typer.Option(
+            "--lengths",
+            help="With --measure: a batch of mixed sequence lengths, e.g. 37,130,260,528: the blocks a paged "
+            "cache holds vs a static cache's batch x max-length reservation (max length: --ctx, else the longest).",
+        ),
+    ] = None,
     device: DeviceOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
@@ -571,6 +579,22 @@ def memory(
         if not json_out:
             for r in reports:
                 console.memory_measure(r)
+        if lengths:
+            from kvbench.measure_memory import paged_waste
+
+            paged = paged_waste(
+                model[0].strip().lower(), mem.parse_ctx(lengths), ctx and max(contexts), kv_dtype
+            )
+            doc["paged"] = {
+                **mem.to_jsonable(paged),
+                "static_waste": paged.static_waste,
+                "paged_waste": paged.paged_waste,
+                "saving": paged.saving,
+            }
+            if not json_out:
+                console.memory_paged(paged)
+    elif lengths:
+        raise KVBenchError("--lengths goes with --measure (it fills a real paged cache)")
 
     presets = mem.load_presets()
     specs = (

@@ -367,6 +367,19 @@ def memory_measure(report) -> None:
         out.print(f"  {line}", soft_wrap=True, markup=False)
 
 
+def memory_paged(r) -> None:
+    """Paged vs static for a batch of mixed lengths: the waste paging removes."""
+    from kvbench.memory import fmt_bytes
+
+    rows = [
+        ["needed (exactly the tokens held)", fmt_bytes(r.needed_bytes), "-"],
+        [f"static: {len(r.lengths)} x {r.max_len} slots reserved", fmt_bytes(r.static_bytes), f"{r.static_waste:.1%}"],
+        [f"paged: {r.blocks_used} blocks of {r.block_size} per layer", fmt_bytes(r.paged_bytes), f"{r.paged_waste:.1%}"],
+    ]  # fmt: skip
+    title = f"paged vs static for sequences of {', '.join(map(str, r.lengths))} tokens"
+    out.print(table(title, ["", "KV memory", "waste"], rows, caption=f"paging reserves {r.saving:.1%} less"))
+
+
 # --- verify ---
 def _diff(x: float | None) -> str:
     return "-" if x is None else f"{x:.2e}"

@@ -260,3 +260,15 @@ def count_copy_traffic(
     caches = make_caches("dynamic", cfg, batch, n1, dtype, dev)
     _fill(caches, cfg, batch, n0, n1, dtype, dev)
     return cache_bytes_copied(caches), f"counted by the dynamic cache on {dev}"
+
+
+def paged_waste(name: str, lengths: list[int], max_len: int | None, kv_dtype: str):
+    """`memory --measure --lengths`: the blocks a paged cache holds for a batch of mixed lengths against a static
+    cache's batch x max_len reservation (max_len defaults to the longest sequence)."""
+    from kvbench.paged import paged_memory_report
+
+    cfg = _gpt_config(name)
+    max_len = max_len or max(lengths)
+    if max(lengths) > max_len:
+        raise KVBenchError(f"--lengths has a sequence of {max(lengths)} tokens, longer than --ctx {max_len}")
+    return paged_memory_report(cfg, lengths, max_len, _torch_dtype(kv_dtype))
