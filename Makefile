@@ -10,12 +10,6 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbench-installed
 
-# Offline machines with the team's shared GPT-2 ranks file use it; elsewhere tiktoken downloads its gpt2 encoding.
-SHARED_RANKS := $(abspath ../shared/data/gpt2.tiktoken)
-ifneq ($(wildcard $(SHARED_RANKS)),)
-export KVBENCH_TOKENIZER ?= $(SHARED_RANKS)
-endif
-
 .PHONY: install test verify lint format demo bench-quick bench-gpu clean
 
 $(STAMP): pyproject.toml

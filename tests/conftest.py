@@ -3,6 +3,7 @@
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # a test never reaches the network
+os.environ.pop("KVBENCH_TOKENIZER", None)  # tests see the default tokenizer source unless they set it
 
 from pathlib import Path
 
@@ -11,7 +12,6 @@ import torch
 
 from kvbench.model import GPT, GPTConfig
 
-SHARED_RANKS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gpt2.tiktoken"
 
 # A small, non-default shape (3 layers, 4 heads of 16, short context, small vocabulary) so shape bugs show.
 TINY = dict(n_layer=3, n_head=4, n_embd=64, block_size=128, vocab_size=500)
@@ -57,6 +57,7 @@ def hf_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def ranks_file() -> Path:
-    if not SHARED_RANKS.is_file():
-        pytest.skip(f"GPT-2 ranks file not found at {SHARED_RANKS} (the shared test data is absent)")
-    return SHARED_RANKS
+    """GPT-2's ranks file as shipped inside the package (present in every clone and every install)."""
+    from kvbench.resources import GPT2_RANKS
+
+    return GPT2_RANKS

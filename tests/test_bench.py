@@ -237,7 +237,13 @@ def test_shipped_configs_load(name):
     assert s.caches == list(CACHES)  # every registered cache
     assert s.engine == ["kvbench", "hf"]
     if name == "seed.toml":
-        assert (s.prompt_len, s.new_tokens, s.dtype, s.device) == ([16, 128, 512], 400, "fp16", "cuda")
+        assert (s.prompt_len, s.new_tokens, s.dtype, s.device) == ([16, 128, 512], 400, "auto", "auto")
+
+
+@pytest.mark.parametrize("name", ["seed", "quick"])
+def test_bench_config_by_name(name):
+    """`--config seed` finds the sweep shipped in the package, the same file as configs/bench/seed.toml."""
+    assert B.load_settings(name, {}) == B.load_settings(ROOT / "configs" / "bench" / f"{name}.toml", {})
 
 
 # --- transformers' engine ----------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""GPT-2's BPE through tiktoken from the shared ranks file (offline)."""
+"""GPT-2's BPE through tiktoken from the ranks file shipped in the package (offline)."""
+
+import hashlib
 
 import pytest
 
@@ -18,9 +20,35 @@ def test_round_trip(ranks_file):
     assert tok.decode(tok.encode(text)) == text
 
 
-def test_env_var_source(ranks_file, monkeypatch):
-    monkeypatch.setenv("KVBENCH_TOKENIZER", str(ranks_file))
-    assert load_tokenizer().source == str(ranks_file)
+BUNDLED_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # openai/whisper's gpt2.tiktoken
+
+
+def test_bundled_ranks_are_gpt2s(ranks_file):
+    assert hashlib.sha256(ranks_file.read_bytes()).hexdigest() == BUNDLED_SHA256
+
+
+def test_default_is_the_bundled_file_and_downloads_nothing(monkeypatch):
+    import tiktoken
+
+    def no_download(*a, **k):
+        raise AssertionError("the default tokenizer must not reach tiktoken's download")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", no_download)
+    tok = load_tokenizer()
+    assert tok.source == "bundled:gpt2.tiktoken"
+    assert tok.encode("Hello world") == [15496, 995]
+
+
+def test_source_order(ranks_file, tmp_path, monkeypatch):
+    """--tokenizer > $KVBENCH_TOKENIZER > the bundled file."""
+    copy = tmp_path / "env.tiktoken"
+    copy.write_bytes(ranks_file.read_bytes())
+    monkeypatch.setenv("KVBENCH_TOKENIZER", str(copy))
+    assert load_tokenizer().source == str(copy)
+    assert load_tokenizer(ranks_file).source == str(ranks_file)
+    monkeypatch.setenv("KVBENCH_TOKENIZER", str(tmp_path / "missing.tiktoken"))
+    with pytest.raises(KVBenchError, match="not found"):
+        load_tokenizer()  # a broken $KVBENCH_TOKENIZER is an error, never silently replaced
 
 
 def test_missing_and_malformed_files(tmp_path):

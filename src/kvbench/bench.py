@@ -87,11 +87,27 @@ def coerce(raw: dict, where: str) -> dict:
     return out
 
 
+def resolve_config_path(path: str | Path) -> Path:
+    """A TOML file, or the name of a sweep shipped with kvbench (`seed`, `quick`: configs/bench/NAME.toml)."""
+    from kvbench.resources import bench_config_names, config_file
+
+    p = Path(path).expanduser()
+    if p.exists() or p.suffix or "/" in str(path):
+        if p.is_dir():
+            raise KVBenchError(f"--config {p} is a directory; give a TOML file or one of {bench_config_names()}")
+        return p
+    if str(path) in bench_config_names():
+        return config_file("bench", f"{path}.toml")
+    raise KVBenchError(
+        f"--config {path!r}: no such file, and no shipped sweep of that name; shipped: {', '.join(bench_config_names())}"
+    )
+
+
 def load_settings(path: str | Path | None, overrides: dict) -> BenchSettings:
     """Defaults < the TOML file at `path` < `overrides` (command-line options that were given, None = not given)."""
     merged: dict = {}
     if path is not None:
-        p = Path(path)
+        p = resolve_config_path(path)
         try:
             with p.open("rb") as f:
                 data = tomllib.load(f)

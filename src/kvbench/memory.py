@@ -27,15 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.errors import KVBenchError
+from kvbench.resources import config_file
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-MODELS_TOML = CONFIG_DIR / "models.toml"
-GPUS_TOML = CONFIG_DIR / "gpus.toml"
+MODELS_TOML = config_file("models.toml")
+GPUS_TOML = config_file("gpus.toml")
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 

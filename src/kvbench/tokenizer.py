@@ -1,8 +1,9 @@
-"""GPT-2's byte-pair encoding through tiktoken, from tiktoken's download or from local files for offline use.
+"""GPT-2's byte-pair encoding through tiktoken, from the ranks file shipped with kvbench or from local files.
 
-Sources, first match wins: an explicit path (`--tokenizer PATH`), then $KVBENCH_TOKENIZER, then tiktoken's `gpt2`
-encoding (downloaded once into tiktoken's cache). A path is a `.tiktoken` ranks file, or a directory holding
-`vocab.json` + `merges.txt` (as Hugging Face ships GPT-2) or `encoder.json` + `vocab.bpe` (as OpenAI does).
+Sources, first match wins: an explicit path (`--tokenizer PATH`), then $KVBENCH_TOKENIZER, then the ranks bundled in
+the package (`kvbench/data/gpt2.tiktoken`, see its README). Nothing is downloaded. A path is a `.tiktoken` ranks
+file, or a directory holding `vocab.json` + `merges.txt` (as Hugging Face ships GPT-2) or `encoder.json` +
+`vocab.bpe` (as OpenAI does).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbench.errors import KVBenchError
+from kvbench.resources import GPT2_RANKS
 
 ENDOFTEXT = "<|endoftext|>"
 EOT_ID = 50256
@@ -78,12 +80,4 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
     if path is not None:
         p = Path(path).expanduser()
         return Tokenizer(_from_path(p), str(p))
-    import tiktoken
-
-    try:
-        return Tokenizer(tiktoken.get_encoding("gpt2"), "tiktoken:gpt2")
-    except Exception as e:  # network errors from tiktoken's download come as requests/urllib exceptions
-        raise KVBenchError(
-            f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}); offline? pass --tokenizer PATH "
-            f"(a gpt2.tiktoken ranks file or a directory with vocab.json + merges.txt) or set {ENV_VAR}"
-        ) from None
+    return Tokenizer(_from_path(GPT2_RANKS), "bundled:gpt2.tiktoken")
