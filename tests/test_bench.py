@@ -15,7 +15,8 @@ import torch
 from typer.testing import CliRunner
 
 from kvbench import bench as B
-from kvbench.caches import CACHES, DynamicCache
+from kvbench.caches import CACHES
+from kvbench.caches.dynamic import DynamicCache
 from kvbench.cli import app
 from kvbench.generation import generate
 from kvbench.model import GPT, GPTConfig

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from kvbench.caches import CACHES, DynamicCache, StaticCache, make_caches
+from kvbench.caches import CACHES, make_caches
+from kvbench.caches.dynamic import DynamicCache
+from kvbench.caches.static import StaticCache
 from kvbench.errors import CacheOverflowError
 from kvbench.generation import generate
 

@@ -20,7 +20,9 @@ def test_round_trip(ranks_file):
     assert tok.decode(tok.encode(text)) == text
 
 
-BUNDLED_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # openai/whisper's gpt2.tiktoken
+BUNDLED_SHA256 = (
+    "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # openai/whisper's gpt2.tiktoken
+)
 
 
 def test_bundled_ranks_are_gpt2s(ranks_file):

@@ -94,7 +94,9 @@ def resolve_config_path(path: str | Path) -> Path:
     p = Path(path).expanduser()
     if p.exists() or p.suffix or "/" in str(path):
         if p.is_dir():
-            raise KVBenchError(f"--config {p} is a directory; give a TOML file or one of {bench_config_names()}")
+            raise KVBenchError(
+                f"--config {p} is a directory; give a TOML file or one of {bench_config_names()}"
+            )
         return p
     if str(path) in bench_config_names():
         return config_file("bench", f"{path}.toml")

@@ -265,7 +265,7 @@ def count_copy_traffic(
 def paged_waste(name: str, lengths: list[int], max_len: int | None, kv_dtype: str):
     """`memory --measure --lengths`: the blocks a paged cache holds for a batch of mixed lengths against a static
     cache's batch x max_len reservation (max_len defaults to the longest sequence)."""
-    from kvbench.paged import paged_memory_report
+    from kvbench.caches.paged import paged_memory_report
 
     cfg = _gpt_config(name)
     max_len = max_len or max(lengths)

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench.caches import StaticCache, get_cache_spec, make_caches
+from kvbench.caches import get_cache_spec, make_caches
+from kvbench.caches.static import StaticCache
 from kvbench.errors import KVBenchError
 from kvbench.generation import FAULTS as GENERATION_FAULTS
 from kvbench.generation import GenerationResult, generate

@@ -27,7 +27,8 @@ import os
 
 import torch
 
-from kvbench.caches import StaticCache
+from kvbench.caches.base import CacheSpec
+from kvbench.caches.static import StaticCache
 from kvbench.model import GPT
 
 COMPILE_ENV = "KVBENCH_COMPILE"  # "1": torch.compile the fixed-shape step (inside the CUDA graph on CUDA)
@@ -240,3 +241,15 @@ def decode_runner(model: GPT, caches: list) -> FixedShapeDecoder:
         runner = FixedShapeDecoder(model, caches)
         caches[0].runner = runner
     return runner
+
+
+def make_static_graph_cache(c, batch, max_len, dtype, device) -> StaticGraphCache:
+    return StaticGraphCache(batch, c.n_head, max_len, c.head_dim, dtype, device)
+
+
+SPEC = CacheSpec(
+    "static-graph",
+    "static buffers + fixed-shape decode step over the whole buffer, one CUDA graph replay per token",
+    make_static_graph_cache,
+    decode_runner=decode_runner,
+)

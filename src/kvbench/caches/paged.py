@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.caches import LayerCache
+from kvbench.caches.base import CacheSpec, LayerCache
 from kvbench.errors import CacheOverflowError
 from kvbench.model import GPTConfig
 
@@ -185,6 +185,13 @@ def make_paged_cache(
     """The registry's factory: a pool large enough for every sequence to reach max_len (generation never waits)."""
     num_blocks = batch * -(-max_len // BLOCK_SIZE)
     return PagedCache(batch, config.n_head, config.head_dim, num_blocks, dtype, device, max_len=max_len)
+
+
+SPEC = CacheSpec(
+    "paged",
+    "vLLM-style pool of 16-token blocks + block table per sequence; reads gather through the table",
+    make_paged_cache,
+)
 
 
 @dataclass

@@ -1,0 +1,74 @@
+"""The registry of KV-cache designs: built-in ones by name, plugins by `pkg.module:ClassOrSpec` or entry point.
+
+    none          no cache: full forward over the whole sequence every step
+    dynamic       dynamic.py       torch.cat append (the seed's cache)
+    static        static.py        preallocated buffers + write pointer
+    static-graph  static_graph.py  static buffers + a fixed-shape decode step (one CUDA graph replay per token)
+    paged         paged.py         a pool of 16-token blocks + block tables
+    int8          int8.py          int8 K/V with per-token per-head scales (lossy)
+
+CLI choices, bench sweeps and test parametrisation all iterate `CACHES`. A cache from outside the repository joins
+it with a `mod:obj` reference wherever a cache name is accepted, or through the `kvbench.caches` entry-point group of
+an installed package (plugins.py; docs/caches.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.caches import dynamic, int8, paged, plugins, static, static_graph
+from kvbench.caches.base import CacheSpec, LayerCache, cache_bytes_copied, cache_nbytes
+from kvbench.errors import KVBenchError
+from kvbench.model import GPTConfig
+
+__all__ = ["CACHES", "CacheSpec", "LayerCache", "cache_bytes_copied", "cache_nbytes", "get_cache_spec",
+           "make_caches", "parse_cache_names"]  # fmt: skip
+
+NONE = CacheSpec("none", "no cache: full forward over the whole sequence every step", None)
+
+# One registry of caches: the built-in designs. Plugins are added on first use (get_cache_spec).
+CACHES: dict[str, CacheSpec] = {
+    s.name: s for s in (NONE, dynamic.SPEC, static.SPEC, static_graph.SPEC, paged.SPEC, int8.SPEC)
+}
+BUILTIN = tuple(CACHES)
+
+
+def get_cache_spec(name: str) -> CacheSpec:
+    """A registered cache, loading (and registering) a plugin named by `mod:obj` or an installed entry point."""
+    name = name.strip()
+    if name in CACHES:
+        return CACHES[name]
+    if plugins.is_reference(name):
+        spec = plugins.load_reference(name)
+    else:
+        eps = plugins.entry_point_names()
+        if name not in eps:
+            known = ", ".join([*CACHES, *(n for n in eps if n not in CACHES)])
+            raise KVBenchError(
+                f"unknown cache {name!r}; known caches: {known}, or a plugin as 'pkg.module:ClassOrSpec'"
+            )
+        spec = plugins.load_entry_point(eps[name])
+    CACHES[name] = spec
+    return spec
+
+
+def parse_cache_names(text: str | None) -> list[str]:
+    """'none,dynamic' -> ['none', 'dynamic']; None or 'all' -> every built-in cache plus installed plugins.
+    Unknown names are errors; a name given twice runs once."""
+    if text is None or text.strip() in ("", "all"):
+        names = [*BUILTIN, *(n for n in plugins.entry_point_names() if n not in BUILTIN)]
+    else:
+        names = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    for n in names:
+        get_cache_spec(n)
+    return names
+
+
+def make_caches(
+    name: str, config: GPTConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+) -> list[LayerCache] | None:
+    """One cache per layer for `name`, or None for the no-cache path."""
+    spec = get_cache_spec(name)
+    if spec.factory is None:
+        return None
+    return [spec.factory(config, batch, max_len, dtype, torch.device(device)) for _ in range(config.n_layer)]

@@ -1,0 +1,46 @@
+"""The `dynamic` cache: the seed's torch.cat append, kept as the baseline whose copying `bench` measures."""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.caches.base import CacheSpec, LayerCache
+
+
+class DynamicCache(LayerCache):
+    """The seed's cache: append with `torch.cat`, which allocates a new tensor and copies all history every step.
+
+    Kept on purpose as the baseline whose copying cost `bench` measures: each update re-copies the `length` cached
+    tokens of K and V, so growing from n0 to n1 tokens one at a time copies
+    bytes_per_token_per_layer x (n0 + ... + n1-1) = bytes_per_token_per_layer x (n1 - n0)(n0 + n1 - 1) / 2.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k: torch.Tensor | None = None  # (B, H, length, Dh)
+        self.v: torch.Tensor | None = None
+
+    def update(self, k, v, positions):
+        if self.k is None:
+            self.k, self.v = k, v  # first write: nothing cached, nothing copied
+        else:
+            self.bytes_copied += self.k.nbytes + self.v.nbytes
+            self.k = torch.cat([self.k, k], dim=2)  # (B, H, length + T, Dh): new tensor, history copied
+            self.v = torch.cat([self.v, v], dim=2)
+        self.length = self.k.size(2)
+        return self.k, self.v
+
+    def reset(self) -> None:
+        super().reset()
+        self.k = self.v = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+
+SPEC = CacheSpec(
+    "dynamic",
+    "torch.cat append (the seed's cache): copies all history every step",
+    lambda c, b, n, dt, dev: DynamicCache(),
+)

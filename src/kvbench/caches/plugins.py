@@ -1,0 +1,238 @@
+"""Caches from outside the repository: `pkg.module:ClassOrSpec` references and the `kvbench.caches` entry points.
+
+A plugin is either a `CacheSpec` (full control: summary, tolerances, a decode runner) or a `LayerCache` subclass
+whose constructor takes the factory signature `(config, batch, max_len, dtype, device)`; a class is wrapped in a
+spec (summary from its docstring, `exact`/`logit_atol`/`logit_rtol`/`min_greedy_agreement` from class attributes
+when it sets them). Either way the plugin gets what built-in caches get: generate, verify, break, bench and
+`memory --measure`.
+
+A plugin is held to the contract when it is loaded (a small probe on the CPU: attributes present, `update` returns
+(B, H, S, Dh) tensors with S >= length) and on every call after that (`CheckedCache`), so a plugin that breaks the
+contract fails with one line naming it and what it broke, never a traceback from inside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from importlib import metadata
+
+import torch
+
+from kvbench.caches.base import CacheSpec, LayerCache
+from kvbench.errors import KVBenchError
+from kvbench.model import GPTConfig
+
+ENTRY_POINT_GROUP = "kvbench.caches"
+ATTRIBUTES = ("update", "reset", "length", "capacity", "nbytes", "bytes_copied")
+SPEC_FIELDS = ("exact", "logit_atol", "logit_rtol", "min_greedy_agreement")
+_PROBE = GPTConfig(block_size=16, vocab_size=16, n_layer=1, n_head=2, n_embd=8, name="probe")
+
+
+class PluginError(KVBenchError):
+    """A cache plugin could not be loaded or broke the cache contract."""
+
+
+def is_reference(name: str) -> bool:
+    return ":" in name
+
+
+def entry_point_names() -> dict[str, metadata.EntryPoint]:
+    """Installed plugins, by entry-point name."""
+    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def load_reference(ref: str) -> CacheSpec:
+    """`pkg.module:Name` -> a checked CacheSpec named `ref`."""
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise PluginError(f"cache plugin {ref!r}: expected 'pkg.module:ClassOrSpec'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # any error while importing someone else's module is theirs: report it in one line
+        raise PluginError(f"cache plugin {ref!r}: cannot import {module_name!r} ({_why(e)})") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise PluginError(f"cache plugin {ref!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return wrap(obj, ref)
+
+
+def load_entry_point(ep: metadata.EntryPoint) -> CacheSpec:
+    try:
+        obj = ep.load()
+    except Exception as e:
+        raise PluginError(
+            f"cache plugin {ep.name!r} (entry point {ep.value}): cannot load it ({_why(e)})"
+        ) from None
+    return wrap(obj, ep.name)
+
+
+def wrap(obj: object, name: str) -> CacheSpec:
+    """A CacheSpec (renamed to `name`) or a LayerCache class wrapped in one; probed before it is used."""
+    if isinstance(obj, CacheSpec):
+        spec = dataclasses.replace(obj, name=name)
+    elif isinstance(obj, type):
+        fields = {f: getattr(obj, f) for f in SPEC_FIELDS if f in vars(obj) or _inherited(obj, f)}
+        summary = (obj.__doc__ or obj.__name__).strip().splitlines()[0]
+        spec = CacheSpec(name, summary, obj, **fields)
+    else:
+        raise PluginError(
+            f"cache plugin {name!r} is a {type(obj).__name__}; expected a CacheSpec or a LayerCache class"
+        )
+    if spec.factory is None:
+        raise PluginError(f"cache plugin {name!r}: its CacheSpec has no factory")
+    checked = dataclasses.replace(
+        spec, factory=_checked_factory(spec.factory, name, spec.decode_runner is None)
+    )
+    probe(checked)
+    return checked
+
+
+def _inherited(cls: type, field: str) -> bool:
+    return any(field in vars(base) for base in cls.__mro__[1:] if base not in (LayerCache, object))
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _checked_factory(factory, name: str, wrap_calls: bool):
+    def build(config, batch, max_len, dtype, device):
+        try:
+            cache = factory(config, batch, max_len, dtype, device)
+        except KVBenchError:
+            raise
+        except Exception as e:
+            raise PluginError(f"cache plugin {name!r}: constructing it raised {_why(e)}") from None
+        missing = [a for a in ATTRIBUTES if not _has(cache, a)]
+        if missing:
+            raise PluginError(f"cache plugin {name!r}: its cache object has no {', '.join(missing)}")
+        return CheckedCache(cache, name) if wrap_calls else cache
+
+    return build
+
+
+def _has(obj: object, attr: str) -> bool:
+    try:
+        getattr(obj, attr)
+    except AttributeError:
+        return False
+    except Exception:
+        return True  # the attribute exists but raised: the call-time check reports it
+    return True
+
+
+class CheckedCache(LayerCache):
+    """A plugin's cache behind the contract: every call checked, every failure one line naming the plugin."""
+
+    def __init__(self, inner, name: str) -> None:
+        self.inner, self.name = inner, name
+
+    def _fail(self, what: str) -> PluginError:
+        return PluginError(f"cache plugin {self.name!r} broke the cache contract: {what}")
+
+    def _get(self, attr: str):
+        try:
+            return getattr(self.inner, attr)
+        except Exception as e:
+            raise self._fail(f"reading {attr} raised {_why(e)}") from None
+
+    def update(self, k, v, positions):
+        B, H, T, Dh = k.shape
+        before = self.length
+        try:
+            out = self.inner.update(k, v, positions)
+        except KVBenchError:
+            raise
+        except Exception as e:
+            raise self._fail(f"update raised {_why(e)}") from None
+        if not (
+            isinstance(out, tuple | list) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
+        ):
+            raise self._fail(f"update must return (k, v) tensors, returned {type(out).__name__}")
+        k_out, v_out = out
+        length = self.length
+        for label, t in (("k", k_out), ("v", v_out)):
+            if t.dim() != 4 or tuple(t.shape[:2]) != (B, H) or t.size(3) != Dh:
+                raise self._fail(
+                    f"update returned {label} of shape {tuple(t.shape)}, expected ({B}, {H}, S, {Dh})"
+                )
+            if t.size(2) < length:
+                raise self._fail(f"update returned {t.size(2)} {label} slots but length is {length}")
+            if t.dtype != k.dtype:
+                raise self._fail(f"update returned {label} in {t.dtype}, attention runs in {k.dtype}")
+        if k_out.shape != v_out.shape:
+            raise self._fail(
+                f"update returned k {tuple(k_out.shape)} and v {tuple(v_out.shape)} of different shapes"
+            )
+        if not isinstance(length, int) or length < before:
+            raise self._fail(f"length went from {before} to {length!r} after an update of {T} token(s)")
+        return k_out, v_out
+
+    def reset(self) -> None:
+        try:
+            self.inner.reset()
+        except Exception as e:
+            raise self._fail(f"reset raised {_why(e)}") from None
+
+    def check_capacity(self, n_new: int, kind: str) -> tuple[int, int]:
+        return self.inner.check_capacity(n_new, kind)
+
+    @property
+    def length(self) -> int:
+        return self._int("length")
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.inner.length = value
+
+    @property
+    def capacity(self) -> int | None:
+        cap = self._get("capacity")
+        if cap is not None and not isinstance(cap, int):
+            raise self._fail(f"capacity must be an int or None, got {cap!r}")
+        return cap
+
+    @property
+    def nbytes(self) -> int:
+        return self._int("nbytes")
+
+    @property
+    def bytes_copied(self) -> int:
+        return self._int("bytes_copied")
+
+    def _int(self, attr: str) -> int:
+        value = self._get(attr)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self._fail(f"{attr} must be a non-negative int, got {value!r}")
+        return value
+
+    def __getattr__(self, attr: str):  # anything else (a design's own tensors) reads through
+        if attr == "inner":
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+
+def probe(spec: CacheSpec) -> None:
+    """Prefill 3 tokens and decode 1 on a tiny CPU config: catches a broken plugin before a long run starts."""
+    B, H, Dh = 2, _PROBE.n_head, _PROBE.head_dim
+    cache = spec.factory(_PROBE, B, 8, torch.float32, torch.device("cpu"))
+    if not isinstance(cache, CheckedCache):  # plugins with their own decode runner are checked here only
+        cache = CheckedCache(cache, spec.name)
+    g = torch.Generator().manual_seed(0)
+    for start, T in ((0, 3), (3, 1)):
+        k, v = (torch.randn(B, H, T, Dh, generator=g) for _ in range(2))
+        positions = torch.arange(start, start + T).expand(B, T)
+        cache.update(k, v, positions)
+    if cache.length != 4:
+        raise PluginError(
+            f"cache plugin {spec.name!r} broke the cache contract: length is {cache.length} after 4 tokens, expected 4"
+        )
+    cache.reset()
+    if cache.length != 0:
+        raise PluginError(
+            f"cache plugin {spec.name!r} broke the cache contract: length is {cache.length} after reset()"
+        )

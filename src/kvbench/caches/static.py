@@ -1,0 +1,45 @@
+"""The `static` cache: preallocated (B, H, max_len, Dh) buffers and a write pointer, Hugging Face's StaticCache in
+miniature."""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.caches.base import CacheSpec, LayerCache
+
+
+class StaticCache(LayerCache):
+    """Preallocated (B, H, max_len, Dh) buffers and a write pointer; returns views of the filled prefix.
+
+    Nothing is copied after the write: the views share the buffers' storage, and the shape grows but the allocation
+    never moves. This is Hugging Face's StaticCache in miniature.
+    """
+
+    def __init__(self, batch, n_head, max_len, head_dim, dtype, device, pointer_fault: bool = False) -> None:
+        super().__init__()
+        self.k = torch.zeros(batch, n_head, max_len, head_dim, dtype=dtype, device=device)  # (B, H, L, Dh)
+        self.v = torch.zeros_like(self.k)
+        self.capacity = max_len
+        self.pointer_fault = (
+            pointer_fault  # `kvbench break static-pointer` only (faults.py); False in every cache
+        )
+
+    def update(self, k, v, positions):
+        start, end = self.check_capacity(k.size(2), "static")
+        self.k[:, :, start:end].copy_(k)
+        self.v[:, :, start:end].copy_(v)
+        # BUG on purpose when pointer_fault: the pointer is left on the last written slot instead of one past it,
+        # so the next token's K/V overwrite this one's.
+        self.length = end - 1 if self.pointer_fault else end
+        return self.k[:, :, :end], self.v[:, :, :end]  # views: (B, H, end, Dh)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+SPEC = CacheSpec(
+    "static",
+    "preallocated (B, H, max_len, Dh) buffers + write pointer: no copies",
+    lambda c, b, n, dt, dev: StaticCache(b, c.n_head, n, c.head_dim, dt, dev),
+)
