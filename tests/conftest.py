@@ -12,7 +12,6 @@ import torch
 
 from kvbench.model import GPT, GPTConfig
 
-
 # A small, non-default shape (3 layers, 4 heads of 16, short context, small vocabulary) so shape bugs show.
 TINY = dict(n_layer=3, n_head=4, n_embd=64, block_size=128, vocab_size=500)
 

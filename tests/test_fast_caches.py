@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from kvbench.caches import CACHES, make_caches
+from kvbench.caches.int8 import Int8Cache, dequantize, memory_ratio, quantize
+from kvbench.caches.paged import BlockAllocator, PagedCache, paged_memory_report
 from kvbench.caches.static import StaticCache
+from kvbench.caches.static_graph import FixedShapeDecoder, StaticGraphCache, decode_runner
 from kvbench.errors import CacheOverflowError
 from kvbench.generation import generate
-from kvbench.caches.static_graph import FixedShapeDecoder, StaticGraphCache, decode_runner
 from kvbench.model import GPT, PRESETS, GPTConfig
-from kvbench.caches.paged import BlockAllocator, PagedCache, paged_memory_report
-from kvbench.caches.int8 import Int8Cache, dequantize, memory_ratio, quantize
 
 MINE = ["static-graph", "paged", "int8"]
 MINE_EXACT = [n for n in MINE if CACHES[n].exact]
