@@ -155,10 +155,10 @@ def test_json_output_is_one_document(tmp_path):
 
 # --- reliability --------------------------------------------------------------------------------------------------
 def test_ctrl_c_keeps_completed_rows_and_exits_130(tmp_path, monkeypatch):
-    from kvbench import console
+    from kvbench.cli import bench as cli_bench
 
     calls = {"n": 0}
-    real_update = console._BenchProgress.update
+    real_update = cli_bench._BenchProgress.update
 
     def interrupting_update(self, done, total, label):
         calls["n"] += 1
@@ -166,7 +166,7 @@ def test_ctrl_c_keeps_completed_rows_and_exits_130(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         real_update(self, done, total, label)
 
-    monkeypatch.setattr(console._BenchProgress, "update", interrupting_update)
+    monkeypatch.setattr(cli_bench._BenchProgress, "update", interrupting_update)
     out = tmp_path / "run"
     result, text = invoke(
         "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--prompt-len", "4,8",

@@ -1,0 +1,14 @@
+"""The `kvbench` command line: the app and its shared options (app.py), one module per command.
+
+Commands parse options, call a library function that returns dataclasses, and render them; heavy imports (torch,
+transformers, matplotlib) happen inside the commands so `kvbench --help` is instant.
+"""
+
+from kvbench.cli import bench, break_, generate, memory, verify  # noqa: F401  (each registers its command)
+from kvbench.cli.app import app
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    app()

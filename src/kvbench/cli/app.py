@@ -1,0 +1,121 @@
+"""The Typer app, the options every command shares, and the one layer where errors become exit codes.
+
+Each command lives in its own module beside this one (generate, verify, break, bench, memory), with its options and
+its renderers; `kvbench.cli` imports them so they register on `app`.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvbench import __version__, console
+from kvbench.errors import KVBenchError
+
+app = typer.Typer(
+    name="kvbench",
+    help="Build, verify, break and measure the KV cache of LLM decoding on a from-scratch GPT-2.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# --- shared options (defined once, used by every command that loads a model) ------------------------------------
+ModelOpt = Annotated[
+    str,
+    typer.Option(
+        "--model", "-m", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-tiny, or a GPT-2 config.json."
+    ),
+]
+WeightsOpt = Annotated[
+    str,
+    typer.Option(
+        "--weights", "-w", help="auto | hub | random | PATH (a local Hugging Face GPT-2 directory)."
+    ),
+]
+DeviceOpt = Annotated[str, typer.Option("--device", "-d", help="auto | cpu | cuda | cuda:N.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for random weights, random prompts and sampling.")]
+TokenizerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tokenizer",
+        help="A .tiktoken ranks file or a directory with vocab.json + merges.txt (default: $KVBENCH_TOKENIZER, "
+        "else tiktoken's gpt2 download).",
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout and nothing else.")]
+
+
+def _dtype_opt(default: str) -> object:
+    return typer.Option(default, "--dtype", help="fp32 | fp16 | bf16 (auto: fp16 on CUDA, fp32 on CPU).")
+
+
+def handle_errors(fn):
+    """The one layer where errors become exit codes: KVBenchError -> red line + exit 2; Ctrl-C -> exit 130."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KVBenchError as e:
+            console.error(str(e))
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            console.error("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvbench {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """kvbench: generate, verify, break, bench and memory over one GPT-2 core."""
+
+
+def load_for_cli(model: str | None, weights: str, device: str, dtype: str, seed: int, init_std: float = 0.02):
+    """Resolve device and dtype, load the model, and show the random-weights warning once. Shared by commands."""
+    from kvbench.devices import resolve_device, resolve_dtype
+    from kvbench.weights import load_model
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    loaded = load_model(model, weights, dev, dt, seed=seed, init_std=init_std)
+    if loaded.warning:
+        console.warn(loaded.warning)
+    return loaded, dev, dt
+
+
+# Random weights for verify and break use init std 0.05, not GPT-2's 0.02: at 0.02 a random GPT-2's greedy output
+# repeats one token (5 distinct in 100 on gpt2), which hides bugs such as wrong positions; at 0.05 it varies (47 of
+# 100). Not larger: at 0.1 a 12-layer random model's activations blow up and its logits turn chaotic (near-ties
+# everywhere), which no real checkpoint looks like.
+CHECK_INIT_STD = 0.05
+
+
+def load_for_checks(model: str | None, weights: str, device: str, dtype: str, seed: int):
+    """Like load_for_cli, with CHECK_INIT_STD for random weights; also the Hugging Face directory the weights came
+    from, if any, so the reference loads the checkpoint itself rather than our port of it."""
+    from kvbench.weights import hub_snapshot
+
+    loaded, dev, dt = load_for_cli(model, weights, device, dtype, seed, init_std=CHECK_INIT_STD)
+    hf_dir = None
+    if not loaded.random:
+        if weights not in ("auto", "hub"):
+            hf_dir = str(Path(weights).expanduser())
+        else:
+            snap = hub_snapshot(model or "gpt2", allow_download=False)
+            hf_dir = str(snap) if snap else None
+    return loaded, dev, dt, hf_dir

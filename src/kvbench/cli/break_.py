@@ -1,0 +1,165 @@
+"""`kvbench break`: inject the classic KV-cache bugs and show verify catching each."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kvbench import console
+from kvbench.cli.app import (
+    DeviceOpt,
+    JsonOpt,
+    ModelOpt,
+    SeedOpt,
+    TokenizerOpt,
+    WeightsOpt,
+    _dtype_opt,
+    app,
+    handle_errors,
+    load_for_checks,
+)  # fmt: skip
+from kvbench.console import out, table
+from kvbench.errors import KVBenchError
+
+BREAK_PROMPTS = (
+    "The key to fast inference is",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "The capital of France is Paris, and the capital of Italy is",
+)
+
+
+@app.command(name="break")
+@handle_errors
+def break_(
+    name: Annotated[str, typer.Argument(help="A fault name, or all.")] = "all",
+    prompt: Annotated[
+        str | None, typer.Option("--prompt", "-p", help="The prompt (default: a built-in one).")
+    ] = None,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", help="Tokens per run.")] = 40,
+    batch: Annotated[
+        int, typer.Option("--batch", help="Prompts in the batch for `padding` and the batched check (>= 2).")
+    ] = 3,
+    reference: Annotated[
+        str, typer.Option("--reference", help="hf: include the Hugging Face reference check; none: skip.")
+    ] = "hf",
+    model: ModelOpt = None,
+    weights: WeightsOpt = "auto",
+    device: DeviceOpt = "auto",
+    dtype: str = _dtype_opt("fp32"),
+    seed: SeedOpt = 0,
+    tokenizer: TokenizerOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Inject the classic KV-cache bugs and show verify catching each.
+
+    Runs correct and faulty code side by side on the same model and prompt. Exit 0 when every injected fault was
+    detected by verify, 1 when any slipped through."""
+    from kvbench.faults import break_fault, parse_fault_names
+    from kvbench.tokenizer import load_tokenizer
+    from kvbench.verify import random_prompts
+
+    names = parse_fault_names(name)
+    if new_tokens < 2:
+        raise KVBenchError(
+            f"--new-tokens must be >= 2 (a fault shows from the first decode step), got {new_tokens}"
+        )
+    if batch < 2:
+        why = "padding needs >= 2 prompts of different lengths: with one prompt nothing is padded, the bug is dormant"
+        raise KVBenchError(f"--batch {batch}: {why}; use --batch 2 or more")
+    if reference not in ("hf", "none"):
+        raise KVBenchError(f"--reference must be hf or none, got {reference!r}")
+    loaded, dev, dt, hf_dir = load_for_checks(model, weights, device, dtype, seed)
+    try:
+        tok = load_tokenizer(tokenizer)
+    except KVBenchError as e:
+        if tokenizer is not None:
+            raise
+        tok = None
+        console.warn(f"no tokenizer ({e}); showing random prompts and token ids instead of text")
+    vocab = loaded.config.vocab_size
+    if tok is not None and vocab >= tok.eot_id + 1:
+        texts = [prompt or BREAK_PROMPTS[0], *BREAK_PROMPTS[1:]]
+        texts = (texts * batch)[:batch]
+        prompts = [tok.encode(t) for t in texts]
+        if not prompts[0]:
+            raise KVBenchError("--prompt encodes to zero tokens")
+        if len({len(p) for p in prompts}) < 2:
+            prompts[1] = prompts[1] + prompts[0]  # the batch needs two different lengths
+        decode = tok.decode
+    else:
+        prompts = random_prompts(vocab, 24, batch, seed)[::-1]  # shortest first: prompts[0] is the one shown
+        decode = tok.decode if tok is not None else None
+    ctx = loaded.config.block_size
+    longest = max(map(len, prompts))
+    if longest + new_tokens > ctx:
+        raise KVBenchError(
+            f"longest batch prompt {longest} (after padding) + new tokens {new_tokens} exceeds the context of {ctx}"
+        )
+    results = []
+    for n in names:
+        r = break_fault(loaded.model, n, prompts, new_tokens, reference, hf_dir, decode)
+        results.append(r)
+        if not json_out:
+            render_break(r)
+    meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev)}
+    if json_out:
+        from dataclasses import asdict
+
+        console.print_json({"all_detected": all(r.detected for r in results), **meta,
+                            "bugs": [asdict(r) for r in results]})  # fmt: skip
+    else:
+        render_break_summary(results)
+    if not all(r.detected for r in results):
+        raise typer.Exit(1)
+
+
+# --- rendering ---
+def _seq(text: str | None, tokens: list[int], first: int | None) -> str:
+    if text is not None:
+        from rich.markup import escape
+
+        return escape(repr(text))
+    return " ".join(("[red]" + str(t) + "[/]") if first is not None and i >= first else str(t)
+                    for i, t in enumerate(tokens))  # fmt: skip
+
+
+def render_break(r) -> None:
+    head = "[green]detected[/]" if r.detected else "[bold red]NOT detected[/]"
+    out.rule(f"[bold]{r.name}[/]: {r.summary}", align="left")
+    div = "none (the outputs are identical)" if r.first_divergence is None else f"step {r.first_divergence}"
+    lines = [
+        f"cache {r.cache}; the bug lives in {r.where}",
+        f"first divergent token: {div}",
+        f"correct: {_seq(r.correct_text, r.correct_tokens, r.first_divergence)}",
+        f"faulty:  {_seq(r.faulty_text, r.faulty_tokens, r.first_divergence)}",
+        f"signature: {r.signature}",
+        f"{head} by verify: {', '.join(r.caught_by) if r.caught_by else 'no check failed'}",
+        f"fix: {r.fix}",
+        f"dormant: {r.dormant_where} ({r.dormant_shown})",
+    ]
+    for line in lines:
+        out.print(line, soft_wrap=True)
+
+
+def render_break_summary(results: list) -> None:
+    rows = [
+        [
+            r.name,
+            r.cache,
+            "[green]yes[/]" if r.detected else "[bold red]NO[/]",
+            ", ".join(r.caught_by) or "-",
+            "-" if r.first_divergence is None else str(r.first_divergence),
+        ]
+        for r in results
+    ]
+    out.print(
+        table(
+            "kvbench break: injected faults",
+            ["fault", "cache", "detected", "caught by", "first diverge"],
+            rows,
+        )
+    )
+    n = sum(r.detected for r in results)
+    style = "bold green" if n == len(results) else "bold red"
+    out.print(f"[{style}]{n} of {len(results)} faults detected by verify[/]")

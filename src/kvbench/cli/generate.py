@@ -1,0 +1,206 @@
+"""`kvbench generate`: text through any cache, one prompt streamed or a batch decoded together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvbench import console
+from kvbench.cli.app import (
+    DeviceOpt,
+    JsonOpt,
+    ModelOpt,
+    SeedOpt,
+    TokenizerOpt,
+    WeightsOpt,
+    _dtype_opt,
+    app,
+    handle_errors,
+    load_for_cli,
+)  # fmt: skip
+from kvbench.console import out, table
+from kvbench.errors import KVBenchError
+
+
+def read_prompts(prompt: str | None, prompts: list[str] | None, prompts_file: Path | None) -> list[str]:
+    texts = ([prompt] if prompt is not None else []) + list(prompts or [])
+    if prompts_file is not None:
+        try:
+            lines = prompts_file.read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise KVBenchError(f"cannot read --prompts-file {prompts_file}: {e.strerror}") from None
+        texts += [line for line in lines if line.strip()]
+    if not texts:
+        raise KVBenchError("no prompt given: pass PROMPT, --prompt (repeatable) or --prompts-file")
+    for i, t in enumerate(texts):
+        if not t.strip():
+            raise KVBenchError(f"prompt {i + 1} is empty")
+    return texts
+
+
+@app.command()
+@handle_errors
+def generate(
+    prompt: Annotated[
+        str | None, typer.Argument(help="The prompt (or use --prompt / --prompts-file).")
+    ] = None,
+    prompts: Annotated[
+        list[str] | None,
+        typer.Option("--prompt", "-p", help="A prompt; repeat for a batch decoded together."),
+    ] = None,
+    prompts_file: Annotated[
+        Path | None,
+        typer.Option("--prompts-file", help="One prompt per line, decoded together as a batch."),
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")] = 64,
+    cache: Annotated[
+        str, typer.Option("--cache", "-c", help="KV cache: none, dynamic, static, ...")
+    ] = "dynamic",
+    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.")] = 0.0,
+    top_k: Annotated[
+        int | None, typer.Option("--top-k", help="Sample from the k most likely tokens.")
+    ] = None,
+    stop_at_eot: Annotated[
+        bool, typer.Option("--stop/--no-stop", help="Stop a sequence at <|endoftext|>.")
+    ] = True,
+    model: ModelOpt = None,
+    weights: WeightsOpt = "auto",
+    device: DeviceOpt = "auto",
+    dtype: str = _dtype_opt("auto"),
+    seed: SeedOpt = 0,
+    tokenizer: TokenizerOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Generate text through any cache (and batches of prompts). Greedy by default; streams a single prompt."""
+    texts = read_prompts(prompt, prompts, prompts_file)
+    from kvbench.caches import get_cache_spec
+    from kvbench.generation import Sampler
+    from kvbench.generation import generate as run_generate
+    from kvbench.tokenizer import load_tokenizer
+
+    get_cache_spec(cache)
+    sampler = Sampler(temperature=temperature, top_k=top_k, seed=seed)
+    tok = load_tokenizer(tokenizer)
+    ids = [tok.encode(t) for t in texts]
+    loaded, dev, dt = load_for_cli(model, weights, device, dtype, seed)
+    vocab = loaded.config.vocab_size
+    for i, p in enumerate(ids):
+        if not p:
+            raise KVBenchError(f"prompt {i + 1} encodes to zero tokens")
+        if max(p) >= vocab:
+            raise KVBenchError(f"prompt {i + 1} has token id {max(p)} >= the model's vocabulary of {vocab}")
+
+    stream = TextStream(tok, texts[0]) if (len(texts) == 1 and not json_out) else None
+    result = run_generate(
+        loaded.model,
+        ids,
+        max_new_tokens,
+        cache=cache,
+        sampler=sampler,
+        stop_token=tok.eot_id if stop_at_eot else None,
+        on_token=stream.push if stream else None,
+    )
+    if stream:
+        stream.close()
+    doc = generation_report(texts, result, tok, loaded, dev, dt, sampler, tokenizer_source=tok.source)
+    if json_out:
+        console.print_json(doc)
+    else:
+        render_generation(doc, streamed=stream is not None)
+
+
+def generation_report(texts, result, tok, loaded, dev, dt, sampler, tokenizer_source) -> dict:
+    """The JSON document of a generate run: completions, settings, timings (all device-synchronised)."""
+    import statistics
+
+    from kvbench.devices import device_name, dtype_name
+
+    n_tokens = sum(len(t) for t in result.tokens)
+    return {
+        "completions": [
+            {"prompt": p, "prompt_tokens": n, "tokens": t, "text": tok.decode(t)}
+            for p, n, t in zip(texts, result.prompt_lens, result.tokens, strict=True)
+        ],
+        "settings": {
+            "model": loaded.config.name,
+            "weights": loaded.weights,
+            "random_weights": loaded.random,
+            "tokenizer": tokenizer_source,
+            "cache": result.cache,
+            "device": str(dev),
+            "device_name": device_name(dev),
+            "dtype": dtype_name(dt),
+            "batch": len(texts),
+            "temperature": sampler.temperature,
+            "top_k": sampler.top_k,
+            "seed": sampler.seed,
+        },
+        "timings": {
+            "ttft_ms": result.ttft_s * 1e3,
+            "tpot_ms_median": statistics.median(result.step_s) * 1e3 if result.step_s else None,
+            "total_s": result.total_s,
+            "generated_tokens": n_tokens,
+            "tokens_per_s": (len(texts) * result.new_tokens) / result.total_s if result.total_s > 0 else None,
+        },
+        "cache": {"name": result.cache, "bytes": result.cache_bytes, "bytes_copied": result.bytes_copied},
+        "warning": loaded.warning,
+    }
+
+
+# --- rendering ---
+class TextStream:
+    """Prints a single completion as it is produced. Decodes the whole completion each time and prints the new
+    suffix, so a character split across two byte-level tokens appears once it is complete."""
+
+    def __init__(self, tokenizer, prompt: str) -> None:
+        self.tok, self.ids, self.shown = tokenizer, [], ""
+        out.print(f"[bold]{prompt}[/]", end="")
+
+    def push(self, ids: list[int]) -> None:
+        if ids[0] == self.tok.eot_id:
+            return
+        self.ids.append(ids[0])
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        out.print(text[len(self.shown) :], end="", markup=False, highlight=False)
+        self.shown = text
+
+    def close(self) -> None:
+        out.print()
+
+
+def render_generation(doc: dict, streamed: bool) -> None:
+    if not streamed:
+        for i, c in enumerate(doc["completions"], 1):
+            out.rule(f"[dim]sequence {i} ({c['prompt_tokens']} prompt tokens)")
+            out.print(f"[bold]{c['prompt']}[/]", end="")
+            out.print(c["text"], markup=False, highlight=False)
+    s, t, c = doc["settings"], doc["timings"], doc["cache"]
+    tpot = t["tpot_ms_median"]
+    rows = [
+        [
+            "model / weights",
+            f"{s['model']} / {s['weights']}"
+            + ("  [yellow](random: text is meaningless)[/]" if s["random_weights"] else ""),
+        ],
+        ["device / dtype", f"{s['device_name']} / {s['dtype']}"],
+        [
+            "cache",
+            f"{c['name']}: {console.fmt_bytes(c['bytes'])} held"
+            + (f", {console.fmt_bytes(c['bytes_copied'])} of history copied" if c["bytes_copied"] else ""),
+        ],
+        ["prefill (TTFT)", f"{t['ttft_ms']:.1f} ms for batch {s['batch']}"],
+        ["median time per output token", "-" if tpot is None else f"{tpot:.2f} ms (decode steps only)"],
+        [
+            "throughput",
+            f"{t['tokens_per_s']:.1f} tokens/s incl. prefill ({t['generated_tokens']} tokens kept)",
+        ],
+    ]
+    tbl = table("generate", ["", ""], [], caption="timings are device-synchronised wall clock")
+    tbl.show_header = False
+    for r in rows:
+        tbl.add_row(*r)
+    out.print(tbl)
