@@ -1,6 +1,9 @@
-"""Rich at the edge: the consoles, tables and progress bars, and the JSON printer.
+"""Rich at the edge: the consoles and the primitives every command's renderer uses.
 
-Library modules never print; they return dataclasses and rows. Everything a person sees goes through here.
+Library modules never print; they return dataclasses and rows, and each command's module in `kvbench.cli` lays them
+out with these. Text a user gave (prompts, names, paths, config fields) is printed literally, never read as Rich
+markup: `table` cells and message bodies are plain text, and styling is added with `styled`, never with markup
+built by formatting a string.
 """
 
 from __future__ import annotations
@@ -11,22 +14,47 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# Piped or redirected output is not an 80-column terminal: lay tables out wide and never wrap prose there.
+PIPE_WIDTH = 200
+
+
+def _console(stderr: bool) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    return Console(stderr=stderr, highlight=False, width=None if tty else PIPE_WIDTH, soft_wrap=not tty)
+
+
+out = _console(stderr=False)
+err = _console(stderr=True)
+
+
+def styled(text: Any, style: str) -> Text:
+    """`text` (printed literally) in a Rich style: the one way renderers colour a cell or a line."""
+    return Text(str(text), style=style)
+
+
+def line(*parts: str | Text) -> Text:
+    """A line assembled from plain strings (literal) and `styled` pieces."""
+    return Text.assemble(*parts)
 
 
 def error(message: str) -> None:
-    """One red line on stderr: the whole user-facing error."""
-    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    """One red line on stderr: the whole user-facing error. The message is literal text."""
+    err.print(line(styled("error:", "bold red"), " ", _one_line(message)), soft_wrap=True)
 
 
 def warn(message: str) -> None:
-    err.print(f"[yellow]warning:[/] {message}", soft_wrap=True)
+    err.print(line(styled("warning:", "yellow"), " ", message), soft_wrap=True)
 
 
 def note(message: str) -> None:
-    err.print(f"[dim]{message}[/]", soft_wrap=True)
+    err.print(styled(message, "dim"), soft_wrap=True)
+
+
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split("\n")) if "\n" in str(message) else str(message)
 
 
 def print_json(doc: Any) -> None:
@@ -40,8 +68,13 @@ def table(title: str, columns: list[str], rows: list[list[Any]], caption: str | 
     for c in columns:
         t.add_column(c, overflow="fold")
     for r in rows:
-        t.add_row(*[str(x) for x in r])
+        t.add_row(*[cell(x) for x in r])
     return t
+
+
+def cell(x: Any) -> Text:
+    """A table cell: Rich Text as given, anything else as literal text."""
+    return x if isinstance(x, Text) else Text(str(x))
 
 
 def fmt_bytes(n: int) -> str:

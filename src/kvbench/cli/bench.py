@@ -21,7 +21,7 @@ from kvbench.cli.app import (
     handle_errors,
     load_for_cli,
 )
-from kvbench.console import err, out
+from kvbench.console import cell, err, line, out, styled
 
 
 @app.command()
@@ -162,7 +162,7 @@ def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
         speedup = _f(r.speedup_vs_none, ".2f") + ("x" if r.speedup_vs_none == r.speedup_vs_none else "")
         body.append(
             [
-                r.engine, r.cache if r.status == "ok" else f"[red]{r.cache} ({r.status})[/]", r.prompt_len, _f(r.ttft_ms, ".1f"),
+                r.engine, r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status})", "red"), r.prompt_len, _f(r.ttft_ms, ".1f"),
                 _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p90, ".2f"), _f(r.total_s, ".3f"), speedup,
                 _f(r.peak_mem_mib, ".0f"), _f(r.kv_cache_mib, ".2f"),
                 "-" if r.bytes_copied != r.bytes_copied else console.fmt_bytes(int(r.bytes_copied)),
@@ -193,8 +193,15 @@ def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
     for i, c in enumerate(cols):
         tbl.add_column(c, no_wrap=True, justify="left" if i < 2 else "right")
     for r in body:
-        tbl.add_row(*[str(x) for x in r])
+        tbl.add_row(*[cell(x) for x in r])
     # A narrow (or non-tty, 80-column) console would squeeze the numbers into ellipses: print at full width instead.
     wide = out if out.width >= 130 else Console(highlight=False, width=130)
     wide.print(tbl)
-    out.print(f"[green]wrote[/] {', '.join(p.name for p in files)} [dim]in[/] {run_dir}")
+    out.print(
+        line(
+            styled("wrote", "green"),
+            f" {', '.join(p.name for p in files)} ",
+            styled("in", "dim"),
+            f" {run_dir}",
+        )
+    )

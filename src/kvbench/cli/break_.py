@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.text import Text
 
 from kvbench import console
 from kvbench.cli.app import (
@@ -19,7 +20,7 @@ from kvbench.cli.app import (
     handle_errors,
     load_for_checks,
 )  # fmt: skip
-from kvbench.console import out, table
+from kvbench.console import line, out, styled, table
 from kvbench.errors import KVBenchError
 
 BREAK_PROMPTS = (
@@ -117,29 +118,27 @@ def break_(
 # --- rendering ---
 def _seq(text: str | None, tokens: list[int], first: int | None) -> str:
     if text is not None:
-        from rich.markup import escape
-
-        return escape(repr(text))
-    return " ".join(("[red]" + str(t) + "[/]") if first is not None and i >= first else str(t)
-                    for i, t in enumerate(tokens))  # fmt: skip
+        return repr(text)
+    parts = [styled(t, "red") if first is not None and i >= first else str(t) for i, t in enumerate(tokens)]
+    return Text(" ").join(Text(p) if isinstance(p, str) else p for p in parts)
 
 
 def render_break(r) -> None:
-    head = "[green]detected[/]" if r.detected else "[bold red]NOT detected[/]"
-    out.rule(f"[bold]{r.name}[/]: {r.summary}", align="left")
+    head = styled("detected", "green") if r.detected else styled("NOT detected", "bold red")
+    out.rule(line(styled(r.name, "bold"), f": {r.summary}"), align="left")
     div = "none (the outputs are identical)" if r.first_divergence is None else f"step {r.first_divergence}"
     lines = [
-        f"cache {r.cache}; the bug lives in {r.where}",
-        f"first divergent token: {div}",
-        f"correct: {_seq(r.correct_text, r.correct_tokens, r.first_divergence)}",
-        f"faulty:  {_seq(r.faulty_text, r.faulty_tokens, r.first_divergence)}",
-        f"signature: {r.signature}",
-        f"{head} by verify: {', '.join(r.caught_by) if r.caught_by else 'no check failed'}",
-        f"fix: {r.fix}",
-        f"dormant: {r.dormant_where} ({r.dormant_shown})",
+        line(f"cache {r.cache}; the bug lives in {r.where}"),
+        line(f"first divergent token: {div}"),
+        line("correct: ", _seq(r.correct_text, r.correct_tokens, r.first_divergence)),
+        line("faulty:  ", _seq(r.faulty_text, r.faulty_tokens, r.first_divergence)),
+        line(f"signature: {r.signature}"),
+        line(head, f" by verify: {', '.join(r.caught_by) if r.caught_by else 'no check failed'}"),
+        line(f"fix: {r.fix}"),
+        line(f"dormant: {r.dormant_where} ({r.dormant_shown})"),
     ]
-    for line in lines:
-        out.print(line, soft_wrap=True)
+    for text in lines:
+        out.print(text, soft_wrap=True)
 
 
 def render_break_summary(results: list) -> None:
@@ -147,7 +146,7 @@ def render_break_summary(results: list) -> None:
         [
             r.name,
             r.cache,
-            "[green]yes[/]" if r.detected else "[bold red]NO[/]",
+            styled("yes", "green") if r.detected else styled("NO", "bold red"),
             ", ".join(r.caught_by) or "-",
             "-" if r.first_divergence is None else str(r.first_divergence),
         ]
@@ -162,4 +161,4 @@ def render_break_summary(results: list) -> None:
     )
     n = sum(r.detected for r in results)
     style = "bold green" if n == len(results) else "bold red"
-    out.print(f"[{style}]{n} of {len(results)} faults detected by verify[/]")
+    out.print(styled(f"{n} of {len(results)} faults detected by verify", style))

@@ -20,7 +20,7 @@ from kvbench.cli.app import (
     handle_errors,
     load_for_cli,
 )  # fmt: skip
-from kvbench.console import out, table
+from kvbench.console import line, out, styled, table
 from kvbench.errors import KVBenchError
 
 
@@ -156,7 +156,7 @@ class TextStream:
 
     def __init__(self, tokenizer, prompt: str) -> None:
         self.tok, self.ids, self.shown = tokenizer, [], ""
-        out.print(f"[bold]{prompt}[/]", end="")
+        out.print(styled(prompt, "bold"), end="")
 
     def push(self, ids: list[int]) -> None:
         if ids[0] == self.tok.eot_id:
@@ -175,16 +175,18 @@ class TextStream:
 def render_generation(doc: dict, streamed: bool) -> None:
     if not streamed:
         for i, c in enumerate(doc["completions"], 1):
-            out.rule(f"[dim]sequence {i} ({c['prompt_tokens']} prompt tokens)")
-            out.print(f"[bold]{c['prompt']}[/]", end="")
+            out.rule(styled(f"sequence {i} ({c['prompt_tokens']} prompt tokens)", "dim"))
+            out.print(styled(c["prompt"], "bold"), end="")
             out.print(c["text"], markup=False, highlight=False)
     s, t, c = doc["settings"], doc["timings"], doc["cache"]
     tpot = t["tpot_ms_median"]
     rows = [
         [
             "model / weights",
-            f"{s['model']} / {s['weights']}"
-            + ("  [yellow](random: text is meaningless)[/]" if s["random_weights"] else ""),
+            line(
+                f"{s['model']} / {s['weights']}",
+                styled("  (random: text is meaningless)", "yellow") if s["random_weights"] else "",
+            ),
         ],
         ["device / dtype", f"{s['device_name']} / {s['dtype']}"],
         [
@@ -199,8 +201,6 @@ def render_generation(doc: dict, streamed: bool) -> None:
             f"{t['tokens_per_s']:.1f} tokens/s incl. prefill ({t['generated_tokens']} tokens kept)",
         ],
     ]
-    tbl = table("generate", ["", ""], [], caption="timings are device-synchronised wall clock")
+    tbl = table("generate", ["", ""], rows, caption="timings are device-synchronised wall clock")
     tbl.show_header = False
-    for r in rows:
-        tbl.add_row(*r)
     out.print(tbl)

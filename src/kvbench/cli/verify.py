@@ -18,7 +18,7 @@ from kvbench.cli.app import (
     handle_errors,
     load_for_checks,
 )  # fmt: skip
-from kvbench.console import err, out, table
+from kvbench.console import err, line, out, styled, table
 from kvbench.errors import KVBenchError
 
 
@@ -82,9 +82,14 @@ def _diff(x: float | None) -> str:
 
 def verify_row(row) -> None:
     """One line per check as it finishes (stderr, so a long run shows progress)."""
-    mark = "[green]pass[/]" if row.passed else "[bold red]FAIL[/]"
+    mark = styled("pass", "green") if row.passed else styled("FAIL", "bold red")
     err.print(
-        f"[dim]{row.cache:>12} {row.name:<12}[/] {mark} [dim]{_diff(row.max_abs_diff)}[/]", soft_wrap=True
+        line(
+            styled(f"{row.cache:>12} {row.name:<12} ", "dim"),
+            mark,
+            styled(f" {_diff(row.max_abs_diff)}", "dim"),
+        ),
+        soft_wrap=True,
     )
 
 
@@ -93,7 +98,7 @@ def render_verify(report, meta: dict) -> None:
         [
             r.name,
             r.cache,
-            "[green]pass[/]" if r.passed else "[bold red]FAIL[/]",
+            styled("pass", "green") if r.passed else styled("FAIL", "bold red"),
             _diff(r.max_abs_diff),
             "-" if r.first_divergence is None else str(r.first_divergence),
             r.tolerance,
@@ -105,9 +110,14 @@ def render_verify(report, meta: dict) -> None:
     cols = ["check", "cache", "result", "max |Δlogit|", "first diverge", "tolerance", "detail"]
     out.print(table(title, cols, rows))
     for n in report.notes:
-        out.print(f"[dim]- {n}[/]", soft_wrap=True)
+        out.print(styled(f"- {n}", "dim"), soft_wrap=True)
     failed = [f"{r.name}/{r.cache}" for r in report.checks if not r.passed]
     if failed:
-        out.print(f"[bold red]FAILED[/] {len(failed)} of {len(report.checks)} checks: {', '.join(failed)}")
+        out.print(
+            line(
+                styled("FAILED", "bold red"),
+                f" {len(failed)} of {len(report.checks)} checks: {', '.join(failed)}",
+            )
+        )
     else:
-        out.print(f"[bold green]PASSED[/] all {len(report.checks)} checks")
+        out.print(line(styled("PASSED", "bold green"), f" all {len(report.checks)} checks"))
