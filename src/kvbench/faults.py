@@ -32,8 +32,14 @@ class Fault:
     signature: str  # how it shows in output
     fix: str  # the one-line fix
     dormant_where: str  # where it cannot fire, so "it works there" proves nothing
-    cache: str = "dynamic"  # the cache it is run against
+    cache: str = "dynamic"  # the cache it is run against by default
     batched: bool = False  # needs a batch of prompts of different lengths
+    any_cache: bool = (
+        True  # the bug lives outside the cache (generation, attention), so any cache can carry it
+    )
+
+    def applies_to(self, cache: str) -> bool:
+        return cache != "none" and (self.any_cache or cache == self.cache)
 
 
 # One registry of faults: CLI choices, `break all` and test parametrisation iterate this dict.
@@ -79,6 +85,7 @@ FAULTS: dict[str, Fault] = {
         "self.length = end (one past the last written slot), not end - 1",
         "the prefill (the first token is always right) and every other cache",
         cache="static",
+        any_cache=False,
     ),
 }
 
@@ -157,10 +164,18 @@ def break_fault(
     reference: str = "hf",
     hf_dir: str | None = None,
     decode: Callable[[list[int]], str] | None = None,
+    cache: str | None = None,
 ) -> BreakResult:
     """Run fault `name` against the correct path on prompts[0] (the padding fault: on the batch, showing its
-    shortest prompt), run every verify check with the fault in, and show it dormant where it cannot fire."""
+    shortest prompt), run every verify check with the fault in, and show it dormant where it cannot fire.
+    `cache`: the cache to carry the fault (default: the fault's own; any cache, plugins included, for faults that
+    live outside the cache)."""
     f = get_fault(name)
+    cache = cache or f.cache
+    if not f.applies_to(cache):
+        raise KVBenchError(
+            f"the {name} fault lives in the {f.cache} cache itself; it cannot be run on {cache!r}"
+        )
     prompt, other = prompts[0], prompts[1]
     if f.batched and (len(prompts) < 2 or len({len(p) for p in prompts}) < 2):
         raise KVBenchError(
@@ -169,24 +184,24 @@ def break_fault(
         )
     if f.batched:
         row = min(range(len(prompts)), key=lambda b: len(prompts[b]))  # the shortest: most padding
-        correct = run(model, prompts, new_tokens, f.cache).tokens[row]
-        faulty = run(model, prompts, new_tokens, f.cache, name).tokens[row]
-        dormant = run(model, [prompts[row]], new_tokens, f.cache, name).tokens[0]
+        correct = run(model, prompts, new_tokens, cache).tokens[row]
+        faulty = run(model, prompts, new_tokens, cache, name).tokens[row]
+        dormant = run(model, [prompts[row]], new_tokens, cache, name).tokens[0]
         shown = f"alone (a batch of one) the faulty path gives the correct tokens: {dormant == correct}"
         signature = f"{f.signature}; shown: the length-{len(prompts[row])} prompt of a batch padded to {max(map(len, prompts))}"
     elif name == "reset":
-        caches = fresh_caches(model, f.cache, 1, max(len(prompt), len(other)) + new_tokens)
-        run(model, [other], new_tokens, f.cache, name, caches)
+        caches = fresh_caches(model, cache, 1, max(len(prompt), len(other)) + new_tokens)
+        run(model, [other], new_tokens, cache, name, caches)
         stale = caches[0].length
-        faulty = run(model, [prompt], new_tokens, f.cache, name, caches).tokens[0]
-        correct = run(model, [prompt], new_tokens, f.cache).tokens[0]
-        dormant = run(model, [prompt], new_tokens, f.cache, name).tokens[0]  # fresh caches: nothing stale
+        faulty = run(model, [prompt], new_tokens, cache, name, caches).tokens[0]
+        correct = run(model, [prompt], new_tokens, cache).tokens[0]
+        dormant = run(model, [prompt], new_tokens, cache, name).tokens[0]  # fresh caches: nothing stale
         shown = f"on a fresh cache the faulty path gives the correct tokens: {dormant == correct}"
         signature = f"{f.signature}; shown: the prefill started with {stale} stale columns instead of 0"
     else:
-        res_ok = run(model, [prompt], new_tokens, f.cache)
-        caches = fresh_caches(model, f.cache, 1, len(prompt) + new_tokens, name)
-        res_bad = run(model, [prompt], new_tokens, f.cache, name, caches)
+        res_ok = run(model, [prompt], new_tokens, cache)
+        caches = fresh_caches(model, cache, 1, len(prompt) + new_tokens, name)
+        res_bad = run(model, [prompt], new_tokens, cache, name, caches)
         correct, faulty = res_ok.tokens[0], res_bad.tokens[0]
         if name == "static-pointer":
             shown = f"the prefill's token is right: {faulty[0] == correct[0]}"
@@ -203,13 +218,13 @@ def break_fault(
                 )
             else:
                 signature = f"{f.signature}; shown: decode steps fed position 0 instead of {len(prompt)}, {len(prompt) + 1}, ..."
-    report = run_verify(model, [f.cache], prompts, new_tokens, reference, hf_dir, fault=name)
+    report = run_verify(model, [cache], prompts, new_tokens, reference, hf_dir, fault=name)
     caught = [r.name for r in report.checks if not r.passed]
     caught_by = [c for c in CHECKS if c in caught]
     return BreakResult(
         name=name,
         summary=f.summary,
-        cache=f.cache,
+        cache=cache,
         detected=bool(caught_by),
         caught_by=caught_by,
         first_divergence=_first_diff(correct, faulty),

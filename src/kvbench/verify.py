@@ -201,14 +201,27 @@ def _compare_tokens(
 
 
 # --- the checks ---------------------------------------------------------------------------------------------------
-def check_logits(model: GPT, cache: str, prompt: list[int], res: GenerationResult) -> CheckRow:
-    """The first cached decode step (step 1 of `res`) against a full forward over exactly prompt + token 0."""
+def check_logits(
+    model: GPT, cache: str, prompt: list[int], res: GenerationResult, full: torch.Tensor
+) -> CheckRow:
+    """Every cached decode step's logits against a full forward over exactly the same prefix (teacher-forced on the
+    tokens the cached run produced, so a bug that appears only after a few steps, such as a write pointer that
+    stops advancing, shows at the step it starts)."""
     dtype = model.lm_head.weight.dtype
     rtol, atol, tol = _tol(cache, dtype, TOLERANCES)
-    ref = full_logits(model, prompt, res.tokens[0][:2])[-1]  # prompt + token 0 -> predicts token 1
-    ok, err = _allclose_err(res.logits[1][0], ref, rtol, atol)
+    T = len(prompt)
+    got, want = (
+        _stack(res)[1:],
+        full[T:],
+    )  # (N - 1, V): decode steps 1..N-1 vs rows predicting the same tokens
+    ok, err = _allclose_err(got, want, rtol, atol)
+    first = None
+    if not ok:
+        per_step = (got - want).abs() > atol + rtol * want.abs().amax(-1, keepdim=True)  # (N - 1, V)
+        first = int(per_step.any(-1).nonzero()[0, 0]) + 1
+    what = f"decode steps 1..{got.size(0)} vs a full forward over the same prefix"
     return CheckRow(
-        "logits", cache, ok, err, None, tol, f"decode step 1 vs full forward of {len(prompt) + 1} tokens"
+        "logits", cache, ok, err, None, tol, what + (f"; first off at step {first}" if first else "")
     )
 
 
@@ -406,7 +419,7 @@ def run_verify(
             ours, theirs = full(res.tokens[0])
             out = []
             if "logits" in checks:
-                out.append(check_logits(model, cache, prompt, res))
+                out.append(check_logits(model, cache, prompt, res, ours))
             if "greedy" in checks:
                 out.append(check_greedy(model, cache, prompt, res, ours))
             if hf is not None:

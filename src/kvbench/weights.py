@@ -31,7 +31,8 @@ HUB_REPOS = {
     "gpt2-xl": "openai-community/gpt2-xl",
 }
 RANDOM_WARNING = (
-    "no GPT-2 weights available offline: using random weights (GPT-2 init, seed {seed}). Timings are those of the "
+    "no GPT-2 weights available offline: using random weights (GPT-2's init scheme at std {std}, seed {seed}). "
+    "Timings are those of the "
     "real {name} architecture, but generated text will be meaningless. Use --weights hub online, or --weights PATH."
 )
 
@@ -250,7 +251,7 @@ def load_model(
             if weights == "hub":
                 why = "HF_HUB_OFFLINE is set" if _hub_offline() else "the hub is not reachable"
                 raise KVBenchError(f"{HUB_REPOS[name]} is not in the local Hugging Face cache and {why}")
-            warning = RANDOM_WARNING.format(seed=seed, name=name)
+            warning = RANDOM_WARNING.format(seed=seed, name=name, std=init_std)
     net = GPT(config).init_weights(seed=seed, std=init_std)
     desc = f"random(seed={seed}, std={init_std})"
     return LoadedModel(net.to(device=device, dtype=dtype).eval(), config, desc, random=True, warning=warning)

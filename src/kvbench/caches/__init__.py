@@ -26,11 +26,13 @@ __all__ = ["CACHES", "CacheSpec", "LayerCache", "cache_bytes_copied", "cache_nby
 
 NONE = CacheSpec("none", "no cache: full forward over the whole sequence every step", None)
 
-# One registry of caches: the built-in designs. Plugins are added on first use (get_cache_spec).
+# One registry of caches: the built-in designs. Plugins are loaded on first use into PLUGINS (get_cache_spec), so
+# "every cache" stays what `parse_cache_names("all")` says: built-ins plus installed entry points.
 CACHES: dict[str, CacheSpec] = {
     s.name: s for s in (NONE, dynamic.SPEC, static.SPEC, static_graph.SPEC, paged.SPEC, int8.SPEC)
 }
 BUILTIN = tuple(CACHES)
+PLUGINS: dict[str, CacheSpec] = {}
 
 
 def get_cache_spec(name: str) -> CacheSpec:
@@ -38,6 +40,8 @@ def get_cache_spec(name: str) -> CacheSpec:
     name = name.strip()
     if name in CACHES:
         return CACHES[name]
+    if name in PLUGINS:
+        return PLUGINS[name]
     if plugins.is_reference(name):
         spec = plugins.load_reference(name)
     else:
@@ -48,7 +52,7 @@ def get_cache_spec(name: str) -> CacheSpec:
                 f"unknown cache {name!r}; known caches: {known}, or a plugin as 'pkg.module:ClassOrSpec'"
             )
         spec = plugins.load_entry_point(eps[name])
-    CACHES[name] = spec
+    PLUGINS[name] = spec
     return spec
 
 

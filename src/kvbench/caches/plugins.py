@@ -217,7 +217,8 @@ class CheckedCache(LayerCache):
 
 
 def probe(spec: CacheSpec) -> None:
-    """Prefill 3 tokens and decode 1 on a tiny CPU config: catches a broken plugin before a long run starts."""
+    """Prefill 3 tokens and decode 1 on a tiny CPU config: catches a broken plugin before a long run starts.
+    Shapes and members only: whether the values (and the write pointer) are right is what `verify` checks."""
     B, H, Dh = 2, _PROBE.n_head, _PROBE.head_dim
     cache = spec.factory(_PROBE, B, 8, torch.float32, torch.device("cpu"))
     if not isinstance(cache, CheckedCache):  # plugins with their own decode runner are checked here only
@@ -227,10 +228,6 @@ def probe(spec: CacheSpec) -> None:
         k, v = (torch.randn(B, H, T, Dh, generator=g) for _ in range(2))
         positions = torch.arange(start, start + T).expand(B, T)
         cache.update(k, v, positions)
-    if cache.length != 4:
-        raise PluginError(
-            f"cache plugin {spec.name!r} broke the cache contract: length is {cache.length} after 4 tokens, expected 4"
-        )
     cache.reset()
     if cache.length != 0:
         raise PluginError(

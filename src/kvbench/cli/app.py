@@ -81,8 +81,34 @@ def _root(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option("--verbose", help="Show transformers' own log messages, warnings and progress bars."),
+    ] = False,
 ) -> None:
     """kvbench: generate, verify, break, bench and memory over one GPT-2 core."""
+    if not verbose:
+        quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """Keep transformers' and huggingface_hub's loading bars, advisories and warnings off the terminal: kvbench
+    reports what matters itself. Environment variables the user set win."""
+    import os
+    import sys
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    warnings.filterwarnings("ignore", module=r"(transformers|huggingface_hub)(\..*)?$")
+    if (
+        "transformers" in sys.modules
+    ):  # already imported (tests, or an embedding program): set it directly too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
 
 
 def load_for_cli(model: str | None, weights: str, device: str, dtype: str, seed: int, init_std: float = 0.02):

@@ -44,6 +44,15 @@ def break_(
     reference: Annotated[
         str, typer.Option("--reference", help="hf: include the Hugging Face reference check; none: skip.")
     ] = "hf",
+    cache: Annotated[
+        str | None,
+        typer.Option(
+            "--cache",
+            "-c",
+            help="Run the faults on this cache (a name or a pkg.module:Class plugin); default: each fault's own. "
+            "Faults that live inside one cache design (static-pointer) are skipped on others.",
+        ),
+    ] = None,
     model: ModelOpt = None,
     weights: WeightsOpt = "auto",
     device: DeviceOpt = "auto",
@@ -56,11 +65,24 @@ def break_(
 
     Runs correct and faulty code side by side on the same model and prompt. Exit 0 when every injected fault was
     detected by verify, 1 when any slipped through."""
-    from kvbench.faults import break_fault, parse_fault_names
+    from kvbench.caches import get_cache_spec
+    from kvbench.faults import FAULTS, break_fault, parse_fault_names
     from kvbench.tokenizer import load_tokenizer
     from kvbench.verify import random_prompts
 
     names = parse_fault_names(name)
+    if cache is not None:
+        cache = get_cache_spec(cache).name
+        if cache == "none":
+            raise KVBenchError("--cache none: the faults live in cached decoding; name a cache")
+        skipped = [n for n in names if not FAULTS[n].applies_to(cache)]
+        if skipped and name != "all":
+            raise KVBenchError(
+                f"the {name} fault lives in the {FAULTS[name].cache} cache; it cannot run on {cache!r}"
+            )
+        names = [n for n in names if n not in skipped]
+        for n in skipped:
+            console.note(f"{n}: skipped (the bug lives inside the {FAULTS[n].cache} cache, not in {cache})")
     if new_tokens < 2:
         raise KVBenchError(
             f"--new-tokens must be >= 2 (a fault shows from the first decode step), got {new_tokens}"
@@ -99,7 +121,7 @@ def break_(
         )
     results = []
     for n in names:
-        r = break_fault(loaded.model, n, prompts, new_tokens, reference, hf_dir, decode)
+        r = break_fault(loaded.model, n, prompts, new_tokens, reference, hf_dir, decode, cache)
         results.append(r)
         if not json_out:
             render_break(r)

@@ -1,0 +1,236 @@
+"""Plugin caches from outside the repository, and the shape of the caches package (no import cycles)."""
+
+import ast
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvbench import caches as registry
+from kvbench.caches import get_cache_spec, make_caches, parse_cache_names
+from kvbench.cli import app
+from kvbench.errors import KVBenchError
+from kvbench.generation import generate
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "kvbench"
+TINY = ["-m", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
+
+
+# --- the package ---------------------------------------------------------------------------------------------------
+def _imports(path: Path, module: str) -> set[str]:
+    """kvbench modules that `path` imports anywhere (top level or inside functions), resolved to module names."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("kvbench")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvbench"):
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}  # `from pkg import submodule`
+    return out
+
+
+def test_package_has_no_import_cycle():
+    modules = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    graph = {m: {i for i in _imports(p, m) if i in modules and i != m} for m, p in modules.items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n) :] + [n] if n in stack else [m, n]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n, stack + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert "kvbench.caches.base" in graph and "kvbench.caches.dynamic" in graph
+
+
+def test_designs_import_the_contract_never_the_registry():
+    for path in (SRC / "caches").glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        imported = _imports(path, path.stem)
+        assert "kvbench.caches" not in {i for i in imported if i.count(".") == 1}, path.name
+
+
+# --- the documented plugin -----------------------------------------------------------------------------------------
+def _doc_plugin() -> str:
+    text = (ROOT / "docs" / "caches.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    code = next(b for b in blocks if "class GrowingCache" in b)
+    assert len(code.splitlines()) <= 45, "the documented plugin stays a short, complete example"
+    return code
+
+
+@pytest.fixture
+def plugin_dir(tmp_path, monkeypatch):
+    """mycaches.growing (docs/caches.md's example, verbatim) and broken variants, importable for this test."""
+    pkg = tmp_path / "mycaches"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    code = _doc_plugin()
+    (pkg / "growing.py").write_text(code)
+    # The classic write-pointer bug: on a decode step the pointer is left on the slot just written.
+    buggy = code.replace("self.length = end\n", "self.length = end - 1 if k.size(2) == 1 else end\n")
+    assert buggy != code
+    (pkg / "pointer_bug.py").write_text(buggy)
+    (pkg / "bad.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from kvbench.caches import CacheSpec, LayerCache
+            from mycaches.growing import GrowingCache
+
+            class NoLength:
+                def __init__(self, config, batch, max_len, dtype, device):
+                    self.capacity, self.nbytes, self.bytes_copied = None, 0, 0
+                def update(self, k, v, positions):
+                    return k, v
+                def reset(self):
+                    pass
+
+            class WrongShape(GrowingCache):
+                def update(self, k, v, positions):
+                    k, v = super().update(k, v, positions)
+                    return k[:, :, 0], v[:, :, 0]
+
+            class Raises(GrowingCache):
+                def update(self, k, v, positions):
+                    raise ValueError("boom [/] :smile:")
+
+            class BadInit(GrowingCache):
+                def __init__(self, config, batch, max_len, dtype, device):
+                    raise TypeError("no such argument")
+
+            class LosesLength(GrowingCache):
+                def update(self, k, v, positions):
+                    out = super().update(k, v, positions)
+                    self.length = -1
+                    return out
+
+            NOT_A_CACHE = 42
+            SPEC = CacheSpec("mine", "a growing cache as a spec", GrowingCache)
+            """
+        )
+    )
+    (pkg / "import_error.py").write_text("import this_module_does_not_exist\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in [m for m in sys.modules if m.startswith("mycaches")]:
+        del sys.modules[name]
+    for name in [n for n in registry.PLUGINS if n.startswith("mycaches")]:
+        del registry.PLUGINS[name]
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_plugin_is_exact_like_a_builtin(plugin_dir, tiny_model):
+    spec = get_cache_spec("mycaches.growing:GrowingCache")
+    assert spec.exact and spec.summary.startswith("Buffers that double")
+    prompt = torch.randint(0, 500, (37,)).tolist()
+    ref = generate(tiny_model, [prompt], 60, cache="dynamic")
+    got = generate(tiny_model, [prompt], 60, cache="mycaches.growing:GrowingCache")
+    assert got.tokens == ref.tokens
+    # 37 + 59 = 96 tokens cached: doublings 16 -> 64 (prefill) -> 128 copy the history once, not every step.
+    per_token = 2 * tiny_model.config.n_head * tiny_model.config.head_dim * 4  # K + V, fp32, one layer
+    assert got.bytes_copied == tiny_model.config.n_layer * 64 * per_token
+    assert got.bytes_copied < ref.bytes_copied / 10
+
+
+def test_verify_passes_an_exact_plugin(plugin_dir):
+    r = run("verify", "--caches", "mycaches.growing:GrowingCache", *TINY, "--new-tokens", 12, "--json")
+    assert r.exit_code == 0, r.output
+    import json
+
+    doc = json.loads(r.stdout)
+    checks = {c["name"] for c in doc["checks"] if c["cache"] == "mycaches.growing:GrowingCache"}
+    assert checks == {"logits", "greedy", "reference", "batched", "cache_state"}
+    assert doc["passed"]
+
+
+def test_verify_fails_a_plugin_with_a_write_pointer_bug(plugin_dir):
+    r = run("verify", "--caches", "mycaches.pointer_bug:GrowingCache", *TINY, "--new-tokens", 12)
+    assert r.exit_code == 1, r.output
+    failed = r.stdout.split("FAILED", 1)[1].replace("\n", "")
+    for check in ("logits", "reference", "batched"):
+        assert f"{check}/mycaches.pointer_bug:GrowingCache" in failed
+
+
+def test_break_runs_faults_on_a_plugin(plugin_dir):
+    r = run(
+        "break", "reset", "--cache", "mycaches.growing:GrowingCache", *TINY, "-n", 8, "--reference", "none"
+    )
+    assert r.exit_code == 0, r.output
+    assert "1 of 1 faults detected" in r.stdout
+    r = run("break", "static-pointer", "--cache", "mycaches.growing:GrowingCache", *TINY)
+    assert r.exit_code == 2 and "lives in the static cache" in r.stderr
+
+
+def test_bench_gives_a_plugin_row(plugin_dir, tmp_path):
+    out = tmp_path / "run"
+    r = run("bench", "--caches", "none,mycaches.growing:GrowingCache", "--engine", "kvbench", "--prompt-len", 16,
+            "--new-tokens", 4, "--repeats", 1, "--warmup", 0, "--threads", 1, *TINY, "--out", out)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    summary = (out / "summary.csv").read_text()
+    assert "mycaches.growing:GrowingCache" in summary
+
+
+def test_a_spec_plugin_keeps_its_settings_under_its_reference(plugin_dir):
+    spec = get_cache_spec("mycaches.bad:SPEC")
+    assert spec.name == "mycaches.bad:SPEC" and spec.summary == "a growing cache as a spec"
+
+
+@pytest.mark.parametrize(
+    "ref, message",
+    [
+        ("mycaches.nope:X", "cannot import 'mycaches.nope' (ModuleNotFoundError"),
+        ("mycaches.import_error:X", "cannot import 'mycaches.import_error' (ModuleNotFoundError"),
+        ("mycaches.bad:Missing", "has no attribute 'Missing'"),
+        ("mycaches.bad:NOT_A_CACHE", "is a int; expected a CacheSpec or a LayerCache class"),
+        ("mycaches.bad:NoLength", "its cache object has no length"),
+        ("mycaches.bad:WrongShape", "update returned k of shape (2, 2, 4), expected (2, 2, S, 4)"),
+        ("mycaches.bad:Raises", "update raised ValueError: boom [/] :smile:"),
+        ("mycaches.bad:BadInit", "constructing it raised TypeError: no such argument"),
+        ("mycaches.bad:LosesLength", "length must be a non-negative int, got -1"),
+        ("mycaches.bad:", "expected 'pkg.module:ClassOrSpec'"),
+    ],
+)
+def test_a_broken_plugin_is_one_line_naming_it(plugin_dir, ref, message):
+    with pytest.raises(KVBenchError, match=re.escape(message)):
+        get_cache_spec(ref)
+    r = run("verify", "--caches", ref, *TINY)
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert ref in lines[0] and message in lines[0]
+
+
+def test_entry_point_plugins_join_all(plugin_dir, tmp_path, monkeypatch):
+    """An installed package's `kvbench.caches` entry point is a cache name, and part of `all`."""
+    dist = tmp_path / "mycaches-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mycaches\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[kvbench.caches]\ngrowing = mycaches.growing:GrowingCache\n")
+    assert parse_cache_names("all")[-1] == "growing"
+    spec = get_cache_spec("growing")
+    layers = make_caches(
+        "growing", registry.GPTConfig(n_layer=2, n_head=2, n_embd=8), 1, 8, torch.float32, "cpu"
+    )
+    assert spec.name == "growing" and len(layers) == 2
+    registry.PLUGINS.pop("growing")
