@@ -7,15 +7,45 @@ its renderers; `kvbench.cli` imports them so they register on `app`.
 from __future__ import annotations
 
 import functools
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer import core as typer_core
+from typer.core import TyperGroup
 
 from kvbench import __version__, console
 from kvbench.errors import KVBenchError
 
+# The click that Typer runs on: vendored as typer._click in recent Typer, the click package before.
+click = getattr(typer_core, "_click", None) or __import__("click")
+
+
+class KVBenchGroup(TyperGroup):
+    """Click's own usage errors (an unknown option, `--batch abc`) answered like every other error: one red line
+    on stderr naming the problem, exit 2; never a usage panel or a traceback."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:
+            click.echo(e.ctx.get_help())
+            sys.exit(0)
+        except click.exceptions.ClickException as e:
+            where = f" (see: {e.ctx.command_path} --help)" if getattr(e, "ctx", None) is not None else ""
+            console.error(e.format_message() + where)
+            sys.exit(2 if isinstance(e, click.exceptions.UsageError) else e.exit_code)
+        except (click.exceptions.Abort, typer.Abort):
+            console.error("aborted")
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 app = typer.Typer(
+    cls=KVBenchGroup,
     name="kvbench",
     help="Build, verify, break and measure the KV cache of LLM decoding on a from-scratch GPT-2.",
     no_args_is_help=True,
