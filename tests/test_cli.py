@@ -109,10 +109,10 @@ def test_generate_streams_text_and_summary(ranks_file):
 
 
 BAD = {
-    "context": (["generate", "hi", "-n", 1500], "exceeds the model's context of 1024"),
+    "context": (["generate", "hi", "-n", 1500], "exceeds the model's context of 1,024"),
     "unknown model": (["generate", "hi", "--model", "gpt3"], "unknown model 'gpt3'"),
     "unknown cache": (["generate", "hi", "--cache", "magic"], "unknown cache 'magic'; known caches: none"),
-    "weights path": (["generate", "hi", "--weights", "/no/such/dir"], "weights path not found: /no/such/dir"),
+    "weights path": (["generate", "hi", "--weights", "/no/such/dir"], "weights path /no/such/dir not found"),
     "empty prompt": (["generate", "   "], "prompt 1 is empty"),
     "no prompt": (["generate"], "no prompt given"),
     "fp16 cpu": (["generate", "hi", "--device", "cpu", "--dtype", "fp16"], "fp16 on the CPU"),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvbench import validate
 from kvbench.caches import cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
 from kvbench.devices import synchronize
 from kvbench.errors import KVBenchError
@@ -35,10 +36,15 @@ class Sampler:
     seed: int = 0  # seeds the sampling generator (per generate call, so runs are reproducible)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise KVBenchError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise KVBenchError(f"--top-k must be >= 1, got {self.top_k}")
+        self.temperature = validate.real("--temperature", self.temperature, 0.0, 1e6)
+        if self.top_k is not None:
+            validate.integer("--top-k", self.top_k, 1)
+            if self.temperature == 0:
+                raise KVBenchError(
+                    f"--top-k {self.top_k} has no effect at --temperature 0 (greedy decoding takes the argmax); "
+                    "give --temperature > 0 to sample, or drop --top-k"
+                )
+        self.seed = validate.seed(self.seed)
 
     def __call__(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """logits (B, V) -> next ids (B, 1)."""

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from kvbench import validate
 from kvbench.errors import KVBenchError
 from kvbench.model import GPT, PRESETS, GPTConfig
 
@@ -68,9 +69,11 @@ def resolve_config(model: str) -> GPTConfig:
 def config_from_hf(path: Path) -> GPTConfig:
     """GPTConfig from a Hugging Face GPT-2 config.json; anything that is not plain GPT-2 is refused by name."""
     if not path.is_file():
-        raise KVBenchError(f"GPT-2 config not found: {path}")
+        raise KVBenchError(f"GPT-2 config not found: {path}" + (" (a directory)" if path.is_dir() else ""))
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise KVBenchError(f"{path} is not UTF-8 text (a config.json is JSON)") from None
     except (OSError, json.JSONDecodeError) as e:
         raise KVBenchError(f"{path} is not a readable JSON config: {e}") from None
     if not isinstance(cfg, dict) or cfg.get("model_type") != "gpt2":
@@ -87,18 +90,25 @@ def config_from_hf(path: Path) -> GPTConfig:
             raise KVBenchError(
                 f"{path}: {key}={got!r} is not supported (kvbench's GPT-2 uses {key}={want!r})"
             )
-    try:
-        return GPTConfig(
-            block_size=int(cfg.get("n_positions", cfg.get("n_ctx", 1024))),
-            vocab_size=int(cfg["vocab_size"]),
-            n_layer=int(cfg["n_layer"]),
-            n_head=int(cfg["n_head"]),
-            n_embd=int(cfg["n_embd"]),
-            layer_norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
-            name=cfg.get("_name_or_path") or str(path.parent),
+    for key in ("vocab_size", "n_layer", "n_head", "n_embd"):
+        if key not in cfg:
+            raise KVBenchError(f"{path}: missing field {key!r}")
+    pos_key = "n_positions" if "n_positions" in cfg else "n_ctx" if "n_ctx" in cfg else None
+    sizes = {
+        key: validate.integer(f"{path}: {key}", cfg[key], 1, hi)
+        for key, hi in (("vocab_size", 10_000_000), ("n_layer", 1_000), ("n_head", 1_024), ("n_embd", 65_536))
+    }
+    block = validate.integer(f"{path}: {pos_key}", cfg[pos_key], 1, 1_048_576) if pos_key else 1024
+    if sizes["n_embd"] % sizes["n_head"]:
+        raise KVBenchError(
+            f"{path}: n_embd {sizes['n_embd']} is not divisible by n_head {sizes['n_head']} (head_dim = n_embd / n_head)"
         )
-    except KeyError as e:
-        raise KVBenchError(f"{path}: missing field {e.args[0]!r}") from None
+    eps = validate.real(f"{path}: layer_norm_epsilon", cfg.get("layer_norm_epsilon", 1e-5), 0.0, 1.0)
+    name = cfg.get("_name_or_path")
+    return GPTConfig(
+        block_size=block, **sizes, layer_norm_epsilon=eps,
+        name=name if isinstance(name, str) and name else str(path.parent),
+    )  # fmt: skip
 
 
 # --- Hugging Face checkpoints --------------------------------------------------------------------------------------
@@ -110,9 +120,17 @@ def read_hf_state_dict(directory: Path) -> dict[str, torch.Tensor]:
 
             return load_file(str(st))
         if binf.is_file():
-            return torch.load(binf, map_location="cpu", weights_only=True)
+            import warnings
+
+            with warnings.catch_warnings():  # torch warns about pickle protocols before failing on a bad file
+                warnings.simplefilter("ignore")
+                return torch.load(binf, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt or truncated files come in many exception types
-        raise KVBenchError(f"cannot read weights from {st if st.is_file() else binf}: {e}") from None
+        # Not torch's own message: for a pickle it suggests weights_only=False, which would run code from the file.
+        raise KVBenchError(
+            f"cannot read weights from {st if st.is_file() else binf}: corrupt, truncated, or not a tensors-only "
+            f"checkpoint ({type(e).__name__}); kvbench loads tensors only, never pickled code"
+        ) from None
     raise KVBenchError(f"no model.safetensors or pytorch_model.bin in {directory}")
 
 
@@ -207,6 +225,24 @@ def hub_snapshot(name: str, allow_download: bool) -> Path | None:
         except Exception:  # huggingface_hub raises several types for "not cached" and network failures
             continue
     return None
+
+
+def peek_config(model: str | None, weights: str) -> GPTConfig:
+    """The architecture `load_model` would build, without building it: for checks that must run before any work
+    (context limits). A checkpoint directory's own config.json decides; else the preset or config named by --model."""
+    if weights not in ("auto", "hub", "random"):
+        directory = Path(weights).expanduser()
+        if not directory.is_dir():
+            raise KVBenchError(
+                f"weights path {directory} "
+                + (
+                    "is not a directory (want config.json + model.safetensors)"
+                    if directory.exists()
+                    else "not found"
+                )
+            )
+        return config_from_hf(directory / "config.json")
+    return resolve_config(model or "gpt2")
 
 
 def load_model(

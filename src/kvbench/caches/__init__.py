@@ -59,10 +59,12 @@ def get_cache_spec(name: str) -> CacheSpec:
 def parse_cache_names(text: str | None) -> list[str]:
     """'none,dynamic' -> ['none', 'dynamic']; None or 'all' -> every built-in cache plus installed plugins.
     Unknown names are errors; a name given twice runs once."""
-    if text is None or text.strip() in ("", "all"):
+    if text is None or text.strip() == "all":
         names = [*BUILTIN, *(n for n in plugins.entry_point_names() if n not in BUILTIN)]
     else:
         names = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+        if not names:
+            raise KVBenchError(f"no cache named in {text!r}; name caches (e.g. none,dynamic) or use all")
     for n in names:
         get_cache_spec(n)
     return names

@@ -84,7 +84,9 @@ def _dtype_opt(default: str) -> object:
 
 
 def handle_errors(fn):
-    """The one layer where errors become exit codes: KVBenchError -> red line + exit 2; Ctrl-C -> exit 130."""
+    """The one layer where errors become exit codes: KVBenchError -> red line + exit 2; running out of memory (CPU or
+    CUDA) -> red line + exit 2; Ctrl-C -> exit 130; anything else -> one line naming it as a kvbench bug, exit 70
+    (the traceback with --verbose)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -96,8 +98,39 @@ def handle_errors(fn):
         except KeyboardInterrupt:
             console.error("interrupted")
             raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as e:
+            oom = out_of_memory(e)
+            if oom:
+                console.error(oom)
+                raise typer.Exit(2) from None
+            if VERBOSE["on"]:
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            console.error(
+                f"unexpected {type(e).__name__}: {first} (a kvbench bug: please report it; --verbose shows the traceback)"
+            )
+            raise typer.Exit(70) from None
 
     return wrapper
+
+
+VERBOSE = {"on": False}  # set by the root --verbose flag
+
+
+def out_of_memory(e: BaseException) -> str | None:
+    """One line for an allocation failure, CPU or CUDA; None if `e` is something else."""
+    text = str(e)
+    if type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in text:
+        return (
+            "out of GPU memory: "
+            + text.strip().splitlines()[0][:200]
+            + "; lower --batch, the lengths or the model"
+        )
+    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in text):
+        return "out of CPU memory (an allocation failed); lower --batch, the lengths or the model"
+    return None
 
 
 def _version(value: bool) -> None:
@@ -117,6 +150,7 @@ def _root(
     ] = False,
 ) -> None:
     """kvbench: generate, verify, break, bench and memory over one GPT-2 core."""
+    VERBOSE["on"] = verbose
     if not verbose:
         quiet_libraries()
 
@@ -146,6 +180,8 @@ def load_for_cli(model: str | None, weights: str, device: str, dtype: str, seed:
     from kvbench.devices import resolve_device, resolve_dtype
     from kvbench.weights import load_model
 
+    if model is not None and not model.strip():
+        raise KVBenchError("--model is empty; give a preset (gpt2, gpt2-medium, ...) or a GPT-2 config.json")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     loaded = load_model(model, weights, dev, dt, seed=seed, init_std=init_std)

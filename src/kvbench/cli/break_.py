@@ -92,6 +92,15 @@ def break_(
         raise KVBenchError(f"--batch {batch}: {why}; use --batch 2 or more")
     if reference not in ("hf", "none"):
         raise KVBenchError(f"--reference must be hf or none, got {reference!r}")
+    from kvbench import validate
+    from kvbench.weights import peek_config
+
+    validate.integer("--batch", batch, 2, validate.MAX_BATCH)
+    validate.seed(seed)
+    if model is not None and not model.strip():
+        raise KVBenchError("--model is empty; give a preset (gpt2, gpt2-medium, ...) or a GPT-2 config.json")
+    cfg = peek_config(model, weights)
+    validate.fits_context("a one-token prompt", 1, new_tokens, cfg.block_size, "use fewer --new-tokens")
     loaded, dev, dt, hf_dir = load_for_checks(model, weights, device, dtype, seed)
     try:
         tok = load_tokenizer(tokenizer)

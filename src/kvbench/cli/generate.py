@@ -29,6 +29,8 @@ def read_prompts(prompt: str | None, prompts: list[str] | None, prompts_file: Pa
     if prompts_file is not None:
         try:
             lines = prompts_file.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise KVBenchError(f"--prompts-file {prompts_file} is not UTF-8 text (byte {e.start})") from None
         except OSError as e:
             raise KVBenchError(f"cannot read --prompts-file {prompts_file}: {e.strerror}") from None
         texts += [line for line in lines if line.strip()]
@@ -75,20 +77,31 @@ def generate(
 ) -> None:
     """Generate text through any cache (and batches of prompts). Greedy by default; streams a single prompt."""
     texts = read_prompts(prompt, prompts, prompts_file)
+    from kvbench import validate
     from kvbench.caches import get_cache_spec
     from kvbench.generation import Sampler
     from kvbench.generation import generate as run_generate
     from kvbench.tokenizer import load_tokenizer
+    from kvbench.weights import peek_config
 
+    validate.integer("--max-new-tokens", max_new_tokens, 1)
+    validate.integer("the number of prompts", len(texts), 1, validate.MAX_BATCH)
     get_cache_spec(cache)
     sampler = Sampler(temperature=temperature, top_k=top_k, seed=seed)
     tok = load_tokenizer(tokenizer)
     ids = [tok.encode(t) for t in texts]
-    loaded, dev, dt = load_for_cli(model, weights, device, dtype, seed)
-    vocab = loaded.config.vocab_size
     for i, p in enumerate(ids):
         if not p:
             raise KVBenchError(f"prompt {i + 1} encodes to zero tokens")
+    if model is not None and not model.strip():
+        raise KVBenchError("--model is empty; give a preset (gpt2, gpt2-medium, ...) or a GPT-2 config.json")
+    cfg = peek_config(model, weights)
+    longest = max(map(len, ids))
+    validate.fits_context("prompt length" if len(ids) == 1 else "longest prompt", longest, max_new_tokens,
+                          cfg.block_size, "use a shorter prompt or fewer --max-new-tokens")  # fmt: skip
+    loaded, dev, dt = load_for_cli(model, weights, device, dtype, seed)
+    vocab = loaded.config.vocab_size
+    for i, p in enumerate(ids):
         if max(p) >= vocab:
             raise KVBenchError(f"prompt {i + 1} has token id {max(p)} >= the model's vocabulary of {vocab}")
 

@@ -50,16 +50,28 @@ def verify(
 
     Exit 0 when every check passes, 1 when any fails. In fp16/bf16 a token flip at a near-tie that the logit error
     explains is reported, not failed."""
+    from kvbench import validate
     from kvbench.caches import parse_cache_names
     from kvbench.verify import random_prompts, run_verify
+    from kvbench.weights import peek_config
 
     names = parse_cache_names(caches)
     if reference not in ("hf", "none"):
         raise KVBenchError(f"--reference must be hf or none, got {reference!r}")
-    if new_tokens < 2:
-        raise KVBenchError(
-            f"--new-tokens must be >= 2 (the logits check needs a decode step), got {new_tokens}"
-        )
+    validate.integer("--new-tokens", new_tokens, 2, why="the logits check needs a decode step")
+    validate.integer(
+        "--batch", batch, 2, validate.MAX_BATCH, why="the batched check needs prompts of different lengths"
+    )
+    validate.integer(
+        "--prompt-len", prompt_len, batch, why=f"{batch} prompts of distinct lengths need that many tokens"
+    )
+    validate.seed(seed)
+    if model is not None and not model.strip():
+        raise KVBenchError("--model is empty; give a preset (gpt2, gpt2-medium, ...) or a GPT-2 config.json")
+    cfg = peek_config(model, weights)
+    validate.fits_context(
+        "--prompt-len", prompt_len, new_tokens, cfg.block_size, "lower --prompt-len or --new-tokens"
+    )
     loaded, dev, dt, hf_dir = load_for_checks(model, weights, device, dtype, seed)
     prompts = random_prompts(loaded.config.vocab_size, prompt_len, batch, seed)
     on_row = None if json_out else verify_row

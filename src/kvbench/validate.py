@@ -1,0 +1,52 @@
+"""Range checks for numbers a user gives, run before any work: one message naming the option and the bound.
+
+Every size is checked against a bound before anything is allocated, so a typo (`--prompt-len 200000`,
+`--batch 100000`) fails in milliseconds with a clear line instead of growing until the kernel kills the process.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvbench.errors import KVBenchError
+
+SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+MAX_BATCH = 4096  # sequences in one batch: far beyond what a GPT-2 decode benchmark or check needs
+
+
+def integer(name: str, value: object, lo: int | None = None, hi: int | None = None, why: str = "") -> int:
+    """`value` as an int within [lo, hi]; bools and floats (even 3.0 from a TOML file) are refused, not truncated."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise KVBenchError(f"{name} must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise KVBenchError(f"{name} must be >= {lo}, got {value}" + (f" ({why})" if why else ""))
+    if hi is not None and value > hi:
+        raise KVBenchError(f"{name} must be <= {hi:,}, got {value:,}" + (f" ({why})" if why else ""))
+    return value
+
+
+def real(name: str, value: object, lo: float | None = None, hi: float | None = None) -> float:
+    """A finite float within [lo, hi]: NaN and infinities are refused by name."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise KVBenchError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise KVBenchError(f"{name} must be a finite number, got {value}")
+    if lo is not None and value < lo:
+        raise KVBenchError(f"{name} must be >= {lo:g}, got {value:g}")
+    if hi is not None and value > hi:
+        raise KVBenchError(f"{name} must be <= {hi:g}, got {value:g}")
+    return value
+
+
+def seed(value: object, name: str = "--seed") -> int:
+    return integer(name, value, 0, SEED_MAX, "a seed is a non-negative 64-bit integer")
+
+
+def fits_context(what: str, prompt_len: int, new_tokens: int, context: int, fix: str) -> None:
+    """prompt + new tokens within the model's context (learned positions stop there)."""
+    if prompt_len + new_tokens > context:
+        raise KVBenchError(
+            f"{what} {prompt_len:,} + new tokens {new_tokens:,} = {prompt_len + new_tokens:,} exceeds the model's "
+            f"context of {context:,} tokens; {fix}"
+        )
