@@ -49,6 +49,9 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600, name="gpt2-xl"),  # 1.56B
     # Not a released checkpoint: a 2-layer toy with GPT-2's vocabulary, for fast tests and smoke runs.
     "gpt2-tiny": GPTConfig(n_layer=2, n_head=4, n_embd=128, name="gpt2-tiny"),
+    # Not a released checkpoint: GPT-2 124M's widths with 65,536 learned positions, for timing decode at long
+    # context (random weights only; `bench --fill random`).
+    "gpt2-long": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=65536, name="gpt2-long"),
 }
 
 
