@@ -38,7 +38,7 @@ class KVBenchGroup(TyperGroup):
             where = f" (see: {e.ctx.command_path} --help)" if getattr(e, "ctx", None) is not None else ""
             console.error(e.format_message() + where)
             sys.exit(2 if isinstance(e, click.exceptions.UsageError) else e.exit_code)
-        except (click.exceptions.Abort, typer.Abort):
+        except (typer.Abort, getattr(click.exceptions, "Abort", typer.Abort)):  # where click has its own
             console.error("aborted")
             sys.exit(130)
         sys.exit(rv if isinstance(rv, int) else 0)

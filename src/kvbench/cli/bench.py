@@ -93,7 +93,9 @@ def bench(
         settings.model, settings.weights, settings.device, settings.dtype, settings.seed
     )
     B.check_fits_context(settings, loaded.config.block_size, loaded.config.name)
-    config_path = None if config is None else B.resolve_config_path(config)  # a name (seed) as the shipped file
+    config_path = (
+        None if config is None else B.resolve_config_path(config)
+    )  # a name (seed) as the shipped file
     recorder = report.BenchRecorder(run_dir, loaded, dev, dt, settings, config_path)
     with bench_progress() as progress:
         try:
