@@ -346,7 +346,7 @@ def test_config_rejects_what_it_cannot_interpret(tmp_path):
         mem.spec_from_hf_config(save(tmp_path, T5Config(), "t5"))
     cases = {
         "no-layers.json": (
-            {"model_type": "llama", "num_attention_heads": 8, "hidden_size": 64},
+            {"model_type": "x", "num_attention_heads": 8, "hidden_size": 64},
             "num_hidden_layers",
         ),
         "hybrid.json": (
