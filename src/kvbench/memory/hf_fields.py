@@ -81,7 +81,9 @@ def refuse_non_decoders(cfg: dict[str, Any], model_type: str, path: Path) -> Non
 def kv_heads(cfg: dict[str, Any], model_type: str, n_heads: int, path: Path) -> int:
     """KV heads: GQA configs say so; Falcon and StarCoder say multi_query; everything else is MHA."""
     if model_type == "falcon" and not cfg.get("new_decoder_architecture"):
-        n_kv = 1 if cfg.get("multi_query", True) else n_heads
+        n_kv = (
+            1 if cfg.get("multi_query", True) else (cfg_int(cfg, ("num_kv_heads",), path, False) or n_heads)
+        )
     elif model_type == "gpt_bigcode" and cfg.get("multi_query", True):
         n_kv = 1
     else:

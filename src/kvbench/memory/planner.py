@@ -178,11 +178,6 @@ def _notes(spec: ModelSpec, fmt: KVFormat, per_token: int) -> list[str]:
         )
     if fmt.group_size or fmt.name == "fp8":
         notes.append(f"{fmt.name} cache: {fmt.note}")
-    if spec.wrapper and spec.vision_params and spec.resolved_by == "preset":
-        notes.append(
-            f"multimodal ({spec.wrapper}): the vision tower and projector (~{fmt_params(spec.vision_params)} "
-            "params) load beside the language model; the weights figure is the language model's"
-        )
     if spec.resolved_by and spec.resolved_by != "preset":
         notes.append(f"config.json read by {spec.resolved_by}")
     if spec.note:

@@ -93,9 +93,9 @@ def _vision(config: Any) -> tuple[int | None, str]:
         return None, ""
     v = _fields(vision)
     n = estimate_vision_params(v)
-    shape = f"{v.get('model_type')}, {v.get('num_hidden_layers')} layers x {v.get('hidden_size')}"
     size = f"~{fmt_params(n)} params" if n else "size not estimated"
-    return n, f"vision tower ({shape}, {size}) and projector are not in the weights figure"
+    shape = f"{v.get('model_type')}: {v.get('num_hidden_layers')} layers x {v.get('hidden_size')}, {size}"
+    return n, f"vision tower {shape} (its projector not estimated)"
 
 
 def _transformers_spec(config: Any, path: Path, raw: dict[str, Any]) -> Resolved:
