@@ -23,6 +23,7 @@ One job per module:
   planner     the plan across contexts and the GPU budget
   traffic     what a torch.cat cache copies while it grows
   check       the plan against transformers' own cache, allocated on the meta device
+  request     one `kvbench memory` command line, checked and resolved before any work
   jsonify     dataclasses -> JSON for --json
 """
 
@@ -42,6 +43,7 @@ from kvbench.memory.planner import (
     plan,
 )
 from kvbench.memory.presets import GPUS_TOML, MODELS_TOML, get_gpu, get_model, load_gpus, load_presets
+from kvbench.memory.request import DEFAULT_MEASURE_CTX, Options, Request, parse_request, plan_request
 from kvbench.memory.spec import GPUSpec, ModelSpec
 from kvbench.memory.traffic import CopyTraffic, check_copy_range, copy_traffic
 from kvbench.memory.units import (
@@ -75,11 +77,12 @@ def spec_from_hf_config(path) -> ModelSpec:
 
 
 __all__ = [
-    "DEFAULT_OVERHEAD", "GPUS_TOML", "KV_FORMATS", "MAX_BATCH", "MAX_TOKENS", "MODELS_TOML", "WEIGHT_BITS",
-    "CopyTraffic", "GPUBudget", "GPUSpec", "GiB", "KVFormat", "KiB", "MiB", "ModelPlan", "ModelSpec", "PlanRow",
-    "TiB", "bytes_per_sequence", "check_copy_range", "check_tokens", "copy_traffic", "estimate_params",
-    "estimate_vision_params", "fmt_bytes", "fmt_int", "fmt_params", "fmt_tokens", "get_gpu", "get_kv_format",
-    "get_model", "gpu_budget", "kv_heads_per_gpu", "layer_bytes_per_token", "load_gpus", "load_presets",
-    "max_context", "parse_bytes", "parse_ctx", "parse_overhead", "plan", "resolve_config", "spec_from_hf_config",
+    "DEFAULT_MEASURE_CTX", "DEFAULT_OVERHEAD", "GPUS_TOML", "KV_FORMATS", "MAX_BATCH", "MAX_TOKENS", "MODELS_TOML",
+    "WEIGHT_BITS", "CopyTraffic", "GPUBudget", "GPUSpec", "GiB", "KVFormat", "KiB", "MiB", "ModelPlan", "ModelSpec",
+    "Options", "PlanRow", "Request", "TiB", "bytes_per_sequence", "check_copy_range", "check_tokens",
+    "copy_traffic", "estimate_params", "estimate_vision_params", "fmt_bytes", "fmt_int", "fmt_params",
+    "fmt_tokens", "get_gpu", "get_kv_format", "get_model", "gpu_budget", "kv_heads_per_gpu",
+    "layer_bytes_per_token", "load_gpus", "load_presets", "max_context", "parse_bytes", "parse_ctx",
+    "parse_overhead", "parse_request", "plan", "plan_request", "resolve_config", "spec_from_hf_config",
     "to_jsonable", "weight_bits",
 ]  # fmt: skip

@@ -178,7 +178,7 @@ def _notes(spec: ModelSpec, fmt: KVFormat, per_token: int) -> list[str]:
         )
     if fmt.group_size or fmt.name == "fp8":
         notes.append(f"{fmt.name} cache: {fmt.note}")
-    if spec.resolved_by and spec.resolved_by != "preset":
+    if spec.resolved_by.startswith("transformers"):
         notes.append(f"config.json read by {spec.resolved_by}")
     if spec.note:
         notes.append(spec.note)

@@ -73,9 +73,18 @@ def _auto_config(raw: dict[str, Any], path: Path) -> tuple[Any | None, str]:
     try:
         with quiet_transformers():
             return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False), ""
-    except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise KVBenchError(f"{path}: transformers' {model_type} config class rejects it: {first}") from None
+    except (ValueError, TypeError, KeyError, AttributeError, OSError, *_validation_errors()) as e:
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise KVBenchError(f"{path}: transformers' {model_type} config class rejects it: {why}") from None
+
+
+def _validation_errors() -> tuple[type[Exception], ...]:
+    """huggingface_hub's strict-dataclass errors (config classes validate their fields with them), if it has them."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
 
 
 def _fields(config: Any) -> dict[str, Any]:
