@@ -60,6 +60,20 @@ class CacheCheck:
     transformers_bytes: int | None
     agrees: bool | None
     kinds: list[KindCheck] = field(default_factory=list)
+    planner_params: int | None = None  # the planner's parameter estimate (a config.json's)
+    transformers_params: int | None = (
+        None  # numel() of the meta-device language model built from the same file
+    )
+
+    @property
+    def params_working(self) -> str:
+        if self.planner_params is None or self.transformers_params is None:
+            return ""
+        diff = self.planner_params / self.transformers_params - 1
+        return (
+            f"planner ~{fmt_int(self.planner_params)}, transformers' model {fmt_int(self.transformers_params)} "
+            f"(numel on the meta device): {diff:+.2%}"
+        )
 
 
 def check_format(kv_dtype: str) -> KVFormat:
@@ -239,44 +253,52 @@ def check_plan(
     batch: int = 1,
     kv_dtype: str = "fp16",
     why_not: str = "",
+    params: bool = False,
 ) -> list[CacheCheck]:
-    """For each context: the planner's bytes per layer kind against transformers' StaticCache for `config`."""
+    """For each context: the planner's bytes per layer kind against transformers' StaticCache for `config`.
+
+    params: also compare the planner's parameter count with the meta model's numel() (for a config.json, whose
+    fields are the model's own; a preset's config carries only the attention shape)."""
     fmt = check_format(kv_dtype)
     if config is None:
         return _unchecked(spec, fmt, contexts, batch, why_not or "no transformers config for this model")
-    import transformers
-
     text = config.get_text_config(decoder=True)
     try:
         model = _build(text)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, NotImplementedError) as e:
         return _unchecked(spec, fmt, contexts, batch, f"transformers cannot build it: {_first_line(e)}")
-    out = []
-    for ctx in contexts:
-        try:
-            layers = _allocate(model, text, ctx, batch)
-        except (ValueError, TypeError, KeyError, IndexError, RuntimeError, NotImplementedError) as e:
-            return _unchecked(
-                spec, fmt, contexts, batch, f"its forward does not run on the meta device: {_first_line(e)}"
-            )
-        kinds = _compare(spec, fmt, ctx, batch, layers)
-        how = (
-            f"transformers {transformers.__version__} {type(model).__name__} on the meta device, "
-            f"StaticCache(max_cache_len={ctx}), one decode step at batch {batch}; bytes = elements x "
-            f"{fmt.bits // 8} B ({fmt.name})"
-        )
-        mine, theirs = sum(k.planner_bytes for k in kinds), sum(k.transformers_bytes for k in kinds)
-        out.append(
-            CacheCheck(spec.name, ctx, batch, fmt.name, True, how, mine, theirs, mine == theirs, kinds)
-        )
+    try:
+        out = [_check_one(spec, fmt, model, text, ctx, batch) for ctx in contexts]
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError, NotImplementedError) as e:
+        why = f"its forward does not run on the meta device: {_first_line(e)}"
+        return _unchecked(spec, fmt, contexts, batch, why)
+    if params and spec.params is not None:
+        numel = sum(p.numel() for p in model.parameters())
+        for c in out:
+            c.planner_params, c.transformers_params = spec.params, numel
     return out
+
+
+def _check_one(spec: ModelSpec, fmt: KVFormat, model: Any, text: Any, ctx: int, batch: int) -> CacheCheck:
+    import transformers
+
+    kinds = _compare(spec, fmt, ctx, batch, _allocate(model, text, ctx, batch))
+    how = (
+        f"transformers {transformers.__version__} {type(model).__name__} on the meta device, its StaticCache "
+        f"allocated for each context, one decode step at batch {batch}; bytes = elements x {fmt.bits // 8} B "
+        f"({fmt.name})"
+    )
+    mine, theirs = sum(k.planner_bytes for k in kinds), sum(k.transformers_bytes for k in kinds)
+    return CacheCheck(spec.name, ctx, batch, fmt.name, True, how, mine, theirs, mine == theirs, kinds)
 
 
 def check_resolved(
     resolved: Resolved, contexts: list[int], batch: int = 1, kv_dtype: str = "fp16"
 ) -> list[CacheCheck]:
     """--check for a config.json: transformers' config object from the same file (or why there is none)."""
-    return check_plan(resolved.spec, resolved.config, contexts, batch, kv_dtype, resolved.why_not)
+    return check_plan(
+        resolved.spec, resolved.config, contexts, batch, kv_dtype, resolved.why_not, params=True
+    )
 
 
 def check_preset(
