@@ -223,7 +223,10 @@ def test_every_preset_has_its_public_config(presets):
 
 @pytest.mark.parametrize("name", sorted(PUBLIC))
 def test_preset_against_transformers(presets, name):
-    """The preset's cache bytes equal transformers' StaticCache; its parameters are within 2% of numel()."""
+    """The preset's cache bytes equal transformers' StaticCache; its parameters are within 2% of numel(); and
+    `--check --model` (transformers' config class filled with the preset's fields) finds the same bytes."""
+    from kvbench.memory.check import check_preset
+
     ref, spec = reference(name), presets[name]
     for ctx in CONTEXTS:
         if name == "falcon-40b":  # transformers broadcasts the 8 KV groups to all 128 heads before caching
@@ -231,6 +234,9 @@ def test_preset_against_transformers(presets, name):
         else:
             assert planned(spec, ctx) == ref["bytes"][ctx], ctx
     assert abs(spec.params / ref["numel"] - 1) < 0.02, (spec.params, ref["numel"])
+    for c in check_preset(spec, list(CONTEXTS)):
+        assert c.checkable and c.transformers_bytes == ref["bytes"][c.ctx], c.how
+        assert c.planner_bytes == planned(spec, c.ctx) and c.agrees == (name != "falcon-40b")
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -343,8 +349,8 @@ def test_check_config_falcon_40b_explains_the_broadcast():
     assert check["transformers_params"] == reference("falcon-40b")["numel"]
 
 
-@pytest.mark.parametrize("name", ["gemma-3-4b"])
-def test_check_preset_agrees_per_layer_kind(name):
+def test_check_preset_agrees_per_layer_kind():
+    name = "gemma-3-4b"
     r = runner.invoke(app, ["memory", "--model", name, "--ctx", "4k,128k", "--check", "--json"])
     assert r.exit_code == 0, r.output
     checks = json.loads(r.stdout)["check"]

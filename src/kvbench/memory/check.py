@@ -10,7 +10,6 @@ torch and transformers are imported here, only when --check is asked for.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,16 +105,25 @@ def preset_config(spec: ModelSpec) -> tuple[Any | None, str]:
         kw["layer_types"] = [
             f"{kind}_attention" if i in layers else "full_attention" for i in range(spec.n_layers)
         ]
-    if spec.is_mla:
+    if spec.is_mla:  # head_dim means the RoPE width in DeepSeek's config classes: theirs, not the preset's
+        del kw["head_dim"]
         kw.update(kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim)
         kw.update(qk_nope_head_dim=spec.qk_nope_head_dim, v_head_dim=spec.v_head_dim)
     if spec.family == "falcon":
         kw.update(num_kv_heads=spec.n_kv_heads, multi_query=spec.n_kv_heads == 1)
         kw["new_decoder_architecture"] = spec.n_kv_heads not in (1, spec.n_heads)
     cls = CONFIG_MAPPING[spec.family]
-    known = {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "attribute_map", {}))
-    with quiet_transformers():  # only the fields this config class has: the others are its properties
-        return AutoConfig.for_model(spec.family, **{k: v for k, v in kw.items() if k in known}), ""
+    kw = {k: v for k, v in kw.items() if not isinstance(getattr(cls, k, None), property)}  # Falcon's head_dim
+    with quiet_transformers():
+        config = AutoConfig.for_model(spec.family, **kw)
+    # A preset carries the attention shape only; the MLP keeps its class defaults, which never touch the cache.
+    # DeepSeek-V2's defaults do not run on the meta device (no experts per token; a 1407-wide expert that
+    # grouped_mm cannot stride), so those two are made runnable.
+    if getattr(config, "num_experts_per_tok", 1) is None:
+        config.num_experts_per_tok = 1
+    if getattr(config, "moe_intermediate_size", 16) % 16:
+        config.moe_intermediate_size = -(-config.moe_intermediate_size // 16) * 16
+    return config, ""
 
 
 def _build(text_config: Any):
