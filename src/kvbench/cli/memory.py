@@ -285,7 +285,8 @@ def render_plan(p) -> None:
     m = p.model
     max_ctx = "unknown" if m.max_context is None else fmt_tokens(m.max_context)
     head = f"  {_shape(m)}, {m.n_layers} layers, max context {max_ctx}"
-    out.print(line(styled(m.name, "bold"), "  ", styled(m.source, "dim"), head), soft_wrap=True)
+    source = ("  ", styled(m.source, "dim")) if m.source != m.name else ()
+    out.print(line(styled(m.name, "bold"), *source, head), soft_wrap=True)
     per_token = styled(f"{fmt_bytes(p.bytes_per_token)}/token", "bold")
     out.print(line("KV cache: ", per_token, f" ({p.kv_dtype})"), soft_wrap=True)
     _working(p.working)

@@ -102,9 +102,11 @@ def _vision(config: Any) -> tuple[int | None, str]:
         return None, ""
     v = _fields(vision)
     n = estimate_vision_params(v)
-    size = f"~{fmt_params(n)} params" if n else "size not estimated"
-    shape = f"{v.get('model_type')}: {v.get('num_hidden_layers')} layers x {v.get('hidden_size')}, {size}"
-    return n, f"vision tower {shape} (its projector not estimated)"
+    size = f", ~{fmt_params(n)} params (its projector not counted)" if n else " (not sized)"
+    return (
+        n,
+        f"vision tower {v.get('model_type')}: {v.get('num_hidden_layers')} layers x {v.get('hidden_size')}{size}",
+    )
 
 
 def _transformers_spec(config: Any, path: Path, raw: dict[str, Any]) -> Resolved:
