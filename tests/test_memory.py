@@ -583,3 +583,10 @@ def test_measure_lengths_reports_paged_against_static():
     assert p["paged_bytes"] == blocks * 16 * per_token
     r = runner.invoke(app, ["memory", "--model", "gpt2", "--lengths", "10,20"])
     assert r.exit_code == 2 and "--lengths goes with --measure" in r.output, r.output
+
+
+def test_repeated_contexts_and_models_are_planned_once():
+    r = run("--model", "llama-3-8b", "-m", "llama-3-8b", "--ctx", "8k,8192,128k", "--json")
+    assert r.exit_code == 0, r.output
+    (p,) = json.loads(r.stdout)["plans"]
+    assert [row["ctx"] for row in p["rows"]] == [8192, 131072]

@@ -50,6 +50,7 @@ FILES = {
     "latin1": '{"model_type": "llama", "_name_or_path": "caf\xe9"}'.encode("latin-1"),
     "deep": b"[" * 100_000 + b"]" * 100_000,
     "a-directory": None,
+    "int-of-5000-digits": b'{"model_type": "llama", "num_hidden_layers": ' + b"9" * 5000 + b"}",
 }  # fmt: skip
 
 # (case id, arguments, text the one error line must contain)
@@ -82,6 +83,9 @@ CASES = [
     ("latin-1", ["--config", "CFG:latin1"], "is not UTF-8 text"),
     ("nested too deep", ["--config", "CFG:deep"], "nested too deeply"),
     ("a directory", ["--config", "CFG:a-directory"], "is a directory; give the config.json file inside it"),
+    ("a device", ["--config", "/dev/zero"], "--config /dev/zero is not a regular file"),
+    ("5000-digit number", ["--config", "CFG:int-of-5000-digits"], "not a JSON file (Exceeds the limit"),
+    ("--ctx with 300 lengths", ["-m", "llama-3-8b", "--ctx", ",".join(map(str, range(1, 301)))], "at most 256"),
     ("missing file", ["--config", "CFG:nowhere"], "file not found"),
     ("path with markup", ["--config", "CFG:[/]x[bold]y.json"], "[/]x[bold]y.json: file not found"),
     # names and sizes on the command line

@@ -77,6 +77,8 @@ def read_config_json(path: Path) -> dict[str, Any]:
     try:
         if path.is_dir():
             raise KVBenchError(f"{where} is a directory; give the config.json file inside it")
+        if path.exists() and not path.is_file():  # a device or a pipe (/dev/zero, /dev/stdin) would never end
+            raise KVBenchError(f"{where} is not a regular file; give a config.json file")
         if path.stat().st_size > MAX_CONFIG_BYTES:
             raise KVBenchError(f"{where} is {path.stat().st_size:,} bytes; a config.json is a few kilobytes")
         text = path.read_bytes().decode("utf-8")
@@ -90,8 +92,8 @@ def read_config_json(path: Path) -> dict[str, Any]:
         raise KVBenchError(f"{where}: cannot read it ({e.strerror})") from None
     try:
         cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise KVBenchError(f"{where}: not a JSON file ({e})") from None
+    except ValueError as e:  # JSONDecodeError, or an integer literal of thousands of digits
+        raise KVBenchError(f"{where}: not a JSON file ({' '.join(str(e).split())})") from None
     except RecursionError:
         raise KVBenchError(f"{where}: JSON nested too deeply to be a config.json") from None
     if not isinstance(cfg, dict):

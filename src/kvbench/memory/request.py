@@ -22,6 +22,7 @@ from kvbench.memory.units import MAX_BATCH, fmt_int, parse_bytes, parse_ctx, par
 DEFAULT_COPY_RANGE = (128, 528)  # the seed's example: a 128-token prompt and 400 new tokens
 DEFAULT_MEASURE_CTX = 1024
 ALL_CONTEXTS = [8 * 1024, 128 * 1024]
+MAX_CONTEXTS = 256  # rows of one table; each is a bisection for the longest context that fits
 
 
 @dataclass
@@ -144,7 +145,7 @@ def _specs(o: Options, extra: Callable[[str], ModelSpec | None] | None) -> tuple
     if o.all_:
         return list(presets.values()), {}
     specs = []
-    for name in o.model or []:
+    for name in dict.fromkeys(o.model or []):  # a model named twice is planned once
         spec = extra(name) if extra and name.strip().lower() not in presets else None
         specs.append(spec or get_model(name, presets))
     resolved = {}
@@ -169,7 +170,9 @@ def parse_request(o: Options, extra: Callable[[str], ModelSpec | None] | None = 
         raise KVBenchError(f"--batch {o.batch} must be from 1 to {fmt_int(MAX_BATCH)}")
     if o.tp is not None and o.tp < 1:
         raise KVBenchError(f"--tp {o.tp} must be at least 1")
-    contexts = parse_ctx(o.ctx) if o.ctx is not None else None
+    contexts = list(dict.fromkeys(parse_ctx(o.ctx))) if o.ctx is not None else None  # a repeat is one row
+    if contexts and len(contexts) > MAX_CONTEXTS:
+        raise KVBenchError(f"--ctx lists {len(contexts):,} context lengths; give at most {MAX_CONTEXTS}")
     kv = get_kv_format(o.kv_dtype).name
     weights_dtype = (o.weights_dtype or "bf16").strip().lower()
     weight_bits(weights_dtype)
