@@ -181,10 +181,8 @@ def _plans(req, doc: dict, json_out: bool) -> None:
     checks = _checks(req, plans) if req.check else []
     for w in left_out:
         console.warn(w)
-    for p in (
-        [] if req.all_ else plans
-    ):  # --all marks beyond-context cells with a dagger instead of a line each
-        for w in p.warnings:
+    if not req.all_:  # --all marks beyond-context cells with a dagger instead of a line each
+        for w in (w for p in plans for w in p.warnings):
             console.warn(w)
     doc["plans"] = mem.to_jsonable(plans)
     if req.check:
