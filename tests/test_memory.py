@@ -346,7 +346,7 @@ def test_config_rejects_what_it_cannot_interpret(tmp_path):
         mem.spec_from_hf_config(save(tmp_path, T5Config(), "t5"))
     cases = {
         "no-layers.json": (
-            {"model_type": "llama", "num_attention_heads": 8, "hidden_size": 64},
+            {"model_type": "x", "num_attention_heads": 8, "hidden_size": 64},
             "num_hidden_layers",
         ),
         "hybrid.json": (
@@ -445,7 +445,7 @@ def test_cli_all_table(presets):
     assert r.exit_code == 0, r.output
     for name in presets:
         assert name in r.stdout
-    assert "sliding-window layers capped" in r.stdout
+    assert "layers capped at their window" in r.stdout
 
 
 def test_cli_json(presets):
@@ -510,10 +510,47 @@ def test_cli_bad_input_one_line_error(args, message):
 
 
 def test_planner_imports_no_torch():
+    """Presets, plans and command-line parsing stay standard-library only: torch and transformers are imported
+    only to resolve a config.json or to --check."""
     code = (
-        "import sys, kvbench.memory as m; m.load_presets(); m.load_gpus(); assert 'torch' not in sys.modules"
+        "import sys, kvbench.memory as m; m.load_presets(); m.load_gpus(); "
+        "r = m.parse_request(m.Options(model=['llama-3-8b', 'gemma-3-4b'], ctx='8k,128k', gpu='h100')); "
+        "m.plan_request(r); m.copy_traffic(m.get_model('gpt2'), 128, 528); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_max_context_search_says_how_it_ended(presets):
+    """Found by bisection; unbounded only when every layer is windowed; at the search limit otherwise."""
+    fmt, llama = mem.KV_FORMATS["fp16"], presets["llama-3-8b"]
+    assert mem.max_context(llama, fmt, 8, 1, 128 * KiB * 1000) == (1000, "found")
+    assert mem.max_context(llama, fmt, 8, 1, 128 * KiB * 2**41) == (mem.MAX_TOKENS, "limit")
+    assert mem.max_context(presets["mistral-7b-v0.1"], fmt, 8, 1, 1 * GiB) == (None, "unbounded")
+    assert mem.max_context(llama, fmt, 8, 1, 0) == (0, "found")
+
+
+def test_a_billion_layers_is_arithmetic_not_a_loop():
+    """Per-sequence bytes count full and windowed layers; no loop over layers (a hostile config cannot stall it)."""
+    spec = mem.ModelSpec(name="x", source="x", family="x", n_layers=10**9, n_heads=8, n_kv_heads=8, head_dim=64,
+                         hidden_size=512, max_context=None, params=None)  # fmt: skip
+    assert mem.bytes_per_sequence(spec, mem.KV_FORMATS["fp16"], 2**40) == 2 * 8 * 64 * 2 * 10**9 * 2**40
+
+
+def test_chunked_window_kind_in_presets(presets, tmp_path):
+    scout = presets["llama-4-scout-17b-16e"]
+    assert scout.window_kind == "chunked" and scout.n_windowed == 36 and scout.n_full == 12
+    row = mem.plan(scout, [131072]).rows[0]
+    assert row.bytes_per_seq == 2 * 8 * 128 * 2 * (12 * 131072 + 36 * 8192)
+    assert "chunked" in row.working[0]
+    bad = tmp_path / "models.toml"
+    bad.write_text(
+        '[m]\nsource = "a/b"\nfamily = "llama"\nlayers = 2\nheads = 2\nkv_heads = 2\nhead_dim = 8\n'
+        'hidden = 16\nmax_context = 64\nparams = 10\nsliding_window = 4\nsliding_layers = "all"\n'
+        'window_kind = "dilated"\n'
+    )
+    with pytest.raises(KVBenchError, match="window_kind = 'dilated'"):
+        mem.load_presets(bad)
 
 
 def test_copy_traffic_counter_says_why_it_did_not_run(presets):
@@ -546,3 +583,10 @@ def test_measure_lengths_reports_paged_against_static():
     assert p["paged_bytes"] == blocks * 16 * per_token
     r = runner.invoke(app, ["memory", "--model", "gpt2", "--lengths", "10,20"])
     assert r.exit_code == 2 and "--lengths goes with --measure" in r.output, r.output
+
+
+def test_repeated_contexts_and_models_are_planned_once():
+    r = run("--model", "llama-3-8b", "-m", "llama-3-8b", "--ctx", "8k,8192,128k", "--json")
+    assert r.exit_code == 0, r.output
+    (p,) = json.loads(r.stdout)["plans"]
+    assert [row["ctx"] for row in p["rows"]] == [8192, 131072]

@@ -21,6 +21,8 @@ from kvbench.model import PRESETS, GPTConfig
 
 # Counting the dynamic cache's copies re-runs every torch.cat; above this many bytes copied it is not worth the wait.
 MAX_COUNTED_COPY_BYTES = 8 * memory.GiB
+# --lengths fills a paged cache one token at a time (about 12,000 tokens a second on a laptop CPU).
+MAX_PAGED_TOKENS = 2**16
 
 # What we know about a cache's footprint beyond the prediction, by registry name (others fall back to their summary).
 EXPLAIN = {
@@ -260,6 +262,54 @@ def count_copy_traffic(
     caches = make_caches("dynamic", cfg, batch, n1, dtype, dev)
     _fill(caches, cfg, batch, n0, n1, dtype, dev)
     return cache_bytes_copied(caches), f"counted by the dynamic cache on {dev}"
+
+
+def free_bytes(dev: torch.device) -> int | None:
+    """Memory the device can still give: CUDA's free memory, or the host's MemAvailable (None if unknown)."""
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_measure(
+    name: str,
+    batch: int,
+    contexts: list[int],
+    kv_dtype: str,
+    device: str,
+    lengths: list[int] | None = None,
+    paged_max_len: int | None = None,
+) -> None:
+    """Everything --measure (and --lengths) will allocate, checked before the first cache: a gpt2-family model,
+    a torch format, and room on the device for the largest cache (twice: torch.cat holds old and new at once)."""
+    cfg, dev = _gpt_config(name), resolve_device(device)
+    _torch_dtype(kv_dtype)
+    spec, fmt, room = spec_from_gpt_config(cfg), memory.get_kv_format(kv_dtype), free_bytes(dev)
+    need = 2 * memory.bytes_per_sequence(spec, fmt, max(contexts)) * batch
+    if room is not None and need > room:
+        raise KVBenchError(
+            f"--measure at batch {batch} x {max(contexts):,} tokens needs about {memory.fmt_bytes(need)} on {dev}, "
+            f"which has {memory.fmt_bytes(room)} free; lower --batch or --ctx"
+        )
+    if lengths is None:
+        return
+    if sum(lengths) > MAX_PAGED_TOKENS:
+        raise KVBenchError(
+            f"--lengths adds up to {sum(lengths):,} tokens; the paged cache is filled one token at a time, so keep "
+            f"the total at or under {MAX_PAGED_TOKENS:,}"
+        )
+    one_layer = (
+        memory.bytes_per_sequence(spec, fmt, paged_max_len or max(lengths)) * len(lengths) // cfg.n_layer
+    )
+    if room is not None and one_layer > room:
+        raise KVBenchError(
+            f"--lengths needs {memory.fmt_bytes(one_layer)} of paged blocks; the host has {memory.fmt_bytes(room)} free"
+        )
 
 
 def paged_waste(name: str, lengths: list[int], max_len: int | None, kv_dtype: str):

@@ -1,4 +1,5 @@
-"""`kvbench memory`: KV-cache capacity planning for real models, and the measured check against our caches."""
+"""`kvbench memory`: KV-cache capacity planning for real models, checked against transformers' own cache, and
+measured against our caches. The command parses options, calls the planner, and renders what it returns."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.text import Text
 
 from kvbench import console
-from kvbench.cli.app import DeviceOpt, JsonOpt, app, handle_errors
-from kvbench.console import out, table
-from kvbench.errors import KVBenchError
+from kvbench.cli.app import JsonOpt, app, handle_errors
+from kvbench.console import line, out, styled, table
 
 
 @app.command()
@@ -21,7 +22,10 @@ def memory(
         typer.Option("--model", "-m", help="Preset from configs/models.toml, e.g. llama-3-8b (repeatable)."),
     ] = None,
     config: Annotated[
-        Path | None, typer.Option("--config", help="Any Hugging Face config.json of a decoder LLM.")
+        Path | None,
+        typer.Option(
+            "--config", help="Any Hugging Face config.json of a decoder LLM (resolved by transformers)."
+        ),
     ] = None,
     all_: Annotated[bool, typer.Option("--all", help="One table for every preset.")] = False,
     ctx: Annotated[
@@ -40,8 +44,8 @@ def memory(
         ),
     ] = "fp16",
     weights_dtype: Annotated[
-        str, typer.Option("--weights-dtype", help="fp32 | fp16 | bf16 | fp8 | int8 | int4.")
-    ] = "bf16",
+        str | None, typer.Option("--weights-dtype", help="fp32 | fp16 | bf16 (default) | fp8 | int8 | int4.")
+    ] = None,
     gpu: Annotated[
         str | None,
         typer.Option("--gpu", help="GPU preset from configs/gpus.toml: t4, a100-80gb, h100, h200, ..."),
@@ -50,16 +54,31 @@ def memory(
         str | None, typer.Option("--gpu-mem", help="GPU memory instead of --gpu, e.g. 80GiB (GB = 10^9 B).")
     ] = None,
     overhead: Annotated[
-        str,
-        typer.Option("--overhead", help="Allowance for activations, CUDA context, allocator: 10% or 4GiB."),
-    ] = "10%",
-    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel GPUs (KV heads split across them).")] = 1,
+        str | None,
+        typer.Option(
+            "--overhead", help="Allowance for activations, CUDA context, allocator: 10% (default) or 4GiB."
+        ),
+    ] = None,
+    tp: Annotated[
+        int | None, typer.Option("--tp", help="Tensor-parallel GPUs (KV heads split across them).")
+    ] = None,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="Also allocate transformers' own cache for the model on the meta device and compare per layer kind.",
+        ),
+    ] = False,
     copy_traffic: Annotated[
         bool,
         typer.Option("--copy-traffic", help="Bytes a torch.cat cache copies growing from --from to --to."),
     ] = False,
-    from_: Annotated[int, typer.Option("--from", help="Tokens cached at the start (--copy-traffic).")] = 128,
-    to: Annotated[int, typer.Option("--to", help="Tokens cached at the end (--copy-traffic).")] = 528,
+    from_: Annotated[
+        int | None, typer.Option("--from", help="Tokens cached at the start (--copy-traffic; default 128).")
+    ] = None,
+    to: Annotated[
+        int | None, typer.Option("--to", help="Tokens cached at the end (--copy-traffic; default 528).")
+    ] = None,
     measure: Annotated[
         bool,
         typer.Option("--measure", help="gpt2 family: allocate every registered cache and compare bytes."),
@@ -72,139 +91,131 @@ def memory(
             "cache holds vs a static cache's batch x max-length reservation (max length: --ctx, else the longest).",
         ),
     ] = None,
-    device: DeviceOpt = "auto",
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device", "-d", help="Where --measure and the copy counter run: auto | cpu | cuda | cuda:N."
+        ),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Plan KV-cache memory for real models (bytes/token, per sequence, fits on a GPU)."""
     from kvbench import memory as mem
 
-    if all_ and (model or config):
-        raise KVBenchError("use --all or --model/--config, not both")
-    if gpu and gpu_mem:
-        raise KVBenchError("use --gpu or --gpu-mem, not both")
-    if batch < 1:
-        raise KVBenchError(f"--batch {batch} must be at least 1")
-    contexts = mem.parse_ctx(ctx) if ctx is not None else None
-    mem.get_kv_format(kv_dtype)
-    mem.weight_bits(weights_dtype)
-    gpu_spec = mem.get_gpu(gpu) if gpu else None
-    gpu_bytes = mem.parse_bytes(gpu_mem) if gpu_mem else None
-    if gpu_bytes is not None or gpu_spec is not None:
-        mem.parse_overhead(overhead, gpu_bytes or gpu_spec.memory)
-
-    doc: dict = {"kv_dtype": kv_dtype, "weights_dtype": weights_dtype, "batch": batch, "tp": tp}
-    if measure:
-        from kvbench.measure_memory import measure_caches
-
-        if all_ or config or not model or len(model) != 1:
-            raise KVBenchError(
-                "--measure takes one gpt2-family --model (gpt2, gpt2-medium, gpt2-large, gpt2-xl)"
-            )
-        reports = [
-            measure_caches(model[0].strip().lower(), batch, c, kv_dtype, device) for c in contexts or [1024]
-        ]
-        doc["measure"] = mem.to_jsonable(reports)
-        for w in (w for r in reports for w in r.warnings):
-            console.warn(w)
-        if not json_out:
-            for r in reports:
-                render_measure(r)
-        if lengths:
-            from kvbench.measure_memory import paged_waste
-
-            paged = paged_waste(
-                model[0].strip().lower(), mem.parse_ctx(lengths), ctx and max(contexts), kv_dtype
-            )
-            doc["paged"] = {
-                **mem.to_jsonable(paged),
-                "static_waste": paged.static_waste,
-                "paged_waste": paged.paged_waste,
-                "saving": paged.saving,
-            }
-            if not json_out:
-                render_paged(paged)
-    elif lengths:
-        raise KVBenchError("--lengths goes with --measure (it fills a real paged cache)")
-
-    presets = mem.load_presets()
-    specs = (
-        list(presets.values())
-        if all_
-        else [_memory_spec(n, presets, measure or copy_traffic) for n in model or []]
-    )
-    if config is not None:
-        specs.append(mem.spec_from_hf_config(config))
-    if not specs:
-        raise KVBenchError("name a model: --model llama-3-8b, --config path/to/config.json, or --all")
-
-    if copy_traffic:
-        from kvbench.measure_memory import count_copy_traffic
-
-        traffic = []
-        for spec in specs:
-            t = mem.copy_traffic(spec, from_, to, batch, kv_dtype)
-            t.measured_bytes, t.counter_note = count_copy_traffic(
-                spec.name, from_, to, batch, kv_dtype, device
-            )
-            traffic.append((spec.name, t))
-        doc["copy_traffic"] = [dict(model=n, **mem.to_jsonable(t)) for n, t in traffic]
-        if not json_out:
-            render_copy_traffic(traffic)
-    if measure or copy_traffic:
-        if json_out:
-            console.print_json(doc)
-        return
-
-    plans = []
-    for spec in specs:
-        cs = contexts or (
-            [8 * 1024, 128 * 1024] if all_ else [spec.max_context] if spec.max_context else None
-        )
-        if cs is None:
-            raise KVBenchError(f"{spec.name} has no max_position_embeddings; give --ctx, e.g. --ctx 8k")
-        try:
-            plans.append(
-                mem.plan(
-                    spec, cs, batch, kv_dtype, weights_dtype, tp, gpu_spec, gpu_bytes, overhead, gpu_mem or ""
-                )
-            )
-        except KVBenchError as e:
-            if not all_:
-                raise
-            console.warn(f"{spec.name} left out: {e}")  # e.g. --tp 2 cannot split Falcon's 71 heads
-    for p in [] if all_ else plans:  # --all marks beyond-context cells with a dagger instead of a line each
-        for w in p.warnings:
-            console.warn(w)
-    doc["plans"] = mem.to_jsonable(plans)
+    options = mem.Options(
+        model=model, config=config, all_=all_, ctx=ctx, batch=batch, kv_dtype=kv_dtype, weights_dtype=weights_dtype,
+        gpu=gpu, gpu_mem=gpu_mem, overhead=overhead, tp=tp, copy_traffic=copy_traffic, from_=from_, to=to,
+        measure=measure, lengths=lengths, check=check, device=device,
+    )  # fmt: skip
+    req = mem.parse_request(options, extra=_gpt2_spec)  # every option and model checked before any work
+    doc: dict = {
+        "kv_dtype": req.kv_dtype,
+        "weights_dtype": req.weights_dtype,
+        "batch": req.batch,
+        "tp": req.tp,
+    }
+    if req.measure:
+        _measure(req, doc, json_out)
+    if req.copy_traffic:
+        _copy_traffic(req, doc, json_out)
+    if req.plans:
+        _plans(req, doc, json_out)
     if json_out:
         console.print_json(doc)
-    elif all_:
-        render_all(plans, batch, kv_dtype, weights_dtype)
-    else:
-        for p in plans:
-            render_plan(p)
 
 
-def _memory_spec(name: str, presets: dict, allow_gpt2: bool):
-    """A models.toml preset; for --measure/--copy-traffic also our own GPT-2 presets (gpt2-tiny)."""
+def _gpt2_spec(name: str):
+    """Our own GPT-2 presets (gpt2-tiny too) for --measure and --copy-traffic; None for any other name."""
+    from kvbench.measure_memory import spec_from_gpt_config
+    from kvbench.model import PRESETS as GPT_PRESETS
+
+    key = name.strip().lower()
+    return spec_from_gpt_config(GPT_PRESETS[key]) if key in GPT_PRESETS else None
+
+
+def _measure(req, doc: dict, json_out: bool) -> None:
+    """Allocate every registered cache (and, with --lengths, a paged cache of mixed lengths) and compare."""
+    from kvbench import memory as mem
+    from kvbench.measure_memory import check_measure, measure_caches, paged_waste
+
+    name, contexts = req.specs[0].name, req.contexts or [mem.DEFAULT_MEASURE_CTX]
+    max_len = max(req.contexts) if req.contexts else None
+    check_measure(name, req.batch, contexts, req.kv_dtype, req.device, req.lengths, max_len)
+    reports = [measure_caches(name, req.batch, c, req.kv_dtype, req.device) for c in contexts]
+    paged = paged_waste(name, req.lengths, max_len, req.kv_dtype) if req.lengths else None
+    doc["measure"] = mem.to_jsonable(reports)
+    if paged is not None:
+        doc["paged"] = {**mem.to_jsonable(paged), "static_waste": paged.static_waste,
+                        "paged_waste": paged.paged_waste, "saving": paged.saving}  # fmt: skip
+    for w in (w for r in reports for w in r.warnings):
+        console.warn(w)
+    if not json_out:
+        for r in reports:
+            render_measure(r)
+        if paged is not None:
+            render_paged(paged)
+
+
+def _copy_traffic(req, doc: dict, json_out: bool) -> None:
+    """The closed form of what torch.cat copies, and our dynamic cache's own counter where it can run."""
+    from kvbench import memory as mem
+    from kvbench.measure_memory import count_copy_traffic
+
+    (n0, n1), traffic = req.copy_range, []
+    for spec in req.specs:
+        t = mem.copy_traffic(spec, n0, n1, req.batch, req.kv_dtype)
+        t.measured_bytes, t.counter_note = count_copy_traffic(
+            spec.name, n0, n1, req.batch, req.kv_dtype, req.device
+        )
+        traffic.append((spec.name, t))
+    doc["copy_traffic"] = [dict(model=n, **mem.to_jsonable(t)) for n, t in traffic]
+    if not json_out:
+        render_copy_traffic(traffic)
+
+
+def _plans(req, doc: dict, json_out: bool) -> None:
+    """The plan for every model, and with --check transformers' own cache beside it."""
     from kvbench import memory as mem
 
-    try:
-        return mem.get_model(name, presets)
-    except KVBenchError:
-        if not allow_gpt2:
-            raise
-        from kvbench.measure_memory import spec_from_gpt_config
-        from kvbench.model import PRESETS as GPT_PRESETS
+    plans, left_out = mem.plan_request(req)
+    checks = _checks(req, plans) if req.check else []
+    for w in left_out:
+        console.warn(w)
+    if not req.all_:  # --all marks beyond-context cells with a dagger instead of a line each
+        for w in (w for p in plans for w in p.warnings):
+            console.warn(w)
+    doc["plans"] = mem.to_jsonable(plans)
+    if req.check:
+        doc["check"] = mem.to_jsonable(checks)
+    if json_out:
+        return
+    if req.all_:
+        render_all(plans, req.batch, req.kv_dtype, req.weights_dtype)
+    for p in [] if req.all_ else plans:
+        render_plan(p)
+        mine = [c for c in checks if c.model == p.model.name]
+        if mine:
+            render_checks(mine)
 
-        if name.strip().lower() not in GPT_PRESETS:
-            raise
-        return spec_from_gpt_config(GPT_PRESETS[name.strip().lower()])
+
+def _checks(req, plans) -> list:
+    """--check: each model against transformers' StaticCache on the meta device, at the plan's contexts."""
+    from kvbench.memory.check import check_preset, check_resolved
+
+    out_ = []
+    for p in plans:
+        contexts = [r.ctx for r in p.rows]
+        resolved = req.resolved.get(p.model.name)
+        if resolved is not None:
+            out_ += check_resolved(resolved, contexts, req.batch, req.kv_dtype)
+        else:
+            out_ += check_preset(p.model, contexts, req.batch, req.kv_dtype)
+    return out_
 
 
 # --- rendering ---
-# Rendering for `kvbench memory`: the planner returns dataclasses with their working; these functions only lay them
-# out. Imports of kvbench.memory stay local so `import kvbench.console` stays light.
+# The planner returns dataclasses with their working; these functions only lay them out. Names, paths and config
+# fields are user text: they go into Text (literal), never into markup.
 
 
 def _mem_ctx(ctx: int, beyond: bool, windowed: bool) -> str:
@@ -213,70 +224,122 @@ def _mem_ctx(ctx: int, beyond: bool, windowed: bool) -> str:
     return fmt_tokens(ctx) + ("*" if windowed else "") + ("†" if beyond else "")
 
 
-def render_plan(p) -> None:
-    """One model: a header with the per-token working, a row per context, then each row's arithmetic and notes."""
-    from kvbench.memory import fmt_bytes, fmt_tokens
+def _working(lines: list[str]) -> None:
+    for w in lines:
+        out.print(Text(f"  {w}"), soft_wrap=True)
 
-    m = p.model
-    shape = {
+
+def _shape(m) -> str:
+    return {
         "MHA": f"MHA, {m.n_heads} heads each with its own K/V",
         "GQA": f"GQA, {m.n_heads} query heads share {m.n_kv_heads} KV heads",
         "MQA": f"MQA, {m.n_heads} query heads share 1 KV head",
         "MLA": f"MLA, {m.n_heads} heads read one {m.kv_lora_rank}+{m.qk_rope_head_dim} latent",
     }[m.attention]
-    max_ctx = "unknown" if m.max_context is None else fmt_tokens(m.max_context)
-    out.print(f"[bold]{m.name}[/]  [dim]{m.source}[/]  {shape}, {m.n_layers} layers, max context {max_ctx}")
-    out.print(f"KV cache: [bold]{fmt_bytes(p.bytes_per_token)}/token[/] ({p.kv_dtype})", soft_wrap=True)
-    for line in p.working:
-        out.print(f"  {line}", soft_wrap=True, markup=False)
+
+
+def _longest(r, m) -> str:
+    from kvbench.memory import MAX_TOKENS
+
+    if r.max_ctx_unbounded:
+        return "unbounded (all layers windowed)"
+    if r.max_ctx_at_limit:
+        return f">= {r.max_ctx:,} (searched up to {MAX_TOKENS:,})"
+    return f"{r.max_ctx:,}" + ("†" if m.max_context and r.max_ctx > m.max_context else "")
+
+
+def _plan_table(p):
+    from kvbench.memory import fmt_bytes
+
     batch = p.rows[0].batch if p.rows else 1
     weights_gpu = None if p.weights_bytes is None else -(-p.weights_bytes // p.tp)
     cols = ["context", "per sequence"]
-    if batch > 1:
-        cols.append(f"batch of {batch}")
-    if p.tp > 1:
-        cols.append(f"per GPU (tp {p.tp})")
-    if weights_gpu is not None:
-        cols.append("+ weights" + (" per GPU" if p.tp > 1 else ""))
-    if p.gpu is not None:
-        cols += ["fits", "max batch at this context", f"max context at batch {batch}"]
+    cols += [f"batch of {batch}"] if batch > 1 else []
+    cols += [f"per GPU (tp {p.tp})"] if p.tp > 1 else []
+    cols += ["+ weights" + (" per GPU" if p.tp > 1 else "")] if weights_gpu is not None else []
+    cols += (
+        ["fits", "max batch at this context", f"max context at batch {batch}"] if p.gpu is not None else []
+    )
     rows = []
     for r in p.rows:
         row = [_mem_ctx(r.ctx, r.beyond_max, r.windowed), fmt_bytes(r.bytes_per_seq)]
-        if batch > 1:
-            row.append(fmt_bytes(r.bytes_batch))
-        if p.tp > 1:
-            row.append(fmt_bytes(r.bytes_per_gpu))
-        if weights_gpu is not None:
-            row.append(fmt_bytes(r.bytes_per_gpu + weights_gpu))
+        row += [fmt_bytes(r.bytes_batch)] if batch > 1 else []
+        row += [fmt_bytes(r.bytes_per_gpu)] if p.tp > 1 else []
+        row += [fmt_bytes(r.bytes_per_gpu + weights_gpu)] if weights_gpu is not None else []
         if p.gpu is not None:
             row += [
-                "[green]yes[/]" if r.fits else "[red]no[/]",
+                styled("yes", "green") if r.fits else styled("no", "red"),
                 str(r.max_batch),
-                "unbounded (all layers windowed)"
-                if r.max_ctx_unbounded
-                else f"{r.max_ctx:,}" + ("†" if m.max_context and r.max_ctx > m.max_context else ""),
+                _longest(r, p.model),
             ]
         rows.append(row)
-    out.print(table("", cols, rows))
+    return table("", cols, rows)
+
+
+def render_plan(p) -> None:
+    """One model: a header with the per-token working, a row per context, then each row's arithmetic and notes."""
+    from kvbench.memory import fmt_bytes, fmt_tokens
+
+    m = p.model
+    max_ctx = "unknown" if m.max_context is None else fmt_tokens(m.max_context)
+    head = f"  {_shape(m)}, {m.n_layers} layers, max context {max_ctx}"
+    source = ("  ", styled(m.source, "dim")) if m.source != m.name else ()
+    out.print(line(styled(m.name, "bold"), *source, head), soft_wrap=True)
+    per_token = styled(f"{fmt_bytes(p.bytes_per_token)}/token", "bold")
+    out.print(line("KV cache: ", per_token, f" ({p.kv_dtype})"), soft_wrap=True)
+    _working(p.working)
+    out.print(_plan_table(p))
     if any(r.windowed for r in p.rows):
-        out.print(f"[dim]* sliding-window layers capped at {m.sliding_window:,} tokens[/]")
+        out.print(styled(f"* {m.window_label} layers capped at {m.sliding_window:,} tokens", "dim"))
     if any(r.beyond_max for r in p.rows):
-        out.print("[dim]† beyond the context the model was trained for (computed anyway)[/]")
+        out.print(styled("† beyond the context the model was trained for (computed anyway)", "dim"))
     if p.gpu is not None:
-        out.print(f"GPU: {p.gpu.label}: {p.gpu.working}", soft_wrap=True, markup=False)
-    out.print("[dim]working:[/]")
+        out.print(Text(f"GPU: {p.gpu.label}: {p.gpu.working}"), soft_wrap=True)
+    out.print(styled("working:", "dim"))
     for r in p.rows:
-        for line in r.working:
-            out.print(f"  {line}", soft_wrap=True, markup=False)
+        _working(r.working)
     for n in p.notes:
-        out.print(f"[dim]note:[/] {n}", soft_wrap=True)
+        out.print(line(styled("note:", "dim"), " ", n), soft_wrap=True)
+
+
+def _all_caption(plans: list, gpu) -> str:
+    from kvbench.memory import fmt_bytes
+
+    windowed = [
+        f"{p.model.name} ({p.model.n_windowed} of {p.model.n_layers} layers at {p.model.sliding_window}"
+        + (", chunked" if p.model.window_kind == "chunked" else "")
+        + ")"
+        for p in plans
+        if p.model.sliding_layers
+    ]
+    caption = (
+        "bytes/token = 2 x layers x kv_heads x head_dim x bytes (MLA: (kv_lora_rank + qk_rope_head_dim) x layers "
+        "x bytes)."
+        + (
+            f" * layers capped at their window (sliding or chunked): {', '.join(windowed)}."
+            if windowed
+            else ""
+        )
+        + " † beyond the context the model was trained for, computed anyway."
+        + (
+            " Weights of multimodal models are their language model's."
+            if any(p.model.wrapper for p in plans)
+            else ""
+        )
+    )
+    if gpu is not None:
+        tp = plans[0].tp
+        where = f"{tp} x {gpu.label} (tensor parallel)" if tp > 1 else gpu.label
+        caption += f" Max batch on {where} after weights and a {fmt_bytes(gpu.overhead)} allowance per GPU."
+    return caption
 
 
 def render_all(plans: list, batch: int, kv_dtype: str, weights_dtype: str) -> None:
     """Every preset in one table: the seed's table, extended."""
     from kvbench.memory import fmt_bytes, fmt_tokens
 
+    if not plans:
+        return
     contexts = [r.ctx for r in plans[0].rows]
     gpu = plans[0].gpu
     per = "per sequence" if batch == 1 else f"batch {batch}"
@@ -289,9 +352,10 @@ def render_all(plans: list, batch: int, kv_dtype: str, weights_dtype: str) -> No
     for p in plans:
         m = p.model
         row = [m.name, m.attention, str(m.n_layers), m.kv_shape, fmt_bytes(p.bytes_per_token)]
-        for r in p.rows:
-            mark = ("*" if r.windowed else "") + ("†" if r.beyond_max else "")
-            row.append(fmt_bytes(r.bytes_batch) + mark)
+        row += [
+            fmt_bytes(r.bytes_batch) + ("*" if r.windowed else "") + ("†" if r.beyond_max else "")
+            for r in p.rows
+        ]
         if gpu is not None:
             row += [str(r.max_batch) for r in p.rows]
         row += [
@@ -299,24 +363,46 @@ def render_all(plans: list, batch: int, kv_dtype: str, weights_dtype: str) -> No
             "?" if p.weights_bytes is None else fmt_bytes(p.weights_bytes),
         ]
         rows.append(row)
-    windowed = [
-        f"{p.model.name} ({len(p.model.sliding_layers)} of {p.model.n_layers} layers at {p.model.sliding_window})"
-        for p in plans
-        if p.model.sliding_layers
-    ]
-    caption = (
-        "bytes/token = 2 x layers x kv_heads x head_dim x bytes (MLA: (kv_lora_rank + qk_rope_head_dim) x layers "
-        "x bytes)."
-        + (f" * sliding-window layers capped at their window: {', '.join(windowed)}." if windowed else "")
-        + " † beyond the context the model was trained for, computed anyway."
-    )
-    if gpu is not None:
-        tp = plans[0].tp
-        where = f"{tp} x {gpu.label} (tensor parallel)" if tp > 1 else gpu.label
-        caption += f" Max batch on {where} after weights and a {fmt_bytes(gpu.overhead)} allowance per GPU."
-    t = table(f"KV cache for every preset ({kv_dtype})", cols, rows, caption=caption)
+    t = table(f"KV cache for every preset ({kv_dtype})", cols, rows, caption=_all_caption(plans, gpu))
     t.columns[0].no_wrap = True  # model names stay whole; the caption and the numbers wrap instead
     out.print(t)
+
+
+def render_checks(checks: list) -> None:
+    """--check: planner vs transformers' own cache per context and layer kind, each difference in one line."""
+    from kvbench.memory import fmt_bytes, fmt_tokens
+
+    c0 = checks[0]
+    title = Text(f"check: {c0.model} against transformers' own cache")
+    if not c0.checkable:
+        out.print(line(title, ": ", styled(c0.how, "yellow")), soft_wrap=True)
+        return
+    cols = [
+        "context",
+        "layer kind",
+        "layers",
+        "planner",
+        "transformers",
+        "one layer in transformers",
+        "result",
+    ]
+    rows = []
+    for c in checks:
+        for k in c.kinds:
+            layers = (
+                str(k.planner_layers)
+                if k.planner_layers == k.transformers_layers
+                else (f"{k.planner_layers} vs {k.transformers_layers}")
+            )
+            result = styled(k.explanation, "green" if k.agrees else "yellow")
+            rows.append([fmt_tokens(c.ctx), k.label, layers, fmt_bytes(k.planner_bytes), fmt_bytes(k.transformers_bytes),
+                         k.transformers_layer_shape, result])  # fmt: skip
+    out.print(table(title, cols, rows, caption=c0.how))
+    if c0.transformers_params is not None and c0.planner_params is not None:
+        out.print(Text(f"  parameters: {c0.params_working}"), soft_wrap=True)
+    verdict = all(c.agrees for c in checks)
+    out.print(styled("the plan agrees with transformers to the byte" if verdict else "the plan and transformers differ "
+                     "where the result column says why", "bold green" if verdict else "bold yellow"))  # fmt: skip
 
 
 def render_copy_traffic(traffic: list) -> None:
@@ -327,10 +413,12 @@ def render_copy_traffic(traffic: list) -> None:
     rows = []
     for name, t in traffic:
         if t.measured_bytes is None:
-            counted = f"[dim]{t.counter_note}[/]"
+            counted = styled(t.counter_note, "dim")
         else:
-            same = "[green]= exact[/]" if t.measured_bytes == t.exact_bytes else "[red]differs[/]"
-            counted = f"{t.measured_bytes:,} B {same} ({t.counter_note})"
+            same = (
+                styled("= exact", "green") if t.measured_bytes == t.exact_bytes else styled("differs", "red")
+            )
+            counted = line(f"{t.measured_bytes:,} B ", same, f" ({t.counter_note})")
         rows.append(
             [
                 name,
@@ -343,8 +431,7 @@ def render_copy_traffic(traffic: list) -> None:
         )
     out.print(table("History copied by torch.cat while decoding", cols, rows))
     if len(traffic) == 1:
-        for line in traffic[0][1].working:
-            out.print(f"  {line}", soft_wrap=True, markup=False)
+        _working(traffic[0][1].working)
 
 
 def render_measure(report) -> None:
@@ -358,7 +445,7 @@ def render_measure(report) -> None:
     cols.append("why")
     rows = []
     for r in report.rows:
-        diff = "[green]0 B (exact)[/]" if r.exact else f"[yellow]{r.difference:+,} B[/]"
+        diff = styled("0 B (exact)", "green") if r.exact else styled(f"{r.difference:+,} B", "yellow")
         fmt_note = f" ({r.planner_format})" if r.planner_format != report.kv_dtype else ""
         row = [r.cache, f"{r.predicted_bytes:,} B{fmt_note}", f"{r.measured_bytes:,} B", diff]
         if cuda:
@@ -369,9 +456,8 @@ def render_measure(report) -> None:
         row.append(r.explanation)
         rows.append(row)
     title = f"{report.model}: predicted vs measured, batch {report.batch} x {report.ctx} tokens, {report.kv_dtype}"
-    out.print(table(title, cols, rows, caption=f"device: {report.device}"))
-    for line in report.working:
-        out.print(f"  {line}", soft_wrap=True, markup=False)
+    out.print(table(Text(title), cols, rows, caption=Text(f"device: {report.device}")))
+    _working(report.working)
 
 
 def render_paged(r) -> None:

@@ -1,0 +1,86 @@
+"""The cache arithmetic: bytes per token per layer, per sequence, per GPU under tensor parallelism, and its working.
+
+    bytes/token = 2 (K and V) x layers x kv_heads x head_dim x bytes(dtype)          (MHA, GQA, MQA)
+    bytes/token = (kv_lora_rank + qk_rope_head_dim) x layers x bytes(dtype)          (MLA: one latent, no K/V per head)
+
+A sequence of n tokens holds n tokens in a full-attention layer and min(n, window) in a sliding-window or chunked
+layer, so per-sequence bytes add the two kinds of layer. Quantized formats add their per-group scales.
+"""
+
+from __future__ import annotations
+
+from kvbench.errors import KVBenchError
+from kvbench.memory.formats import KVFormat
+from kvbench.memory.spec import ModelSpec
+from kvbench.memory.units import fmt_bytes, fmt_int
+
+
+def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
+    """KV heads on each of tp GPUs: split evenly, or one (replicated) per GPU when tp exceeds the KV heads."""
+    if tp < 1:
+        raise KVBenchError(f"--tp {tp} must be at least 1")
+    if spec.n_heads % tp:
+        raise KVBenchError(
+            f"--tp {tp}: {spec.name} has {spec.n_heads} attention heads, not divisible by {tp}"
+        )
+    if spec.is_mla:
+        return spec.n_kv_heads  # unused: the latent is not per head
+    if spec.n_kv_heads >= tp:
+        if spec.n_kv_heads % tp:
+            raise KVBenchError(f"--tp {tp}: {spec.n_kv_heads} KV heads of {spec.name} do not split evenly")
+        return spec.n_kv_heads // tp
+    if tp % spec.n_kv_heads:
+        raise KVBenchError(f"--tp {tp} is not a multiple of {spec.name}'s {spec.n_kv_heads} KV heads")
+    return 1
+
+
+def layer_bytes_per_token(spec: ModelSpec, fmt: KVFormat, kv_heads: int | None = None) -> int:
+    """Bytes one layer caches per token (kv_heads: the heads one GPU holds, default all)."""
+    vectors, n = spec.layer_vectors(kv_heads)
+    return vectors * fmt.vector_bytes(n)
+
+
+def bytes_per_sequence(spec: ModelSpec, fmt: KVFormat, ctx: int, kv_heads: int | None = None) -> int:
+    """Cache bytes of one sequence of ctx tokens: each layer holds ctx tokens, or its window."""
+    return layer_bytes_per_token(spec, fmt, kv_heads) * spec.held(ctx)
+
+
+def per_token_working(spec: ModelSpec, fmt: KVFormat, kv_heads: int, total: int, label: str) -> str:
+    """The per-token formula with this model's numbers, one line."""
+    if spec.is_mla:
+        n = spec.kv_lora_rank + spec.qk_rope_head_dim
+        return (
+            f"{label}: ({spec.kv_lora_rank} kv_lora_rank + {spec.qk_rope_head_dim} qk_rope_head_dim) x "
+            f"{spec.n_layers} layers x {fmt.working(n) if fmt.group_size else f'{fmt.bits / 8:g} B'} ({fmt.name})"
+            f" = {fmt_int(total)} B = {fmt_bytes(total)}   [MLA: one latent per token per layer, no factor 2, "
+            f"no KV heads]"
+        )
+    heads = f"{kv_heads} kv_heads" + (f" (of {spec.n_kv_heads})" if kv_heads != spec.n_kv_heads else "")
+    if fmt.group_size:
+        vec = f"{fmt.working(spec.head_dim)} per {spec.head_dim}-element head vector"
+        return (
+            f"{label}: 2 (K and V) x {spec.n_layers} layers x {heads} x {vec} ({fmt.name}) = "
+            f"{fmt_int(total)} B = {fmt_bytes(total)}"
+        )
+    return (
+        f"{label}: 2 (K and V) x {spec.n_layers} layers x {heads} x {spec.head_dim} head_dim x "
+        f"{fmt.bits / 8:g} B ({fmt.name}) = {fmt_int(total)} B = {fmt_bytes(total)}"
+    )
+
+
+def tp_working(spec: ModelSpec, fmt: KVFormat, tp: int, kvh: int, per_token: int) -> str:
+    """How the per-token bytes divide over tp GPUs (MLA's latent does not)."""
+    if spec.is_mla:
+        return (
+            f"per GPU (tp {tp}): the MLA latent is shared by all heads, so tensor parallelism cannot split it; "
+            f"every rank holds the whole {fmt_bytes(per_token)}/token"
+        )
+    line = per_token_working(
+        spec, fmt, kvh, layer_bytes_per_token(spec, fmt, kvh) * spec.n_layers, f"per GPU (tp {tp})"
+    )
+    if kvh * tp > spec.n_kv_heads:
+        return (
+            line
+            + f"   [{spec.n_kv_heads} KV heads < tp {tp}: each head replicated on {tp // spec.n_kv_heads} GPUs]"
+        )
+    return line + f"   [{spec.n_kv_heads} KV heads / tp {tp}]"

@@ -1,0 +1,210 @@
+"""A config.json's fields -> ModelSpec: which layers are cached, how wide, how many, and for how long.
+
+The same code reads two kinds of field dicts: the fields transformers' own config class resolved (class defaults
+filled in, `layer_types` built by the class), and, for a model type transformers lacks, the file as written. Only
+the second needs the family rules below (Gemma 2's alternating layers, Gemma 3's pattern, Qwen2's switch); the
+first follows transformers' own rule for the cache: `layer_types` when the class sets it, else every layer
+windowed when `sliding_window` (or chunked when `attention_chunk_size`) is set.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbench.errors import KVBenchError
+from kvbench.memory.params import Shape, estimate_params
+from kvbench.memory.spec import ModelSpec
+
+# model_types that are not decoder-only LLMs; their config.json has layers and heads too, so refuse them by name.
+NOT_DECODERS = {
+    "bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "xlm-roberta", "camembert",
+    "mpnet", "longformer", "ernie", "modernbert", "t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian",
+    "whisper", "vit", "clip", "siglip", "wav2vec2", "hubert", "beit", "swin", "convnext", "detr",
+}  # fmt: skip
+# Fields of hybrid models whose layers are not all attention layers (Mamba, linear attention): not sized here.
+HYBRID_FIELDS = ("layers_block_type", "hybrid_override_pattern", "attn_layer_period", "attn_layer_indices")
+LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the fields came from, for the spec's name, source and notes."""
+
+    path: Path  # the config.json
+    resolved_by: str  # "transformers 5.x (LlamaConfig)" or "kvbench's own reader"
+    resolved: bool  # True: transformers filled the class defaults in
+    wrapper: str | None = None  # multimodal: the outer model_type
+    vision_params: int | None = None  # multimodal: the vision tower, stated
+    name_or_path: str | None = None  # the config's _name_or_path, shown as the source when present
+    note: str = ""  # e.g. why transformers could not resolve it
+
+
+def _first(cfg: dict[str, Any], keys: tuple[str, ...]) -> tuple[str | None, Any]:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return k, cfg[k]
+    return None, None
+
+
+def cfg_int(cfg: dict[str, Any], keys: tuple[str, ...], path: Path, required: bool = True) -> int | None:
+    key, value = _first(cfg, keys)
+    if key is None:
+        if required:
+            raise KVBenchError(f"{path}: no {' / '.join(keys)} field; cannot size the KV cache without it")
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise KVBenchError(f"{path}: {key} = {value!r} is not a positive whole number")
+    return value
+
+
+def refuse_non_decoders(cfg: dict[str, Any], model_type: str, path: Path) -> None:
+    """Encoders, encoder-decoders and hybrid (non-attention) stacks, refused by name."""
+    if cfg.get("is_encoder_decoder"):
+        raise KVBenchError(
+            f"{path}: is_encoder_decoder is true ({model_type}); this planner sizes decoder-only LLMs"
+        )
+    if model_type in NOT_DECODERS:
+        raise KVBenchError(f"{path}: model_type {model_type!r} is not a decoder-only LLM; nothing to plan")
+    archs = cfg.get("architectures") or []
+    if archs and not any(re.search(r"(CausalLM|LMHeadModel|ForConditionalGeneration)$", a) for a in archs):
+        raise KVBenchError(f"{path}: architectures {archs} has no causal LM (…ForCausalLM / …LMHeadModel)")
+    for f in HYBRID_FIELDS:
+        if cfg.get(f) is not None:
+            raise KVBenchError(
+                f"{path}: field {f!r} marks a hybrid (non-attention) layer stack; not supported"
+            )
+
+
+def kv_heads(cfg: dict[str, Any], model_type: str, n_heads: int, path: Path) -> int:
+    """KV heads: GQA configs say so; Falcon and StarCoder say multi_query; everything else is MHA."""
+    if model_type == "falcon" and not cfg.get("new_decoder_architecture"):
+        n_kv = (
+            1 if cfg.get("multi_query", True) else (cfg_int(cfg, ("num_kv_heads",), path, False) or n_heads)
+        )
+    elif model_type == "gpt_bigcode" and cfg.get("multi_query", True):
+        n_kv = 1
+    else:
+        keys = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num")
+        n_kv = cfg_int(cfg, keys, path, required=False) or n_heads
+    if n_heads % n_kv:
+        raise KVBenchError(f"{path}: {n_heads} attention heads are not a multiple of {n_kv} key/value heads")
+    return n_kv
+
+
+def head_dim(cfg: dict[str, Any], hidden: int, n_heads: int, path: Path) -> int:
+    """The config's own head_dim when it has one (Gemma 2: 256, not hidden/heads = 224)."""
+    hd = cfg_int(cfg, ("head_dim",), path, required=False)
+    if hd is None:
+        if hidden % n_heads:
+            raise KVBenchError(
+                f"{path}: no head_dim field and hidden size {hidden} is not divisible by {n_heads} heads"
+            )
+        hd = hidden // n_heads
+    return hd
+
+
+def mla(cfg: dict[str, Any], path: Path) -> dict[str, int | None]:
+    """MLA (DeepSeek-V2/V3): the cache holds the kv_lora_rank latent plus the shared RoPE key."""
+    lora = cfg_int(cfg, ("kv_lora_rank",), path, required=False)
+    if lora is None:
+        return {}
+    rope = cfg_int(cfg, ("qk_rope_head_dim",), path, required=False)
+    if rope is None:
+        raise KVBenchError(f"{path}: kv_lora_rank is set (MLA) but qk_rope_head_dim is missing")
+    nope = cfg_int(cfg, ("qk_nope_head_dim",), path, required=False)
+    v = cfg_int(cfg, ("v_head_dim",), path, required=False)
+    return {"kv_lora_rank": lora, "qk_rope_head_dim": rope, "qk_nope_head_dim": nope, "v_head_dim": v}
+
+
+def _from_layer_types(cfg: dict[str, Any], n_layers: int, path: Path) -> dict[str, Any]:
+    types = cfg["layer_types"]
+    if len(types) != n_layers:
+        raise KVBenchError(f"{path}: layer_types lists {len(types)} layers, the model has {n_layers}")
+    unknown = sorted({t for t in types if t not in LAYER_KINDS})
+    if unknown:
+        raise KVBenchError(f"{path}: layer_types contains {unknown[0]!r}, which this planner cannot size")
+    kinds = {LAYER_KINDS[t] for t in types} - {"full"}
+    if len(kinds) > 1:
+        raise KVBenchError(f"{path}: layer_types mixes sliding and chunked attention; not supported")
+    if not kinds:
+        return {}
+    kind = kinds.pop()
+    field_name = "attention_chunk_size" if kind == "chunked" else "sliding_window"
+    size = cfg_int(cfg, (field_name,), path, required=False)
+    if size is None:
+        raise KVBenchError(f"{path}: layer_types has {kind} layers but {field_name} is missing")
+    layers = tuple(i for i, t in enumerate(types) if LAYER_KINDS[t] == kind)
+    return {"sliding_window": size, "sliding_layers": layers, "window_kind": kind}
+
+
+def _family_rule(cfg: dict[str, Any], model_type: str, n_layers: int) -> tuple[int, ...]:
+    """Windowed layers of a config.json as written, with no layer_types (kvbench's own reader only)."""
+    if model_type == "gemma2":  # older Gemma 2 config.json: even layers slide, odd layers are global
+        return tuple(range(0, n_layers, 2))
+    pattern = cfg.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 0:  # older Gemma 3: every pattern-th layer is global
+        return tuple(i for i in range(n_layers) if (i + 1) % pattern)
+    if cfg.get("use_sliding_window") is True and "max_window_layers" in cfg:  # Qwen2 with the window on
+        return tuple(range(int(cfg["max_window_layers"]), n_layers))
+    return tuple(range(n_layers))  # Mistral v0.1, Phi-3: every layer slides
+
+
+def windows(
+    cfg: dict[str, Any], model_type: str, n_layers: int, path: Path, resolved: bool
+) -> dict[str, Any]:
+    """sliding_window, sliding_layers and window_kind, as transformers builds its cache (empty: all full)."""
+    sharing = cfg.get("kv_sharing_modes")
+    if isinstance(sharing, list) and "reuse" in sharing:
+        raise KVBenchError(f"{path}: some layers reuse another layer's cache (kv sharing); not supported")
+    if cfg.get("layer_types") is not None:
+        return _from_layer_types(cfg, n_layers, path)
+    if not resolved and cfg.get("use_sliding_window") is False:  # Qwen2: sliding_window is set but off
+        return {}
+    window = cfg_int(cfg, ("sliding_window",), path, required=False)
+    if window is not None:
+        layers = tuple(range(n_layers)) if resolved else _family_rule(cfg, model_type, n_layers)
+        return {"sliding_window": window, "sliding_layers": layers, "window_kind": "sliding"}
+    chunk = cfg_int(cfg, ("attention_chunk_size",), path, required=False)
+    if chunk is not None:
+        return {"sliding_window": chunk, "sliding_layers": tuple(range(n_layers)), "window_kind": "chunked"}
+    return {}
+
+
+def spec_from_fields(cfg: dict[str, Any], src: Source) -> ModelSpec:
+    """The ModelSpec of one language model's fields (the text_config of a multimodal model)."""
+    path = src.path
+    model_type = str(cfg.get("model_type") or "unknown")
+    refuse_non_decoders(cfg, model_type, path)
+    n_layers = cfg_int(cfg, ("num_hidden_layers", "n_layer", "num_layers"), path)
+    n_heads = cfg_int(cfg, ("num_attention_heads", "n_head", "num_heads"), path)
+    hidden = cfg_int(cfg, ("hidden_size", "n_embd", "d_model"), path)
+    n_kv = kv_heads(cfg, model_type, n_heads, path)
+    hd = head_dim(cfg, hidden, n_heads, path)
+    max_keys = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_sequence_length")
+    max_ctx = cfg_int(cfg, max_keys, path, False)
+    params = estimate_params(cfg, Shape(n_layers, n_heads, n_kv, hd, hidden))
+    notes = [src.note] if src.note else []
+    if not max_ctx:
+        notes.append("config.json gives no max_position_embeddings: beyond-context warnings are off")
+    return ModelSpec(
+        name=str(path),
+        source=src.name_or_path or str(path),
+        family=model_type,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=hd,
+        hidden_size=hidden,
+        max_context=max_ctx,
+        params=params,
+        params_estimated=params is not None,
+        **windows(cfg, model_type, n_layers, path, src.resolved),
+        **mla(cfg, path),
+        wrapper=src.wrapper,
+        vision_params=src.vision_params,
+        resolved_by=src.resolved_by,
+        note="; ".join(notes),
+    )

@@ -1,0 +1,302 @@
+"""The plan: one model's cache at each context, per sequence, per batch, per GPU, and what fits next to the weights.
+
+Every figure comes with its working (one line per step), so a reader can check the arithmetic by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbench.errors import KVBenchError
+from kvbench.memory.formats import KVFormat, get_kv_format, weight_bits
+from kvbench.memory.formulas import (
+    bytes_per_sequence,
+    kv_heads_per_gpu,
+    layer_bytes_per_token,
+    per_token_working,
+    tp_working,
+)
+from kvbench.memory.spec import GPUSpec, ModelSpec
+from kvbench.memory.units import (
+    MAX_BATCH,
+    MAX_TOKENS,
+    check_tokens,
+    fmt_bytes,
+    fmt_int,
+    fmt_params,
+    fmt_tokens,
+    parse_overhead,
+)
+
+DEFAULT_OVERHEAD = (
+    "10%"  # reserve for activations, CUDA context and allocator slack (vLLM's default leaves 10%)
+)
+
+
+@dataclass
+class PlanRow:
+    """One model at one context length."""
+
+    ctx: int  # context length in tokens (prompt + generated)
+    batch: int  # sequences
+    tokens_held: int  # tokens held per sequence summed over layers (ctx x layers unless windows cap some)
+    bytes_per_seq: int  # cache bytes for one sequence at ctx
+    bytes_batch: int  # cache bytes for the batch
+    bytes_per_gpu: int  # cache bytes each GPU holds under tensor parallelism (= bytes_batch at tp 1)
+    beyond_max: bool  # ctx is past the context the model was trained for
+    windowed: bool  # some layers are capped at their window at this ctx
+    fits: bool | None  # weights + cache + allowance fit in the GPU (None: no GPU given)
+    max_batch: int | None  # most sequences of ctx tokens that fit next to the weights (None: no GPU)
+    max_ctx: int | None  # longest context at `batch` that fits (None: no GPU, or unbounded)
+    max_ctx_unbounded: bool  # every layer is windowed and the windows fit: the cache stops growing
+    max_ctx_at_limit: bool = False  # the search limit itself fits: the true maximum is max_ctx or more
+    working: list[str] = field(default_factory=list)  # the arithmetic, one line per step
+
+
+@dataclass
+class GPUBudget:
+    """What a GPU has left for the KV cache."""
+
+    name: str  # preset key or "custom"
+    label: str  # product name or the --gpu-mem text
+    memory: int  # bytes per GPU
+    overhead: int  # bytes set aside for activations, CUDA context and allocator slack
+    weights_per_gpu: int  # bytes of weights on each GPU
+    available: int  # memory - overhead - weights: what the cache may use (negative: weights alone do not fit)
+    working: str  # the arithmetic
+
+
+@dataclass
+class ModelPlan:
+    """One model's cache across contexts, with the working."""
+
+    model: ModelSpec  # the shape used
+    kv_dtype: str  # storage format of the cache
+    weights_dtype: str  # storage format of the weights
+    tp: int  # tensor-parallel degree
+    kv_heads_per_gpu: int  # KV heads each GPU holds (replicated when tp > kv_heads; all of MLA's latent)
+    layer_bytes_per_token: int  # bytes one layer caches per token (whole model)
+    bytes_per_token: int  # bytes per token over all layers, no window applied: the seed's "KiB / token"
+    weights_bytes: int | None  # params x bytes(weights dtype), whole model
+    rows: list[PlanRow]  # one per context
+    gpu: GPUBudget | None  # the budget, when a GPU was given
+    working: list[str]  # how bytes_per_token and the weights were computed
+    warnings: list[str]  # beyond-trained-context and similar, one line each
+    notes: list[str]  # facts about the model the numbers depend on (windows, MLA, quantization overhead)
+
+
+def gpu_budget(
+    gpu: GPUSpec | None, gpu_mem: int | None, overhead: str, weights_per_gpu: int, gpu_mem_text: str = ""
+) -> GPUBudget | None:
+    """Memory - allowance - weights: the bytes each GPU has for the cache (None when no GPU was given)."""
+    if gpu is None and gpu_mem is None:
+        return None
+    memory = gpu.memory if gpu else gpu_mem
+    reserve, how = parse_overhead(overhead, memory)
+    available = memory - reserve - weights_per_gpu
+    label = f"{gpu.label} ({gpu.nominal})" if gpu else f"--gpu-mem {gpu_mem_text or fmt_bytes(memory)}"
+    return GPUBudget(
+        name=gpu.name if gpu else "custom",
+        label=label,
+        memory=memory,
+        overhead=reserve,
+        weights_per_gpu=weights_per_gpu,
+        available=available,
+        working=(
+            f"{fmt_bytes(memory)} ({fmt_int(memory)} B) - allowance {how} for activations, CUDA context and "
+            f"allocator slack - weights {fmt_bytes(weights_per_gpu)} per GPU = {fmt_bytes(available)} for the cache"
+            if available >= 0
+            else f"weights {fmt_bytes(weights_per_gpu)} per GPU + allowance {how} exceed {fmt_bytes(memory)}"
+        ),
+    )
+
+
+def max_context(
+    spec: ModelSpec, fmt: KVFormat, kv_heads: int, batch: int, available: int
+) -> tuple[int | None, str]:
+    """Longest context whose cache for `batch` sequences fits in `available` bytes, and how it ended:
+    "found", "unbounded" (every layer windowed: the cache stops growing) or "limit" (MAX_TOKENS fits)."""
+    if available <= 0 or batch * bytes_per_sequence(spec, fmt, 1, kv_heads) > available:
+        return 0, "found"
+    if batch * bytes_per_sequence(spec, fmt, MAX_TOKENS, kv_heads) <= available:
+        return (None, "unbounded") if spec.n_full == 0 else (MAX_TOKENS, "limit")
+    lo, hi = 1, MAX_TOKENS  # lo fits, hi does not; bytes grow monotonically with ctx, so bisect
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if batch * bytes_per_sequence(spec, fmt, mid, kv_heads) <= available:
+            lo = mid
+        else:
+            hi = mid
+    return lo, "found"
+
+
+def _weights_working(spec: ModelSpec, weights: int, wbits: int, weights_dtype: str, tp: int) -> str:
+    approx = "~" if spec.params_estimated else ""
+    line = f"weights: {approx}{fmt_int(spec.params)} params x {wbits / 8:g} B ({weights_dtype}) = {fmt_bytes(weights)}"
+    if tp > 1:
+        line += f", {fmt_bytes(-(-weights // tp))} per GPU at tp {tp}"
+    if spec.wrapper:
+        vision = f" (~{fmt_params(spec.vision_params)})" if spec.vision_params else ""
+        line += f"  [language model only: the {spec.wrapper} vision tower{vision} is not counted]"
+    if approx:
+        line += (
+            "  [estimated from config.json: embeddings, attention, MLP with every expert, norms; no biases]"
+        )
+    return line
+
+
+def _window_note(spec: ModelSpec) -> str:
+    n, w = spec.n_windowed, fmt_int(spec.sliding_window)
+    which = "every layer" if n == spec.n_layers else f"{n} of {spec.n_layers} layers"
+    if spec.window_kind == "chunked":
+        return (
+            f"{which} use {w}-token chunked attention: each attends only within its own chunk, so those layers "
+            f"hold at most {w} tokens (a cache that ignores the chunks holds all of them)"
+        )
+    return (
+        f"{which} use a {w}-token sliding window: past that length those layers hold only the last {w} tokens "
+        f"(a windowed cache; a cache that ignores the window holds all of them)"
+    )
+
+
+def _notes(spec: ModelSpec, fmt: KVFormat, per_token: int) -> list[str]:
+    notes: list[str] = []
+    if spec.sliding_layers:
+        notes.append(_window_note(spec))
+    if spec.is_mla and spec.qk_nope_head_dim and spec.v_head_dim:
+        expanded = (
+            spec.n_layers
+            * spec.n_kv_heads
+            * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim)
+        )
+        notes.append(
+            f"MLA caches the {spec.kv_lora_rank}+{spec.qk_rope_head_dim} latent (vLLM, SGLang, DeepSeek's own code "
+            f"and transformers 5.x all do). An engine that expands it to per-head K "
+            f"({spec.qk_nope_head_dim}+{spec.qk_rope_head_dim}) and V ({spec.v_head_dim}) for {spec.n_kv_heads} "
+            f"heads before caching holds {fmt_int(expanded)} elements/token, "
+            f"{expanded / (per_token / (fmt.bits / 8)):.0f}x more"
+        )
+    if fmt.group_size or fmt.name == "fp8":
+        notes.append(f"{fmt.name} cache: {fmt.note}")
+    if spec.resolved_by.startswith("transformers"):
+        notes.append(f"config.json read by {spec.resolved_by}")
+    if spec.note:
+        notes.append(spec.note)
+    return notes
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """What every row of one plan shares."""
+
+    fmt: KVFormat
+    per_layer: int  # bytes per token per layer, whole model
+    per_layer_gpu: int  # the same on one GPU under tp
+    kv_heads_gpu: int
+    batch: int
+    tp: int
+    budget: GPUBudget | None
+
+
+def _seq_working(spec: ModelSpec, s: _Sizes, ctx: int, held: int) -> str:
+    per_seq = s.per_layer * held
+    if held == ctx * spec.n_layers:
+        per_token = s.per_layer * spec.n_layers
+        return (
+            f"{fmt_tokens(ctx)}: {fmt_int(per_token)} B/token x {fmt_int(ctx)} tokens = {fmt_int(per_seq)} B = "
+            f"{fmt_bytes(per_seq)} per sequence"
+        )
+    kind = "sliding" if spec.window_kind == "sliding" else "chunked"
+    return (
+        f"{fmt_tokens(ctx)}: {spec.n_full} full layers x {fmt_int(ctx)} tokens + {spec.n_windowed} {kind} layers x "
+        f"min({fmt_int(ctx)}, {fmt_int(spec.sliding_window)}) tokens = {fmt_int(held)} layer-tokens x "
+        f"{fmt_int(s.per_layer)} B = {fmt_int(per_seq)} B = {fmt_bytes(per_seq)} per sequence"
+    )
+
+
+def _fit_working(row: PlanRow, budget: GPUBudget, ctx: int) -> str:
+    if row.max_ctx_unbounded:
+        longest = "unbounded context (every layer windowed)"
+    elif row.max_ctx_at_limit:
+        longest = f"max context >= {fmt_int(row.max_ctx)} (searched up to {fmt_int(MAX_TOKENS)})"
+    else:
+        longest = f"max context {fmt_int(row.max_ctx)}"
+    return (
+        f"  fits: {fmt_bytes(row.bytes_per_gpu)} {'<=' if row.fits else '>'} {fmt_bytes(max(budget.available, 0))} "
+        f"available; max batch {row.max_batch} at {fmt_tokens(ctx)}; {longest} at batch {row.batch}"
+    )
+
+
+def _row(spec: ModelSpec, s: _Sizes, ctx: int) -> PlanRow:
+    held = spec.held(ctx)
+    per_seq, per_gpu = s.per_layer * held, s.per_layer_gpu * held * s.batch
+    row = PlanRow(
+        ctx=ctx, batch=s.batch, tokens_held=held, bytes_per_seq=per_seq, bytes_batch=per_seq * s.batch,
+        bytes_per_gpu=per_gpu, beyond_max=spec.max_context is not None and ctx > spec.max_context,
+        windowed=held < ctx * spec.n_layers, fits=None, max_batch=None, max_ctx=None, max_ctx_unbounded=False,
+        working=[_seq_working(spec, s, ctx, held)],
+    )  # fmt: skip
+    if s.batch > 1:
+        row.working.append(f"  x {s.batch} sequences = {fmt_bytes(per_seq * s.batch)}")
+    if s.tp > 1:
+        row.working.append(f"  per GPU at tp {s.tp}: {fmt_bytes(per_gpu)}")
+    if s.budget is not None:
+        available = s.budget.available
+        row.fits = available >= per_gpu
+        row.max_batch = available // (s.per_layer_gpu * held) if available > 0 else 0
+        row.max_ctx, how = max_context(spec, s.fmt, s.kv_heads_gpu, s.batch, available)
+        row.max_ctx_unbounded, row.max_ctx_at_limit = how == "unbounded", how == "limit"
+        row.working.append(_fit_working(row, s.budget, ctx))
+    return row
+
+
+def _check_request(contexts: list[int], batch: int) -> None:
+    if not 1 <= batch <= MAX_BATCH:
+        raise KVBenchError(f"--batch {batch} must be from 1 to {fmt_int(MAX_BATCH)}")
+    if not contexts:
+        raise KVBenchError("no context lengths given; use --ctx 8k,32k,128k")
+    for c in contexts:
+        check_tokens(c, f"context length {c}")
+
+
+def plan(
+    spec: ModelSpec,
+    contexts: list[int],
+    batch: int = 1,
+    kv_dtype: str = "fp16",
+    weights_dtype: str = "bf16",
+    tp: int = 1,
+    gpu: GPUSpec | None = None,
+    gpu_mem: int | None = None,
+    overhead: str = DEFAULT_OVERHEAD,
+    gpu_mem_text: str = "",
+) -> ModelPlan:
+    """Bytes per token, per sequence, per batch and per GPU for `spec` at each context, with the working."""
+    _check_request(contexts, batch)
+    fmt, wbits, kvh = get_kv_format(kv_dtype), weight_bits(weights_dtype), kv_heads_per_gpu(spec, tp)
+    per_layer = layer_bytes_per_token(spec, fmt)
+    per_token = per_layer * spec.n_layers
+    working = [per_token_working(spec, fmt, spec.n_kv_heads, per_token, "per token")]
+    if tp > 1:
+        working.append(tp_working(spec, fmt, tp, kvh, per_token))
+    weights = None if spec.params is None else -(-spec.params * wbits // 8)
+    if weights is not None:
+        working.append(_weights_working(spec, weights, wbits, weights_dtype, tp))
+    budget = gpu_budget(gpu, gpu_mem, overhead, 0 if weights is None else -(-weights // tp), gpu_mem_text)
+    if budget is not None:
+        working.append(f"GPU budget: {budget.working}")
+    sizes = _Sizes(fmt, per_layer, layer_bytes_per_token(spec, fmt, kvh), kvh, batch, tp, budget)
+    rows = [_row(spec, sizes, ctx) for ctx in contexts]
+    warnings = [
+        f"{spec.name}: {fmt_int(r.ctx)} tokens is beyond the {fmt_int(spec.max_context)} it was trained for "
+        f"(max_position_embeddings); computed anyway"
+        for r in rows
+        if r.beyond_max
+    ]
+    if budget is not None and budget.available <= 0:
+        warnings.append(f"{spec.name}: {budget.working}: no room for any cache")
+    return ModelPlan(
+        model=spec, kv_dtype=fmt.name, weights_dtype=weights_dtype, tp=tp, kv_heads_per_gpu=kvh,
+        layer_bytes_per_token=per_layer, bytes_per_token=per_token, weights_bytes=weights, rows=rows, gpu=budget,
+        working=working, warnings=warnings, notes=_notes(spec, fmt, per_token),
+    )  # fmt: skip

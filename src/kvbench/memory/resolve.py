@@ -1,0 +1,161 @@
+"""Resolving a config.json the way transformers does, before the planner's arithmetic sees it.
+
+A published config.json leaves out whatever its model class defaults: Gemma 3 omits its 5-local-to-1-global layer
+pattern and (in a multimodal `text_config`) even its head count, Qwen2 omits `use_sliding_window`, Falcon-7B omits
+`max_position_embeddings`. Reading the file by hand means guessing those. So the file goes through transformers' own
+config class (`AutoConfig`, from the local file, no network), and the planner reads the resolved fields of its
+language model (`get_text_config(decoder=True)`). A model type transformers lacks falls back to kvbench's own
+reader, and the plan says so. transformers (and with it torch) is imported here only, on the --config path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbench.errors import KVBenchError
+from kvbench.memory.config_json import read_config_json
+from kvbench.memory.hf_fields import Source, spec_from_fields
+from kvbench.memory.params import estimate_vision_params
+from kvbench.memory.spec import ModelSpec
+from kvbench.memory.units import fmt_params
+
+# Attributes read through the config object (attribute_map aliases, properties, values set in __post_init__) on
+# top of its to_dict(), so the field dict holds what the model class itself would use.
+_RESOLVED_ATTRS = (
+    "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
+    "max_position_embeddings", "vocab_size", "intermediate_size", "tie_word_embeddings", "layer_types",
+    "sliding_window", "attention_chunk_size", "kv_sharing_modes",
+)  # fmt: skip
+
+
+@dataclass
+class Resolved:
+    """A config.json read for planning: the spec, and transformers' config object when it could resolve it."""
+
+    spec: ModelSpec  # what the planner uses
+    config: Any | None  # transformers' PreTrainedConfig (the whole model), None on the fallback path
+    text_config: Any | None  # its language model's config (the config itself for a text-only model)
+    why_not: str = ""  # why transformers could not resolve it (fallback path), for notes and --check
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' own warnings and log lines stay off the terminal while it resolves or builds a model."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _auto_config(raw: dict[str, Any], path: Path) -> tuple[Any | None, str]:
+    """transformers' config object for this file, or (None, why not) when transformers does not know the type."""
+    try:
+        import transformers
+        from transformers import AutoConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError as e:
+        return None, f"transformers cannot be imported ({e})"
+    model_type = raw.get("model_type")
+    if not model_type:
+        return None, "the config.json has no model_type"
+    if model_type not in CONFIG_MAPPING:
+        return None, f"transformers {transformers.__version__} has no model_type {model_type!r}"
+    try:
+        with quiet_transformers():
+            return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False), ""
+    except (ValueError, TypeError, KeyError, AttributeError, OSError, *_validation_errors()) as e:
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise KVBenchError(f"{path}: transformers' {model_type} config class rejects it: {why}") from None
+
+
+def _validation_errors() -> tuple[type[Exception], ...]:
+    """huggingface_hub's strict-dataclass errors (config classes validate their fields with them), if it has them."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    fields = config.to_dict()
+    for attr in _RESOLVED_ATTRS:
+        with contextlib.suppress(AttributeError):
+            fields[attr] = getattr(config, attr)
+    return fields
+
+
+def _vision(config: Any) -> tuple[int | None, str]:
+    """The vision tower's parameters when it is a plain ViT, and a note stating it either way."""
+    vision = getattr(config, "vision_config", None)
+    if vision is None:
+        return None, ""
+    v = _fields(vision)
+    n = estimate_vision_params(v)
+    size = f", ~{fmt_params(n)} params (its projector not counted)" if n else " (not sized)"
+    return (
+        n,
+        f"vision tower {v.get('model_type')}: {v.get('num_hidden_layers')} layers x {v.get('hidden_size')}{size}",
+    )
+
+
+def _transformers_spec(config: Any, path: Path, raw: dict[str, Any]) -> Resolved:
+    import transformers
+
+    text = config.get_text_config(decoder=True)
+    wrapper = config.model_type if text is not config else None
+    vision_params, vision_note = _vision(config)
+    src = Source(
+        path=path,
+        resolved_by=f"transformers {transformers.__version__} ({type(text).__name__})",
+        resolved=True,
+        wrapper=wrapper,
+        vision_params=vision_params,
+        name_or_path=raw.get("_name_or_path") or None,
+        note=vision_note,
+    )
+    return Resolved(spec_from_fields(_fields(text), src), config, text)
+
+
+def _fallback_spec(raw: dict[str, Any], path: Path, why: str) -> Resolved:
+    """kvbench's own reader over the file as written (no class defaults), with a note saying so."""
+    fields, wrapper = raw, None
+    if isinstance(raw.get("text_config"), dict) and "num_hidden_layers" not in raw:
+        fields, wrapper = raw["text_config"], raw.get("model_type")
+    note = (
+        f"{why}: read by kvbench's own reader, which cannot fill in class defaults; --check cannot verify it"
+    )
+    src = Source(
+        path=path,
+        resolved_by="kvbench's own reader",
+        resolved=False,
+        wrapper=wrapper,
+        name_or_path=raw.get("_name_or_path") or None,
+        note=note,
+    )
+    return Resolved(spec_from_fields(fields, src), None, None, why_not=why)
+
+
+def resolve_config(path: str | Path) -> Resolved:
+    """Read, check and resolve a config.json: transformers' config class when it knows the type, else our reader."""
+    path = Path(path)
+    raw = read_config_json(path)  # every field checked before transformers is imported
+    config, why = _auto_config(raw, path)
+    if config is None:
+        return _fallback_spec(raw, path, why)
+    return _transformers_spec(config, path, raw)
+
+
+def spec_from_hf_config(path: str | Path) -> ModelSpec:
+    """Any Hugging Face config.json as a ModelSpec, or one line naming the field it cannot interpret."""
+    return resolve_config(path).spec

@@ -1,0 +1,115 @@
+"""What the planner knows about a model and a GPU: the shapes its arithmetic needs, and nothing else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WINDOW_KINDS = ("sliding", "chunked")  # how a capped layer attends: the last w tokens, or its w-token chunk
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a decoder LLM, as far as its KV cache and weights are concerned."""
+
+    name: str  # preset key, or the config.json path
+    source: str  # where the numbers come from: the Hugging Face repo id of the config.json, or the file path
+    family: str  # model_type of the language model (llama, gemma2, deepseek_v3, ...)
+    n_layers: int  # decoder layers, each with its own cache
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads (= n_heads for MHA, 1 for MQA, in between for GQA)
+    head_dim: int  # per-head width of K and V (read from the config, not hidden_size / n_heads)
+    hidden_size: int  # residual width
+    max_context: int | None  # tokens the model was trained for (max_position_embeddings); None if unknown
+    params: int | None  # parameters of the language model (all experts of an MoE); None if unknown
+    params_estimated: bool = False  # True when params was estimated from the config rather than published
+    sliding_window: int | None = None  # tokens a windowed layer attends to (and so must cache)
+    sliding_layers: tuple[int, ...] = ()  # indices of the windowed layers; the rest attend to everything
+    window_kind: str = (
+        "sliding"  # sliding: the last `sliding_window` tokens; chunked: its own chunk of that size
+    )
+    kv_lora_rank: int | None = None  # MLA: width of the compressed K/V latent cached per token per layer
+    qk_rope_head_dim: int | None = None  # MLA: width of the decoupled RoPE key, cached beside the latent
+    qk_nope_head_dim: int | None = (
+        None  # MLA: per-head K width without RoPE (only for the "expanded" comparison)
+    )
+    v_head_dim: int | None = None  # MLA: per-head V width (only for the "expanded" comparison)
+    wrapper: str | None = (
+        None  # multimodal: the outer model_type (llava, gemma3, ...) around this language model
+    )
+    vision_params: int | None = (
+        None  # multimodal: vision tower + projector parameters, stated, not in `params`
+    )
+    resolved_by: str = ""  # how a config.json was read: transformers' config class, or kvbench's own reader
+    note: str = ""  # anything a reader of the numbers should know
+
+    def __post_init__(self) -> None:
+        for f in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size"):
+            assert getattr(self, f) > 0, f"{self.name}: {f} must be positive, got {getattr(self, f)}"
+        assert all(0 <= i < self.n_layers for i in self.sliding_layers), (
+            f"{self.name}: window layer out of range"
+        )
+        assert not self.sliding_layers or self.sliding_window, (
+            f"{self.name}: windowed layers without a window"
+        )
+        assert self.window_kind in WINDOW_KINDS, f"{self.name}: window kind {self.window_kind!r}"
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def attention(self) -> str:
+        """MHA, GQA, MQA or MLA."""
+        if self.is_mla:
+            return "MLA"
+        if self.n_kv_heads == self.n_heads:
+            return "MHA"
+        return "MQA" if self.n_kv_heads == 1 else "GQA"
+
+    @property
+    def kv_shape(self) -> str:
+        """What one layer caches per token, in the seed's notation."""
+        if self.is_mla:
+            return f"latent {self.kv_lora_rank}+{self.qk_rope_head_dim}"
+        return f"{self.n_kv_heads}x{self.head_dim}"
+
+    @property
+    def n_windowed(self) -> int:
+        return len(self.sliding_layers)
+
+    @property
+    def n_full(self) -> int:
+        return self.n_layers - self.n_windowed
+
+    @property
+    def window_label(self) -> str:
+        """'sliding-window' or 'chunked-attention', for notes and captions."""
+        return "sliding-window" if self.window_kind == "sliding" else "chunked-attention"
+
+    def layer_vectors(self, kv_heads: int | None = None) -> tuple[int, int]:
+        """(vectors, elements per vector) one layer caches per token: 2 x kv_heads of head_dim, or one MLA latent."""
+        if self.is_mla:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * (self.n_kv_heads if kv_heads is None else kv_heads), self.head_dim
+
+    def tokens_held(self, layer: int, ctx: int) -> int:
+        """Tokens layer `layer` must keep for a sequence of ctx tokens: all of them, or the window."""
+        if layer in self.sliding_layers:
+            return min(ctx, self.sliding_window)
+        return ctx
+
+    def held(self, ctx: int) -> int:
+        """Tokens held per sequence summed over layers: full layers hold ctx, windowed ones min(ctx, window)."""
+        windowed = self.n_windowed * min(ctx, self.sliding_window) if self.sliding_layers else 0
+        return self.n_full * ctx + windowed
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator: the memory the driver reports, which is what a plan has to fit in."""
+
+    name: str  # preset key (t4, a100-80gb, ...)
+    label: str  # the product name
+    memory: int  # bytes, as nvidia-smi reports memory.total
+    nominal: str  # the marketing capacity, for reference
+    aliases: tuple[str, ...] = ()  # other names accepted by --gpu
