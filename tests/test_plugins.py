@@ -234,3 +234,19 @@ def test_entry_point_plugins_join_all(plugin_dir, tmp_path, monkeypatch):
     )
     assert spec.name == "growing" and len(layers) == 2
     registry.PLUGINS.pop("growing")
+
+
+def test_memory_measure_allocates_a_plugin(plugin_dir):
+    """memory --measure holds a plugin to the planner's prediction like any cache: GrowingCache rounds its buffer up
+    to a power of two, so at 100 tokens it holds 128 slots per sequence."""
+    import json
+
+    r = run("memory", "--measure", "-m", "gpt2-tiny", "--ctx", 100, "--device", "cpu", "--kv-dtype", "fp32",
+            "--caches", "static,mycaches.growing:GrowingCache", "--json")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = {row["cache"]: row for row in json.loads(r.stdout)["measure"][0]["rows"]}
+    assert set(rows) == {"static", "mycaches.growing:GrowingCache"}
+    assert rows["static"]["measured_bytes"] == rows["static"]["predicted_bytes"]
+    assert rows["mycaches.growing:GrowingCache"]["measured_bytes"] == rows["static"]["measured_bytes"] * 128 // 100
+    r = run("memory", "-m", "gpt2", "--caches", "static")
+    assert r.exit_code == 2 and "--caches goes with --measure" in r.stderr

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench import memory
-from kvbench.caches import CACHES, cache_bytes_copied, cache_nbytes, make_caches
+from kvbench.caches import CACHES, cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
 from kvbench.devices import DTYPES, device_name, resolve_device
 from kvbench.errors import KVBenchError
 from kvbench.model import PRESETS, GPTConfig
@@ -148,9 +148,15 @@ def _explain(
 
 
 def measure_caches(
-    name: str, batch: int, ctx: int, kv_dtype: str = "fp16", device: str = "auto"
+    name: str,
+    batch: int,
+    ctx: int,
+    kv_dtype: str = "fp16",
+    device: str = "auto",
+    caches: list[str] | None = None,
 ) -> MeasureReport:
-    """Allocate every registered cache for (batch, ctx), fill it with ctx tokens, and compare nbytes to the plan."""
+    """Allocate each cache in `caches` (default: every registered one) for (batch, ctx), fill it with ctx tokens,
+    and compare nbytes to the plan."""
     if batch < 1 or ctx < 1:
         raise KVBenchError(f"--measure needs batch >= 1 and ctx >= 1 (got batch {batch}, ctx {ctx})")
     cfg = _gpt_config(name)
@@ -170,7 +176,8 @@ def measure_caches(
     ]
     cuda = dev.type == "cuda"
     rows: list[MeasureRow] = []
-    for cname, cspec in CACHES.items():
+    for cname in caches or list(CACHES):
+        cspec = get_cache_spec(cname)
         if cuda:
             torch.cuda.synchronize(dev)
             torch.cuda.empty_cache()

@@ -12,6 +12,7 @@ from rich.text import Text
 from kvbench import console
 from kvbench.cli.app import JsonOpt, app, handle_errors
 from kvbench.console import line, out, styled, table
+from kvbench.errors import KVBenchError
 
 
 @app.command()
@@ -91,6 +92,14 @@ def memory(
             "cache holds vs a static cache's batch x max-length reservation (max length: --ctx, else the longest).",
         ),
     ] = None,
+    caches: Annotated[
+        str | None,
+        typer.Option(
+            "--caches",
+            help="With --measure: the caches to allocate, comma-separated names or pkg.module:Class plugins "
+            "(default: all).",
+        ),
+    ] = None,
     device: Annotated[
         str | None,
         typer.Option(
@@ -108,6 +117,12 @@ def memory(
         measure=measure, lengths=lengths, check=check, device=device,
     )  # fmt: skip
     req = mem.parse_request(options, extra=_gpt2_spec)  # every option and model checked before any work
+    if caches is not None and not measure:
+        raise KVBenchError("--caches goes with --measure (it names the caches to allocate)")
+    if measure:
+        from kvbench.caches import parse_cache_names
+
+        req.cache_names = parse_cache_names(caches)  # plugins are loaded (and probed) here, before any work
     doc: dict = {
         "kv_dtype": req.kv_dtype,
         "weights_dtype": req.weights_dtype,
@@ -141,7 +156,9 @@ def _measure(req, doc: dict, json_out: bool) -> None:
     name, contexts = req.specs[0].name, req.contexts or [mem.DEFAULT_MEASURE_CTX]
     max_len = max(req.contexts) if req.contexts else None
     check_measure(name, req.batch, contexts, req.kv_dtype, req.device, req.lengths, max_len)
-    reports = [measure_caches(name, req.batch, c, req.kv_dtype, req.device) for c in contexts]
+    reports = [
+        measure_caches(name, req.batch, c, req.kv_dtype, req.device, req.cache_names) for c in contexts
+    ]
     paged = paged_waste(name, req.lengths, max_len, req.kv_dtype) if req.lengths else None
     doc["measure"] = mem.to_jsonable(reports)
     if paged is not None:

@@ -71,6 +71,7 @@ class Request:
     lengths: list[int] | None
     device: str
     resolved: dict[str, object] = field(default_factory=dict)  # spec name -> resolve.Resolved (--config)
+    cache_names: list[str] | None = None  # --measure: the caches to allocate (None: every registered one)
 
     @property
     def plans(self) -> bool:
