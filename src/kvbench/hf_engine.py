@@ -1,9 +1,15 @@
 """Transformers' own `generate` on our weights: the library users would otherwise reach for, timed beside ours.
 
-The Hugging Face model is built from our GPT by the inverse of the weight port (a plain copy: same names and
-(in, out) layouts), so both engines run the same weights, prompt ids and dtype. Decoding is greedy with
-exactly N new tokens (min_new_tokens = max_new_tokens, no end-of-text stop), SDPA attention, and no automatic
-torch.compile (`disable_compile=True`), so HF's static cache is timed eagerly like ours.
+The Hugging Face model is built on the meta device (no random init, no host copy) and then given our GPT's own
+tensors (`load_state_dict(assign=True)`: same names, same (in, out) Conv1D layouts, lm_head tied), so both engines
+run the very same weight memory, prompt ids and dtype, and the weights are counted once. Decoding is greedy with
+exactly N new tokens (min_new_tokens = max_new_tokens, no end-of-text stop) and SDPA attention.
+
+Two ways to run transformers' static cache, as users get them:
+- `hf` engine: `disable_compile=True`, so every cache (static included) runs eagerly, like ours;
+- `hf-compiled` engine: `cache_implementation="static"` with transformers' default automatic compile of the decode
+  forward (`CompileConfig()`: inductor, mode "reduce-overhead"). transformers compiles automatically only on CUDA
+  (and XPU/TPU/Neuron) devices; on the CPU this row runs the static cache eagerly, and meta.json says so.
 
 What HF's numbers include. A `LogitsProcessor` is called once per generated token, right after that token's
 forward pass and before its argmax; it synchronises the device and stamps the clock. So:
@@ -24,7 +30,6 @@ import torch
 
 from kvbench.devices import synchronize
 from kvbench.model import GPT
-from kvbench.weights import to_hf_model
 
 # Our cache names -> the transformers `generate` arguments that select the equivalent cache.
 HF_CACHES: dict[str, dict] = {
@@ -35,8 +40,34 @@ HF_CACHES: dict[str, dict] = {
 
 
 def build_hf_model(model: GPT):
-    """transformers' GPT2LMHeadModel with `model`'s weights, device and dtype, SDPA attention (the inverse port)."""
-    return to_hf_model(model, attn_implementation="sdpa")
+    """transformers' GPT2LMHeadModel holding `model`'s own weight tensors (shared, not copied), SDPA attention.
+
+    Built on the meta device, so transformers' random init never runs and nothing is allocated on the host; then
+    every parameter is assigned from our state dict: already on the device, already in the target dtype."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    c = model.config
+    cfg = GPT2Config(
+        vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
+        layer_norm_epsilon=c.layer_norm_epsilon, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation="sdpa", bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    with torch.device("meta"):
+        hf = GPT2LMHeadModel(cfg)
+    sd = {k: t for k, t in model.state_dict().items() if k != "lm_head.weight"}  # lm_head is tied to wte
+    missing, unexpected = hf.load_state_dict(sd, strict=False, assign=True)
+    assert list(missing) == ["lm_head.weight"] and not unexpected, (
+        f"HF port mismatch: missing {missing}, unexpected {unexpected}"
+    )
+    hf.tie_weights()
+    on_meta = [n for n, t in (*hf.named_parameters(remove_duplicate=False), *hf.named_buffers()) if t.is_meta]
+    assert not on_meta, f"HF model tensors left without storage: {on_meta}"
+    return hf.eval()
+
+
+def compiled_decode(hf_model) -> bool:
+    """Whether transformers has compiled this model's decode forward (its automatic compile has run)."""
+    return getattr(hf_model, "_compiled_call", None) is not None
 
 
 @dataclass
@@ -46,6 +77,7 @@ class HFTiming:
     step_s: list[float]
     total_s: float
     cache_bytes: int | None  # bytes of HF's cache tensors at the end (None without a cache)
+    logits: list[torch.Tensor] | None = None  # (B, V) fp32 on the CPU per generated token, when recorded
 
 
 def _token_clock(device: torch.device):
@@ -86,8 +118,18 @@ def _returned_cache(out):
 
 
 @torch.inference_mode()
-def hf_generate(hf_model, ids: torch.Tensor, new_tokens: int, cache: str) -> HFTiming:
-    """Greedy-generate exactly `new_tokens` for the (B, T) prompt `ids` with HF's cache named `cache`."""
+def hf_generate(
+    hf_model,
+    ids: torch.Tensor,
+    new_tokens: int,
+    cache: str,
+    compile: bool = False,
+    record_logits: bool = False,
+) -> HFTiming:
+    """Greedy-generate exactly `new_tokens` for the (B, T) prompt `ids` with HF's cache named `cache`.
+
+    compile: leave transformers' automatic compile on (its default for a static cache on CUDA); False runs eagerly.
+    record_logits: also return each token's logits (for explaining token flips; never in a timed run)."""
     from transformers import LogitsProcessorList
 
     device = ids.device
@@ -103,8 +145,9 @@ def hf_generate(hf_model, ids: torch.Tensor, new_tokens: int, cache: str) -> HFT
         num_beams=1,
         pad_token_id=0,
         logits_processor=LogitsProcessorList([clock]),
-        disable_compile=True,
+        disable_compile=not compile,
         return_dict_in_generate=True,
+        output_logits=record_logits,
         **HF_CACHES[cache],
     )
     synchronize(device)
@@ -119,4 +162,5 @@ def hf_generate(hf_model, ids: torch.Tensor, new_tokens: int, cache: str) -> HFT
         step_s=[b - a for a, b in zip(stamps, stamps[1:], strict=False)],
         total_s=t1 - t0,
         cache_bytes=_cache_nbytes(_returned_cache(out)),
+        logits=[x.float().cpu() for x in out.logits] if record_logits else None,
     )

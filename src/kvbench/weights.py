@@ -288,6 +288,6 @@ def load_model(
                 why = "HF_HUB_OFFLINE is set" if _hub_offline() else "the hub is not reachable"
                 raise KVBenchError(f"{HUB_REPOS[name]} is not in the local Hugging Face cache and {why}")
             warning = RANDOM_WARNING.format(seed=seed, name=name, std=init_std)
-    net = GPT(config).init_weights(seed=seed, std=init_std)
+    net = GPT.empty(config, device, dtype).init_weights(seed=seed, std=init_std)  # drawn on the device
     desc = f"random(seed={seed}, std={init_std})"
-    return LoadedModel(net.to(device=device, dtype=dtype).eval(), config, desc, random=True, warning=warning)
+    return LoadedModel(net.eval(), config, desc, random=True, warning=warning)
