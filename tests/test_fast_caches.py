@@ -65,6 +65,28 @@ def test_generate_runs_the_fixed_shape_step_and_equals_static(tiny_model):
     assert caches[0].runner is runner and runner.fixed_steps == n_new - 1 + 4
 
 
+def test_runner_is_rebuilt_when_the_parameters_move(tiny_model):
+    """A captured graph replays reads of the addresses it recorded: after `model.to(...)` gives the parameters new
+    storage (the old freed), the runner must be rebuilt, and an old one refuses to run; an in-place weight update
+    keeps the storage, so the runner (and its graph) stays valid."""
+    import copy
+
+    model = copy.deepcopy(tiny_model)
+    caches = make_caches("static-graph", model.config, 1, 40, torch.float32, "cpu")
+    generate(model, [PROMPTS[0]], 5, cache="static-graph", caches=caches)
+    runner = caches[0].runner
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight.mul_(1.0)  # in place: same storage
+    assert decode_runner(model, caches) is runner
+    model.to(torch.float64)  # new tensors for every parameter
+    assert not runner.matches(model, caches)
+    ids = torch.tensor([PROMPTS[0]])
+    with pytest.raises(AssertionError, match="stale"):
+        runner(ids, torch.arange(ids.size(1))[None], caches)  # the next generation's prefill
+    fresh = decode_runner(model, caches)
+    assert fresh is not runner and caches[0].runner is fresh and fresh.matches(model, caches)
+
+
 def test_fixed_step_never_reads_the_unfilled_tail(tiny_model):
     """Attention reads the whole (B, H, max_len, Dh) buffer; the device-computed length mask must hide the tail."""
     cfg = tiny_model.config

@@ -13,7 +13,8 @@ replays the exact kernels on the exact addresses it recorded, so the step must n
     K/V are written with index_copy_ at `column` (a device index, no Python int baked into the graph).
 
 On CUDA the step is warmed up on a side stream, captured once per cache set (batch size and max_len fixed by the
-allocation), and replayed per token. Elsewhere the same fixed-shape step runs eagerly, so CI tests its exactness on
+allocation), and replayed per token; the runner records how long warm-up + capture took (`capture_s`), and is
+rebuilt, never replayed, once the model's parameters have new storage (`model.to(...)`). Elsewhere the same fixed-shape step runs eagerly, so CI tests its exactness on
 the CPU. `KVBENCH_COMPILE=1` also runs the step through `torch.compile` (inside the graph on CUDA).
 
 The prefill (T > 1) runs the ordinary eager forward and writes the same buffers. A `StaticGraphCache` used directly
@@ -24,6 +25,7 @@ the model's `AttentionMask` excludes the unfilled tail; that path is exact too.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -115,9 +117,16 @@ def _compiled() -> object:
     return _compiled_step
 
 
-def _fault_key(model: GPT) -> tuple:
-    """Model switches read at capture time; a change invalidates a captured graph (see faults)."""
-    return tuple(b.attn.causal_in_decode for b in model.transformer.h)
+def _model_key(model: GPT) -> tuple:
+    """What a captured graph depends on besides its buffers: the model's switches read at capture time (see
+    faults), and the storage of every parameter. A graph replays reads of the exact addresses it recorded, so after
+    `model.to(...)` (new tensors; the old ones freed) it must be rebuilt, never replayed. Weights changed in place
+    (`copy_`, `load_state_dict`) keep their storage, and the graph reads the new values."""
+    switches = tuple(b.attn.causal_in_decode for b in model.transformer.h)
+    storage = tuple(
+        (p.data_ptr(), p.dtype, p.device, tuple(p.shape)) for p in (*model.parameters(), *model.buffers())
+    )
+    return switches, storage
 
 
 class FixedShapeDecoder:
@@ -141,7 +150,7 @@ class FixedShapeDecoder:
         B, H, L, Dh = caches[0].k.shape
         device = caches[0].k.device
         self.model = model
-        self.key = _fault_key(model)
+        self.key = _model_key(model)
         self.capacity = L
         self.use_graph = device.type == "cuda" if graph is None else graph
         assert not self.use_graph or device.type == "cuda", (
@@ -161,14 +170,18 @@ class FixedShapeDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None  # the graph's static output (B, 1, V)
         self.captures = 0  # graphs captured (1 on CUDA after the first decode step)
+        self.capture_s = (
+            0.0  # seconds spent warming up and capturing (device synchronised), over all captures
+        )
         self.fixed_steps = 0  # decode steps run through the fixed-shape step (replays or eager)
 
     def matches(self, model: GPT, caches: list) -> bool:
-        return (
-            model is self.model
-            and self.key == _fault_key(model)
-            and len(caches) == len(self.slots)
-            and all(c.k is s.k and c.v is s.v for c, s in zip(caches, self.slots, strict=True))
+        """Built for this model, with its current switches and parameter storage, and for these cache buffers."""
+        return model is self.model and self.key == _model_key(model) and self._holds(caches)
+
+    def _holds(self, caches: list) -> bool:
+        return len(caches) == len(self.slots) and all(
+            c.k is s.k and c.v is s.v for c, s in zip(caches, self.slots, strict=True)
         )
 
     def _run(self) -> torch.Tensor:
@@ -183,6 +196,8 @@ class FixedShapeDecoder:
         same values the replay that follows writes again, so the cache is unchanged by them.
         """
         device = self.tokens.device
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -194,6 +209,8 @@ class FixedShapeDecoder:
             self.out = self._run()  # recorded, not run; its storage is the graph's static output
         self.graph = graph
         self.captures += 1
+        torch.cuda.synchronize(device)
+        self.capture_s += time.perf_counter() - t0
 
     def __call__(
         self,
@@ -203,11 +220,15 @@ class FixedShapeDecoder:
         padding: torch.Tensor | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
-        if ids.size(1) != 1:
-            return self.model(
-                ids, positions, caches, padding, last_only
-            )  # prefill: the ordinary eager forward
-        assert self.matches(self.model, caches), "runner called with caches it was not built for"
+        if (
+            ids.size(1) != 1
+        ):  # prefill: the ordinary eager forward; once per generation, so check everything here
+            assert self.matches(self.model, caches), (
+                "static-graph runner is stale (model parameters moved, switches changed, or other caches); "
+                "get one from decode_runner"
+            )
+            return self.model(ids, positions, caches, padding, last_only)
+        assert self._holds(caches), "runner called with caches it was not built for"
         n, _ = caches[0].check_capacity(
             1, "static-graph"
         )  # n: tokens cached so far = the column this step writes
@@ -235,7 +256,8 @@ class FixedShapeDecoder:
 
 
 def decode_runner(model: GPT, caches: list) -> FixedShapeDecoder:
-    """The runner for these caches: reused while model and buffers match (one capture per cache set)."""
+    """The runner for these caches: reused while model, its parameter storage and the buffers match (one capture
+    per cache set); rebuilt (and re-captured) otherwise."""
     runner = caches[0].runner
     if runner is None or not runner.matches(model, caches):
         runner = FixedShapeDecoder(model, caches)
