@@ -93,7 +93,7 @@ def test_cli_sweep_writes_all_files_with_sane_values(tmp_path, sweep_model):
     result, text = invoke(
         "--config", str(cfg_file), "--model", str(sweep_model), "--weights", "random", "--device", "cpu",
         "--new-tokens", str(new), "--repeats", str(repeats), "--warmup", "1", "--caches", "none,dynamic,static",
-        "--engine", "kvbench,hf", "--out", str(out),
+        "--engine", "kvbench,hf,hf-compiled", "--out", str(out),
     )  # fmt: skip
     assert result.exit_code == 0, text
     for name in ("summary.csv", "steps.csv", "meta.json", "latency.png", "speedup.png"):
@@ -103,14 +103,27 @@ def test_cli_sweep_writes_all_files_with_sane_values(tmp_path, sweep_model):
 
     s = pd.read_csv(out / "summary.csv")
     assert set(ISSUE_COLUMNS) <= set(s.columns)
-    assert len(s) == 2 * (3 + 3)  # prompt lengths x (kvbench none/dynamic/static + hf none/dynamic/static)
+    assert len(s) == 2 * (
+        3 + 3 + 1
+    )  # prompt lengths x (kvbench none/dynamic/static + hf the same + hf-compiled static)
     assert (s.status == "ok").all()
+    assert set(s[s.engine == "hf-compiled"].cache) == {"static"}
     assert (s.new_tokens == new).all() and (s.repeats == repeats).all() and (s.dtype == "fp32").all()
     assert (s.ttft_ms > 0).all() and (s.tpot_ms_median > 0).all()
     assert (s.tpot_ms_p90 >= s.tpot_ms_median).all()
     assert (s.total_s >= s.ttft_ms / 1e3).all()
     assert ((s.tokens_per_s - new / s.total_s).abs() < 1e-3 * s.tokens_per_s).all()
     assert (s[s.cache == "none"].speedup_vs_none == 1.0).all()
+    hfc = s[s.engine == "hf-compiled"].set_index("prompt_len")
+    hf_none = s[(s.engine == "hf") & (s.cache == "none")].set_index("prompt_len")
+    # hf-compiled's speedup is against transformers' own `none`; `vs hf` against the fastest transformers row
+    assert ((hfc.speedup_vs_none / (hf_none.total_s / hfc.total_s) - 1).abs() < 1e-5).all()
+    for _, grp in s.groupby("prompt_len"):
+        fastest = grp[grp.engine.isin(["hf", "hf-compiled"])].tpot_ms_median.min()
+        assert ((grp.speedup_vs_fastest_hf / (fastest / grp.tpot_ms_median) - 1).abs() < 1e-5).all()
+    assert (s.token_agreement == 1.0).all() and (s.flips == 0).all() and (s.tokens_note == "identical").all()
+    assert s.sdpa_prefill.notna().all() and s.sdpa_decode.notna().all()
+    assert (s.peak_mem_mib >= s.weights_mib).all()
     long = s[(s.prompt_len == 256) & (s.cache != "none")]
     assert (long.speedup_vs_none > 1.0).all(), long[["engine", "cache", "total_s", "speedup_vs_none"]]
 
@@ -134,8 +147,18 @@ def test_cli_sweep_writes_all_files_with_sane_values(tmp_path, sweep_model):
 
     meta = json.loads((out / "meta.json").read_text())
     assert meta["status"] == "complete" and meta["seed"] == 0 and meta["weights"].startswith("random")
-    for key in ("command", "git", "versions", "device_name", "settings"):
+    for key in ("command", "git", "versions", "device_name", "settings", "cold_warm", "token_reference"):
         assert key in meta, key
+    assert "cudnn_version" in meta["sdpa"] and set(meta["sdpa"]["enabled"]) == {
+        "flash",
+        "efficient",
+        "cudnn",
+        "math",
+    }
+    assert meta["sdpa"]["observed"]["kvbench static"]["decode"]
+    assert (
+        "did not compile" in meta["engines"]["hf-compiled"]
+    )  # transformers compiles on its own only on GPUs
     assert meta["settings"]["new_tokens"] == new and meta["config_file"] == str(cfg_file)
 
 
@@ -181,14 +204,37 @@ def test_ctrl_c_keeps_completed_rows_and_exits_130(tmp_path, monkeypatch):
     assert not list(out.glob(".*tmp*")), "a temporary file was left behind"
 
 
-def test_cuda_oom_marks_the_row_and_the_sweep_goes_on(tiny_model):
-    real_run = B.KVBenchEngine.run
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)"),
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: you tried to "
+            "allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)"
+        ),  # fmt: skip
+        MemoryError(),
+    ],
+    ids=["cuda", "cpu-allocator", "memory-error"],
+)
+def test_out_of_memory_marks_the_row_and_the_sweep_goes_on(tiny_model, error):
+    """CUDA OOM and a CPU allocation failure are both an `oom` row, raised while allocating the caches or mid-run."""
 
     class OOMOnDynamic(B.KVBenchEngine):
-        def run(self, ids, new_tokens, cache):
+        def configure(self, cache, batch, max_len):
             if cache == "dynamic":
-                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-            return real_run(self, ids, new_tokens, cache)
+                raise error
+            conf = super().configure(cache, batch, max_len)
+            if cache == "static":  # the allocation succeeds, the second run fails
+                real_run, calls = conf.run, []
+
+                def run(ids, new_tokens, record_logits=False):
+                    calls.append(1)
+                    if len(calls) == 2:
+                        raise error
+                    return real_run(ids, new_tokens, record_logits)
+
+                conf.run = run
+            return conf
 
     s = B.BenchSettings(
         prompt_len=[4, 6], new_tokens=3, caches=["none", "dynamic", "static"], engine=["kvbench"]
@@ -199,7 +245,7 @@ def test_cuda_oom_marks_the_row_and_the_sweep_goes_on(tiny_model):
         tiny_model, s, "fp32", "cpu", on_result=seen.append, engines={"kvbench": OOMOnDynamic(tiny_model)}
     )
     status = {(r.summary.cache, r.summary.prompt_len): r.summary.status for r in rows}
-    assert status == {(c, p): ("oom" if c == "dynamic" else "ok") for c in s.caches for p in (4, 6)}
+    assert status == {(c, p): ("ok" if c == "none" else "oom") for c in s.caches for p in (4, 6)}
     assert len(seen) == 6
     oom = next(r.summary for r in rows if r.summary.status == "oom")
     assert math.isnan(oom.total_s) and oom.repeats == 0
@@ -262,3 +308,345 @@ def test_hf_engine_runs_the_same_weights_for_exactly_n_tokens(tiny_model, cache)
         assert r.ttft_s > 0 and r.total_s >= r.ttft_s + sum(r.step_s) * 0.999
         outs.append(r.tokens)
     assert outs[0] != outs[1], "output does not depend on the prompt"
+
+
+# --- caches allocated once, static-graph captured once -------------------------------------------------------------
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: `replay` runs the runner's eager fixed-shape step, so the
+    capture-once bookkeeping is exercised with exact numerics."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def replay(self) -> None:
+        self.runner.out = self.runner._run()
+
+
+def test_static_graph_captures_once_per_configuration_and_reuses_its_caches(tiny_model, monkeypatch):
+    from kvbench.caches import static_graph
+
+    built = []
+    real_init = static_graph.FixedShapeDecoder.__init__
+
+    def init(self, model, caches, graph=None, compile=None):
+        real_init(self, model, caches, graph=False, compile=compile)
+        self.use_graph = graph is None  # the sweep's runners "capture"; the SDPA probe's eager one does not
+        if self.use_graph:
+            built.append(self)
+
+    def capture(self):
+        self.graph = _FakeGraph(self)
+        self.captures += 1
+        self.capture_s += 0.004
+
+    monkeypatch.setattr(static_graph.FixedShapeDecoder, "__init__", init)
+    monkeypatch.setattr(static_graph.FixedShapeDecoder, "_capture", capture)
+    s = B.BenchSettings(prompt_len=[5, 9], new_tokens=7, caches=["none", "static-graph"], engine=["kvbench"])
+    s.warmup, s.repeats = 2, 3
+    rows = [r.summary for r in B.run_sweep(tiny_model, s, "fp32", "cpu")]
+    assert len(built) == 2, "one runner (one capture) per static-graph configuration"
+    for runner in built:
+        assert runner.captures == 1
+        assert runner.fixed_steps == (2 + 3) * (7 - 1), (
+            "every run of the configuration replayed the same graph"
+        )
+    graph_rows = [r for r in rows if r.cache == "static-graph"]
+    assert [r.capture_ms for r in graph_rows] == [pytest.approx(4.0), pytest.approx(4.0)]
+    assert all(r.token_agreement == 1.0 and r.tokens_note == "identical" for r in rows)
+    assert all(math.isnan(r.capture_ms) for r in rows if r.cache == "none")
+
+
+def test_caches_are_allocated_once_per_configuration(tiny_model, monkeypatch):
+    from kvbench import engines
+
+    allocations = []
+    real = engines.make_caches
+
+    def counting(name, *args, **kw):
+        caches = real(name, *args, **kw)
+        allocations.append((name, None if caches is None else id(caches[0])))
+        return caches
+
+    monkeypatch.setattr(engines, "make_caches", counting)
+    s = B.BenchSettings(
+        prompt_len=[6], new_tokens=5, caches=["dynamic", "static", "paged"], engine=["kvbench"]
+    )
+    s.warmup, s.repeats = 1, 4
+    B.run_sweep(tiny_model, s, "fp32", "cpu")
+    # per cache: one allocation for its five runs, one small one for the SDPA probe
+    assert [n for n, _ in allocations] == ["dynamic", "dynamic", "static", "static", "paged", "paged"]
+
+
+# --- token agreement ----------------------------------------------------------------------------------------------
+def _rows(*pairs):
+    """(B, V) logits rows with the given (index, value) entries set on a zero background."""
+    out = torch.zeros(len(pairs), 8)
+    for b, entries in enumerate(pairs):
+        for i, v in entries:
+            out[b, i] = v
+    return out
+
+
+def test_token_check_identical_near_tie_and_real_difference():
+    from kvbench.agreement import check_tokens
+
+    fp16 = dict(rtol=1e-2, atol=1e-2)  # verify's tolerance for fp16
+    ref = [[1, 2, 3, 4]]
+    never = lambda: pytest.fail("identical runs need no re-run")  # noqa: E731
+    same = check_tokens(ref, [[[1, 2, 3, 4]], [[1, 2, 3, 4]]], lambda d: None, never, **fp16)
+    assert (same.agreement, same.first_divergence, same.flips, same.note) == (1.0, None, 0, "identical")
+
+    # token 2: the reference prefers 3 over 5 by 0.01; the run's logits there differ by 0.01: a near-tie
+    got = [[1, 2, 5, 6]]
+    ref_at = {2: _rows([(3, 1.00), (5, 0.99)])}
+    run_logits = [None, None, _rows([(3, 0.99), (5, 1.00)]), None]
+    tie = check_tokens(ref, [[[1, 2, 3, 4]], got], ref_at.__getitem__, lambda: (got, run_logits), **fp16)
+    assert tie.agreement == 0.5 and tie.first_divergence == 2 and (tie.flips, tie.near_tie_flips) == (1, 1)
+    assert "near-tie" in tie.note and "token 2" in tie.note
+
+    # the same flip, but the run's logits are off by 1.0: within 2 x its own error, yet far beyond rounding
+    ref_at = {2: _rows([(3, 2.0), (5, 1.0)])}
+    run_logits = [None, None, _rows([(3, 1.0), (5, 2.0)]), None]
+    bug = check_tokens(ref, [got], ref_at.__getitem__, lambda: (got, run_logits), **fp16)
+    assert (
+        (bug.flips, bug.near_tie_flips) == (1, 0) and "DIFFERS" in bug.note and "exceeds rounding" in bug.note
+    )
+
+    # a clear winner flipped by a small error: not a near-tie either
+    run_logits = [None, None, _rows([(3, 1.99), (5, 1.0)]), None]
+    clear = check_tokens(ref, [got], ref_at.__getitem__, lambda: (got, run_logits), **fp16)
+    assert clear.near_tie_flips == 0 and "top-2 gap 1 > 2 x logit error 0.01" in clear.note
+
+
+def test_token_check_reports_the_worst_run_and_nondeterminism():
+    from kvbench.agreement import check_tokens
+
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    runs = [ref, [[1, 2, 3, 4], [5, 9, 9, 9]]]  # the second run flips sequence 1 at token 1
+    rerun = lambda: (ref, [None] * 4)  # noqa: E731 - the re-run does not reproduce the flip
+    r = check_tokens(ref, runs, lambda d: pytest.fail("not reached"), rerun, rtol=1e-5, atol=1e-5)
+    assert r.agreement == 5 / 8 and r.first_divergence == 1 and r.flips == 1 and r.near_tie_flips == 0
+    assert "not deterministic" in r.note
+
+
+def test_a_wrong_cache_is_caught_by_token_agreement(tiny_model, monkeypatch):
+    """A cache that returns a corrupted history generates fast, wrong tokens: the row says so, not a speedup."""
+    from kvbench.caches import CACHES, CacheSpec
+    from kvbench.caches.static import StaticCache
+
+    class ForgetsTheFirstToken(StaticCache):
+        def update(self, k, v, positions):
+            k, v = super().update(k, v, positions)
+            if k.size(2) > 4:
+                k = k.clone()
+                k[:, :, 0] = 0  # (B, H, S, Dh): the first token's key lost
+            return k, v
+
+    spec = CacheSpec(
+        "forgetful",
+        "test",
+        lambda c, b, n, dt, dev: ForgetsTheFirstToken(b, c.n_head, n, c.head_dim, dt, dev),
+    )
+    monkeypatch.setitem(CACHES, "forgetful", spec)
+    s = B.BenchSettings(
+        prompt_len=[6], new_tokens=24, caches=["none", "static", "forgetful"], engine=["kvbench", "hf"]
+    )
+    s.warmup, s.repeats = 0, 1
+    rows = {(r.summary.engine, r.summary.cache): r.summary for r in B.run_sweep(tiny_model, s, "fp32", "cpu")}
+    for key in (("kvbench", "none"), ("kvbench", "static"), ("hf", "none"), ("hf", "static")):
+        assert rows[key].token_agreement == 1.0 and rows[key].flips == 0, key
+    bad = rows[("kvbench", "forgetful")]
+    assert bad.token_agreement < 1.0 and bad.flips == 1 and bad.near_tie_flips == 0, bad
+    assert bad.first_divergence >= 0 and "DIFFERS" in bad.tokens_note
+
+
+# --- memory, engines, SDPA ---------------------------------------------------------------------------------------
+def test_hf_engine_shares_our_weights(tiny_model):
+    from kvbench.engines import weight_bytes
+    from kvbench.hf_engine import build_hf_model
+
+    hf = build_hf_model(tiny_model)
+    assert (
+        hf.transformer.h[1].mlp.c_fc.weight.data_ptr()
+        == tiny_model.transformer.h[1].mlp.c_fc.weight.data_ptr()
+    )
+    assert hf.lm_head.weight.data_ptr() == tiny_model.transformer.wte.weight.data_ptr()
+    n = sum(p.numel() for p in tiny_model.parameters()) * 4  # fp32, wte and lm_head tied: counted once
+    assert weight_bytes(hf) == weight_bytes(tiny_model) == n
+
+
+def test_peak_memory_counts_the_engine_weights_once_and_the_run_above_its_baseline(tiny_model):
+    from kvbench.devices import cpu_peak_resettable
+
+    s = B.BenchSettings(prompt_len=[8], new_tokens=4, caches=["none", "static"], engine=["kvbench", "hf"])
+    s.warmup, s.repeats = 0, 2
+    rows = [r.summary for r in B.run_sweep(tiny_model, s, "fp32", "cpu")]
+    weights = sum(p.numel() for p in tiny_model.parameters()) * 4 / 2**20
+    for r in rows:
+        assert r.weights_mib == pytest.approx(weights), r
+        if cpu_peak_resettable():
+            assert r.peak_mem_mib == pytest.approx(r.weights_mib + r.run_peak_mib)
+            assert 0 <= r.run_peak_mib < 200, r  # a few MiB of activations, not another copy of everything
+        assert r.sdpa_prefill and r.sdpa_decode, r  # the backend PyTorch picked, per phase
+
+
+# --- the run folder, signals, failures ----------------------------------------------------------------------------
+TINY_RUN = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--new-tokens", "3", "--repeats", "1",
+            "--warmup", "0", "--engine", "kvbench"]  # fmt: skip
+
+
+def test_out_holding_a_run_is_refused_unless_forced(tmp_path):
+    out = tmp_path / "run"
+    result, text = invoke(*TINY_RUN, "--prompt-len", "4", "--caches", "none,dynamic", "--out", str(out))
+    assert result.exit_code == 0, text
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result, text = invoke(*TINY_RUN, "--prompt-len", "4", "--caches", "none", "--out", str(out))
+    assert result.exit_code == 2, text
+    assert "--force" in result.stderr and "already holds" in result.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "a refused run changed the folder"
+    (out / "notes.txt").write_text("mine")
+    result, text = invoke(*TINY_RUN, "--prompt-len", "6", "--caches", "none", "--out", str(out), "--force")
+    assert result.exit_code == 0, text
+    s = pd.read_csv(out / "summary.csv")
+    assert list(s.prompt_len) == [6] and list(s.cache) == ["none"]  # the new run only, nothing of the old one
+    assert (out / "notes.txt").read_text() == "mine"  # --force replaces bench's own files, nothing else
+
+
+def test_repeated_prompt_lengths_caches_and_engines_run_once(tmp_path):
+    out = tmp_path / "run"
+    result, text = invoke(
+        *TINY_RUN, "--prompt-len", "4,8,4", "--caches", "none,dynamic,none", "--engine", "kvbench,kvbench",
+        "--out", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, text
+    s = pd.read_csv(out / "summary.csv")
+    assert list(zip(s.prompt_len, s.cache, strict=True)) == [
+        (4, "none"),
+        (4, "dynamic"),
+        (8, "none"),
+        (8, "dynamic"),
+    ]
+
+
+def test_weights_folder_without_model_takes_the_checkpoints_shape(tmp_path, hf_dir):
+    out = tmp_path / "run"
+    result, text = invoke(
+        "--weights", str(hf_dir), "--device", "cpu", "--prompt-len", "5", "--new-tokens", "3", "--repeats", "1",
+        "--warmup", "0", "--caches", "none,static", "--engine", "kvbench", "--out", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, text
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["model_config"]["n_layer"] == 3 and meta["model_config"]["n_embd"] == 64  # conftest's TINY
+    assert meta["random_weights"] is False and meta["settings"]["model"] is None
+
+
+def test_device_cpu_alone_with_the_seed_config_picks_fp32():
+    from kvbench.devices import resolve_device, resolve_dtype
+
+    s = B.load_settings("seed", {"device": "cpu"})
+    dev = resolve_device(s.device)
+    assert resolve_dtype(s.dtype, dev) == torch.float32
+    B.check_sizes(s, B.sweep_model_config(s), torch.float32, dev)  # gpt2, 512 + 400 tokens: fits
+
+
+def _interrupt_on_call(monkeypatch, n: int, action):
+    """Run `action` from the progress bar's n-th update (a run has just finished)."""
+    from kvbench.cli import bench as cli_bench
+
+    calls = {"n": 0}
+    real_update = cli_bench._BenchProgress.update
+
+    def update(self, done, total, label):
+        calls["n"] += 1
+        if calls["n"] == n:
+            action()
+        real_update(self, done, total, label)
+
+    monkeypatch.setattr(cli_bench._BenchProgress, "update", update)
+
+
+def _assert_kept_as_interrupted(out: Path, caches: list[str]) -> None:
+    s = pd.read_csv(out / "summary.csv")
+    assert list(s.cache) == caches and (s.status == "ok").all()
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["status"] == "interrupted" and meta["configurations_completed"] == len(caches)
+    for png in ("latency.png", "speedup.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    assert not list(out.glob(".*tmp*")), "a temporary file was left behind"
+
+
+SWEEP_ARGS = ["--prompt-len", "4,8", "--caches", "none,dynamic,static"]
+
+
+def test_sigterm_leaves_what_ctrl_c_leaves(tmp_path, monkeypatch):
+    import signal
+
+    _interrupt_on_call(monkeypatch, 3, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    out = tmp_path / "run"
+    result, text = invoke(*TINY_RUN, *SWEEP_ARGS, "--out", str(out))
+    assert result.exit_code == 128 + signal.SIGTERM, text
+    _assert_kept_as_interrupted(out, ["none", "dynamic"])
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after the command
+
+
+def test_a_second_ctrl_c_while_writing_does_not_lose_the_rows(tmp_path, monkeypatch):
+    import signal
+
+    from kvbench import plots
+
+    def first_ctrl_c():
+        raise KeyboardInterrupt
+
+    real_write = plots.write_plots
+
+    def impatient_write(
+        *args, **kw
+    ):  # the user presses Ctrl-C again (and a SIGTERM arrives) while plots draw
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_write(*args, **kw)
+
+    _interrupt_on_call(monkeypatch, 3, first_ctrl_c)
+    monkeypatch.setattr(plots, "write_plots", impatient_write)
+    out = tmp_path / "run"
+    result, text = invoke(*TINY_RUN, *SWEEP_ARGS, "--out", str(out))
+    assert result.exit_code == 130, text
+    _assert_kept_as_interrupted(out, ["none", "dynamic"])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+PLUGIN = '''
+from kvbench.caches import LayerCache
+from kvbench.caches.static import StaticCache
+
+
+class FailsLate(StaticCache):
+    """A static cache that raises once it holds more than 6 tokens."""
+
+    def __init__(self, config, batch, max_len, dtype, device):
+        super().__init__(batch, config.n_head, max_len, config.head_dim, dtype, device)
+
+    def update(self, k, v, positions):
+        if self.length + k.size(2) > 6:
+            raise RuntimeError("boom at token 7")
+        return super().update(k, v, positions)
+'''
+
+
+def test_a_plugin_that_raises_mid_sweep_keeps_every_other_row(tmp_path, monkeypatch):
+    (tmp_path / "late_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    result, text = invoke(
+        *TINY_RUN, "--prompt-len", "2,4", "--new-tokens", "6", "--caches", "none,late_plugin:FailsLate,static",
+        "--out", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 1, text  # rows recorded, but the run says something failed
+    s = pd.read_csv(out / "summary.csv")
+    assert len(s) == 6
+    failed = s[s.cache == "late_plugin:FailsLate"]
+    assert all(st.startswith("error: ") and "boom at token 7" in st for st in failed.status), failed.status
+    assert (s[s.cache != "late_plugin:FailsLate"].status == "ok").all()
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["status"] == "complete" and meta["configurations_failed"] == 2
+    assert "failed" in result.stderr and "late_plugin:FailsLate" in result.stderr

@@ -1,218 +1,60 @@
 """Sweeps and timing: engine x cache x prompt length, warm-up, synchronised clocks, repeats, cold vs warm.
 
-For each shape (engine, cache, prompt length, new tokens, batch) the sweep runs `warmup` untimed-for-the-summary
-runs and then `repeats` timed runs, each a whole generation of exactly `new_tokens` tokens from the same random
-prompt ids. The very first run of a shape is the *cold* run (allocator, kernel selection and caches still warming
-up); it is reported in its own columns and never mixed into the warm medians (when `warmup` is 0 it is also the
-first timed repeat). Every timed region is bracketed by a device synchronisation.
+For each configuration (engine, cache, prompt length, new tokens, batch) the engine prepares the configuration once
+(our caches are allocated once and reset between runs; static-graph captures its CUDA graph once), then the sweep
+runs `warmup` runs and `repeats` timed runs, each a whole generation of exactly `new_tokens` tokens from the same
+random prompt ids. The first run of a configuration is the *cold* run: on CUDA it starts from an emptied allocator
+cache and pays allocation, kernel selection, plan building for attention shapes not seen earlier in the sweep,
+graph capture (static-graph) or compilation (hf-compiled). It is reported in its own columns and never mixed into
+the warm medians (when `warmup` is 0 it is also the first timed repeat). Warm runs follow with the same shapes and
+the same caches; nothing is freed or emptied between them. Every timed region is bracketed by a device
+synchronisation.
 
-Per configuration the summary holds medians over the timed repeats and the pooled decode-step distribution
-(see docs/bench.md for every column). Rows come back through `on_result` as each configuration completes, so a
-caller can write them at once and an interrupted sweep keeps what it finished.
+Per configuration the summary holds medians over the timed repeats, the pooled decode-step distribution, peak
+memory above what was allocated before the configuration (plus the weights of the engine in use, counted once),
+whether its tokens agree with kvbench's `none` (agreement.py) and which SDPA backend its attention calls got
+(backends.py); see docs/bench.md for every column. Rows come back through `on_result` as each configuration
+completes, so a caller can write them at once and an interrupted sweep keeps what it finished. A configuration
+that fails (out of memory, or an error raised by a cache plugin) becomes a row whose status says so, and the sweep
+goes on.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, fields
 
 import torch
 
-from kvbench.caches import CACHES, parse_cache_names
-from kvbench.devices import peak_memory, reset_peak_memory, synchronize
+from kvbench.agreement import TokenCheck, check_tokens, reference_logits
+from kvbench.backends import watch_sdpa
+from kvbench.bench_settings import (
+    SETTING_KEYS,
+    BenchSettings,
+    check_fits_context,
+    check_settings,
+    check_sizes,
+    coerce,
+    load_settings,
+    resolve_config_path,
+    settings_dict,
+    sweep_model_config,
+    sweep_warnings,
+)
+from kvbench.caches import get_cache_spec
+from kvbench.devices import memory_in_use, memory_peak, reset_peak_memory
+from kvbench.engines import ENGINES, HFEngine, KVBenchEngine, RunTiming, build_engines
 from kvbench.errors import KVBenchError
-from kvbench.generation import generate
+from kvbench.verify import REFERENCE_TOLERANCES, TOLERANCES
 
-try:  # Python 3.11+
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
-
-# --- settings ----------------------------------------------------------------------------------------------------
-@dataclass
-class BenchSettings:
-    """One sweep. Every field can come from a TOML file in configs/bench/ and be overridden on the command line."""
-
-    model: str = "gpt2"  # preset name or GPT-2 config.json
-    weights: str = "auto"  # auto | hub | random | PATH
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # fp16 on CUDA, fp32 on the CPU
-    seed: int = 0  # random weights and the random prompt ids
-    prompt_len: list[int] = field(default_factory=lambda: [16, 128, 512])  # the seed's three prompt lengths
-    new_tokens: int = 400  # generated tokens per run (the first from the prefill, the rest decode steps)
-    caches: list[str] = field(default_factory=lambda: list(CACHES))  # every registered cache by default
-    engine: list[str] = field(default_factory=lambda: ["kvbench", "hf"])
-    batch: int = 1  # sequences per run (same length, no padding)
-    repeats: int = 3  # timed runs per configuration
-    warmup: int = 1  # runs before the timed ones, same shapes; the first of them is the reported cold run
-    out: str | None = None  # run directory; None: results/<timestamp>-bench/
-    threads: int | None = None  # torch intra-op CPU threads; None: torch's default (one per core)
-
-
-SETTING_KEYS = tuple(f.name for f in fields(BenchSettings))
-
-
-def _as_list(key: str, value, cast, where: str) -> list:
-    if isinstance(value, str):
-        value = [v.strip() for v in value.split(",") if v.strip()]
-    if not isinstance(value, list | tuple):
-        value = [value]
-    try:
-        return [cast(v) for v in value]
-    except (TypeError, ValueError):
-        raise KVBenchError(f"{where}: {key} must be a list of {cast.__name__}s, got {value!r}") from None
-
-
-def coerce(raw: dict, where: str) -> dict:
-    """Validate keys and types of settings from a file or the command line; unknown keys are errors naming them."""
-    out = {}
-    for key, value in raw.items():
-        if key not in SETTING_KEYS:
-            raise KVBenchError(f"{where}: unknown key {key!r}; known keys: {', '.join(SETTING_KEYS)}")
-        if key == "prompt_len":
-            value = _as_list(key, value, int, where)
-        elif key in ("caches", "engine"):
-            value = _as_list(key, value, str, where)
-        elif key in ("new_tokens", "batch", "repeats", "warmup", "seed", "threads"):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise KVBenchError(f"{where}: {key} must be an integer, got {value!r}")
-        elif not isinstance(value, str):
-            raise KVBenchError(f"{where}: {key} must be a string, got {value!r}")
-        out[key] = value
-    return out
-
-
-def resolve_config_path(path: str | Path) -> Path:
-    """A TOML file, or the name of a sweep shipped with kvbench (`seed`, `quick`: configs/bench/NAME.toml)."""
-    from kvbench.resources import bench_config_names, config_file
-
-    p = Path(path).expanduser()
-    if p.exists() or p.suffix or "/" in str(path):
-        if p.is_dir():
-            raise KVBenchError(
-                f"--config {p} is a directory; give a TOML file or one of {bench_config_names()}"
-            )
-        return p
-    if str(path) in bench_config_names():
-        return config_file("bench", f"{path}.toml")
-    raise KVBenchError(
-        f"--config {path!r}: no such file, and no shipped sweep of that name; shipped: {', '.join(bench_config_names())}"
-    )
-
-
-def load_settings(path: str | Path | None, overrides: dict) -> BenchSettings:
-    """Defaults < the TOML file at `path` < `overrides` (command-line options that were given, None = not given)."""
-    merged: dict = {}
-    if path is not None:
-        p = resolve_config_path(path)
-        try:
-            with p.open("rb") as f:
-                data = tomllib.load(f)
-        except OSError as e:
-            raise KVBenchError(f"cannot read --config {p}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise KVBenchError(f"--config {p} is not valid TOML: {e}") from None
-        merged.update(coerce(data, str(p)))
-    merged.update(coerce({k: v for k, v in overrides.items() if v is not None}, "command line"))
-    s = BenchSettings(**merged)
-    check_settings(s)
-    return s
-
-
-def check_settings(s: BenchSettings) -> None:
-    for key in ("repeats", "batch"):
-        if getattr(s, key) < 1:
-            raise KVBenchError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(s, key)}")
-    if s.threads is not None and s.threads < 1:
-        raise KVBenchError(f"--threads must be >= 1, got {s.threads}")
-    if s.warmup < 0:
-        raise KVBenchError(f"--warmup must be >= 0, got {s.warmup}")
-    if s.new_tokens < 2:
-        raise KVBenchError(
-            f"--new-tokens must be >= 2 (one prefill token + decode steps), got {s.new_tokens}"
-        )
-    if not s.prompt_len or min(s.prompt_len) < 1:
-        raise KVBenchError(f"--prompt-len values must be >= 1, got {s.prompt_len}")
-    s.caches = parse_cache_names(",".join(s.caches))
-    for e in s.engine:
-        if e not in ENGINES:
-            raise KVBenchError(f"unknown engine {e!r}; engines: {', '.join(ENGINES)}")
-
-
-def check_fits_context(s: BenchSettings, block_size: int, model_name: str) -> None:
-    """Reject an impossible sweep before any work, naming every offending prompt length."""
-    bad = [p for p in s.prompt_len if p + s.new_tokens > block_size]
-    if bad:
-        raise KVBenchError(
-            f"prompt length + new tokens exceeds {model_name}'s context of {block_size}: "
-            + ", ".join(f"{p} + {s.new_tokens} = {p + s.new_tokens}" for p in bad)
-            + f"; use --prompt-len <= {block_size - s.new_tokens} or fewer --new-tokens"
-        )
-
-
-# --- engines -----------------------------------------------------------------------------------------------------
-@dataclass
-class RunTiming:
-    """One whole generation, timed. total_s: the whole call, device synchronised at both ends."""
-
-    ttft_s: float
-    step_s: list[float]
-    total_s: float
-    cache_bytes: int | None
-    bytes_copied: int | None
-    tokens: list[list[int]]
-
-
-class KVBenchEngine:
-    """Our generation loop (generation.generate) on our GPT; every registered cache."""
-
-    name = "kvbench"
-
-    def __init__(self, model) -> None:
-        self.model = model
-
-    def supports(self, cache: str) -> bool:
-        return True  # every registered cache and plugin runs through our loop (names validated up front)
-
-    def run(self, ids: torch.Tensor, new_tokens: int, cache: str) -> RunTiming:
-        device = ids.device
-        synchronize(device)
-        t0 = time.perf_counter()
-        r = generate(self.model, ids.tolist(), new_tokens, cache=cache)
-        synchronize(device)
-        total = time.perf_counter() - t0
-        return RunTiming(r.ttft_s, r.step_s, total, r.cache_bytes, r.bytes_copied, r.tokens)
-
-
-class HFEngine:
-    """transformers' generate on the same weights (see hf_engine.py for what its numbers include)."""
-
-    name = "hf"
-
-    def __init__(self, model) -> None:
-        from kvbench.hf_engine import build_hf_model
-
-        self.hf = build_hf_model(model)
-
-    def supports(self, cache: str) -> bool:
-        from kvbench.hf_engine import HF_CACHES
-
-        return cache in HF_CACHES
-
-    def run(self, ids: torch.Tensor, new_tokens: int, cache: str) -> RunTiming:
-        from kvbench.hf_engine import hf_generate
-
-        r = hf_generate(self.hf, ids, new_tokens, cache)
-        return RunTiming(r.ttft_s, r.step_s, r.total_s, r.cache_bytes, None, r.tokens)
-
-
-# One registry of engines: the CLI's --engine choices and the sweep iterate it.
-ENGINES: dict[str, type] = {"kvbench": KVBenchEngine, "hf": HFEngine}
+# Settings and engines live in their own modules; these names stay importable from here.
+__all__ = [
+    "ENGINES", "SETTING_KEYS", "BenchSettings", "HFEngine", "KVBenchEngine", "RunTiming", "build_engines",
+    "check_fits_context", "check_settings", "check_sizes", "coerce", "load_settings", "resolve_config_path",
+    "settings_dict", "sweep_model_config", "sweep_warnings",
+]  # fmt: skip
 
 
 # --- rows --------------------------------------------------------------------------------------------------------
@@ -225,7 +67,7 @@ class SummaryRow:
     batch: int
     dtype: str
     device: str
-    status: str  # ok | oom
+    status: str  # ok | oom | error: <one line>
     ttft_ms: float  # median over timed repeats: prefill + first token
     tpot_ms_median: float  # median decode-step latency, all steps of all timed repeats pooled
     tpot_ms_p90: float
@@ -233,17 +75,32 @@ class SummaryRow:
     total_s_min: float
     total_s_max: float
     tokens_per_s: float  # batch x new_tokens / total_s
-    speedup_vs_none: float  # total_s of this engine's `none` at the same prompt length / total_s
-    peak_mem_mib: float  # CUDA max_memory_allocated; CPU: process peak RSS (high-water mark)
-    peak_reserved_mib: float  # CUDA max_memory_reserved; NaN on the CPU
+    speedup_vs_none: float  # total_s of this engine family's `none` at the same prompt length / total_s
+    speedup_vs_fastest_hf: (
+        float  # TPOT of the fastest transformers row (hf, hf-compiled) at this prompt / TPOT
+    )
+    token_agreement: float  # fraction of generated tokens equal to kvbench `none`'s (worst run); agreement.py
+    first_divergence: float  # first differing token index (empty when identical)
+    flips: int  # sequences whose tokens differ from the reference
+    near_tie_flips: int  # of those, flips at near-ties (rounding, judged as verify does)
+    tokens_note: str  # identical | the first flip and its explanation | why there is no reference
+    peak_mem_mib: float  # weights_mib + run_peak_mib
+    weights_mib: float  # the engine's weights, each storage once (hf and kvbench share the same tensors)
+    run_peak_mib: (
+        float  # peak during the runs above what was in use before the configuration (caches, activations)
+    )
+    peak_reserved_mib: float  # CUDA max_memory_reserved (the allocator's whole pool); NaN on the CPU
     kv_cache_mib: float  # bytes the cache holds at the end of a run
     bytes_copied: float  # history bytes copied by cache updates in one run (NaN where not counted)
     bytes_copied_seed_estimate: (
         float  # the seed's bytes/token x (n1^2 - n0^2)/2, n0 = prompt, n1 = prompt + new
     )
-    cold_ttft_ms: float  # the first run of this shape
+    cold_ttft_ms: float  # the first run of this configuration
     cold_tpot_ms_median: float
     cold_total_s: float
+    capture_ms: float  # CUDA-graph warm-up + capture, once per configuration, inside the cold run (NaN: none)
+    sdpa_prefill: str  # SDPA backend(s) the prefill's attention calls got
+    sdpa_decode: str  # SDPA backend(s) the decode steps' attention calls got
     repeats: int  # timed repeats behind the medians
 
     @classmethod
@@ -296,10 +153,44 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _nan_row(**kw) -> SummaryRow:
-    nan = math.nan
-    base = {f.name: nan for f in fields(SummaryRow)}
+    base = {f.name: math.nan for f in fields(SummaryRow)}
+    base.update(flips=0, near_tie_flips=0, tokens_note="", sdpa_prefill="", sdpa_decode="", repeats=0)
     base.update(kw)
     return SummaryRow(**base)
+
+
+def family(engine: str) -> str:
+    """Rows of one family share a `none` baseline: hf-compiled is measured against transformers' own `none`."""
+    return ENGINES[engine].family if engine in ENGINES else engine
+
+
+def fill_relative(rows: list[SummaryRow]) -> None:
+    """Fill the columns that compare rows of one run: speedup over the family's `none`, and TPOT against the
+    fastest transformers row at the same prompt length. Recomputed from all rows, so sweep order does not matter."""
+    ok = [r for r in rows if r.status == "ok"]
+    base = {(family(r.engine), r.prompt_len): r.total_s for r in ok if r.cache == "none"}
+    fastest_hf: dict[int, float] = {}
+    for r in ok:
+        if family(r.engine) == "hf" and r.tpot_ms_median == r.tpot_ms_median:
+            fastest_hf[r.prompt_len] = min(fastest_hf.get(r.prompt_len, math.inf), r.tpot_ms_median)
+    for r in ok:
+        key = (family(r.engine), r.prompt_len)
+        r.speedup_vs_none = base[key] / r.total_s if key in base else math.nan
+        hf = fastest_hf.get(r.prompt_len)
+        r.speedup_vs_fastest_hf = hf / r.tpot_ms_median if hf is not None else math.nan
+
+
+def failure_status(e: BaseException) -> str:
+    """A configuration that raised: `oom` for an allocation failure on any device, else `error: <one line>`."""
+    text = " ".join(str(e).split())
+    if isinstance(e, torch.cuda.OutOfMemoryError | MemoryError) or (
+        isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate" in text
+    ):
+        return "oom"
+    what = (
+        text if isinstance(e, KVBenchError) else f"{type(e).__name__}: {text}" if text else type(e).__name__
+    )
+    return f"error: {what[:300]}"
 
 
 # --- the sweep ---------------------------------------------------------------------------------------------------
@@ -307,10 +198,20 @@ ProgressFn = Callable[[int, int, str], None]  # (runs done, runs total, label of
 
 
 def plan(s: BenchSettings, engines: dict) -> list[tuple[int, str, str]]:
-    """(prompt_len, engine, cache) in run order: per prompt length, per engine, `none` first so speedups are
-    known as soon as later rows complete."""
+    """(prompt_len, engine, cache) in run order: per prompt length (as given), per engine, `none` first so the
+    token reference (kvbench's none) exists before the rows compared with it."""
     order = sorted(s.caches, key=lambda c: c != "none")
     return [(p, e, c) for p in s.prompt_len for e in s.engine for c in order if engines[e].supports(c)]
+
+
+class _Progress:
+    def __init__(self, total: int, fn: ProgressFn | None) -> None:
+        self.done, self.total, self.fn = 0, total, fn
+
+    def advance(self, n: int, label: str) -> None:
+        self.done += n
+        if self.fn is not None:
+            self.fn(self.done, self.total, label)
 
 
 def run_sweep(
@@ -326,74 +227,108 @@ def run_sweep(
     device = model.lm_head.weight.device
     check_fits_context(s, model.config.block_size, model.config.name)
     if engines is None:
-        engines = {name: ENGINES[name](model) for name in s.engine}
+        engines = build_engines(model, s.engine)
     configs = plan(s, engines)
-    total_runs = len(configs) * (s.warmup + s.repeats)
-    done = 0
+    progress = _Progress(len(configs) * (s.warmup + s.repeats), on_progress)
     bpt = model.config.kv_bytes_per_token(model.lm_head.weight.element_size()) * s.batch
     g = torch.Generator().manual_seed(s.seed)
     prompts = {p: torch.randint(0, model.config.vocab_size, (s.batch, p), generator=g) for p in s.prompt_len}
-    none_total: dict[tuple[str, int], float] = {}
+    refs: dict[int, list[list[int]]] = {}  # kvbench none's tokens per prompt length: the token reference
     results: list[ConfigResult] = []
     for prompt_len, engine_name, cache in configs:
-        engine = engines[engine_name]
-        ids = prompts[prompt_len].to(device)
-        label = f"{engine_name} {cache} prompt {prompt_len}"
         common = dict(
-            engine=engine_name,
-            cache=cache,
-            prompt_len=prompt_len,
-            new_tokens=s.new_tokens,
-            batch=s.batch,
-            dtype=dtype_name,
-            device=device_label,
-        )
-        timed: list[RunTiming] = []
-        mems: list[dict] = []
-        cold: RunTiming | None = None
-        oom = False
-        for i in range(s.warmup + s.repeats):
-            reset_peak_memory(device)
-            try:
-                t = engine.run(ids, s.new_tokens, cache)
-            except torch.cuda.OutOfMemoryError:
-                oom = True
-            if oom:  # outside the except block, so the exception's frames (and their tensors) are freed first
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                done += s.warmup + s.repeats - i
-                if on_progress is not None:
-                    on_progress(done, total_runs, f"{label}: out of memory")
-                break
-            if i == 0:
-                cold = t
-            if i >= s.warmup:
-                timed.append(t)
-                mems.append(peak_memory(device))
-            done += 1
-            if on_progress is not None:
-                on_progress(done, total_runs, label)
-        if oom:
-            row = _nan_row(**common, status="oom", repeats=0)
-            result = ConfigResult(row, [], [])
-        else:
-            result = _summarise(common, timed, mems, cold, bpt, prompt_len, s, none_total)
+            engine=engine_name, cache=cache, prompt_len=prompt_len, new_tokens=s.new_tokens, batch=s.batch,
+            dtype=dtype_name, device=device_label,
+        )  # fmt: skip
+        result = _run_configuration(model, engines[engine_name], prompts[prompt_len].to(device), s, common,
+                                    progress, refs, bpt)  # fmt: skip
         results.append(result)
+        fill_relative([r.summary for r in results])
         if on_result is not None:
             on_result(result)
     return results
 
 
-def _summarise(common, timed, mems, cold, bpt, prompt_len, s, none_total) -> ConfigResult:
+def _run_configuration(model, engine, ids, s, common, progress, refs, bpt) -> ConfigResult:
+    device, cache, prompt_len = ids.device, common["cache"], common["prompt_len"]
+    label = f"{common['engine']} {cache} prompt {prompt_len}"
+    n_runs = s.warmup + s.repeats
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # every configuration's cold run starts from an empty pool; warm runs never do
+    base = memory_in_use(device)
+    conf, runs, peaks, failure = None, [], [], None
+    for _ in range(n_runs):
+        try:
+            if conf is None:  # allocated once per configuration, inside the try: a failure here is this row's
+                conf = engine.configure(cache, s.batch, prompt_len + s.new_tokens)
+            reset_peak_memory(device)
+            t = conf.run(ids, s.new_tokens)
+            peaks.append(
+                (max(memory_peak(device) - base, 0.0), _reserved(device))
+            )  # RSS can shrink below base
+        except Exception as e:  # oom, or a cache plugin that raised: this row records it, the sweep goes on
+            failure = failure_status(e)
+            break
+        runs.append(t)
+        progress.advance(1, label)
+    if (
+        failure is not None
+    ):  # outside the except block, so the exception's frames (and their tensors) are freed
+        conf = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        progress.advance(n_runs - len(runs), f"{label}: {failure}")
+        return ConfigResult(_nan_row(**common, status=failure), [], [])
+    if common["engine"] == "kvbench" and cache == "none":
+        refs.setdefault(prompt_len, runs[0].tokens)
+    tokens = _check_tokens(model, conf, engine, cache, ids, s, refs.get(prompt_len), runs)
+    try:
+        sdpa = watch_sdpa(lambda: conf.probe(ids), prefill_calls=model.config.n_layer)
+    except Exception as e:  # a diagnosis, not a measurement: say it failed, keep the row
+        sdpa = {"prefill": f"unknown ({type(e).__name__})", "decode": ""}
+    weights = engine.weight_bytes()
+    capture_s = conf.capture_s
+    return _summarise(common, runs, s, peaks, weights, capture_s, tokens, sdpa, bpt)
+
+
+def _reserved(device: torch.device) -> float:
+    return float(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else math.nan
+
+
+def _check_tokens(model, conf, engine, cache, ids, s, ref, runs) -> TokenCheck:
+    if ref is None:
+        return TokenCheck.missing("no reference: kvbench's none did not run at this prompt length")
+
+    def rerun():
+        t = conf.run(ids, s.new_tokens, record_logits=True)
+        return t.tokens, t.logits
+
+    # The rounding a correct path may show, as verify allows it: our caches against our no-cache path, transformers
+    # against it as a reference implementation; a lossy cache within its own documented error.
+    dtype = model.lm_head.weight.dtype
+    rtol, atol = (REFERENCE_TOLERANCES if engine.family == "hf" else TOLERANCES)[dtype]
+    spec = get_cache_spec(cache)
+    if not spec.exact:
+        rtol, atol = max(rtol, spec.logit_rtol), max(atol, spec.logit_atol)
+    return check_tokens(
+        ref,
+        [r.tokens for r in runs],
+        lambda d: reference_logits(model, ids, ref, d),
+        rerun,
+        rtol,
+        atol,
+        lossy=not spec.exact,
+    )
+
+
+def _summarise(common, runs, s, peaks, weights, capture_s, tokens: TokenCheck, sdpa, bpt) -> ConfigResult:
+    cold, timed = runs[0], runs[s.warmup :]
     totals = [t.total_s for t in timed]
     steps = [x for t in timed for x in t.step_s]
     total = statistics.median(totals)
-    key = (common["engine"], prompt_len)
-    if common["cache"] == "none":
-        none_total[key] = total
-    speedup = none_total[key] / total if key in none_total else math.nan
-    mem = {k: max(m[k] for m in mems) for k in mems[0]}
-    last = timed[-1]
+    timed_peaks = peaks[s.warmup :]
+    run_peak = max(p for p, _ in timed_peaks)
+    last, mib = timed[-1], 2**20
     row = SummaryRow(
         **common,
         status="ok",
@@ -404,28 +339,35 @@ def _summarise(common, timed, mems, cold, bpt, prompt_len, s, none_total) -> Con
         total_s_min=min(totals),
         total_s_max=max(totals),
         tokens_per_s=s.batch * s.new_tokens / total,
-        speedup_vs_none=speedup,
-        peak_mem_mib=mem.get("peak_allocated_mib", mem.get("peak_rss_mib", math.nan)),
-        peak_reserved_mib=mem.get("peak_reserved_mib", math.nan),
-        kv_cache_mib=(last.cache_bytes / 2**20) if last.cache_bytes is not None else math.nan,
+        speedup_vs_none=math.nan,  # filled by fill_relative
+        speedup_vs_fastest_hf=math.nan,
+        token_agreement=tokens.agreement,
+        first_divergence=math.nan if tokens.first_divergence is None else float(tokens.first_divergence),
+        flips=tokens.flips,
+        near_tie_flips=tokens.near_tie_flips,
+        tokens_note=tokens.note,
+        peak_mem_mib=(weights + run_peak) / mib,
+        weights_mib=weights / mib,
+        run_peak_mib=run_peak / mib,
+        peak_reserved_mib=max(r for _, r in timed_peaks) / mib,
+        kv_cache_mib=(last.cache_bytes / mib) if last.cache_bytes is not None else math.nan,
         bytes_copied=float(last.bytes_copied) if last.bytes_copied is not None else math.nan,
         bytes_copied_seed_estimate=(
-            seed_copy_estimate(bpt, prompt_len, prompt_len + s.new_tokens)
+            seed_copy_estimate(bpt, common["prompt_len"], common["prompt_len"] + s.new_tokens)
             if common["cache"] != "none" and common["engine"] == "kvbench"
             else math.nan
         ),
         cold_ttft_ms=1e3 * cold.ttft_s,
         cold_tpot_ms_median=1e3 * _pct(cold.step_s, 0.5),
         cold_total_s=cold.total_s,
+        capture_ms=math.nan if capture_s is None else 1e3 * capture_s,
+        sdpa_prefill=sdpa["prefill"],
+        sdpa_decode=sdpa["decode"],
         repeats=len(timed),
     )
     step_rows = [
-        StepRow(common["engine"], common["cache"], prompt_len, s.batch, r + 1, j + 1, 1e3 * dt)
+        StepRow(common["engine"], common["cache"], common["prompt_len"], s.batch, r + 1, j + 1, 1e3 * dt)
         for r, t in enumerate(timed)
         for j, dt in enumerate(t.step_s)
     ]
     return ConfigResult(row, step_rows, [1e3 * t.ttft_s for t in timed])
-
-
-def settings_dict(s: BenchSettings) -> dict:
-    return asdict(s)

@@ -69,9 +69,52 @@ def device_name(device: torch.device) -> str:
 
 
 def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak. CUDA: the allocator's peak statistics (its cache of free blocks is left alone, so a run
+    after this one finds what the run before left, as it would in a serving loop). CPU on Linux: the process's
+    peak resident set size (VmHWM), through /proc/self/clear_refs; elsewhere the CPU peak cannot be reset."""
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    elif device.type == "cpu":
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for row in f:
+                if row.startswith(field + ":"):
+                    return int(row.split()[1])  # "VmHWM:   123456 kB"
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def cpu_peak_resettable() -> bool:
+    """Whether reset_peak_memory can reset the CPU peak here (Linux /proc)."""
+    import os
+
+    return os.access("/proc/self/clear_refs", os.W_OK) and _proc_status_kib("VmHWM") is not None
+
+
+def memory_in_use(device: torch.device) -> float:
+    """Bytes in use now: CUDA, allocated by PyTorch's allocator; CPU, the process's resident set size (NaN where
+    /proc is unavailable)."""
+    if device.type == "cuda":
+        return float(torch.cuda.memory_allocated(device))
+    kib = _proc_status_kib("VmRSS")
+    return float("nan") if kib is None else kib * 1024.0
+
+
+def memory_peak(device: torch.device) -> float:
+    """Peak bytes since the last reset_peak_memory: CUDA max allocated; CPU the peak resident set size."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    kib = _proc_status_kib("VmHWM")
+    return float("nan") if kib is None else kib * 1024.0
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:

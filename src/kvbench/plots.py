@@ -1,7 +1,7 @@
 """matplotlib (Agg) figures from bench rows: latency.png (the seed's two panels) and speedup.png.
 
 Colour names the cache (in registry order, so a cache keeps its colour across figures and runs); line style names
-the engine (solid: kvbench, dashed: transformers).
+the engine (solid: kvbench, dashed: transformers, dash-dot: transformers compiled).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator  # noqa: E4
 
 from kvbench.caches import CACHES  # noqa: E402
 
-ENGINE_STYLE = {"kvbench": "-", "hf": "--"}
-ENGINE_LABEL = {"kvbench": "kvbench", "hf": "transformers"}
+ENGINE_STYLE = {"kvbench": "-", "hf": "--", "hf-compiled": "-."}
+ENGINE_LABEL = {"kvbench": "kvbench", "hf": "transformers", "hf-compiled": "transformers compiled"}
+ENGINE_ORDER = list(ENGINE_STYLE)
 
 
 def _colour(cache: str) -> str:
@@ -37,7 +38,11 @@ def _series(df: pd.DataFrame):
     names = list(CACHES)
     keys = df[["engine", "cache"]].drop_duplicates().itertuples(index=False)
     order = sorted(
-        keys, key=lambda k: (k.engine != "kvbench", names.index(k.cache) if k.cache in names else 99)
+        keys,
+        key=lambda k: (
+            ENGINE_ORDER.index(k.engine) if k.engine in ENGINE_ORDER else 99,
+            names.index(k.cache) if k.cache in names else 99,
+        ),
     )
     return [(k.engine, k.cache) for k in order]
 
@@ -121,7 +126,7 @@ def _single_prompt_bars(ok: pd.DataFrame, meta: dict, path: Path) -> Path:
     rows = [ok[(ok.engine == e) & (ok.cache == c)].iloc[0] for e, c in _series(ok)]
     labels = [_label(r.engine, r.cache) for r in rows]
     colours = [_colour(r.cache) for r in rows]
-    hatches = ["" if r.engine == "kvbench" else "//" for r in rows]
+    hatches = [{"kvbench": "", "hf": "//"}.get(r.engine, "..") for r in rows]
     fig, (ax_sp, ax_tp) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 2.2))
     y = range(len(rows))
     panels = (

@@ -43,6 +43,55 @@ def prepare_run_dir(path: str | Path) -> Path:
     return p
 
 
+# What a bench run writes into its folder; --force replaces exactly these.
+BENCH_FILES = ("summary.csv", "steps.csv", "meta.json", "latency.png", "speedup.png")
+
+
+def unique_default_run_dir(kind: str = "bench") -> Path:
+    """results/<timestamp>-<kind>/, with -2, -3, ... appended if a run started in the same second."""
+    base = default_run_dir(kind)
+    p, n = base, 1
+    while p.exists():
+        n += 1
+        p = base.with_name(f"{base.name}-{n}")
+    return p
+
+
+def check_run_dir(path: str, force: bool) -> Path:
+    """Validate an --out folder without creating anything: not empty text, not a file, not an earlier run
+    (unless `force`), and inside a folder that can be written."""
+    if not str(path).strip():
+        raise KVBenchError(
+            "--out is empty; give a folder for the run (or leave --out out for results/<timestamp>-bench/)"
+        )
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise KVBenchError(f"--out {p} exists and is not a folder; choose another --out")
+    if p.is_dir() and any(p.iterdir()) and not force:
+        held = sorted(x.name for x in p.iterdir())
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise KVBenchError(
+            f"--out {p} already holds files ({shown}); choose a new folder, or add --force to replace its "
+            f"bench files ({', '.join(BENCH_FILES)})"
+        )
+    parent = p if p.exists() else next((a for a in p.absolute().parents if a.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise KVBenchError(
+            f"--out {p} is not a writable directory ({parent} cannot be written); choose another --out"
+        )
+    return p
+
+
+def create_run_dir(path: Path, force: bool) -> Path:
+    """Create the (validated) run folder once all other validation has passed; with `force`, remove the bench
+    files of an earlier run there first, so no file of that run survives next to the new one."""
+    p = prepare_run_dir(path)
+    if force:
+        for name in BENCH_FILES:
+            (p / name).unlink(missing_ok=True)
+    return p
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tmp.open("w", encoding="utf-8", newline="") as f:
@@ -126,13 +175,38 @@ def meta_doc(**fields: Any) -> dict[str, Any]:
 
 
 # --- bench ---------------------------------------------------------------------------------------------------------
+COLD_WARM = (
+    "cold: the first run of each configuration (engine x cache x prompt length); on CUDA it starts from an emptied "
+    "allocator cache and pays allocation, kernel selection, plan building for attention shapes not seen earlier in "
+    "the sweep (so it depends on sweep order), CUDA-graph capture (static-graph, also in capture_ms) and "
+    "compilation (hf-compiled). warm: the timed repeats after --warmup runs, same shapes, same caches, nothing "
+    "freed or emptied in between; medians and spread are over these only."
+)
+TOKEN_REFERENCE = (
+    "token_agreement: fraction of a row's generated tokens equal to kvbench none's for the same prompt ids in this "
+    "run (kvbench and transformers rows alike), worst of the row's runs; a flip whose top-2 logit gap is within "
+    "twice the logit error at that token is a near-tie (rounding), as verify judges it"
+)
+PEAK_NOTE = {
+    "cuda": "peak_mem_mib = weights_mib (the engine's weights, each storage once) + run_peak_mib "
+    "(torch.cuda.max_memory_allocated during the timed runs minus what was allocated before the configuration "
+    "started, so the other engine's weights and earlier configurations are not counted); peak_reserved_mib is the "
+    "allocator's whole pool (max_memory_reserved), absolute",
+    "cpu": "peak_mem_mib = weights_mib + run_peak_mib (peak resident set size, VmHWM reset before every run, minus "
+    "the resident set before the configuration started); resident memory the C allocator keeps after frees can "
+    "hide part of a peak, so CPU figures are indicative",
+    "cpu-hwm": "CPU peak cannot be reset here (no /proc): run_peak_mib is not measured (empty)",
+}
+
+
 class BenchRecorder:
     """A bench run directory: meta.json at the start, summary.csv and steps.csv rewritten (atomically) each time a
     configuration completes, and the plots plus a final meta.json at the end or on interruption."""
 
     def __init__(self, run_dir: Path, loaded, device, dtype, settings, config_path) -> None:
+        from kvbench.backends import sdpa_settings
         from kvbench.bench import settings_dict
-        from kvbench.devices import device_name, dtype_name
+        from kvbench.devices import cpu_peak_resettable, device_name, dtype_name
 
         self.run_dir = run_dir
         self.dtype = dtype_name(dtype)
@@ -154,19 +228,22 @@ class BenchRecorder:
             device_name=device_name(device),
             dtype=self.dtype,
             seed=settings.seed,
-            peak_memory_note=(
-                "CUDA: torch.cuda.max_memory_allocated / max_memory_reserved, reset before every run"
-                if device.type == "cuda"
-                else "CPU: the process's peak RSS, a high-water mark of the whole process that cannot be reset"
-            ),
+            peak_memory_note=PEAK_NOTE[
+                "cuda" if device.type == "cuda" else "cpu" if cpu_peak_resettable() else "cpu-hwm"
+            ],
+            cold_warm=COLD_WARM,
+            token_reference=TOKEN_REFERENCE,
+            sdpa=sdpa_settings(),
+            engines={},
         )
         write_json(self.run_dir / "meta.json", self.meta)
 
     def add(self, result) -> None:
-        from kvbench.bench import StepRow, SummaryRow
+        from kvbench.bench import StepRow, SummaryRow, fill_relative
 
         self.summary.append(result.summary)
         self.steps.extend(result.steps)
+        fill_relative(self.summary)
         write_csv(self.run_dir / "summary.csv", SummaryRow.columns(), self.summary)
         write_csv(self.run_dir / "steps.csv", StepRow.columns(), self.steps)
 
@@ -179,17 +256,27 @@ class BenchRecorder:
         steps = pd.DataFrame([asdict(r) for r in self.steps], columns=StepRow.columns())
         return summary, steps
 
-    def finish(self, status: str) -> list[Path]:
-        """Write the plots from whatever completed and the final meta.json; returns the files written."""
+    def finish(self, status: str, engines: dict | None = None) -> list[Path]:
+        """Write the final meta.json and the plots from whatever completed; returns the files written. meta.json is
+        written before the plots (so a kill while drawing still leaves the right status) and again after them."""
         from kvbench.plots import write_plots
 
         if not self.summary:  # nothing completed: still leave valid (header-only) CSVs
             self.add_empty()
-        summary, steps = self.frames()
-        pngs = write_plots(self.run_dir, summary, steps, self.meta)
         self.meta["status"] = status
         self.meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self.meta["configurations_completed"] = len(self.summary)
+        self.meta["configurations_failed"] = sum(r.status != "ok" for r in self.summary)
+        self.meta["engines"] = {name: e.describe() for name, e in (engines or {}).items()}
+        self.meta["sdpa"]["observed"] = {
+            f"{r.engine} {r.cache}": {"prefill": r.sdpa_prefill, "decode": r.sdpa_decode}
+            for r in self.summary
+            if r.status == "ok"
+        }
+        write_json(self.run_dir / "meta.json", self.meta)
+        summary, steps = self.frames()
+        pngs = write_plots(self.run_dir, summary, steps, self.meta)
+        self.meta["plots"] = [p.name for p in pngs]
         write_json(self.run_dir / "meta.json", self.meta)
         names = ["summary.csv", "steps.csv", "meta.json"]
         return [self.run_dir / n for n in names] + pngs

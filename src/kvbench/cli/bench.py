@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -41,7 +44,9 @@ def bench(
     engine: Annotated[
         str | None,
         typer.Option(
-            "--engine", help="kvbench, hf (transformers' generate), comma-separated (default: both)."
+            "--engine",
+            help="kvbench, hf (transformers' generate, eager), hf-compiled (its static cache with its default "
+            "torch.compile), comma-separated (default: kvbench,hf).",
         ),
     ] = None,
     batch: Annotated[int | None, typer.Option("--batch", help="Sequences per run (default: 1).")] = None,
@@ -56,11 +61,16 @@ def bench(
     ] = None,
     config: Annotated[
         Path | None,
-        typer.Option("--config", "-c", help="A TOML sweep (configs/bench/); options override it."),
+        typer.Option(
+            "--config", "-c", help="A TOML sweep (configs/bench/) or a shipped one by name (seed, quick)."
+        ),
     ] = None,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Run directory (default: results/<timestamp>-bench/).")
+        str | None, typer.Option("--out", "-o", help="Run folder (default: results/<timestamp>-bench/).")
     ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace the bench files of an earlier run in --out.")
+    ] = False,
     model: ModelOpt = None,
     weights: WeightsOpt = None,
     device: DeviceOpt = None,
@@ -74,17 +84,27 @@ def bench(
     ] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Measure no cache vs each cache vs transformers: TTFT, TPOT, memory."""
+    """Measure no cache vs each cache vs transformers: TTFT, TPOT, memory, token agreement."""
     from kvbench import bench as B
     from kvbench import report
+    from kvbench.devices import resolve_device, resolve_dtype
 
     overrides = dict(
         prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
-        warmup=warmup, model=model, weights=weights, device=device, dtype=dtype, seed=seed, threads=threads,
-        out=None if out is None else str(out),
+        warmup=warmup, model=model, weights=weights, device=device, dtype=dtype, seed=seed, threads=threads, out=out,
     )  # fmt: skip
+    # Everything is validated before anything is loaded, allocated or created on disk.
     settings = B.load_settings(config, overrides)
-    run_dir = report.prepare_run_dir(settings.out or report.default_run_dir("bench"))  # before any work
+    out_dir = report.check_run_dir(
+        settings.out if settings.out is not None else str(report.unique_default_run_dir("bench")), force
+    )
+    dev = resolve_device(settings.device)
+    dt = resolve_dtype(settings.dtype, dev)
+    shape = B.sweep_model_config(settings)
+    if shape is not None:
+        B.check_sizes(settings, shape, dt, dev)
+    for note in B.sweep_warnings(settings):
+        console.warn(note)
     if settings.threads is not None:
         import torch
 
@@ -92,30 +112,82 @@ def bench(
     loaded, dev, dt = load_for_cli(
         settings.model, settings.weights, settings.device, settings.dtype, settings.seed
     )
-    B.check_fits_context(settings, loaded.config.block_size, loaded.config.name)
-    config_path = (
-        None if config is None else B.resolve_config_path(config)
-    )  # a name (seed) as the shipped file
+    B.check_sizes(settings, loaded.config, dt, dev)  # the checkpoint's own shape, when --weights is a folder
+    engines = B.build_engines(loaded.model, settings.engine)
+    run_dir = report.create_run_dir(out_dir, force)  # only now: a rejected command leaves no folder behind
+    config_path = None if config is None else B.resolve_config_path(config)  # a name (seed) as the shipped file
     recorder = report.BenchRecorder(run_dir, loaded, dev, dt, settings, config_path)
-    with bench_progress() as progress:
-        try:
-            B.run_sweep(
-                loaded.model,
-                settings,
-                recorder.dtype,
-                recorder.device_label,
-                on_result=recorder.add,
-                on_progress=progress.update,
-            )
-        except KeyboardInterrupt:
-            recorder.finish("interrupted")
-            console.note(f"interrupted: {len(recorder.summary)} completed configuration(s) kept in {run_dir}")
-            raise
-    files = recorder.finish("complete")
+    try:
+        with _signals_interrupt(), bench_progress() as progress:
+            B.run_sweep(loaded.model, settings, recorder.dtype, recorder.device_label, on_result=recorder.add,
+                        on_progress=progress.update, engines=engines)  # fmt: skip
+    except KeyboardInterrupt as e:
+        with _signals_ignored():  # a second Ctrl-C or a SIGTERM now would lose the rows' plots and meta.json
+            recorder.finish("interrupted", engines)
+        console.note(f"interrupted: {len(recorder.summary)} completed configuration(s) kept in {run_dir}")
+        if isinstance(e, Terminated):
+            console.error("terminated")
+            raise typer.Exit(128 + e.signum) from None
+        raise
+    with _signals_ignored():
+        files = recorder.finish("complete", engines)
     if json_out:
         console.print_json(recorder.json_doc())
     else:
         render_bench(recorder.summary, recorder.meta, run_dir, files)
+    failed = [r for r in recorder.summary if r.status.startswith("error")]
+    if failed:
+        console.error(
+            f"{len(failed)} configuration(s) failed and were recorded with their error in summary.csv "
+            f"(first: {failed[0].engine} {failed[0].cache} prompt {failed[0].prompt_len}: {failed[0].status})"
+        )
+        raise typer.Exit(1)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP) during a sweep: handled like Ctrl-C (rows kept, meta.json says interrupted)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def _signals_interrupt():
+    """While the sweep runs, SIGTERM and SIGHUP stop it the way Ctrl-C does."""
+    if not _in_main_thread():  # signal handlers can only be set from the main thread
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Terminated(signum)
+
+    sigs = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    old = {sig: signal.signal(sig, stop) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _signals_ignored():
+    """While the rows are written out: Ctrl-C, SIGTERM and SIGHUP wait (ignored) until the files are complete."""
+    if not _in_main_thread():
+        yield
+        return
+    sigs = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 # --- rendering ---
@@ -157,37 +229,65 @@ def _f(x: float, fmt: str) -> str:
     return "-" if x is None or x != x else format(x, fmt)  # x != x: NaN
 
 
+def _times(x: float) -> str:
+    return _f(x, ".2f") + ("" if x != x else "x")
+
+
+def _tokens_cell(r):
+    """Agreement with kvbench's `none`: 100%, or a lower figure marked ~ (all flips at near-ties) or ! (not)."""
+    if r.token_agreement != r.token_agreement:
+        return "-"
+    text = f"{100 * r.token_agreement:.0f}%"
+    if r.flips == 0:
+        return text
+    if r.near_tie_flips == r.flips:
+        return styled(text + " ~", "yellow")
+    return styled(text + " !", "bold red")
+
+
+def caption_text(meta: dict) -> str:
+    """The table's footer: what every column includes, cold and warm defined."""
+    cuda = meta["device"].startswith("cuda")
+    return (
+        "TTFT, total: medians over timed repeats (total includes the prefill). TPOT: decode steps pooled over "
+        "timed repeats. warm = the timed repeats, after --warmup runs of the same shapes on the same caches, "
+        "nothing freed in between. cold = the first run of each configuration"
+        + (" (from an emptied allocator cache)" if cuda else "")
+        + ": allocation, kernel selection and plan building for shapes not seen earlier in the sweep, graph "
+        "capture (capture ms, static-graph on CUDA) or compilation (hf-compiled); it depends on sweep order. "
+        "speedup: end to end vs the same family's `none` (hf-compiled vs hf none). vs hf: TPOT of the fastest "
+        "transformers row at that prompt / this TPOT. tokens: share of generated tokens equal to kvbench none's "
+        "(worst run; ~ all flips at near-ties, rounding; ! a real difference, see tokens_note in summary.csv). "
+        "peak: this engine's weights (counted once) + the peak above what was in use before the configuration "
+        + ("(CUDA max allocated)." if cuda else "(CPU resident set size; indicative).")
+    )
+
+
 def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
-    cols = ["engine", "cache", "prompt", "TTFT ms", "TPOT ms", "p90", "total s", "speedup", "peak MiB", "KV MiB",
-            "copied", "cold TPOT"]  # fmt: skip
+    cols = ["engine", "cache", "prompt", "TTFT ms", "TPOT ms", "p90", "total s", "speedup", "vs hf", "tokens",
+            "peak MiB", "KV MiB", "copied", "capture ms", "cold TPOT"]  # fmt: skip
     body = []
     for r in rows:
-        speedup = _f(r.speedup_vs_none, ".2f") + ("x" if r.speedup_vs_none == r.speedup_vs_none else "")
         body.append(
             [
-                r.engine, r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status})", "red"), r.prompt_len, _f(r.ttft_ms, ".1f"),
-                _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p90, ".2f"), _f(r.total_s, ".3f"), speedup,
+                r.engine, r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status.split(':')[0]})", "red"),
+                r.prompt_len,
+                _f(r.ttft_ms, ".1f"), _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p90, ".2f"), _f(r.total_s, ".3f"),
+                _times(r.speedup_vs_none), _times(r.speedup_vs_fastest_hf), _tokens_cell(r),
                 _f(r.peak_mem_mib, ".0f"), _f(r.kv_cache_mib, ".2f"),
                 "-" if r.bytes_copied != r.bytes_copied else console.fmt_bytes(int(r.bytes_copied)),
-                _f(r.cold_tpot_ms_median, ".2f"),
+                _f(r.capture_ms, ".1f"), _f(r.cold_tpot_ms_median, ".2f"),
             ]
         )  # fmt: skip
-    first = rows[0] if rows else None
     title = f"bench: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}"
-    if first is not None:
-        title += f", {first.new_tokens} new tokens, batch {first.batch}, {first.repeats} repeats"
-    caption = (
-        "TTFT, total: medians over timed repeats (total includes the prefill). TPOT: decode steps pooled over "
-        "repeats. speedup: vs the same engine's `none`. cold: the first run of each shape. peak: "
-        + (
-            "CUDA max allocated."
-            if meta["device"].startswith("cuda")
-            else "process peak RSS (high-water mark)."
+    if rows:
+        first = rows[0]
+        title += (
+            f", {first.new_tokens} new tokens, batch {first.batch}, {max(r.repeats for r in rows)} repeats"
         )
-    )
     tbl = Table(
         title=title,
-        caption=caption,
+        caption=caption_text(meta),
         title_justify="left",
         caption_justify="left",
         box=box.SIMPLE_HEAD,
@@ -198,8 +298,27 @@ def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
     for r in body:
         tbl.add_row(*[cell(x) for x in r])
     # A narrow (or non-tty, 80-column) console would squeeze the numbers into ellipses: print at full width instead.
-    wide = out if out.width >= 130 else Console(highlight=False, width=130)
+    wide = out if out.width >= 150 else Console(highlight=False, width=150)
     wide.print(tbl)
+    for r in rows:
+        if r.status.startswith("error"):
+            out.print(styled(f"{r.engine} {r.cache} prompt {r.prompt_len}: {r.status}", "red"))
+        elif r.flips and r.near_tie_flips < r.flips:
+            out.print(styled(f"{r.engine} {r.cache} prompt {r.prompt_len}: tokens {r.tokens_note}", "red"))
+    observed = {f"{r.engine} {r.cache}": (r.sdpa_prefill, r.sdpa_decode) for r in rows if r.status == "ok"}
+    kinds = sorted(set(observed.values()))
+    if kinds:
+        out.print(
+            styled(
+                "SDPA backends (prefill / decode): "
+                + "; ".join(
+                    f"{p or '-'} / {d or '-'}: " + ", ".join(k for k, v in observed.items() if v == (p, d))
+                    for p, d in kinds
+                )
+                + f"; cuDNN {meta['sdpa'].get('cudnn_version') or 'not available'}",
+                "dim",
+            )
+        )
     out.print(
         line(
             styled("wrote", "green"),

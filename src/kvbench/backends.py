@@ -1,0 +1,80 @@
+"""Which attention kernel PyTorch's SDPA actually picks, and the library versions that decide it.
+
+`F.scaled_dot_product_attention` chooses a backend per call from the inputs (dtype, shapes, mask, causal flag) and
+what is enabled: flash, memory-efficient, cuDNN, or the math fallback. The choice changes cold timings (cuDNN builds
+a plan per new shape) and warm ones, so bench records it. `watch_sdpa` runs a function under a `TorchFunctionMode`
+that sees every SDPA call, asks PyTorch's own selector (`torch._fused_sdp_choice`, the function SDPA dispatches
+through) which backend those exact arguments get, and returns the backends seen per phase: the prefill's forward
+(the first call of each layer) and the decode steps after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_NAMES = {
+    "MATH": "math",
+    "FLASH_ATTENTION": "flash",
+    "EFFICIENT_ATTENTION": "efficient",
+    "CUDNN_ATTENTION": "cudnn",
+    "OVERRIDEABLE": "overrideable",
+    "ERROR": "none-fits",
+}
+
+
+def sdpa_settings() -> dict:
+    """The SDPA backends enabled in this process and the cuDNN version (None without cuDNN)."""
+    cuda = torch.backends.cuda
+    enabled = {}
+    for name, fn in (
+        ("flash", "flash_sdp_enabled"),
+        ("efficient", "mem_efficient_sdp_enabled"),
+        ("cudnn", "cudnn_sdp_enabled"),
+        ("math", "math_sdp_enabled"),
+    ):
+        getter = getattr(cuda, fn, None)
+        enabled[name] = bool(getter()) if getter is not None else None
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {"enabled": enabled, "cudnn_version": cudnn}
+
+
+def _choice(args: tuple, kwargs: dict) -> str:
+    """The backend PyTorch's SDPA selector picks for these arguments."""
+    chooser = getattr(torch, "_fused_sdp_choice", None)
+    if chooser is None:
+        return "unknown"
+    q = args[0]
+    try:
+        code = chooser(*args, **kwargs)
+        from torch.nn.attention import SDPBackend
+
+        name = _NAMES.get(SDPBackend(code).name, SDPBackend(code).name.lower())
+    except (TypeError, RuntimeError, ValueError):
+        return "unknown"
+    return f"{name} (cpu)" if q.device.type == "cpu" and name == "flash" else name
+
+
+class _SDPAWatch(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []  # the backend of every SDPA call, in order
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.calls.append(_choice(args, kwargs))
+        return func(*args, **kwargs)
+
+
+def watch_sdpa(fn: Callable[[], object], prefill_calls: int) -> dict[str, str]:
+    """Run `fn` (a generation) and return {"prefill": backends, "decode": backends}: the first `prefill_calls` SDPA
+    calls (one per layer: the prefill's forward) and the rest, each a '+'-joined sorted list ('' if none). Run it
+    eagerly: calls replayed from a CUDA graph or made inside compiled code are not seen."""
+    with _SDPAWatch() as watch:
+        fn()
+    split = {"prefill": watch.calls[:prefill_calls], "decode": watch.calls[prefill_calls:]}
+    return {phase: "+".join(sorted(set(names))) for phase, names in split.items()}

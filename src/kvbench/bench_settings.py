@@ -1,0 +1,258 @@
+"""bench's settings: one sweep from defaults, a TOML file and command-line options, validated before any work.
+
+Everything here runs before a model is loaded or anything is allocated: keys and types (integers are integers, never
+truncated), ranges, duplicates (a prompt length, cache or engine given twice runs once), an empty sweep (named:
+which engine runs none of the caches asked for), the model's context and the device's memory against the largest
+configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from kvbench.caches import CACHES, parse_cache_names
+from kvbench.engines import ENGINES
+from kvbench.errors import KVBenchError
+from kvbench.model import GPTConfig
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+@dataclass
+class BenchSettings:
+    """One sweep. Every field can come from a TOML file in configs/bench/ and be overridden on the command line."""
+
+    model: str | None = (
+        None  # preset name or GPT-2 config.json; None: gpt2, or the checkpoint's own with --weights
+    )
+    weights: str = "auto"  # auto | hub | random | PATH
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # fp16 on CUDA, fp32 on the CPU
+    seed: int = 0  # random weights and the random prompt ids
+    prompt_len: list[int] = field(default_factory=lambda: [16, 128, 512])  # the seed's three prompt lengths
+    new_tokens: int = 400  # generated tokens per run (the first from the prefill, the rest decode steps)
+    caches: list[str] = field(default_factory=lambda: list(CACHES))  # every registered cache by default
+    engine: list[str] = field(default_factory=lambda: ["kvbench", "hf"])  # hf-compiled on request
+    batch: int = 1  # sequences per run (same length, no padding)
+    repeats: int = 3  # timed runs per configuration
+    warmup: int = 1  # runs before the timed ones, same shapes; the first of them is the reported cold run
+    out: str | None = None  # run directory; None: results/<timestamp>-bench/
+    threads: int | None = None  # torch intra-op CPU threads; None: torch's default (one per core)
+
+
+SETTING_KEYS = tuple(f.name for f in fields(BenchSettings))
+INT_KEYS = ("new_tokens", "batch", "repeats", "warmup", "seed", "threads")
+# Sane bounds checked before anything is loaded or allocated (sizes that depend on the model are checked against
+# its context and the device's memory in check_sizes).
+LIMITS = {"repeats": (1, 10_000), "warmup": (0, 10_000), "threads": (1, 4096), "seed": (0, 2**64 - 1)}
+_INT_TEXT = re.compile(r"[+-]?\d+")
+
+
+def _whole(value, key: str, where: str) -> int:
+    """An integer from TOML (int, not bool or float) or the command line (decimal digits); anything else is an
+    error, never truncated."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and _INT_TEXT.fullmatch(value.strip()):
+        return int(value.strip())
+    raise KVBenchError(f"{where}: {key} must be whole numbers, got {value!r}")
+
+
+def _as_list(key: str, value, where: str, integers: bool) -> list:
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list | tuple):
+        value = [value]
+    if integers:
+        return [_whole(v, key, where) for v in value]
+    if not all(isinstance(v, str) for v in value):
+        raise KVBenchError(f"{where}: {key} must be names, got {value!r}")
+    return [v.strip() for v in value if v.strip()]
+
+
+def coerce(raw: dict, where: str) -> dict:
+    """Validate keys and types of settings from a file or the command line; unknown keys are errors naming them."""
+    out = {}
+    for key, value in raw.items():
+        if key not in SETTING_KEYS:
+            raise KVBenchError(f"{where}: unknown key {key!r}; known keys: {', '.join(SETTING_KEYS)}")
+        if key == "prompt_len":
+            value = _as_list(key, value, where, integers=True)
+        elif key in ("caches", "engine"):
+            value = _as_list(key, value, where, integers=False)
+        elif key in INT_KEYS:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise KVBenchError(f"{where}: {key} must be an integer, got {value!r}")
+        elif not isinstance(value, str):
+            raise KVBenchError(f"{where}: {key} must be a string, got {value!r}")
+        out[key] = value
+    return out
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A TOML file, or the name of a sweep shipped with kvbench (`seed`, `quick`: configs/bench/NAME.toml)."""
+    from kvbench.resources import bench_config_names, config_file
+
+    p = Path(path).expanduser()
+    if p.exists() or p.suffix or "/" in str(path):
+        if p.is_dir():
+            raise KVBenchError(
+                f"--config {p} is a directory; give a TOML file or one of {bench_config_names()}"
+            )
+        return p
+    if str(path) in bench_config_names():
+        return config_file("bench", f"{path}.toml")
+    raise KVBenchError(
+        f"--config {path!r}: no such file, and no shipped sweep of that name; shipped: {', '.join(bench_config_names())}"
+    )
+
+
+def load_settings(path: str | Path | None, overrides: dict) -> BenchSettings:
+    """Defaults < the TOML file at `path` < `overrides` (command-line options that were given, None = not given)."""
+    merged: dict = {}
+    if path is not None:
+        p = resolve_config_path(path)
+        try:
+            with p.open("rb") as f:
+                data = tomllib.load(f)
+        except OSError as e:
+            raise KVBenchError(f"cannot read --config {p}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise KVBenchError(f"--config {p} is not UTF-8 text (TOML files are UTF-8)") from None
+        except tomllib.TOMLDecodeError as e:
+            raise KVBenchError(f"--config {p} is not valid TOML: {e}") from None
+        merged.update(coerce(data, str(p)))
+    merged.update(coerce({k: v for k, v in overrides.items() if v is not None}, "command line"))
+    s = BenchSettings(**merged)
+    check_settings(s)
+    return s
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def check_settings(s: BenchSettings) -> None:
+    """Everything that can be checked without the model: types done, now ranges, names, duplicates, emptiness."""
+    for key in ("model", "weights", "device", "dtype"):
+        value = getattr(s, key)
+        if value is not None and not value.strip():
+            raise KVBenchError(f"{_flag(key)} is empty; give a value or leave the option out")
+    if s.batch < 1:
+        raise KVBenchError(f"--batch must be >= 1, got {s.batch}")
+    for key, (lo, hi) in LIMITS.items():
+        value = getattr(s, key)
+        if value is not None and not lo <= value <= hi:
+            raise KVBenchError(f"{_flag(key)} must be between {lo} and {hi}, got {value}")
+    if s.new_tokens < 2:
+        raise KVBenchError(
+            f"--new-tokens must be >= 2 (one prefill token + decode steps), got {s.new_tokens}"
+        )
+    if not s.prompt_len:
+        raise KVBenchError("--prompt-len is empty; give one or more prompt lengths, e.g. 16,128,512")
+    if min(s.prompt_len) < 1:
+        raise KVBenchError(f"--prompt-len values must be >= 1, got {s.prompt_len}")
+    s.prompt_len = list(dict.fromkeys(s.prompt_len))  # a length given twice runs once
+    if not s.caches:
+        raise KVBenchError("--caches is empty; name one or more caches, or 'all'")
+    s.caches = parse_cache_names(",".join(s.caches))  # validated, each once
+    if not s.engine:
+        raise KVBenchError(f"--engine is empty; name one or more of {', '.join(ENGINES)}")
+    for e in s.engine:
+        if e not in ENGINES:
+            raise KVBenchError(f"unknown engine {e!r}; engines: {', '.join(ENGINES)}")
+    s.engine = list(dict.fromkeys(s.engine))
+    for e in s.engine:
+        if not any(ENGINES[e].supports(c) for c in s.caches):
+            runs = [c for c in ("none", "dynamic", "static") if ENGINES[e].supports(c)]
+            raise KVBenchError(
+                f"engine {e} runs none of the caches asked for ({', '.join(s.caches)}): it runs "
+                f"{', '.join(runs)}; add one of them to --caches or drop {e} from --engine"
+            )
+
+
+def sweep_warnings(s: BenchSettings) -> list[str]:
+    """Things the sweep will quietly not do, said out loud: caches no selected engine runs, a missing reference."""
+    notes = []
+    if set(s.caches) != set(parse_cache_names("all")):
+        skipped = [c for c in s.caches if not any(ENGINES[e].supports(c) for e in s.engine)]
+        if skipped:
+            notes.append(f"no selected engine runs {', '.join(skipped)}; those caches are skipped")
+    if "kvbench" not in s.engine or "none" not in s.caches:
+        notes.append(
+            "token_agreement and speedup_vs_none need kvbench's `none` in the sweep (--engine kvbench, --caches "
+            "none,...); without it those columns stay empty"
+        )
+    return notes
+
+
+def sweep_model_config(s: BenchSettings) -> GPTConfig | None:
+    """The model's shape from its preset or config.json, without loading any weights (None: let the loader say
+    what is wrong with a weights path)."""
+    from kvbench.weights import config_from_hf, resolve_config
+
+    if s.weights in ("auto", "hub", "random"):
+        return resolve_config(s.model or "gpt2")
+    d = Path(s.weights).expanduser()
+    if not (d.is_dir() and (d / "config.json").is_file()):
+        return None
+    cfg = config_from_hf(d / "config.json")
+    if s.model is not None:  # one rule for every command: the checkpoint decides; a --model given must agree
+        want = resolve_config(s.model)
+        got = (cfg.n_layer, cfg.n_head, cfg.n_embd)
+        if (want.n_layer, want.n_head, want.n_embd) != got:
+            raise KVBenchError(
+                f"--model {s.model} does not match the checkpoint in {s.weights} (layers, heads, width = {got}); "
+                "leave --model out to use the checkpoint's own"
+            )
+    return cfg
+
+
+def check_fits_context(s: BenchSettings, block_size: int, model_name: str) -> None:
+    """Reject an impossible sweep before any work, naming every offending prompt length."""
+    bad = [p for p in s.prompt_len if p + s.new_tokens > block_size]
+    if bad:
+        raise KVBenchError(
+            f"prompt length + new tokens exceeds {model_name}'s context of {block_size}: "
+            + ", ".join(f"{p} + {s.new_tokens} = {p + s.new_tokens}" for p in bad)
+            + f"; use --prompt-len <= {max(block_size - s.new_tokens, 1)} and --new-tokens < {block_size}"
+        )
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_sizes(s: BenchSettings, cfg: GPTConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """Before anything is allocated: prompts fit the context, and weights + the largest KV cache fit the device."""
+    check_fits_context(s, cfg.block_size, cfg.name)
+    elem = torch.empty((), dtype=dtype).element_size()
+    C = cfg.n_embd
+    params = cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * (12 * C * C + 13 * C) + 2 * C
+    longest = max(s.prompt_len) + s.new_tokens
+    kv = s.batch * longest * cfg.kv_bytes_per_token(elem)
+    total = device_memory_bytes(device)
+    if total is not None and params * elem + kv > total:
+        gib = 2**30
+        raise KVBenchError(
+            f"--batch {s.batch} x {longest} tokens needs a {kv / gib:.1f} GiB KV cache plus "
+            f"{params * elem / gib:.1f} GiB of weights, more than the device's {total / gib:.1f} GiB; "
+            "lower --batch, --prompt-len or --new-tokens"
+        )
+
+
+def settings_dict(s: BenchSettings) -> dict:
+    return asdict(s)

@@ -1,0 +1,208 @@
+"""The engines bench times: our generation loop, and transformers' `generate` eager and compiled.
+
+An engine prepares one *configuration* (a cache at a batch size and a maximum length) once, and the sweep then runs
+that configuration's cold run, warm-ups and timed repeats on it: our caches are allocated once and reset between
+runs (so `static-graph` captures its CUDA graph once, in the cold run, and replays it in every later run), exactly
+as a serving loop would reuse them. transformers allocates its own cache inside every `generate` call, as its users
+get it; that allocation is part of its TTFT.
+
+    kvbench       generation.generate on our GPT-2; every registered cache and plugin
+    hf            transformers' generate, eager (disable_compile=True): none, dynamic, static
+    hf-compiled   transformers' generate with its static cache and its default automatic torch.compile
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.caches import get_cache_spec, make_caches
+from kvbench.devices import synchronize
+from kvbench.generation import generate
+
+
+@dataclass
+class RunTiming:
+    """One whole generation, timed. total_s: the whole call, device synchronised at both ends."""
+
+    ttft_s: float
+    step_s: list[float]
+    total_s: float
+    cache_bytes: int | None
+    bytes_copied: int | None
+    tokens: list[list[int]]
+    logits: list[torch.Tensor] | None = (
+        None  # (B, V) fp32 per token; only in the untimed run that explains flips
+    )
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers, each storage counted once (tied or shared weights)."""
+    seen: dict[int, int] = {}
+    for t in (*module.parameters(), *module.buffers()):
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+    return sum(seen.values())
+
+
+# --- ours ------------------------------------------------------------------------------------------------------------
+class _KVBenchConfiguration:
+    """One cache configuration of our loop: the caches allocated once, reset by `generate` before every run."""
+
+    def __init__(self, model, cache: str, batch: int, max_len: int) -> None:
+        w = model.lm_head.weight
+        self.model, self.cache = model, cache
+        self.caches = make_caches(cache, model.config, batch, max_len, w.dtype, w.device)
+
+    def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False) -> RunTiming:
+        prompts = ids.tolist()
+        device = ids.device
+        synchronize(device)
+        t0 = time.perf_counter()
+        r = generate(
+            self.model, prompts, new_tokens, cache=self.cache, caches=self.caches, record_logits=record_logits
+        )
+        synchronize(device)
+        total = time.perf_counter() - t0
+        return RunTiming(r.ttft_s, r.step_s, total, r.cache_bytes, r.bytes_copied, r.tokens, r.logits)
+
+    @property
+    def capture_s(self) -> float | None:
+        """Seconds spent capturing CUDA graphs for these caches (None: this cache captures none here)."""
+        runner = getattr(self.caches[0], "runner", None) if self.caches else None
+        if runner is None or not getattr(runner, "captures", 0):
+            return None
+        return runner.capture_s
+
+    def probe(self, ids: torch.Tensor) -> None:
+        """Prefill + one decode step through the same code path, eagerly (no CUDA graph, no compile) on fresh
+        caches, so every attention call is visible to `backends.watch_sdpa`."""
+        from kvbench.caches import static_graph
+
+        w = self.model.lm_head.weight
+        B, T = ids.shape
+        caches = make_caches(self.cache, self.model.config, B, T + 2, w.dtype, w.device)
+        if get_cache_spec(self.cache).decode_runner is static_graph.decode_runner:
+            caches[0].runner = static_graph.FixedShapeDecoder(self.model, caches, graph=False, compile=False)
+        generate(self.model, ids.tolist(), 2, cache=self.cache, caches=caches)
+
+
+class KVBenchEngine:
+    """Our generation loop (generation.generate) on our GPT; every registered cache and plugin."""
+
+    name = "kvbench"
+    family = "kvbench"  # rows of a family share a `none` baseline
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    @staticmethod
+    def supports(cache: str) -> bool:
+        return True  # every registered cache and plugin runs through our loop (names validated up front)
+
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.model)
+
+    def configure(self, cache: str, batch: int, max_len: int) -> _KVBenchConfiguration:
+        return _KVBenchConfiguration(self.model, cache, batch, max_len)
+
+    def describe(self) -> str:
+        return "kvbench's generation loop on its own GPT-2; caches allocated once per configuration"
+
+
+# --- transformers ----------------------------------------------------------------------------------------------------
+class _HFConfiguration:
+    capture_s = None
+
+    def __init__(self, hf, cache: str, compile: bool) -> None:
+        self.hf, self.cache, self.compile = hf, cache, compile
+
+    def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False) -> RunTiming:
+        from kvbench.hf_engine import hf_generate
+
+        r = hf_generate(
+            self.hf, ids, new_tokens, self.cache, compile=self.compile, record_logits=record_logits
+        )
+        return RunTiming(r.ttft_s, r.step_s, r.total_s, r.cache_bytes, None, r.tokens, r.logits)
+
+    def probe(self, ids: torch.Tensor) -> None:
+        """Prefill + one decode step, eagerly (compiled code hides its attention calls; the compiled graph makes
+        the same SDPA calls as the eager static path it was traced from)."""
+        from kvbench.hf_engine import hf_generate
+
+        hf_generate(self.hf, ids, 2, self.cache, compile=False)
+
+
+class HFEngine:
+    """transformers' generate on the same weights, eagerly (see hf_engine.py for what its numbers include)."""
+
+    name = "hf"
+    family = "hf"
+    compile = False
+
+    def __init__(self, model, hf=None) -> None:
+        from kvbench.hf_engine import build_hf_model
+
+        self.model = model
+        self.hf = hf if hf is not None else build_hf_model(model)
+
+    @staticmethod
+    def supports(cache: str) -> bool:
+        from kvbench.hf_engine import HF_CACHES
+
+        return cache in HF_CACHES
+
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.hf)
+
+    def configure(self, cache: str, batch: int, max_len: int) -> _HFConfiguration:
+        return _HFConfiguration(self.hf, cache, self.compile)
+
+    def describe(self) -> str:
+        return "transformers' generate, eager (disable_compile=True), SDPA attention, weights shared with kvbench"
+
+
+class HFCompiledEngine(HFEngine):
+    """transformers' static cache with its default automatic compile: what `cache_implementation="static"` gives
+    its users. The first call of each shape compiles; bench reports it as the cold run."""
+
+    name = "hf-compiled"
+    compile = True
+
+    @staticmethod
+    def supports(cache: str) -> bool:
+        return cache == "static"
+
+    def describe(self) -> str:
+        from kvbench.hf_engine import compiled_decode
+
+        if compiled_decode(self.hf):
+            return (
+                "transformers' generate with cache_implementation='static' and its default torch.compile of the "
+                "decode forward (CompileConfig(): inductor, mode reduce-overhead); compiled in this run"
+            )
+        return (
+            "transformers' generate with cache_implementation='static'; transformers did not compile here (it "
+            f"compiles automatically only on CUDA, XPU, TPU and Neuron devices; this is {self.hf.device.type}), "
+            "so these rows ran its static cache eagerly"
+        )
+
+
+# One registry of engines: the CLI's --engine choices and the sweep iterate it.
+ENGINES: dict[str, type] = {"kvbench": KVBenchEngine, "hf": HFEngine, "hf-compiled": HFCompiledEngine}
+
+
+def build_engines(model, names: list[str]) -> dict:
+    """The engines named, built once; hf and hf-compiled share one transformers model (and our weights)."""
+    engines: dict = {}
+    hf = None
+    for name in names:
+        cls = ENGINES[name]
+        if issubclass(cls, HFEngine):
+            engines[name] = cls(model, hf)
+            hf = engines[name].hf
+        else:
+            engines[name] = cls(model)
+    return engines

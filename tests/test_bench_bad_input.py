@@ -1,0 +1,145 @@
+"""Hostile and careless input to `kvbench bench`: each case is refused before any work with exit 2, one line on
+stderr naming the problem, no traceback, and no run folder (or change to an existing one) left behind."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+
+TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--repeats", "1", "--warmup", "0"]
+HUGE = "99999999999999999999"
+
+
+def _toml(text: str):
+    return lambda tmp: _write(tmp / "sweep.toml", text)
+
+
+def _write(path, text: str):
+    path.write_text(text) if isinstance(text, str) else path.write_bytes(text)
+    return path
+
+
+def _earlier_run(tmp):
+    run = tmp / "earlier"
+    run.mkdir()
+    (run / "summary.csv").write_text("engine,cache\nkvbench,none\n")
+    (run / "meta.json").write_text(json.dumps({"status": "complete"}))
+    return run
+
+
+def _a_file(tmp):
+    return _write(tmp / "a-file", "not a folder")
+
+
+def _checkpoint_of_another_shape(tmp):
+    d = tmp / "ckpt"
+    d.mkdir()
+    doc = {
+        "model_type": "gpt2",
+        "n_layer": 3,
+        "n_head": 4,
+        "n_embd": 64,
+        "n_positions": 128,
+        "vocab_size": 500,
+    }
+    _write(d / "config.json", json.dumps(doc))
+    return d
+
+
+# (id, arguments, what the message must name); an argument may be a function of tmp_path (files to point at).
+CASES = [
+    ("out-empty", ["--out", ""], "--out is empty"),
+    ("out-earlier-run", ["--out", _earlier_run], "--force"),
+    ("out-is-a-file", ["--out", _a_file], "not a folder"),
+    ("out-under-a-file", ["--out", lambda t: _a_file(t) / "run"], "writable"),
+    ("engine-empty", ["--engine", ""], "--engine is empty"),
+    ("engine-unknown", ["--engine", "vllm"], "unknown engine 'vllm'"),
+    (
+        "engine-hf-lacks-caches",
+        ["--engine", "hf", "--caches", "paged,int8"],
+        "engine hf runs none of the caches",
+    ),
+    ("engine-compiled-lacks-caches", ["--engine", "hf-compiled", "--caches", "none,dynamic"], "runs static"),
+    ("caches-empty", ["--caches", ""], "--caches is empty"),
+    ("caches-blank", ["--caches", " , "], "--caches is empty"),
+    ("cache-unknown", ["--caches", "none,turbo"], "unknown cache 'turbo'"),
+    ("prompt-len-zero", ["--prompt-len", "0"], "--prompt-len values must be >= 1"),
+    ("prompt-len-negative", ["--prompt-len", "16,-3"], "--prompt-len values must be >= 1"),
+    ("prompt-len-float", ["--prompt-len", "3.7"], "whole numbers"),
+    ("prompt-len-text", ["--prompt-len", "16,abc"], "whole numbers"),
+    ("prompt-len-empty", ["--prompt-len", ","], "--prompt-len is empty"),
+    ("prompt-len-huge", ["--prompt-len", HUGE], "context of 1024"),
+    ("prompt-len-beyond-context", ["--prompt-len", "16,700", "--new-tokens", "400"], "700 + 400 = 1100"),
+    ("new-tokens-one", ["--new-tokens", "1"], "--new-tokens must be >= 2"),
+    ("new-tokens-huge", ["--new-tokens", HUGE], "context of 1024"),
+    ("batch-zero", ["--batch", "0"], "--batch must be >= 1"),
+    ("batch-negative", ["--batch", "-4"], "--batch must be >= 1"),
+    ("batch-huge", ["--batch", HUGE], "KV cache"),
+    ("batch-beyond-memory", ["--batch", "10000000", "--prompt-len", "512"], "more than the device's"),
+    ("repeats-zero", ["--repeats", "0"], "--repeats must be between 1 and"),
+    ("repeats-huge", ["--repeats", HUGE], "--repeats must be between 1 and"),
+    ("warmup-negative", ["--warmup", "-1"], "--warmup must be between 0 and"),
+    ("threads-zero", ["--threads", "0"], "--threads must be between 1 and"),
+    ("seed-negative", ["--seed", "-1"], "--seed must be between 0 and"),
+    ("seed-beyond-64-bits", ["--seed", str(2**64)], "--seed must be between 0 and"),
+    ("batch-not-a-number", ["--batch", "abc"], "Invalid value for '--batch'"),
+    ("dtype-fp16-on-cpu", ["--dtype", "fp16"], "fp16 on the CPU"),
+    ("dtype-unknown", ["--dtype", "fp8"], "unknown dtype 'fp8'"),
+    ("device-empty", ["--device", ""], "--device is empty"),
+    ("model-unknown", ["--model", "gpt5"], "unknown model 'gpt5'"),
+    (
+        "model-disagrees-with-weights",
+        ["--weights", _checkpoint_of_another_shape],
+        "does not match the checkpoint",
+    ),
+    ("weights-missing", ["--weights", lambda t: t / "nowhere"], "weights path not found"),
+    ("config-missing", ["--config", "nosuch"], "no shipped sweep of that name"),
+    ("config-directory", ["--config", lambda t: t], "is a directory"),
+    ("config-unknown-key", ["--config", _toml("prompt_lens = [16]\n")], "unknown key 'prompt_lens'"),
+    ("config-prompt-len-float", ["--config", _toml("prompt_len = 3.7\n")], "whole numbers, got 3.7"),
+    ("config-prompt-len-bool", ["--config", _toml("prompt_len = true\n")], "whole numbers, got True"),
+    (
+        "config-prompt-len-list-float",
+        ["--config", _toml("prompt_len = [16, 2.5]\n")],
+        "whole numbers, got 2.5",
+    ),
+    ("config-new-tokens-float", ["--config", _toml("new_tokens = 2.5\n")], "new_tokens must be an integer"),
+    ("config-repeats-bool", ["--config", _toml("repeats = true\n")], "repeats must be an integer"),
+    ("config-engine-empty", ["--config", _toml("engine = []\n")], "--engine is empty"),
+    ("config-caches-numbers", ["--config", _toml("caches = [1, 2]\n")], "caches must be names"),
+    ("config-not-toml", ["--config", _toml("prompt_len = [16\n")], "not valid TOML"),
+    ("config-not-utf8", ["--config", _toml(b"model = '\xff\xfe'\n")], "not UTF-8"),
+]
+
+
+def _materialise(args: list, tmp_path) -> list[str]:
+    return [str(a(tmp_path)) if callable(a) else a for a in args]
+
+
+@pytest.mark.parametrize("args, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypatch, args, needle):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)  # the default run folder would be results/<timestamp>-bench/ here
+    argv = [*TINY, "--prompt-len", "8", "--new-tokens", "4", *_materialise(args, tmp_path)]
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    result = CliRunner().invoke(app, ["bench", *argv])
+    shown = f"exit {result.exit_code}\nstdout: {result.stdout!r}\nstderr: {result.stderr!r}"
+    assert result.exit_code == 2, shown
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), shown
+    assert needle in lines[0], shown
+    assert "Traceback" not in result.output and not isinstance(result.exception, KeyError | AttributeError), (
+        shown
+    )
+    assert result.stdout == "", shown
+    assert not (work / "results").exists(), "a rejected command created a run folder"
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before, (
+        "a rejected command changed files"
+    )
