@@ -1,0 +1,92 @@
+"""scripts/gpu_check.sh (make bench-gpu) end to end in its CPU mode: every stage runs, in order, inside the global
+deadline, and leaves its files where the GPU run will leave them."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("preflight", "seed", "verify", "compiled", "xl")
+
+
+def run_script(out: Path, budget: int | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1"}
+    if budget is not None:
+        env["GPU_CHECK_BUDGET"] = str(budget)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    return proc, time.monotonic() - t0
+
+
+def status_lines(out: Path) -> dict[str, str]:
+    lines = (out / "status.txt").read_text().splitlines()
+    return {line.split()[0]: line for line in lines if line.split() and line.split()[0] in STAGES}
+
+
+@pytest.mark.slow
+def test_cpu_mode_runs_every_stage_within_a_minute(tmp_path):
+    out = tmp_path / "gpu"
+    proc, wall = run_script(out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert wall < 60, f"took {wall:.0f} s"
+    status = status_lines(out)
+    assert list(status) == list(STAGES), status  # in this order, none skipped
+    assert all(" rc=0 " in line for line in status.values()), status
+    for stage in STAGES:
+        assert (out / "logs" / f"{stage}.out").is_file() and (out / "logs" / f"{stage}.err").is_file(), stage
+
+    env = (out / "env.txt").read_text()
+    for needle in ("torch ", "transformers ", "sdpa ", "cudnn_version", "sdpa choice for gpt2 shapes"):
+        assert needle in env, needle
+
+    expected = {  # stage -> (engine, cache) rows at each prompt length
+        "seed": {("kvbench", c) for c in ("none", "dynamic", "static", "static-graph")}
+        | {("hf", c) for c in ("none", "dynamic", "static")},
+        "compiled": {("kvbench", c) for c in ("none", "static", "static-graph")}
+        | {("hf-compiled", "static")},
+        "xl": {("kvbench", c) for c in ("none", "static", "static-graph")},
+    }
+    for stage, pairs in expected.items():
+        s = pd.read_csv(out / stage / "summary.csv")
+        for p, grp in s.groupby("prompt_len"):
+            assert set(zip(grp.engine, grp.cache, strict=True)) == pairs, (stage, p)
+        assert (s.status == "ok").all() and (s.token_agreement == 1.0).all(), stage
+        meta = json.loads((out / stage / "meta.json").read_text())
+        assert meta["status"] == "complete" and meta["dtype"] == "fp32", stage
+        assert (out / stage / "latency.png").is_file(), stage
+    assert sorted(pd.read_csv(out / "seed" / "summary.csv").prompt_len.unique()) == [8, 32]
+
+    verify = json.loads((out / "verify.json").read_text())
+    assert verify["passed"] and {c["cache"] for c in verify["checks"]} == {
+        "dynamic",
+        "static",
+        "static-graph",
+        "paged",
+    }
+    targets = (out / "targets.txt").read_text()
+    for stage in ("seed", "compiled", "xl"):
+        assert f"{stage} gpt2-tiny prompt" in targets and "static-graph TPOT" in targets, stage
+    assert "n/a (cpu structure check" in targets
+
+
+@pytest.mark.slow
+def test_the_deadline_holds_by_skipping_what_does_not_fit(tmp_path):
+    out = tmp_path / "gpu"
+    budget = 14
+    proc, wall = run_script(out, budget)
+    assert wall < budget + 3, f"took {wall:.0f} s of a {budget} s budget"
+    status = status_lines(out)
+    assert status["preflight"].split()[1] == "rc=0", status
+    skipped = [s for s, line in status.items() if "skipped: out of time" in line]
+    assert "seed" in skipped and "verify" in skipped, (
+        status
+    )  # they cannot fit beside what is kept for the others
