@@ -49,7 +49,9 @@ demo: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/kvbench bench --config configs/bench/quick.toml
 
-# On a GPU machine with the packages already installed and nothing installable: run from the source tree.
+# On a GPU machine with the packages already installed and nothing installable: run from the source tree. The seed's
+# table, verify on CUDA, the compiled step and gpt2-xl inside 6.5 minutes, into $OUT or results/<timestamp>-gpu/
+# (docs/performance.md). `scripts/gpu_check.sh --device cpu` checks the same stages on a CPU in under a minute.
 bench-gpu:
 	PYTHONPATH=src bash scripts/gpu_check.sh
 

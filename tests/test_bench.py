@@ -650,3 +650,19 @@ def test_a_plugin_that_raises_mid_sweep_keeps_every_other_row(tmp_path, monkeypa
     meta = json.loads((out / "meta.json").read_text())
     assert meta["status"] == "complete" and meta["configurations_failed"] == 2
     assert "failed" in result.stderr and "late_plugin:FailsLate" in result.stderr
+
+
+def test_plan_runs_the_token_reference_first_then_the_order_given():
+    s = B.BenchSettings(
+        prompt_len=[64, 8], caches=["static-graph", "none", "static"], engine=["hf-compiled", "hf", "kvbench"]
+    )
+    engines = {name: B.ENGINES[name] for name in s.engine}  # supports() needs no instance
+    assert B.plan(s, engines)[:7] == [
+        (64, "kvbench", "none"),  # every row's token reference
+        (64, "hf-compiled", "static"),
+        (64, "hf", "none"),
+        (64, "hf", "static"),
+        (64, "kvbench", "static-graph"),
+        (64, "kvbench", "static"),
+        (8, "kvbench", "none"),
+    ]

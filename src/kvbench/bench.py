@@ -198,10 +198,15 @@ ProgressFn = Callable[[int, int, str], None]  # (runs done, runs total, label of
 
 
 def plan(s: BenchSettings, engines: dict) -> list[tuple[int, str, str]]:
-    """(prompt_len, engine, cache) in run order: per prompt length (as given), per engine, `none` first so the
-    token reference (kvbench's none) exists before the rows compared with it."""
+    """(prompt_len, engine, cache) in run order: per prompt length (as given), kvbench's `none` first (every row's
+    token reference), then per engine (as given) its `none` before its caches (as given)."""
     order = sorted(s.caches, key=lambda c: c != "none")
-    return [(p, e, c) for p in s.prompt_len for e in s.engine for c in order if engines[e].supports(c)]
+    out = []
+    for p in s.prompt_len:
+        todo = [(p, e, c) for e in s.engine for c in order if engines[e].supports(c)]
+        ref = (p, "kvbench", "none")
+        out += ([ref] if ref in todo else []) + [x for x in todo if x != ref]
+    return out
 
 
 class _Progress:
