@@ -24,9 +24,9 @@
 #
 # Everything lands under "$OUT" when set, else results/<timestamp>-gpu/: each stage's stdout and stderr in
 # logs/<stage>.out and logs/<stage>.err, one line per stage in status.txt (exit code, seconds, limit). A bench
-# stage that runs out of time is stopped with SIGINT, like Ctrl-C: it keeps every finished row, marks meta.json
-# interrupted and draws its plots from the kept rows (status.txt shows rc=124, timeout's code for "ran out of time");
-# SIGKILL follows GRACE seconds later (15 s on CUDA).
+# stage that runs out of time gets SIGTERM, which bench handles like Ctrl-C (SIGINT may be ignored in a background
+# job): it keeps every finished row, marks meta.json interrupted and draws its plots from the kept rows (status.txt
+# shows rc=124, timeout's code for "ran out of time"); SIGKILL follows GRACE seconds later (15 s on CUDA).
 # Environment: GPU_CHECK_BUDGET (seconds, default 390; 58 with --device cpu), PYTHON (default python3).
 set -u
 cd "$(dirname "$0")/.."
@@ -44,7 +44,7 @@ if [ "$MODE" = cpu ]; then
   BUDGET="${GPU_CHECK_BUDGET:-58}" GRACE=3 MIN_STAGE=5
   export OMP_NUM_THREADS=1 # one thread per process: stable on a small, shared CPU
 else
-  # GRACE: SIGINT to SIGKILL, time to write the kept rows, meta.json and plots; MIN_STAGE: skip a stage given less
+  # GRACE: SIGTERM to SIGKILL, time to write the kept rows, meta.json and plots; MIN_STAGE: skip a stage given less
   BUDGET="${GPU_CHECK_BUDGET:-390}" GRACE=15 MIN_STAGE=10
 fi
 END=$((SECONDS + BUDGET))
@@ -80,7 +80,7 @@ stage() { # stage NAME KEEP CMD...: run CMD within the deadline, keeping KEEP se
   fi
   echo "== $name (limit ${limit}s): $*" >&2
   local t0=$SECONDS
-  timeout -s INT -k "$GRACE" "$limit" "$@" >"$DEST/logs/$name.out" 2>"$DEST/logs/$name.err"
+  timeout -s TERM -k "$GRACE" "$limit" "$@" >"$DEST/logs/$name.out" 2>"$DEST/logs/$name.err"
   local rc=$?
   echo "$name rc=$rc seconds=$((SECONDS - t0)) limit=${limit}" | tee -a "$DEST/status.txt" >&2
   return $rc

@@ -90,3 +90,31 @@ def test_the_deadline_holds_by_skipping_what_does_not_fit(tmp_path):
     assert "seed" in skipped and "verify" in skipped, (
         status
     )  # they cannot fit beside what is kept for the others
+
+
+@pytest.mark.slow
+def test_a_stage_stopped_by_sigterm_keeps_its_rows(tmp_path):
+    """What gpu_check's `timeout -s TERM` does to a bench stage, with a real signal from outside the process."""
+    import signal
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "kvbench", "bench", "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu",
+           "--threads", "1", "--prompt-len", "8,16,32,64,128,256", "--new-tokens", "24", "--caches", "none,static",
+           "--engine", "kvbench", "--repeats", "3", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        f = out / "summary.csv"
+        if f.is_file() and len(f.read_text().splitlines()) >= 3:  # header + two finished configurations
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the sweep ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    s = pd.read_csv(out / "summary.csv")
+    assert 2 <= len(s) < 12 and (s.status == "ok").all()
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["status"] == "interrupted" and meta["configurations_completed"] == len(s)
+    assert (out / "latency.png").is_file() and (out / "speedup.png").is_file()
