@@ -666,3 +666,14 @@ def test_plan_runs_the_token_reference_first_then_the_order_given():
         (64, "kvbench", "static"),
         (8, "kvbench", "none"),
     ]
+
+
+def test_token_check_that_cannot_explain_a_flip_says_so():
+    from kvbench.agreement import check_tokens
+
+    def rerun():
+        raise RuntimeError("CUDA out of memory\nwhile recording logits")
+
+    r = check_tokens([[1, 2]], [[[1, 3]]], lambda d: None, rerun, rtol=1e-5, atol=1e-5)
+    assert (r.agreement, r.first_divergence, r.flips, r.near_tie_flips) == (0.5, 1, 1, 0)
+    assert r.note == "flips not explained: RuntimeError: CUDA out of memory while recording logits"

@@ -91,13 +91,21 @@ def check_tokens(
     agreement, first = scored[worst]
     if not first:
         return TokenCheck(agreement, None, 0, 0, "identical")
-    got = runs[worst]
+    n, d0 = len(first), min(first.values())
     try:
-        again, logits = rerun()
+        near, details = _explain(ref, runs[worst], first, ref_logits, rerun, rtol, atol)
     except Exception as e:  # explaining is a diagnosis: its failure is reported in the row, the timings stand
-        return TokenCheck(
-            agreement, min(first.values()), len(first), 0, f"flips not explained: re-run raised {e}"
-        )
+        why = " ".join(str(e).split())[:200]
+        return TokenCheck(agreement, d0, n, 0, f"flips not explained: {type(e).__name__}: {why}")
+    note = details[0] + (
+        f"; {n - 1} more sequence(s) flipped, {near} of all {n} at near-ties" if n > 1 else ""
+    )
+    return TokenCheck(agreement, d0, n, near, ("lossy cache; " if lossy else "") + note)
+
+
+def _explain(ref, got, first, ref_logits, rerun, rtol, atol) -> tuple[int, list[str]]:
+    """(flips at near-ties, one explanation per flipped sequence, earliest flip first)."""
+    again, logits = rerun()
     near, details, ref_rows = 0, [], {}
     for b, d in sorted(first.items(), key=lambda kv: kv[1]):
         if again[b][: d + 1] != got[b][: d + 1] or d >= len(logits) or d >= len(ref[b]):
@@ -119,10 +127,4 @@ def check_tokens(
             details.append(f"token {d}: DIFFERS, logit error {err:.3g} exceeds rounding ({bound:.3g})")
         else:
             details.append(f"token {d}: DIFFERS, top-2 gap {gap:.3g} > 2 x logit error {err:.3g}")
-    n = len(first)
-    note = details[0] + (
-        f"; {n - 1} more sequence(s) flipped, {near} of all {n} at near-ties" if n > 1 else ""
-    )
-    if lossy:
-        note = "lossy cache; " + note
-    return TokenCheck(agreement, min(first.values()), n, near, note)
+    return near, details

@@ -268,9 +268,8 @@ def _run_configuration(model, engine, ids, s, common, progress, refs, bpt) -> Co
                 conf = engine.configure(cache, s.batch, prompt_len + s.new_tokens)
             reset_peak_memory(device)
             t = conf.run(ids, s.new_tokens)
-            peaks.append(
-                (max(memory_peak(device) - base, 0.0), _reserved(device))
-            )  # RSS can shrink below base
+            above = max(memory_peak(device) - base, 0.0)  # a CPU resident set can shrink below its baseline
+            peaks.append((above, _reserved(device)))
         except Exception as e:  # oom, or a cache plugin that raised: this row records it, the sweep goes on
             failure = failure_status(e)
             break
