@@ -87,34 +87,20 @@ def bench(
     """Measure no cache vs each cache vs transformers: TTFT, TPOT, memory, token agreement."""
     from kvbench import bench as B
     from kvbench import report
-    from kvbench.devices import resolve_device, resolve_dtype
 
     overrides = dict(
         prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
         warmup=warmup, model=model, weights=weights, device=device, dtype=dtype, seed=seed, threads=threads, out=out,
     )  # fmt: skip
-    # Everything is validated before anything is loaded, allocated or created on disk.
-    settings = B.load_settings(config, overrides)
-    out_dir = report.check_run_dir(
-        settings.out if settings.out is not None else str(report.unique_default_run_dir("bench")), force
-    )
-    dev = resolve_device(settings.device)
-    dt = resolve_dtype(settings.dtype, dev)
-    shape = B.sweep_model_config(settings)
-    if shape is not None:
-        B.check_sizes(settings, shape, dt, dev)
-    for note in B.sweep_warnings(settings):
-        console.warn(note)
-    if settings.threads is not None:
-        import torch
-
-        torch.set_num_threads(settings.threads)
+    settings, out_dir = _validated(config, overrides, force)
     loaded, dev, dt = load_for_cli(
         settings.model, settings.weights, settings.device, settings.dtype, settings.seed
     )
     B.check_sizes(settings, loaded.config, dt, dev)  # the checkpoint's own shape, when --weights is a folder
     engines = B.build_engines(loaded.model, settings.engine)
     run_dir = report.create_run_dir(out_dir, force)  # only now: a rejected command leaves no folder behind
+    for note in B.sweep_warnings(settings):  # after every error that could still stop the command
+        console.warn(note)
     config_path = None if config is None else B.resolve_config_path(config)  # a name (seed) as the shipped file
     recorder = report.BenchRecorder(run_dir, loaded, dev, dt, settings, config_path)
     try:
@@ -142,6 +128,28 @@ def bench(
             f"(first: {failed[0].engine} {failed[0].cache} prompt {failed[0].prompt_len}: {failed[0].status})"
         )
         raise typer.Exit(1)
+
+
+def _validated(config, overrides: dict, force: bool):
+    """Every check that needs no weights, before anything is loaded, allocated or created on disk:
+    (settings, the run folder to create)."""
+    from kvbench import bench as B
+    from kvbench import report
+    from kvbench.devices import resolve_device, resolve_dtype
+
+    settings = B.load_settings(config, overrides)
+    default = str(report.unique_default_run_dir("bench"))
+    out_dir = report.check_run_dir(settings.out if settings.out is not None else default, force)
+    dev = resolve_device(settings.device)
+    dt = resolve_dtype(settings.dtype, dev)
+    shape = B.sweep_model_config(settings)
+    if shape is not None:
+        B.check_sizes(settings, shape, dt, dev)
+    if settings.threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.threads)
+    return settings, out_dir
 
 
 class Terminated(KeyboardInterrupt):
