@@ -101,7 +101,8 @@ def bench(
     run_dir = report.create_run_dir(out_dir, force)  # only now: a rejected command leaves no folder behind
     for note in B.sweep_warnings(settings):  # after every error that could still stop the command
         console.warn(note)
-    config_path = None if config is None else B.resolve_config_path(config)  # a name (seed) as the shipped file
+    # a config given by name (seed) is recorded as the shipped file it stands for
+    config_path = None if config is None else B.resolve_config_path(config)
     recorder = report.BenchRecorder(run_dir, loaded, dev, dt, settings, config_path)
     try:
         with _signals_interrupt(), bench_progress() as progress:
