@@ -194,18 +194,13 @@ def sweep_warnings(s: BenchSettings) -> list[str]:
     return notes
 
 
-def sweep_model_config(s: BenchSettings) -> GPTConfig | None:
-    """The model's shape from its preset or config.json, without loading any weights (None: let the loader say
-    what is wrong with a weights path)."""
-    from kvbench.weights import config_from_hf, resolve_config
+def sweep_model_config(s: BenchSettings) -> GPTConfig:
+    """The model's shape from its preset or the checkpoint's config.json, without loading any weights. One rule for
+    every command: a checkpoint's own config decides; a --model given as well must agree with it."""
+    from kvbench.weights import peek_config, resolve_config
 
-    if s.weights in ("auto", "hub", "random"):
-        return resolve_config(s.model or "gpt2")
-    d = Path(s.weights).expanduser()
-    if not (d.is_dir() and (d / "config.json").is_file()):
-        return None
-    cfg = config_from_hf(d / "config.json")
-    if s.model is not None:  # one rule for every command: the checkpoint decides; a --model given must agree
+    cfg = peek_config(s.model, s.weights)
+    if s.weights not in ("auto", "hub", "random") and s.model is not None:
         want = resolve_config(s.model)
         got = (cfg.n_layer, cfg.n_head, cfg.n_embd)
         if (want.n_layer, want.n_head, want.n_embd) != got:

@@ -143,9 +143,7 @@ def _validated(config, overrides: dict, force: bool):
     out_dir = report.check_run_dir(settings.out if settings.out is not None else default, force)
     dev = resolve_device(settings.device)
     dt = resolve_dtype(settings.dtype, dev)
-    shape = B.sweep_model_config(settings)
-    if shape is not None:
-        B.check_sizes(settings, shape, dt, dev)
+    B.check_sizes(settings, B.sweep_model_config(settings), dt, dev)
     if settings.threads is not None:
         import torch
 
