@@ -247,6 +247,9 @@ def test_memory_measure_allocates_a_plugin(plugin_dir):
     rows = {row["cache"]: row for row in json.loads(r.stdout)["measure"][0]["rows"]}
     assert set(rows) == {"static", "mycaches.growing:GrowingCache"}
     assert rows["static"]["measured_bytes"] == rows["static"]["predicted_bytes"]
-    assert rows["mycaches.growing:GrowingCache"]["measured_bytes"] == rows["static"]["measured_bytes"] * 128 // 100
+    assert (
+        rows["mycaches.growing:GrowingCache"]["measured_bytes"]
+        == rows["static"]["measured_bytes"] * 128 // 100
+    )
     r = run("memory", "-m", "gpt2", "--caches", "static")
     assert r.exit_code == 2 and "--caches goes with --measure" in r.stderr
