@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 out = Console(highlight=False)
@@ -18,15 +19,15 @@ err = Console(stderr=True, highlight=False)
 
 def error(message: str) -> None:
     """One red line on stderr: the whole user-facing error."""
-    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)  # user text, printed literally
 
 
 def warn(message: str) -> None:
-    err.print(f"[yellow]warning:[/] {message}", soft_wrap=True)
+    err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
 
 
 def note(message: str) -> None:
-    err.print(f"[dim]{message}[/]", soft_wrap=True)
+    err.print(f"[dim]{escape(message)}[/]", soft_wrap=True)
 
 
 def print_json(doc: Any) -> None:
