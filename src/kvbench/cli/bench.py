@@ -21,7 +21,9 @@ from kvbench.cli.app import (
     handle_errors,
     load_for_cli,
 )
+from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
 from kvbench.console import err, out
+from kvbench.errors import KVBenchError
 
 
 @app.command()
@@ -73,8 +75,14 @@ def bench(
         typer.Option("--threads", help="torch CPU threads (default: torch's default: one per core)."),
     ] = None,
     json_out: JsonOpt = False,
+    hf: HFOpt = None,
+    trust_remote_code: TrustOpt = False,
+    layers: LayersOpt = None,
 ) -> None:
-    """Measure no cache vs each cache vs transformers: TTFT, TPOT, memory."""
+    """Measure no cache vs each cache vs transformers: TTFT, TPOT, memory.
+
+    With --hf SOURCE: transformers' own caches (none, dynamic, static, static-compiled) on any Hugging Face causal
+    LM, side by side, in the same files."""
     from kvbench import bench as B
     from kvbench import report
 
@@ -83,17 +91,34 @@ def bench(
         warmup=warmup, model=model, weights=weights, device=device, dtype=dtype, seed=seed, threads=threads,
         out=None if out is None else str(out),
     )  # fmt: skip
-    settings = B.load_settings(config, overrides)
+    if hf is not None:
+        from kvbench.cli.hf import bench_settings_hf
+
+        settings = bench_settings_hf(config, overrides)
+    else:
+        for flag, value in (("--trust-remote-code", trust_remote_code), ("--layers", layers is not None)):
+            if value:
+                raise KVBenchError(f"{flag} applies to --hf models only")
+        settings = B.load_settings(config, overrides)
     run_dir = report.prepare_run_dir(settings.out or report.default_run_dir("bench"))  # before any work
     if settings.threads is not None:
         import torch
 
         torch.set_num_threads(settings.threads)
-    loaded, dev, dt = load_for_cli(
-        settings.model, settings.weights, settings.device, settings.dtype, settings.seed
-    )
+    engines = None
+    if hf is not None:
+        from kvbench.cli.hf import load_bench_hf
+
+        loaded, dev, dt, engines, hf_meta = load_bench_hf(hf, settings, layers, trust_remote_code)
+    else:
+        loaded, dev, dt = load_for_cli(
+            settings.model, settings.weights, settings.device, settings.dtype, settings.seed
+        )
     B.check_fits_context(settings, loaded.config.block_size, loaded.config.name)
     recorder = report.BenchRecorder(run_dir, loaded, dev, dt, settings, config)
+    if hf is not None:
+        recorder.meta["hf"] = hf_meta
+        report.write_json(run_dir / "meta.json", recorder.meta)
     with bench_progress() as progress:
         try:
             B.run_sweep(
@@ -103,6 +128,7 @@ def bench(
                 recorder.device_label,
                 on_result=recorder.add,
                 on_progress=progress.update,
+                engines=engines,
             )
         except KeyboardInterrupt:
             recorder.finish("interrupted")

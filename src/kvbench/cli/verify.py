@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from kvbench import console
 from kvbench.cli.app import (
@@ -18,6 +19,7 @@ from kvbench.cli.app import (
     handle_errors,
     load_for_checks,
 )  # fmt: skip
+from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
 from kvbench.console import err, out, table
 from kvbench.errors import KVBenchError
 
@@ -45,26 +47,29 @@ def verify(
     dtype: str = _dtype_opt("fp32"),
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
+    hf: HFOpt = None,
+    trust_remote_code: TrustOpt = False,
+    layers: LayersOpt = None,
 ) -> None:
     """Prove cached decoding equals full recomputation, for every cache, against Hugging Face.
 
-    Exit 0 when every check passes, 1 when any fails. In fp16/bf16 a token flip at a near-tie that the logit error
-    explains is reported, not failed."""
-    from kvbench.caches import parse_cache_names
-    from kvbench.verify import random_prompts, run_verify
-
-    names = parse_cache_names(caches)
-    if reference not in ("hf", "none"):
-        raise KVBenchError(f"--reference must be hf or none, got {reference!r}")
-    if new_tokens < 2:
-        raise KVBenchError(
-            f"--new-tokens must be >= 2 (the logits check needs a decode step), got {new_tokens}"
-        )
-    loaded, dev, dt, hf_dir = load_for_checks(model, weights, device, dtype, seed)
-    prompts = random_prompts(loaded.config.vocab_size, prompt_len, batch, seed)
+    With --hf SOURCE: the same checks on any Hugging Face causal LM, for each of transformers' own caches, against
+    its own no-cache path. Exit 0 when every check passes, 1 when any fails. In fp16/bf16 a token flip at a
+    near-tie that the logit error explains is reported, not failed."""
     on_row = None if json_out else verify_row
-    report = run_verify(loaded.model, names, prompts, new_tokens, reference, hf_dir, on_row=on_row)
-    meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev), "dtype": report.dtype}
+    if hf is not None:
+        from kvbench.cli.hf import refuse_gpt2_options, run_verify_hf
+
+        refuse_gpt2_options(
+            **{"--model": model, "--weights": weights != "auto", "--reference": reference != "hf"}
+        )
+        report, meta = run_verify_hf(
+            hf, caches=caches, prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, device=device,
+            dtype=dtype, seed=seed, layers=layers, trust=trust_remote_code, on_row=on_row,
+        )  # fmt: skip
+    else:
+        report, meta = _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weights, device, dtype,
+                                    seed, on_row, trust_remote_code, layers)  # fmt: skip
     if json_out:
         from dataclasses import asdict
 
@@ -75,16 +80,44 @@ def verify(
         raise typer.Exit(1)
 
 
+def _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weights, device, dtype, seed, on_row,
+                 trust_remote_code, layers):  # fmt: skip
+    from kvbench.caches import parse_cache_names
+    from kvbench.verify import random_prompts, run_verify
+
+    for flag, value in (("--trust-remote-code", trust_remote_code), ("--layers", layers is not None)):
+        if value:
+            raise KVBenchError(f"{flag} applies to --hf models only")
+    names = parse_cache_names(caches)
+    if reference not in ("hf", "none"):
+        raise KVBenchError(f"--reference must be hf or none, got {reference!r}")
+    if new_tokens < 2:
+        raise KVBenchError(
+            f"--new-tokens must be >= 2 (the logits check needs a decode step), got {new_tokens}"
+        )
+    loaded, dev, dt, hf_dir = load_for_checks(model, weights, device, dtype, seed)
+    prompts = random_prompts(loaded.config.vocab_size, prompt_len, batch, seed)
+    report = run_verify(loaded.model, names, prompts, new_tokens, reference, hf_dir, on_row=on_row)
+    meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev), "dtype": report.dtype}
+    return report, meta
+
+
 # --- rendering ---
+def _result(row) -> str:
+    if row.skipped:
+        return "[yellow]skip[/]"
+    return "[green]pass[/]" if row.passed else "[bold red]FAIL[/]"
+
+
 def _diff(x: float | None) -> str:
     return "-" if x is None else f"{x:.2e}"
 
 
 def verify_row(row) -> None:
     """One line per check as it finishes (stderr, so a long run shows progress)."""
-    mark = "[green]pass[/]" if row.passed else "[bold red]FAIL[/]"
     err.print(
-        f"[dim]{row.cache:>12} {row.name:<12}[/] {mark} [dim]{_diff(row.max_abs_diff)}[/]", soft_wrap=True
+        f"[dim]{escape(row.cache):>16} {row.name:<12}[/] {_result(row)} [dim]{_diff(row.max_abs_diff)}[/]",
+        soft_wrap=True,
     )
 
 
@@ -92,22 +125,27 @@ def render_verify(report, meta: dict) -> None:
     rows = [
         [
             r.name,
-            r.cache,
-            "[green]pass[/]" if r.passed else "[bold red]FAIL[/]",
+            escape(r.cache),
+            _result(r),
             _diff(r.max_abs_diff),
             "-" if r.first_divergence is None else str(r.first_divergence),
-            r.tolerance,
-            r.detail,
+            escape(r.tolerance),
+            escape(r.detail),  # may quote an exception's message: printed literally, never as markup
         ]
         for r in report.checks
     ]
-    title = f"kvbench verify: {meta['model']}, {meta['weights']}, {meta['device']}, {meta['dtype']}"
+    title = escape(f"kvbench verify: {meta['model']}, {meta['weights']}, {meta['device']}, {meta['dtype']}")
     cols = ["check", "cache", "result", "max |Δlogit|", "first diverge", "tolerance", "detail"]
     out.print(table(title, cols, rows))
     for n in report.notes:
-        out.print(f"[dim]- {n}[/]", soft_wrap=True)
-    failed = [f"{r.name}/{r.cache}" for r in report.checks if not r.passed]
+        out.print(f"[dim]- {escape(n)}[/]", soft_wrap=True)
+    judged = [r for r in report.checks if not r.skipped]
+    skipped = len(report.checks) - len(judged)
+    also = f" ({skipped} cache(s) skipped: see the rows)" if skipped else ""
+    failed = [f"{r.name}/{r.cache}" for r in judged if not r.passed]
     if failed:
-        out.print(f"[bold red]FAILED[/] {len(failed)} of {len(report.checks)} checks: {', '.join(failed)}")
+        out.print(
+            f"[bold red]FAILED[/] {len(failed)} of {len(judged)} checks: {escape(', '.join(failed))}{also}"
+        )
     else:
-        out.print(f"[bold green]PASSED[/] all {len(report.checks)} checks")
+        out.print(f"[bold green]PASSED[/] all {len(judged)} checks{also}")
