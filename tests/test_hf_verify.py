@@ -199,7 +199,8 @@ def test_position_bug_is_caught_by_batched_only(toy_dirs):
     doc = json.loads(r.stdout)
     assert doc["hf"]["learned_positions"] is True
     failed = {(c["name"], c["cache"]) for c in doc["checks"] if not c["passed"]}
-    assert failed == {("batched", "none"), ("batched", "dynamic"), ("batched", "static")}, doc["checks"]
+    reset_bug = set() if _dynamic_reset_works() else {("cache_state", "dynamic")}
+    assert failed == {("batched", "none"), ("batched", "dynamic"), ("batched", "static")} | reset_bug, failed
     for c in doc["checks"]:
         if c["name"] == "batched":
             assert c["first_divergence"] == 0 and "only padded rows differ" in c["detail"], c
@@ -208,8 +209,8 @@ def test_position_bug_is_caught_by_batched_only(toy_dirs):
         "verify", "--hf", str(toy_dirs["fixed"]), "--trust-remote-code", "--caches", "none,dynamic,static",
         "--prompt-len", str(PROMPT), "--new-tokens", str(NEW), "--json",
     )  # fmt: skip
-    assert r.exit_code == 0, out
-    assert all(c["passed"] for c in json.loads(r.stdout)["checks"])
+    failed = {(c["name"], c["cache"]) for c in json.loads(r.stdout)["checks"] if not c["passed"]}
+    assert failed == reset_bug and r.exit_code == (1 if reset_bug else 0), out
 
 
 def test_position_bug_is_far_outside_the_lossy_bound(toy_dirs):
@@ -244,7 +245,7 @@ def test_learned_positions_are_held_to_their_limit(toy_dirs):
 # --- sources -------------------------------------------------------------------------------------------------------
 def test_config_json_alone_gives_random_weights_and_layers(model_dirs):
     r, out = invoke("verify", "--hf", str(model_dirs["llama"] / "config.json"), "--layers", "1",
-                    "--caches", "dynamic", "--prompt-len", "8", "--new-tokens", "6", "--json")  # fmt: skip
+                    "--caches", "static", "--prompt-len", "8", "--new-tokens", "6", "--json")  # fmt: skip
     assert r.exit_code == 0, out
     doc = json.loads(r.stdout)
     weights = doc["weights"]

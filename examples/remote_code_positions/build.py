@@ -15,6 +15,9 @@ HERE = Path(__file__).resolve().parent
 def build(out_dir, positions_from_cache: bool = True, seed: int = 0, **config) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

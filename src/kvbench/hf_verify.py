@@ -72,7 +72,7 @@ def _compile_config():
 
 def _needs_cuda(loaded, device) -> str | None:
     if device.type != "cuda":
-        return "offloading moves each layer's cache between the GPU and the CPU: it needs a CUDA device"
+        return "needs CUDA (offloading moves each layer's cache between the GPU and the CPU)"
     return None
 
 
@@ -89,7 +89,7 @@ def _quantized(backend: str) -> HFCache:
         from transformers import cache_utils
 
         if loaded.info.windowed:
-            return "transformers' QuantizedCache holds full-attention layers only; this model has sliding-window layers"
+            return "QuantizedCache holds full-attention layers only; this model has sliding-window layers"
         if backend == "fp8" and not hasattr(cache_utils, "Fp8QuantizedLayer"):
             return (
                 f"transformers {transformers.__version__} has no fp8 cache backend (later versions have it)"
@@ -240,7 +240,7 @@ def _tol(cache: HFCache, dtype: torch.dtype) -> tuple[float, float, str]:
     rtol, atol = TOLERANCES[dtype]
     if cache.lossy is not None:
         rtol, atol = max(rtol, cache.lossy[0]), max(atol, cache.lossy[1])
-        return rtol, atol, f"lossy: atol {atol:g} + rtol {rtol:g} x row scale, every step"
+        return rtol, atol, f"lossy: atol {atol:g} + rtol {rtol:g} x row scale"
     return rtol, atol, f"rtol {rtol:g}, atol {atol:g}"
 
 
@@ -291,7 +291,7 @@ def check_logits(loaded: LoadedHF, cache: HFCache, dtype, prompt: list[int], res
     rel = err / float(ref.abs().max())
     return CheckRow(
         "logits", cache.name, ok, err, None, tol,
-        f"decode step 1 vs a use_cache=False forward of {len(prompt) + 1} tokens ({rel:.1e} of the row scale)",
+        f"step 1 vs a no-cache forward of {len(prompt) + 1} tokens; {rel:.1e} of the row scale",
     )  # fmt: skip
 
 
@@ -300,14 +300,14 @@ def check_greedy(loaded: LoadedHF, cache: HFCache, dtype, prompt: list[int], res
     if cache.lossy is None:
         return compare_tokens(
             "greedy", cache.name, dtype, ref.tokens[0], res.tokens[0], ref.logits[0], res.logits[0],
-            f"{n} tokens through generate vs generate(use_cache=False)",
+            f"{n} tokens vs generate(use_cache=False)",
         )  # fmt: skip
     T = len(prompt)
     forced = full_logits(loaded, prompt, res.tokens[0])[T - 1 :]  # (N, V): no cache, on its own tokens
     agree = sum(a == b for a, b in zip(ref.tokens[0], res.tokens[0], strict=True))
     return _bounded(
         "greedy", cache, dtype, res.logits[0], forced,
-        f"{n} steps vs use_cache=False over the same tokens; {agree} of {n} tokens as generate(use_cache=False)",
+        f"{n} steps vs no cache on the same tokens; {agree} of {n} tokens as generate(use_cache=False)",
     )[0]  # fmt: skip
 
 
@@ -319,7 +319,7 @@ def check_batched(
     tokens."""
     lens = [len(p) for p in prompts]
     n = len(batch.tokens[0])
-    what = f"lengths {', '.join(map(str, lens))} left-padded together vs alone, {n} tokens"
+    what = f"lengths {', '.join(map(str, lens))} left-padded vs alone, {n} tokens"
     if cache.lossy is not None:
         rows = [
             _bounded(
@@ -333,7 +333,7 @@ def check_batched(
             for b, p in enumerate(prompts)
         ]
         bad = [lens[b] for b, (r, _) in enumerate(rows) if not r.passed]
-        what = what.replace("vs alone", "vs use_cache=False alone over the same tokens")
+        what = what.replace("vs alone", "vs no cache alone on the same tokens")
         what += f"; beyond the bound for length {', '.join(map(str, bad))}" if bad else ""
         what += f"; worst step {max(rel for _, rel in rows):.1%} of its row scale"
         err = max(r.max_abs_diff for r, _ in rows)
@@ -375,7 +375,7 @@ def check_cache_state(
     reused = generate_run(loaded, [prompt], new, **kw)
     return compare_tokens(
         "cache_state", cache.name, dtype, fresh.tokens[0], reused.tokens[0], fresh.logits[0], reused.logits[0],
-        f"one {type(obj).__name__} reused after reset() vs fresh, {new} tokens",
+        f"a {type(obj).__name__} reset() and reused vs fresh, {new} tokens",
     )  # fmt: skip
 
 

@@ -38,7 +38,11 @@ def bench(
     ] = None,
     caches: Annotated[
         str | None,
-        typer.Option("--caches", help="Comma-separated cache names, or 'all' (default: all registered)."),
+        typer.Option(
+            "--caches",
+            help="Comma-separated cache names, or 'all' (default: all registered). With --hf: none, dynamic, "
+            "static, static-compiled.",
+        ),
     ] = None,
     engine: Annotated[
         str | None,

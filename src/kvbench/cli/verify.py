@@ -28,7 +28,13 @@ from kvbench.errors import KVBenchError
 @handle_errors
 def verify(
     caches: Annotated[
-        str | None, typer.Option("--caches", "-c", help="Comma-separated caches to check (default: all).")
+        str | None,
+        typer.Option(
+            "--caches",
+            "-c",
+            help="Comma-separated caches to check (default: all). With --hf: none, dynamic, static, "
+            "static-compiled, offloaded, offloaded_static, quantized-quanto, quantized-hqq, quantized-fp8.",
+        ),
     ] = None,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="Tokens in the longest prompt.")] = 32,
     new_tokens: Annotated[
