@@ -228,6 +228,15 @@ def test_position_bug_is_far_outside_the_lossy_bound(toy_dirs):
     assert not rows["buggy"].passed, rows["buggy"]
 
 
+def test_remote_code_config_alone_gives_random_weights(toy_dirs):
+    r, out = invoke("verify", "--hf", str(toy_dirs["buggy"] / "config.json"), "--trust-remote-code",
+                    "--caches", "static", "--prompt-len", "8", "--new-tokens", "6", "--json")  # fmt: skip
+    assert r.exit_code == 1, out
+    doc = json.loads(r.stdout)
+    assert doc["weights"].startswith("random(") and doc["hf"]["architecture"] == "KVToyForCausalLM", doc
+    assert [c["name"] for c in doc["checks"] if not c["passed"]] == ["batched"], doc["checks"]
+
+
 def test_remote_code_needs_trust(toy_dirs):
     r, out = invoke("verify", "--hf", str(toy_dirs["buggy"]))
     assert r.exit_code == 2, out

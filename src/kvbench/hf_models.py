@@ -250,8 +250,17 @@ def _load(source, device, dtype, seed, layers, trust_remote_code, init_std) -> L
     path = Path(source).expanduser()
     kwargs = {"trust_remote_code": trust_remote_code}  # never None: that would prompt on the terminal
     if path.is_file():
-        _refuse_unloadable(_read_config(path), str(path), trust_remote_code)
-        config = _call(lambda: AutoConfig.from_pretrained(str(path), **kwargs), source)
+        doc = _read_config(path)
+        _refuse_unloadable(doc, str(path), trust_remote_code)
+        where = str(path)
+        if doc.get("auto_map"):  # its code is found beside it, through the directory
+            if path.name != "config.json":
+                raise KVBenchError(
+                    f"{path} names modelling code (auto_map): transformers finds that code through a directory, "
+                    "so name the file config.json and keep it beside the code"
+                )
+            where = str(path.parent)
+        config = _call(lambda: AutoConfig.from_pretrained(where, **kwargs), source)
         kept, total = _shrink(config, layers, str(path))
         if init_std is not None and hasattr(config, "initializer_range"):
             config.initializer_range = init_std
