@@ -64,7 +64,12 @@ def print_json(doc: Any) -> None:
 
 
 def table(title: str, columns: list[str], rows: list[list[Any]], caption: str | None = None) -> Table:
-    t = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+    t = Table(
+        title=cell(title) if title else None,
+        caption=cell(caption) if caption else None,
+        title_justify="left",
+        caption_justify="left",
+    )
     for c in columns:
         t.add_column(c, overflow="fold")
     for r in rows:

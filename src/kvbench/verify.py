@@ -64,6 +64,7 @@ class CheckRow:
     first_divergence: int | None = None  # first generated step whose token differs (0 = the prefill's token)
     tolerance: str = ""  # the criterion applied, in words
     detail: str = ""  # what was compared, and why it passed or failed
+    skipped: bool = False  # not run here (the detail says why); never fails the report
 
 
 @dataclass

@@ -1,0 +1,415 @@
+"""Load any Hugging Face causal LM for `verify --hf` and `bench --hf`, and describe what its caches depend on.
+
+SOURCE is one of:
+- a model directory (config.json + model.safetensors or pytorch_model.bin, sharded or not), as `save_pretrained`
+  writes it;
+- a config file (config.json, or any JSON file with a `model_type`): random weights from transformers' own
+  initialisation, seeded, labelled as random;
+- a hub id (`org/name`): from the local Hugging Face cache, or downloaded when the hub is reachable.
+`--layers N` keeps the first N decoder layers (for speed: the cache code is the same in every layer).
+`--trust-remote-code` lets a directory's own modelling code (`auto_map`) run; without it such a model is refused.
+
+Anything that cannot become a decoder-only causal LM (missing files, an architecture transformers does not know,
+an encoder-only or encoder-decoder model) is a `KVBenchError` with one line naming the source and the fix.
+transformers' loading bars, log messages and Python warnings are kept off the terminal (`quiet_transformers`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvbench.errors import KVBenchError
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+# "org/name" or "name": what the hub accepts as a model id (and what a path that does not exist may still be).
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# Config attributes that bound the sequence length, most common first (GPT-2's n_positions is mapped onto the
+# first by its config class).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+@dataclass
+class HFModelInfo:
+    """What the cache checks and the bench need to know about a model, read from the model itself."""
+
+    architecture: str  # the model class, e.g. LlamaForCausalLM
+    model_type: str  # config.model_type
+    n_layers: int  # decoder layers actually loaded
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads (GQA: fewer than n_heads)
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    context: int | None  # the configured maximum sequence length, if the config has one
+    learned_positions: bool  # a position-embedding table: there is no position past `context`
+    layer_types: list[str]  # per layer: "full" or "sliding(W)", as transformers' DynamicCache builds them
+    attn_implementation: str  # eager, sdpa, ...
+    transformers_version: str
+
+    @property
+    def windowed(self) -> bool:
+        return any(t != "full" for t in self.layer_types)
+
+    def layers_summary(self) -> str:
+        """'2 full' / '2 sliding(8)' / '1 sliding(8) + 1 full' in layer order of first appearance."""
+        counts: dict[str, int] = {}
+        for t in self.layer_types:
+            counts[t] = counts.get(t, 0) + 1
+        return " + ".join(f"{n} {t}" for t, n in counts.items())
+
+    def positions_summary(self) -> str:
+        if self.context is None:
+            return "no configured maximum length"
+        kind = "learned absolute positions" if self.learned_positions else "no position table"
+        return f"context {self.context} ({kind})"
+
+
+@dataclass
+class LoadedHF:
+    model: object  # a transformers PreTrainedModel with GenerationMixin, eval mode, on its device
+    source: str  # as given
+    weights: str  # for every output: a path, "hub:org/name", or "random(transformers init, ...)"
+    random: bool
+    info: HFModelInfo
+    pad_token_id: int  # what left padding fills with (masked out, so any id works)
+    notes: list[str] = field(default_factory=list)
+
+    layers_of: int | None = None  # the checkpoint's or config's layer count when --layers kept fewer
+
+    @property
+    def label(self) -> str:
+        kept = self.info.n_layers
+        of = (
+            f"first {kept} of {self.layers_of} layers"
+            if self.layers_of not in (None, kept)
+            else f"{kept} layers"
+        )
+        return f"{self.info.architecture} ({of})"
+
+    def meta(self) -> dict:
+        """The model facts recorded in JSON and meta.json outputs."""
+        info = self.info
+        return {
+            "source": self.source,
+            "architecture": info.architecture,
+            "model_type": info.model_type,
+            "layers": info.layer_types,
+            "attn_implementation": info.attn_implementation,
+            "context": info.context,
+            "learned_positions": info.learned_positions,
+            "transformers": info.transformers_version,
+        }
+
+
+# --- keeping transformers quiet ------------------------------------------------------------------------------------
+@contextmanager
+def quiet_transformers():
+    """transformers' log messages below ERROR, its progress bars, huggingface_hub's download bars and Python
+    warnings off the terminal for the duration; everything restored afterwards."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as tlog
+
+    verbosity, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
+    hub_bars = are_progress_bars_disabled()
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        tlog.set_verbosity(verbosity)
+        if bars:
+            tlog.enable_progress_bar()
+        if not hub_bars:
+            enable_progress_bars()
+
+
+# --- transformers version differences ------------------------------------------------------------------------------
+def cache_kwarg() -> str:
+    """The keyword `generate` and the models take a Cache object by: `cache` in recent transformers,
+    `past_key_values` before (the old name still works there, with a deprecation warning)."""
+    from transformers import GenerationMixin
+
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def returned_cache(out):
+    """The cache a `generate` or forward output carries, under either name (see cache_kwarg)."""
+    names = getattr(type(out), "__dataclass_fields__", {})
+    return getattr(out, "cache" if "cache" in names else "past_key_values", None)
+
+
+# --- reading a config before loading anything ----------------------------------------------------------------------
+def _read_config(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as e:
+        raise KVBenchError(f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise KVBenchError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise KVBenchError(f"{path} is not a model config (a JSON object with a model_type)")
+    return doc
+
+
+def _refuse_unloadable(doc: dict, where: str, trust_remote_code: bool) -> None:
+    """Refuse, by name, what cannot become a decoder-only causal LM, before transformers tries (and fails in one
+    of many exception types, or prompts on the terminal)."""
+    from transformers import __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    model_type = doc.get("model_type")
+    auto_map = doc.get("auto_map") or {}
+    custom = isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map
+    if custom and not trust_remote_code:
+        raise KVBenchError(
+            f"{where} has its own modelling code (auto_map: AutoModelForCausalLM -> "
+            f"{auto_map['AutoModelForCausalLM']}); read it, then rerun with --trust-remote-code to let it run"
+        )
+    if custom:
+        return  # the directory's own code decides; loading errors are reported as they come
+    if not model_type:
+        raise KVBenchError(f"{where} has no model_type; not a Hugging Face model config")
+    if model_type not in CONFIG_MAPPING_NAMES:
+        hint = " (it names custom code in auto_map, but not for AutoModelForCausalLM)" if auto_map else ""
+        raise KVBenchError(
+            f"{where}: model_type {model_type!r} is unknown to transformers {__version__}{hint}; upgrade "
+            "transformers, or point at a directory whose auto_map provides the code (with --trust-remote-code)"
+        )
+    if doc.get("is_encoder_decoder"):
+        raise KVBenchError(
+            f"{where}: {model_type} is an encoder-decoder model; --hf checks decoder-only causal LMs"
+        )
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not doc.get("is_decoder"):
+        raise KVBenchError(
+            f"{where}: {model_type} is an encoder-only model (a masked LM); --hf checks decoder-only causal LMs"
+        )
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise KVBenchError(
+            f"{where}: transformers has no causal-LM class for {model_type!r}; --hf checks decoder-only causal LMs"
+        )
+
+
+def _shrink(config, layers: int | None, where: str) -> tuple[int, int]:
+    """Keep the first `layers` decoder layers (and their entries in per-layer lists). Returns (kept, of)."""
+    text = config.get_text_config(decoder=True)
+    total = getattr(text, "num_hidden_layers", None)
+    if layers is None:
+        return total, total
+    if not isinstance(total, int):
+        raise KVBenchError(f"--layers: {where} has no num_hidden_layers to shrink")
+    if not 1 <= layers <= total:
+        raise KVBenchError(f"--layers must be between 1 and {total} (the layers {where} has), got {layers}")
+    text.num_hidden_layers = layers
+    for key in ("layer_types",):
+        value = getattr(text, key, None)
+        if isinstance(value, list) and len(value) == total:
+            setattr(text, key, value[:layers])
+    return layers, total
+
+
+# --- loading -------------------------------------------------------------------------------------------------------
+def load_hf(
+    source: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    layers: int | None = None,
+    trust_remote_code: bool = False,
+    init_std: float | None = None,
+) -> LoadedHF:
+    """Load SOURCE (see the module docstring) in `dtype` on `device`, eval mode, with a neutral generation config.
+    `init_std`, for random weights only, replaces the config's initializer_range (None: keep the config's)."""
+    with quiet_transformers():
+        return _load(source, device, dtype, seed, layers, trust_remote_code, init_std)
+
+
+def _load(source, device, dtype, seed, layers, trust_remote_code, init_std) -> LoadedHF:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(source).expanduser()
+    kwargs = {"trust_remote_code": trust_remote_code}  # never None: that would prompt on the terminal
+    if path.is_file():
+        doc = _read_config(path)
+        _refuse_unloadable(doc, str(path), trust_remote_code)
+        where = str(path)
+        if doc.get("auto_map"):  # its code is found beside it, through the directory
+            if path.name != "config.json":
+                raise KVBenchError(
+                    f"{path} names modelling code (auto_map): transformers finds that code through a directory, "
+                    "so name the file config.json and keep it beside the code"
+                )
+            where = str(path.parent)
+        config = _call(lambda: AutoConfig.from_pretrained(where, **kwargs), source)
+        kept, total = _shrink(config, layers, str(path))
+        if init_std is not None and hasattr(config, "initializer_range"):
+            config.initializer_range = init_std
+        std = getattr(config, "initializer_range", None)
+        torch.manual_seed(seed)  # transformers' init draws from the global generator: seeded, on the CPU
+        model = _call(lambda: AutoModelForCausalLM.from_config(config, **kwargs), source)
+        weights = f"random(transformers init, initializer_range={std}, seed={seed}) from {path}"
+        is_random = True
+    else:
+        if path.is_dir():
+            cfg_path = path / "config.json"
+            if not cfg_path.is_file():
+                raise KVBenchError(f"no config.json in {path}; not a Hugging Face model directory")
+            _refuse_unloadable(_read_config(cfg_path), str(path), trust_remote_code)
+            if not any((path / f).is_file() for f in WEIGHT_FILES):
+                raise KVBenchError(
+                    f"no weights in {path} (model.safetensors or pytorch_model.bin); "
+                    f"for random weights pass {cfg_path}"
+                )
+            where, weights = str(path), str(path)
+        elif HUB_ID.match(source) and not source.startswith("."):
+            where, weights = source, f"hub:{source}"
+            kwargs["local_files_only"] = not _hub_online()
+        else:
+            raise KVBenchError(f"--hf {source}: no such file or directory, and not a hub id (org/name)")
+        config = _call(lambda: AutoConfig.from_pretrained(where, **kwargs), source)
+        if "local_files_only" in kwargs:  # a hub id: now we know its config
+            _refuse_unloadable(config.to_dict(), where, trust_remote_code)
+        kept, total = _shrink(config, layers, where)
+        model = _call(
+            lambda: AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype, **kwargs),
+            source,
+        )
+        is_random = False
+    model = model.to(device=device, dtype=dtype).eval()
+    pad = _neutral_generation_config(model)
+    return LoadedHF(model, source, weights, is_random, describe(model), pad, layers_of=total)
+
+
+def _hub_online() -> bool:
+    from kvbench.weights import hub_reachable
+
+    return hub_reachable()
+
+
+def _call(fn, source: str):
+    """Run a transformers loading call; whatever it raises becomes one line naming the source."""
+    try:
+        return fn()
+    except KVBenchError:
+        raise
+    # transformers and huggingface_hub raise OSError, ValueError, KeyError, ImportError, ...
+    except Exception as e:
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else ""
+        hint = ""
+        if (
+            "local_files_only" in text
+            or "offline" in text.lower()
+            or type(e).__name__.endswith("OfflineError")
+        ):
+            hint = " (the hub is not reachable or HF_HUB_OFFLINE is set, and it is not in the local cache)"
+        raise KVBenchError(f"cannot load {source}: {type(e).__name__}: {first}{hint}") from None
+
+
+def _neutral_generation_config(model) -> int:
+    """Replace the model's generation defaults (sampling, repetition penalties, forced tokens: they change which
+    token wins, identically on both paths, but hide the raw logits) with greedy defaults that keep only its special
+    tokens. Returns the id left padding uses."""
+    from transformers import GenerationConfig
+
+    old = getattr(model, "generation_config", None)
+    cfg = model.config.get_text_config(decoder=True)
+
+    def first(*names):
+        for obj in (old, cfg):
+            for n in names:
+                v = getattr(obj, n, None) if obj is not None else None
+                if isinstance(v, list):
+                    v = v[0] if v else None
+                if isinstance(v, int):
+                    return v
+        return None
+
+    vocab = int(cfg.vocab_size)
+    eos, bos = first("eos_token_id"), first("bos_token_id")
+    # masked out, so any id works, as long as the embedding has a row for it (tiny test configs keep GPT-2's 50256)
+    pad = next((t for t in (first("pad_token_id"), eos) if t is not None and 0 <= t < vocab), 0)
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    return pad
+
+
+def describe(model) -> HFModelInfo:
+    """Read the facts the checks depend on from the loaded model (not from guesses about its family)."""
+    import transformers
+    from transformers import DynamicCache
+
+    cfg = model.config.get_text_config(decoder=True)
+    n_layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    n_heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    head_dim = int(getattr(cfg, "head_dim", None) or (hidden // n_heads if n_heads else 0))
+    context = next((getattr(cfg, k) for k in CONTEXT_KEYS if isinstance(getattr(cfg, k, None), int)), None)
+    layer_types = []
+    try:
+        for layer in DynamicCache(config=cfg).layers:
+            window = getattr(layer, "sliding_window", None)
+            layer_types.append(f"sliding({window})" if window else "full")
+    except Exception:  # a custom config DynamicCache cannot read: every layer is taken as full attention
+        layer_types = []
+    if len(layer_types) != n_layers:
+        layer_types = ["full"] * n_layers
+    return HFModelInfo(
+        architecture=type(model).__name__,
+        model_type=str(getattr(model.config, "model_type", "?")),
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        vocab_size=int(cfg.vocab_size),
+        context=context,
+        learned_positions=_has_position_table(model, context),
+        layer_types=layer_types,
+        attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "default"),
+        transformers_version=transformers.__version__,
+    )
+
+
+def _has_position_table(model, context: int | None) -> bool:
+    """A learned absolute position embedding: an nn.Embedding other than the token embedding with (about)
+    `context` rows (OPT keeps 2 extra)."""
+    if context is None:
+        return False
+    tokens = model.get_input_embeddings()
+    return any(
+        isinstance(m, torch.nn.Embedding) and m is not tokens and context <= m.num_embeddings <= context + 2
+        for m in model.modules()
+    )
+
+
+def check_length(info: HFModelInfo, total: int, what: str, fix: str) -> None:
+    """Hold a run of `total` tokens (longest prompt + new tokens) to the model's configured context."""
+    if info.context is None or total <= info.context:
+        return
+    why = (
+        f"learned absolute positions: the model has no embedding past position {info.context - 1}"
+        if info.learned_positions
+        else f"its config's maximum length is {info.context}"
+    )
+    raise KVBenchError(f"{what} = {total} exceeds the model's context of {info.context} ({why}); {fix}")

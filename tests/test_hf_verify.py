@@ -1,0 +1,340 @@
+"""verify --hf and bench --hf on tiny random Hugging Face models built in tmp_path: Llama, Qwen2, Mistral (sliding
+window shorter than the run), Gemma 2 (hybrid) pass every check; a remote-code model whose positions come from the
+cache length fails exactly `batched`; models that cannot load are one line and exit 2; bench --hf writes rows."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+from kvbench.errors import KVBenchError
+from kvbench.hf_models import load_hf
+from kvbench.hf_verify import (
+    CHECKS,
+    HF_CACHES,
+    check_logits,
+    compare_tokens,
+    generate_run,
+    parse_hf_cache_names,
+    run_hf_verify,
+)
+from kvbench.verify import random_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+WINDOW = 8
+PROMPT, NEW = 12, 20  # longest prompt + new tokens = 32: four windows, so the sliding layers evict
+# Tiny shapes: 2 layers, 4 query heads sharing 2 key/value heads (GQA), a small vocabulary; init std 0.1 so greedy
+# output varies (at transformers' default 0.02 a tiny random model repeats one token, which hides position bugs).
+COMMON = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+
+
+def _configs():
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    return {
+        "llama": LlamaConfig(**COMMON),
+        "qwen2": Qwen2Config(**COMMON),
+        "mistral": MistralConfig(**COMMON, sliding_window=WINDOW),  # every layer windowed
+        # sliding and full layers alternate
+        "gemma2": Gemma2Config(**COMMON, sliding_window=WINDOW, head_dim=16),
+    }
+
+
+@pytest.fixture(autouse=True, scope="module")  # module scope: in place before the module's models are built
+def _one_thread():
+    """One intra-op thread: on a shared 2-core machine two spinning OpenMP threads make tiny models 10x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    from transformers import AutoModelForCausalLM
+
+    dirs = {}
+    for name, cfg in _configs().items():
+        torch.manual_seed(0)
+        d = tmp_path_factory.mktemp(name)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+        dirs[name] = d
+    return dirs
+
+
+def _build_toy(out: Path, positions_from_cache: bool) -> Path:
+    spec = importlib.util.spec_from_file_location(
+        "kvtoy_build", ROOT / "examples/remote_code_positions/build.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.build(out, positions_from_cache=positions_from_cache)
+
+
+@pytest.fixture(scope="module")
+def toy_dirs(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("toys")
+    return {
+        "buggy": _build_toy(base / "kvtoy_buggy", True),
+        "fixed": _build_toy(base / "kvtoy_fixed", False),
+    }
+
+
+def invoke(*args: str):
+    r = CliRunner().invoke(app, list(args))
+    return r, r.output + (
+        repr(r.exception) if r.exception and not isinstance(r.exception, SystemExit) else ""
+    )
+
+
+def _dynamic_reset_works() -> bool:
+    """Some transformers releases (5.17 among them) reset a DynamicCache by zeroing its tensors and keeping their
+    length, so a reused cache takes the next prompt as already cached: cache_state/dynamic fails there, rightly."""
+    from transformers.cache_utils import DynamicLayer
+
+    return "reset" in DynamicLayer.__dict__
+
+
+# --- every check on four families ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reports(model_dirs):
+    out = {}
+    for name, d in model_dirs.items():
+        loaded = load_hf(str(d), CPU, torch.float32)
+        prompts = random_prompts(loaded.info.vocab_size, PROMPT, 3, seed=0)
+        caches = parse_hf_cache_names(None, CPU)  # the default set: static-compiled only on CUDA
+        out[name] = (loaded, prompts, run_hf_verify(loaded, caches, prompts, NEW))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma2"])
+def test_every_check_passes(reports, family):
+    loaded, prompts, rep = reports[family]
+    ran = {r.cache for r in rep.checks if not r.skipped}
+    assert {"none", "dynamic", "static"} <= ran, rep.checks
+    for r in rep.checks:
+        if r.skipped:
+            assert r.passed and r.detail, r
+            continue
+        expected = {"batched"} if r.cache == "none" else set(CHECKS)
+        assert {x.name for x in rep.checks if x.cache == r.cache} == expected
+        if r.name == "cache_state" and r.cache == "dynamic" and not _dynamic_reset_works():
+            assert not r.passed and "raised" in r.detail, r
+            continue
+        assert r.passed, r
+        if HF_CACHES[r.cache].lossy is None and r.name in ("logits", "greedy"):
+            assert r.max_abs_diff <= 1e-5, r
+    assert rep.passed == all(r.passed for r in rep.checks if not r.skipped)
+
+
+def test_skips_say_why(reports):
+    _, _, rep = reports["llama"]
+    why = {r.cache: r.detail for r in rep.checks if r.skipped}
+    assert "CUDA" in why["offloaded"] and "CUDA" in why["offloaded_static"]
+    assert "static-compiled" not in why  # not in the default set on the CPU, so neither run nor listed
+    _, _, rep = reports["mistral"]
+    why = {r.cache: r.detail for r in rep.checks if r.skipped}
+    assert all("sliding-window" in why[f"quantized-{b}"] for b in ("quanto", "hqq", "fp8")), why
+
+
+@pytest.mark.parametrize("family, layers", [("mistral", {"DynamicSlidingWindowLayer"}),
+                                            ("gemma2", {"DynamicSlidingWindowLayer", "DynamicLayer"})])  # fmt: skip
+def test_windowed_models_run_their_sliding_layers(reports, family, layers):
+    loaded, prompts, rep = reports[family]
+    assert loaded.info.windowed
+    built = next(n for n in rep.notes if n.startswith("cache layers built"))
+    assert all(name in built.split("static:")[0] for name in layers), built
+    assert "exceed the window" in " ".join(rep.notes)  # the run is longer than the window: eviction happened
+    assert PROMPT + NEW > WINDOW
+
+
+def test_output_depends_on_the_prompt(reports):
+    loaded, prompts, _ = reports["llama"]
+    a = generate_run(loaded, [prompts[0]], NEW, use_cache=False).tokens[0]
+    b = generate_run(loaded, [prompts[1]], NEW, use_cache=False).tokens[0]
+    assert a != b
+    assert len(set(a)) > 3, f"degenerate greedy output {a}"
+
+
+def test_logits_check_is_held_to_1e5(reports):
+    """The same decode step passes as computed, and fails once moved by 1e-4 of the row scale."""
+    loaded, prompts, _ = reports["qwen2"]
+    res = generate_run(loaded, [prompts[0]], 4, cache_implementation="dynamic")
+    row = check_logits(loaded, HF_CACHES["dynamic"], torch.float32, prompts[0], res)
+    assert row.passed and row.max_abs_diff < 1e-5, row
+    res.logits[0, 1] += 1e-4 * res.logits[0, 1].abs().max()
+    row = check_logits(loaded, HF_CACHES["dynamic"], torch.float32, prompts[0], res)
+    assert not row.passed, row
+
+
+def test_low_precision_near_tie_is_reported_not_failed():
+    want_rows = torch.tensor([[2.0, 1.0, 0.0], [1.00, 0.99, 0.0]])
+    got_rows = torch.tensor([[2.0, 1.0, 0.0], [0.98, 1.00, 0.0]])  # step 1 flips: gap 0.01, error 0.02
+    row = compare_tokens("greedy", "dynamic", torch.bfloat16, [0, 0], [0, 1], want_rows, got_rows, "x")
+    assert row.passed and "near-tie" in row.detail and row.first_divergence == 1, row
+    row = compare_tokens("greedy", "dynamic", torch.float32, [0, 0], [0, 1], want_rows, got_rows, "x")
+    assert not row.passed, row
+
+
+# --- remote code: positions from the cache length ------------------------------------------------------------------
+def test_position_bug_is_caught_by_batched_only(toy_dirs):
+    r, out = invoke(
+        "verify", "--hf", str(toy_dirs["buggy"]), "--trust-remote-code", "--caches", "none,dynamic,static",
+        "--prompt-len", str(PROMPT), "--new-tokens", str(NEW), "--json",
+    )  # fmt: skip
+    assert r.exit_code == 1, out
+    doc = json.loads(r.stdout)
+    assert doc["hf"]["learned_positions"] is True
+    failed = {(c["name"], c["cache"]) for c in doc["checks"] if not c["passed"]}
+    reset_bug = set() if _dynamic_reset_works() else {("cache_state", "dynamic")}
+    assert failed == {("batched", "none"), ("batched", "dynamic"), ("batched", "static")} | reset_bug, failed
+    for c in doc["checks"]:
+        if c["name"] == "batched":
+            assert c["first_divergence"] == 0 and "only padded rows differ" in c["detail"], c
+    # the same model reading the position ids generate passes: every check passes
+    r, out = invoke(
+        "verify", "--hf", str(toy_dirs["fixed"]), "--trust-remote-code", "--caches", "none,dynamic,static",
+        "--prompt-len", str(PROMPT), "--new-tokens", str(NEW), "--json",
+    )  # fmt: skip
+    failed = {(c["name"], c["cache"]) for c in json.loads(r.stdout)["checks"] if not c["passed"]}
+    assert failed == reset_bug and r.exit_code == (1 if reset_bug else 0), out
+
+
+def test_position_bug_is_far_outside_the_lossy_bound(toy_dirs):
+    from transformers import cache_utils
+
+    if not hasattr(cache_utils, "Fp8QuantizedLayer"):
+        pytest.skip("this transformers has no fp8 cache backend")
+    rows = {}
+    for kind, d in toy_dirs.items():
+        loaded = load_hf(str(d), CPU, torch.float32, trust_remote_code=True)
+        prompts = random_prompts(loaded.info.vocab_size, PROMPT, 3, seed=0)
+        rep = run_hf_verify(loaded, ["quantized-fp8"], prompts, NEW, checks=("batched",))
+        rows[kind] = rep.checks[0]
+    assert rows["fixed"].passed and "lossy" in rows["fixed"].tolerance, rows["fixed"]
+    assert not rows["buggy"].passed, rows["buggy"]
+
+
+def test_remote_code_config_alone_gives_random_weights(toy_dirs):
+    r, out = invoke("verify", "--hf", str(toy_dirs["buggy"] / "config.json"), "--trust-remote-code",
+                    "--caches", "static", "--prompt-len", "8", "--new-tokens", "6", "--json")  # fmt: skip
+    assert r.exit_code == 1, out
+    doc = json.loads(r.stdout)
+    assert doc["weights"].startswith("random(") and doc["hf"]["architecture"] == "KVToyForCausalLM", doc
+    assert [c["name"] for c in doc["checks"] if not c["passed"]] == ["batched"], doc["checks"]
+
+
+def test_remote_code_needs_trust(toy_dirs):
+    r, out = invoke("verify", "--hf", str(toy_dirs["buggy"]))
+    assert r.exit_code == 2, out
+    assert "--trust-remote-code" in out and "Traceback" not in out
+    assert len(out.strip().splitlines()) == 1, out
+
+
+def test_learned_positions_are_held_to_their_limit(toy_dirs):
+    r, out = invoke("verify", "--hf", str(toy_dirs["fixed"]), "--trust-remote-code", "--prompt-len", "100",
+                    "--new-tokens", "40")  # fmt: skip
+    assert r.exit_code == 2, out
+    assert "learned absolute positions" in out and "128" in out, out
+
+
+# --- sources -------------------------------------------------------------------------------------------------------
+def test_config_json_alone_gives_random_weights_and_layers(model_dirs):
+    r, out = invoke("verify", "--hf", str(model_dirs["llama"] / "config.json"), "--layers", "1",
+                    "--caches", "static", "--prompt-len", "8", "--new-tokens", "6", "--json")  # fmt: skip
+    assert r.exit_code == 0, out
+    doc = json.loads(r.stdout)
+    weights = doc["weights"]
+    assert weights.startswith("random(transformers init") and "seed=0" in weights, weights
+    assert "first 1 of 2 layers" in doc["model"], doc["model"]
+
+
+def _unloadable(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    from transformers import BertConfig, BertModel, T5Config
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text(json.dumps({"model_type": "llama", **COMMON}))
+    BertModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32)).save_pretrained(tmp_path / "bert")  # fmt: skip
+    T5Config(vocab_size=64, d_model=16, num_layers=1, num_heads=2).save_pretrained(tmp_path / "t5")
+    (tmp_path / "unknown.json").write_text(json.dumps({"model_type": "no-such-arch"}))
+    (tmp_path / "bad.json").write_text("{not json")
+    return {
+        "missing": (str(tmp_path / "missing"), "no such file"),
+        "no config": (str(tmp_path / "empty"), "no config.json"),
+        "no weights": (str(tmp_path / "noweights"), "no weights"),
+        "encoder-only": (str(tmp_path / "bert"), "encoder-only"),
+        "encoder-decoder": (str(tmp_path / "t5" / "config.json"), "encoder-decoder"),
+        "unknown architecture": (str(tmp_path / "unknown.json"), "unknown to transformers"),
+        "not json": (str(tmp_path / "bad.json"), "not valid JSON"),
+        "hub offline": ("no-such-org/no-such-model", "cannot load"),
+        "markup in the name": (str(tmp_path / "[/x]missing"), "[/x]missing"),
+    }
+
+
+def test_unloadable_models_are_one_line_and_exit_2(tmp_path):
+    for case, (source, words) in _unloadable(tmp_path).items():
+        for command in ("verify", "bench"):
+            extra = ["--out", str(tmp_path / "run")] if command == "bench" else []
+            r, out = invoke(command, "--hf", source, *extra)
+            assert r.exit_code == 2, (case, command, out)
+            assert words in out and "Traceback" not in out, (case, out)
+            assert len(out.strip().splitlines()) == 1, (case, out)
+
+
+def test_gpt2_options_are_refused_with_hf(model_dirs):
+    r, out = invoke("verify", "--hf", str(model_dirs["llama"]), "--weights", "random")
+    assert r.exit_code == 2 and "--weights" in out, out
+    r, out = invoke("verify", "--layers", "2")
+    assert r.exit_code == 2 and "--hf" in out, out
+    r, out = invoke("verify", "--hf", str(model_dirs["llama"]), "--caches", "paged")
+    assert r.exit_code == 2 and "paged" in out, out
+    with pytest.raises(KVBenchError, match="--layers"):
+        load_hf(str(model_dirs["llama"]), CPU, torch.float32, layers=3)
+
+
+# --- bench --hf ----------------------------------------------------------------------------------------------------
+def test_bench_hf_writes_rows(model_dirs, tmp_path):
+    out_dir = tmp_path / "run"
+    r, out = invoke(
+        "bench", "--hf", str(model_dirs["gemma2"]), "--prompt-len", "8,24", "--new-tokens", "6",
+        "--caches", "none,dynamic,static", "--repeats", "2", "--warmup", "1", "--out", str(out_dir),
+    )  # fmt: skip
+    assert r.exit_code == 0, out
+    summary = pd.read_csv(out_dir / "summary.csv")
+    assert list(summary.cache) == ["none", "dynamic", "static"] * 2, summary
+    assert set(summary.engine) == {"hf"} and set(summary.status) == {"ok"}
+    assert (summary.tpot_ms_median > 0).all() and (summary.ttft_ms > 0).all()
+    assert summary.speedup_vs_none.notna().all()
+    cached = summary[summary.cache != "none"]
+    assert (cached.kv_cache_mib > 0).all(), cached
+    steps = pd.read_csv(out_dir / "steps.csv")
+    assert len(steps) == 6 * 2 * 5  # configurations x repeats x decode steps
+    meta = json.loads((out_dir / "meta.json").read_text())
+    assert meta["hf"]["architecture"] == "Gemma2ForCausalLM" and meta["status"] == "complete"
+    assert meta["hf"]["layers"] == [f"sliding({WINDOW})", "full"]
+    assert (out_dir / "latency.png").stat().st_size > 0
+
+
+def test_bench_hf_checks_the_context(model_dirs, tmp_path):
+    r, out = invoke("bench", "--hf", str(model_dirs["llama"]), "--prompt-len", "250", "--new-tokens", "16",
+                    "--out", str(tmp_path / "run"))  # fmt: skip
+    assert r.exit_code == 2 and "250 + 16 = 266" in out, out
+    r, out = invoke(
+        "bench", "--hf", str(model_dirs["llama"]), "--caches", "paged", "--out", str(tmp_path / "r")
+    )
+    assert r.exit_code == 2 and "paged" in out, out
