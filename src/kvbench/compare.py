@@ -1,0 +1,422 @@
+"""Compare two bench run folders: did the candidate get slower than the baseline, row by row?
+
+Rows of the two summary.csv files are matched on `KEY` (engine, cache, model, weights kind, dtype, device, prompt
+length, new tokens, batch); rows without a partner, or that ran out of memory, are listed with the reason, never
+dropped silently. For each matched row the decode-step latencies of every timed repeat (steps.csv) are pooled on
+each side, and:
+
+- the TPOT ratio is median(candidate steps) / median(baseline steps), with a percentile bootstrap confidence
+  interval at level 1 - alpha (each side resampled with replacement, `n_boot` times, seeded, so the output is
+  reproducible);
+- the verdict comes from scipy's two-sided Mann-Whitney U test on the two samples plus a minimum effect:
+  `slower` when p < alpha and the ratio is at least 1 + threshold, `faster` when p < alpha and the ratio is at most
+  1 - threshold, otherwise `no significant change`. Mann-Whitney needs no normality, which timing samples (skewed,
+  with a long tail of slow steps) never have; the threshold keeps a real but tiny shift, which thousands of steps
+  make "significant", from failing a build.
+
+Decode steps of one run are treated as independent draws. They are not quite: a run that was slowed as a whole
+(a busy machine) shifts all its steps together, which no test on the steps can tell from a slower build. The
+threshold absorbs small shifts of that kind, and runs from different environments are refused; beyond that,
+compare runs made on the same, otherwise idle machine.
+
+TTFT, tokens/s, peak memory, KV bytes and (when both runs have the column) token agreement come from summary.csv.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kvbench.errors import KVBenchError
+from kvbench.runs import KEY, Run, load_run, row_label
+
+# Keys that --allow-env-change stops matching on when the two runs differ in them.
+RELAXABLE = ("dtype", "device")
+
+# What `--fail-on` can gate on: name -> what counts as a regression of a row.
+FAIL_ON = {
+    "slower": "the row's verdict is slower",
+    "memory": "the KV cache holds more bytes, or (CUDA) peak allocated memory grew by more than the threshold",
+}
+
+
+# --- environment -----------------------------------------------------------------------------------------------------
+# What must be the same for timings to be comparable. The kvbench version and git commit are left out on purpose:
+# they are what a comparison is about.
+ENVIRONMENT = (
+    ("device", ("device",)),
+    ("device name", ("device_name",)),
+    ("dtype", ("dtype",)),
+    ("python", ("versions", "python")),
+    ("torch", ("versions", "torch")),
+    ("transformers", ("versions", "transformers")),
+    ("numpy", ("versions", "numpy")),
+    ("CUDA", ("versions", "cuda")),
+    ("torch threads", ("versions", "torch_threads")),
+)
+
+
+@dataclass
+class EnvChange:
+    name: str  # e.g. "torch", "dtype"
+    baseline: str | None
+    candidate: str | None
+
+
+def _dig(doc: dict, path: tuple[str, ...]):
+    for k in path:
+        if not isinstance(doc, dict):
+            return None
+        doc = doc.get(k)
+    return doc
+
+
+def environment_changes(base_meta: dict, cand_meta: dict) -> list[EnvChange]:
+    """Every environment field whose value differs between the two meta.json files."""
+    changes = []
+    for name, path in ENVIRONMENT:
+        b, c = _dig(base_meta, path), _dig(cand_meta, path)
+        if b != c:
+            changes.append(EnvChange(name, None if b is None else str(b), None if c is None else str(c)))
+    return changes
+
+
+def describe_changes(changes: list[EnvChange]) -> str:
+    return "; ".join(f"{c.name} {c.baseline} -> {c.candidate}" for c in changes)
+
+
+# --- statistics ------------------------------------------------------------------------------------------------------
+def median_ratio_ci(
+    base: np.ndarray, cand: np.ndarray, level: float, n_boot: int, seed: int
+) -> tuple[float, float, float]:
+    """median(cand) / median(base) and its percentile bootstrap interval at `level` (both sides resampled)."""
+    rng = np.random.default_rng(seed)
+    ratios = np.empty(n_boot)
+    chunk = max(1, 2_000_000 // max(len(base), len(cand)))  # bounded memory for long runs
+    for i in range(0, n_boot, chunk):
+        k = min(chunk, n_boot - i)
+        b = np.median(base[rng.integers(0, len(base), (k, len(base)))], axis=1)  # (k,)
+        c = np.median(cand[rng.integers(0, len(cand), (k, len(cand)))], axis=1)  # (k,)
+        ratios[i : i + k] = c / b
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return float(np.median(cand) / np.median(base)), float(lo), float(hi)
+
+
+def mann_whitney_p(base: np.ndarray, cand: np.ndarray) -> float:
+    """Two-sided Mann-Whitney U p-value (scipy). Identical samples give exactly 1."""
+    from scipy.stats import mannwhitneyu
+
+    if np.array_equal(np.sort(base), np.sort(cand)):
+        return 1.0
+    return float(mannwhitneyu(cand, base, alternative="two-sided").pvalue)
+
+
+def smallest_p(n1: int, n2: int) -> float:
+    """The smallest two-sided p-value Mann-Whitney U can give for samples of these sizes (complete separation)."""
+    return min(1.0, 2 / math.comb(n1 + n2, n1))
+
+
+def verdict(ratio: float, p: float, alpha: float, threshold: float) -> str:
+    if p < alpha and ratio >= 1 + threshold:
+        return "slower"
+    if p < alpha and ratio <= 1 - threshold:
+        return "faster"
+    return "no significant change"
+
+
+# --- the comparison ----------------------------------------------------------------------------------------------------
+@dataclass
+class RowComparison:
+    """One configuration in both runs. Ratios are candidate / baseline; deltas are candidate - baseline."""
+
+    engine: str
+    cache: str
+    model: str
+    weights: str
+    dtype: str
+    device: str
+    prompt_len: int
+    new_tokens: int
+    batch: int
+    n_baseline: int  # decode steps pooled over the timed repeats
+    n_candidate: int
+    tpot_ms_baseline: float  # median decode step (from steps.csv)
+    tpot_ms_candidate: float
+    tpot_ratio: float  # > 1: the candidate is slower
+    ci_low: float  # bootstrap interval of tpot_ratio at the comparison's confidence level
+    ci_high: float
+    p_value: float  # two-sided Mann-Whitney U on the two step samples
+    verdict: str  # faster | slower | no significant change
+    ttft_ratio: float  # summary.csv medians; NaN where a run lacks the column
+    tokens_per_s_ratio: float  # > 1: the candidate is faster end to end
+    peak_mem_delta_mib: float
+    kv_cache_delta_mib: float
+    token_agreement_baseline: float  # NaN unless both runs have the column
+    token_agreement_candidate: float
+    memory_regressed: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return row_label(self)
+
+
+@dataclass
+class Unmatched:
+    """A row that was not compared, and why."""
+
+    engine: str
+    cache: str
+    prompt_len: int
+    detail: str  # the rest of its key, e.g. "gpt2-tiny random fp32 cpu, 41 new tokens, batch 1"
+    reason: str  # e.g. "only in the baseline", "out of memory in the candidate"
+
+
+@dataclass
+class Comparison:
+    baseline: str
+    candidate: str
+    alpha: float
+    threshold: float
+    confidence: float  # level of the bootstrap intervals: 1 - alpha
+    rows: list[RowComparison]
+    unmatched: list[Unmatched]
+    env_changes: list[EnvChange]
+    env_allowed: bool  # --allow-env-change was given (there may be no changes)
+    relaxed_keys: list[str]  # key fields not matched on because the runs differ in them and that was allowed
+    baseline_git: dict | None
+    candidate_git: dict | None
+
+    def regressions(self, fail_on: list[str]) -> list[str]:
+        """One line per regressed row, for the gates named in `fail_on` (keys of FAIL_ON)."""
+        out = []
+        for r in self.rows:
+            if "slower" in fail_on and r.verdict == "slower":
+                out.append(f"{r.label}: slower, TPOT ×{r.tpot_ratio:.3f} (p = {r.p_value:.2g})")
+            if "memory" in fail_on and r.memory_regressed:
+                out.append(f"{r.label}: memory, {'; '.join(n for n in r.notes if n.startswith('memory'))}")
+        return out
+
+
+def _detail(r) -> str:
+    return f"{r.model} {r.weights} {r.dtype} {r.device}, {int(r.new_tokens)} new tokens, batch {int(r.batch)}"
+
+
+def _num(row: pd.Series, col: str) -> float:
+    v = row.get(col, math.nan)
+    return math.nan if v is None or pd.isna(v) else float(v)
+
+
+def _steps_for(run: Run, row: pd.Series) -> np.ndarray:
+    """The pooled decode-step latencies of one summary row: steps.csv rows with the same key columns."""
+    st = run.steps
+    mask = np.ones(len(st), dtype=bool)
+    for col in KEY:
+        if col in st.columns:
+            mask &= (st[col] == row[col]).to_numpy()
+    return st.loc[mask, "latency_ms"].to_numpy(dtype=float)
+
+
+def check_environment(base: Run, cand: Run, allow_env_change: bool) -> list[EnvChange]:
+    """The environment changes between the runs; KVBenchError listing them unless they are allowed."""
+    changes = environment_changes(base.meta, cand.meta)
+    if changes and not allow_env_change:
+        raise KVBenchError(
+            f"the runs come from different environments ({describe_changes(changes)}); timings are not comparable. "
+            "Rerun both on the same machine and software, or compare anyway with kvbench compare --allow-env-change"
+        )
+    return changes
+
+
+def compare_runs(
+    baseline: str | Path,
+    candidate: str | Path,
+    alpha: float = 0.01,
+    threshold: float = 0.05,
+    allow_env_change: bool = False,
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> Comparison:
+    """Match the two runs' rows and compare each pair (see the module docstring for the statistics)."""
+    if not 0 < alpha < 1:
+        raise KVBenchError(f"--alpha must be between 0 and 1, got {alpha}")
+    if not 0 <= threshold < 1:
+        raise KVBenchError(f"--threshold must be at least 0% and below 100%, got {threshold:.0%}")
+    base, cand = load_run(baseline, "baseline"), load_run(candidate, "candidate")
+    changes = check_environment(base, cand, allow_env_change)
+    # With --allow-env-change, runs made in different dtypes or on different devices are compared row by row.
+    relaxed = (
+        [k for k in RELAXABLE if set(base.summary[k]) != set(cand.summary[k])] if allow_env_change else []
+    )
+    match = [k for k in KEY if k not in relaxed]
+
+    b_rows = {tuple(r[k] for k in match): r for _, r in base.summary.iterrows()}
+    c_rows = {tuple(r[k] for k in match): r for _, r in cand.summary.iterrows()}
+    rows: list[RowComparison] = []
+    unmatched: list[Unmatched] = []
+
+    def skip(r: pd.Series, reason: str) -> None:
+        unmatched.append(Unmatched(r["engine"], r["cache"], int(r["prompt_len"]), _detail(r), reason))
+
+    for i, (key, b) in enumerate(b_rows.items()):
+        c = c_rows.get(key)
+        if c is None:
+            skip(b, "only in the baseline")
+            continue
+        bad = [side for side, r in (("baseline", b), ("candidate", c)) if r.get("status", "ok") != "ok"]
+        if bad:
+            skip(
+                b,
+                f"status {b.get('status', 'ok')} / {c.get('status', 'ok')} (baseline / candidate): no timings",
+            )
+            continue
+        xb, xc = _steps_for(base, b), _steps_for(cand, c)
+        empty = [side for side, x in (("baseline", xb), ("candidate", xc)) if len(x) == 0]
+        if empty:
+            skip(b, f"no decode steps in the {' and '.join(empty)} steps.csv")
+            continue
+        rows.append(_compare_row(b, c, xb, xc, alpha, threshold, n_boot, seed + i))
+    for key, c in c_rows.items():
+        if key not in b_rows:
+            skip(c, "only in the candidate")
+    if not rows:
+        raise KVBenchError(_nothing_in_common(base, cand, match, unmatched))
+    return Comparison(
+        baseline=str(base.path),
+        candidate=str(cand.path),
+        alpha=alpha,
+        threshold=threshold,
+        confidence=1 - alpha,
+        rows=rows,
+        unmatched=unmatched,
+        env_changes=changes,
+        env_allowed=allow_env_change,
+        relaxed_keys=relaxed,
+        baseline_git=base.meta.get("git"),
+        candidate_git=cand.meta.get("git"),
+    )
+
+
+def _nothing_in_common(base: Run, cand: Run, match: list[str], unmatched: list[Unmatched]) -> str:
+    if any(u.reason.startswith(("status", "no decode")) for u in unmatched):
+        return f"no row could be compared: {'; '.join(f'{u.engine} {u.cache} prompt {u.prompt_len}: {u.reason}' for u in unmatched)}"
+    differ = []
+    for k in match:
+        vb, vc = sorted(map(str, set(base.summary[k]))), sorted(map(str, set(cand.summary[k])))
+        if not set(vb) & set(vc):
+            differ.append(f"{k} {','.join(vb)} vs {','.join(vc)}")
+    why = f" (baseline vs candidate: {'; '.join(differ)})" if differ else ""
+    return f"the runs have no rows in common{why}; rows are matched on {', '.join(match)}"
+
+
+def _compare_row(b, c, xb, xc, alpha, threshold, n_boot, seed) -> RowComparison:
+    ratio, lo, hi = median_ratio_ci(xb, xc, 1 - alpha, n_boot, seed)
+    p = mann_whitney_p(xb, xc)
+    notes = []
+    if smallest_p(len(xb), len(xc)) >= alpha:
+        notes.append(f"too few decode steps ({len(xb)} vs {len(xc)}) for any result to reach alpha {alpha:g}")
+
+    kv_b, kv_c = _num(b, "kv_cache_mib"), _num(c, "kv_cache_mib")
+    kv_delta = kv_c - kv_b
+    peak_b, peak_c = _num(b, "peak_mem_mib"), _num(c, "peak_mem_mib")
+    peak_delta = peak_c - peak_b
+    memory = False
+    if kv_delta > 1e-6 * max(abs(kv_b), 1e-9):  # KV bytes are exact counts: any growth is real
+        memory = True
+        notes.append(f"memory: the KV cache holds {kv_delta:+.4g} MiB")
+    # On the CPU peak memory is the process's high-water mark (everything run before counts): not a gate there.
+    on_cuda = str(b["device"]).startswith("cuda") and str(c["device"]).startswith("cuda")
+    if on_cuda and peak_b > 0 and peak_delta > threshold * peak_b:
+        memory = True
+        notes.append(f"memory: peak allocated {peak_delta:+.1f} MiB ({peak_delta / peak_b:+.1%})")
+    both_agree = "token_agreement" in b.index and "token_agreement" in c.index
+    return RowComparison(
+        engine=b["engine"],
+        cache=b["cache"],
+        model=b["model"],
+        weights=b["weights"],
+        dtype=b["dtype"] if b["dtype"] == c["dtype"] else f"{b['dtype']}->{c['dtype']}",
+        device=b["device"] if b["device"] == c["device"] else f"{b['device']}->{c['device']}",
+        prompt_len=int(b["prompt_len"]),
+        new_tokens=int(b["new_tokens"]),
+        batch=int(b["batch"]),
+        n_baseline=len(xb),
+        n_candidate=len(xc),
+        tpot_ms_baseline=float(np.median(xb)),
+        tpot_ms_candidate=float(np.median(xc)),
+        tpot_ratio=ratio,
+        ci_low=lo,
+        ci_high=hi,
+        p_value=p,
+        verdict=verdict(ratio, p, alpha, threshold),
+        ttft_ratio=_num(c, "ttft_ms") / _num(b, "ttft_ms"),
+        tokens_per_s_ratio=_num(c, "tokens_per_s") / _num(b, "tokens_per_s"),
+        peak_mem_delta_mib=peak_delta,
+        kv_cache_delta_mib=kv_delta,
+        token_agreement_baseline=_num(b, "token_agreement") if both_agree else math.nan,
+        token_agreement_candidate=_num(c, "token_agreement") if both_agree else math.nan,
+        memory_regressed=memory,
+        notes=notes,
+    )
+
+
+# --- options and outputs ---------------------------------------------------------------------------------------------
+def parse_fail_on(text: str | None) -> list[str]:
+    """`slower`, `memory` or `slower,memory` -> the list of gates; None or empty -> no gate."""
+    if not text:
+        return []
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in FAIL_ON]
+    if bad:
+        raise KVBenchError(
+            f"--fail-on {bad[0]!r} is not a gate; choose from {', '.join(FAIL_ON)} (comma-separated)"
+        )
+    return names
+
+
+def parse_threshold(text: str) -> float:
+    """`5%` or `0.05` -> 0.05. A bare number of 1 or more is refused (5 would mean 500%)."""
+    s = str(text).strip()
+    try:
+        value = float(s[:-1]) / 100 if s.endswith("%") else float(s)
+    except ValueError:
+        raise KVBenchError(f"--threshold {s!r} is not a number; give e.g. 5% or 0.05") from None
+    if not s.endswith("%") and value >= 1:
+        raise KVBenchError(
+            f"--threshold {s}: give a fraction (0.05) or a percentage (5%); did you mean {s}%?"
+        )
+    if not 0 <= value < 1:
+        raise KVBenchError(f"--threshold {s} must be at least 0% and below 100%")
+    return value
+
+
+def _nan_to_none(v):
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def json_doc(c: Comparison, fail_on: list[str], files: list[Path] | None = None) -> dict:
+    """The whole comparison as one JSON-ready document (NaN -> null)."""
+    regressions = c.regressions(fail_on)
+    return {
+        "baseline": c.baseline,
+        "candidate": c.candidate,
+        "alpha": c.alpha,
+        "threshold": c.threshold,
+        "confidence": c.confidence,
+        "fail_on": fail_on,
+        "regressed": bool(regressions),
+        "regressions": regressions,
+        "environment": {
+            "changes": [asdict(e) for e in c.env_changes],
+            "allowed": c.env_allowed,
+            "not_matched_on": c.relaxed_keys,
+        },
+        "git": {"baseline": c.baseline_git, "candidate": c.candidate_git},
+        "rows": [{k: _nan_to_none(v) for k, v in asdict(r).items()} for r in c.rows],
+        "unmatched": [asdict(u) for u in c.unmatched],
+        "files": [str(f) for f in files or []],
+    }
