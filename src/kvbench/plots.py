@@ -224,3 +224,49 @@ def replot(run_dir: str | Path) -> list[Path]:
     steps = pd.read_csv(run_dir / "steps.csv")
     meta = json.loads((run_dir / "meta.json").read_text())
     return write_plots(run_dir, summary, steps, meta)
+
+
+# --- compare -------------------------------------------------------------------------------------------------------
+VERDICT_COLOUR = {"slower": "tab:red", "faster": "tab:green", "no significant change": "tab:grey"}
+
+
+def compare_figure(comparison, path: Path) -> Path:
+    """compare.png: per row, the candidate / baseline TPOT median ratio with its bootstrap interval, sorted with
+    the slowest at the top; a line at 1.0 (no change) and a band for the minimum effect (--threshold)."""
+    rows = sorted(comparison.rows, key=lambda r: r.tpot_ratio, reverse=True)
+    t = comparison.threshold
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(rows) + 2.3))
+    y = list(range(len(rows)))
+    ax.axvspan(1 - t, 1 + t, color="0.92", zorder=0)  # changes smaller than the minimum effect
+    ax.axvline(1.0, color="0.35", linewidth=1, zorder=1)
+    for i, r in enumerate(rows):
+        colour = VERDICT_COLOUR.get(r.verdict, "black")
+        ax.errorbar(
+            r.tpot_ratio, i, xerr=[[r.tpot_ratio - r.ci_low], [r.ci_high - r.tpot_ratio]],
+            fmt="o", color=colour, ecolor=colour, elinewidth=2, capsize=4, markersize=6, zorder=3,
+        )  # fmt: skip
+        ax.annotate(f"×{r.tpot_ratio:.3f}  {r.verdict}", (r.ci_high, i), xytext=(7, 0),
+                    textcoords="offset points", va="center", fontsize=8.5, color=colour)  # fmt: skip
+    ax.set_yticks(y, [r.label for r in rows])
+    ax.invert_yaxis()
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    lo = min([r.ci_low for r in rows] + [1 - 1.5 * t, 0.9])
+    hi = max([r.ci_high for r in rows] + [1 + 1.5 * t, 1.1])
+    pad = 0.05 * (hi - lo)
+    ax.set_xlim(lo - pad, hi + 0.28 * (hi - lo))  # room on the right for the labels
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}×"))
+    ax.set_xlabel("TPOT, candidate / baseline median decode step  (< 1: faster, > 1: slower)")
+    ax.grid(True, axis="x", alpha=0.3)
+    level = f"{comparison.confidence:.0%}"
+    ax.set_title(
+        f"bars: {level} bootstrap interval · shaded: ±{t:.0%}, the minimum effect · "
+        f"test: Mann-Whitney U, alpha {comparison.alpha:g}",
+        fontsize=9,
+        color="0.3",
+    )
+    base, cand = Path(comparison.baseline).name, Path(comparison.candidate).name
+    fig.suptitle(f"Decode speed: {cand} vs baseline {base}", fontsize=12)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
