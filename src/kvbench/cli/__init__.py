@@ -4,7 +4,7 @@ Commands parse options, call a library function that returns dataclasses, and re
 transformers, matplotlib) happen inside the commands so `kvbench --help` is instant.
 """
 
-from kvbench.cli import bench, break_, generate, memory, verify  # noqa: F401  (each registers its command)
+from kvbench.cli import bench, break_, compare, generate, memory, verify  # noqa: F401  (each registers its command)
 from kvbench.cli.app import app
 
 __all__ = ["app", "main"]

@@ -82,11 +82,23 @@ def bench(
         int | None,
         typer.Option("--threads", help="torch CPU threads (default: torch's default: one per core)."),
     ] = None,
+    baseline: Annotated[
+        Path | None,
+        typer.Option(
+            "--baseline",
+            help="A previous run folder: compare this run against it when the sweep ends (as kvbench compare).",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Measure no cache vs each cache vs transformers: TTFT, TPOT, memory, token agreement."""
     from kvbench import bench as B
     from kvbench import report
+
+    if baseline is not None:
+        from kvbench.runs import load_run
+
+        load_run(baseline, "--baseline")  # a bad folder fails now, not after the sweep
 
     overrides = dict(
         prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
@@ -118,10 +130,24 @@ def bench(
         raise
     with _signals_ignored():
         files = recorder.finish("complete", engines)
+    comparison = None
+    if baseline is not None:
+        from kvbench.cli.compare import run_compare
+
+        comparison, compare_files = run_compare(baseline, run_dir)
     if json_out:
-        console.print_json(recorder.json_doc())
+        from kvbench.compare import json_doc
+
+        doc = recorder.json_doc()
+        if comparison is not None:
+            doc["compare"] = json_doc(comparison, [], compare_files)
+        console.print_json(doc)
     else:
         render_bench(recorder.summary, recorder.meta, run_dir, files)
+        if comparison is not None:
+            from kvbench.cli.compare import render_compare
+
+            render_compare(comparison, [], compare_files)
     failed = [r for r in recorder.summary if r.status.startswith("error")]
     if failed:
         console.error(

@@ -1,0 +1,261 @@
+"""`kvbench compare`: a candidate bench run against a baseline, row by row; the CI gate for decode speed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from kvbench import console
+from kvbench.cli.app import app, handle_errors
+from kvbench.console import out
+from kvbench.errors import KVBenchError
+
+FORMATS = ("table", "md", "json")
+
+
+@app.command()
+@handle_errors
+def compare(
+    baseline: Annotated[Path, typer.Argument(help="The reference run folder (written by kvbench bench).")],
+    candidate: Annotated[Path, typer.Argument(help="The run folder to judge against it.")],
+    alpha: Annotated[
+        float, typer.Option("--alpha", help="Significance level of the Mann-Whitney U test on decode steps.")
+    ] = 0.01,
+    threshold: Annotated[
+        str,
+        typer.Option(
+            "--threshold", help="Minimum TPOT change that counts, e.g. 5% or 0.05 (smaller: no change)."
+        ),
+    ] = "5%",
+    fail_on: Annotated[
+        str | None,
+        typer.Option(
+            "--fail-on", help="Exit 1 when any row regresses: slower, memory, or slower,memory (the CI gate)."
+        ),
+    ] = None,
+    fmt: Annotated[
+        str, typer.Option("--format", "-f", help="table (Rich), md (Markdown for a pull request) or json.")
+    ] = "table",
+    allow_env_change: Annotated[
+        bool,
+        typer.Option(
+            "--allow-env-change",
+            help="Compare runs from different devices, dtypes or library versions (the changes are printed).",
+        ),
+    ] = False,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--out", "-o", help="Where compare.png and compare.json go (default: the CANDIDATE folder)."
+        ),
+    ] = None,
+) -> None:
+    """Compare two bench runs: TPOT ratio with a confidence interval and a verdict per row.
+
+    Rows are matched on engine, cache, model, weights, dtype, device, prompt length, new tokens and batch. Exit 0,
+    or 1 with --fail-on when a row regresses; 2 on bad input."""
+    from kvbench import compare as C
+
+    if fmt not in FORMATS:
+        raise KVBenchError(f"--format {fmt!r}: choose table, md or json")
+    gates = C.parse_fail_on(fail_on)
+    comparison, files = run_compare(
+        baseline, candidate, alpha, C.parse_threshold(threshold), allow_env_change, out_dir
+    )
+    if fmt == "json":
+        console.print_json(C.json_doc(comparison, gates, files))
+    elif fmt == "md":
+        typer.echo(markdown(comparison, gates), nl=False)
+        console.note(f"wrote {', '.join(f.name for f in files)} in {files[0].parent}")
+    else:
+        render_compare(comparison, gates, files)
+    if comparison.regressions(gates):
+        raise typer.Exit(1)
+
+
+def run_compare(
+    baseline,
+    candidate,
+    alpha: float = 0.01,
+    threshold: float = 0.05,
+    allow_env_change: bool = False,
+    out_dir=None,
+):
+    """Compare, warn about allowed environment changes, write compare.png and compare.json (into the candidate
+    folder unless `out_dir`); returns the Comparison and the files written. Shared with `bench --baseline`."""
+    from kvbench import compare as C
+    from kvbench import report
+    from kvbench.plots import compare_figure
+
+    comparison = C.compare_runs(baseline, candidate, alpha, threshold, allow_env_change)
+    if comparison.env_changes:
+        console.warn(f"comparing across an environment change: {C.describe_changes(comparison.env_changes)}")
+    if comparison.relaxed_keys:
+        console.warn(f"rows matched without {' and '.join(comparison.relaxed_keys)} (the runs differ in it)")
+    where = report.prepare_run_dir(out_dir or comparison.candidate)
+    png, js = where / "compare.png", where / "compare.json"
+    compare_figure(comparison, png)
+    report.write_json(js, C.json_doc(comparison, [], [png, js]))
+    return comparison, [png, js]
+
+
+# --- rendering ---
+VERDICT_STYLE = {"slower": "bold red", "faster": "bold green", "no significant change": "dim"}
+
+
+def _x(v: float, digits: int = 3) -> str:
+    return "-" if v != v else f"×{v:.{digits}f}"  # v != v: NaN (a run without the column)
+
+
+def _ms(v: float) -> str:
+    """About three significant digits, trailing zeros kept: 2.20, 14.5, 312."""
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
+
+
+def _delta(v: float, spec: str = ".1f") -> str:
+    return "-" if v != v else "0" if v == 0 else format(v, "+" + spec)
+
+
+def _git(g) -> str:
+    if not isinstance(g, dict) or not g.get("commit"):
+        return "unknown"
+    return str(g["commit"])[:7] + (" (uncommitted changes)" if g.get("dirty") else "")
+
+
+def _has_agreement(c) -> bool:
+    return any(r.token_agreement_baseline == r.token_agreement_baseline for r in c.rows)
+
+
+def _agreement(r) -> str:
+    b, c = r.token_agreement_baseline, r.token_agreement_candidate
+    return "-" if b != b and c != c else f"{b:.3f} → {c:.3f}"
+
+
+def _cells(r) -> list[str]:
+    """The numbers of one row, as both the Rich and the Markdown tables show them (verdict left to the caller)."""
+    return [
+        f"{_ms(r.tpot_ms_baseline)} → {_ms(r.tpot_ms_candidate)}", _x(r.tpot_ratio), f"{r.ci_low:.3f}–{r.ci_high:.3f}",
+        f"{r.p_value:.2g}",
+    ]  # fmt: skip
+
+
+def _after(r) -> list[str]:
+    return [_x(r.ttft_ratio, 2), _x(r.tokens_per_s_ratio, 2), _delta(r.peak_mem_delta_mib),
+            _delta(r.kv_cache_delta_mib, ".3g")]  # fmt: skip
+
+
+def _footer(c) -> list[tuple[str, str]]:
+    """(kind, text) lines under the table: row notes, rows not compared, environment changes, the gate."""
+    from kvbench.compare import describe_changes
+
+    lines = [("note", f"{r.label}: {n}") for r in c.rows for n in r.notes]
+    lines += [("not compared", f"{u.engine} {u.cache} prompt {u.prompt_len} ({u.detail}): {u.reason}")
+              for u in c.unmatched]  # fmt: skip
+    if c.env_changes:
+        lines.append(("environment changed (allowed)", describe_changes(c.env_changes)))
+    return lines
+
+
+def _counts(c) -> str:
+    n = {v: sum(r.verdict == v for r in c.rows) for v in VERDICT_STYLE}
+    return (
+        f"{len(c.rows)} row(s) compared: {n['slower']} slower, {n['faster']} faster, "
+        f"{n['no significant change']} no significant change"
+        + (f"; {len(c.unmatched)} not compared" if c.unmatched else "")
+    )
+
+
+def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
+    """The Rich table, the lines under it, the gate's result and the files written."""
+    level = f"{c.confidence:.0%}"
+    cols = ["engine", "cache", "prompt", "TPOT ms", "ratio", f"{level} CI", "p", "verdict", "TTFT", "tok/s",
+            "Δpeak MiB", "ΔKV MiB"]  # fmt: skip
+    agree = _has_agreement(c)
+    if agree:
+        cols.append("agreement")
+    first = c.rows[0]
+    # The header is printed as lines, not as the table's title, so long paths are never wrapped or folded.
+    out.print(
+        f"[bold]compare:[/] {escape(c.candidate)} [bold]against baseline[/] {escape(c.baseline)}",
+        soft_wrap=True,
+    )
+    out.print(
+        f"{escape(first.model)} ({escape(first.weights)} weights), {escape(first.dtype)} on {escape(first.device)}, "
+        f"{first.new_tokens} new tokens, batch {first.batch}; git {_git(c.baseline_git)} -> {_git(c.candidate_git)}",
+        soft_wrap=True,
+    )
+    caption = (
+        f"TPOT: median decode step, baseline → candidate; ratio = candidate / baseline (> 1: slower), with its "
+        f"{level} bootstrap interval. verdict: two-sided Mann-Whitney U on the pooled decode steps at alpha "
+        f"{c.alpha:g}, and a change of at least {c.threshold:.0%}. TTFT, tok/s: ratios of the summary medians "
+        "(tok/s > 1: faster). Δ: candidate - baseline."
+    )
+    tbl = Table(caption=caption, caption_justify="left", box=box.SIMPLE_HEAD,
+                pad_edge=False)  # fmt: skip
+    for i, name in enumerate(cols):
+        tbl.add_column(name, no_wrap=True, justify="left" if i < 2 else "right")
+    for r in c.rows:
+        kv_red = "[red]" if r.memory_regressed else ""
+        after = _after(r)
+        after[-1] = kv_red + after[-1]
+        verdict = f"[{VERDICT_STYLE[r.verdict]}]{r.verdict}[/]"
+        row = [escape(r.engine), escape(r.cache), str(r.prompt_len), *_cells(r), verdict, *after]
+        tbl.add_row(*row, *([escape(_agreement(r))] if agree else []))
+    # A narrow (or non-tty, 80-column) console would squeeze the numbers into ellipses: print at full width instead.
+    wide = out if out.width >= 150 else Console(highlight=False, width=150)
+    wide.print(tbl)
+    for kind, text in _footer(c):
+        out.print(f"[yellow]{kind}:[/] {escape(text)}", soft_wrap=True)
+    out.print(_counts(c))
+    if fail_on:
+        regressions = c.regressions(fail_on)
+        gate = ", ".join(fail_on)
+        if regressions:
+            out.print(f"[bold red]FAIL[/] ({gate}): {len(regressions)} regression(s)")
+            for line in regressions:
+                out.print(f"  {escape(line)}", soft_wrap=True)
+        else:
+            out.print(f"[bold green]PASS[/] ({gate}): no regression")
+    out.print(f"[green]wrote[/] {', '.join(f.name for f in files)} [dim]in[/] {escape(str(files[0].parent))}")
+
+
+def markdown(c, fail_on: list[str]) -> str:
+    """A Markdown report to paste into a pull request: the table, then the lines under it and the gate."""
+    level = f"{c.confidence:.0%}"
+    cols = ["engine", "cache", "prompt", "TPOT ms (base → cand)", "TPOT ratio", f"{level} CI", "p", "verdict",
+            "TTFT ratio", "tokens/s ratio", "Δ peak MiB", "Δ KV MiB"]  # fmt: skip
+    agree = _has_agreement(c)
+    if agree:
+        cols.append("token agreement")
+
+    def md(text: str) -> str:  # user text inside a table cell or code span
+        return str(text).replace("|", "\\|").replace("`", "'")
+
+    lines = [
+        f"**kvbench compare**: `{md(c.candidate)}` against the baseline `{md(c.baseline)}`",
+        "",
+        f"Decode-step TPOT, candidate / baseline (> 1: slower), {level} bootstrap intervals; verdict by "
+        f"Mann-Whitney U at alpha {c.alpha:g} and a change of at least {c.threshold:.0%}.",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "|".join("---" if i < 2 or i == 7 else "---:" for i in range(len(cols))) + "|",
+    ]
+    for r in c.rows:
+        verdict = f"**{r.verdict}**" if r.verdict != "no significant change" else r.verdict
+        cells = [md(r.engine), md(r.cache), str(r.prompt_len), *_cells(r), verdict, *_after(r)]
+        lines.append("| " + " | ".join(cells + ([_agreement(r)] if agree else [])) + " |")
+    lines.append("")
+    lines += [f"- {kind}: {md(text)}" for kind, text in _footer(c)]
+    lines.append(f"- {_counts(c)}")
+    if fail_on:
+        regressions = c.regressions(fail_on)
+        gate = ", ".join(fail_on)
+        lines.append(f"- **FAIL** ({gate}): " + "; ".join(map(md, regressions)) if regressions
+                     else f"- PASS ({gate}): no regression")  # fmt: skip
+    return "\n".join(lines) + "\n"
