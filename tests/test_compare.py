@@ -411,3 +411,18 @@ def test_bench_with_baseline_runs_the_comparison(base_run, tmp_path):
     assert "not compared: kvbench dynamic prompt 32" in r.stdout
     doc = json.loads((out / "compare.json").read_text())
     assert {(row["cache"], row["prompt_len"]) for row in doc["rows"]} == {(c, 8) for c in CACHES}
+
+
+def test_repeats_that_disagree_are_flagged(base_run, tmp_path):
+    """One repeat of the candidate 30% slower (a burst of load during it): the row says the machine was not steady."""
+    cand = scaled_copy(base_run, tmp_path / "cand", 1.0)
+    steps = pd.read_csv(cand / "steps.csv")
+    hit = (steps.cache == "static") & (steps.prompt_len == 8) & (steps.repeat == 2)
+    steps.loc[hit, "latency_ms"] *= 1.3
+    steps.to_csv(cand / "steps.csv", index=False)
+    code, doc, text = compare_json(base_run, cand)
+    assert code == 0, text
+    flagged = {(row["cache"], row["prompt_len"]) for row in doc["rows"] if not row["steady"]}
+    assert ("static", 8) in flagged, doc["rows"]
+    row = next(row for row in doc["rows"] if (row["cache"], row["prompt_len"]) == ("static", 8))
+    assert any("the candidate's repeats disagree" in n for n in row["notes"])

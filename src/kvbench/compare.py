@@ -158,6 +158,7 @@ class RowComparison:
     token_agreement_baseline: float  # NaN unless both runs have the column
     token_agreement_candidate: float
     memory_regressed: bool
+    steady: bool = True  # False: within one run, repeats' median steps differ by more than the threshold
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -211,14 +212,22 @@ def _num(row: pd.Series, col: str) -> float:
     return math.nan if v is None or pd.isna(v) else float(v)
 
 
-def _steps_for(run: Run, row: pd.Series) -> np.ndarray:
-    """The pooled decode-step latencies of one summary row: steps.csv rows with the same key columns."""
+def _steps_for(run: Run, row: pd.Series) -> tuple[np.ndarray, list[float]]:
+    """The pooled decode-step latencies of one summary row (steps.csv rows with the same key columns), and the
+    median of each timed repeat where steps.csv says which repeat a step belongs to."""
     st = run.steps
     mask = np.ones(len(st), dtype=bool)
     for col in KEY:
         if col in st.columns:
             mask &= (st[col] == row[col]).to_numpy()
-    return st.loc[mask, "latency_ms"].to_numpy(dtype=float)
+    mine = st.loc[mask]
+    per_repeat = list(mine.groupby("repeat")["latency_ms"].median()) if "repeat" in mine.columns else []
+    return mine["latency_ms"].to_numpy(dtype=float), per_repeat
+
+
+def repeat_spread(medians: list[float]) -> float:
+    """How far apart a run's repeats are: slowest repeat median / fastest - 1 (0 with fewer than two repeats)."""
+    return max(medians) / min(medians) - 1 if len(medians) >= 2 and min(medians) > 0 else 0.0
 
 
 def check_environment(base: Run, cand: Run, allow_env_change: bool) -> list[EnvChange]:
@@ -274,12 +283,20 @@ def compare_runs(
                 f"status {b.get('status', 'ok')} / {c.get('status', 'ok')} (baseline / candidate): no timings",
             )
             continue
-        xb, xc = _steps_for(base, b), _steps_for(cand, c)
+        (xb, rb), (xc, rc) = _steps_for(base, b), _steps_for(cand, c)
         empty = [side for side, x in (("baseline", xb), ("candidate", xc)) if len(x) == 0]
         if empty:
             skip(b, f"no decode steps in the {' and '.join(empty)} steps.csv")
             continue
-        rows.append(_compare_row(b, c, xb, xc, alpha, threshold, n_boot, seed + i))
+        row = _compare_row(b, c, xb, xc, alpha, threshold, n_boot, seed + i)
+        for side, medians in (("baseline", rb), ("candidate", rc)):
+            if repeat_spread(medians) > threshold:  # the machine changed speed within the run
+                row.steady = False
+                row.notes.append(
+                    f"the {side}'s repeats disagree (median step {min(medians):.3g} to {max(medians):.3g} ms): "
+                    "the machine was not steady, so p understates the uncertainty; rerun on a quiet machine"
+                )
+        rows.append(row)
     for key, c in c_rows.items():
         if key not in b_rows:
             skip(c, "only in the candidate")
