@@ -8,12 +8,11 @@ from typing import Annotated
 import typer
 from rich import box
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from kvbench import console
 from kvbench.cli.app import app, handle_errors
-from kvbench.console import out
+from kvbench.console import cell, line, out, styled
 from kvbench.errors import KVBenchError
 
 FORMATS = ("table", "md", "json")
@@ -172,7 +171,8 @@ def _counts(c) -> str:
 
 
 def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
-    """The Rich table, the lines under it, the gate's result and the files written."""
+    """The Rich table, the lines under it, the gate's result and the files written. User text (paths, names) is
+    literal: cells and lines go through `cell`, `line` and `styled`, never through markup."""
     level = f"{c.confidence:.0%}"
     cols = ["engine", "cache", "prompt", "TPOT ms", "ratio", f"{level} CI", "p", "verdict", "TTFT", "tok/s",
             "Δpeak MiB", "ΔKV MiB"]  # fmt: skip
@@ -182,13 +182,17 @@ def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
     first = c.rows[0]
     # The header is printed as lines, not as the table's title, so long paths are never wrapped or folded.
     out.print(
-        f"[bold]compare:[/] {escape(c.candidate)} [bold]against baseline[/] {escape(c.baseline)}",
-        soft_wrap=True,
+        line(
+            styled("compare:", "bold"),
+            f" {c.candidate} ",
+            styled("against baseline", "bold"),
+            f" {c.baseline}",
+        )
     )
     out.print(
-        f"{escape(first.model)} ({escape(first.weights)} weights), {escape(first.dtype)} on {escape(first.device)}, "
-        f"{first.new_tokens} new tokens, batch {first.batch}; git {_git(c.baseline_git)} -> {_git(c.candidate_git)}",
-        soft_wrap=True,
+        f"{first.model} ({first.weights} weights), {first.dtype} on {first.device}, {first.new_tokens} new tokens, "
+        f"batch {first.batch}; git {_git(c.baseline_git)} -> {_git(c.candidate_git)}",
+        markup=False,
     )
     caption = (
         f"TPOT: median decode step, baseline → candidate; ratio = candidate / baseline (> 1: slower), with its "
@@ -196,33 +200,39 @@ def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
         f"{c.alpha:g}, and a change of at least {c.threshold:.0%}. TTFT, tok/s: ratios of the summary medians "
         "(tok/s > 1: faster). Δ: candidate - baseline."
     )
-    tbl = Table(caption=caption, caption_justify="left", box=box.SIMPLE_HEAD,
-                pad_edge=False)  # fmt: skip
+    tbl = Table(caption=caption, caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for i, name in enumerate(cols):
         tbl.add_column(name, no_wrap=True, justify="left" if i < 2 else "right")
     for r in c.rows:
-        kv_red = "[red]" if r.memory_regressed else ""
-        after = _after(r)
-        after[-1] = kv_red + after[-1]
-        verdict = f"[{VERDICT_STYLE[r.verdict]}]{r.verdict}[/]"
-        row = [escape(r.engine), escape(r.cache), str(r.prompt_len), *_cells(r), verdict, *after]
-        tbl.add_row(*row, *([escape(_agreement(r))] if agree else []))
-    # A narrow (or non-tty, 80-column) console would squeeze the numbers into ellipses: print at full width instead.
+        after: list = _after(r)
+        if r.memory_regressed:
+            after[-1] = styled(after[-1], "red")
+        row = [
+            r.engine,
+            r.cache,
+            r.prompt_len,
+            *_cells(r),
+            styled(r.verdict, VERDICT_STYLE[r.verdict]),
+            *after,
+        ]
+        tbl.add_row(*[cell(x) for x in row + ([_agreement(r)] if agree else [])])
+    # A narrow terminal would squeeze the numbers into ellipses: print at full width instead.
     wide = out if out.width >= 150 else Console(highlight=False, width=150)
     wide.print(tbl)
     for kind, text in _footer(c):
-        out.print(f"[yellow]{kind}:[/] {escape(text)}", soft_wrap=True)
-    out.print(_counts(c))
+        out.print(line(styled(f"{kind}:", "yellow"), " ", text))
+    out.print(_counts(c), markup=False)
     if fail_on:
         regressions = c.regressions(fail_on)
         gate = ", ".join(fail_on)
         if regressions:
-            out.print(f"[bold red]FAIL[/] ({gate}): {len(regressions)} regression(s)")
-            for line in regressions:
-                out.print(f"  {escape(line)}", soft_wrap=True)
+            out.print(line(styled("FAIL", "bold red"), f" ({gate}): {len(regressions)} regression(s)"))
+            for text in regressions:
+                out.print(f"  {text}", markup=False)
         else:
-            out.print(f"[bold green]PASS[/] ({gate}): no regression")
-    out.print(f"[green]wrote[/] {', '.join(f.name for f in files)} [dim]in[/] {escape(str(files[0].parent))}")
+            out.print(line(styled("PASS", "bold green"), f" ({gate}): no regression"))
+    out.print(line(styled("wrote", "green"), f" {', '.join(f.name for f in files)} ", styled("in", "dim"),
+                   f" {files[0].parent}"))  # fmt: skip
 
 
 def markdown(c, fail_on: list[str]) -> str:
