@@ -232,20 +232,24 @@ def test_unmatched_rows_are_listed_not_dropped(base_run, tmp_path):
     for name in ("summary.csv", "steps.csv"):
         df = pd.read_csv(cand / name)
         df = df[~((df.cache == "static") & (df.prompt_len == 32))]  # a row the candidate did not run
-        df.loc[(df.cache == "dynamic") & (df.prompt_len == 32), "prompt_len"] = (
-            64  # and one the baseline lacks
-        )
+        moved = (df.cache == "dynamic") & (df.prompt_len == 32)
+        df.loc[moved, "prompt_len"] = 64  # and one the baseline lacks
+        if name == "summary.csv":
+            df.loc[(df.cache == "static") & (df.prompt_len == 8), "status"] = (
+                "oom"  # one that ran out of memory
+            )
         df.to_csv(cand / name, index=False)
     code, doc, text = compare_json(base_run, cand)
     assert code == 0, text
-    assert len(doc["rows"]) == 2
+    assert len(doc["rows"]) == 1
     assert {(u["cache"], u["prompt_len"], u["reason"]) for u in doc["unmatched"]} == {
+        ("static", 8, "status oom in the candidate: no timings"),
         ("static", 32, "only in the baseline"),
         ("dynamic", 32, "only in the baseline"),
         ("dynamic", 64, "only in the candidate"),
     }
     r, _ = invoke("compare", base_run, cand)
-    assert "not compared: kvbench dynamic prompt 64" in r.stdout and "3 not compared" in r.stdout
+    assert "not compared: kvbench dynamic prompt 64" in r.stdout and "4 not compared" in r.stdout
 
 
 # --- environment drift -------------------------------------------------------------------------------------------------

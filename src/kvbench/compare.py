@@ -276,12 +276,10 @@ def compare_runs(
         if c is None:
             skip(b, "only in the baseline")
             continue
-        bad = [side for side, r in (("baseline", b), ("candidate", c)) if r.get("status", "ok") != "ok"]
-        if bad:
-            skip(
-                b,
-                f"status {b.get('status', 'ok')} / {c.get('status', 'ok')} (baseline / candidate): no timings",
-            )
+        failed = [f"{r.get('status')} in the {side}" for side, r in (("baseline", b), ("candidate", c))
+                  if r.get("status", "ok") != "ok"]  # fmt: skip
+        if failed:
+            skip(b, f"status {' and '.join(failed)}: no timings")  # e.g. oom: CUDA ran out of memory
             continue
         (xb, rb), (xc, rc) = _steps_for(base, b), _steps_for(cand, c)
         empty = [side for side, x in (("baseline", xb), ("candidate", xc)) if len(x) == 0]
@@ -344,7 +342,7 @@ def _compare_row(b, c, xb, xc, alpha, threshold, n_boot, seed) -> RowComparison:
     memory = False
     if kv_delta > 1e-6 * max(abs(kv_b), 1e-9):  # KV bytes are exact counts: any growth is real
         memory = True
-        notes.append(f"memory: the KV cache holds {kv_delta:+.4g} MiB")
+        notes.append(f"memory: the KV cache holds {kv_delta:.4g} MiB more")
     # On the CPU peak memory is the process's high-water mark (everything run before counts): not a gate there.
     on_cuda = str(b["device"]).startswith("cuda") and str(c["device"]).startswith("cuda")
     if on_cuda and peak_b > 0 and peak_delta > threshold * peak_b:

@@ -57,8 +57,8 @@ def compare(
 ) -> None:
     """Compare two bench runs: TPOT ratio with a confidence interval and a verdict per row.
 
-    Rows are matched on engine, cache, model, weights, dtype, device, prompt length, new tokens and batch. Exit 0,
-    or 1 with --fail-on when a row regresses; 2 on bad input."""
+    Rows are matched on engine, cache, model, weights, dtype, device, prompt length, new tokens and batch.
+    Exit 0; 1 with --fail-on when a row regresses; 2 on bad input."""
     from kvbench import compare as C
 
     if fmt not in FORMATS:
