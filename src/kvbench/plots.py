@@ -245,7 +245,8 @@ def compare_figure(comparison, path: Path) -> Path:
             r.tpot_ratio, i, xerr=[[r.tpot_ratio - r.ci_low], [r.ci_high - r.tpot_ratio]],
             fmt="o", color=colour, ecolor=colour, elinewidth=2, capsize=4, markersize=6, zorder=3,
         )  # fmt: skip
-        ax.annotate(f"×{r.tpot_ratio:.3f}  {r.verdict}", (r.ci_high, i), xytext=(7, 0),
+        mark = "" if r.steady else " *"
+        ax.annotate(f"×{r.tpot_ratio:.3f}  {r.verdict}{mark}", (r.ci_high, i), xytext=(7, 0),
                     textcoords="offset points", va="center", fontsize=8.5, color=colour)  # fmt: skip
     ax.set_yticks(y, [r.label for r in rows])
     ax.invert_yaxis()
@@ -260,7 +261,12 @@ def compare_figure(comparison, path: Path) -> Path:
     level = f"{comparison.confidence:.0%}"
     ax.set_title(
         f"bars: {level} bootstrap interval · shaded: ±{t:.0%}, the minimum effect · "
-        f"test: Mann-Whitney U, alpha {comparison.alpha:g}",
+        f"test: Mann-Whitney U, alpha {comparison.alpha:g}"
+        + (
+            "\n*: a run's repeats disagree by more than the band (the machine changed speed)"
+            if any(not r.steady for r in rows)
+            else ""
+        ),
         fontsize=9,
         color="0.3",
     )

@@ -150,15 +150,27 @@ def _after(r) -> list[str]:
 
 
 def _footer(c) -> list[tuple[str, str]]:
-    """(kind, text) lines under the table: row notes, rows not compared, environment changes, the gate."""
+    """(kind, text) lines under the table: row notes, unsteady runs, rows not compared, environment changes."""
     from kvbench.compare import describe_changes
 
     lines = [("note", f"{r.label}: {n}") for r in c.rows for n in r.notes]
+    unsteady = [r for r in c.rows if not r.steady]
+    if unsteady:
+        spread = max(max(r.repeat_spread_baseline, r.repeat_spread_candidate) for r in unsteady)
+        lines.append((
+            "*", f"in {len(unsteady)} row(s) the repeats of one run disagree by more than {c.threshold:.0%} (up to "
+            f"{spread:.0%}): the machine changed speed during the run, so p understates the uncertainty there; "
+            "rerun both on a quiet machine",
+        ))  # fmt: skip
     lines += [("not compared", f"{u.engine} {u.cache} prompt {u.prompt_len} ({u.detail}): {u.reason}")
               for u in c.unmatched]  # fmt: skip
     if c.env_changes:
         lines.append(("environment changed (allowed)", describe_changes(c.env_changes)))
     return lines
+
+
+def _verdict(r) -> str:
+    return r.verdict + ("" if r.steady else " *")
 
 
 def _counts(c) -> str:
@@ -212,7 +224,7 @@ def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
             r.cache,
             r.prompt_len,
             *_cells(r),
-            styled(r.verdict, VERDICT_STYLE[r.verdict]),
+            styled(_verdict(r), VERDICT_STYLE[r.verdict]),
             *after,
         ]
         tbl.add_row(*[cell(x) for x in row + ([_agreement(r)] if agree else [])])
@@ -220,7 +232,7 @@ def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
     wide = out if out.width >= 150 else Console(highlight=False, width=150)
     wide.print(tbl)
     for kind, text in _footer(c):
-        out.print(line(styled(f"{kind}:", "yellow"), " ", text))
+        out.print(line(styled(kind if kind == "*" else f"{kind}:", "yellow"), " ", text))
     out.print(_counts(c), markup=False)
     if fail_on:
         regressions = c.regressions(fail_on)
@@ -258,10 +270,11 @@ def markdown(c, fail_on: list[str]) -> str:
     ]
     for r in c.rows:
         verdict = f"**{r.verdict}**" if r.verdict != "no significant change" else r.verdict
+        verdict += "" if r.steady else " \\*"
         cells = [md(r.engine), md(r.cache), str(r.prompt_len), *_cells(r), verdict, *_after(r)]
         lines.append("| " + " | ".join(cells + ([_agreement(r)] if agree else [])) + " |")
     lines.append("")
-    lines += [f"- {kind}: {md(text)}" for kind, text in _footer(c)]
+    lines += ["- " + ("\\*" if kind == "*" else f"{kind}:") + f" {md(text)}" for kind, text in _footer(c)]
     lines.append(f"- {_counts(c)}")
     if fail_on:
         regressions = c.regressions(fail_on)
