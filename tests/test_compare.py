@@ -405,9 +405,8 @@ def test_markdown_and_table_formats(base_run, tmp_path):
 
 def test_bench_with_baseline_runs_the_comparison(base_run, tmp_path):
     out = tmp_path / "run"
-    small = [
-        a if a != "8,32" else "8" for a in BENCH
-    ]  # one prompt length: the others are listed as not compared
+    # one prompt length: the baseline's other rows are listed as not compared
+    small = [a if a != "8,32" else "8" for a in BENCH]
     r, text = invoke("bench", *small, "--out", out, "--baseline", base_run)
     assert r.exit_code == 0, text
     assert (out / "compare.png").is_file() and (out / "summary.csv").is_file()
