@@ -271,7 +271,7 @@ def compare_figure(comparison, path: Path) -> Path:
         color="0.3",
     )
     base, cand = Path(comparison.baseline).name, Path(comparison.candidate).name
-    fig.suptitle(f"Decode speed: {cand} vs baseline {base}", fontsize=12)
+    fig.suptitle(f"Decode speed: candidate '{cand}' against baseline '{base}'", fontsize=12)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
