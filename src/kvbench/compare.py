@@ -201,7 +201,8 @@ class Comparison:
         out = []
         for r in self.rows:
             if "slower" in fail_on and r.verdict == "slower":
-                out.append(f"{r.label}: slower, TPOT ×{r.tpot_ratio:.3f} (p = {r.p_value:.2g})")
+                unsteady = "" if r.steady else "; a run's repeats disagree: rerun before trusting this"
+                out.append(f"{r.label}: slower, TPOT ×{r.tpot_ratio:.3f} (p = {r.p_value:.2g}{unsteady})")
             if "memory" in fail_on and r.memory_regressed:
                 out.append(f"{r.label}: memory, {'; '.join(n for n in r.notes if n.startswith('memory'))}")
         return out
