@@ -19,6 +19,7 @@ GPT-2 bench's; what differs lives here:
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -170,8 +171,13 @@ class HFModelEngine:
         x = torch.cat(
             [ids, torch.tensor([r[:d] for r in ref], device=ids.device, dtype=ids.dtype)], dim=1
         )  # (B, T + d)
+        model = self.loaded.model
+        # the vocabulary projection of the last position only, as generate asks for it, where the model takes it
+        last = (
+            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        )
         with quiet_transformers():
-            out = self.loaded.model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False)
+            out = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False, **last)
         return out.logits[:, -1].float().cpu()
 
     @staticmethod
