@@ -1,6 +1,7 @@
 """verify --hf and bench --hf on tiny random Hugging Face models built in tmp_path: Llama, Qwen2, Mistral (sliding
 window shorter than the run), Gemma 2 (hybrid) pass every check; a remote-code model whose positions come from the
-cache length fails exactly `batched`; models that cannot load are one line and exit 2; bench --hf writes rows."""
+cache length fails exactly `batched`; models that cannot load are one line and exit 2; bench --hf writes rows held to
+the model's own `none`, refuses bad input before any work (no run folder), and keeps its rows on SIGTERM."""
 
 import os
 
@@ -338,3 +339,129 @@ def test_bench_hf_checks_the_context(model_dirs, tmp_path):
         "bench", "--hf", str(model_dirs["llama"]), "--caches", "paged", "--out", str(tmp_path / "r")
     )
     assert r.exit_code == 2 and "paged" in out, out
+
+
+def test_bench_hf_rows_carry_token_agreement(model_dirs, tmp_path, monkeypatch):
+    """Every row is held to the model's own `none`: correct caches agree, and a DynamicCache that loses the first
+    token once it holds more than 4 (fast, wrong tokens) is caught, not reported as a speedup."""
+    from transformers.cache_utils import DynamicLayer
+
+    real_update = DynamicLayer.update
+
+    def forgets_the_first_token(self, key_states, value_states, *args, **kwargs):
+        k, v = real_update(self, key_states, value_states, *args, **kwargs)
+        if k.size(2) > 4:
+            k, v = k.clone(), v.clone()
+            k[:, :, 0], v[:, :, 0] = 0, 0  # (B, H, S, Dh): the first token lost
+        return k, v
+
+    monkeypatch.setattr(DynamicLayer, "update", forgets_the_first_token)
+    out_dir = tmp_path / "run"
+    r, out = invoke(
+        "bench", "--hf", str(model_dirs["llama"]), "--prompt-len", "6", "--new-tokens", "16", "--caches",
+        "none,dynamic,static", "--repeats", "1", "--warmup", "0", "--out", str(out_dir),
+    )  # fmt: skip
+    assert r.exit_code == 0, out  # a flip is reported in the row (and in red under the table), not a failure
+    rows = pd.read_csv(out_dir / "summary.csv").set_index("cache")
+    for cache in ("none", "static"):
+        row = rows.loc[cache]
+        assert row.token_agreement == 1.0 and row.flips == 0 and row.tokens_note == "identical", row
+    bad = rows.loc["dynamic"]
+    assert bad.token_agreement < 1.0 and bad.flips == 1 and bad.near_tie_flips == 0, bad
+    assert bad.first_divergence >= 0 and "DIFFERS" in bad.tokens_note, bad.tokens_note
+    assert "hf dynamic prompt 6: tokens token" in " ".join(r.stdout.split()), out
+    meta = json.loads((out_dir / "meta.json").read_text())
+    assert "the model's own none" in meta["token_reference"], meta["token_reference"]
+    assert meta["settings"]["hf"] == str(model_dirs["llama"]) and "model" not in meta["settings"]
+
+
+def test_bench_hf_without_none_has_no_reference(model_dirs, tmp_path):
+    out_dir = tmp_path / "run"
+    r, out = invoke("bench", "--hf", str(model_dirs["llama"]), "--prompt-len", "6", "--new-tokens", "4",
+                    "--caches", "static", "--repeats", "1", "--warmup", "0", "--out", str(out_dir))  # fmt: skip
+    assert r.exit_code == 0, out
+    assert "need the model's own `none`" in r.stderr, out
+    row = pd.read_csv(out_dir / "summary.csv").iloc[0]
+    assert pd.isna(row.token_agreement) and row.tokens_note.startswith(
+        "no reference: the model's own none"
+    ), row
+
+
+def _bad_bench_hf(tmp_path: Path, llama: Path) -> dict[str, tuple[list[str], str]]:
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "summary.csv").write_text("engine,cache\nhf,none\n")
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text('model = "gpt2"\nprompt_len = [8]\n')
+    src = str(llama)
+    return {
+        "model": (["--hf", src, "--model", "gpt2"], "--model chooses kvbench's own GPT-2"),
+        "weights": (["--hf", src, "--weights", "random"], "--weights chooses"),
+        "model in the config file": (["--hf", src, "--config", str(sweep)], f"--config {sweep} sets model"),
+        "engine kvbench": (["--hf", src, "--engine", "kvbench"], "--engine kvbench: with --hf"),
+        "engine hf-compiled": (["--hf", src, "--engine", "hf,hf-compiled"], "static-compiled"),
+        "cache of ours": (["--hf", src, "--caches", "none,paged"], "unknown cache 'paged' for bench --hf"),
+        "caches empty": (["--hf", src, "--caches", ""], "--caches is empty"),
+        "beyond the context": (
+            ["--hf", src, "--prompt-len", "8,250", "--new-tokens", "16"],
+            "250 + 16 = 266",
+        ),
+        "beyond memory": (
+            ["--hf", src, "--batch", "10000000", "--prompt-len", "200", "--new-tokens", "16"],
+            "more than the device's",
+        ),
+        "layers": (["--hf", src, "--layers", "3"], "--layers must be between 1 and 2"),
+        "new tokens": (["--hf", src, "--new-tokens", "1"], "--new-tokens must be >= 2"),
+        "earlier run": (["--hf", src, "--out", str(earlier)], "--force"),
+        "layers without --hf": (["--layers", "2"], "--layers applies to --hf models only"),
+        "remote code without --hf": (["--trust-remote-code"], "--trust-remote-code applies to --hf"),
+    }
+
+
+def test_bench_hf_refuses_before_any_work_and_leaves_no_folder(model_dirs, tmp_path, monkeypatch):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)  # the default run folder would be results/<timestamp>-bench/ here
+    cases = _bad_bench_hf(tmp_path, model_dirs["llama"])
+    cases.update(
+        {f"unloadable: {k}": (["--hf", src], words) for k, (src, words) in _unloadable(tmp_path).items()}
+    )
+    for i, (case, (args, words)) in enumerate(cases.items()):
+        before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+        out_dir = tmp_path / f"run-{i}"
+        # half of them write to the default folder, results/<timestamp>-bench/ under the working directory
+        extra = [] if "--out" in args or i % 2 else ["--out", str(out_dir)]
+        r, out = invoke("bench", *args, *extra)
+        assert r.exit_code == 2, (case, out)
+        assert words in out and "Traceback" not in out, (case, out)
+        assert len(out.strip().splitlines()) == 1, (case, out)
+        assert not out_dir.exists() and not (work / "results").exists(), f"{case}: a run folder was created"
+        assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before, f"{case}: files changed"
+
+
+def test_bench_hf_sigterm_keeps_the_rows(model_dirs, tmp_path, monkeypatch):
+    import signal
+
+    from kvbench.cli import bench as cli_bench
+
+    calls = {"n": 0}
+    real_update = cli_bench._BenchProgress.update
+
+    def update(self, done, total, label):  # a SIGTERM arrives as the third run finishes
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        real_update(self, done, total, label)
+
+    monkeypatch.setattr(cli_bench._BenchProgress, "update", update)
+    out_dir = tmp_path / "run"
+    r, out = invoke("bench", "--hf", str(model_dirs["llama"]), "--prompt-len", "6,10", "--new-tokens", "4",
+                    "--caches", "none,dynamic,static", "--repeats", "1", "--warmup", "0", "--out", str(out_dir))  # fmt: skip
+    assert r.exit_code == 128 + signal.SIGTERM, out
+    summary = pd.read_csv(out_dir / "summary.csv")
+    assert list(summary.cache) == ["none", "dynamic"] and (summary.status == "ok").all(), summary
+    meta = json.loads((out_dir / "meta.json").read_text())
+    assert meta["status"] == "interrupted" and meta["configurations_completed"] == 2
+    assert meta["hf"]["architecture"] == "LlamaForCausalLM"
+    assert (out_dir / "latency.png").read_bytes()[:4] == b"\x89PNG"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

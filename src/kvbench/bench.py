@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kvbench.agreement import TokenCheck, check_tokens, reference_logits
+from kvbench.agreement import TokenCheck, check_tokens
 from kvbench.backends import watch_sdpa
 from kvbench.bench_settings import (
     SETTING_KEYS,
@@ -43,11 +43,9 @@ from kvbench.bench_settings import (
     sweep_model_config,
     sweep_warnings,
 )
-from kvbench.caches import get_cache_spec
 from kvbench.devices import memory_in_use, memory_peak, reset_peak_memory
 from kvbench.engines import ENGINES, HFEngine, KVBenchEngine, RunTiming, build_engines
 from kvbench.errors import KVBenchError
-from kvbench.verify import REFERENCE_TOLERANCES, TOLERANCES
 
 # Settings and engines live in their own modules; these names stay importable from here.
 __all__ = [
@@ -198,13 +196,15 @@ ProgressFn = Callable[[int, int, str], None]  # (runs done, runs total, label of
 
 
 def plan(s: BenchSettings, engines: dict) -> list[tuple[int, str, str]]:
-    """(prompt_len, engine, cache) in run order: per prompt length (as given), kvbench's `none` first (every row's
-    token reference), then per engine (as given) its `none` before its caches (as given)."""
+    """(prompt_len, engine, cache) in run order: per prompt length (as given), the reference engine's `none` first
+    (every row's token reference: kvbench's, or with --hf the model's own), then per engine (as given) its `none`
+    before its caches (as given)."""
     order = sorted(s.caches, key=lambda c: c != "none")
+    reference = next((e for e in s.engine if engines[e].token_reference), None)
     out = []
     for p in s.prompt_len:
         todo = [(p, e, c) for e in s.engine for c in order if engines[e].supports(c)]
-        ref = (p, "kvbench", "none")
+        ref = (p, reference, "none")
         out += ([ref] if ref in todo else []) + [x for x in todo if x != ref]
     return out
 
@@ -283,7 +283,7 @@ def _run_configuration(model, engine, ids, s, common, progress, refs, bpt) -> Co
             torch.cuda.empty_cache()
         progress.advance(n_runs - len(runs), f"{label}: {failure}")
         return ConfigResult(_nan_row(**common, status=failure), [], [])
-    if common["engine"] == "kvbench" and cache == "none":
+    if engine.token_reference and cache == "none":
         refs.setdefault(prompt_len, runs[0].tokens)
     tokens = _check_tokens(model, conf, engine, cache, ids, s, refs.get(prompt_len), runs)
     try:
@@ -301,27 +301,22 @@ def _reserved(device: torch.device) -> float:
 
 def _check_tokens(model, conf, engine, cache, ids, s, ref, runs) -> TokenCheck:
     if ref is None:
-        return TokenCheck.missing("no reference: kvbench's none did not run at this prompt length")
+        return TokenCheck.missing(f"no reference: {engine.reference_label} did not run at this prompt length")
 
     def rerun():
         t = conf.run(ids, s.new_tokens, record_logits=True)
         return t.tokens, t.logits
 
-    # The rounding a correct path may show, as verify allows it: our caches against our no-cache path, transformers
-    # against it as a reference implementation; a lossy cache within its own documented error.
-    dtype = model.lm_head.weight.dtype
-    rtol, atol = (REFERENCE_TOLERANCES if engine.family == "hf" else TOLERANCES)[dtype]
-    spec = get_cache_spec(cache)
-    if not spec.exact:
-        rtol, atol = max(rtol, spec.logit_rtol), max(atol, spec.logit_atol)
+    # the rounding a correct path may show at a flip, and whether the cache is lossy
+    rtol, atol, lossy = engine.token_tolerance(cache, model.lm_head.weight.dtype)
     return check_tokens(
         ref,
         [r.tokens for r in runs],
-        lambda d: reference_logits(model, ids, ref, d),
+        lambda d: engine.reference_logits(ids, ref, d),
         rerun,
         rtol,
         atol,
-        lossy=not spec.exact,
+        lossy=lossy,
     )
 
 

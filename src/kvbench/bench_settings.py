@@ -117,6 +117,13 @@ def resolve_config_path(path: str | Path) -> Path:
 
 def load_settings(path: str | Path | None, overrides: dict) -> BenchSettings:
     """Defaults < the TOML file at `path` < `overrides` (command-line options that were given, None = not given)."""
+    s = BenchSettings(**read_settings(path, overrides))
+    check_settings(s)
+    return s
+
+
+def read_settings(path: str | Path | None, overrides: dict) -> dict:
+    """The keys the TOML file at `path` and then `overrides` give (no defaults), keys and types checked."""
     merged: dict = {}
     if path is not None:
         p = resolve_config_path(path)
@@ -131,9 +138,7 @@ def load_settings(path: str | Path | None, overrides: dict) -> BenchSettings:
             raise KVBenchError(f"--config {p} is not valid TOML: {e}") from None
         merged.update(coerce(data, str(p)))
     merged.update(coerce({k: v for k, v in overrides.items() if v is not None}, "command line"))
-    s = BenchSettings(**merged)
-    check_settings(s)
-    return s
+    return merged
 
 
 def _flag(key: str) -> str:

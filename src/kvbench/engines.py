@@ -9,6 +9,11 @@ get it; that allocation is part of its TTFT.
     kvbench       generation.generate on our GPT-2; every registered cache and plugin
     hf            transformers' generate, eager (disable_compile=True): none, dynamic, static
     hf-compiled   transformers' generate with its static cache and its default automatic torch.compile
+
+An engine also says how its rows' tokens are judged (agreement.py): `token_reference` is True for the engine whose
+`none` rows are the sweep's token reference (kvbench here; `bench --hf`'s engine on its own model, hf_bench.py),
+`reference_logits(ids, ref, d)` gives that reference's logits at a flip, and `token_tolerance(cache, dtype)` the
+rounding a correct path may show there.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.agreement import reference_logits
 from kvbench.caches import get_cache_spec, make_caches
 from kvbench.devices import synchronize
 from kvbench.generation import generate
+from kvbench.verify import REFERENCE_TOLERANCES, TOLERANCES
 
 
 @dataclass
@@ -89,11 +96,33 @@ class _KVBenchConfiguration:
         generate(self.model, ids.tolist(), 2, cache=self.cache, caches=caches)
 
 
-class KVBenchEngine:
+class _OnOurGPT:
+    """Engines on our GPT-2: kvbench's `none` is their token reference, its logits our model's no-cache forward."""
+
+    model: torch.nn.Module
+    family: str
+    reference_label = "kvbench's none"
+
+    def reference_logits(self, ids: torch.Tensor, ref: list[list[int]], d: int) -> torch.Tensor:
+        return reference_logits(self.model, ids, ref, d)
+
+    def token_tolerance(self, cache: str, dtype: torch.dtype) -> tuple[float, float, bool]:
+        """(rtol, atol, lossy): the rounding a correct path may show, as verify allows it: our caches against our
+        no-cache path, transformers against it as a reference implementation; a lossy cache within its own
+        documented error."""
+        rtol, atol = (REFERENCE_TOLERANCES if self.family == "hf" else TOLERANCES)[dtype]
+        spec = get_cache_spec(cache)
+        if not spec.exact:
+            rtol, atol = max(rtol, spec.logit_rtol), max(atol, spec.logit_atol)
+        return rtol, atol, not spec.exact
+
+
+class KVBenchEngine(_OnOurGPT):
     """Our generation loop (generation.generate) on our GPT; every registered cache and plugin."""
 
     name = "kvbench"
     family = "kvbench"  # rows of a family share a `none` baseline
+    token_reference = True  # its `none` rows are every row's token reference
 
     def __init__(self, model) -> None:
         self.model = model
@@ -135,12 +164,13 @@ class _HFConfiguration:
         hf_generate(self.hf, ids, 2, self.cache, compile=False)
 
 
-class HFEngine:
+class HFEngine(_OnOurGPT):
     """transformers' generate on the same weights, eagerly (see hf_engine.py for what its numbers include)."""
 
     name = "hf"
     family = "hf"
     compile = False
+    token_reference = False
 
     def __init__(self, model, hf=None) -> None:
         from kvbench.hf_engine import build_hf_model

@@ -1,44 +1,69 @@
 """`kvbench bench --hf`: transformers' caches on any Hugging Face causal LM, through the GPT-2 bench's machinery.
 
-The sweep (`bench.run_sweep`), its rows, cold/warm rules, CSV files, meta.json and plots are the GPT-2 bench's;
-only the engine differs: `HFModelEngine` runs the model's own `generate` with each cache in HF_BENCH_CACHES and
-times it exactly as the `hf` engine does on GPT-2 (hf_engine.py: a LogitsProcessor synchronises and stamps the
-clock once per token; ttft is the prefill and the first token, each step one decode token).
+The sweep (`bench.run_sweep`), its rows, cold/warm rules, token agreement, CSV files, meta.json and plots are the
+GPT-2 bench's; what differs lives here:
 
-`static-compiled` is transformers' StaticCache with `generate`'s own torch.compile of the decode step (mode
-reduce-overhead, CUDA graphs on a GPU). Compilation happens in the first run of each shape, the cold run, which
-the bench reports apart from the warm medians; on the CPU it takes tens of seconds per shape.
+- `HFModelEngine` implements the engine API of engines.py on the model. `configure` prepares one configuration once:
+  the `generate` arguments of its cache and, for `static-compiled`, the one CompileConfig every run of the
+  configuration shares, so transformers compiles in the first run of each shape (the cold run) and reuses the
+  compiled step in the warm ones. transformers allocates its cache inside every `generate` call, as its users get
+  it (part of TTFT), exactly as the `hf` engine on GPT-2; runs are timed the same way (hf_engine.py: a
+  LogitsProcessor synchronises and stamps the clock once per token).
+- The token reference is the model's own `none`: `generate(use_cache=False)` on the same prompt ids in the same run.
+  A flip is judged with one no-cache forward of the model over the prompt and the reference tokens before it,
+  within verify's tolerance for a cache against its own no-cache path (TOLERANCES: same model, same code, only the
+  cache differs).
+- Settings: bench's keys, file and checks, with transformers' cache names (HF_BENCH_CACHES) and the one engine; the
+  model's context and the device's memory are checked from its config (`peek_hf`: no weight read) before any work.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
 import torch
 
-from kvbench.bench import RunTiming
+from kvbench.bench_settings import (
+    BenchSettings,
+    check_fits_context,
+    check_settings,
+    device_memory_bytes,
+    read_settings,
+    settings_dict,
+)
 from kvbench.devices import synchronize
+from kvbench.engines import RunTiming, weight_bytes
 from kvbench.errors import KVBenchError
-from kvbench.hf_engine import _cache_nbytes, _token_clock
-from kvbench.hf_models import LoadedHF, quiet_transformers, returned_cache
+from kvbench.hf_engine import _cache_nbytes, _token_clock, compiled_decode
+from kvbench.hf_models import HFShape, LoadedHF, quiet_transformers, returned_cache
+from kvbench.hf_verify import HF_CACHES, _compile_config
+from kvbench.verify import TOLERANCES
 
-# Cache names -> the generate arguments that select them. One registry: --caches choices and the sweep read it.
-HF_BENCH_CACHES: dict[str, dict] = {
-    # the whole sequence recomputed every step
-    "none": {"use_cache": False},
-    # DynamicCache: torch.cat growth (sliding-window layers where the model has them)
-    "dynamic": {"cache_implementation": "dynamic"},
-    # StaticCache, eager
-    "static": {"cache_implementation": "static", "disable_compile": True},
-    # StaticCache and generate's torch.compile of the decode step (the config is made per run)
-    "static-compiled": {"cache_implementation": "static", "compile_config": None},
+# The caches bench times, each selected in generate by its hf_verify.HF_CACHES entry; --caches choices, the
+# default sweep and meta.json read this.
+HF_BENCH_CACHES: dict[str, str] = {
+    "none": "use_cache=False: the whole sequence every step (the token reference)",
+    "dynamic": "DynamicCache (torch.cat growth; sliding-window layers where the model has them)",
+    "static": "StaticCache, eager (disable_compile=True)",
+    "static-compiled": "StaticCache with generate's torch.compile of the decode step (CompileConfig(), any device)",
 }
+
+TOKEN_REFERENCE = (
+    "token_agreement: fraction of a row's generated tokens equal to those of the model's own none "
+    "(transformers' generate with use_cache=False) for the same prompt ids in this run, worst of the row's runs; a "
+    "flip whose top-2 logit gap (one no-cache forward of the model over the prompt and the reference tokens before "
+    "it) is within twice the logit error at that token is a near-tie (rounding), as verify judges it"
+)
 
 
 def parse_hf_bench_caches(names: list[str] | None) -> list[str]:
-    if not names or names == ["all"]:
+    """--caches with --hf: names from HF_BENCH_CACHES, each once, or `all` / not given for all of them."""
+    if names is None or names == ["all"]:
         return list(HF_BENCH_CACHES)
+    if not names:
+        raise KVBenchError(f"--caches is empty; name one or more of {', '.join(HF_BENCH_CACHES)}, or 'all'")
     bad = [n for n in names if n not in HF_BENCH_CACHES]
     if bad:
         raise KVBenchError(
@@ -47,63 +72,221 @@ def parse_hf_bench_caches(names: list[str] | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+# --- the engine ----------------------------------------------------------------------------------------------------
 def _generate_kwargs(cache: str) -> dict:
-    kw = dict(HF_BENCH_CACHES[cache])
+    kw = dict(HF_CACHES[cache].generate_kwargs)
     if "compile_config" in kw:
-        from kvbench.hf_verify import _compile_config
-
-        kw["compile_config"] = _compile_config()
+        kw["compile_config"] = _compile_config()  # generate's default compile, on every device
     return kw
 
 
+@torch.inference_mode()
+def _generate(
+    loaded: LoadedHF, ids: torch.Tensor, new_tokens: int, kwargs: dict, record_logits: bool
+) -> RunTiming:
+    """Greedy-generate exactly `new_tokens` for the (B, T) prompt `ids`, timed per token."""
+    from transformers import LogitsProcessorList
+
+    device = ids.device
+    clock = _token_clock(device)
+    with quiet_transformers():
+        synchronize(device)
+        t0 = time.perf_counter()
+        out = loaded.model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            num_beams=1,
+            pad_token_id=loaded.pad_token_id,
+            logits_processor=LogitsProcessorList([clock]),
+            return_dict_in_generate=True,
+            output_logits=record_logits,
+            **kwargs,
+        )
+        synchronize(device)
+        t1 = time.perf_counter()
+    stamps = clock.stamps[:new_tokens]
+    assert len(stamps) == new_tokens, f"generate produced {len(stamps)} token stamps, expected {new_tokens}"
+    seq = out.sequences[:, ids.size(1) :]  # (B, new_tokens)
+    assert seq.size(1) == new_tokens, f"generate produced {seq.size(1)} tokens, expected {new_tokens}"
+    return RunTiming(
+        ttft_s=stamps[0] - t0,
+        step_s=[b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+        total_s=t1 - t0,
+        cache_bytes=_cache_nbytes(returned_cache(out)),
+        bytes_copied=None,
+        tokens=seq.tolist(),
+        logits=[x.float().cpu() for x in out.logits] if record_logits else None,  # (B, V) per token
+    )
+
+
+class _HFModelConfiguration:
+    """One cache on the model, its generate arguments fixed once (static-compiled: one CompileConfig for every run)."""
+
+    capture_s = None  # static-compiled compiles inside its cold run; no time is measured apart
+
+    def __init__(self, loaded: LoadedHF, cache: str) -> None:
+        self.loaded, self.cache = loaded, cache
+        self.kwargs = _generate_kwargs(cache)
+
+    def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False) -> RunTiming:
+        return _generate(self.loaded, ids, new_tokens, self.kwargs, record_logits)
+
+    def probe(self, ids: torch.Tensor) -> None:
+        """Prefill + one decode step, eagerly (compiled code hides its attention calls; static-compiled traces the
+        eager static path)."""
+        cache = "static" if self.cache == "static-compiled" else self.cache
+        _generate(self.loaded, ids, 2, _generate_kwargs(cache), record_logits=False)
+
+
 class HFModelEngine:
-    """transformers' generate on a Hugging Face model, one of HF_BENCH_CACHES per run; named `hf` in the rows."""
+    """transformers' generate on a Hugging Face model, one of HF_BENCH_CACHES per configuration; `hf` in the rows."""
 
     name = "hf"
+    family = "hf"  # fill_relative: speedup over this engine's none, TPOT against the fastest transformers row
+    token_reference = True  # its `none` rows are the reference of every row: the model against itself
+    reference_label = "the model's own none"
 
     def __init__(self, loaded: LoadedHF) -> None:
         self.loaded = loaded
+        self.configured: set[str] = set()  # the caches this engine has prepared (for describe)
 
-    def supports(self, cache: str) -> bool:
+    @staticmethod
+    def supports(cache: str) -> bool:
         return cache in HF_BENCH_CACHES
 
-    @torch.inference_mode()
-    def run(self, ids: torch.Tensor, new_tokens: int, cache: str) -> RunTiming:
-        """Greedy-generate exactly `new_tokens` for the (B, T) prompt `ids`, timed per token."""
-        from transformers import LogitsProcessorList
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.loaded.model)
 
-        model, device = self.loaded.model, ids.device
-        clock = _token_clock(device)
+    def configure(self, cache: str, batch: int, max_len: int) -> _HFModelConfiguration:
+        self.configured.add(cache)
+        return _HFModelConfiguration(self.loaded, cache)
+
+    @torch.inference_mode()
+    def reference_logits(self, ids: torch.Tensor, ref: list[list[int]], d: int) -> torch.Tensor:
+        """(B, V) fp32: the model's logits for token d with no cache, one forward over the prompt and the reference
+        tokens before d (what its `none` computed at that step)."""
+        x = torch.cat(
+            [ids, torch.tensor([r[:d] for r in ref], device=ids.device, dtype=ids.dtype)], dim=1
+        )  # (B, T + d)
+        model = self.loaded.model
+        # the vocabulary projection of the last position only, as generate asks for it, where the model takes it
+        last = (
+            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        )
         with quiet_transformers():
-            synchronize(device)
-            t0 = time.perf_counter()
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                num_beams=1,
-                pad_token_id=self.loaded.pad_token_id,
-                logits_processor=LogitsProcessorList([clock]),
-                return_dict_in_generate=True,
-                **_generate_kwargs(cache),
+            out = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False, **last)
+        return out.logits[:, -1].float().cpu()
+
+    @staticmethod
+    def token_tolerance(cache: str, dtype: torch.dtype) -> tuple[float, float, bool]:
+        """(rtol, atol, lossy): every cache here is exact, held to verify's rounding against its own no-cache path."""
+        rtol, atol = TOLERANCES[dtype]
+        return rtol, atol, False
+
+    def describe(self) -> str:
+        text = (
+            f"transformers' generate on {self.loaded.label}, greedy, exactly --new-tokens tokens; transformers "
+            "allocates its cache inside every call"
+        )
+        if "static-compiled" in self.configured:
+            done = "compiled" if compiled_decode(self.loaded.model) else "not compiled"
+            text += f"; static-compiled: the decode step {done} in this run"
+        return text
+
+
+# --- settings and checks before any work ---------------------------------------------------------------------------
+def hf_bench_settings(config, overrides: dict) -> BenchSettings:
+    """bench's settings for --hf: the TOML file and the options as for GPT-2, checked by the same rules, with
+    transformers' cache names and the one engine. Keys that choose our GPT-2 are refused, naming where they came
+    from."""
+    raw = read_settings(config, overrides)
+
+    def from_file(key: str) -> bool:
+        return overrides.get(key) is None  # in raw, but not given as an option: the --config file set it
+
+    for key in ("model", "weights"):
+        if key in raw:
+            what, fix = (
+                (f"--config {config} sets {key}, which", f"remove {key} from it")
+                if from_file(key)
+                else (f"--{key}", f"drop --{key}")
             )
-            synchronize(device)
-            t1 = time.perf_counter()
-        stamps = clock.stamps[:new_tokens]
-        assert len(stamps) == new_tokens, (
-            f"generate produced {len(stamps)} token stamps, expected {new_tokens}"
+            raise KVBenchError(f"{what} chooses kvbench's own GPT-2; with --hf the model is SOURCE: {fix}")
+    engine = raw.pop("engine", None)
+    if engine is not None and list(dict.fromkeys(engine)) != ["hf"]:
+        names = ",".join(engine) or repr("")
+        what, fix = (
+            (f"--config {config} sets engine = {names}", "remove engine from it")
+            if from_file("engine")
+            else (f"--engine {names}", "drop --engine")
         )
-        seq = out.sequences[:, ids.size(1) :]
-        return RunTiming(
-            ttft_s=stamps[0] - t0,
-            step_s=[b - a for a, b in zip(stamps, stamps[1:], strict=False)],
-            total_s=t1 - t0,
-            cache_bytes=_cache_nbytes(returned_cache(out)),
-            bytes_copied=None,
-            tokens=seq.tolist(),
+        raise KVBenchError(
+            f"{what}: with --hf the one engine is transformers' generate on the model (hf; its compiled static cache "
+            f"is --caches static-compiled); {fix}"
         )
+    caches = raw.pop("caches", None)
+    # check_settings knows our registry's cache and engine names only: it checks everything else here, and the
+    # caches are transformers' (parse_hf_bench_caches)
+    s = BenchSettings(**raw, caches=["none"], engine=["kvbench"])
+    check_settings(s)
+    s.caches, s.engine = parse_hf_bench_caches(caches), ["hf"]
+    return s
+
+
+def kv_bytes(shape: HFShape, tokens: int, element_size: int) -> int:
+    """K and V of every layer for one sequence of `tokens` tokens; a sliding-window layer holds at most its window."""
+    total = 0
+    for kind in shape.info.layer_types:
+        held = min(int(kind[len("sliding(") : -1]), tokens) if kind.startswith("sliding(") else tokens
+        total += 2 * shape.info.n_kv_heads * shape.info.head_dim * held * element_size
+    return total
+
+
+def check_sizes_hf(s: BenchSettings, shape: HFShape, dtype: torch.dtype, device: torch.device) -> None:
+    """Before any weight is loaded, as bench_settings.check_sizes does for GPT-2: every prompt length + new tokens
+    within the model's context, and the weights + the largest configuration's KV cache within the device."""
+    if shape.info.context is not None:
+        check_fits_context(s, shape.info.context, shape.label)
+    elem = torch.empty((), dtype=dtype).element_size()
+    longest = max(s.prompt_len) + s.new_tokens
+    kv, weights = s.batch * kv_bytes(shape, longest, elem), shape.parameters * elem
+    total = device_memory_bytes(device)
+    if total is not None and weights + kv > total:
+        gib = 2**30
+        raise KVBenchError(
+            f"--batch {s.batch} x {longest} tokens needs a {kv / gib:.1f} GiB KV cache plus {weights / gib:.1f} GiB "
+            f"of weights ({shape.label}), more than the device's {total / gib:.1f} GiB; lower --batch, --prompt-len "
+            "or --new-tokens, or --layers"
+        )
+
+
+def sweep_warnings_hf(s: BenchSettings, device: torch.device) -> list[str]:
+    """What the sweep will not do, or will do slowly, said out loud."""
+    notes = []
+    if "none" not in s.caches:
+        notes.append(
+            "token_agreement and speedup_vs_none need the model's own `none` in the sweep (--caches none,...); "
+            "without it those columns stay empty"
+        )
+    if "static-compiled" in s.caches and device.type != "cuda":
+        notes.append(
+            f"static-compiled compiles its decode step on the {device.type.upper()} in each prompt length's cold "
+            "run (seconds to minutes each); its warm rows run the compiled step"
+        )
+    return notes
+
+
+def bench_meta(loaded: LoadedHF, s: BenchSettings, layers: int | None, trust: bool) -> dict:
+    """meta.json's additions: the model (`hf`), the token reference, and settings that say how to rerun."""
+    settings = {k: v for k, v in settings_dict(s).items() if k not in ("model", "weights")}  # GPT-2's only
+    return {
+        "settings": {**settings, "hf": loaded.source, "layers": layers, "trust_remote_code": trust},
+        "token_reference": TOKEN_REFERENCE,
+        "hf": {**loaded.meta(), "caches": {n: HF_BENCH_CACHES[n] for n in s.caches}},
+    }
 
 
 # --- what the sweep and the recorder read from a model -------------------------------------------------------------
@@ -127,7 +310,7 @@ class HFBenchConfig:
 
 @dataclass
 class SweepModel:
-    """`bench.run_sweep` reads a model's `config` and the device and element size of `lm_head.weight`."""
+    """`bench.run_sweep` reads a model's `config` and the device and dtype of `lm_head.weight`."""
 
     config: HFBenchConfig
     lm_head: torch.nn.Module
@@ -135,7 +318,7 @@ class SweepModel:
 
 @dataclass
 class BenchLoaded:
-    """What `report.BenchRecorder` reads from a loaded model: config, weights, random."""
+    """What `report.BenchRecorder` reads from a loaded model: config, weights, random; `model` for the sweep."""
 
     config: HFBenchConfig
     weights: str

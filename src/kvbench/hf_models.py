@@ -91,13 +91,7 @@ class LoadedHF:
 
     @property
     def label(self) -> str:
-        kept = self.info.n_layers
-        of = (
-            f"first {kept} of {self.layers_of} layers"
-            if self.layers_of not in (None, kept)
-            else f"{kept} layers"
-        )
-        return f"{self.info.architecture} ({of})"
+        return _label(self.info, self.layers_of)
 
     def meta(self) -> dict:
         """The model facts recorded in JSON and meta.json outputs."""
@@ -112,6 +106,13 @@ class LoadedHF:
             "learned_positions": info.learned_positions,
             "transformers": info.transformers_version,
         }
+
+
+def _label(info: HFModelInfo, layers_of: int | None) -> str:
+    """'LlamaForCausalLM (2 layers)', or '(first 1 of 2 layers)' when --layers kept fewer."""
+    kept = info.n_layers
+    of = f"first {kept} of {layers_of} layers" if layers_of not in (None, kept) else f"{kept} layers"
+    return f"{info.architecture} ({of})"
 
 
 # --- keeping transformers quiet ------------------------------------------------------------------------------------
@@ -229,6 +230,57 @@ def _shrink(config, layers: int | None, where: str) -> tuple[int, int]:
 
 
 # --- loading -------------------------------------------------------------------------------------------------------
+@dataclass
+class _Resolved:
+    """SOURCE resolved to a config, before any weights are read."""
+
+    config: object  # transformers' config, --layers applied
+    where: str  # what transformers reads: a directory or a hub id
+    kwargs: dict  # trust_remote_code (and local_files_only for a hub id)
+    weights: str | None  # the checkpoint: "hub:org/name" or a path; None: random weights from a config file
+    layers_of: int | None  # the layers the config has (before --layers)
+
+
+def _resolve(source: str, layers: int | None, trust_remote_code: bool) -> _Resolved:
+    """Everything load_hf checks before it reads a weight: the source exists, its config reads, it is a decoder-only
+    causal LM transformers can build, --layers fits; one line naming the source otherwise."""
+    from transformers import AutoConfig
+
+    path = Path(source).expanduser()
+    kwargs = {"trust_remote_code": trust_remote_code}  # never None: that would prompt on the terminal
+    if path.is_file():
+        doc = _read_config(path)
+        _refuse_unloadable(doc, str(path), trust_remote_code)
+        where, weights = str(path), None
+        if doc.get("auto_map"):  # its code is found beside it, through the directory
+            if path.name != "config.json":
+                raise KVBenchError(
+                    f"{path} names modelling code (auto_map): transformers finds that code through a directory, "
+                    "so name the file config.json and keep it beside the code"
+                )
+            where = str(path.parent)
+    elif path.is_dir():
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise KVBenchError(f"no config.json in {path}; not a Hugging Face model directory")
+        _refuse_unloadable(_read_config(cfg_path), str(path), trust_remote_code)
+        if not any((path / f).is_file() for f in WEIGHT_FILES):
+            raise KVBenchError(
+                f"no weights in {path} (model.safetensors or pytorch_model.bin); for random weights pass {cfg_path}"
+            )
+        where, weights = str(path), str(path)
+    elif HUB_ID.match(source) and not source.startswith("."):
+        where, weights = source, f"hub:{source}"
+        kwargs["local_files_only"] = not _hub_online()
+    else:
+        raise KVBenchError(f"--hf {source}: no such file or directory, and not a hub id (org/name)")
+    config = _call(lambda: AutoConfig.from_pretrained(where, **kwargs), source)
+    if "local_files_only" in kwargs:  # a hub id: now we know its config
+        _refuse_unloadable(config.to_dict(), where, trust_remote_code)
+    _, total = _shrink(config, layers, str(path) if weights is None else where)
+    return _Resolved(config, where, kwargs, weights, total)
+
+
 def load_hf(
     source: str,
     device: torch.device,
@@ -245,59 +297,51 @@ def load_hf(
 
 
 def _load(source, device, dtype, seed, layers, trust_remote_code, init_std) -> LoadedHF:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    path = Path(source).expanduser()
-    kwargs = {"trust_remote_code": trust_remote_code}  # never None: that would prompt on the terminal
-    if path.is_file():
-        doc = _read_config(path)
-        _refuse_unloadable(doc, str(path), trust_remote_code)
-        where = str(path)
-        if doc.get("auto_map"):  # its code is found beside it, through the directory
-            if path.name != "config.json":
-                raise KVBenchError(
-                    f"{path} names modelling code (auto_map): transformers finds that code through a directory, "
-                    "so name the file config.json and keep it beside the code"
-                )
-            where = str(path.parent)
-        config = _call(lambda: AutoConfig.from_pretrained(where, **kwargs), source)
-        kept, total = _shrink(config, layers, str(path))
+    r = _resolve(source, layers, trust_remote_code)
+    config, path = r.config, Path(source).expanduser()
+    if r.weights is None:
         if init_std is not None and hasattr(config, "initializer_range"):
             config.initializer_range = init_std
         std = getattr(config, "initializer_range", None)
         torch.manual_seed(seed)  # transformers' init draws from the global generator: seeded, on the CPU
-        model = _call(lambda: AutoModelForCausalLM.from_config(config, **kwargs), source)
+        model = _call(lambda: AutoModelForCausalLM.from_config(config, **r.kwargs), source)
         weights = f"random(transformers init, initializer_range={std}, seed={seed}) from {path}"
-        is_random = True
     else:
-        if path.is_dir():
-            cfg_path = path / "config.json"
-            if not cfg_path.is_file():
-                raise KVBenchError(f"no config.json in {path}; not a Hugging Face model directory")
-            _refuse_unloadable(_read_config(cfg_path), str(path), trust_remote_code)
-            if not any((path / f).is_file() for f in WEIGHT_FILES):
-                raise KVBenchError(
-                    f"no weights in {path} (model.safetensors or pytorch_model.bin); "
-                    f"for random weights pass {cfg_path}"
-                )
-            where, weights = str(path), str(path)
-        elif HUB_ID.match(source) and not source.startswith("."):
-            where, weights = source, f"hub:{source}"
-            kwargs["local_files_only"] = not _hub_online()
-        else:
-            raise KVBenchError(f"--hf {source}: no such file or directory, and not a hub id (org/name)")
-        config = _call(lambda: AutoConfig.from_pretrained(where, **kwargs), source)
-        if "local_files_only" in kwargs:  # a hub id: now we know its config
-            _refuse_unloadable(config.to_dict(), where, trust_remote_code)
-        kept, total = _shrink(config, layers, where)
         model = _call(
-            lambda: AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype, **kwargs),
+            lambda: AutoModelForCausalLM.from_pretrained(r.where, config=config, dtype=dtype, **r.kwargs),
             source,
         )
-        is_random = False
+        weights = r.weights
     model = model.to(device=device, dtype=dtype).eval()
     pad = _neutral_generation_config(model)
-    return LoadedHF(model, source, weights, is_random, describe(model), pad, layers_of=total)
+    return LoadedHF(model, source, weights, r.weights is None, describe(model), pad, layers_of=r.layers_of)
+
+
+@dataclass
+class HFShape:
+    """A model's facts and size, read without loading a weight (what bench checks before any work)."""
+
+    info: HFModelInfo
+    parameters: int  # each shared (tied) tensor once
+    layers_of: int | None
+
+    @property
+    def label(self) -> str:
+        return _label(self.info, self.layers_of)
+
+
+def peek_hf(source: str, layers: int | None = None, trust_remote_code: bool = False) -> HFShape:
+    """SOURCE resolved and checked exactly as load_hf does, and the model built on the meta device (no memory, no
+    init, no weights read), so its context, layers and parameter count are known before anything is loaded."""
+    from transformers import AutoModelForCausalLM
+
+    with quiet_transformers():
+        r = _resolve(source, layers, trust_remote_code)
+        with torch.device("meta"):
+            model = _call(lambda: AutoModelForCausalLM.from_config(r.config, **r.kwargs), source)
+        return HFShape(describe(model), sum(p.numel() for p in model.parameters()), r.layers_of)
 
 
 def _hub_online() -> bool:

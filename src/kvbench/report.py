@@ -203,7 +203,7 @@ class BenchRecorder:
     """A bench run directory: meta.json at the start, summary.csv and steps.csv rewritten (atomically) each time a
     configuration completes, and the plots plus a final meta.json at the end or on interruption."""
 
-    def __init__(self, run_dir: Path, loaded, device, dtype, settings, config_path) -> None:
+    def __init__(self, run_dir: Path, loaded, device, dtype, settings, config_path, extra_meta=None) -> None:
         from kvbench.backends import sdpa_settings
         from kvbench.bench import settings_dict
         from kvbench.devices import cpu_peak_resettable, device_name, dtype_name
@@ -236,6 +236,8 @@ class BenchRecorder:
             sdpa=sdpa_settings(),
             engines={},
         )
+        # what a caller adds or replaces (bench --hf: the model, its own token reference, its settings)
+        self.meta.update(extra_meta or {})
         write_json(self.run_dir / "meta.json", self.meta)
 
     def add(self, result) -> None:

@@ -24,7 +24,9 @@ from kvbench.cli.app import (
     handle_errors,
     load_for_cli,
 )
+from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
 from kvbench.console import cell, err, line, out, styled
+from kvbench.errors import KVBenchError
 
 
 @app.command()
@@ -39,7 +41,11 @@ def bench(
     ] = None,
     caches: Annotated[
         str | None,
-        typer.Option("--caches", help="Comma-separated cache names, or 'all' (default: all registered)."),
+        typer.Option(
+            "--caches",
+            help="Comma-separated cache names, or 'all' (default: all registered). With --hf: none, dynamic, "
+            "static, static-compiled.",
+        ),
     ] = None,
     engine: Annotated[
         str | None,
@@ -90,8 +96,14 @@ def bench(
         ),
     ] = None,
     json_out: JsonOpt = False,
+    hf: HFOpt = None,
+    trust_remote_code: TrustOpt = False,
+    layers: LayersOpt = None,
 ) -> None:
-    """Measure no cache vs each cache vs transformers: TTFT, TPOT, memory, token agreement."""
+    """Measure no cache vs each cache vs transformers: TTFT, TPOT, memory, token agreement.
+
+    With --hf SOURCE: transformers' own caches (none, dynamic, static, static-compiled) on any Hugging Face causal
+    LM, in the same rows and files, its tokens checked against its own none."""
     from kvbench import bench as B
     from kvbench import report
 
@@ -104,18 +116,30 @@ def bench(
         prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
         warmup=warmup, model=model, weights=weights, device=device, dtype=dtype, seed=seed, threads=threads, out=out,
     )  # fmt: skip
-    settings, out_dir = _validated(config, overrides, force)
-    loaded, dev, dt = load_for_cli(
-        settings.model, settings.weights, settings.device, settings.dtype, settings.seed
-    )
-    B.check_sizes(settings, loaded.config, dt, dev)  # the checkpoint's own shape, when --weights is a folder
-    engines = B.build_engines(loaded.model, settings.engine)
+    if hf is not None:  # the same checks, folder, sweep and files; the model and its engine from cli/hf.py
+        from kvbench.cli.hf import prepare_bench_hf
+
+        settings, out_dir, loaded, dev, dt, engines, notes, extra_meta = prepare_bench_hf(
+            hf, config, overrides, force, layers, trust_remote_code
+        )
+    else:
+        for flag, given in (("--trust-remote-code", trust_remote_code), ("--layers", layers is not None)):
+            if given:
+                raise KVBenchError(f"{flag} applies to --hf models only")
+        settings, out_dir = _validated(config, overrides, force)
+        loaded, dev, dt = load_for_cli(
+            settings.model, settings.weights, settings.device, settings.dtype, settings.seed
+        )
+        # the checkpoint's own shape, when --weights is a folder
+        B.check_sizes(settings, loaded.config, dt, dev)
+        engines = B.build_engines(loaded.model, settings.engine)
+        notes, extra_meta = B.sweep_warnings(settings), None
     run_dir = report.create_run_dir(out_dir, force)  # only now: a rejected command leaves no folder behind
-    for note in B.sweep_warnings(settings):  # after every error that could still stop the command
+    for note in notes:  # after every error that could still stop the command
         console.warn(note)
     # a config given by name (seed) is recorded as the shipped file it stands for
     config_path = None if config is None else B.resolve_config_path(config)
-    recorder = report.BenchRecorder(run_dir, loaded, dev, dt, settings, config_path)
+    recorder = report.BenchRecorder(run_dir, loaded, dev, dt, settings, config_path, extra_meta)
     try:
         with _signals_interrupt(), bench_progress() as progress:
             B.run_sweep(loaded.model, settings, recorder.dtype, recorder.device_label, on_result=recorder.add,
@@ -281,16 +305,20 @@ def _tokens_cell(r):
 def caption_text(meta: dict) -> str:
     """The table's footer: what every column includes, cold and warm defined."""
     cuda = meta["device"].startswith("cuda")
+    hf = "hf" in meta  # bench --hf: the model's own caches, its `none` the token reference
     return (
         "TTFT, total: medians over timed repeats (total includes the prefill). TPOT: decode steps pooled over "
         "timed repeats. warm = the timed repeats, after --warmup runs of the same shapes on the same caches, "
         "nothing freed in between. cold = the first run of each configuration"
         + (" (from an emptied allocator cache)" if cuda else "")
         + ": allocation, kernel selection and plan building for shapes not seen earlier in the sweep, graph "
-        "capture (capture ms, static-graph on CUDA) or compilation (hf-compiled); it depends on sweep order. "
+        "capture (capture ms, static-graph on CUDA) or compilation ("
+        + ("static-compiled" if hf else "hf-compiled")
+        + "); it depends on sweep order. "
         "speedup: end to end vs the same family's `none` (hf-compiled vs hf none). vs hf: TPOT of the fastest "
-        "transformers row at that prompt / this TPOT. tokens: share of generated tokens equal to kvbench none's "
-        "(worst run; ~ all flips at near-ties, rounding; ! a real difference, see tokens_note in summary.csv). "
+        "transformers row at that prompt / this TPOT. tokens: share of generated tokens equal to "
+        + ("the model's own none's" if hf else "kvbench none's")
+        + " (worst run; ~ all flips at near-ties, rounding; ! a real difference, see tokens_note in summary.csv). "
         "peak: this engine's weights (counted once) + the peak above what was in use before the configuration "
         + ("(CUDA max allocated)." if cuda else "(CPU resident set size; indicative).")
     )

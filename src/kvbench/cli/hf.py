@@ -95,36 +95,45 @@ def run_verify_hf(
     return report, meta
 
 
-def bench_settings_hf(config, overrides: dict):
-    """BenchSettings for `bench --hf`: the file and the options as for GPT-2, but the caches are transformers'
-    (HF_BENCH_CACHES) and the one engine is its generate."""
-    from kvbench import bench as B
-    from kvbench.errors import KVBenchError
-    from kvbench.hf_bench import parse_hf_bench_caches
+def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: int | None, trust: bool):
+    """`kvbench bench --hf` up to the sweep. First every check the GPT-2 bench makes before any work, in its order
+    (settings, the run folder and --force, device and dtype, the model's context and the device's memory, here read
+    from the model's config with no weight loaded), then the model. Nothing is created on disk here.
 
-    refuse_gpt2_options(**{"--model": overrides.get("model"), "--weights": overrides.get("weights")})
-    engine = overrides.get("engine")
-    if engine is not None and engine.strip() != "hf":
-        raise KVBenchError(
-            f"--engine {engine}: with --hf the engine is transformers' generate (hf); drop --engine"
-        )
-    caches = overrides.get("caches")
-    rest = {k: v for k, v in overrides.items() if k not in ("caches", "engine")}
-    settings = B.load_settings(config, {**rest, "caches": "all"})  # our registry's names are not checked here
-    settings.engine = ["hf"]
-    # meta.json's `hf` block names the model; the GPT-2 model and weights settings do not apply
-    settings.model = settings.weights = "--hf"
-    names = None if caches is None else [c.strip() for c in caches.split(",")]
-    settings.caches = parse_hf_bench_caches(names)
-    return settings
-
-
-def load_bench_hf(source: str, settings, layers: int | None, trust: bool):
-    """Load SOURCE for the sweep. Returns (view for the recorder and the sweep, device, dtype, engines, meta)."""
-    from kvbench.hf_bench import HFModelEngine, bench_view
-
-    loaded, dev, dt = load_hf_for_cli(
-        source, settings.device, settings.dtype, settings.seed, layers, trust, None
+    Returns (settings, run folder to create, the model as the sweep and the recorder read it, device, dtype,
+    engines, warnings, meta.json additions)."""
+    from kvbench import report
+    from kvbench.devices import resolve_device, resolve_dtype
+    from kvbench.hf_bench import (
+        HFModelEngine,
+        bench_meta,
+        bench_view,
+        check_sizes_hf,
+        hf_bench_settings,
+        sweep_warnings_hf,
     )
-    view = bench_view(loaded)
-    return view, dev, dt, {"hf": HFModelEngine(loaded)}, loaded.meta()
+    from kvbench.hf_models import load_hf, peek_hf
+
+    settings = hf_bench_settings(config, overrides)
+    default = str(report.unique_default_run_dir("bench"))
+    out_dir = report.check_run_dir(settings.out if settings.out is not None else default, force)
+    dev = resolve_device(settings.device)
+    dt = resolve_dtype(settings.dtype, dev)
+    check_sizes_hf(settings, peek_hf(source, layers, trust), dt, dev)
+    if settings.threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.threads)
+    loaded = load_hf(source, dev, dt, settings.seed, layers, trust)
+    engines = {"hf": HFModelEngine(loaded)}
+    notes = sweep_warnings_hf(settings, dev)
+    return (
+        settings,
+        out_dir,
+        bench_view(loaded),
+        dev,
+        dt,
+        engines,
+        notes,
+        bench_meta(loaded, settings, layers, trust),
+    )
