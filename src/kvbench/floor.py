@@ -93,8 +93,7 @@ def _env_bytes() -> int:
 def probe_bytes(device_type: str, llc_bytes: int | None, memory_bytes: int | None) -> int:
     """How large a tensor the probe streams. CPU: CPU_PROBE_BYTES or twice the last-level cache, whichever is
     larger (a stream twice the cache's size finds little of itself there on the next pass), capped at an eighth
-    of the memory. CUDA:
-    CUDA_PROBE_BYTES, capped at a quarter of the free memory."""
+    of the memory. CUDA: CUDA_PROBE_BYTES, capped at a quarter of the free memory."""
     if device_type == "cuda":
         want = CUDA_PROBE_BYTES
         cap = memory_bytes // 4 if memory_bytes else want
