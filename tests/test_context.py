@@ -27,6 +27,15 @@ BW = Bandwidth(read_gbps=20.0, copy_gbps=15.0, nbytes=1, device="cpu")
 
 
 @pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread, as in test_bench.py: stable and fast on a small, shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
 def _small_probe(monkeypatch):
     """The bandwidth probe streams a tensor past the last-level cache (~1 GiB here); the CLI tests only need its
     plumbing, so they stream 16 MiB."""
