@@ -42,6 +42,15 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def _small_probe(monkeypatch):
+    """Every sweep measures the device's bandwidth once, streaming a tensor past the last-level cache (~1 GiB
+    here); these tests check its plumbing and arithmetic, so they stream 16 MiB."""
+    from kvbench import floor
+
+    monkeypatch.setenv(floor.PROBE_ENV, str(16 << 20))
+
+
 def hf_config_json(path: Path, **cfg) -> Path:
     doc = {"model_type": "gpt2", "n_ctx": cfg["n_positions"], "layer_norm_epsilon": 1e-5, **cfg}
     path.write_text(json.dumps(doc))
@@ -160,6 +169,55 @@ def test_cli_sweep_writes_all_files_with_sane_values(tmp_path, sweep_model):
         "did not compile" in meta["engines"]["hf-compiled"]
     )  # transformers compiles on its own only on GPUs
     assert meta["settings"]["new_tokens"] == new and meta["config_file"] == str(cfg_file)
+
+
+def test_floor_columns_are_present_and_consistent(tmp_path):
+    """Every cached row carries its floor: step_bytes / the bandwidth measured in the run, x_floor = TPOT / floor,
+    the bytes of its own design; `none` has none. transformers' static cache is floored on the buffer it really
+    attended over: its generate keeps the largest max_cache_len of earlier calls on the same model, so at prompt 8
+    after prompt 16 it attends over 16 + new - 1 slots."""
+    from kvbench import floor
+    from kvbench.model import PRESETS
+
+    out, new = tmp_path / "run", 6
+    result, text = invoke(
+        "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--prompt-len", "16,8",
+        "--new-tokens", str(new), "--repeats", "1", "--warmup", "0", "--caches", "none,dynamic,static,static-graph,paged",
+        "--engine", "kvbench,hf", "--out", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, text
+    assert "floor ms" in result.stdout and "x floor" in result.stdout
+    s = pd.read_csv(out / "summary.csv")
+    meta = json.loads((out / "meta.json").read_text())
+    bw = meta["floor"]["bandwidth"]
+    assert bw["used"] == "read" and bw["gbps"] == bw["read_gbps"] > 0 and bw["copy_gbps"] > 0
+    none, cached = s[s.cache == "none"], s[s.cache != "none"]
+    assert none.floor_ms.isna().all() and none.x_floor.isna().all() and none.step_bytes.isna().all()
+    assert (cached.floor_ms > 0).all() and len(cached) == 2 * (4 + 2)
+    assert (
+        (cached.floor_ms - 1e3 * cached.step_bytes / (bw["gbps"] * 1e9)).abs() < 1e-6 * cached.floor_ms
+    ).all()
+    assert ((cached.x_floor - cached.tpot_ms_median / cached.floor_ms).abs() < 1e-6 * cached.x_floor).all()
+    cfg, slot = PRESETS["gpt2-tiny"], 2 * 2 * 128 * 4  # one token's K + V, 2 layers, fp32
+    steps = meta["floor"]["steps"]
+    for p in (16, 8):
+        row = s[(s.engine == "kvbench") & (s.prompt_len == p)].set_index("cache")
+        ms, b = floor.decode_floor_ms(cfg, torch.float32, 1, p, new, "static", floor.Bandwidth(**{
+            k: bw[k] for k in ("read_gbps", "copy_gbps", "nbytes", "device")}))  # fmt: skip
+        assert row.loc["static", "step_bytes"] == b.total and row.loc["static", "floor_ms"] == pytest.approx(
+            ms
+        )
+        assert steps[f"kvbench static prompt {p}"]["slots"] == p + new // 2
+        assert steps[f"kvbench static-graph prompt {p}"]["slots"] == p + new  # its whole buffer
+        # torch.cat re-reads and rewrites the history; the paged gather copies whole 16-token blocks
+        assert (
+            row.loc["dynamic", "step_bytes"] - row.loc["static", "step_bytes"]
+            == 2 * (p + new // 2 - 1) * slot
+        )
+        assert row.loc["paged", "step_bytes"] > row.loc["static", "step_bytes"]
+        assert steps[f"hf dynamic prompt {p}"]["design"] == steps[f"kvbench dynamic prompt {p}"]["design"]
+    assert steps["hf static prompt 16"]["slots"] == 16 + new - 1  # max_cache_len = max_length - 1
+    assert steps["hf static prompt 8"]["slots"] == 16 + new - 1  # kept from the earlier, longer call
 
 
 def test_json_output_is_one_document(tmp_path):

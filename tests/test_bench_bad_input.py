@@ -117,6 +117,22 @@ CASES = [
     ("config-caches-numbers", ["--config", _toml("caches = [1, 2]\n")], "caches must be names"),
     ("config-not-toml", ["--config", _toml("prompt_len = [16\n")], "not valid TOML"),
     ("config-not-utf8", ["--config", _toml(b"model = '\xff\xfe'\n")], "not UTF-8"),
+    ("prompt-len-bad-suffix", ["--prompt-len", "4m"], "whole numbers"),
+    ("prompt-len-fractional-k", ["--prompt-len", "1.5k"], "whole numbers"),
+    ("fill-unknown", ["--fill", "zeros"], "--fill 'zeros'"),
+    ("fill-random-with-none", ["--fill", "random", "--caches", "none,static"], "drop none from --caches"),
+    ("fill-random-with-hf", ["--fill", "random", "--engine", "kvbench,hf"], "runs only --engine kvbench"),
+    ("fill-random-beyond-positions", ["--fill", "random", "--prompt-len", "256,1k"], "use --model gpt2-long"),
+    (
+        "fill-random-beyond-memory",
+        ["--fill", "random", "--model", "gpt2-long", "--prompt-len", "60k", "--batch", "4096"],
+        "GiB available",
+    ),
+    (
+        "config-fill-random-with-none",
+        ["--config", _toml('fill = "random"\ncaches = ["none"]\n')],
+        "drop none",
+    ),
 ]
 
 

@@ -1,18 +1,27 @@
-"""The bandwidth floor's byte counts against independent counts (the model's own parameters and cache tensors)."""
+"""The bandwidth floor's byte counts against independent counts (the model's own parameters and cache tensors), each
+design's traffic, the arithmetic of a CUDA run done on the CPU, and the crossover contexts the docs state."""
+
+import math
 
 import pytest
 import torch
 
 from kvbench.caches import make_caches
 from kvbench.floor import (
+    DESIGNS,
+    UNKNOWN_DESIGN,
     Bandwidth,
     crossover_context,
     decode_floor_ms,
+    design_for,
     measure_bandwidth,
+    probe_bytes,
     step_bytes,
     weight_bytes,
 )
 from kvbench.model import GPT, PRESETS
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "gpt2"])
@@ -31,40 +40,121 @@ def test_weight_bytes_match_the_models_parameters(name):
         assert 490e6 < weight_bytes(cfg, 4) < 500e6  # ~124M parameters minus wpe, fp32
 
 
-@pytest.mark.parametrize("cache", ["static", "dynamic"])
+@pytest.mark.parametrize("cache", ["static", "dynamic", "paged"])
 def test_kv_bytes_match_a_real_cache(cache):
-    """Attention reads exactly the bytes a static cache holds for L tokens."""
+    """Attention reads exactly the bytes a static cache holds for L tokens; torch.cat re-copies L-1 of them (read
+    and write); the paged gather copies whole 16-token blocks."""
     cfg = PRESETS["gpt2-tiny"]
     L = 37
-    caches = make_caches("static", cfg, 2, L, torch.float32, "cpu")
+    caches = make_caches("static", cfg, 2, L, F32, "cpu")
     held = sum(c.nbytes for c in caches)
-    b = step_bytes(cfg, 4, 2, L, L, cache)
-    assert b.kv == held
-    assert b.kv_write == held // L
-    if cache == "dynamic":
-        assert b.design == (2 * L - 1) * held // L  # reads L-1 slots, writes L
+    slot = held // L
+    b = step_bytes(cfg, F32, 2, L, L, cache)
+    assert b.kv == held and b.slots == L
+    assert b.kv_write == slot
+    blocks = 3 * 16  # 37 tokens in 16-token blocks
+    expected = {"static": 0, "dynamic": 2 * (L - 1) * slot, "paged": 2 * blocks * slot}[cache]
+    assert b.design == expected
+    assert b.total == b.weights + b.kv + b.kv_write + b.design
 
 
-def test_static_graph_reads_its_whole_buffer():
+def test_dynamic_traffic_equals_what_the_cache_counts():
+    """The bytes torch.cat re-reads in one step are exactly what the dynamic cache's own counter adds."""
+    cfg = PRESETS["gpt2-tiny"]
+    caches = make_caches("dynamic", cfg, 1, 64, F32, "cpu")
+    k = torch.zeros(1, cfg.n_head, 20, cfg.head_dim)
+    for c in caches:
+        c.update(k, k, None)
+    before = sum(c.bytes_copied for c in caches)
+    for c in caches:
+        c.update(k[:, :, :1], k[:, :, :1], None)  # the step that brings the cache to L = 21
+    copied = sum(c.bytes_copied for c in caches) - before
+    assert step_bytes(cfg, F32, 1, 21, 64, "dynamic").design == 2 * copied  # read, then written
+
+
+def test_int8_reads_its_own_storage_and_writes_one_copy():
+    cfg = PRESETS["gpt2-tiny"]
+    L = 40
+    caches = make_caches("int8", cfg, 1, L, F32, "cpu")
+    stored = sum(c.nbytes for c in caches)  # int8 + fp32 scales for L slots
+    b = step_bytes(cfg, F32, 1, L, L, "int8")
+    slot = 2 * cfg.n_layer * cfg.n_embd * 4
+    assert b.design == stored + L * slot  # read int8 + scales, write the fp32 dequantised copy
+    assert b.kv_write == stored // L
+    # bf16 keeps fp32 scales (int8.scale_dtype_for): 4 bytes per head, not bf16's 2
+    bf = make_caches("int8", cfg, 1, L, BF16, "cpu")
+    assert step_bytes(cfg, BF16, 1, L, L, "int8").kv_write == sum(c.nbytes for c in bf) // L
+
+
+def test_whole_buffer_designs_read_their_capacity():
     cfg = PRESETS["gpt2"]
-    a = step_bytes(cfg, 2, 1, 100, 1024, "static-graph")
-    b = step_bytes(cfg, 2, 1, 1024, 1024, "static")
-    assert a.kv + a.design == b.kv
+    for design in ("static-graph", "hf:static"):
+        a = step_bytes(cfg, F16, 1, 100, 1024, design)
+        b = step_bytes(cfg, F16, 1, 1024, 1024, "static")
+        assert a.kv == b.kv and a.slots == 1024, design
+    assert step_bytes(cfg, F16, 1, 100, 1024, "static").slots == 100
+
+
+def test_design_mapping_and_plugins():
+    assert design_for("kvbench", "none") is None and design_for("hf", "none") is None
+    assert design_for("hf", "static") == design_for("hf-compiled", "static") == "hf:static"
+    assert design_for("hf", "dynamic") == "hf:dynamic" and design_for("kvbench", "paged") == "paged"
+    plugin = step_bytes(PRESETS["gpt2-tiny"], F32, 1, 30, 64, "my_pkg.caches:Mine")
+    assert plugin.design == 0 and plugin.note == UNKNOWN_DESIGN
+    assert set(DESIGNS) >= {"dynamic", "static", "static-graph", "paged", "int8", "hf:dynamic", "hf:static"}
 
 
 def test_crossover_gpt2():
-    """gpt2: weights ~249 MB in fp16; one token's K+V over 12 layers = 36,864 B: crossover at 6,7xx tokens."""
+    """gpt2: weights ~494 MB in fp32 (~247 MB fp16); one token's K+V over 12 layers = 73,728 B fp32: 6,709 tokens."""
     cfg = PRESETS["gpt2"]
-    n = crossover_context(cfg, 2)
-    per_slot = 2 * 12 * 768 * 2
-    assert (n - 1) * per_slot < weight_bytes(cfg, 2) <= n * per_slot
-    assert crossover_context(cfg, 4) == n  # the ratio does not depend on the dtype
+    n = crossover_context(cfg, 4)
+    per_slot = 2 * 12 * 768 * 4
+    assert (n - 1) * per_slot < weight_bytes(cfg, 4) <= n * per_slot
+    assert n == 6709  # the figure docs/performance.md and the README state
+    assert crossover_context(cfg, 2) == n  # the ratio does not depend on the dtype
+    assert crossover_context(PRESETS["gpt2-long"], 4) == n  # a step reads one row of wpe, however long
 
 
-def test_floor_arithmetic_and_a_real_bandwidth_probe():
-    bw = Bandwidth(read_gbps=25.0, copy_gbps=20.0, nbytes=1, device="cpu")
-    ms, b = decode_floor_ms(PRESETS["gpt2"], 4, 1, 512, 64, "static", bw)
-    assert ms == pytest.approx(1e3 * b.total / 25e9)
-    assert 15 < ms < 25  # ~0.5 GB at 25 GB/s
+def test_crossovers_the_readme_states_from_the_planner():
+    """The README's crossovers for two presets of configs/models.toml: the planner's weight bytes over its KV bytes
+    per token (bf16 weights, fp16 cache), arithmetic only."""
+    from kvbench.memory.planner import plan
+    from kvbench.memory.presets import get_model
+
+    stated = {"llama-2-7b": 25_706, "llama-3-8b": 122_533}
+    for name, tokens in stated.items():
+        p = plan(get_model(name), [1024])
+        assert math.ceil(p.weights_bytes / p.bytes_per_token) == tokens, name
+
+
+def test_floor_arithmetic_of_a_cuda_run_on_the_cpu():
+    """What a CUDA row's floor would be (fp16, the H200's measured 4.24 TB/s), checked here: gpt2's weights alone
+    are the 0.058 ms docs/performance.md states; a static step at prompt 128 + 400 new tokens adds K/V for 328
+    slots; static-graph reads its whole 528-slot buffer."""
+    cfg = PRESETS["gpt2"]
+    bw = Bandwidth(read_gbps=4240.0, copy_gbps=3900.0, nbytes=2 << 30, device="cuda:0")
+    assert round(1e3 * weight_bytes(cfg, 2) / 4240e9, 3) == 0.058
+    assert round(1e3 * weight_bytes(PRESETS["gpt2-xl"], 2) / 4240e9, 3) == 0.734
+    ms, b = decode_floor_ms(cfg, F16, 1, 128, 400, "static", bw)
+    assert b.context == 328 and b.kv == 328 * 36_864
+    assert ms == pytest.approx(1e3 * (weight_bytes(cfg, 2) + 329 * 36_864) / 4240e9)
+    _, g = decode_floor_ms(cfg, F16, 1, 128, 400, "static-graph", bw)
+    assert g.kv == 528 * 36_864
+    # the probe's size on CUDA: 2 GiB, but never more than a quarter of the free memory
+    assert probe_bytes("cuda", None, 80 << 30) == 2 << 30
+    assert probe_bytes("cuda", None, 4 << 30) == 1 << 30
+
+
+def test_probe_size_on_the_cpu_exceeds_the_last_level_cache():
+    assert probe_bytes("cpu", None, 64 << 30) == 512 << 20
+    assert probe_bytes("cpu", 480 << 20, 64 << 30) == 960 << 20  # twice a large L3
+    assert probe_bytes("cpu", 480 << 20, 2 << 30) == 256 << 20  # but at most an eighth of the memory
+
+
+def test_a_real_bandwidth_probe():
     real = measure_bandwidth(torch.device("cpu"), nbytes=16 << 20, repeats=2)
-    assert real.read_gbps > 0.1 and real.copy_gbps > 0.1 and real.used == "read"
+    assert (
+        real.read_gbps > 0.1 and real.copy_gbps > 0.1 and real.used == "read" and real.gbps == real.read_gbps
+    )
+    assert real.read_range[0] <= real.read_gbps <= real.read_range[1]
+    assert real.nbytes == 16 << 20 and real.repeats == 2

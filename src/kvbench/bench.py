@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kvbench import floor
 from kvbench.agreement import TokenCheck, check_tokens
 from kvbench.backends import watch_sdpa
 from kvbench.bench_settings import (
@@ -46,6 +47,7 @@ from kvbench.bench_settings import (
 from kvbench.devices import memory_in_use, memory_peak, reset_peak_memory
 from kvbench.engines import ENGINES, HFEngine, KVBenchEngine, RunTiming, build_engines
 from kvbench.errors import KVBenchError
+from kvbench.model import GPTConfig
 
 # Settings and engines live in their own modules; these names stay importable from here.
 __all__ = [
@@ -69,6 +71,11 @@ class SummaryRow:
     ttft_ms: float  # median over timed repeats: prefill + first token
     tpot_ms_median: float  # median decode-step latency, all steps of all timed repeats pooled
     tpot_ms_p90: float
+    floor_ms: float  # the bandwidth floor of the median decode step: step_bytes / measured read bandwidth (floor.py)
+    x_floor: float  # tpot_ms_median / floor_ms; empty for `none` (no cache: the floor does not apply)
+    step_bytes: (
+        float  # bytes the median decode step moves: weights, K/V read and written, the design's copies
+    )
     total_s: float  # median over timed repeats: the whole generation, prefill included
     total_s_min: float
     total_s_max: float
@@ -128,6 +135,7 @@ class ConfigResult:
     summary: SummaryRow
     steps: list[StepRow]
     ttft_ms: list[float]  # per timed repeat
+    floor_bytes: floor.StepBytes | None = None  # the median decode step's bytes by source; None: no floor
 
 
 def seed_copy_estimate(bytes_per_token: int, n0: int, n1: int) -> float:
@@ -227,10 +235,14 @@ def run_sweep(
     on_result: Callable[[ConfigResult], None] | None = None,
     on_progress: ProgressFn | None = None,
     engines: dict | None = None,
+    bandwidth: floor.Bandwidth | None = None,
 ) -> list[ConfigResult]:
-    """Run every configuration of `s` on `model`; returns (and streams through `on_result`) one result each."""
+    """Run every configuration of `s` on `model`; returns (and streams through `on_result`) one result each.
+    bandwidth: the device's, for every row's floor; measured here (once) when not given."""
     device = model.lm_head.weight.device
     check_fits_context(s, model.config.block_size, model.config.name)
+    if bandwidth is None:
+        bandwidth = floor.measure_bandwidth(device)
     if engines is None:
         engines = build_engines(model, s.engine)
     configs = plan(s, engines)
@@ -246,7 +258,7 @@ def run_sweep(
             dtype=dtype_name, device=device_label,
         )  # fmt: skip
         result = _run_configuration(model, engines[engine_name], prompts[prompt_len].to(device), s, common,
-                                    progress, refs, bpt)  # fmt: skip
+                                    progress, refs, bpt, bandwidth)  # fmt: skip
         results.append(result)
         fill_relative([r.summary for r in results])
         if on_result is not None:
@@ -254,7 +266,7 @@ def run_sweep(
     return results
 
 
-def _run_configuration(model, engine, ids, s, common, progress, refs, bpt) -> ConfigResult:
+def _run_configuration(model, engine, ids, s, common, progress, refs, bpt, bandwidth) -> ConfigResult:
     device, cache, prompt_len = ids.device, common["cache"], common["prompt_len"]
     label = f"{common['engine']} {cache} prompt {prompt_len}"
     n_runs = s.warmup + s.repeats
@@ -292,7 +304,28 @@ def _run_configuration(model, engine, ids, s, common, progress, refs, bpt) -> Co
         sdpa = {"prefill": f"unknown ({type(e).__name__})", "decode": ""}
     weights = engine.weight_bytes()
     capture_s = conf.capture_s
-    return _summarise(common, runs, s, peaks, weights, capture_s, tokens, sdpa, bpt)
+    result = _summarise(common, runs, s, peaks, weights, capture_s, tokens, sdpa, bpt)
+    add_floor(result, model.config, model.lm_head.weight.dtype, bandwidth, runs[-1].cache_bytes)
+    return result
+
+
+def add_floor(
+    result: ConfigResult, cfg, dtype: torch.dtype, bw: floor.Bandwidth, cache_bytes: int | None
+) -> None:
+    """Fill a completed row's floor_ms, x_floor and step_bytes. The buffer a whole-buffer design attends over
+    (static-graph, transformers' StaticCache) is read from the cache the run held: transformers sizes its buffer
+    per call, and never smaller than an earlier call's on the same model, so it can exceed prompt + new tokens."""
+    r = result.summary
+    design = floor.design_for(r.engine, r.cache)
+    if design is None or not isinstance(cfg, GPTConfig):  # the byte count is GPT-2's; --hf models have none
+        return
+    per_slot = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * r.batch
+    capacity = r.prompt_len + r.new_tokens
+    if design in floor.WHOLE_BUFFER and cache_bytes:
+        capacity = cache_bytes // per_slot
+    ms, b = floor.decode_floor_ms(cfg, dtype, r.batch, r.prompt_len, r.new_tokens, design, bw, capacity)
+    r.floor_ms, r.x_floor, r.step_bytes = ms, r.tpot_ms_median / ms, float(b.total)
+    result.floor_bytes = b
 
 
 def _reserved(device: torch.device) -> float:
@@ -334,6 +367,9 @@ def _summarise(common, runs, s, peaks, weights, capture_s, tokens: TokenCheck, s
         ttft_ms=1e3 * statistics.median(t.ttft_s for t in timed),
         tpot_ms_median=1e3 * _pct(steps, 0.5),
         tpot_ms_p90=1e3 * _pct(steps, 0.9),
+        floor_ms=math.nan,  # filled by add_floor
+        x_floor=math.nan,
+        step_bytes=math.nan,
         total_s=total,
         total_s_min=min(totals),
         total_s_max=max(totals),

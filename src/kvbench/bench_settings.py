@@ -46,24 +46,39 @@ class BenchSettings:
     warmup: int = 1  # runs before the timed ones, same shapes; the first of them is the reported cold run
     out: str | None = None  # run directory; None: results/<timestamp>-bench/
     threads: int | None = None  # torch intra-op CPU threads; None: torch's default (one per core)
+    fill: str = "prefill"  # prefill: a real prefill fills the cache; random: random K/V, decode timed only
+
+
+FILLS = ("prefill", "random")
+# With --fill random a sweep times decode steps at long contexts (context.py): no `none` (nothing to fill), only our
+# engine (transformers' generate cannot start from a filled cache), and a few dozen steps per context.
+FILL_RANDOM_DEFAULTS = {
+    "caches": lambda: [c for c in CACHES if c != "none"],
+    "engine": lambda: ["kvbench"],
+    "new_tokens": lambda: 32,
+}
 
 
 SETTING_KEYS = tuple(f.name for f in fields(BenchSettings))
 INT_KEYS = ("new_tokens", "batch", "repeats", "warmup", "seed", "threads")
+K = 1024  # --prompt-len 4k = 4,096 tokens
 # Sane bounds checked before anything is loaded or allocated (sizes that depend on the model are checked against
 # its context and the device's memory in check_sizes).
 LIMITS = {"repeats": (1, 10_000), "warmup": (0, 10_000), "threads": (1, 4096), "seed": (0, 2**64 - 1)}
-_INT_TEXT = re.compile(r"[+-]?\d+")
+_INT_TEXT = re.compile(r"([+-]?\d+)([kK]?)")
 
 
 def _whole(value, key: str, where: str) -> int:
-    """An integer from TOML (int, not bool or float) or the command line (decimal digits); anything else is an
-    error, never truncated."""
+    """An integer from TOML (int, not bool or float) or the command line (decimal digits, or with a k suffix:
+    4k = 4 x 1,024); anything else is an error, never truncated."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if isinstance(value, str) and _INT_TEXT.fullmatch(value.strip()):
-        return int(value.strip())
-    raise KVBenchError(f"{where}: {key} must be whole numbers, got {value!r}")
+    m = _INT_TEXT.fullmatch(value.strip()) if isinstance(value, str) else None
+    if m:
+        return int(m.group(1)) * (K if m.group(2) else 1)
+    raise KVBenchError(
+        f"{where}: {key} must be whole numbers, got {value!r} (a k suffix is x1024: 4k = 4096)"
+    )
 
 
 def _as_list(key: str, value, where: str, integers: bool) -> list:
@@ -138,6 +153,8 @@ def read_settings(path: str | Path | None, overrides: dict) -> dict:
             raise KVBenchError(f"--config {p} is not valid TOML: {e}") from None
         merged.update(coerce(data, str(p)))
     merged.update(coerce({k: v for k, v in overrides.items() if v is not None}, "command line"))
+    if merged.get("fill") == "random":
+        merged.update({k: make() for k, make in FILL_RANDOM_DEFAULTS.items() if k not in merged})
     return merged
 
 
@@ -175,6 +192,10 @@ def check_settings(s: BenchSettings) -> None:
         if e not in ENGINES:
             raise KVBenchError(f"unknown engine {e!r}; engines: {', '.join(ENGINES)}")
     s.engine = list(dict.fromkeys(s.engine))
+    if s.fill not in FILLS:
+        raise KVBenchError(f"--fill {s.fill!r}: use prefill (a real prefill, the default) or random")
+    if s.fill == "random":
+        _check_random_fill(s)
     for e in s.engine:
         if not any(ENGINES[e].supports(c) for c in s.caches):
             runs = [c for c in ("none", "dynamic", "static") if ENGINES[e].supports(c)]
@@ -184,9 +205,25 @@ def check_settings(s: BenchSettings) -> None:
             )
 
 
+def _check_random_fill(s: BenchSettings) -> None:
+    if "none" in s.caches:
+        raise KVBenchError(
+            "--fill random times decode steps over a filled cache, and `none` has no cache to fill; "
+            "drop none from --caches"
+        )
+    others = [e for e in s.engine if e != "kvbench"]
+    if others:
+        raise KVBenchError(
+            f"--fill random runs only --engine kvbench (transformers' generate cannot start from a cache filled "
+            f"without a prefill); drop {', '.join(others)}"
+        )
+
+
 def sweep_warnings(s: BenchSettings) -> list[str]:
     """Things the sweep will quietly not do, said out loud: caches no selected engine runs, a missing reference."""
     notes = []
+    if s.fill == "random":
+        return notes  # every check of a random-fill sweep is an error above, and it has no token reference
     if set(s.caches) != set(parse_cache_names("all")):
         skipped = [c for c in s.caches if not any(ENGINES[e].supports(c) for e in s.engine)]
         if skipped:
@@ -219,6 +256,13 @@ def sweep_model_config(s: BenchSettings) -> GPTConfig:
 def check_fits_context(s: BenchSettings, block_size: int, model_name: str) -> None:
     """Reject an impossible sweep before any work, naming every offending prompt length."""
     bad = [p for p in s.prompt_len if p + s.new_tokens > block_size]
+    if bad and s.fill == "random":
+        raise KVBenchError(
+            f"context + new tokens exceeds {model_name}'s {block_size:,} positions: "
+            + ", ".join(f"{p:,} + {s.new_tokens} = {p + s.new_tokens:,}" for p in bad)
+            + "; use --model gpt2-long (GPT-2's widths with 65,536 positions, random weights, for timing) or "
+            "shorter --prompt-len"
+        )
     if bad:
         raise KVBenchError(
             f"prompt length + new tokens exceeds {model_name}'s context of {block_size}: "
@@ -236,14 +280,57 @@ def device_memory_bytes(device: torch.device) -> int | None:
         return None
 
 
-def check_sizes(s: BenchSettings, cfg: GPTConfig, dtype: torch.dtype, device: torch.device) -> None:
-    """Before anything is allocated: prompts fit the context, and weights + the largest KV cache fit the device."""
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for this run now: CUDA, free device memory; CPU, the kernel's MemAvailable (Linux), else the
+    free pages."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for row in f:
+                if row.startswith("MemAvailable:"):
+                    return int(row.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_random_fill_memory(s: BenchSettings, cfg: GPTConfig, weights: int, kv: int, device) -> None:
+    """One configuration's cache is alive at a time; on top of it, one layer's K and V may exist up to four times
+    over (torch.cat's new tensor, the paged gather, int8's dequantisation temporaries)."""
+    temporaries = 4 * kv // cfg.n_layer
+    need = weights + kv + temporaries
+    free = available_memory_bytes(device)
+    if free is not None and need > free:
+        gib = 2**30
+        parts = (f"weights {weights / gib:.1f} + " if weights else "") + (
+            f"KV cache {kv / gib:.1f} + one layer's temporaries {temporaries / gib:.1f}"
+        )
+        raise KVBenchError(
+            f"--fill random at {max(s.prompt_len):,} + {s.new_tokens} tokens x batch {s.batch} needs about "
+            f"{need / gib:.1f} GiB ({parts}), more than the {free / gib:.1f} GiB available; "
+            "lower --prompt-len or --batch"
+        )
+
+
+def check_sizes(
+    s: BenchSettings, cfg: GPTConfig, dtype: torch.dtype, device: torch.device, weights_loaded: bool = False
+) -> None:
+    """Before anything is allocated: prompts fit the context, and weights + the largest KV cache fit the device.
+    weights_loaded: the model is already in memory (a random-fill sweep then compares only the cache with what is
+    still available)."""
     check_fits_context(s, cfg.block_size, cfg.name)
     elem = torch.empty((), dtype=dtype).element_size()
     C = cfg.n_embd
     params = cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * (12 * C * C + 13 * C) + 2 * C
     longest = max(s.prompt_len) + s.new_tokens
     kv = s.batch * longest * cfg.kv_bytes_per_token(elem)
+    if s.fill == "random":
+        _check_random_fill_memory(s, cfg, 0 if weights_loaded else params * elem, kv, device)
+        return
     total = device_memory_bytes(device)
     if total is not None and params * elem + kv > total:
         gib = 2**30

@@ -1,12 +1,17 @@
 """Decode cost against context: caches filled to a context with random K/V (no prefill), then decode steps timed.
 
-Prefill at 16k tokens takes minutes on a CPU, and what the seed's question needs is the decode step at that context:
-does it stay flat? So each cache is filled directly through its own `update` with random keys and values of the
-context's length (`--fill random`, labelled as such in every output), and only the decode steps that follow are timed,
-each synchronised. The weights are random too: the time of a step does not depend on the values it reads.
+Prefill at 16k tokens takes minutes on a CPU, and what the question "does the cached step stay flat?" needs is the
+decode step at that context. So each cache is filled directly through its own `update` with random keys and values
+of the context's length (`bench --fill random`, labelled as such in every output), and only the decode steps that
+follow are timed, each synchronised. The weights are random too: the time of a step does not depend on the values
+it reads.
 
 Past GPT-2's 1,024 positions this runs `gpt2-long`, GPT-2 124M's widths with 65,536 learned positions: a synthetic
 configuration for timing only (random weights, never a checkpoint).
+
+Per (context, cache) the caches are allocated once; each of the `warmup + repeats` runs resets them, fills them to
+the context and times `new_tokens` decode steps from there, so warm-ups have exactly the shapes of the timed runs.
+The median, 10th and 90th percentiles are over every timed step of every timed run.
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from kvbench.devices import synchronize
 from kvbench.errors import KVBenchError
 from kvbench.model import GPT
 
-FILL_CHUNK = 1024  # tokens per update while filling: bounds the temporary random K/V
+FILL_CHUNK = 4096  # tokens per update while filling: bounds the temporary random K/V
+FILL_NOTE = (
+    "caches filled with random K/V to the context through each cache's own update (no prefill); only the decode "
+    "steps after it are timed. Weights are random: a step's time does not depend on the values it reads."
+)
 
 
 @dataclass
@@ -36,41 +45,66 @@ class ContextRow:
     batch: int
     dtype: str
     device: str
-    fill: str  # "random": filled without a prefill
+    fill: str  # "random": filled with random K/V, no prefill
     status: str  # ok | oom | error: ...
-    tpot_ms_median: float
+    tpot_ms_median: float  # every timed step of every timed repeat pooled
     tpot_ms_p10: float
     tpot_ms_p90: float
-    repeats: int
     floor_ms: float  # the bandwidth floor of the median step (floor.py)
     x_floor: float  # tpot_ms_median / floor_ms
     step_bytes: int  # what the median step must move
     kv_read_bytes: int  # of which K/V read by attention
     weight_bytes: int  # of which weights
+    design_bytes: int  # of which the design's own copies (torch.cat, gathers, dequantisation)
     kv_cache_mib: float  # bytes the caches hold or reserve
+    repeats: int  # timed repeats behind the medians
 
     @classmethod
     def columns(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
 
+@dataclass
+class ContextStepRow:
+    cache: str
+    context: int
+    batch: int
+    repeat: int  # 1..repeats (timed runs only)
+    step: int  # 1..new_tokens; step i attends over context + i slots
+    latency_ms: float
+
+    @classmethod
+    def columns(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass
+class ContextResult:
+    summary: ContextRow
+    steps: list[ContextStepRow]
+
+
 def fill_random(caches: list, model: GPT, batch: int, context: int, generator: torch.Generator) -> None:
-    """Write `context` tokens of random K/V into every layer's cache through its own update (B, H, T, Dh)."""
+    """Write `context` tokens of random K/V into every layer's cache through its own update (B, H, T, Dh). One
+    random block of FILL_CHUNK tokens is drawn per fill and written chunk after chunk (drawing 16k tokens x 12
+    layers afresh would take longer than the steps it prepares; the values do not change a step's time)."""
     cfg, w = model.config, model.lm_head.weight
+    T0 = min(FILL_CHUNK, context)
+    k, v = (
+        torch.randn(batch, cfg.n_head, T0, cfg.head_dim, generator=generator).to(w.device, w.dtype)
+        for _ in range(2)
+    )  # (B, H, T0, Dh)
     for start in range(0, context, FILL_CHUNK):
         T = min(FILL_CHUNK, context - start)
         positions = torch.arange(start, start + T, device=w.device).expand(batch, T)  # (B, T)
         for cache in caches:
-            k, v = (
-                torch.randn(batch, cfg.n_head, T, cfg.head_dim, generator=generator).to(w.device, w.dtype)
-                for _ in range(2)
-            )  # (B, H, T, Dh)
-            cache.update(k, v, positions)
+            cache.update(k[:, :, :T], v[:, :, :T], positions)
 
 
 @torch.inference_mode()
 def time_decode(model: GPT, cache: str, caches: list, context: int, steps: int, batch: int) -> list[float]:
-    """`steps` greedy decode steps after a filled cache of `context` tokens; seconds per step, synchronised."""
+    """`steps` greedy decode steps after a filled cache of `context` tokens; seconds per step (forward + argmax),
+    the device synchronised before and after each."""
     spec = get_cache_spec(cache)
     device = model.lm_head.weight.device
     forward = model if spec.decode_runner is None else spec.decode_runner(model, caches)
@@ -89,9 +123,16 @@ def time_decode(model: GPT, cache: str, caches: list, context: int, steps: int, 
 
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
-    k = (len(s) - 1) * q
+    k = (len(s) - 1) * q  # linear interpolation, as numpy's default
     lo, hi = math.floor(k), math.ceil(k)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def median_step_bytes(model: GPT, cache: str, context: int, new_tokens: int, batch: int) -> floor.StepBytes:
+    """The bytes of the median timed step: steps attend over context+1 .. context+new_tokens slots."""
+    cfg, dtype = model.config, model.lm_head.weight.dtype
+    design = get_cache_spec(cache).name
+    return floor.step_bytes(cfg, dtype, batch, context + (new_tokens + 1) // 2, context + new_tokens, design)
 
 
 def run_context_sweep(
@@ -106,12 +147,14 @@ def run_context_sweep(
     dtype_name: str,
     device_label: str,
     seed: int = 0,
-    on_row: Callable[[ContextRow], None] | None = None,
+    on_result: Callable[[ContextResult], None] | None = None,
     on_progress: Callable[[int, int, str], None] | None = None,
-) -> list[ContextRow]:
-    """Every (cache, context): fill once per run, time `new_tokens` decode steps; the first `warmup` runs untimed."""
+) -> list[ContextResult]:
+    """Every (context, cache), contexts outermost so that an interrupted sweep has every cache at the contexts it
+    finished. A configuration that runs out of memory, or whose cache raises, becomes a row saying so."""
+    from kvbench.bench import failure_status
+
     cfg = model.config
-    dev, dt = model.lm_head.weight.device, model.lm_head.weight.dtype
     too_long = [c for c in contexts if c + new_tokens > cfg.block_size]
     if too_long:
         raise KVBenchError(
@@ -122,56 +165,55 @@ def run_context_sweep(
         raise KVBenchError(
             "--fill random times decode steps over a filled cache; `none` has no cache to fill"
         )
-    elt = model.lm_head.weight.element_size()
-    rows, total, done = [], len(caches) * len(contexts) * (warmup + repeats), 0
+    dev, dt = model.lm_head.weight.device, model.lm_head.weight.dtype
+    results, total, done = [], len(caches) * len(contexts) * (warmup + repeats), 0
     g = torch.Generator().manual_seed(seed)
-    for cache in caches:
-        design = get_cache_spec(cache).name
-        for L in contexts:
+    for L in contexts:
+        for cache in caches:
             label = f"{cache} context {L:,} (random fill)"
-            steps: list[float] = []
-            status, held = "ok", 0
+            runs: list[list[float]] = []
+            status, held, failure = "ok", 0, None
             try:
                 layers = make_caches(cache, cfg, batch, L + new_tokens, dt, dev)
-                for i in range(warmup + repeats):
+                for _ in range(warmup + repeats):
                     for c in layers:
                         c.reset()
                     fill_random(layers, model, batch, L, g)
-                    t = time_decode(model, cache, layers, L, new_tokens, batch)
-                    if i >= warmup:
-                        steps += t
+                    runs.append(time_decode(model, cache, layers, L, new_tokens, batch))
                     done += 1
                     if on_progress:
                         on_progress(done, total, label)
                 held = sum(c.nbytes for c in layers)
-                del layers
-            except torch.cuda.OutOfMemoryError:
-                status = "oom"
-            except RuntimeError as e:
-                if "can't allocate memory" not in str(e):
-                    raise
-                status = "oom"
-            if status != "ok":
-                done = min(total, done + warmup + repeats)
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-            fl, b = _floor(cfg, elt, batch, L, new_tokens, design, bandwidth)
+            except Exception as e:  # oom, or a cache plugin that raised: the row says so, the sweep goes on
+                failure = failure_status(e)
+            layers = None  # outside the except block: the caches (and the exception's frames) are freed here
+            if failure is not None:
+                done = min(total, done + warmup + repeats - len(runs))
+                status, runs = failure, []
+                if on_progress:
+                    on_progress(done, total, f"{label}: {failure}")
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            timed = runs[warmup:]
+            steps = [x for r in timed for x in r]
+            b = median_step_bytes(model, cache, L, new_tokens, batch)
+            fl = floor.floor_ms(b, bandwidth)
             med = 1e3 * statistics.median(steps) if steps else math.nan
             row = ContextRow(
                 cache=cache, context=L, new_tokens=new_tokens, batch=batch, dtype=dtype_name, device=device_label,
                 fill="random", status=status, tpot_ms_median=med,
                 tpot_ms_p10=1e3 * _pct(steps, 0.1) if steps else math.nan,
-                tpot_ms_p90=1e3 * _pct(steps, 0.9) if steps else math.nan, repeats=repeats if steps else 0,
+                tpot_ms_p90=1e3 * _pct(steps, 0.9) if steps else math.nan,
                 floor_ms=fl, x_floor=med / fl, step_bytes=b.total, kv_read_bytes=b.kv, weight_bytes=b.weights,
-                kv_cache_mib=held / 2**20,
+                design_bytes=b.design, kv_cache_mib=held / 2**20, repeats=len(timed),
             )  # fmt: skip
-            rows.append(row)
-            if on_row:
-                on_row(row)
-    return rows
-
-
-def _floor(cfg, elt, batch, context, new_tokens, design, bw) -> tuple[float, floor.StepBytes]:
-    """The floor of the median timed step: steps attend over context+1 .. context+new_tokens slots."""
-    b = floor.step_bytes(cfg, elt, batch, context + (new_tokens + 1) // 2, context + new_tokens, design)
-    return 1e3 * b.total / (bw.gbps * floor.GB), b
+            step_rows = [
+                ContextStepRow(cache, L, batch, r + 1, i + 1, 1e3 * t)
+                for r, run in enumerate(timed)
+                for i, t in enumerate(run)
+            ]
+            result = ContextResult(row, step_rows)
+            results.append(result)
+            if on_result:
+                on_result(result)
+    return results

@@ -3,58 +3,131 @@
 At batch 1 a decode step does little arithmetic per byte: every weight matrix is read once for one token (a
 matrix-vector product) and attention reads every cached key and value once. So a step cannot be faster than
 
-    floor = bytes the step must read / the device's read bandwidth
+    floor = bytes the step must move / the device's read bandwidth
 
-and a measured time per output token (TPOT) divided by it (`x_floor`) says how much of the step is overhead: launch
-latency, Python, extra copies, kernels that stream below bandwidth. What one step must read, for a batch of B
-sequences at context L (the key slots this step attends over, the new token included), in the model's dtype:
+and a measured time per output token (TPOT) divided by it (`x_floor`) says how far the step is from that limit:
+launch latency, Python, extra copies, kernels that stream below bandwidth. What one step moves, for a batch of B
+sequences at context L (the key slots that hold tokens, this step's included), in the model's dtype:
 
-    weights   every block's parameters, ln_f, and lm_head (V x C: tied to wte, read whole) + the B embedding rows
-    kv        2 (K and V) x layers x B x L x C x element size
-plus what a design moves on top (`design_bytes`): torch.cat re-copies the history every step (reads L-1 slots, writes
-L); a static-graph step attends over its whole buffer (max_len slots, masked) instead of L; the paged cache gathers
-its blocks into a contiguous copy (reads L, writes L); the int8 cache reads int8 + scales and writes a dequantised
-copy. Writes are counted as traffic too: they cost bandwidth like reads. docs/performance.md works an example.
+    weights   every block's parameters, ln_f, and lm_head (V x C, tied to wte: read whole) + the B rows of wte and
+              wpe this step's tokens and positions use
+    kv        K and V of the slots attention reads: 2 x layers x B x slots x C x element size
+    kv_write  this token's K and V, written into the cache
+    design    what the design moves on top (`DESIGNS`)
+
+Writes count as traffic too: they cost bandwidth like reads. The floor is the design's own minimum, not what an
+implementation happens to allocate on the way: `int8` dequantises through fp32 temporaries today, and that extra
+traffic is overhead that `x_floor` shows, not part of the floor. docs/performance.md works an example.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from kvbench.model import GPTConfig
 
 GB = 1e9
+CPU_PROBE_BYTES = 512 << 20  # at least this much, and at least twice the last-level cache the OS reports
+CUDA_PROBE_BYTES = 2 << 30  # far past any GPU's L2 (tens of MB), at most a quarter of the free memory
+PROBE_ENV = "KVBENCH_PROBE_BYTES"  # the probe's size in bytes, overriding probe_bytes
 
 
 @dataclass
 class Bandwidth:
-    """Measured once per run: a large read-only reduction and a copy; the floor uses `read`."""
+    """Measured once per run: a large read-only reduction and a copy. The floor divides by `read`: a decode step
+    mostly reads (weights, cached K/V)."""
 
-    read_gbps: float  # bytes read / s by x.sum() over a tensor larger than any cache level
-    copy_gbps: float  # (bytes read + bytes written) / s by y.copy_(x)
+    read_gbps: float  # median bytes read / s by x.sum() over a tensor far larger than the caches
+    copy_gbps: float  # median (bytes read + bytes written) / s copying one half of that tensor into the other
     nbytes: int  # size of the tensor streamed
     device: str
     used: str = "read"  # which of the two the floor divides by
+    read_range: tuple[float, float] = (math.nan, math.nan)  # slowest and fastest repeat, GB/s
+    copy_range: tuple[float, float] = (math.nan, math.nan)
+    repeats: int = 0
+    llc_bytes: int | None = None  # the last-level cache the OS (CPU) or driver (CUDA L2) reports
+
+    def fits_in_cache(self, step_bytes: float) -> bool:
+        """A step whose bytes fit in the last-level cache is read from the cache, not memory, and can run below this
+        floor (x_floor < 1): the floor bounds steps larger than the cache."""
+        return self.llc_bytes is not None and step_bytes <= self.llc_bytes
 
     @property
     def gbps(self) -> float:
         return self.read_gbps if self.used == "read" else self.copy_gbps
 
+    def as_dict(self) -> dict:
+        return {**asdict(self), "gbps": self.gbps}
+
+
+def _last_level_cache_bytes() -> int | None:
+    """The largest CPU cache Linux reports (sysfs), or None."""
+    sizes = []
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for entry in (e for e in os.listdir(base) if e.startswith("index")):
+            with open(os.path.join(base, entry, "size")) as f:
+                text = f.read().strip()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        return None
+    return max(sizes) if sizes else None
+
+
+def _env_bytes() -> int:
+    from kvbench.errors import KVBenchError
+
+    text = os.environ[PROBE_ENV].strip()
+    if not text.isdigit() or int(text) < 1 << 20:
+        raise KVBenchError(f"{PROBE_ENV}={text!r}: give the probe's size in bytes, at least 1048576 (1 MiB)")
+    return int(text)
+
+
+def probe_bytes(device_type: str, llc_bytes: int | None, memory_bytes: int | None) -> int:
+    """How large a tensor the probe streams. CPU: CPU_PROBE_BYTES or twice the last-level cache, whichever is
+    larger (a stream twice the cache's size finds little of itself there on the next pass), capped at an eighth
+    of the memory. CUDA: CUDA_PROBE_BYTES, capped at a quarter of the free memory."""
+    if device_type == "cuda":
+        want = CUDA_PROBE_BYTES
+        cap = memory_bytes // 4 if memory_bytes else want
+    else:
+        want = max(CPU_PROBE_BYTES, 2 * (llc_bytes or 0))
+        cap = memory_bytes // 8 if memory_bytes else want
+    return max(min(want, cap), 1 << 20) // 4 * 4
+
 
 def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 7) -> Bandwidth:
-    """Median of `repeats` synchronised runs of each kernel, after a warm-up run of the same size."""
+    """Median of `repeats` synchronised runs of each kernel, after a warm-up run of the same size. One tensor of
+    `nbytes` (default: probe_bytes, or $KVBENCH_PROBE_BYTES): the read sums all of it, the copy moves its first half
+    onto its second (so the memory touched, and the page faults of a first touch, are those of one tensor)."""
     from kvbench.devices import synchronize
 
+    if device.type == "cuda":
+        llc = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
+        memory = torch.cuda.mem_get_info(device)[0]
+    else:
+        llc = _last_level_cache_bytes()
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            memory = None
+    if nbytes is None and os.environ.get(PROBE_ENV, "").strip():
+        nbytes = _env_bytes()
     if nbytes is None:
-        nbytes = (2 << 30) if device.type == "cuda" else (512 << 20)  # well past the L2 / last-level cache
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    y = torch.empty_like(x)
+        nbytes = probe_bytes(device.type, llc, memory)
+    n = nbytes // 8 * 2  # float32 elements, an even count
+    nbytes = 4 * n
+    x = torch.ones(n, dtype=torch.float32, device=device)
+    src, dst = x[: n // 2], x[n // 2 :]
 
-    def timed(fn) -> float:
+    def timed(fn) -> list[float]:
         fn()  # warm-up: first touch of pages, kernel selection
         times = []
         for _ in range(repeats):
@@ -63,11 +136,14 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: 
             fn()
             synchronize(device)
             times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return times
 
-    read_s = timed(lambda: x.sum())
-    copy_s = timed(lambda: y.copy_(x))
-    return Bandwidth(nbytes / read_s / GB, 2 * nbytes / copy_s / GB, nbytes, str(device))
+    read = [nbytes / t / GB for t in timed(lambda: x.sum())]
+    copy = [nbytes / t / GB for t in timed(lambda: dst.copy_(src))]  # half read + half written
+    return Bandwidth(
+        statistics.median(read), statistics.median(copy), nbytes, str(device),
+        read_range=(min(read), max(read)), copy_range=(min(copy), max(copy)), repeats=repeats, llc_bytes=llc,
+    )  # fmt: skip
 
 
 @dataclass
@@ -79,10 +155,15 @@ class StepBytes:
     kv_write: int  # this token's K and V written
     design: int  # what the design moves on top (copies, gathers, dequantisation)
     note: str
+    context: int  # slots holding tokens, this step's included
+    slots: int  # key slots attention reads (context, or the whole buffer)
 
     @property
     def total(self) -> int:
         return self.weights + self.kv + self.kv_write + self.design
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
 
 
 def weight_bytes(cfg: GPTConfig, elt: int, batch: int = 1) -> int:
@@ -99,46 +180,84 @@ def weight_bytes(cfg: GPTConfig, elt: int, batch: int = 1) -> int:
     return elt * (cfg.n_layer * per_block + 2 * C + V * C + 2 * batch * C)
 
 
-# What each design moves per step on top of attention's read of L slots. `slots_read` is how many key slots
-# attention reads; `extra(L, per_slot)` the design's own traffic, per_slot = bytes of one slot's K and V (all layers).
+PAGED_BLOCK = 16  # tokens per block of the `paged` cache (caches/paged.py BLOCK_SIZE)
+
+# What each design moves per step on top of attention's read and this token's write. Keys: our cache names, and
+# transformers' caches as `hf:<name>` (read in transformers' cache_utils: DynamicLayer.update concatenates;
+# StaticLayer.update writes with index_copy_ and returns the whole max_cache_len buffer, masked).
 DESIGNS = {
-    "dynamic": ("torch.cat re-copies the history: reads L-1 slots, writes L", lambda L, cap, s, q: (L - 1 + L) * s),
-    "static": ("reads the filled prefix in place", lambda L, cap, s, q: 0),
-    "static-graph": ("attends over its whole buffer (max_len slots, masked)", lambda L, cap, s, q: (cap - L) * s),
-    "paged": ("gathers its blocks into a contiguous copy: reads L, writes L", lambda L, cap, s, q: 2 * L * s),
-    "int8": ("reads int8 + scales, writes the dequantised copy", lambda L, cap, s, q: L * q + L * s),
-    "hf:dynamic": ("transformers' DynamicCache: torch.cat like ours", lambda L, cap, s, q: (L - 1 + L) * s),
-    "hf:static": ("transformers' StaticCache: attention over the whole max_cache_len buffer",
-                  lambda L, cap, s, q: (cap - L) * s),
-}  # fmt: skip
+    "static": "reads the filled prefix in place (views of its buffer)",
+    "dynamic": "torch.cat re-copies the history: reads and writes L-1 slots",
+    "static-graph": "attends over its whole buffer (capacity slots, masked)",
+    "paged": f"gathers its {PAGED_BLOCK}-token blocks (L rounded up) into a contiguous copy: reads and writes them",
+    "int8": "reads int8 + scales of L slots, writes one dequantised copy in the model's dtype (attention reads it)",
+    "hf:dynamic": "transformers' DynamicCache: torch.cat, reads and writes L-1 slots",
+    "hf:static": "transformers' StaticCache: attends over its whole max_cache_len buffer (masked)",
+}
+UNKNOWN_DESIGN = "design traffic unknown (a plugin): weights and K/V of L slots only"
+WHOLE_BUFFER = ("static-graph", "hf:static")  # attention reads `capacity` slots, not `context`
 
 
-def step_bytes(cfg: GPTConfig, elt: int, batch: int, context: int, capacity: int, design: str) -> StepBytes:
-    """Bytes of one decode step at `context` key slots (new token included) for `design` (a cache name, or
-    hf:dynamic / hf:static for transformers' caches). Unknown designs (plugins) count weights and KV only."""
-    per_slot = 2 * cfg.n_layer * batch * cfg.n_embd * elt  # K + V of one token position, all layers
-    int8_slot = (
-        2 * cfg.n_layer * batch * (cfg.n_embd + cfg.n_head * (2 if elt == 2 else 4))
-    )  # int8 + a scale per head
-    note, extra = DESIGNS.get(design, ("design traffic unknown: weights and KV only", lambda L, cap, s, q: 0))
+def design_for(engine: str, cache: str) -> str | None:
+    """The design whose traffic a bench row pays: our caches by name, transformers' as hf:<name> (hf and
+    hf-compiled run the same cache), None for `none` (no cache: the step recomputes the sequence, no floor)."""
+    if cache == "none":
+        return None
+    if engine in ("hf", "hf-compiled"):
+        return f"hf:{cache}"
+    return cache
+
+
+def step_bytes(
+    cfg: GPTConfig, dtype: torch.dtype, batch: int, context: int, capacity: int, design: str
+) -> StepBytes:
+    """Bytes of one decode step at `context` slots (this token included) for `design` (a key of DESIGNS; anything
+    else, a plugin, counts weights and K/V only). capacity: the slots the cache's buffer holds."""
+    from kvbench.caches.int8 import scale_dtype_for
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    scale = torch.empty((), dtype=scale_dtype_for(dtype)).element_size()
+    L, cap = context, max(capacity, context)
+    slot = 2 * cfg.n_layer * batch * cfg.n_embd * elt  # K + V of one token position, all layers
+    q8 = 2 * cfg.n_layer * batch * (cfg.n_embd + cfg.n_head * scale)  # int8 + one scale per head
+    if design in ("dynamic", "hf:dynamic"):
+        extra = 2 * (L - 1) * slot
+    elif design == "paged":
+        extra = 2 * (-(-L // PAGED_BLOCK) * PAGED_BLOCK) * slot
+    elif design == "int8":
+        extra = L * q8 + L * slot
+    else:
+        extra = 0
+    slots = cap if design in WHOLE_BUFFER else L
     return StepBytes(
         weights=weight_bytes(cfg, elt, batch),
-        kv=context * per_slot,
-        kv_write=per_slot,
-        design=int(extra(context, max(capacity, context), per_slot, int8_slot)),
-        note=note,
+        kv=slots * slot,
+        kv_write=q8 if design == "int8" else slot,
+        design=extra,
+        note=DESIGNS.get(design, UNKNOWN_DESIGN),
+        context=L,
+        slots=slots,
     )
 
 
+def median_step_context(prompt_len: int, new_tokens: int) -> int:
+    """Context of the median decode step of a generation: decode steps attend over prompt+1 .. prompt+new-1 slots
+    (the first token comes from the prefill), so the median is prompt + new/2; bytes are linear in the context."""
+    return prompt_len + new_tokens // 2
+
+
+def floor_ms(b: StepBytes, bw: Bandwidth) -> float:
+    return 1e3 * b.total / (bw.gbps * GB)
+
+
 def decode_floor_ms(
-    cfg: GPTConfig, elt: int, batch: int, prompt_len: int, new_tokens: int, design: str, bw: Bandwidth,
+    cfg: GPTConfig, dtype: torch.dtype, batch: int, prompt_len: int, new_tokens: int, design: str, bw: Bandwidth,
     capacity: int | None = None,
 ) -> tuple[float, StepBytes]:  # fmt: skip
-    """The floor of the median decode step of a run: decode steps attend over prompt+1 .. prompt+new-1 slots, so the
-    median step is at context prompt + new/2 (bytes are linear in the context). capacity: the allocated max_len."""
-    context = prompt_len + new_tokens // 2
-    b = step_bytes(cfg, elt, batch, context, capacity or prompt_len + new_tokens, design)
-    return 1e3 * b.total / (bw.gbps * GB), b
+    """The floor of the median decode step of a generation. capacity: the buffer's slots (default prompt + new)."""
+    b = step_bytes(cfg, dtype, batch, median_step_context(prompt_len, new_tokens), capacity or prompt_len + new_tokens,
+                   design)  # fmt: skip
+    return floor_ms(b, bw), b
 
 
 def crossover_context(cfg: GPTConfig, elt: int, batch: int = 1) -> int:

@@ -44,7 +44,7 @@ def prepare_run_dir(path: str | Path) -> Path:
 
 
 # What a bench run writes into its folder; --force replaces exactly these.
-BENCH_FILES = ("summary.csv", "steps.csv", "meta.json", "latency.png", "speedup.png")
+BENCH_FILES = ("summary.csv", "steps.csv", "meta.json", "latency.png", "speedup.png", "context.png")
 
 
 def unique_default_run_dir(kind: str = "bench") -> Path:
@@ -197,16 +197,27 @@ PEAK_NOTE = {
     "hide part of a peak, so CPU figures are indicative",
     "cpu-hwm": "CPU peak cannot be reset here (no /proc): run_peak_mib is not measured (empty)",
 }
+FLOOR_NOTE = (
+    "floor_ms: the bytes the median decode step must move (every weight once, lm_head included; K and V of the "
+    "slots attention reads; this token's K and V written; the design's own copies: torch.cat history, paged "
+    "gathers, int8 dequantisation) over the device's read bandwidth measured at the start of the run; "
+    "x_floor = tpot_ms_median / floor_ms; step_bytes: those bytes. Rows without a cache (`none`) have no floor. "
+    "floor.steps below breaks each row's bytes down."
+)
+
+
+def floor_meta(bandwidth) -> dict:
+    return {"bandwidth": bandwidth.as_dict(), "note": FLOOR_NOTE, "steps": {}}
 
 
 class BenchRecorder:
     """A bench run directory: meta.json at the start, summary.csv and steps.csv rewritten (atomically) each time a
     configuration completes, and the plots plus a final meta.json at the end or on interruption."""
 
-    def __init__(self, run_dir: Path, loaded, device, dtype, settings, config_path, extra_meta=None) -> None:
-        from kvbench.backends import sdpa_settings
+    def _start(self, run_dir: Path, loaded, device, dtype, settings, config_path) -> None:
+        """The fields every run folder shares: the run, the model, the device."""
         from kvbench.bench import settings_dict
-        from kvbench.devices import cpu_peak_resettable, device_name, dtype_name
+        from kvbench.devices import device_name, dtype_name
 
         self.run_dir = run_dir
         self.dtype = dtype_name(dtype)
@@ -228,6 +239,17 @@ class BenchRecorder:
             device_name=device_name(device),
             dtype=self.dtype,
             seed=settings.seed,
+        )
+
+    def __init__(
+        self, run_dir: Path, loaded, device, dtype, settings, config_path, bandwidth=None, extra_meta=None
+    ) -> None:
+        from kvbench.backends import sdpa_settings
+        from kvbench.devices import cpu_peak_resettable
+
+        self._start(run_dir, loaded, device, dtype, settings, config_path)
+        self.meta.update(
+            fill="prefill",
             peak_memory_note=PEAK_NOTE[
                 "cuda" if device.type == "cuda" else "cpu" if cpu_peak_resettable() else "cpu-hwm"
             ],
@@ -238,6 +260,8 @@ class BenchRecorder:
         )
         # what a caller adds or replaces (bench --hf: the model, its own token reference, its settings)
         self.meta.update(extra_meta or {})
+        if bandwidth is not None:
+            self.meta["floor"] = floor_meta(bandwidth)
         write_json(self.run_dir / "meta.json", self.meta)
 
     def add(self, result) -> None:
@@ -246,6 +270,10 @@ class BenchRecorder:
         self.summary.append(result.summary)
         self.steps.extend(result.steps)
         fill_relative(self.summary)
+        r = result.summary
+        if result.floor_bytes is not None and "floor" in self.meta:
+            key = f"{r.engine} {r.cache} prompt {r.prompt_len}"
+            self.meta["floor"]["steps"][key] = result.floor_bytes.as_dict()
         write_csv(self.run_dir / "summary.csv", SummaryRow.columns(), self.summary)
         write_csv(self.run_dir / "steps.csv", StepRow.columns(), self.steps)
 
@@ -293,3 +321,66 @@ class BenchRecorder:
         rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(r).items()}
                 for r in self.summary]  # fmt: skip
         return {"run_dir": str(self.run_dir), "meta": self.meta, "summary": rows}
+
+
+# --- bench --fill random: decode cost against context --------------------------------------------------------------
+class ContextRecorder(BenchRecorder):
+    """The run folder of a random-fill context sweep: summary.csv (one row per context x cache, with its `fill`),
+    steps.csv and meta.json rewritten as rows complete, context.png at the end or on interruption."""
+
+    def __init__(
+        self, run_dir: Path, loaded, device, dtype, settings, config_path, bandwidth, crossover
+    ) -> None:
+        from kvbench.context import FILL_NOTE
+
+        self._start(run_dir, loaded, device, dtype, settings, config_path)
+        self.meta.update(
+            fill="random",
+            fill_note=FILL_NOTE,
+            timing=(
+                "per context x cache: --warmup untimed runs then --repeats timed runs, each one resets the caches, "
+                "fills them to the context and times --new-tokens decode steps (forward + argmax, the device "
+                "synchronised around each); medians and percentiles over every timed step"
+            ),
+            floor=floor_meta(bandwidth),
+            crossover_context=crossover,
+            crossover_note=(
+                "the context at which attention's K/V read equals the weight read (floor.crossover_context): "
+                "past it, reading the cache is most of a decode step"
+            ),
+        )
+        write_json(self.run_dir / "meta.json", self.meta)
+
+    def add(self, result) -> None:
+        from kvbench.context import ContextRow, ContextStepRow
+
+        self.summary.append(result.summary)
+        self.steps.extend(result.steps)
+        write_csv(self.run_dir / "summary.csv", ContextRow.columns(), self.summary)
+        write_csv(self.run_dir / "steps.csv", ContextStepRow.columns(), self.steps)
+
+    def add_empty(self) -> None:
+        from kvbench.context import ContextRow, ContextStepRow
+
+        write_csv(self.run_dir / "summary.csv", ContextRow.columns(), [])
+        write_csv(self.run_dir / "steps.csv", ContextStepRow.columns(), [])
+
+    def finish(self, status: str, engines: dict | None = None) -> list[Path]:
+        """The final meta.json, then context.png from whatever completed, then meta.json again."""
+        import pandas as pd
+
+        from kvbench.context import ContextRow
+        from kvbench.plots import write_context_plots
+
+        if not self.summary:
+            self.add_empty()
+        self.meta["status"] = status
+        self.meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self.meta["configurations_completed"] = len(self.summary)
+        self.meta["configurations_failed"] = sum(r.status != "ok" for r in self.summary)
+        write_json(self.run_dir / "meta.json", self.meta)
+        summary = pd.DataFrame([asdict(r) for r in self.summary], columns=ContextRow.columns())
+        pngs = write_context_plots(self.run_dir, summary, self.meta)
+        self.meta["plots"] = [p.name for p in pngs]
+        write_json(self.run_dir / "meta.json", self.meta)
+        return [self.run_dir / n for n in ("summary.csv", "steps.csv", "meta.json")] + pngs

@@ -24,6 +24,7 @@ from kvbench.cli.app import (
     handle_errors,
     load_for_cli,
 )
+from kvbench.cli.bench_context import WIDE, floor_caption, render_context
 from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
 from kvbench.console import cell, err, line, out, styled
 from kvbench.errors import KVBenchError
@@ -34,7 +35,11 @@ from kvbench.errors import KVBenchError
 def bench(
     prompt_len: Annotated[
         str | None,
-        typer.Option("--prompt-len", help="Prompt lengths to sweep, comma-separated (default: 16,128,512)."),
+        typer.Option(
+            "--prompt-len",
+            help="Prompt lengths (with --fill random: contexts) to sweep, comma-separated; a k suffix is x1024, "
+            "e.g. 256,1k,4k,16k (default: 16,128,512).",
+        ),
     ] = None,
     new_tokens: Annotated[
         int | None, typer.Option("--new-tokens", help="Tokens generated per run (default: 400).")
@@ -95,12 +100,20 @@ def bench(
             help="A previous run folder: compare this run against it when the sweep ends (as kvbench compare).",
         ),
     ] = None,
+    fill: Annotated[
+        str | None,
+        typer.Option(
+            "--fill",
+            help="prefill (default): a real prefill fills the cache, TTFT and decode timed. random: caches filled "
+            "with random K/V to each --prompt-len without a prefill, only decode timed (long contexts: -m gpt2-long).",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
     hf: HFOpt = None,
     trust_remote_code: TrustOpt = False,
     layers: LayersOpt = None,
 ) -> None:
-    """Measure no cache vs each cache vs transformers: TTFT, TPOT, memory, token agreement.
+    """Measure no cache vs each cache vs transformers: TTFT, TPOT, its bandwidth floor, memory, token agreement.
 
     With --hf SOURCE: transformers' own caches (none, dynamic, static, static-compiled) on any Hugging Face causal
     LM, in the same rows and files, its tokens checked against its own none."""
@@ -115,6 +128,7 @@ def bench(
     overrides = dict(
         prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
         warmup=warmup, model=model, weights=weights, device=device, dtype=dtype, seed=seed, threads=threads, out=out,
+        fill=fill,
     )  # fmt: skip
     if hf is not None:  # the same checks, folder, sweep and files; the model and its engine from cli/hf.py
         from kvbench.cli.hf import prepare_bench_hf
@@ -127,6 +141,12 @@ def bench(
             if given:
                 raise KVBenchError(f"{flag} applies to --hf models only")
         settings, out_dir = _validated(config, overrides, force)
+        if settings.fill == "random":
+            if baseline is not None:
+                raise KVBenchError("--baseline compares prefill sweeps; it does not apply to --fill random")
+            config_path = None if config is None else B.resolve_config_path(config)
+            random_fill_sweep(settings, out_dir, force, config_path, json_out)
+            return
         loaded, dev, dt = load_for_cli(
             settings.model, settings.weights, settings.device, settings.dtype, settings.seed
         )
@@ -134,26 +154,20 @@ def bench(
         B.check_sizes(settings, loaded.config, dt, dev)
         engines = B.build_engines(loaded.model, settings.engine)
         notes, extra_meta = B.sweep_warnings(settings), None
+    bandwidth = measure_bandwidth(dev)
     run_dir = report.create_run_dir(out_dir, force)  # only now: a rejected command leaves no folder behind
     for note in notes:  # after every error that could still stop the command
         console.warn(note)
     # a config given by name (seed) is recorded as the shipped file it stands for
     config_path = None if config is None else B.resolve_config_path(config)
-    recorder = report.BenchRecorder(run_dir, loaded, dev, dt, settings, config_path, extra_meta)
-    try:
-        with _signals_interrupt(), bench_progress() as progress:
-            B.run_sweep(loaded.model, settings, recorder.dtype, recorder.device_label, on_result=recorder.add,
-                        on_progress=progress.update, engines=engines)  # fmt: skip
-    except KeyboardInterrupt as e:
-        with _signals_ignored():  # a second Ctrl-C or a SIGTERM now would lose the rows' plots and meta.json
-            recorder.finish("interrupted", engines)
-        console.note(f"interrupted: {len(recorder.summary)} completed configuration(s) kept in {run_dir}")
-        if isinstance(e, Terminated):
-            console.error("terminated")
-            raise typer.Exit(128 + e.signum) from None
-        raise
-    with _signals_ignored():
-        files = recorder.finish("complete", engines)
+    recorder = report.BenchRecorder(run_dir, loaded, dev, dt, settings, config_path, bandwidth, extra_meta)
+    files = run_recorded(
+        recorder,
+        lambda progress: B.run_sweep(loaded.model, settings, recorder.dtype, recorder.device_label,
+                                     on_result=recorder.add, on_progress=progress, engines=engines,
+                                     bandwidth=bandwidth),
+        engines,
+    )  # fmt: skip
     comparison = None
     if baseline is not None:
         from kvbench.cli.compare import run_compare
@@ -179,6 +193,73 @@ def bench(
             f"(first: {failed[0].engine} {failed[0].cache} prompt {failed[0].prompt_len}: {failed[0].status})"
         )
         raise typer.Exit(1)
+
+
+def random_fill_sweep(settings, out_dir, force: bool, config_path, json_out: bool) -> None:
+    """`--fill random`: load, measure the bandwidth, then time every (context, cache) on caches filled with random
+    K/V (context.py), writing rows as they complete."""
+    import torch
+
+    from kvbench import bench as B
+    from kvbench import floor, report
+    from kvbench.context import run_context_sweep
+
+    loaded, dev, dt = load_for_cli(
+        settings.model, settings.weights, settings.device, settings.dtype, settings.seed
+    )
+    B.check_sizes(settings, loaded.config, dt, dev, weights_loaded=True)  # the checkpoint's own shape
+    bandwidth = measure_bandwidth(dev)
+    run_dir = report.create_run_dir(out_dir, force)  # only now: a rejected command leaves no folder behind
+    elt = torch.empty((), dtype=dt).element_size()
+    crossover = floor.crossover_context(loaded.config, elt, settings.batch)
+    recorder = report.ContextRecorder(run_dir, loaded, dev, dt, settings, config_path, bandwidth, crossover)
+    files = run_recorded(
+        recorder,
+        lambda progress: run_context_sweep(
+            loaded.model, settings.caches, settings.prompt_len, settings.new_tokens, settings.repeats,
+            settings.warmup, settings.batch, bandwidth, recorder.dtype, recorder.device_label, seed=settings.seed,
+            on_result=recorder.add, on_progress=progress,
+        ),
+    )  # fmt: skip
+    if json_out:
+        console.print_json(recorder.json_doc())
+    else:
+        render_context(recorder.summary, recorder.meta, run_dir, files)
+    failed = [r for r in recorder.summary if r.status.startswith("error")]
+    if failed:
+        console.error(
+            f"{len(failed)} configuration(s) failed and were recorded with their error in summary.csv "
+            f"(first: {failed[0].cache} context {failed[0].context}: {failed[0].status})"
+        )
+        raise typer.Exit(1)
+
+
+def measure_bandwidth(device):
+    """The device's read bandwidth, once per run, before the run folder exists (an interruption here leaves none)."""
+    from kvbench import floor
+
+    with err.status("measuring the device's read bandwidth (the floor of every row)"):
+        return floor.measure_bandwidth(device)
+
+
+def run_recorded(recorder, sweep, engines: dict | None = None) -> list[Path]:
+    """Run `sweep(on_progress)` under a progress bar, with SIGTERM and SIGHUP handled as Ctrl-C: an interruption
+    keeps every completed row, writes the plots and marks meta.json `interrupted`. Returns the files written."""
+    try:
+        with _signals_interrupt(), bench_progress() as progress:
+            sweep(progress.update)
+    except KeyboardInterrupt as e:
+        with _signals_ignored():  # a second Ctrl-C or a SIGTERM now would lose the rows' plots and meta.json
+            recorder.finish("interrupted", engines)
+        console.note(
+            f"interrupted: {len(recorder.summary)} completed configuration(s) kept in {recorder.run_dir}"
+        )
+        if isinstance(e, Terminated):
+            console.error("terminated")
+            raise typer.Exit(128 + e.signum) from None
+        raise
+    with _signals_ignored():
+        return recorder.finish("complete", engines)
 
 
 def _validated(config, overrides: dict, force: bool):
@@ -302,11 +383,11 @@ def _tokens_cell(r):
     return styled(text + " !", "bold red")
 
 
-def caption_text(meta: dict) -> str:
+def caption_text(meta: dict, rows: list = ()) -> str:
     """The table's footer: what every column includes, cold and warm defined."""
     cuda = meta["device"].startswith("cuda")
     hf = "hf" in meta  # bench --hf: the model's own caches, its `none` the token reference
-    return (
+    return floor_caption(meta, rows) + (
         "TTFT, total: medians over timed repeats (total includes the prefill). TPOT: decode steps pooled over "
         "timed repeats. warm = the timed repeats, after --warmup runs of the same shapes on the same caches, "
         "nothing freed in between. cold = the first run of each configuration"
@@ -325,15 +406,16 @@ def caption_text(meta: dict) -> str:
 
 
 def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
-    cols = ["engine", "cache", "prompt", "TTFT ms", "TPOT ms", "p90", "total s", "speedup", "vs hf", "tokens",
-            "peak MiB", "KV MiB", "copied", "capture ms", "cold TPOT"]  # fmt: skip
+    cols = ["engine", "cache", "prompt", "TTFT ms", "TPOT ms", "p90", "floor ms", "x floor", "total s", "speedup",
+            "vs hf", "tokens", "peak MiB", "KV MiB", "copied", "capture ms", "cold TPOT"]  # fmt: skip
     body = []
     for r in rows:
         body.append(
             [
                 r.engine, r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status.split(':')[0]})", "red"),
                 r.prompt_len,
-                _f(r.ttft_ms, ".1f"), _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p90, ".2f"), _f(r.total_s, ".3f"),
+                _f(r.ttft_ms, ".1f"), _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p90, ".2f"), _f(r.floor_ms, ".2f"),
+                _times(r.x_floor), _f(r.total_s, ".3f"),
                 _times(r.speedup_vs_none), _times(r.speedup_vs_fastest_hf), _tokens_cell(r),
                 _f(r.peak_mem_mib, ".0f"), _f(r.kv_cache_mib, ".2f"),
                 "-" if r.bytes_copied != r.bytes_copied else console.fmt_bytes(int(r.bytes_copied)),
@@ -348,7 +430,7 @@ def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
         )
     tbl = Table(
         title=title,
-        caption=caption_text(meta),
+        caption=caption_text(meta, rows),
         title_justify="left",
         caption_justify="left",
         box=box.SIMPLE_HEAD,
@@ -359,7 +441,7 @@ def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
     for r in body:
         tbl.add_row(*[cell(x) for x in r])
     # A narrow (or non-tty, 80-column) console would squeeze the numbers into ellipses: print at full width instead.
-    wide = out if out.width >= 150 else Console(highlight=False, width=150)
+    wide = out if out.width >= WIDE else Console(highlight=False, width=WIDE)
     wide.print(tbl)
     for r in rows:
         if r.status.startswith("error"):

@@ -1,0 +1,91 @@
+"""Rendering `kvbench bench --fill random` (decode cost against context, context.py) and the floor's caption that
+every bench table carries."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from kvbench.console import cell, line, out, styled
+
+WIDE = 170  # bench tables' width in characters: a narrower console would squeeze the numbers into ellipses
+
+
+def _f(x: float, fmt: str) -> str:
+    return "-" if x is None or x != x else format(x, fmt)  # x != x: NaN
+
+
+def _times(x: float) -> str:
+    return _f(x, ".2f") + ("" if x != x else "x")
+
+
+def floor_caption(meta: dict, rows: list) -> str:
+    bw = meta.get("floor", {}).get("bandwidth")
+    if not bw:
+        return ""
+    text = (
+        f"floor: the bytes the median decode step must move (weights, K/V read and written, the design's copies) / "
+        f"read bandwidth measured in this run ({bw['read_gbps']:.1f} GB/s read, {bw['copy_gbps']:.1f} GB/s copy, "
+        f"{bw['nbytes'] / 2**20:.0f} MiB streamed); x floor = TPOT / floor; none has no floor. "
+    )
+    llc = bw.get("llc_bytes")
+    if llc and any(r.step_bytes <= llc for r in rows):  # NaN compares False
+        text += (
+            f"Steps of at most {llc / 2**20:.0f} MiB fit in the last-level cache and can run below the floor "
+            "(x floor < 1): it bounds steps that stream from memory. "
+        )
+    return text
+
+
+def _mb(n: float) -> str:
+    return _f(n / 1e6, ",.1f")
+
+
+def render_context(rows: list, meta: dict, run_dir, files: list) -> None:
+    cols = ["cache", "context", "TPOT ms", "p10", "p90", "floor ms", "x floor", "step MB", "K/V read MB",
+            "design MB", "KV MiB held"]  # fmt: skip
+    tbl = Table(
+        title=(
+            f"bench --fill random: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}; "
+            "caches filled with RANDOM K/V, no prefill, decode steps only"
+            + (f", {rows[0].new_tokens} steps x {max(r.repeats for r in rows)} repeats" if rows else "")
+        ),
+        caption=(
+            floor_caption(meta, rows)
+            + f"K/V read = weight read at {meta['crossover_context']:,} tokens (past it the cache is most of the "
+            "step). TPOT: median over every timed step (forward + argmax, synchronised); p10/p90 of the same steps. "
+            "step MB: bytes the median step moves, of which K/V read by attention and the design's own copies."
+        ),
+        title_justify="left",
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for i, c in enumerate(cols):
+        tbl.add_column(c, no_wrap=True, justify="left" if i == 0 else "right")
+    for r in rows:
+        name = r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status.split(':')[0]})", "red")
+        tbl.add_row(
+            *[
+                cell(x)
+                for x in [
+                    name, f"{r.context:,}", _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p10, ".2f"),
+                    _f(r.tpot_ms_p90, ".2f"), _f(r.floor_ms, ".2f"), _times(r.x_floor), _mb(r.step_bytes),
+                    _mb(r.kv_read_bytes), _mb(r.design_bytes), _f(r.kv_cache_mib, ".1f"),
+                ]
+            ]
+        )  # fmt: skip
+    wide = out if out.width >= WIDE else Console(highlight=False, width=WIDE)
+    wide.print(tbl)
+    for r in rows:
+        if r.status.startswith("error"):
+            out.print(styled(f"{r.cache} context {r.context}: {r.status}", "red"))
+    out.print(
+        line(
+            styled("wrote", "green"),
+            f" {', '.join(p.name for p in files)} ",
+            styled("in", "dim"),
+            f" {run_dir}",
+        )
+    )
