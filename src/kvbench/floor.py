@@ -26,7 +26,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -43,7 +43,7 @@ class Bandwidth:
     """Measured once per run: a large read-only reduction and a copy. The floor divides by `read`: a decode step
     mostly reads (weights, cached K/V)."""
 
-    read_gbps: float  # median bytes read / s by x.sum() over a tensor far larger than the caches
+    read_gbps: float  # median bytes read / s by the faster read kernel over a tensor far larger than the caches
     copy_gbps: float  # median (bytes read + bytes written) / s copying one half of that tensor into the other
     nbytes: int  # size of the tensor streamed
     device: str
@@ -52,6 +52,8 @@ class Bandwidth:
     copy_range: tuple[float, float] = (math.nan, math.nan)
     repeats: int = 0
     llc_bytes: int | None = None  # the last-level cache the OS (CPU) or driver (CUDA L2) reports
+    read_kernel: str = "sum"  # which read kernel read_gbps comes from (sum, or mv: a matrix-vector product)
+    read_by_kernel: dict = field(default_factory=dict)  # median GB/s of each read kernel tried
 
     def fits_in_cache(self, step_bytes: float) -> bool:
         """A step whose bytes fit in the last-level cache is read from the cache, not memory, and can run below this
@@ -105,8 +107,10 @@ def probe_bytes(device_type: str, llc_bytes: int | None, memory_bytes: int | Non
 
 def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 7) -> Bandwidth:
     """Median of `repeats` synchronised runs of each kernel, after a warm-up run of the same size. One tensor of
-    `nbytes` (default: probe_bytes, or $KVBENCH_PROBE_BYTES): the read sums all of it, the copy moves its first half
-    onto its second (so the memory touched, and the page faults of a first touch, are those of one tensor)."""
+    `nbytes` (default: probe_bytes, or $KVBENCH_PROBE_BYTES): two read kernels stream all of it, a sum and a
+    matrix-vector product (the kernel a batch-1 decode step runs; on some CPUs the only one that reaches the memory's
+    bandwidth), and the faster is the read bandwidth; the copy moves its first half onto its second (so the memory
+    touched, and the page faults of a first touch, are those of one tensor)."""
     from kvbench.devices import synchronize
 
     if device.type == "cuda":
@@ -138,11 +142,19 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: 
             times.append(time.perf_counter() - t0)
         return times
 
-    read = [nbytes / t / GB for t in timed(lambda: x.sum())]
+    cols = 1024 if n % 1024 == 0 else 2
+    matrix, vec = x.view(-1, cols), torch.ones(cols, dtype=torch.float32, device=device)  # (n / cols, cols)
+    reads = {
+        "sum": [nbytes / t / GB for t in timed(lambda: x.sum())],
+        "mv": [nbytes / t / GB for t in timed(lambda: torch.mv(matrix, vec))],
+    }
+    kernel = max(reads, key=lambda k: statistics.median(reads[k]))
+    read = reads[kernel]
     copy = [nbytes / t / GB for t in timed(lambda: dst.copy_(src))]  # half read + half written
     return Bandwidth(
         statistics.median(read), statistics.median(copy), nbytes, str(device),
         read_range=(min(read), max(read)), copy_range=(min(copy), max(copy)), repeats=repeats, llc_bytes=llc,
+        read_kernel=kernel, read_by_kernel={k: statistics.median(v) for k, v in reads.items()},
     )  # fmt: skip
 
 
