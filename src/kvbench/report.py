@@ -170,6 +170,8 @@ def meta_doc(**fields: Any) -> dict[str, Any]:
         "git": git_revision(),
         "versions": versions(),
         "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        # the environment variables that change what kvbench runs (KVBENCH_COMPILE compiles static-graph's step)
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVBENCH_")},
         **fields,
     }
 
