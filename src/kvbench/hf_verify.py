@@ -28,7 +28,14 @@ import torch
 
 from kvbench.errors import KVBenchError
 from kvbench.hf_models import LoadedHF, cache_kwarg, check_length, quiet_transformers, returned_cache
-from kvbench.verify import SHORT_TOKENS, TOLERANCES, CheckRow, VerifyReport, _allclose_err, _near_tie
+from kvbench.verify import (
+    SHORT_TOKENS,
+    TOLERANCES,
+    CheckRow,
+    VerifyReport,
+    _allclose_err,
+    token_verdict,
+)
 
 CHECKS = ("logits", "greedy", "batched", "cache_state")
 
@@ -254,20 +261,7 @@ def compare_tokens(
     first = next((i for i in range(n) if want[i] != got[i]), None)
     upto = n if first is None else first + 1  # inputs are identical up to and including the divergent step
     err = float((want_rows[:upto] - got_rows[:upto]).abs().max())
-    if first is None:
-        return CheckRow(name, cache, True, err, None, "identical tokens", f"{what}: all {n} identical")
-    tie, gap, step_err = _near_tie(want_rows[first], got_rows[first])
-    if dtype != torch.float32 and tie:
-        return CheckRow(
-            name, cache, True, err, first, "identical tokens (near-tie flips allowed)",
-            f"{what}; step {first} flipped at a near-tie: top-2 gap {gap:.3g} <= 2 x logit error {step_err:.3g} "
-            "(rounding, not a cache bug)",
-        )  # fmt: skip
-    return CheckRow(
-        name, cache, False, err, first, "identical tokens",
-        f"{what}; token {first} differs ({want[first]} vs {got[first]}), top-2 gap {gap:.3g}, "
-        f"logit error {step_err:.3g}",
-    )  # fmt: skip
+    return token_verdict(name, cache, dtype, want, got, want_rows, got_rows, first, err, n, what)
 
 
 def _bounded(

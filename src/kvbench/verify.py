@@ -185,6 +185,15 @@ def _compare_tokens(
         ok = agree >= spec.min_greedy_agreement
         tol = f"lossy: agree >= {spec.min_greedy_agreement:.0%} (its min_greedy_agreement)"
         return CheckRow(name, cache, ok, err, first, tol, f"{what}; {agree:.0%} of {n} tokens agree")
+    return token_verdict(name, cache, dtype, want, got, ref_rows, got_rows, first, err, n, what)
+
+
+def token_verdict(
+    name: str, cache: str, dtype: torch.dtype, want: list[int], got: list[int], ref_rows: torch.Tensor,
+    got_rows: torch.Tensor, first: int | None, err: float, n: int, what: str,
+) -> CheckRow:  # fmt: skip
+    """An exact path's token check: identical tokens pass; in fp16/bf16 a flip the logit error explains (a near-tie)
+    passes and says so; any other difference fails, naming the step, the tokens, the gap and the error."""
     if first is None:
         return CheckRow(name, cache, True, err, None, "identical tokens", f"{what}: all {n} identical")
     tie, gap, step_err = _near_tie(ref_rows[first], got_rows[first])

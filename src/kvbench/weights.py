@@ -230,6 +230,8 @@ def hub_snapshot(name: str, allow_download: bool) -> Path | None:
 def peek_config(model: str | None, weights: str) -> GPTConfig:
     """The architecture `load_model` would build, without building it: for checks that must run before any work
     (context limits). A checkpoint directory's own config.json decides; else the preset or config named by --model."""
+    if model is not None and not model.strip():
+        raise KVBenchError("--model is empty; give a preset (gpt2, gpt2-medium, ...) or a GPT-2 config.json")
     if weights not in ("auto", "hub", "random"):
         directory = Path(weights).expanduser()
         if not directory.is_dir():

@@ -97,8 +97,6 @@ def break_(
 
     validate.integer("--batch", batch, 2, validate.MAX_BATCH)
     validate.seed(seed)
-    if model is not None and not model.strip():
-        raise KVBenchError("--model is empty; give a preset (gpt2, gpt2-medium, ...) or a GPT-2 config.json")
     cfg = peek_config(model, weights)
     validate.fits_context("a one-token prompt", 1, new_tokens, cfg.block_size, "use fewer --new-tokens")
     loaded, dev, dt, hf_dir = load_for_checks(model, weights, device, dtype, seed)

@@ -93,8 +93,6 @@ def generate(
     for i, p in enumerate(ids):
         if not p:
             raise KVBenchError(f"prompt {i + 1} encodes to zero tokens")
-    if model is not None and not model.strip():
-        raise KVBenchError("--model is empty; give a preset (gpt2, gpt2-medium, ...) or a GPT-2 config.json")
     cfg = peek_config(model, weights)
     longest = max(map(len, ids))
     validate.fits_context("prompt length" if len(ids) == 1 else "longest prompt", longest, max_new_tokens,

@@ -107,8 +107,6 @@ def _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weight
         "--prompt-len", prompt_len, batch, why=f"{batch} prompts of distinct lengths need that many tokens"
     )
     validate.seed(seed)
-    if model is not None and not model.strip():
-        raise KVBenchError("--model is empty; give a preset (gpt2, gpt2-medium, ...) or a GPT-2 config.json")
     cfg = peek_config(model, weights)
     validate.fits_context(
         "--prompt-len", prompt_len, new_tokens, cfg.block_size, "lower --prompt-len or --new-tokens"
