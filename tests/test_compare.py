@@ -379,6 +379,18 @@ def test_bad_baseline_fails_before_the_bench_sweep(tmp_path):
     assert not (tmp_path / "run" / "summary.csv").exists()
 
 
+def test_baseline_that_the_run_would_overwrite_is_refused(base_run, tmp_path):
+    """--baseline X --out X --force would replace the baseline with the new run and compare it with itself."""
+    before = (base_run / "summary.csv").read_bytes()
+    r, text = invoke("bench", *BENCH, "--out", base_run, "--force", "--baseline", base_run)
+    assert r.exit_code == 2, text
+    assert r.stderr.strip().splitlines() == [
+        f"error: --baseline and --out are the same folder ({base_run}): the run would overwrite the baseline it is "
+        "compared against; write the new run elsewhere"
+    ]
+    assert (base_run / "summary.csv").read_bytes() == before and r.stdout == ""
+
+
 # --- outputs ---------------------------------------------------------------------------------------------------------
 def test_markdown_and_table_formats(base_run, tmp_path):
     cand = scaled_copy(base_run, tmp_path / "cand", 1.30, only={"cache": "dynamic", "prompt_len": 8})

@@ -274,6 +274,9 @@ def _unloadable(tmp_path: Path) -> dict[str, tuple[str, str]]:
     T5Config(vocab_size=64, d_model=16, num_layers=1, num_heads=2).save_pretrained(tmp_path / "t5")
     (tmp_path / "unknown.json").write_text(json.dumps({"model_type": "no-such-arch"}))
     (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "latin1").mkdir()
+    (tmp_path / "latin1" / "config.json").write_bytes(b"\xff\xfe{}")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00bad")
     return {
         "missing": (str(tmp_path / "missing"), "no such file"),
         "no config": (str(tmp_path / "empty"), "no config.json"),
@@ -282,6 +285,8 @@ def _unloadable(tmp_path: Path) -> dict[str, tuple[str, str]]:
         "encoder-decoder": (str(tmp_path / "t5" / "config.json"), "encoder-decoder"),
         "unknown architecture": (str(tmp_path / "unknown.json"), "unknown to transformers"),
         "not json": (str(tmp_path / "bad.json"), "not valid JSON"),
+        "config not UTF-8": (str(tmp_path / "latin1"), "is not UTF-8 text"),
+        "a binary file": (str(tmp_path / "binary.txt"), "is not UTF-8 text"),
         "hub offline": ("no-such-org/no-such-model", "cannot load"),
         "markup in the name": (str(tmp_path / "[/x]missing"), "[/x]missing"),
     }

@@ -159,7 +159,9 @@ def returned_cache(out):
 # --- reading a config before loading anything ----------------------------------------------------------------------
 def _read_config(path: Path) -> dict:
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise KVBenchError(f"{path} is not UTF-8 text: not a model config (JSON)") from None
     except OSError as e:
         raise KVBenchError(f"cannot read {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:

@@ -136,11 +136,13 @@ def bench(
         settings, out_dir, loaded, dev, dt, engines, notes, extra_meta = prepare_bench_hf(
             hf, config, overrides, force, layers, trust_remote_code
         )
+        _check_baseline(baseline, out_dir)
     else:
         for flag, given in (("--trust-remote-code", trust_remote_code), ("--layers", layers is not None)):
             if given:
                 raise KVBenchError(f"{flag} applies to --hf models only")
         settings, out_dir = _validated(config, overrides, force)
+        _check_baseline(baseline, out_dir)
         if settings.fill == "random":
             if baseline is not None:
                 raise KVBenchError("--baseline compares prefill sweeps; it does not apply to --fill random")
@@ -260,6 +262,15 @@ def run_recorded(recorder, sweep, engines: dict | None = None) -> list[Path]:
         raise
     with _signals_ignored():
         return recorder.finish("complete", engines)
+
+
+def _check_baseline(baseline: Path | None, out_dir) -> None:
+    """The baseline must survive the run: refused when --out (with --force) would overwrite it."""
+    if baseline is not None and Path(baseline).expanduser().resolve() == Path(out_dir).expanduser().resolve():
+        raise KVBenchError(
+            f"--baseline and --out are the same folder ({baseline}): the run would overwrite the baseline it is "
+            "compared against; write the new run elsewhere"
+        )
 
 
 def _validated(config, overrides: dict, force: bool):
