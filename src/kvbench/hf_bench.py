@@ -20,7 +20,6 @@ GPT-2 bench's; what differs lives here:
 from __future__ import annotations
 
 import inspect
-import time
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +32,10 @@ from kvbench.bench_settings import (
     read_settings,
     settings_dict,
 )
-from kvbench.devices import synchronize
 from kvbench.engines import RunTiming, weight_bytes
 from kvbench.errors import KVBenchError
-from kvbench.hf_engine import _cache_nbytes, _token_clock, compiled_decode
-from kvbench.hf_models import HFShape, LoadedHF, quiet_transformers, returned_cache
+from kvbench.hf_engine import compiled_decode, timed_generate
+from kvbench.hf_models import HFShape, LoadedHF, quiet_transformers
 from kvbench.hf_verify import HF_CACHES, _compile_config
 from kvbench.verify import TOLERANCES
 
@@ -80,46 +78,13 @@ def _generate_kwargs(cache: str) -> dict:
     return kw
 
 
-@torch.inference_mode()
 def _generate(
     loaded: LoadedHF, ids: torch.Tensor, new_tokens: int, kwargs: dict, record_logits: bool
 ) -> RunTiming:
-    """Greedy-generate exactly `new_tokens` for the (B, T) prompt `ids`, timed per token."""
-    from transformers import LogitsProcessorList
-
-    device = ids.device
-    clock = _token_clock(device)
+    """Greedy-generate exactly `new_tokens` for the (B, T) prompt `ids`, timed per token (hf_engine.timed_generate)."""
     with quiet_transformers():
-        synchronize(device)
-        t0 = time.perf_counter()
-        out = loaded.model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            num_beams=1,
-            pad_token_id=loaded.pad_token_id,
-            logits_processor=LogitsProcessorList([clock]),
-            return_dict_in_generate=True,
-            output_logits=record_logits,
-            **kwargs,
-        )
-        synchronize(device)
-        t1 = time.perf_counter()
-    stamps = clock.stamps[:new_tokens]
-    assert len(stamps) == new_tokens, f"generate produced {len(stamps)} token stamps, expected {new_tokens}"
-    seq = out.sequences[:, ids.size(1) :]  # (B, new_tokens)
-    assert seq.size(1) == new_tokens, f"generate produced {seq.size(1)} tokens, expected {new_tokens}"
-    return RunTiming(
-        ttft_s=stamps[0] - t0,
-        step_s=[b - a for a, b in zip(stamps, stamps[1:], strict=False)],
-        total_s=t1 - t0,
-        cache_bytes=_cache_nbytes(returned_cache(out)),
-        bytes_copied=None,
-        tokens=seq.tolist(),
-        logits=[x.float().cpu() for x in out.logits] if record_logits else None,  # (B, V) per token
-    )
+        t = timed_generate(loaded.model, ids, new_tokens, loaded.pad_token_id, record_logits, **kwargs)
+    return RunTiming(t.ttft_s, t.step_s, t.total_s, t.cache_bytes, None, t.tokens, t.logits)
 
 
 class _HFModelConfiguration:

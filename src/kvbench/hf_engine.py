@@ -118,6 +118,52 @@ def _returned_cache(out):
 
 
 @torch.inference_mode()
+def timed_generate(
+    model,
+    ids: torch.Tensor,
+    new_tokens: int,
+    pad_token_id: int,
+    record_logits: bool = False,
+    **generate_kwargs,
+) -> HFTiming:
+    """Greedy `model.generate` of exactly `new_tokens` for the (B, T) prompt `ids`, the clock stamped (device
+    synchronised) once per token; `generate_kwargs` pick the cache and compile settings. Shared by the `hf` engines
+    on our GPT-2 and `bench --hf`'s engine on any model."""
+    from transformers import LogitsProcessorList
+
+    device = ids.device
+    clock = _token_clock(device)
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=pad_token_id,
+        logits_processor=LogitsProcessorList([clock]),
+        return_dict_in_generate=True,
+        output_logits=record_logits,
+        **generate_kwargs,
+    )
+    synchronize(device)
+    t1 = time.perf_counter()
+    stamps = clock.stamps[:new_tokens]
+    assert len(stamps) == new_tokens, f"generate produced {len(stamps)} token stamps, expected {new_tokens}"
+    seq = out.sequences[:, ids.size(1) :]  # (B, new_tokens)
+    assert seq.size(1) == new_tokens, f"generate produced {seq.size(1)} tokens, expected {new_tokens}"
+    return HFTiming(
+        tokens=seq.tolist(),
+        ttft_s=stamps[0] - t0,
+        step_s=[b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+        total_s=t1 - t0,
+        cache_bytes=_cache_nbytes(_returned_cache(out)),
+        logits=[x.float().cpu() for x in out.logits] if record_logits else None,  # (B, V) per token
+    )
+
+
 def hf_generate(
     hf_model,
     ids: torch.Tensor,
@@ -130,37 +176,6 @@ def hf_generate(
 
     compile: leave transformers' automatic compile on (its default for a static cache on CUDA); False runs eagerly.
     record_logits: also return each token's logits (for explaining token flips; never in a timed run)."""
-    from transformers import LogitsProcessorList
-
-    device = ids.device
-    clock = _token_clock(device)
-    synchronize(device)
-    t0 = time.perf_counter()
-    out = hf_model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        num_beams=1,
-        pad_token_id=0,
-        logits_processor=LogitsProcessorList([clock]),
-        disable_compile=not compile,
-        return_dict_in_generate=True,
-        output_logits=record_logits,
-        **HF_CACHES[cache],
-    )
-    synchronize(device)
-    t1 = time.perf_counter()
-    stamps = clock.stamps[:new_tokens]
-    assert len(stamps) == new_tokens, f"HF produced {len(stamps)} token stamps, expected {new_tokens}"
-    seq = out.sequences[:, ids.size(1) :]
-    assert seq.size(1) == new_tokens, f"HF generated {seq.size(1)} tokens, expected {new_tokens}"
-    return HFTiming(
-        tokens=seq.tolist(),
-        ttft_s=stamps[0] - t0,
-        step_s=[b - a for a, b in zip(stamps, stamps[1:], strict=False)],
-        total_s=t1 - t0,
-        cache_bytes=_cache_nbytes(_returned_cache(out)),
-        logits=[x.float().cpu() for x in out.logits] if record_logits else None,
+    return timed_generate(
+        hf_model, ids, new_tokens, 0, record_logits, disable_compile=not compile, **HF_CACHES[cache]
     )
