@@ -227,11 +227,15 @@ def hub_snapshot(name: str, allow_download: bool) -> Path | None:
     return None
 
 
+def _check_model_name(model: str | None) -> None:
+    if model is not None and not model.strip():
+        raise KVBenchError("--model is empty; give a preset (gpt2, gpt2-medium, ...) or a GPT-2 config.json")
+
+
 def peek_config(model: str | None, weights: str) -> GPTConfig:
     """The architecture `load_model` would build, without building it: for checks that must run before any work
     (context limits). A checkpoint directory's own config.json decides; else the preset or config named by --model."""
-    if model is not None and not model.strip():
-        raise KVBenchError("--model is empty; give a preset (gpt2, gpt2-medium, ...) or a GPT-2 config.json")
+    _check_model_name(model)
     if weights not in ("auto", "hub", "random"):
         directory = Path(weights).expanduser()
         if not directory.is_dir():
@@ -256,6 +260,7 @@ def load_model(
     init_std: float = 0.02,
 ) -> LoadedModel:
     """Build the model named by `model` and fill it from `weights`; see the module docstring for the sources."""
+    _check_model_name(model)
     if weights not in ("auto", "hub", "random"):  # a path
         # The directory's config.json decides the architecture; an explicit --model must agree with it.
         net, config = load_from_dir(Path(weights).expanduser())

@@ -180,8 +180,6 @@ def load_for_cli(model: str | None, weights: str, device: str, dtype: str, seed:
     from kvbench.devices import resolve_device, resolve_dtype
     from kvbench.weights import load_model
 
-    if model is not None and not model.strip():
-        raise KVBenchError("--model is empty; give a preset (gpt2, gpt2-medium, ...) or a GPT-2 config.json")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     loaded = load_model(model, weights, dev, dt, seed=seed, init_std=init_std)

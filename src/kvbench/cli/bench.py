@@ -188,13 +188,7 @@ def bench(
             from kvbench.cli.compare import render_compare
 
             render_compare(comparison, [], compare_files)
-    failed = [r for r in recorder.summary if r.status.startswith("error")]
-    if failed:
-        console.error(
-            f"{len(failed)} configuration(s) failed and were recorded with their error in summary.csv "
-            f"(first: {failed[0].engine} {failed[0].cache} prompt {failed[0].prompt_len}: {failed[0].status})"
-        )
-        raise typer.Exit(1)
+    _exit_if_failed(recorder.summary, lambda r: f"{r.engine} {r.cache} prompt {r.prompt_len}")
 
 
 def random_fill_sweep(settings, out_dir, force: bool, config_path, json_out: bool) -> None:
@@ -227,11 +221,16 @@ def random_fill_sweep(settings, out_dir, force: bool, config_path, json_out: boo
         console.print_json(recorder.json_doc())
     else:
         render_context(recorder.summary, recorder.meta, run_dir, files)
-    failed = [r for r in recorder.summary if r.status.startswith("error")]
+    _exit_if_failed(recorder.summary, lambda r: f"{r.cache} context {r.context}")
+
+
+def _exit_if_failed(rows: list, label) -> None:
+    """Exit 1 when any configuration failed: its rows are kept in summary.csv with their error."""
+    failed = [r for r in rows if r.status.startswith("error")]
     if failed:
         console.error(
             f"{len(failed)} configuration(s) failed and were recorded with their error in summary.csv "
-            f"(first: {failed[0].cache} context {failed[0].context}: {failed[0].status})"
+            f"(first: {label(failed[0])}: {failed[0].status})"
         )
         raise typer.Exit(1)
 
