@@ -323,3 +323,84 @@ def test_static_graph_cache_is_a_static_cache():
     assert k.shape == (1, 2, 3, 4)  # prefill: the filled prefix (SDPA's causal fast path)
     k, _ = c.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), None)
     assert k.shape == (1, 2, 8, 4) and c.length == 4 and c.bytes_copied == 0  # decode: the whole buffer
+
+
+# --- static-graph compiled on the CPU: KVBENCH_COMPILE=1 and =max ---------------------------------------------------
+@pytest.mark.parametrize(
+    "text, mode",
+    [
+        ("", None),
+        ("0", None),
+        ("off", None),
+        ("1", "default"),
+        (" TRUE ", "default"),
+        ("max", "max"),
+        ("MAX", "max"),
+    ],
+)
+def test_compile_mode_reads_the_environment(monkeypatch, text, mode):
+    from kvbench.caches.static_graph import compile_mode
+
+    monkeypatch.setenv("KVBENCH_COMPILE", text)
+    assert compile_mode("cpu") == mode
+
+
+@pytest.mark.parametrize(
+    "text, device, match", [("2", "cpu", "use 0"), ("fast", "cpu", "use 0"), ("max", "cuda", "=1")]
+)
+def test_compile_mode_refuses_unknown_values_and_max_off_the_cpu(monkeypatch, text, device, match):
+    from kvbench.caches.static_graph import compile_mode
+    from kvbench.errors import KVBenchError
+
+    monkeypatch.setenv("KVBENCH_COMPILE", text)
+    with pytest.raises(KVBenchError, match=match):
+        compile_mode(device)
+
+
+def _small_model() -> GPT:
+    """Small enough that Inductor compiles (and autotunes) its step in seconds; vocabulary large enough for varied
+    greedy output."""
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=512)
+    return GPT(cfg).init_weights(seed=0, std=0.1).eval()
+
+
+@pytest.mark.slow
+def test_compiled_fixed_step_on_the_cpu_equals_static():
+    """`KVBENCH_COMPILE=1` on the CPU: the step as Inductor's C++ code gives the eager static cache's tokens and
+    logits to 1e-5, batched with left padding."""
+    model = _small_model()
+    caches = make_caches("static-graph", model.config, 3, 11 + 12, torch.float32, "cpu")
+    caches[0].runner = FixedShapeDecoder(model, caches, compile=True)
+    got = generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches)
+    assert caches[0].runner.compile_mode == "default" and caches[0].runner.fixed_steps == 11
+    ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
+    assert got.tokens == ref.tokens
+    torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_frozen_step_is_exact_and_sees_weights_changed_in_place(monkeypatch):
+    """`KVBENCH_COMPILE=max` (weights frozen into the step, GEMMs autotuned over C++ templates) gives the eager static
+    cache's tokens and logits to 1e-5, batched with left padding. After an in-place weight update (same storage) the
+    runner no longer matches, and the one built next decodes with the new weights, not the frozen old ones."""
+    monkeypatch.setenv("KVBENCH_COMPILE", "max")
+    model = _small_model()
+    caches = make_caches("static-graph", model.config, 3, 11 + 12, torch.float32, "cpu")
+
+    def decode_and_check():
+        got = generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches)
+        ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
+        runner = caches[0].runner
+        assert runner.compile_mode == "max" and runner.fixed_steps == 11
+        assert decode_runner(model, caches) is runner, "same model, same weights: the runner is reused"
+        assert got.tokens == ref.tokens
+        torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
+        return runner, _logits(got)
+
+    runner, before = decode_and_check()
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight.mul_(3.0)  # in place: same storage, new values
+    assert not runner.matches(model, caches)
+    fresh, after = decode_and_check()
+    assert fresh is not runner
+    assert not torch.allclose(after, before, atol=1e-3), "the update must change the logits"

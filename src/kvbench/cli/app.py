@@ -7,6 +7,7 @@ its renderers; `kvbench.cli` imports them so they register on `app`.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -17,6 +18,7 @@ from typer.core import TyperGroup
 
 from kvbench import __version__, console
 from kvbench.errors import KVBenchError
+from kvbench.validate import COMPILE_ENV, compile_setting
 
 # The click that Typer runs on: vendored as typer._click in recent Typer, the click package before.
 click = getattr(typer_core, "_click", None) or __import__("click")
@@ -151,6 +153,11 @@ def _root(
 ) -> None:
     """kvbench: generate, verify, break, bench and memory over one GPT-2 core."""
     VERBOSE["on"] = verbose
+    try:  # read again where a decode step is built; checked here so a typo stops the run before it starts
+        compile_setting(os.environ.get(COMPILE_ENV, ""))
+    except KVBenchError as e:
+        console.error(str(e))
+        raise typer.Exit(2) from None
     if not verbose:
         quiet_libraries()
 
@@ -166,6 +173,7 @@ def quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     warnings.filterwarnings("ignore", module=r"(transformers|huggingface_hub)(\..*)?$")
+    warnings.filterwarnings("ignore", module=r"torch\._(inductor|dynamo)(\..*)?$")  # compiling a decode step
     if (
         "transformers" in sys.modules
     ):  # already imported (tests, or an embedding program): set it directly too
