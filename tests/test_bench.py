@@ -435,6 +435,103 @@ def test_caches_are_allocated_once_per_configuration(tiny_model, monkeypatch):
     assert [n for n, _ in allocations] == ["dynamic", "dynamic", "static", "static", "paged", "paged"]
 
 
+def test_interleaved_order_runs_the_timed_repeats_in_rounds(tiny_model):
+    """--order interleaved: per prompt length, each configuration's cold and warm-up runs back to back, then one timed
+    run of each configuration per round; the rows are those of a sequential sweep (same tokens, every column)."""
+    s = B.BenchSettings(
+        prompt_len=[5, 9], new_tokens=4, caches=["none", "static", "paged"], engine=["kvbench"]
+    )
+    s.warmup, s.repeats, s.order = 2, 3, "interleaved"
+    labels = []
+    rows = B.run_sweep(
+        tiny_model, s, "fp32", "cpu", on_progress=lambda done, total, label: labels.append(label)
+    )
+    for i, p in enumerate((5, 9)):
+        own = labels[i * 15 : (i + 1) * 15]  # 3 configurations x 5 runs
+        names = [f"kvbench {c} prompt {p}" for c in ("none", "static", "paged")]
+        warm = [n for n in names for _ in range(2)]  # cold + warm-up, back to back
+        assert own == warm + names * 3, own
+    summary = [r.summary for r in rows]
+    assert [(r.prompt_len, r.cache) for r in summary] == [
+        (p, c) for p in (5, 9) for c in ("none", "static", "paged")
+    ]
+    for r in summary:
+        assert r.status == "ok" and r.repeats == 3 and r.tokens_note == "identical"
+        assert r.run_peak_mib >= 0 and not math.isnan(r.tpot_ms_median) and not math.isnan(r.cold_ttft_ms)
+    assert len([x for x in rows if x.summary.cache == "static"][0].steps) == 3 * (4 - 1)
+    # the floor moves with the drift: the first probe and one per round (warmup + repeats - 2 = 3), pooled
+    for x in rows:
+        if x.summary.cache != "none":
+            assert x.bandwidth.repeats == 7 + 3 * 3
+            assert x.summary.floor_ms == pytest.approx(x.summary.step_bytes / (x.bandwidth.gbps * 1e9) * 1e3)
+    s.order = "sequential"
+    labels.clear()
+    again = [
+        r.summary
+        for r in B.run_sweep(
+            tiny_model, s, "fp32", "cpu", on_progress=lambda d, t, label: labels.append(label)
+        )
+    ]
+    assert labels[:5] == ["kvbench none prompt 5"] * 5, "sequential: each configuration's runs back to back"
+    assert [(r.cache, r.token_agreement) for r in again] == [(r.cache, r.token_agreement) for r in summary]
+
+
+def test_bench_order_interleaved_from_the_command_line(tmp_path):
+    out = tmp_path / "run"
+    result, text = invoke(
+        "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--prompt-len", "8,12", "--new-tokens", "3",
+        "--caches", "none,static", "--engine", "kvbench", "--repeats", "2", "--warmup", "1", "--order", "interleaved",
+        "--out", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, text
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["settings"]["order"] == "interleaved" and meta["status"] == "complete"
+    assert set(meta["floor"]["by_prompt_len"]) == {"8", "12"}  # each prompt length's pooled probe
+    assert "Interleaved: the floor divides by" in text
+    s = pd.read_csv(out / "summary.csv")
+    assert list(s.prompt_len) == [8, 8, 12, 12] and (s.status == "ok").all() and (s.repeats == 2).all()
+
+
+def test_pooled_bandwidth_is_the_median_probe_with_the_widest_range():
+    from kvbench.floor import Bandwidth, pooled
+
+    probes = [
+        Bandwidth(g, g / 2, 1 << 20, "cpu", read_range=(g - 1, g + 1), copy_range=(1, 2), repeats=3,
+                  read_kernel="mv", read_by_kernel={"sum": g - 5, "mv": g})
+        for g in (20.0, 30.0, 22.0)
+    ]  # fmt: skip
+    p = pooled(probes)
+    assert (p.read_gbps, p.copy_gbps, p.gbps) == (22.0, 11.0, 22.0)
+    assert p.read_range == (19.0, 31.0) and p.repeats == 9 and p.read_by_kernel == {"sum": 17.0, "mv": 22.0}
+
+
+def test_interleaved_order_keeps_going_past_a_failing_configuration(tiny_model):
+    """A configuration that fails in the rounds becomes its row's status; the others finish their rounds."""
+    from kvbench.engines import KVBenchEngine
+
+    class FailsOnThirdPagedRun(KVBenchEngine):
+        def configure(self, cache, batch, max_len):
+            conf = super().configure(cache, batch, max_len)
+            if cache == "paged":
+                real_run, calls = conf.run, []
+
+                def run(ids, new_tokens, record_logits=False):
+                    calls.append(1)
+                    if len(calls) == 3:
+                        raise RuntimeError("plugin blew up")
+                    return real_run(ids, new_tokens, record_logits)
+
+                conf.run = run
+            return conf
+
+    s = B.BenchSettings(prompt_len=[6], new_tokens=3, caches=["none", "paged", "static"], engine=["kvbench"])
+    s.warmup, s.repeats, s.order = 1, 4, "interleaved"
+    rows = {r.summary.cache: r.summary for r in B.run_sweep(
+        tiny_model, s, "fp32", "cpu", engines={"kvbench": FailsOnThirdPagedRun(tiny_model)})}  # fmt: skip
+    assert rows["paged"].status.startswith("error:") and "plugin blew up" in rows["paged"].status
+    assert rows["none"].status == rows["static"].status == "ok" and rows["static"].repeats == 4
+
+
 # --- token agreement ----------------------------------------------------------------------------------------------
 def _rows(*pairs):
     """(B, V) logits rows with the given (index, value) entries set on a zero background."""

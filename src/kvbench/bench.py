@@ -136,6 +136,7 @@ class ConfigResult:
     steps: list[StepRow]
     ttft_ms: list[float]  # per timed repeat
     floor_bytes: floor.StepBytes | None = None  # the median decode step's bytes by source; None: no floor
+    bandwidth: floor.Bandwidth | None = None  # what floor_ms divides by (interleaved: pooled over the rounds)
 
 
 def seed_copy_estimate(bytes_per_token: int, n0: int, n1: int) -> float:
@@ -252,61 +253,117 @@ def run_sweep(
     prompts = {p: torch.randint(0, model.config.vocab_size, (s.batch, p), generator=g) for p in s.prompt_len}
     refs: dict[int, list[list[int]]] = {}  # kvbench none's tokens per prompt length: the token reference
     results: list[ConfigResult] = []
-    for prompt_len, engine_name, cache in configs:
-        common = dict(
-            engine=engine_name, cache=cache, prompt_len=prompt_len, new_tokens=s.new_tokens, batch=s.batch,
-            dtype=dtype_name, device=device_label,
-        )  # fmt: skip
-        result = _run_configuration(model, engines[engine_name], prompts[prompt_len].to(device), s, common,
-                                    progress, refs, bpt, bandwidth)  # fmt: skip
-        results.append(result)
+
+    def emit(c: _Configuration, bw: floor.Bandwidth = bandwidth) -> None:
+        results.append(c.finish(refs, bpt, bw))
         fill_relative([r.summary for r in results])
         if on_result is not None:
-            on_result(result)
+            on_result(results[-1])
+
+    for prompt_len in s.prompt_len:
+        group = [
+            _Configuration(model, engines[e], prompts[p].to(device), s, progress, dict(
+                engine=e, cache=c, prompt_len=p, new_tokens=s.new_tokens, batch=s.batch, dtype=dtype_name,
+                device=device_label,
+            ))
+            for p, e, c in configs if p == prompt_len
+        ]  # fmt: skip
+        if s.order == "sequential":  # each configuration's runs back to back, its row written when they end
+            for c in group:
+                c.run(c.n_runs)
+                emit(c)
+            continue
+        # interleaved: cold and warm-up runs back to back, then the timed runs in rounds over the group, so a
+        # machine that slows down for a minute slows every row alike; the bandwidth is probed again each round
+        # (the floor then moves with the same drift); the rows are written after the last round
+        first, probes = max(s.warmup, 1), [bandwidth]
+        for c in group:
+            c.run(first)
+        for _ in range(s.warmup + s.repeats - first):
+            probes.append(floor.measure_bandwidth(device, probes[0].nbytes, repeats=3))
+            for c in group:
+                c.run(1)
+        pooled = floor.pooled(probes)
+        for c in group:
+            emit(c, pooled)
     return results
 
 
-def _run_configuration(model, engine, ids, s, common, progress, refs, bpt, bandwidth) -> ConfigResult:
-    device, cache, prompt_len = ids.device, common["cache"], common["prompt_len"]
-    label = f"{common['engine']} {cache} prompt {prompt_len}"
-    n_runs = s.warmup + s.repeats
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # every configuration's cold run starts from an empty pool; warm runs never do
-    base = memory_in_use(device)
-    conf, runs, peaks, failure = None, [], [], None
-    for _ in range(n_runs):
+class _Configuration:
+    """One configuration's runs: configured on its first run, then `run(n)` more at a time; `finish()` makes its
+    row. In interleaved order only the back-to-back runs (cold and warm-up) record peak memory: during the rounds
+    the other configurations' caches are allocated too."""
+
+    def __init__(self, model, engine, ids, s, progress, common) -> None:
+        self.model, self.engine, self.ids, self.s, self.progress, self.common = (
+            model,
+            engine,
+            ids,
+            s,
+            progress,
+            common,
+        )
+        self.label = f"{common['engine']} {common['cache']} prompt {common['prompt_len']}"
+        self.n_runs = s.warmup + s.repeats
+        self.conf, self.runs, self.peaks, self.failure, self.base = None, [], [], None, 0.0
+
+    def run(self, n: int) -> None:
+        device, cache = self.ids.device, self.common["cache"]
+        n = min(n, self.n_runs - len(self.runs))
+        if self.failure is not None or n <= 0:
+            return
+        if self.conf is None:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # every configuration's cold run starts from an empty pool; warm never do
+            self.base = memory_in_use(device)
+        sequential = self.s.order == "sequential" or len(self.runs) < max(self.s.warmup, 1)
+        for _ in range(n):
+            try:
+                if self.conf is None:  # allocated once, inside the try: a failure here is this row's
+                    self.conf = self.engine.configure(
+                        cache, self.s.batch, self.common["prompt_len"] + self.s.new_tokens
+                    )
+                reset_peak_memory(device)
+                t = self.conf.run(self.ids, self.s.new_tokens)
+                if sequential:
+                    above = max(
+                        memory_peak(device) - self.base, 0.0
+                    )  # a CPU resident set can shrink below it
+                    self.peaks.append((above, _reserved(device)))
+            except (
+                Exception
+            ) as e:  # oom, or a cache plugin that raised: this row records it, the sweep goes on
+                self.failure = failure_status(e)
+                break
+            self.runs.append(t)
+            self.progress.advance(1, self.label)
+        if (
+            self.failure is not None
+        ):  # outside the except block, so the exception's frames (and tensors) are freed
+            self.conf = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.progress.advance(self.n_runs - len(self.runs), f"{self.label}: {self.failure}")
+
+    def finish(self, refs, bpt, bandwidth) -> ConfigResult:
+        model, engine, ids, s, common = self.model, self.engine, self.ids, self.s, self.common
+        cache, prompt_len, conf, runs = common["cache"], common["prompt_len"], self.conf, self.runs
+        self.conf = None  # the row holds what it needs; the cache goes when this returns
+        if self.failure is not None:
+            return ConfigResult(_nan_row(**common, status=self.failure), [], [])
+        if engine.token_reference and cache == "none":
+            refs.setdefault(prompt_len, runs[0].tokens)
+        tokens = _check_tokens(model, conf, engine, cache, ids, s, refs.get(prompt_len), runs)
         try:
-            if conf is None:  # allocated once per configuration, inside the try: a failure here is this row's
-                conf = engine.configure(cache, s.batch, prompt_len + s.new_tokens)
-            reset_peak_memory(device)
-            t = conf.run(ids, s.new_tokens)
-            above = max(memory_peak(device) - base, 0.0)  # a CPU resident set can shrink below its baseline
-            peaks.append((above, _reserved(device)))
-        except Exception as e:  # oom, or a cache plugin that raised: this row records it, the sweep goes on
-            failure = failure_status(e)
-            break
-        runs.append(t)
-        progress.advance(1, label)
-    if (
-        failure is not None
-    ):  # outside the except block, so the exception's frames (and their tensors) are freed
-        conf = None
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        progress.advance(n_runs - len(runs), f"{label}: {failure}")
-        return ConfigResult(_nan_row(**common, status=failure), [], [])
-    if engine.token_reference and cache == "none":
-        refs.setdefault(prompt_len, runs[0].tokens)
-    tokens = _check_tokens(model, conf, engine, cache, ids, s, refs.get(prompt_len), runs)
-    try:
-        sdpa = watch_sdpa(lambda: conf.probe(ids), prefill_calls=model.config.n_layer)
-    except Exception as e:  # a diagnosis, not a measurement: say it failed, keep the row
-        sdpa = {"prefill": f"unknown ({type(e).__name__})", "decode": ""}
-    weights = engine.weight_bytes()
-    capture_s = conf.capture_s
-    result = _summarise(common, runs, s, peaks, weights, capture_s, tokens, sdpa, bpt)
-    add_floor(result, model.config, model.lm_head.weight.dtype, bandwidth, runs[-1].cache_bytes)
-    return result
+            sdpa = watch_sdpa(lambda: conf.probe(ids), prefill_calls=model.config.n_layer)
+        except Exception as e:  # a diagnosis, not a measurement: say it failed, keep the row
+            sdpa = {"prefill": f"unknown ({type(e).__name__})", "decode": ""}
+        result = _summarise(
+            common, runs, s, self.peaks, engine.weight_bytes(), conf.capture_s, tokens, sdpa, bpt
+        )
+        add_floor(result, model.config, model.lm_head.weight.dtype, bandwidth, runs[-1].cache_bytes)
+        result.bandwidth = bandwidth
+        return result
 
 
 def add_floor(
@@ -358,7 +415,7 @@ def _summarise(common, runs, s, peaks, weights, capture_s, tokens: TokenCheck, s
     totals = [t.total_s for t in timed]
     steps = [x for t in timed for x in t.step_s]
     total = statistics.median(totals)
-    timed_peaks = peaks[s.warmup :]
+    timed_peaks = peaks[s.warmup :] or peaks  # interleaved: only the back-to-back runs recorded peaks
     run_peak = max(p for p, _ in timed_peaks)
     last, mib = timed[-1], 2**20
     row = SummaryRow(

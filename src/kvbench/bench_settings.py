@@ -47,9 +47,13 @@ class BenchSettings:
     out: str | None = None  # run directory; None: results/<timestamp>-bench/
     threads: int | None = None  # torch intra-op CPU threads; None: torch's default (one per core)
     fill: str = "prefill"  # prefill: a real prefill fills the cache; random: random K/V, decode timed only
+    order: str = (
+        "sequential"  # sequential: each configuration's runs back to back; interleaved: timed runs in rounds
+    )
 
 
 FILLS = ("prefill", "random")
+ORDERS = ("sequential", "interleaved")
 # With --fill random a sweep times decode steps at long contexts (context.py): no `none` (nothing to fill), only our
 # engine (transformers' generate cannot start from a filled cache), and a few dozen steps per context.
 FILL_RANDOM_DEFAULTS = {
@@ -194,6 +198,11 @@ def check_settings(s: BenchSettings) -> None:
     s.engine = list(dict.fromkeys(s.engine))
     if s.fill not in FILLS:
         raise KVBenchError(f"--fill {s.fill!r}: use prefill (a real prefill, the default) or random")
+    if s.order not in ORDERS:
+        raise KVBenchError(
+            f"--order {s.order!r}: use sequential (each configuration's runs back to back, the default) or "
+            "interleaved (timed runs in rounds over the configurations of a prompt length)"
+        )
     if s.fill == "random":
         _check_random_fill(s)
     for e in s.engine:
@@ -216,6 +225,10 @@ def _check_random_fill(s: BenchSettings) -> None:
         raise KVBenchError(
             f"--fill random runs only --engine kvbench (transformers' generate cannot start from a cache filled "
             f"without a prefill); drop {', '.join(others)}"
+        )
+    if s.order != "sequential":
+        raise KVBenchError(
+            "--order interleaved applies to prefill sweeps; --fill random holds one cache at a time"
         )
 
 
@@ -328,6 +341,8 @@ def check_sizes(
     params = cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * (12 * C * C + 13 * C) + 2 * C
     longest = max(s.prompt_len) + s.new_tokens
     kv = s.batch * longest * cfg.kv_bytes_per_token(elem)
+    if s.order == "interleaved":  # every configuration of a prompt length holds its cache through the rounds
+        kv *= max(len(s.engine) * len([c for c in s.caches if c != "none"]), 1)
     if s.fill == "random":
         _check_random_fill_memory(s, cfg, 0 if weights_loaded else params * elem, kv, device)
         return

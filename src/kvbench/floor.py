@@ -70,6 +70,21 @@ class Bandwidth:
         return {**asdict(self), "gbps": self.gbps}
 
 
+def pooled(probes: list[Bandwidth]) -> Bandwidth:
+    """Several probes of one device as one: the median of their medians, the extremes of their ranges. An
+    interleaved sweep probes once per round, so its floor moves with the drift its rows met."""
+    first = probes[0]
+    med = statistics.median
+    kernels = {k: med(p.read_by_kernel.get(k, math.nan) for p in probes) for k in first.read_by_kernel}
+    return Bandwidth(
+        med(p.read_gbps for p in probes), med(p.copy_gbps for p in probes), first.nbytes, first.device,
+        used=first.used, read_range=(min(p.read_range[0] for p in probes), max(p.read_range[1] for p in probes)),
+        copy_range=(min(p.copy_range[0] for p in probes), max(p.copy_range[1] for p in probes)),
+        repeats=sum(p.repeats for p in probes), llc_bytes=first.llc_bytes, read_kernel=first.read_kernel,
+        read_by_kernel=kernels,
+    )  # fmt: skip
+
+
 def _last_level_cache_bytes() -> int | None:
     """The largest CPU cache Linux reports (sysfs), or None."""
     sizes = []

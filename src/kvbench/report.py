@@ -202,7 +202,8 @@ PEAK_NOTE = {
 FLOOR_NOTE = (
     "floor_ms: the bytes the median decode step must move (every weight once, lm_head included; K and V of the "
     "slots attention reads; this token's K and V written; the design's own copies: torch.cat history, paged "
-    "gathers, int8 dequantisation) over the device's read bandwidth measured at the start of the run; "
+    "gathers, int8 dequantisation) over the device's read bandwidth measured at the start of the run (with "
+    "--order interleaved: the median of that probe and one more per round, per prompt length in by_prompt_len); "
     "x_floor = tpot_ms_median / floor_ms; step_bytes: those bytes. Rows without a cache (`none`) have no floor. "
     "floor.steps below breaks each row's bytes down."
 )
@@ -262,6 +263,9 @@ class BenchRecorder:
         )
         # what a caller adds or replaces (bench --hf: the model, its own token reference, its settings)
         self.meta.update(extra_meta or {})
+        self.bandwidth = (
+            bandwidth  # the run's first probe; an interleaved sweep's rows carry their pooled one
+        )
         if bandwidth is not None:
             self.meta["floor"] = floor_meta(bandwidth)
         write_json(self.run_dir / "meta.json", self.meta)
@@ -276,6 +280,9 @@ class BenchRecorder:
         if result.floor_bytes is not None and "floor" in self.meta:
             key = f"{r.engine} {r.cache} prompt {r.prompt_len}"
             self.meta["floor"]["steps"][key] = result.floor_bytes.as_dict()
+            if result.bandwidth is not None and result.bandwidth is not self.bandwidth:
+                rounds = self.meta["floor"].setdefault("by_prompt_len", {})  # interleaved: probed every round
+                rounds[str(r.prompt_len)] = result.bandwidth.as_dict()
         write_csv(self.run_dir / "summary.csv", SummaryRow.columns(), self.summary)
         write_csv(self.run_dir / "steps.csv", StepRow.columns(), self.steps)
 

@@ -108,6 +108,15 @@ def bench(
             "with random K/V to each --prompt-len without a prefill, only decode timed (long contexts: -m gpt2-long).",
         ),
     ] = None,
+    order: Annotated[
+        str | None,
+        typer.Option(
+            "--order",
+            help="sequential (default): each configuration's runs back to back. interleaved: cold and warm-up runs "
+            "back to back, then the timed runs in rounds over every configuration of a prompt length, so drift on "
+            "a shared machine hits every row alike (rows are written when the prompt length's rounds end).",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
     hf: HFOpt = None,
     trust_remote_code: TrustOpt = False,
@@ -128,7 +137,7 @@ def bench(
     overrides = dict(
         prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
         warmup=warmup, model=model, weights=weights, device=device, dtype=dtype, seed=seed, threads=threads, out=out,
-        fill=fill,
+        fill=fill, order=order,
     )  # fmt: skip
     if hf is not None:  # the same checks, folder, sweep and files; the model and its engine from cli/hf.py
         from kvbench.cli.hf import prepare_bench_hf

@@ -29,6 +29,10 @@ def floor_caption(meta: dict, rows: list) -> str:
         f"read bandwidth measured in this run ({bw['read_gbps']:.1f} GB/s read, {bw['copy_gbps']:.1f} GB/s copy, "
         f"{bw['nbytes'] / 2**20:.0f} MiB streamed); x floor = TPOT / floor; none has no floor. "
     )
+    rounds = meta["floor"].get("by_prompt_len")
+    if rounds:  # --order interleaved: probed again every round
+        each = ", ".join(f"prompt {p}: {b['read_gbps']:.1f}" for p, b in rounds.items())
+        text += f"Interleaved: the floor divides by the median of the first probe and one per round ({each} GB/s). "
     llc = bw.get("llc_bytes")
     if llc and any(r.step_bytes <= llc for r in rows):  # NaN compares False
         text += (
