@@ -276,10 +276,10 @@ def run_sweep(
         # interleaved: cold and warm-up runs back to back, then the timed runs in rounds over the group, so a
         # machine that slows down for a minute slows every row alike; the bandwidth is probed again each round
         # (the floor then moves with the same drift); the rows are written after the last round
-        first, probes = max(s.warmup, 1), [bandwidth]
+        probes, rounds = [bandwidth], (group[0].n_runs - group[0].back_to_back) if group else 0
         for c in group:
-            c.run(first)
-        for _ in range(s.warmup + s.repeats - first):
+            c.run(c.back_to_back)
+        for _ in range(rounds):
             probes.append(floor.measure_bandwidth(device, probes[0].nbytes, repeats=3))
             for c in group:
                 c.run(1)
@@ -295,16 +295,12 @@ class _Configuration:
     the other configurations' caches are allocated too."""
 
     def __init__(self, model, engine, ids, s, progress, common) -> None:
-        self.model, self.engine, self.ids, self.s, self.progress, self.common = (
-            model,
-            engine,
-            ids,
-            s,
-            progress,
-            common,
-        )
+        self.model, self.engine, self.ids, self.s = model, engine, ids, s
+        self.progress, self.common = progress, common
         self.label = f"{common['engine']} {common['cache']} prompt {common['prompt_len']}"
         self.n_runs = s.warmup + s.repeats
+        # runs made back to back (all of them in sequential order; cold and warm-ups, at least one, interleaved)
+        self.back_to_back = self.n_runs if s.order == "sequential" else max(s.warmup, 1)
         self.conf, self.runs, self.peaks, self.failure, self.base = None, [], [], None, 0.0
 
     def run(self, n: int) -> None:
@@ -316,30 +312,21 @@ class _Configuration:
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # every configuration's cold run starts from an empty pool; warm never do
             self.base = memory_in_use(device)
-        sequential = self.s.order == "sequential" or len(self.runs) < max(self.s.warmup, 1)
         for _ in range(n):
             try:
                 if self.conf is None:  # allocated once, inside the try: a failure here is this row's
-                    self.conf = self.engine.configure(
-                        cache, self.s.batch, self.common["prompt_len"] + self.s.new_tokens
-                    )
+                    max_len = self.common["prompt_len"] + self.s.new_tokens
+                    self.conf = self.engine.configure(cache, self.s.batch, max_len)
                 reset_peak_memory(device)
                 t = self.conf.run(self.ids, self.s.new_tokens)
-                if sequential:
-                    above = max(
-                        memory_peak(device) - self.base, 0.0
-                    )  # a CPU resident set can shrink below it
-                    self.peaks.append((above, _reserved(device)))
-            except (
-                Exception
-            ) as e:  # oom, or a cache plugin that raised: this row records it, the sweep goes on
-                self.failure = failure_status(e)
+                if len(self.runs) < self.back_to_back:  # a CPU resident set can shrink below its baseline
+                    self.peaks.append((max(memory_peak(device) - self.base, 0.0), _reserved(device)))
+            except Exception as e:
+                self.failure = failure_status(e)  # oom, or a plugin raised: the sweep goes on
                 break
             self.runs.append(t)
             self.progress.advance(1, self.label)
-        if (
-            self.failure is not None
-        ):  # outside the except block, so the exception's frames (and tensors) are freed
+        if self.failure is not None:  # outside the except block, so its frames (and tensors) are freed
             self.conf = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()

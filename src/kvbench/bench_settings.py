@@ -47,9 +47,7 @@ class BenchSettings:
     out: str | None = None  # run directory; None: results/<timestamp>-bench/
     threads: int | None = None  # torch intra-op CPU threads; None: torch's default (one per core)
     fill: str = "prefill"  # prefill: a real prefill fills the cache; random: random K/V, decode timed only
-    order: str = (
-        "sequential"  # sequential: each configuration's runs back to back; interleaved: timed runs in rounds
-    )
+    order: str = "sequential"  # sequential: each configuration's runs back to back; interleaved: in rounds
 
 
 FILLS = ("prefill", "random")

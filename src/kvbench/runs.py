@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,15 +47,23 @@ def weights_kind(desc: object) -> str:
     return "local" if s and s != "None" else "unknown"
 
 
-def _read_json(path: Path, what: str) -> dict:
+@contextmanager
+def _reading(path: Path, what: str):
+    """A file that cannot be read or is not UTF-8 text becomes one line naming it."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        yield
     except UnicodeDecodeError:
         raise KVBenchError(f"{what}: {path} is not UTF-8 text; is this a kvbench run folder?") from None
-    except json.JSONDecodeError as e:
-        raise KVBenchError(f"{what}: {path} is not valid JSON (line {e.lineno}: {e.msg})") from None
     except OSError as e:
         raise KVBenchError(f"{what}: cannot read {path} ({e.strerror})") from None
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        with _reading(path, what):
+            doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise KVBenchError(f"{what}: {path} is not valid JSON (line {e.lineno}: {e.msg})") from None
     if not isinstance(doc, dict):
         raise KVBenchError(f"{what}: {path} is not a kvbench meta.json (a JSON object was expected)")
     return doc
@@ -64,7 +73,7 @@ def _read_csv(path: Path, what: str, required: tuple[str, ...]) -> pd.DataFrame:
     """Every field as text (empty cells: NaN), so a stray value is reported rather than guessed at. Read with the
     csv module rather than pandas, which would quietly turn a row with extra fields into an index."""
     try:
-        with path.open(encoding="utf-8", newline="") as f:
+        with _reading(path, what), path.open(encoding="utf-8", newline="") as f:
             reader = csv.reader(f, strict=True)
             header = next(reader, None)
             rows = []
@@ -77,12 +86,8 @@ def _read_csv(path: Path, what: str, required: tuple[str, ...]) -> pd.DataFrame:
                         "(a corrupt or truncated file?)"
                     )
                 rows.append(row)
-    except UnicodeDecodeError:
-        raise KVBenchError(f"{what}: {path} is not UTF-8 text; is this a kvbench run folder?") from None
     except csv.Error as e:
         raise KVBenchError(f"{what}: {path} is not a valid CSV (line {reader.line_num}: {e})") from None
-    except OSError as e:
-        raise KVBenchError(f"{what}: cannot read {path} ({e.strerror})") from None
     if not header:
         raise KVBenchError(f"{what}: {path} is empty (not even a header line)")
     missing = [c for c in required if c not in header]

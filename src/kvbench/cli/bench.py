@@ -24,9 +24,9 @@ from kvbench.cli.app import (
     handle_errors,
     load_for_cli,
 )
-from kvbench.cli.bench_context import WIDE, floor_caption, render_context
+from kvbench.cli.bench_context import WIDE, floor_caption, render_context, wrote_line
 from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
-from kvbench.console import cell, err, line, out, styled
+from kvbench.console import cell, err, out, styled
 from kvbench.errors import KVBenchError
 
 
@@ -481,11 +481,4 @@ def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
                 "dim",
             )
         )
-    out.print(
-        line(
-            styled("wrote", "green"),
-            f" {', '.join(p.name for p in files)} ",
-            styled("in", "dim"),
-            f" {run_dir}",
-        )
-    )
+    out.print(wrote_line(files, run_dir))

@@ -42,6 +42,13 @@ def floor_caption(meta: dict, rows: list) -> str:
     return text
 
 
+def wrote_line(files: list, run_dir):
+    """The closing line of a sweep: which files were written where."""
+    return line(
+        styled("wrote", "green"), f" {', '.join(p.name for p in files)} ", styled("in", "dim"), f" {run_dir}"
+    )
+
+
 def _mb(n: float) -> str:
     return _f(n / 1e6, ",.1f")
 
@@ -85,11 +92,4 @@ def render_context(rows: list, meta: dict, run_dir, files: list) -> None:
     for r in rows:
         if r.status.startswith("error"):
             out.print(styled(f"{r.cache} context {r.context}: {r.status}", "red"))
-    out.print(
-        line(
-            styled("wrote", "green"),
-            f" {', '.join(p.name for p in files)} ",
-            styled("in", "dim"),
-            f" {run_dir}",
-        )
-    )
+    out.print(wrote_line(files, run_dir))
