@@ -263,9 +263,8 @@ class BenchRecorder:
         )
         # what a caller adds or replaces (bench --hf: the model, its own token reference, its settings)
         self.meta.update(extra_meta or {})
-        self.bandwidth = (
-            bandwidth  # the run's first probe; an interleaved sweep's rows carry their pooled one
-        )
+        # the run's first probe; the rows of an interleaved sweep carry their pooled one
+        self.bandwidth = bandwidth
         if bandwidth is not None:
             self.meta["floor"] = floor_meta(bandwidth)
         write_json(self.run_dir / "meta.json", self.meta)
