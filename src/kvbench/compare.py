@@ -57,6 +57,7 @@ ENVIRONMENT = (
     ("numpy", ("versions", "numpy")),
     ("CUDA", ("versions", "cuda")),
     ("torch threads", ("versions", "torch_threads")),
+    ("huge pages", ("host", "huge_pages", "in_use")),
 )
 
 

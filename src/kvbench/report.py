@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvbench import hugepages
 from kvbench.errors import KVBenchError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -169,7 +170,7 @@ def meta_doc(**fields: Any) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git": git_revision(),
         "versions": versions(),
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "huge_pages": hugepages.status()},
         # the environment variables that change what kvbench runs (KVBENCH_COMPILE compiles static-graph's step)
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVBENCH_")},
         **fields,

@@ -1,9 +1,11 @@
 """The `kvbench` command line: the app and its shared options (app.py), one module per command.
 
 Commands parse options, call a library function that returns dataclasses, and render them; heavy imports (torch,
-transformers, matplotlib) happen inside the commands so `kvbench --help` is instant.
+transformers, matplotlib) happen inside the commands so `kvbench --help` is instant, and so `main` can still ask for huge pages before torch
+loads.
 """
 
+from kvbench import hugepages
 from kvbench.cli import bench, break_, compare, generate, memory, verify  # noqa: F401  (each registers its command)
 from kvbench.cli.app import app
 
@@ -11,4 +13,5 @@ __all__ = ["app", "main"]
 
 
 def main() -> None:
+    hugepages.request()  # before torch loads: its CPU allocator reads THP_MEM_ALLOC_ENABLE once (hugepages.py)
     app()
