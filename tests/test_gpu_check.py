@@ -102,6 +102,7 @@ def test_a_stage_stopped_by_sigterm_keeps_its_rows(tmp_path):
            "--threads", "1", "--prompt-len", "8,16,32,64,128,256", "--new-tokens", "24", "--caches", "none,static",
            "--engine", "kvbench", "--repeats", "3", "--out", str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
+    env.pop("THP_MEM_ALLOC_ENABLE", None)  # the command sets it itself
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and proc.poll() is None:
@@ -117,4 +118,5 @@ def test_a_stage_stopped_by_sigterm_keeps_its_rows(tmp_path):
     assert 2 <= len(s) < 12 and (s.status == "ok").all()
     meta = json.loads((out / "meta.json").read_text())
     assert meta["status"] == "interrupted" and meta["configurations_completed"] == len(s)
+    assert meta["host"]["huge_pages"]["THP_MEM_ALLOC_ENABLE"] == "1"  # set by the command before torch loaded
     assert (out / "latency.png").is_file() and (out / "speedup.png").is_file()

@@ -1,0 +1,80 @@
+"""Transparent huge pages: the variable the `kvbench` command sets, and the kernel's own account of the pages."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbench import hugepages
+
+ROOT = Path(__file__).resolve().parents[1]
+THP_WORKS = hugepages.system_mode() in ("always", "madvise") and Path("/proc/self/smaps").is_file()
+
+
+def test_request_sets_the_variable_only_before_torch_and_only_when_unset(monkeypatch):
+    env: dict[str, str] = {}
+    monkeypatch.delitem(sys.modules, "torch")  # as in a fresh `kvbench` process; restored after the test
+    assert hugepages.request(env) is True and env == {hugepages.ENV: "1"}
+    env = {hugepages.ENV: "0"}
+    assert hugepages.request(env) is False and env == {hugepages.ENV: "0"}  # the user's choice stands
+
+
+def test_request_does_nothing_once_torch_is_loaded():
+    import torch  # noqa: F401
+
+    env: dict[str, str] = {}
+    assert hugepages.request(env) is False and env == {}
+
+
+@pytest.mark.parametrize(
+    "text, mode",
+    [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
+     ("always madvise [never]", "never"), ("", None), ("no brackets here", None)],
+)  # fmt: skip
+def test_system_mode_reads_the_bracketed_choice(tmp_path, text, mode):
+    f = tmp_path / "enabled"
+    f.write_text(text)
+    assert hugepages.system_mode(f) == mode
+
+
+def test_system_mode_without_thp_is_none(tmp_path):
+    assert hugepages.system_mode(tmp_path / "absent") is None
+
+
+def test_huge_kib_is_read_from_the_mapping_that_holds_the_address(tmp_path):
+    smaps = tmp_path / "smaps"
+    smaps.write_text(
+        "7f0000000000-7f0000400000 rw-p 00000000 00:00 0 \n"
+        "Size:               4096 kB\n"
+        "AnonHugePages:      2048 kB\n"
+        "7f0000400000-7f0000800000 rw-p 00000000 00:00 0 \n"
+        "Size:               4096 kB\n"
+        "AnonHugePages:         0 kB\n"
+    )
+    assert hugepages._huge_kib_at(0x7F0000000010, smaps) == 2048
+    assert hugepages._huge_kib_at(0x7F0000400010, smaps) == 0
+    assert hugepages._huge_kib_at(0x10, smaps) is None
+    assert hugepages._huge_kib_at(0x10, tmp_path / "absent") is None
+
+
+def _fresh_process(env_value: str | None) -> dict:
+    """What `status()` says in a new Python that asks for huge pages before importing torch, like `kvbench`."""
+    env = {k: v for k, v in os.environ.items() if k != hugepages.ENV}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    if env_value is not None:
+        env[hugepages.ENV] = env_value
+    code = "import json; from kvbench import hugepages; hugepages.request(); print(json.dumps(hugepages.status()))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.skipif(not THP_WORKS, reason="needs Linux transparent huge pages (always or madvise) and /proc")
+def test_a_fresh_process_gets_huge_pages_and_zero_turns_them_off():
+    on = _fresh_process(None)
+    assert on[hugepages.ENV] == "1" and on["in_use"] is True
+    off = _fresh_process("0")
+    assert off[hugepages.ENV] == "0"
+    assert off["in_use"] is (hugepages.system_mode() == "always")  # "always" gives them without asking
