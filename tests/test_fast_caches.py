@@ -404,3 +404,20 @@ def test_frozen_step_is_exact_and_sees_weights_changed_in_place(monkeypatch):
     fresh, after = decode_and_check()
     assert fresh is not runner
     assert not torch.allclose(after, before, atol=1e-3), "the update must change the logits"
+
+
+@pytest.mark.slow
+def test_frozen_step_follows_a_module_switch(monkeypatch):
+    """`max` skips Dynamo's guards on the model's modules (the runner's key holds what the step reads of them), so
+    a module attribute flipped between generations must still reach the step: with the `mask` fault's switch on, the
+    compiled step decodes as the eager fixed-shape step does with it on, and differently from the correct run."""
+    model = _small_model()
+
+    def run(mode: str, fault: str | None):
+        monkeypatch.setenv("KVBENCH_COMPILE", mode)
+        return _logits(generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, fault=fault))
+
+    good, bad = run("max", None), run("max", "mask")
+    torch.testing.assert_close(bad, run("0", "mask"), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(bad, good, atol=1e-2), "the switch must change the logits"
+    torch.testing.assert_close(run("max", None), good, rtol=1e-5, atol=1e-5)  # and back
