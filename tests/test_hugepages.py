@@ -22,6 +22,31 @@ def test_request_sets_the_variable_only_before_torch_and_only_when_unset(monkeyp
     assert hugepages.request(env) is False and env == {hugepages.ENV: "0"}  # the user's choice stands
 
 
+def test_an_empty_variable_counts_as_unset(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch")
+    env = {hugepages.ENV: " "}
+    assert hugepages.request(env) is True and env == {hugepages.ENV: "1"}
+
+
+@pytest.mark.parametrize("value", ["abc", "2", "yes", " 1", "true"])
+def test_a_value_torch_would_ignore_stops_every_command_with_one_line(value):
+    """torch reads only 0 and 1 and ignores anything else with a warning mid-run; kvbench refuses it up front."""
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    r = CliRunner().invoke(app, ["memory", "--model", "gpt2", "--ctx", "1k"], env={hugepages.ENV: value})
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr.strip().count("\n") == 0 and "use 1 (huge pages" in r.stderr and repr(value) in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("value", ["", "0", "1"])
+def test_zero_one_and_empty_are_accepted(value):
+    hugepages.check({hugepages.ENV: value})
+    hugepages.check({})
+
+
 def test_request_does_nothing_once_torch_is_loaded():
     import torch  # noqa: F401
 

@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from kvbench.errors import KVBenchError
+
 ENV = "THP_MEM_ALLOC_ENABLE"
 SYSTEM = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # e.g. "always [madvise] never"
 PROBE_BYTES = 6 << 20  # holds at least two whole 2 MiB-aligned regions wherever the allocator places it
@@ -25,11 +27,19 @@ PROBE_BYTES = 6 << 20  # holds at least two whole 2 MiB-aligned regions wherever
 
 def request(environ=os.environ) -> bool:
     """Ask PyTorch for huge pages in this process. True when the variable was set here; False when it was already
-    set (the user's choice stands) or torch is already loaded (its allocator read the variable, or never will)."""
-    if ENV in environ or "torch" in sys.modules:
+    set (the user's choice stands; empty counts as unset) or torch is already loaded (its allocator has read the
+    variable, or soon will)."""
+    if environ.get(ENV, "").strip() or "torch" in sys.modules:
         return False
     environ[ENV] = "1"
     return True
+
+
+def check(environ=os.environ) -> None:
+    """Refuse what torch would ignore with a warning mid-run: it reads only 0 and 1."""
+    value = environ.get(ENV, "")
+    if value not in ("", "0", "1"):
+        raise KVBenchError(f"{ENV}={value!r}: use 1 (huge pages, kvbench's default) or 0 (4 KiB pages)")
 
 
 def system_mode(path: Path = SYSTEM) -> str | None:

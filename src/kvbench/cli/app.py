@@ -16,7 +16,7 @@ import typer
 from typer import core as typer_core
 from typer.core import TyperGroup
 
-from kvbench import __version__, console
+from kvbench import __version__, console, hugepages
 from kvbench.errors import KVBenchError
 from kvbench.validate import COMPILE_ENV, compile_setting
 
@@ -153,8 +153,9 @@ def _root(
 ) -> None:
     """kvbench: generate, verify, break, bench and memory over one GPT-2 core."""
     VERBOSE["on"] = verbose
-    try:  # read again where a decode step is built; checked here so a typo stops the run before it starts
+    try:  # read again where they are used; checked here so a typo stops the run before it starts
         compile_setting(os.environ.get(COMPILE_ENV, ""))
+        hugepages.check()
     except KVBenchError as e:
         console.error(str(e))
         raise typer.Exit(2) from None
