@@ -114,7 +114,8 @@ def test_bad_input_is_one_line_exit_2_nothing_on_stdout(case, files):
     assert r.stdout == "", r.stdout
     assert "Traceback" not in r.output
     assert "weights_only=False" not in r.output  # never advise loading pickled code
-    assert elapsed < 20, f"{case}: {elapsed:.1f} s: the input should be refused before any work"
+    # refused before any work: seconds even on a busy machine, where loading a model and decoding would take minutes
+    assert elapsed < 60, f"{case}: {elapsed:.1f} s: the input should be refused before any work"
 
 
 def test_user_text_is_never_markup(ranks_file):

@@ -27,8 +27,9 @@ ISSUE_COLUMNS = (
     "speedup_vs_none peak_mem_mib kv_cache_mib bytes_copied repeats"
 ).split()
 
-# A small model whose full-sequence forward at a long prompt clearly outweighs one cached step, so `none` is
-# several times slower than any cache even on a loaded 2-core machine (about 5x end to end at prompt 256).
+# A small model whose full-sequence forward at a long prompt outweighs one cached step (about 5x end to end at prompt
+# 256 on a quiet 2-core machine). No test asserts that speed-up: it is a benchmark's figure, and a busy machine may
+# not show it; the tests assert what the rows must hold whatever the timings.
 SWEEP_MODEL = dict(n_layer=2, n_head=4, n_embd=256, n_positions=512, vocab_size=2000)
 
 
@@ -133,8 +134,6 @@ def test_cli_sweep_writes_all_files_with_sane_values(tmp_path, sweep_model):
     assert (s.token_agreement == 1.0).all() and (s.flips == 0).all() and (s.tokens_note == "identical").all()
     assert s.sdpa_prefill.notna().all() and s.sdpa_decode.notna().all()
     assert (s.peak_mem_mib >= s.weights_mib).all()
-    long = s[(s.prompt_len == 256) & (s.cache != "none")]
-    assert (long.speedup_vs_none > 1.0).all(), long[["engine", "cache", "total_s", "speedup_vs_none"]]
 
     ours = s[s.engine == "kvbench"].set_index(["cache", "prompt_len"])
     bpt = 2 * SWEEP_MODEL["n_layer"] * SWEEP_MODEL["n_embd"] * 4

@@ -75,14 +75,18 @@ def test_huge_kib_is_read_from_the_mapping_that_holds_the_address(tmp_path):
         "7f0000000000-7f0000400000 rw-p 00000000 00:00 0 \n"
         "Size:               4096 kB\n"
         "AnonHugePages:      2048 kB\n"
+        "VmFlags: rd wr mr mw me ac hg\n"
         "7f0000400000-7f0000800000 rw-p 00000000 00:00 0 \n"
         "Size:               4096 kB\n"
         "AnonHugePages:         0 kB\n"
+        "VmFlags: rd wr mr mw me ac\n"
     )
     assert hugepages._huge_kib_at(0x7F0000000010, smaps) == 2048
     assert hugepages._huge_kib_at(0x7F0000400010, smaps) == 0
     assert hugepages._huge_kib_at(0x10, smaps) is None
     assert hugepages._huge_kib_at(0x10, tmp_path / "absent") is None
+    assert "hg" in hugepages._mapping_at(0x7F0000000010, smaps)["VmFlags"].split()
+    assert "hg" not in hugepages._mapping_at(0x7F0000400010, smaps)["VmFlags"].split()
 
 
 def _fresh_process(env_value: str | None) -> dict:
@@ -97,9 +101,15 @@ def _fresh_process(env_value: str | None) -> dict:
 
 
 @pytest.mark.skipif(not THP_WORKS, reason="needs Linux transparent huge pages (always or madvise) and /proc")
-def test_a_fresh_process_gets_huge_pages_and_zero_turns_them_off():
+def test_a_fresh_process_asks_for_huge_pages_and_zero_does_not():
+    """What the software chose is asserted exactly (the allocator's madvise, smaps flag "hg"); whether the kernel
+    granted huge pages depends on fragmentation and load, so only its type is."""
     on = _fresh_process(None)
-    assert on[hugepages.ENV] == "1" and on["in_use"] is True
+    assert on[hugepages.ENV] == "1" and on["advised"] is True
+    assert isinstance(on["in_use"], bool)
     off = _fresh_process("0")
-    assert off[hugepages.ENV] == "0"
-    assert off["in_use"] is (hugepages.system_mode() == "always")  # "always" gives them without asking
+    assert off[hugepages.ENV] == "0" and off["advised"] is False
+    if hugepages.system_mode() == "madvise":  # nothing asked for them: the kernel gives none
+        assert off["in_use"] is False
+    else:  # "always" may give them without asking
+        assert isinstance(off["in_use"], bool)

@@ -52,33 +52,54 @@ def system_mode(path: Path = SYSTEM) -> str | None:
     return text[start + 1 : end] if 0 <= start < end else None
 
 
-def _huge_kib_at(address: int, smaps: Path = Path("/proc/self/smaps")) -> int | None:
-    """AnonHugePages (KiB) of the mapping that holds `address`; None when /proc cannot say."""
+def _mapping_at(address: int, smaps: Path = Path("/proc/self/smaps")) -> dict[str, str] | None:
+    """The smaps fields ("AnonHugePages", "VmFlags", ...) of the mapping that holds `address`; None when /proc
+    cannot say or no mapping holds it."""
     try:
         lines = smaps.read_text().splitlines()
     except OSError:
         return None
-    inside = False
+    fields: dict[str, str] | None = None
     for line in lines:
         head = line.split(maxsplit=1)[0] if line else ""
         if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms offset dev inode path"
+            if fields is not None:
+                return fields
             lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return None
+            fields = {} if lo <= address < hi else None
+        elif fields is not None and ":" in line:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
 
 
-def in_use() -> bool | None:
-    """Does a fresh PROBE_BYTES tensor get huge pages in this process? None when /proc cannot say."""
+def _huge_kib_at(address: int, smaps: Path = Path("/proc/self/smaps")) -> int | None:
+    """AnonHugePages (KiB) of the mapping that holds `address`; None when /proc cannot say."""
+    fields = _mapping_at(address, smaps)
+    if fields is None or "AnonHugePages" not in fields:
+        return None
+    return int(fields["AnonHugePages"].split()[0])
+
+
+def _probe() -> tuple[bool | None, bool | None]:
+    """(advised, in_use) for a fresh PROBE_BYTES tensor: did the allocator ask for huge pages on it (madvise, the
+    smaps flag "hg": what the software chose), and did the kernel back it with them (what the machine could give:
+    it depends on fragmentation and load)? None where /proc cannot say."""
     import torch
 
     buf = torch.empty(PROBE_BYTES, dtype=torch.uint8)
     buf.fill_(1)  # fault the pages in
-    kib = _huge_kib_at(buf.data_ptr())
-    return None if kib is None else kib > 0
+    fields = _mapping_at(buf.data_ptr())
+    if fields is None:
+        return None, None
+    advised = "hg" in fields["VmFlags"].split() if "VmFlags" in fields else None
+    huge = fields.get("AnonHugePages")
+    return advised, (None if huge is None else int(huge.split()[0]) > 0)
 
 
 def status() -> dict[str, object]:
-    """For meta.json: the variable, the kernel's mode, and whether huge pages were in use (measured)."""
-    return {ENV: os.environ.get(ENV), "system": system_mode(), "in_use": in_use()}
+    """For meta.json: the variable and whether the allocator asked for huge pages (chosen), the kernel's mode, and
+    whether huge pages were in use on a fresh buffer (measured: the kernel may refuse them on a fragmented or busy
+    machine, so it describes the run's context, not its identity)."""
+    advised, used = _probe()
+    return {ENV: os.environ.get(ENV), "system": system_mode(), "advised": advised, "in_use": used}
