@@ -91,7 +91,8 @@ def test_the_deadline_holds_by_skipping_what_does_not_fit(tmp_path):
         return
     assert status["preflight"].split()[1] == "rc=0", status
     skipped = [s for s, line in status.items() if "skipped: out of time" in line]
-    assert "seed" in skipped and "verify" in skipped, status  # they cannot fit beside what is kept for the others
+    # they cannot fit beside what is kept for the stages after them
+    assert "seed" in skipped and "verify" in skipped, status
 
 
 @pytest.mark.slow
