@@ -37,10 +37,12 @@ def read_prompts(prompt: str | None, prompts: list[str] | None, prompts_file: Pa
 
 
 def prompt_lines(path: Path) -> list[str]:
-    """The lines of a --prompts-file."""
+    """The lines of a --prompts-file, split at line feeds only (a CR before one is dropped too): a form feed, U+0085
+    or U+2028 inside a prompt stays in it. A leading byte-order mark is not part of the first prompt."""
     from kvbench import files
 
-    return files.read_text(path, f"--prompts-file {path}", files.PROMPTS_BYTES, "a prompts file").splitlines()
+    text = files.read_text(path, f"--prompts-file {path}", files.PROMPTS_BYTES, "a prompts file")
+    return [line.removesuffix("\r") for line in text.removeprefix("\ufeff").split("\n")]
 
 
 @app.command()
