@@ -77,8 +77,8 @@ CASES = {
     "unknown fault": (["break", "mask2"], "unknown fault 'mask2'"),
     # files
     "prompts file not UTF-8": (["generate", "--prompts-file", "{latin1.txt}"], "is not UTF-8 text"),
-    "prompts file is a folder": (["generate", "--prompts-file", "{folder}"], "Is a directory"),
-    "prompts file missing": (["generate", "--prompts-file", "{nope.txt}"], "cannot read --prompts-file"),
+    "prompts file is a folder": (["generate", "--prompts-file", "{folder}"], "is a directory, not a file"),
+    "prompts file missing": (["generate", "--prompts-file", "{nope.txt}"], "nope.txt: file not found"),
     "tokenizer folder without files": (["generate", "hi", "--tokenizer", "{folder}"], "has neither vocab.json"),
     "tokenizer not a ranks file": (["generate", "hi", "--tokenizer", "{latin1.txt}"], "malformed tokenizer file"),
     "weights is a file": (["generate", "hi", "--weights", "{latin1.txt}"], "is not a directory"),

@@ -381,7 +381,7 @@ def test_config_rejects_what_it_cannot_interpret(tmp_path):
             mem.spec_from_hf_config(p)
     bad = tmp_path / "not.json"
     bad.write_text("{nope")
-    with pytest.raises(KVBenchError, match="not a JSON file"):
+    with pytest.raises(KVBenchError, match="is not valid JSON"):
         mem.spec_from_hf_config(bad)
 
 

@@ -77,14 +77,14 @@ CASES = [
     ("kv heads not a divisor", ["--config", "CFG:heads-not-multiple"], "not a multiple of 3 key/value heads"),
     ("encoder", ["--config", "CFG:bert"], "model_type 'bert' is not a decoder-only LLM"),
     ("JSON array", ["--config", "CFG:array"], "expected a JSON object"),
-    ("not JSON", ["--config", "CFG:not-json"], "not a JSON file"),
-    ("empty file", ["--config", "CFG:empty"], "not a JSON file"),
+    ("not JSON", ["--config", "CFG:not-json"], "is not valid JSON"),
+    ("empty file", ["--config", "CFG:empty"], "is not valid JSON"),
     ("non-UTF-8", ["--config", "CFG:non-utf8"], "is not UTF-8 text"),
     ("latin-1", ["--config", "CFG:latin1"], "is not UTF-8 text"),
     ("nested too deep", ["--config", "CFG:deep"], "nested too deeply"),
-    ("a directory", ["--config", "CFG:a-directory"], "is a directory; give the config.json file inside it"),
+    ("a directory", ["--config", "CFG:a-directory"], "is a directory, not a file; give the config.json file inside it"),
     ("a device", ["--config", "/dev/zero"], "--config /dev/zero is not a regular file"),
-    ("5000-digit number", ["--config", "CFG:int-of-5000-digits"], "not a JSON file (Exceeds the limit"),
+    ("5000-digit number", ["--config", "CFG:int-of-5000-digits"], "is not valid JSON (Exceeds the limit"),
     ("--ctx with 300 lengths", ["-m", "llama-3-8b", "--ctx", ",".join(map(str, range(1, 301)))], "at most 256"),
     ("missing file", ["--config", "CFG:nowhere"], "file not found"),
     ("path with markup", ["--config", "CFG:[/]x[bold]y.json"], "[/]x[bold]y.json: file not found"),
@@ -175,7 +175,7 @@ def test_huge_config_file_is_refused_unread(tmp_path):
     with open(path, "wb") as f:
         f.truncate(17 * 2**20)  # sparse: no 17 MiB written
     r = runner.invoke(app, ["memory", "--config", str(path)])
-    assert r.exit_code == 2 and "a config.json is a few kilobytes" in r.stderr, r.stderr
+    assert r.exit_code == 2 and "is 17 MiB, more than the 16 MiB a config.json may be" in r.stderr, r.stderr
 
 
 def test_user_text_is_printed_literally(tmp_path):

@@ -15,15 +15,11 @@ from pathlib import Path
 
 import torch
 
+from kvbench import files
 from kvbench.caches import CACHES, parse_cache_names
 from kvbench.engines import ENGINES
 from kvbench.errors import KVBenchError
 from kvbench.model import GPTConfig
-
-try:  # Python 3.11+
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 
 @dataclass
@@ -120,11 +116,8 @@ def resolve_config_path(path: str | Path) -> Path:
 
     p = Path(path).expanduser()
     if p.exists() or p.suffix or "/" in str(path):
-        if p.is_dir():
-            raise KVBenchError(
-                f"--config {p} is a directory; give a TOML file or one of {bench_config_names()}"
-            )
-        return p
+        fix = f"give a TOML file or one of {', '.join(bench_config_names())}"
+        return files.check_file(p, f"--config {p}", fix)
     if str(path) in bench_config_names():
         return config_file("bench", f"{path}.toml")
     raise KVBenchError(
@@ -144,15 +137,7 @@ def read_settings(path: str | Path | None, overrides: dict) -> dict:
     merged: dict = {}
     if path is not None:
         p = resolve_config_path(path)
-        try:
-            with p.open("rb") as f:
-                data = tomllib.load(f)
-        except OSError as e:
-            raise KVBenchError(f"cannot read --config {p}: {e.strerror}") from None
-        except UnicodeDecodeError:
-            raise KVBenchError(f"--config {p} is not UTF-8 text (TOML files are UTF-8)") from None
-        except tomllib.TOMLDecodeError as e:
-            raise KVBenchError(f"--config {p} is not valid TOML: {e}") from None
+        data = files.load_toml(p, f"--config {p}", files.CONFIG_BYTES, "a sweep's TOML file")
         merged.update(coerce(data, str(p)))
     merged.update(coerce({k: v for k, v in overrides.items() if v is not None}, "command line"))
     if merged.get("fill") == "random":

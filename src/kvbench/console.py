@@ -4,6 +4,10 @@ Library modules never print; they return dataclasses and rows, and each command'
 out with these. Text a user gave (prompts, names, paths, config fields) is printed literally, never read as Rich
 markup: `table` cells and message bodies are plain text, and styling is added with `styled`, never with markup
 built by formatting a string.
+
+Control characters in that text (an escape sequence in a prompt file, a carriage return in a model's output) never
+reach the terminal raw: every C0 and C1 control character but newline and tab is shown as a visible escape such as
+`\x1b` (`escape_controls`), so printed text cannot move the cursor, recolour or clear the user's terminal.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
@@ -20,10 +25,34 @@ from rich.text import Text
 PIPE_WIDTH = 200
 
 
+# C0 controls but tab and newline, DEL, and C1 controls, each as a visible escape: ESC -> \x1b
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(c) not in "\t\n"}
+
+
+def escape_controls(text: str) -> str:
+    """`text` with every control character but newline and tab shown as a visible escape (ESC as `\\x1b`)."""
+    return text.translate(_CONTROLS)
+
+
+class SafeConsole(Console):
+    """A Rich console that prints control characters in text as visible escapes. Strings are escaped before Rich
+    measures them (so tables stay aligned); a rendered piece of text that still holds one (a Text built elsewhere)
+    is escaped on its way out. Rich's own control codes (cursor moves, styles) are left alone."""
+
+    def render_str(self, text: str, **kwargs) -> Text:
+        return super().render_str(escape_controls(text), **kwargs)
+
+    def render(self, renderable, options=None):
+        for seg in super().render(renderable, options):
+            if seg.control is None and escape_controls(seg.text) != seg.text:
+                seg = Segment(escape_controls(seg.text), seg.style)
+            yield seg
+
+
 def _console(stderr: bool) -> Console:
     stream = sys.stderr if stderr else sys.stdout
     tty = hasattr(stream, "isatty") and stream.isatty()
-    return Console(stderr=stderr, highlight=False, width=None if tty else PIPE_WIDTH, soft_wrap=not tty)
+    return SafeConsole(stderr=stderr, highlight=False, width=None if tty else PIPE_WIDTH, soft_wrap=not tty)
 
 
 out = _console(stderr=False)
@@ -32,12 +61,12 @@ err = _console(stderr=True)
 
 def styled(text: Any, style: str) -> Text:
     """`text` (printed literally) in a Rich style: the one way renderers colour a cell or a line."""
-    return Text(str(text), style=style)
+    return Text(escape_controls(str(text)), style=style)
 
 
 def line(*parts: str | Text) -> Text:
     """A line assembled from plain strings (literal) and `styled` pieces."""
-    return Text.assemble(*parts)
+    return Text.assemble(*(escape_controls(p) if isinstance(p, str) else p for p in parts))
 
 
 def error(message: str) -> None:
@@ -79,7 +108,7 @@ def table(title: str, columns: list[str], rows: list[list[Any]], caption: str | 
 
 def cell(x: Any) -> Text:
     """A table cell: Rich Text as given, anything else as literal text."""
-    return x if isinstance(x, Text) else Text(str(x))
+    return x if isinstance(x, Text) else Text(escape_controls(str(x)))
 
 
 def fmt_bytes(n: int) -> str:

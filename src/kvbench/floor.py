@@ -30,12 +30,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from kvbench import validate
 from kvbench.model import GPTConfig
 
 GB = 1e9
 CPU_PROBE_BYTES = 512 << 20  # at least this much, and at least twice the last-level cache the OS reports
 CUDA_PROBE_BYTES = 2 << 30  # far past any GPU's L2 (tens of MB), at most a quarter of the free memory
-PROBE_ENV = "KVBENCH_PROBE_BYTES"  # the probe's size in bytes, overriding probe_bytes
+PROBE_ENV = validate.PROBE_ENV  # the probe's size in bytes, overriding probe_bytes
 
 
 @dataclass
@@ -100,15 +101,6 @@ def _last_level_cache_bytes() -> int | None:
     return max(sizes) if sizes else None
 
 
-def _env_bytes() -> int:
-    from kvbench.errors import KVBenchError
-
-    text = os.environ[PROBE_ENV].strip()
-    if not text.isdigit() or int(text) < 1 << 20:
-        raise KVBenchError(f"{PROBE_ENV}={text!r}: give the probe's size in bytes, at least 1048576 (1 MiB)")
-    return int(text)
-
-
 def probe_bytes(device_type: str, llc_bytes: int | None, memory_bytes: int | None) -> int:
     """How large a tensor the probe streams. CPU: CPU_PROBE_BYTES or twice the last-level cache, whichever is
     larger (a stream twice the cache's size finds little of itself there on the next pass), capped at an eighth
@@ -139,10 +131,10 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: 
             memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             memory = None
-    if nbytes is None and os.environ.get(PROBE_ENV, "").strip():
-        nbytes = _env_bytes()
     if nbytes is None:
-        nbytes = probe_bytes(device.type, llc, memory)
+        nbytes = validate.probe_bytes_setting(os.environ.get(PROBE_ENV, "")) or probe_bytes(
+            device.type, llc, memory
+        )
     n = nbytes // 8 * 2  # float32 elements, an even count
     nbytes = 4 * n
     x = torch.ones(n, dtype=torch.float32, device=device)

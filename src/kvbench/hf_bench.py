@@ -172,6 +172,12 @@ def hf_bench_settings(config, overrides: dict) -> BenchSettings:
     def from_file(key: str) -> bool:
         return overrides.get(key) is None  # in raw, but not given as an option: the --config file set it
 
+    if raw.get("fill") == "random":  # checked first: it also brings its own defaults (engine kvbench, ...)
+        what = f"--config {config} sets fill = random" if from_file("fill") else "--fill random"
+        raise KVBenchError(
+            f"{what}: random-filled caches are timed on kvbench's own GPT-2 only; with --hf the engine is "
+            "transformers' generate, which fills its cache with a real prefill: use --fill prefill (the default)"
+        )
     for key in ("model", "weights"):
         if key in raw:
             what, fix = (

@@ -17,7 +17,6 @@ transformers' loading bars, log messages and Python warnings are kept off the te
 from __future__ import annotations
 
 import inspect
-import json
 import re
 import warnings
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kvbench import files
 from kvbench.errors import KVBenchError
 
 WEIGHT_FILES = (
@@ -158,14 +158,7 @@ def returned_cache(out):
 
 # --- reading a config before loading anything ----------------------------------------------------------------------
 def _read_config(path: Path) -> dict:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise KVBenchError(f"{path} is not UTF-8 text: not a model config (JSON)") from None
-    except OSError as e:
-        raise KVBenchError(f"cannot read {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise KVBenchError(f"{path} is not valid JSON: {e}") from None
+    doc = files.load_json(path, str(path), files.CONFIG_BYTES, "a model config")
     if not isinstance(doc, dict):
         raise KVBenchError(f"{path} is not a model config (a JSON object with a model_type)")
     return doc
@@ -263,14 +256,20 @@ def _resolve(source: str, layers: int | None, trust_remote_code: bool) -> _Resol
             where = str(path.parent)
     elif path.is_dir():
         cfg_path = path / "config.json"
-        if not cfg_path.is_file():
+        if not cfg_path.exists():
             raise KVBenchError(f"no config.json in {path}; not a Hugging Face model directory")
         _refuse_unloadable(_read_config(cfg_path), str(path), trust_remote_code)
+        for f in (path / name for name in WEIGHT_FILES if (path / name).exists()):
+            files.check_file(f, str(f), "a checkpoint's weights are regular files")
         if not any((path / f).is_file() for f in WEIGHT_FILES):
             raise KVBenchError(
                 f"no weights in {path} (model.safetensors or pytorch_model.bin); for random weights pass {cfg_path}"
             )
         where, weights = str(path), str(path)
+    elif path.exists():  # a device, a pipe, a socket
+        raise KVBenchError(
+            f"--hf {source} is {files.what_is(path)}, neither a config.json file nor a model directory"
+        )
     elif HUB_ID.match(source) and not source.startswith("."):
         where, weights = source, f"hub:{source}"
         kwargs["local_files_only"] = not _hub_online()

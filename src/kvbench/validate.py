@@ -69,3 +69,23 @@ def compile_setting(text: str) -> str | None:
         f"{COMPILE_ENV}={text!r}: use 0 (eager step), 1 (torch.compile) or max (CPU: frozen weights, autotuned "
         "C++ GEMMs)"
     )
+
+
+PROBE_ENV = "KVBENCH_PROBE_BYTES"  # the bandwidth probe's size in bytes; read by floor.py
+# 1 MiB (a smaller probe sits in a cache) to 1 TiB (more than any device's memory)
+PROBE_MIN, PROBE_MAX = 1 << 20, 1 << 40
+
+
+def probe_bytes_setting(text: str) -> int | None:
+    """`$KVBENCH_PROBE_BYTES`: unset or empty -> None (the probe sizes itself); else a decimal byte count from 1 MiB
+    to 1 TiB. Anything else is refused."""
+    value = text.strip()
+    if not value:
+        return None
+    n = int(value) if value.isascii() and value.isdigit() and len(value) <= 20 else None
+    if n is None or not PROBE_MIN <= n <= PROBE_MAX:
+        raise KVBenchError(
+            f"{PROBE_ENV}={text[:40]!r}: give the probe's size in bytes, from {PROBE_MIN} (1 MiB) to {PROBE_MAX} "
+            "(1 TiB), or leave it unset"
+        )
+    return n

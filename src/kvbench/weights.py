@@ -12,7 +12,6 @@ checkpoint stores them (model.py says why), and lm_head is tied to wte.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from kvbench import validate
+from kvbench import files, validate
 from kvbench.errors import KVBenchError
 from kvbench.model import GPT, PRESETS, GPTConfig
 
@@ -68,14 +67,7 @@ def resolve_config(model: str) -> GPTConfig:
 
 def config_from_hf(path: Path) -> GPTConfig:
     """GPTConfig from a Hugging Face GPT-2 config.json; anything that is not plain GPT-2 is refused by name."""
-    if not path.is_file():
-        raise KVBenchError(f"GPT-2 config not found: {path}" + (" (a directory)" if path.is_dir() else ""))
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise KVBenchError(f"{path} is not UTF-8 text (a config.json is JSON)") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise KVBenchError(f"{path} is not a readable JSON config: {e}") from None
+    cfg = files.load_json(path, str(path), files.CONFIG_BYTES, "a config.json")
     if not isinstance(cfg, dict) or cfg.get("model_type") != "gpt2":
         got = cfg.get("model_type") if isinstance(cfg, dict) else type(cfg).__name__
         raise KVBenchError(f"{path} is not a GPT-2 config (model_type={got!r}, expected 'gpt2')")
@@ -114,6 +106,9 @@ def config_from_hf(path: Path) -> GPTConfig:
 # --- Hugging Face checkpoints --------------------------------------------------------------------------------------
 def read_hf_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     st, binf = directory / "model.safetensors", directory / "pytorch_model.bin"
+    for f in (st, binf):  # a device or a pipe under either name is refused, not read or skipped
+        if f.exists():
+            files.check_file(f, str(f), "a checkpoint's weights are a regular file")
     try:
         if st.is_file():
             from safetensors.torch import load_file

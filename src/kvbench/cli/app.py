@@ -18,7 +18,7 @@ from typer.core import TyperGroup
 
 from kvbench import __version__, console, hugepages
 from kvbench.errors import KVBenchError
-from kvbench.validate import COMPILE_ENV, compile_setting
+from kvbench.validate import COMPILE_ENV, PROBE_ENV, compile_setting, probe_bytes_setting
 
 # The click that Typer runs on: vendored as typer._click in recent Typer, the click package before.
 click = getattr(typer_core, "_click", None) or __import__("click")
@@ -75,7 +75,7 @@ TokenizerOpt = Annotated[
     typer.Option(
         "--tokenizer",
         help="A .tiktoken ranks file or a directory with vocab.json + merges.txt (default: $KVBENCH_TOKENIZER, "
-        "else tiktoken's gpt2 download).",
+        "else GPT-2's ranks file shipped inside kvbench; nothing is downloaded).",
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout and nothing else.")]
@@ -155,6 +155,7 @@ def _root(
     VERBOSE["on"] = verbose
     try:  # read again where they are used; checked here so a typo stops the run before it starts
         compile_setting(os.environ.get(COMPILE_ENV, ""))
+        probe_bytes_setting(os.environ.get(PROBE_ENV, ""))
         hugepages.check()
     except KVBenchError as e:
         console.error(str(e))

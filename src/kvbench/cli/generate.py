@@ -27,19 +27,22 @@ from kvbench.errors import KVBenchError
 def read_prompts(prompt: str | None, prompts: list[str] | None, prompts_file: Path | None) -> list[str]:
     texts = ([prompt] if prompt is not None else []) + list(prompts or [])
     if prompts_file is not None:
-        try:
-            lines = prompts_file.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError as e:
-            raise KVBenchError(f"--prompts-file {prompts_file} is not UTF-8 text (byte {e.start})") from None
-        except OSError as e:
-            raise KVBenchError(f"cannot read --prompts-file {prompts_file}: {e.strerror}") from None
-        texts += [line for line in lines if line.strip()]
+        texts += [line for line in prompt_lines(prompts_file) if line.strip()]
     if not texts:
         raise KVBenchError("no prompt given: pass PROMPT, --prompt (repeatable) or --prompts-file")
     for i, t in enumerate(texts):
         if not t.strip():
             raise KVBenchError(f"prompt {i + 1} is empty")
     return texts
+
+
+def prompt_lines(path: Path) -> list[str]:
+    """The lines of a --prompts-file, split at line feeds only (a CR before one is dropped too): a form feed, U+0085
+    or U+2028 inside a prompt stays in it. A leading byte-order mark is not part of the first prompt."""
+    from kvbench import files
+
+    text = files.read_text(path, f"--prompts-file {path}", files.PROMPTS_BYTES, "a prompts file")
+    return [line.removesuffix("\r") for line in text.removeprefix("\ufeff").split("\n")]
 
 
 @app.command()

@@ -27,6 +27,8 @@ CHECK_FORMATS = (
     "bf16",
 )  # what transformers' StaticCache stores (its element count x these bytes)
 _KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
+# Layers x contexts one --check may run: 16 contexts of the largest public models (~130 layers), about 20 s.
+MAX_LAYER_STEPS = 2048
 
 
 @dataclass
@@ -72,6 +74,23 @@ class CacheCheck:
         return (
             f"planner ~{fmt_int(self.planner_params)}, transformers' model {fmt_int(self.transformers_params)} "
             f"(numel on the meta device): {diff:+.2%}"
+        )
+
+
+def check_work(spec: ModelSpec, layers: int, contexts: int) -> None:
+    """Refuse a check that would run for minutes: each context is one decode step through every layer of the meta
+    model, and a layer on the meta device costs about 10 ms (torch's shape functions run in Python)."""
+    steps = layers * contexts
+    if steps > MAX_LAYER_STEPS:
+        fix = (
+            "give fewer --ctx values or drop --check"
+            if contexts > 1
+            else "drop --check (the plan needs none)"
+        )
+        raise KVBenchError(
+            f"--check runs transformers' {spec.name} on the meta device, every layer once per context (about 10 ms "
+            f"a layer): {fmt_int(layers)} layers x {contexts} context{'s' if contexts > 1 else ''} is more than "
+            f"the {fmt_int(MAX_LAYER_STEPS)} layer-steps it runs; {fix}"
         )
 
 
@@ -195,12 +214,12 @@ def _numel(shape: tuple | None) -> int:
 
 def _transformers_side(layers: list[tuple[str, tuple | None, tuple | None]], elem: int) -> dict[str, tuple]:
     """kind -> (layer indices, bytes, K shape, V shape of its first layer) as transformers allocated them."""
-    out: dict[str, tuple] = {}
+    out: dict[str, list] = {}
     for i, (layer_type, k, v) in enumerate(layers):
-        kind = _KINDS.get(layer_type, layer_type)
-        idx, total, k0, v0 = out.get(kind, ([], 0, k, v))
-        out[kind] = ([*idx, i], total + (_numel(k) + _numel(v)) * elem, k0, v0)
-    return out
+        entry = out.setdefault(_KINDS.get(layer_type, layer_type), [[], 0, k, v])
+        entry[0].append(i)
+        entry[1] += (_numel(k) + _numel(v)) * elem
+    return {kind: tuple(entry) for kind, entry in out.items()}
 
 
 def _explain(spec: ModelSpec, ctx: int, p: tuple, t: tuple) -> str:
@@ -271,6 +290,7 @@ def check_plan(
     if config is None:
         return _unchecked(spec, fmt, contexts, batch, why_not or "no transformers config for this model")
     text = config.get_text_config(decoder=True)
+    check_work(spec, getattr(text, "num_hidden_layers", None) or spec.n_layers, len(contexts))
     try:
         model = _build(text)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, NotImplementedError) as e:

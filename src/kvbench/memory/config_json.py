@@ -10,10 +10,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvbench import files
 from kvbench.errors import KVBenchError
 from kvbench.memory.units import MAX_EXPERTS, MAX_LAYERS, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH, fmt_int
 
-MAX_CONFIG_BYTES = 16 * 2**20  # a config.json is a few KB; a file this large is something else
+MAX_CONFIG_BYTES = files.CONFIG_BYTES  # a config.json is a few KB; a file this large is something else
 
 # field -> (smallest, largest) allowed value. Absent or null fields are fine (transformers fills them in).
 _INT_FIELDS: dict[str, tuple[int, int]] = {
@@ -74,28 +75,8 @@ _STR_FIELDS = ("model_type", "hidden_act", "hidden_activation", "activation_func
 def read_config_json(path: Path) -> dict[str, Any]:
     """The JSON object in `path`, or one line saying why it is not a config.json."""
     where = f"--config {path}"
-    try:
-        if path.is_dir():
-            raise KVBenchError(f"{where} is a directory; give the config.json file inside it")
-        if path.exists() and not path.is_file():  # a device or a pipe (/dev/zero, /dev/stdin) would never end
-            raise KVBenchError(f"{where} is not a regular file; give a config.json file")
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise KVBenchError(f"{where} is {path.stat().st_size:,} bytes; a config.json is a few kilobytes")
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise KVBenchError(f"{where}: file not found") from None
-    except UnicodeDecodeError as e:
-        raise KVBenchError(
-            f"{where} is not UTF-8 text (byte {e.start}); a config.json is UTF-8 JSON"
-        ) from None
-    except OSError as e:
-        raise KVBenchError(f"{where}: cannot read it ({e.strerror})") from None
-    try:
-        cfg = json.loads(text)
-    except ValueError as e:  # JSONDecodeError, or an integer literal of thousands of digits
-        raise KVBenchError(f"{where}: not a JSON file ({' '.join(str(e).split())})") from None
-    except RecursionError:
-        raise KVBenchError(f"{where}: JSON nested too deeply to be a config.json") from None
+    fix = "give the config.json file inside it" if path.is_dir() else "give a config.json file"
+    cfg = files.load_json(path, where, MAX_CONFIG_BYTES, "a config.json", fix=fix)
     if not isinstance(cfg, dict):
         raise KVBenchError(f"{where}: expected a JSON object (a Hugging Face config.json)")
     check_fields(cfg, path)

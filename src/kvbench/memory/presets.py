@@ -1,24 +1,19 @@
 """The shipped presets: model shapes from configs/models.toml, GPUs from configs/gpus.toml, looked up by name.
 
-stdlib only (tomllib), so listing and planning presets never imports torch or transformers.
+stdlib only (tomllib, through kvbench.files), so listing and planning presets never imports torch or transformers.
 """
 
 from __future__ import annotations
 
 import difflib
-import sys
 from pathlib import Path
 from typing import Any
 
+from kvbench import files
 from kvbench.errors import KVBenchError
 from kvbench.memory.spec import WINDOW_KINDS, GPUSpec, ModelSpec
 from kvbench.memory.units import MAX_LAYERS, MAX_TOKENS, MAX_WIDTH, parse_bytes
 from kvbench.resources import config_file
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 MODELS_TOML = config_file("models.toml")
 GPUS_TOML = config_file("gpus.toml")
@@ -43,19 +38,7 @@ _LIMITS = {"layers": MAX_LAYERS, "max_context": MAX_TOKENS, "sliding_window": MA
 
 def read_toml(path: Path, what: str = "preset file") -> dict[str, Any]:
     """A TOML file as a dict, or one line saying why it cannot be read."""
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise KVBenchError(f"{what} {path} not found") from None
-    except IsADirectoryError:
-        raise KVBenchError(f"{what} {path} is a directory, not a TOML file") from None
-    except OSError as e:
-        raise KVBenchError(f"cannot read {what} {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise KVBenchError(f"{what} {path} is not UTF-8 text") from None
-    except tomllib.TOMLDecodeError as e:
-        raise KVBenchError(f"{path} is not valid TOML: {e}") from None
+    return files.load_toml(path, f"{what} {path}", files.CONFIG_BYTES, f"a {what}")
 
 
 def _check_keys(
