@@ -14,8 +14,11 @@ from kvbench.caches.paged import BlockAllocator, PagedCache, paged_memory_report
 from kvbench.caches.static import StaticCache
 from kvbench.caches.static_graph import FixedShapeDecoder, StaticGraphCache, decode_runner
 from kvbench.errors import CacheOverflowError
-from kvbench.generation import generate
+from kvbench.faults import FAULTS
+from kvbench.generation import EXACT, generate
 from kvbench.model import GPT, PRESETS, GPTConfig
+
+MASK_FAULT = FAULTS["mask"].rules  # the loop's rules with SDPA's causal flag left on in decode
 
 MINE = ["static-graph", "paged", "int8"]
 MINE_EXACT = [n for n in MINE if CACHES[n].exact]
@@ -127,12 +130,12 @@ def test_fixed_step_overflow_names_capacity(tiny_model):
             runner(torch.tensor([[6]]), torch.tensor([[5]]), caches)
 
 
-def test_runner_rebuilt_when_a_fault_switch_changes(tiny_model):
-    """A captured graph bakes in the model's switches; the `mask` fault must not replay a stale graph."""
+def test_runner_rebuilt_when_the_mask_rule_changes(tiny_model):
+    """A captured graph bakes in the mask rule it was built with; the `mask` fault must not replay a stale graph."""
     caches = make_caches("static-graph", tiny_model.config, 1, 32, torch.float32, "cpu")
     clean = generate(tiny_model, [PROMPTS[0]], 8, cache="static-graph", caches=caches)
     first = caches[0].runner
-    broken = generate(tiny_model, [PROMPTS[0]], 8, cache="static-graph", caches=caches, fault="mask")
+    broken = generate(tiny_model, [PROMPTS[0]], 8, cache="static-graph", caches=caches, rules=MASK_FAULT)
     assert caches[0].runner is not first
     assert broken.tokens != clean.tokens, "the mask fault must show through the fixed-shape step"
     again = generate(tiny_model, [PROMPTS[0]], 8, cache="static-graph", caches=caches)
@@ -407,17 +410,17 @@ def test_frozen_step_is_exact_and_sees_weights_changed_in_place(monkeypatch):
 
 
 @pytest.mark.slow
-def test_frozen_step_follows_a_module_switch(monkeypatch):
-    """`max` skips Dynamo's guards on the model's modules (the runner's key holds what the step reads of them), so
-    a module attribute flipped between generations must still reach the step: with the `mask` fault's switch on, the
-    compiled step decodes as the eager fixed-shape step does with it on, and differently from the correct run."""
+def test_frozen_step_follows_the_mask_rule(monkeypatch):
+    """`max` skips Dynamo's guards on the model's modules (the runner's key holds what the step reads of them and
+    the mask rule), so a rule changed between generations must still reach the step: with the `mask` fault's rule,
+    the compiled step decodes as the eager fixed-shape step does with it, and differently from the correct run."""
     model = _small_model()
 
-    def run(mode: str, fault: str | None):
+    def run(mode: str, rules):
         monkeypatch.setenv("KVBENCH_COMPILE", mode)
-        return _logits(generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, fault=fault))
+        return _logits(generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, rules=rules))
 
-    good, bad = run("max", None), run("max", "mask")
-    torch.testing.assert_close(bad, run("0", "mask"), rtol=1e-5, atol=1e-5)
+    good, bad = run("max", EXACT), run("max", MASK_FAULT)
+    torch.testing.assert_close(bad, run("0", MASK_FAULT), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(bad, good, atol=1e-2), "the switch must change the logits"
-    torch.testing.assert_close(run("max", None), good, rtol=1e-5, atol=1e-5)  # and back
+    torch.testing.assert_close(run("max", EXACT), good, rtol=1e-5, atol=1e-5)  # and back

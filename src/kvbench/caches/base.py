@@ -74,8 +74,8 @@ class CacheSpec:
     logit_atol: float = 1e-5
     logit_rtol: float = 1e-5
     min_greedy_agreement: float = 1.0
-    # Optional: (model, caches) -> a callable used by `generate` instead of `model` for forward calls; it receives
-    # the same arguments (ids, positions, caches, padding). static-graph uses it for its CUDA-graph decode step.
+    # Optional: (model, caches, mask_rule) -> a callable used by `generate` instead of `model` for forward calls; it
+    # receives (ids, positions, caches, padding, last_only). static-graph uses it for its CUDA-graph decode step.
     decode_runner: Callable | None = None
 
 

@@ -41,7 +41,7 @@ import torch
 from kvbench.caches.base import CacheSpec
 from kvbench.caches.static import StaticCache
 from kvbench.errors import KVBenchError
-from kvbench.model import GPT
+from kvbench.model import EXACT_MASK, GPT, MaskRule
 from kvbench.validate import COMPILE_ENV, compile_setting
 
 # Inductor settings of the `max` mode (CPU): weights as constants, GEMMs autotuned over C++ templates and ATen, the
@@ -95,14 +95,14 @@ class _SlotWriter:
 class _DeviceMask:
     """The `AttentionMask` interface over a mask tensor computed on the device: nothing per-step in Python."""
 
-    def __init__(self, allowed: torch.Tensor) -> None:
-        self.allowed = allowed  # (B, 1, 1, L) bool
+    def __init__(self, allowed: torch.Tensor, rule: MaskRule) -> None:
+        self.allowed, self.rule = allowed, rule  # (B, 1, 1, L) bool
 
-    def for_keys(self, S: int) -> tuple[torch.Tensor, bool]:
+    def for_keys(self, S: int) -> tuple[torch.Tensor | None, bool]:
         assert S == self.allowed.size(-1), (
             f"fixed-shape step got {S} key slots, buffer has {self.allowed.size(-1)}"
         )
-        return self.allowed, False
+        return self.rule.adjust(1, S, self.allowed, False)
 
 
 def fixed_decode_step(
@@ -113,14 +113,16 @@ def fixed_decode_step(
     column: torch.Tensor,
     padding: torch.Tensor,
     cols: torch.Tensor,
+    mask_rule: MaskRule,
 ) -> torch.Tensor:
     """One decode step over fixed-size buffers; every input is a device tensor. Returns logits (B, 1, V).
 
-    tokens, positions: (B, 1); column: (1,) slot to write; padding: (B, L) bool; cols: arange(L).
-    A module-level function (not a method) so `torch.compile` guards on tensor shapes, not on a runner's identity.
+    tokens, positions: (B, 1); column: (1,) slot to write; padding: (B, L) bool; cols: arange(L); mask_rule: what
+    attention hands SDPA (model.MaskRule). A module-level function (not a method) so `torch.compile` guards on
+    tensor shapes, not on a runner's identity.
     """
     allowed = (cols[None, :] <= column) & padding  # (B, L): filled columns that hold real tokens
-    mask = _DeviceMask(allowed[:, None, None, :])  # (B, 1, 1, L)
+    mask = _DeviceMask(allowed[:, None, None, :], mask_rule)  # (B, 1, 1, L)
     tr = model.transformer
     x = tr.wte(tokens) + tr.wpe(positions)  # (B, 1, C)
     for block, slot in zip(tr.h, slots, strict=True):
@@ -161,7 +163,7 @@ def _compiled(mode: str, model: GPT, key: tuple) -> object:
             f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__
         )
         # Dynamo's guards on the model's modules cost ~0.5 ms a call; this step is already keyed on everything of
-        # the model it reads (identity, switches, parameter storage and versions), so only tensor guards stay.
+        # the model it reads (identity, parameter storage and versions), so only tensor guards stay.
         guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         compiled = torch.compile(fresh, dynamic=False, options=guards)
 
@@ -176,18 +178,17 @@ def _compiled(mode: str, model: GPT, key: tuple) -> object:
     return _compiled_step
 
 
-def _model_key(model: GPT, frozen: bool = False) -> tuple:
-    """What a captured graph depends on besides its buffers: the model's switches read at capture time (see
-    faults), and the storage of every parameter. A graph replays reads of the exact addresses it recorded, so after
+def _model_key(model: GPT, mask_rule: MaskRule, frozen: bool = False) -> tuple:
+    """What a captured graph depends on besides its buffers: the mask rule it was built with, and the storage of
+    every parameter. A graph replays reads of the exact addresses it recorded, so after
     `model.to(...)` (new tensors; the old ones freed) it must be rebuilt, never replayed. Weights changed in place
     (`copy_`, `load_state_dict`) keep their storage, and the graph reads the new values; a step that froze the
     weights (`frozen`) holds copies, so there every parameter's version counter is part of the key too."""
-    switches = tuple(b.attn.causal_in_decode for b in model.transformer.h)
     storage = tuple(
         (p.data_ptr(), p.dtype, p.device, tuple(p.shape), p._version if frozen else 0)
         for p in (*model.parameters(), *model.buffers())
     )
-    return switches, storage
+    return id(mask_rule), storage
 
 
 class FixedShapeDecoder:
@@ -204,6 +205,7 @@ class FixedShapeDecoder:
         caches: list[StaticGraphCache],
         graph: bool | None = None,
         compile: bool | str | None = None,
+        mask_rule: MaskRule = EXACT_MASK,
     ) -> None:
         assert caches and all(isinstance(c, StaticGraphCache) for c in caches), (
             "needs StaticGraphCache per layer"
@@ -211,6 +213,7 @@ class FixedShapeDecoder:
         B, H, L, Dh = caches[0].k.shape
         device = caches[0].k.device
         self.model = model
+        self.mask_rule = mask_rule
         self.capacity = L
         self.use_graph = device.type == "cuda" if graph is None else graph
         assert not self.use_graph or device.type == "cuda", (
@@ -223,7 +226,7 @@ class FixedShapeDecoder:
         assert mode in (None, "default", "max"), f"unknown compile mode {mode!r}"
         self.compile_mode = mode  # None (eager), "default", "max"
         self.compile = mode is not None
-        self.key = _model_key(model, frozen=mode == "max")
+        self.key = _model_key(model, mask_rule, frozen=mode == "max")
         self._step = _compiled(mode, model, self.key) if mode else fixed_decode_step
         # The device buffers the step (and the graph) reads. Their addresses never change.
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)  # (B, 1)
@@ -240,11 +243,12 @@ class FixedShapeDecoder:
         )
         self.fixed_steps = 0  # decode steps run through the fixed-shape step (replays or eager)
 
-    def matches(self, model: GPT, caches: list) -> bool:
-        """Built for this model, with its current switches and parameter storage, and for these cache buffers."""
+    def matches(self, model: GPT, caches: list, mask_rule: MaskRule = EXACT_MASK) -> bool:
+        """Built for this model with its current parameter storage, this mask rule, and these cache buffers."""
         return (
             model is self.model
-            and self.key == _model_key(model, frozen=self.compile_mode == "max")
+            and mask_rule is self.mask_rule
+            and self.key == _model_key(model, mask_rule, frozen=self.compile_mode == "max")
             and self._holds(caches)
         )
 
@@ -254,9 +258,8 @@ class FixedShapeDecoder:
         )
 
     def _run(self) -> torch.Tensor:
-        return self._step(
-            self.model, self.slots, self.tokens, self.positions, self.column, self.padding, self.cols
-        )
+        args = (self.tokens, self.positions, self.column, self.padding, self.cols, self.mask_rule)
+        return self._step(self.model, self.slots, *args)
 
     def _capture(self) -> None:
         """The torch.cuda.CUDAGraph recipe: warm up on a side stream, then record one step into a graph.
@@ -292,11 +295,10 @@ class FixedShapeDecoder:
         if (
             ids.size(1) != 1
         ):  # prefill: the ordinary eager forward; once per generation, so check everything here
-            assert self.matches(self.model, caches), (
-                "static-graph runner is stale (model parameters moved, switches changed, or other caches); "
-                "get one from decode_runner"
+            assert self.matches(self.model, caches, self.mask_rule), (
+                "static-graph runner is stale (model parameters moved, or other caches); get one from decode_runner"
             )
-            return self.model(ids, positions, caches, padding, last_only)
+            return self.model(ids, positions, caches, padding, last_only, mask_rule=self.mask_rule)
         assert self._holds(caches), "runner called with caches it was not built for"
         n, _ = caches[0].check_capacity(
             1, "static-graph"
@@ -324,12 +326,12 @@ class FixedShapeDecoder:
         return logits
 
 
-def decode_runner(model: GPT, caches: list) -> FixedShapeDecoder:
-    """The runner for these caches: reused while model, its parameter storage and the buffers match (one capture
-    per cache set); rebuilt (and re-captured) otherwise."""
+def decode_runner(model: GPT, caches: list, mask_rule: MaskRule = EXACT_MASK) -> FixedShapeDecoder:
+    """The runner for these caches: reused while model, its parameter storage, the mask rule and the buffers match
+    (one capture per cache set); rebuilt (and re-captured) otherwise."""
     runner = caches[0].runner
-    if runner is None or not runner.matches(model, caches):
-        runner = FixedShapeDecoder(model, caches)
+    if runner is None or not runner.matches(model, caches, mask_rule):
+        runner = FixedShapeDecoder(model, caches, mask_rule=mask_rule)
         caches[0].runner = runner
     return runner
 
