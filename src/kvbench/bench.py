@@ -245,7 +245,7 @@ def run_sweep(
     if bandwidth is None:
         bandwidth = floor.measure_bandwidth(device)
     if engines is None:
-        engines = build_engines(model, s.engine)
+        engines = build_engines(model, s.engine, s.compile)
     configs = plan(s, engines)
     progress = _Progress(len(configs) * (s.warmup + s.repeats), on_progress)
     bpt = model.config.kv_bytes_per_token(model.lm_head.weight.element_size()) * s.batch

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kvbench import floor
+from kvbench import fixed_step, floor
 from kvbench.caches import get_cache_spec, make_caches
 from kvbench.devices import synchronize
 from kvbench.errors import KVBenchError
@@ -102,12 +102,14 @@ def fill_random(caches: list, model: GPT, batch: int, context: int, generator: t
 
 
 @torch.inference_mode()
-def time_decode(model: GPT, cache: str, caches: list, context: int, steps: int, batch: int) -> list[float]:
+def time_decode(
+    model: GPT, cache: str, caches: list, context: int, steps: int, batch: int, compile: str = "off"
+) -> list[float]:
     """`steps` greedy decode steps after a filled cache of `context` tokens; seconds per step (forward + argmax),
     the device synchronised before and after each."""
     spec = get_cache_spec(cache)
     device = model.lm_head.weight.device
-    forward = model if spec.decode_runner is None else spec.decode_runner(model, caches)
+    forward = fixed_step.runner_for(model, caches, compile=compile) if spec.fixed_step else model
     ids = torch.zeros(batch, 1, dtype=torch.long, device=device)  # (B, 1)
     out = []
     for i in range(steps):
@@ -149,6 +151,7 @@ def run_context_sweep(
     seed: int = 0,
     on_result: Callable[[ContextResult], None] | None = None,
     on_progress: Callable[[int, int, str], None] | None = None,
+    compile: str = "off",
 ) -> list[ContextResult]:
     """Every (context, cache), contexts outermost so that an interrupted sweep has every cache at the contexts it
     finished. A configuration that runs out of memory, or whose cache raises, becomes a row saying so."""
@@ -179,7 +182,7 @@ def run_context_sweep(
                     for c in layers:
                         c.reset()
                     fill_random(layers, model, batch, L, g)
-                    runs.append(time_decode(model, cache, layers, L, new_tokens, batch))
+                    runs.append(time_decode(model, cache, layers, L, new_tokens, batch, compile))
                     done += 1
                     if on_progress:
                         on_progress(done, total, label)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench import validate
+from kvbench import fixed_step, validate
 from kvbench.caches import cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
 from kvbench.devices import synchronize
 from kvbench.errors import KVBenchError
@@ -172,12 +172,14 @@ def generate(
     on_token: Callable[[list[int]], None] | None = None,
     caches: list | None = None,
     rules: DecodeRules = EXACT,
+    compile: str = "off",
 ) -> GenerationResult:
     """Generate `max_new_tokens` for each prompt through the cache named `cache` ('none': recompute everything).
 
     Pass `caches` to reuse existing cache objects (they are reset first); otherwise fresh ones are allocated for
     prompt + new tokens (they are prepared by `rules.reuse`, i.e. reset). `on_token(ids)` is called with the B new
     ids after each token, for streaming. `rules`: the loop's rules (module docstring); the exact ones by default.
+    `compile`: how a fixed-shape decode step runs (fixed_step.COMPILE_MODES; designs with `CacheSpec.fixed_step`).
     """
     sampler = sampler or Sampler()
     device = model.lm_head.weight.device
@@ -191,11 +193,11 @@ def generate(
         caches = make_caches(cache, model.config, B, T + max_new_tokens, model.lm_head.weight.dtype, device)
     else:
         rules.reuse(caches)
-    # A cache may bring its own runner for forward calls (static-graph: a fixed-shape, CUDA-graph decode step).
-    if caches is None or spec.decode_runner is None:
-        forward = functools.partial(model, mask_rule=rules.mask)
+    # A design may run its decode step as one fixed-shape function (static-graph: compiled, CUDA-graph captured).
+    if caches is not None and spec.fixed_step:
+        forward = fixed_step.runner_for(model, caches, rules.mask, compile)
     else:
-        forward = spec.decode_runner(model, caches, rules.mask)
+        forward = functools.partial(model, mask_rule=rules.mask)
     generator = None
     if sampler.temperature > 0:
         generator = torch.Generator(device=device).manual_seed(sampler.seed)

@@ -122,13 +122,16 @@ def run(
     cache: str,
     fault: Injection | None = None,
     caches: list | None = None,
+    compile: str = "off",
 ) -> GenerationResult:
     """Greedy generation with logits recorded, through `generate` (the code `kvbench generate` runs); with `fault`,
     the same loop with the fault's rules and caches passed in."""
     if caches is None:
         caches = fresh_caches(model, cache, len(prompts), max(map(len, prompts)) + new, fault)
     kw = {} if fault is None else {"rules": fault.rules}
-    return generate(model, prompts, new, cache=cache, record_logits=True, caches=caches, **kw)
+    return generate(
+        model, prompts, new, cache=cache, record_logits=True, caches=caches, compile=compile, **kw
+    )
 
 
 @torch.inference_mode()
@@ -318,12 +321,13 @@ def check_cache_state(
     fresh: GenerationResult,
     new: int,
     fault: Injection | None,
+    compile: str = "off",
 ) -> CheckRow:
     """Generate for `prev`, then for `prompt` on the same cache objects (generate resets them) vs a fresh cache."""
     caches = fresh_caches(model, cache, 1, max(len(prev), len(prompt)) + new, fault)
     try:
-        run(model, [prev], new, cache, fault, caches)
-        reused = run(model, [prompt], new, cache, fault, caches)
+        run(model, [prev], new, cache, fault, caches, compile)
+        reused = run(model, [prompt], new, cache, fault, caches, compile)
     except KVBenchError as e:  # e.g. a static cache that overflows because it was never reset
         return CheckRow("cache_state", cache, False, None, None, "identical tokens", f"reuse raised: {e}")
     row = _compare_tokens(
@@ -382,9 +386,11 @@ def run_verify(
     checks: tuple[str, ...] = CHECKS,
     short_tokens: int = SHORT_TOKENS,
     on_row: Callable[[CheckRow], None] | None = None,
+    compile: str = "off",
 ) -> VerifyReport:
     """Run `checks` for every cache in `caches` on `prompts` (prompts[0] is the single-prompt checks' prompt; all
-    of them form the batch). `fault` injects a bug (faults.Fault) into every cached run."""
+    of them form the batch). `fault` injects a bug (faults.Fault) into every cached run. `compile`: how a fixed-shape
+    decode step runs (fixed_step.COMPILE_MODES)."""
     if new_tokens < 2:
         raise KVBenchError(
             f"--new-tokens must be >= 2 (the logits check needs a decode step), got {new_tokens}"
@@ -431,7 +437,7 @@ def run_verify(
                 )
                 ours, theirs = full(tokens)
                 return [check_reference(cache, dtype, prompt, None, ours, theirs, source)]
-            res = run(model, [prompt], new_tokens, cache, fault)
+            res = run(model, [prompt], new_tokens, cache, fault, compile=compile)
             ours, theirs = full(res.tokens[0])
             out = []
             if "logits" in checks:
@@ -443,12 +449,15 @@ def run_verify(
             return out
 
         def multi_rows(cache=cache, multi=multi) -> list[CheckRow]:
-            solo = [run(model, [p], short, cache, fault) for p in prompts]
+            solo = [run(model, [p], short, cache, fault, compile=compile) for p in prompts]
             out = []
             if "batched" in checks:
-                out.append(check_batched(model, cache, run(model, prompts, short, cache, fault), solo, lens))
+                batch = run(model, prompts, short, cache, fault, compile=compile)
+                out.append(check_batched(model, cache, batch, solo, lens))
             if "cache_state" in multi:
-                out.append(check_cache_state(model, cache, prompts[0], prompts[1], solo[1], short, fault))
+                out.append(
+                    check_cache_state(model, cache, prompts[0], prompts[1], solo[1], short, fault, compile)
+                )
             return out
 
         for names, fn in ((single, single_rows), (multi, multi_rows)):

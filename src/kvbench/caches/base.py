@@ -74,9 +74,9 @@ class CacheSpec:
     logit_atol: float = 1e-5
     logit_rtol: float = 1e-5
     min_greedy_agreement: float = 1.0
-    # Optional: (model, caches, mask_rule) -> a callable used by `generate` instead of `model` for forward calls; it
-    # receives (ids, positions, caches, padding, last_only). static-graph uses it for its CUDA-graph decode step.
-    decode_runner: Callable | None = None
+    # Its decode step runs as one fixed-shape function over StaticGraphCache buffers (fixed_step.py), which can be
+    # compiled (--compile) and, on CUDA, captured as a CUDA graph; the layer caches must be StaticGraphCache.
+    fixed_step: bool = False
 
 
 def cache_nbytes(caches: list[LayerCache] | None) -> int:
