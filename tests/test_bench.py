@@ -840,7 +840,9 @@ def test_token_check_that_cannot_explain_a_flip_says_so():
 def test_bench_compile_max_runs_on_the_cpu_and_is_recorded(tmp_path):
     """`--compile max` (frozen weights, autotuned C++ GEMMs) through the whole bench: rows as exact as eager ones
     (token agreement with kvbench's none), and the choice in meta.json's settings."""
-    cfg = hf_config_json(tmp_path / "config.json", n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=512)
+    cfg = hf_config_json(
+        tmp_path / "config.json", n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=512
+    )
     out = tmp_path / "run"
     result, text = invoke(
         "--model", str(cfg), "--weights", "random", "--device", "cpu", "--prompt-len", "8", "--new-tokens", "6",
