@@ -201,7 +201,7 @@ def test_floor_columns_are_present_and_consistent(tmp_path):
     steps = meta["floor"]["steps"]
     for p in (16, 8):
         row = s[(s.engine == "kvbench") & (s.prompt_len == p)].set_index("cache")
-        ms, b = floor.decode_floor_ms(cfg, torch.float32, 1, p, new, "static", floor.Bandwidth(**{
+        ms, b = floor.decode_floor_ms(cfg, torch.float32, 1, p, new, CACHES["static"].traffic, floor.Bandwidth(**{
             k: bw[k] for k in ("read_gbps", "copy_gbps", "nbytes", "device")}))  # fmt: skip
         assert row.loc["static", "step_bytes"] == b.total and row.loc["static", "floor_ms"] == pytest.approx(
             ms

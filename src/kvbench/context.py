@@ -27,6 +27,7 @@ import torch
 from kvbench import fixed_step, floor
 from kvbench.caches import get_cache_spec, make_caches
 from kvbench.devices import synchronize
+from kvbench.engines import KVBenchEngine
 from kvbench.errors import KVBenchError
 from kvbench.model import GPT
 
@@ -133,8 +134,8 @@ def _pct(xs: list[float], q: float) -> float:
 def median_step_bytes(model: GPT, cache: str, context: int, new_tokens: int, batch: int) -> floor.StepBytes:
     """The bytes of the median timed step: steps attend over context+1 .. context+new_tokens slots."""
     cfg, dtype = model.config, model.lm_head.weight.dtype
-    design = get_cache_spec(cache).name
-    return floor.step_bytes(cfg, dtype, batch, context + (new_tokens + 1) // 2, context + new_tokens, design)
+    traffic = KVBenchEngine.traffic(cache)
+    return floor.step_bytes(cfg, dtype, batch, context + (new_tokens + 1) // 2, context + new_tokens, traffic)
 
 
 def run_context_sweep(

@@ -25,6 +25,7 @@ import torch
 
 from kvbench.agreement import reference_logits
 from kvbench.caches import get_cache_spec, make_caches
+from kvbench.caches.base import UNKNOWN_TRAFFIC, Traffic
 from kvbench.devices import synchronize
 from kvbench.generation import generate
 from kvbench.verify import REFERENCE_TOLERANCES, TOLERANCES
@@ -135,6 +136,12 @@ class KVBenchEngine(_OnOurGPT):
     def weight_bytes(self) -> int:
         return weight_bytes(self.model)
 
+    @staticmethod
+    def traffic(cache: str) -> Traffic | None:
+        """What a decode step of `cache` moves (the floor); None for the no-cache path (no floor)."""
+        spec = get_cache_spec(cache)
+        return None if spec.factory is None else spec.traffic or UNKNOWN_TRAFFIC
+
     def configure(self, cache: str, batch: int, max_len: int) -> _KVBenchConfiguration:
         return _KVBenchConfiguration(self.model, cache, batch, max_len, self.compile)
 
@@ -187,6 +194,13 @@ class HFEngine(_OnOurGPT):
 
     def weight_bytes(self) -> int:
         return weight_bytes(self.hf)
+
+    @staticmethod
+    def traffic(cache: str) -> Traffic | None:
+        """What a decode step of transformers' `cache` moves; None for its no-cache path (no floor)."""
+        from kvbench.hf_engine import HF_TRAFFIC
+
+        return HF_TRAFFIC.get(cache)
 
     def configure(self, cache: str, batch: int, max_len: int) -> _HFConfiguration:
         return _HFConfiguration(self.hf, cache, self.compile)

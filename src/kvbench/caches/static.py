@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.caches.base import CacheSpec, LayerCache
+from kvbench.caches.base import CacheSpec, LayerCache, Traffic
 
 
 class StaticCache(LayerCache):
@@ -37,4 +37,7 @@ SPEC = CacheSpec(
     "static",
     "preallocated (B, H, max_len, Dh) buffers + write pointer: no copies",
     lambda c, b, n, dt, dev: StaticCache(b, c.n_head, n, c.head_dim, dt, dev),
+    traffic=Traffic("reads the filled prefix in place (views of its buffer)"),
+    memory_note="preallocates (B, H, max_len, Dh) K and V per layer up front: reserved whether or not the tokens "
+    "arrive",
 )

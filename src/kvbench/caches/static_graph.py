@@ -8,7 +8,7 @@ exact too.
 
 from __future__ import annotations
 
-from kvbench.caches.base import CacheSpec
+from kvbench.caches.base import CacheSpec, Traffic
 from kvbench.caches.static import StaticCache
 
 
@@ -39,5 +39,7 @@ SPEC = CacheSpec(
     "static-graph",
     "static buffers + fixed-shape decode step over the whole buffer, one CUDA graph replay per token",
     make_static_graph_cache,
+    traffic=Traffic("attends over its whole buffer (capacity slots, masked)", whole_buffer=True),
+    memory_note="the static cache's buffers; the CUDA graph's private memory pool is not part of nbytes",
     fixed_step=True,
 )
