@@ -16,9 +16,9 @@
 #                                                                                               -> seed/
 #   verify     kvbench verify --device cuda --dtype fp16 over dynamic, static, static-graph, paged (fp16 flips at
 #              near-ties are reported, not failed)                                             -> verify.json
-#   compiled   KVBENCH_COMPILE=1, gpt2 fp16, prompt 128, 400 new tokens: kvbench none, static, static-graph (the
+#   compiled   --compile default, gpt2 fp16, prompt 128, 400 new tokens: kvbench none, static, static-graph (the
 #              compiled step) against transformers' static cache with its default compile   -> compiled/
-#   xl         KVBENCH_COMPILE=1, gpt2-xl fp16 (random weights drawn on the GPU), prompt 128, 400 new tokens:
+#   xl         --compile default, gpt2-xl fp16 (random weights drawn on the GPU), prompt 128, 400 new tokens:
 #              kvbench none, static, static-graph                                             -> xl/
 #   targets    the targets checked against those rows                                          -> targets.txt
 #
@@ -67,7 +67,7 @@ else
   SEED_SIZES=(--prompt-len 512,128,16 --new-tokens 400 --repeats 2 --warmup 1)
   ONE_SIZE=(--prompt-len 128 --new-tokens 400 --repeats 3 --warmup 1)
   VERIFY=(verify --device cuda --dtype fp16)
-  COMPILE=(env KVBENCH_COMPILE=1)
+  COMPILE=(--compile default)
   KEEP_SEED=175 KEEP_VERIFY=140 KEEP_COMPILED=75
 fi
 
@@ -163,10 +163,10 @@ cp "$DEST/logs/verify.out" "$DEST/verify.json" 2>/dev/null
 
 # Rows in order of importance (a stage cut short keeps the rows before the cut): kvbench's none first (the token
 # reference, always), then the rows the targets compare.
-stage compiled "$KEEP_COMPILED" ${COMPILE[@]+"${COMPILE[@]}"} "$PY" -m kvbench bench "${GPT2[@]}" "${DEV[@]}" \
+stage compiled "$KEEP_COMPILED" "$PY" -m kvbench bench "${GPT2[@]}" "${DEV[@]}" ${COMPILE[@]+"${COMPILE[@]}"} \
   "${ONE_SIZE[@]}" --caches none,static-graph,static --engine hf-compiled,kvbench --out "$DEST/compiled" --force
 
-stage xl 0 ${COMPILE[@]+"${COMPILE[@]}"} "$PY" -m kvbench bench "${XL[@]}" "${DEV[@]}" "${ONE_SIZE[@]}" \
+stage xl 0 "$PY" -m kvbench bench "${XL[@]}" "${DEV[@]}" ${COMPILE[@]+"${COMPILE[@]}"} "${ONE_SIZE[@]}" \
   --repeats 2 --caches none,static-graph,static --engine kvbench --out "$DEST/xl" --force
 
 # --- targets: read back from the rows (plain csv, no torch import) ---------------------------------------------------

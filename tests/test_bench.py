@@ -201,7 +201,7 @@ def test_floor_columns_are_present_and_consistent(tmp_path):
     steps = meta["floor"]["steps"]
     for p in (16, 8):
         row = s[(s.engine == "kvbench") & (s.prompt_len == p)].set_index("cache")
-        ms, b = floor.decode_floor_ms(cfg, torch.float32, 1, p, new, "static", floor.Bandwidth(**{
+        ms, b = floor.decode_floor_ms(cfg, torch.float32, 1, p, new, CACHES["static"].traffic, floor.Bandwidth(**{
             k: bw[k] for k in ("read_gbps", "copy_gbps", "nbytes", "device")}))  # fmt: skip
         assert row.loc["static", "step_bytes"] == b.total and row.loc["static", "floor_ms"] == pytest.approx(
             ms
@@ -380,13 +380,14 @@ class _FakeGraph:
 
 
 def test_static_graph_captures_once_per_configuration_and_reuses_its_caches(tiny_model, monkeypatch):
-    from kvbench.caches import static_graph
+    from kvbench import fixed_step as static_graph
+    from kvbench.model import EXACT_MASK
 
     built = []
     real_init = static_graph.FixedShapeDecoder.__init__
 
-    def init(self, model, caches, graph=None, compile=None):
-        real_init(self, model, caches, graph=False, compile=compile)
+    def init(self, model, caches, graph=None, compile="off", mask_rule=EXACT_MASK):
+        real_init(self, model, caches, graph=False, compile=compile, mask_rule=mask_rule)
         self.use_graph = graph is None  # the sweep's runners "capture"; the SDPA probe's eager one does not
         if self.use_graph:
             built.append(self)
@@ -832,3 +833,32 @@ def test_token_check_that_cannot_explain_a_flip_says_so():
     r = check_tokens([[1, 2]], [[[1, 3]]], lambda d: None, rerun, rtol=1e-5, atol=1e-5)
     assert (r.agreement, r.first_divergence, r.flips, r.near_tie_flips) == (0.5, 1, 1, 0)
     assert r.note == "flips not explained: RuntimeError: CUDA out of memory while recording logits"
+
+
+# --- --compile: an option, recorded with the run ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_bench_compile_max_runs_on_the_cpu_and_is_recorded(tmp_path):
+    """`--compile max` (frozen weights, autotuned C++ GEMMs) through the whole bench: rows as exact as eager ones
+    (token agreement with kvbench's none), and the choice in meta.json's settings."""
+    cfg = hf_config_json(
+        tmp_path / "config.json", n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=512
+    )
+    out = tmp_path / "run"
+    result, text = invoke(
+        "--model", str(cfg), "--weights", "random", "--device", "cpu", "--prompt-len", "8", "--new-tokens", "6",
+        "--repeats", "1", "--warmup", "1", "--caches", "none,static-graph", "--engine", "kvbench",
+        "--compile", "max", "--out", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, text
+    s = pd.read_csv(out / "summary.csv")
+    assert (s.status == "ok").all() and (s.token_agreement == 1.0).all(), s
+    assert json.loads((out / "meta.json").read_text())["settings"]["compile"] == "max"
+
+
+@pytest.mark.parametrize("value", ["1", "fast", "MAX", ""])
+def test_bench_compile_bad_values_are_one_line(value, tmp_path):
+    result, _ = invoke("--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--prompt-len", "8",
+                       "--new-tokens", "4", "--compile", value, "--out", str(tmp_path / "r"))  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert f"--compile {value!r}: use off" in result.stderr and result.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "r").exists()

@@ -72,8 +72,9 @@ def test_expected_checks_catch_each_fault(results):
 
 def test_position_bug_is_dormant_without_cache(model, prompts):
     ok = generate(model, [prompts[2]], N, cache="none").tokens
-    assert generate(model, [prompts[2]], N, cache="none", fault="position").tokens == ok
-    assert generate(model, [prompts[2]], N, cache="dynamic", fault="position").tokens != ok
+    bug = FAULTS["position"].rules
+    assert generate(model, [prompts[2]], N, cache="none", rules=bug).tokens == ok
+    assert generate(model, [prompts[2]], N, cache="dynamic", rules=bug).tokens != ok
 
 
 def test_mask_signature_attends_to_key_zero_only(model, prompts):
@@ -85,9 +86,11 @@ def test_mask_signature_attends_to_key_zero_only(model, prompts):
     assert s["mass_on_key0_right"] < 0.9
 
 
-def test_mask_switch_is_off_after_a_faulty_run(model, prompts):
-    generate(model, [prompts[0]], 3, cache="dynamic", fault="mask")
-    assert not any(getattr(m, "causal_in_decode", False) for m in model.modules())
+def test_a_faulty_run_leaves_nothing_behind(model, prompts):
+    """The faults are passed into the loop, never set on the model: a correct run after a faulty one is correct."""
+    ok = generate(model, [prompts[0]], 6, cache="dynamic").tokens
+    assert generate(model, [prompts[0]], 6, cache="dynamic", rules=FAULTS["mask"].rules).tokens != ok
+    assert generate(model, [prompts[0]], 6, cache="dynamic").tokens == ok
 
 
 def test_padding_needs_a_real_batch(model, prompts):

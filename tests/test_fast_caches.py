@@ -12,10 +12,14 @@ from kvbench.caches import CACHES, make_caches
 from kvbench.caches.int8 import Int8Cache, dequantize, memory_ratio, quantize
 from kvbench.caches.paged import BlockAllocator, PagedCache, paged_memory_report
 from kvbench.caches.static import StaticCache
-from kvbench.caches.static_graph import FixedShapeDecoder, StaticGraphCache, decode_runner
+from kvbench.caches.static_graph import StaticGraphCache
 from kvbench.errors import CacheOverflowError
-from kvbench.generation import generate
+from kvbench.faults import FAULTS
+from kvbench.fixed_step import FixedShapeDecoder, check_compile, runner_for
+from kvbench.generation import EXACT, generate
 from kvbench.model import GPT, PRESETS, GPTConfig
+
+MASK_FAULT = FAULTS["mask"].rules  # the loop's rules with SDPA's causal flag left on in decode
 
 MINE = ["static-graph", "paged", "int8"]
 MINE_EXACT = [n for n in MINE if CACHES[n].exact]
@@ -33,7 +37,7 @@ def test_caches_are_registered_with_honest_flags():
     assert CACHES["static-graph"].exact and CACHES["paged"].exact
     spec = CACHES["int8"]
     assert not spec.exact and 0 < spec.logit_atol <= 0.5 and 0 < spec.min_greedy_agreement < 1
-    assert CACHES["static-graph"].decode_runner is not None
+    assert CACHES["static-graph"].fixed_step
 
 
 @pytest.mark.parametrize("name", MINE_EXACT)
@@ -77,13 +81,13 @@ def test_runner_is_rebuilt_when_the_parameters_move(tiny_model):
     runner = caches[0].runner
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight.mul_(1.0)  # in place: same storage
-    assert decode_runner(model, caches) is runner
+    assert runner_for(model, caches) is runner
     model.to(torch.float64)  # new tensors for every parameter
     assert not runner.matches(model, caches)
     ids = torch.tensor([PROMPTS[0]])
     with pytest.raises(AssertionError, match="stale"):
         runner(ids, torch.arange(ids.size(1))[None], caches)  # the next generation's prefill
-    fresh = decode_runner(model, caches)
+    fresh = runner_for(model, caches)
     assert fresh is not runner and caches[0].runner is fresh and fresh.matches(model, caches)
 
 
@@ -122,17 +126,17 @@ def test_fixed_step_overflow_names_capacity(tiny_model):
     caches = make_caches("static-graph", tiny_model.config, 1, 5, torch.float32, "cpu")
     with torch.inference_mode():
         tiny_model(torch.tensor([[1, 2, 3, 4, 5]]), torch.arange(5)[None], caches)
-        runner = decode_runner(tiny_model, caches)
+        runner = runner_for(tiny_model, caches)
         with pytest.raises(CacheOverflowError, match="capacity 5"):
             runner(torch.tensor([[6]]), torch.tensor([[5]]), caches)
 
 
-def test_runner_rebuilt_when_a_fault_switch_changes(tiny_model):
-    """A captured graph bakes in the model's switches; the `mask` fault must not replay a stale graph."""
+def test_runner_rebuilt_when_the_mask_rule_changes(tiny_model):
+    """A captured graph bakes in the mask rule it was built with; the `mask` fault must not replay a stale graph."""
     caches = make_caches("static-graph", tiny_model.config, 1, 32, torch.float32, "cpu")
     clean = generate(tiny_model, [PROMPTS[0]], 8, cache="static-graph", caches=caches)
     first = caches[0].runner
-    broken = generate(tiny_model, [PROMPTS[0]], 8, cache="static-graph", caches=caches, fault="mask")
+    broken = generate(tiny_model, [PROMPTS[0]], 8, cache="static-graph", caches=caches, rules=MASK_FAULT)
     assert caches[0].runner is not first
     assert broken.tokens != clean.tokens, "the mask fault must show through the fixed-shape step"
     again = generate(tiny_model, [PROMPTS[0]], 8, cache="static-graph", caches=caches)
@@ -310,8 +314,10 @@ def test_cuda_graph_fp16_agrees_with_static():
 def test_cuda_graph_of_compiled_step_equals_eager():
     model = _cuda_model(torch.float32)
     caches = make_caches("static-graph", model.config, 3, 11 + 12, torch.float32, "cuda")
-    caches[0].runner = FixedShapeDecoder(model, caches, compile=True)
-    got = generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches)
+    caches[0].runner = FixedShapeDecoder(model, caches, compile="default")
+    got = generate(
+        model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches, compile="default"
+    )
     assert caches[0].runner.compile and caches[0].runner.captures == 1
     ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
     torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-4, atol=1e-4)
@@ -325,36 +331,26 @@ def test_static_graph_cache_is_a_static_cache():
     assert k.shape == (1, 2, 8, 4) and c.length == 4 and c.bytes_copied == 0  # decode: the whole buffer
 
 
-# --- static-graph compiled on the CPU: KVBENCH_COMPILE=1 and =max ---------------------------------------------------
+# --- static-graph compiled on the CPU: --compile default and max ------------------------------------------------------
+@pytest.mark.parametrize("mode", ["off", "default", "max"])
+def test_compile_modes_are_accepted(mode):
+    assert check_compile(mode, "cpu") == mode and check_compile(mode) == mode
+
+
 @pytest.mark.parametrize(
-    "text, mode",
+    "text, device, match",
     [
-        ("", None),
-        ("0", None),
-        ("off", None),
-        ("1", "default"),
-        (" TRUE ", "default"),
-        ("max", "max"),
-        ("MAX", "max"),
+        ("1", "cpu", "use off"),
+        ("fast", "cpu", "use off"),
+        ("MAX", None, "use off"),
+        ("max", "cuda", "default"),
     ],
 )
-def test_compile_mode_reads_the_environment(monkeypatch, text, mode):
-    from kvbench.caches.static_graph import compile_mode
-
-    monkeypatch.setenv("KVBENCH_COMPILE", text)
-    assert compile_mode("cpu") == mode
-
-
-@pytest.mark.parametrize(
-    "text, device, match", [("2", "cpu", "use 0"), ("fast", "cpu", "use 0"), ("max", "cuda", "=1")]
-)
-def test_compile_mode_refuses_unknown_values_and_max_off_the_cpu(monkeypatch, text, device, match):
-    from kvbench.caches.static_graph import compile_mode
+def test_compile_mode_refuses_unknown_values_and_max_off_the_cpu(text, device, match):
     from kvbench.errors import KVBenchError
 
-    monkeypatch.setenv("KVBENCH_COMPILE", text)
     with pytest.raises(KVBenchError, match=match):
-        compile_mode(device)
+        check_compile(text, device)
 
 
 def _small_model() -> GPT:
@@ -366,12 +362,13 @@ def _small_model() -> GPT:
 
 @pytest.mark.slow
 def test_compiled_fixed_step_on_the_cpu_equals_static():
-    """`KVBENCH_COMPILE=1` on the CPU: the step as Inductor's C++ code gives the eager static cache's tokens and
+    """`--compile default` on the CPU: the step as Inductor's C++ code gives the eager static cache's tokens and
     logits to 1e-5, batched with left padding."""
     model = _small_model()
     caches = make_caches("static-graph", model.config, 3, 11 + 12, torch.float32, "cpu")
-    caches[0].runner = FixedShapeDecoder(model, caches, compile=True)
-    got = generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches)
+    got = generate(
+        model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches, compile="default"
+    )
     assert caches[0].runner.compile_mode == "default" and caches[0].runner.fixed_steps == 11
     ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
     assert got.tokens == ref.tokens
@@ -379,20 +376,23 @@ def test_compiled_fixed_step_on_the_cpu_equals_static():
 
 
 @pytest.mark.slow
-def test_frozen_step_is_exact_and_sees_weights_changed_in_place(monkeypatch):
-    """`KVBENCH_COMPILE=max` (weights frozen into the step, GEMMs autotuned over C++ templates) gives the eager static
+def test_frozen_step_is_exact_and_sees_weights_changed_in_place():
+    """`--compile max` (weights frozen into the step, GEMMs autotuned over C++ templates) gives the eager static
     cache's tokens and logits to 1e-5, batched with left padding. After an in-place weight update (same storage) the
     runner no longer matches, and the one built next decodes with the new weights, not the frozen old ones."""
-    monkeypatch.setenv("KVBENCH_COMPILE", "max")
     model = _small_model()
     caches = make_caches("static-graph", model.config, 3, 11 + 12, torch.float32, "cpu")
 
     def decode_and_check():
-        got = generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches)
+        got = generate(
+            model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches, compile="max"
+        )
         ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
         runner = caches[0].runner
         assert runner.compile_mode == "max" and runner.fixed_steps == 11
-        assert decode_runner(model, caches) is runner, "same model, same weights: the runner is reused"
+        assert runner_for(model, caches, compile="max") is runner, (
+            "same model, same weights: the runner is reused"
+        )
         assert got.tokens == ref.tokens
         torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
         return runner, _logits(got)
@@ -400,24 +400,26 @@ def test_frozen_step_is_exact_and_sees_weights_changed_in_place(monkeypatch):
     runner, before = decode_and_check()
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight.mul_(3.0)  # in place: same storage, new values
-    assert not runner.matches(model, caches)
+    assert not runner.matches(model, caches, compile="max")
     fresh, after = decode_and_check()
     assert fresh is not runner
     assert not torch.allclose(after, before, atol=1e-3), "the update must change the logits"
 
 
 @pytest.mark.slow
-def test_frozen_step_follows_a_module_switch(monkeypatch):
-    """`max` skips Dynamo's guards on the model's modules (the runner's key holds what the step reads of them), so
-    a module attribute flipped between generations must still reach the step: with the `mask` fault's switch on, the
-    compiled step decodes as the eager fixed-shape step does with it on, and differently from the correct run."""
+def test_frozen_step_follows_the_mask_rule():
+    """`max` skips Dynamo's guards on the model's modules (the runner's key holds what the step reads of them and
+    the mask rule), so a rule changed between generations must still reach the step: with the `mask` fault's rule,
+    the compiled step decodes as the eager fixed-shape step does with it, and differently from the correct run."""
     model = _small_model()
 
-    def run(mode: str, fault: str | None):
-        monkeypatch.setenv("KVBENCH_COMPILE", mode)
-        return _logits(generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, fault=fault))
+    def run(mode: str, rules):
+        res = generate(
+            model, PROMPTS, 12, cache="static-graph", record_logits=True, rules=rules, compile=mode
+        )
+        return _logits(res)
 
-    good, bad = run("max", None), run("max", "mask")
-    torch.testing.assert_close(bad, run("0", "mask"), rtol=1e-5, atol=1e-5)
+    good, bad = run("max", EXACT), run("max", MASK_FAULT)
+    torch.testing.assert_close(bad, run("off", MASK_FAULT), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(bad, good, atol=1e-2), "the switch must change the logits"
-    torch.testing.assert_close(run("max", None), good, rtol=1e-5, atol=1e-5)  # and back
+    torch.testing.assert_close(run("max", EXACT), good, rtol=1e-5, atol=1e-5)  # and back

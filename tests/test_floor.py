@@ -6,22 +6,27 @@ import math
 import pytest
 import torch
 
-from kvbench.caches import make_caches
+from kvbench.caches import CACHES, make_caches
+from kvbench.caches.base import UNKNOWN_TRAFFIC
+from kvbench.engines import ENGINES
 from kvbench.floor import (
-    DESIGNS,
-    UNKNOWN_DESIGN,
     Bandwidth,
     crossover_context,
     decode_floor_ms,
-    design_for,
     measure_bandwidth,
     probe_bytes,
     step_bytes,
     weight_bytes,
 )
+from kvbench.hf_engine import HF_TRAFFIC
 from kvbench.model import GPT, PRESETS
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def traffic(design: str):
+    """A design's Traffic: our caches' from their specs, transformers' (hf:<name>) from the hf engine's table."""
+    return HF_TRAFFIC[design[3:]] if design.startswith("hf:") else CACHES[design].traffic
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "gpt2"])
@@ -49,7 +54,7 @@ def test_kv_bytes_match_a_real_cache(cache):
     caches = make_caches("static", cfg, 2, L, F32, "cpu")
     held = sum(c.nbytes for c in caches)
     slot = held // L
-    b = step_bytes(cfg, F32, 2, L, L, cache)
+    b = step_bytes(cfg, F32, 2, L, L, traffic(cache))
     assert b.kv == held and b.slots == L
     assert b.kv_write == slot
     blocks = 3 * 16  # 37 tokens in 16-token blocks
@@ -69,7 +74,7 @@ def test_dynamic_traffic_equals_what_the_cache_counts():
     for c in caches:
         c.update(k[:, :, :1], k[:, :, :1], None)  # the step that brings the cache to L = 21
     copied = sum(c.bytes_copied for c in caches) - before
-    assert step_bytes(cfg, F32, 1, 21, 64, "dynamic").design == 2 * copied  # read, then written
+    assert step_bytes(cfg, F32, 1, 21, 64, traffic("dynamic")).design == 2 * copied  # read, then written
 
 
 def test_int8_reads_its_own_storage_and_writes_one_copy():
@@ -77,31 +82,32 @@ def test_int8_reads_its_own_storage_and_writes_one_copy():
     L = 40
     caches = make_caches("int8", cfg, 1, L, F32, "cpu")
     stored = sum(c.nbytes for c in caches)  # int8 + fp32 scales for L slots
-    b = step_bytes(cfg, F32, 1, L, L, "int8")
+    b = step_bytes(cfg, F32, 1, L, L, traffic("int8"))
     slot = 2 * cfg.n_layer * cfg.n_embd * 4
     assert b.design == stored + L * slot  # read int8 + scales, write the fp32 dequantised copy
     assert b.kv_write == stored // L
     # bf16 keeps fp32 scales (int8.scale_dtype_for): 4 bytes per head, not bf16's 2
     bf = make_caches("int8", cfg, 1, L, BF16, "cpu")
-    assert step_bytes(cfg, BF16, 1, L, L, "int8").kv_write == sum(c.nbytes for c in bf) // L
+    assert step_bytes(cfg, BF16, 1, L, L, traffic("int8")).kv_write == sum(c.nbytes for c in bf) // L
 
 
 def test_whole_buffer_designs_read_their_capacity():
     cfg = PRESETS["gpt2"]
     for design in ("static-graph", "hf:static"):
-        a = step_bytes(cfg, F16, 1, 100, 1024, design)
-        b = step_bytes(cfg, F16, 1, 1024, 1024, "static")
+        a = step_bytes(cfg, F16, 1, 100, 1024, traffic(design))
+        b = step_bytes(cfg, F16, 1, 1024, 1024, traffic("static"))
         assert a.kv == b.kv and a.slots == 1024, design
-    assert step_bytes(cfg, F16, 1, 100, 1024, "static").slots == 100
+    assert step_bytes(cfg, F16, 1, 100, 1024, traffic("static")).slots == 100
 
 
-def test_design_mapping_and_plugins():
-    assert design_for("kvbench", "none") is None and design_for("hf", "none") is None
-    assert design_for("hf", "static") == design_for("hf-compiled", "static") == "hf:static"
-    assert design_for("hf", "dynamic") == "hf:dynamic" and design_for("kvbench", "paged") == "paged"
-    plugin = step_bytes(PRESETS["gpt2-tiny"], F32, 1, 30, 64, "my_pkg.caches:Mine")
-    assert plugin.design == 0 and plugin.note == UNKNOWN_DESIGN
-    assert set(DESIGNS) >= {"dynamic", "static", "static-graph", "paged", "int8", "hf:dynamic", "hf:static"}
+def test_each_engine_names_its_designs_traffic_and_plugins_get_unknown():
+    assert ENGINES["kvbench"].traffic("none") is None and ENGINES["hf"].traffic("none") is None
+    assert ENGINES["hf"].traffic("static") is ENGINES["hf-compiled"].traffic("static") is HF_TRAFFIC["static"]
+    assert ENGINES["hf"].traffic("dynamic") is HF_TRAFFIC["dynamic"]
+    assert ENGINES["kvbench"].traffic("paged") is CACHES["paged"].traffic
+    plugin = step_bytes(PRESETS["gpt2-tiny"], F32, 1, 30, 64, None)
+    assert plugin.design == 0 and plugin.note == UNKNOWN_TRAFFIC.note
+    assert all(spec.traffic is not None for spec in CACHES.values() if spec.factory is not None)
 
 
 def test_crossover_gpt2():
@@ -135,10 +141,10 @@ def test_floor_arithmetic_of_a_cuda_run_on_the_cpu():
     bw = Bandwidth(read_gbps=4240.0, copy_gbps=3900.0, nbytes=2 << 30, device="cuda:0")
     assert round(1e3 * weight_bytes(cfg, 2) / 4240e9, 3) == 0.058
     assert round(1e3 * weight_bytes(PRESETS["gpt2-xl"], 2) / 4240e9, 3) == 0.734
-    ms, b = decode_floor_ms(cfg, F16, 1, 128, 400, "static", bw)
+    ms, b = decode_floor_ms(cfg, F16, 1, 128, 400, traffic("static"), bw)
     assert b.context == 328 and b.kv == 328 * 36_864
     assert ms == pytest.approx(1e3 * (weight_bytes(cfg, 2) + 329 * 36_864) / 4240e9)
-    _, g = decode_floor_ms(cfg, F16, 1, 128, 400, "static-graph", bw)
+    _, g = decode_floor_ms(cfg, F16, 1, 128, 400, traffic("static-graph"), bw)
     assert g.kv == 528 * 36_864
     # the probe's size on CUDA: 2 GiB, but never more than a quarter of the free memory
     assert probe_bytes("cuda", None, 80 << 30) == 2 << 30

@@ -245,7 +245,7 @@ def run_sweep(
     if bandwidth is None:
         bandwidth = floor.measure_bandwidth(device)
     if engines is None:
-        engines = build_engines(model, s.engine)
+        engines = build_engines(model, s.engine, s.compile)
     configs = plan(s, engines)
     progress = _Progress(len(configs) * (s.warmup + s.repeats), on_progress)
     bpt = model.config.kv_bytes_per_token(model.lm_head.weight.element_size()) * s.batch
@@ -360,14 +360,18 @@ def add_floor(
     (static-graph, transformers' StaticCache) is read from the cache the run held: transformers sizes its buffer
     per call, and never smaller than an earlier call's on the same model, so it can exceed prompt + new tokens."""
     r = result.summary
-    design = floor.design_for(r.engine, r.cache)
-    if design is None or not isinstance(cfg, GPTConfig):  # the byte count is GPT-2's; --hf models have none
+    if (
+        not isinstance(cfg, GPTConfig) or r.engine not in ENGINES
+    ):  # the byte count is GPT-2's; --hf models have none
+        return
+    traffic = ENGINES[r.engine].traffic(r.cache)
+    if traffic is None:  # the no-cache path recomputes the sequence: no floor
         return
     per_slot = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * r.batch
     capacity = r.prompt_len + r.new_tokens
-    if design in floor.WHOLE_BUFFER and cache_bytes:
+    if traffic.whole_buffer and cache_bytes:
         capacity = cache_bytes // per_slot
-    ms, b = floor.decode_floor_ms(cfg, dtype, r.batch, r.prompt_len, r.new_tokens, design, bw, capacity)
+    ms, b = floor.decode_floor_ms(cfg, dtype, r.batch, r.prompt_len, r.new_tokens, traffic, bw, capacity)
     r.floor_ms, r.x_floor, r.step_bytes = ms, r.tpot_ms_median / ms, float(b.total)
     result.floor_bytes = b
 

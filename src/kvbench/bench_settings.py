@@ -19,6 +19,7 @@ from kvbench import files
 from kvbench.caches import CACHES, parse_cache_names
 from kvbench.engines import ENGINES
 from kvbench.errors import KVBenchError
+from kvbench.fixed_step import check_compile
 from kvbench.model import GPTConfig
 
 
@@ -44,6 +45,9 @@ class BenchSettings:
     threads: int | None = None  # torch intra-op CPU threads; None: torch's default (one per core)
     fill: str = "prefill"  # prefill: a real prefill fills the cache; random: random K/V, decode timed only
     order: str = "sequential"  # sequential: each configuration's runs back to back; interleaved: in rounds
+    compile: str = (
+        "off"  # off | default | max: how static-graph's fixed-shape decode step runs (fixed_step.py)
+    )
 
 
 FILLS = ("prefill", "random")
@@ -181,6 +185,7 @@ def check_settings(s: BenchSettings) -> None:
     s.engine = list(dict.fromkeys(s.engine))
     if s.fill not in FILLS:
         raise KVBenchError(f"--fill {s.fill!r}: use prefill (a real prefill, the default) or random")
+    check_compile(s.compile)
     if s.order not in ORDERS:
         raise KVBenchError(
             f"--order {s.order!r}: use sequential (each configuration's runs back to back, the default) or "
@@ -318,6 +323,7 @@ def check_sizes(
     """Before anything is allocated: prompts fit the context, and weights + the largest KV cache fit the device.
     weights_loaded: the model is already in memory (a random-fill sweep then compares only the cache with what is
     still available)."""
+    check_compile(s.compile, device.type)
     check_fits_context(s, cfg.block_size, cfg.name)
     elem = torch.empty((), dtype=dtype).element_size()
     C = cfg.n_embd

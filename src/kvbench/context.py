@@ -24,9 +24,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kvbench import floor
+from kvbench import fixed_step, floor
 from kvbench.caches import get_cache_spec, make_caches
 from kvbench.devices import synchronize
+from kvbench.engines import KVBenchEngine
 from kvbench.errors import KVBenchError
 from kvbench.model import GPT
 
@@ -102,12 +103,14 @@ def fill_random(caches: list, model: GPT, batch: int, context: int, generator: t
 
 
 @torch.inference_mode()
-def time_decode(model: GPT, cache: str, caches: list, context: int, steps: int, batch: int) -> list[float]:
+def time_decode(
+    model: GPT, cache: str, caches: list, context: int, steps: int, batch: int, compile: str = "off"
+) -> list[float]:
     """`steps` greedy decode steps after a filled cache of `context` tokens; seconds per step (forward + argmax),
     the device synchronised before and after each."""
     spec = get_cache_spec(cache)
     device = model.lm_head.weight.device
-    forward = model if spec.decode_runner is None else spec.decode_runner(model, caches)
+    forward = fixed_step.runner_for(model, caches, compile=compile) if spec.fixed_step else model
     ids = torch.zeros(batch, 1, dtype=torch.long, device=device)  # (B, 1)
     out = []
     for i in range(steps):
@@ -131,8 +134,8 @@ def _pct(xs: list[float], q: float) -> float:
 def median_step_bytes(model: GPT, cache: str, context: int, new_tokens: int, batch: int) -> floor.StepBytes:
     """The bytes of the median timed step: steps attend over context+1 .. context+new_tokens slots."""
     cfg, dtype = model.config, model.lm_head.weight.dtype
-    design = get_cache_spec(cache).name
-    return floor.step_bytes(cfg, dtype, batch, context + (new_tokens + 1) // 2, context + new_tokens, design)
+    traffic = KVBenchEngine.traffic(cache)
+    return floor.step_bytes(cfg, dtype, batch, context + (new_tokens + 1) // 2, context + new_tokens, traffic)
 
 
 def run_context_sweep(
@@ -149,6 +152,7 @@ def run_context_sweep(
     seed: int = 0,
     on_result: Callable[[ContextResult], None] | None = None,
     on_progress: Callable[[int, int, str], None] | None = None,
+    compile: str = "off",
 ) -> list[ContextResult]:
     """Every (context, cache), contexts outermost so that an interrupted sweep has every cache at the contexts it
     finished. A configuration that runs out of memory, or whose cache raises, becomes a row saying so."""
@@ -179,7 +183,7 @@ def run_context_sweep(
                     for c in layers:
                         c.reset()
                     fill_random(layers, model, batch, L, g)
-                    runs.append(time_decode(model, cache, layers, L, new_tokens, batch))
+                    runs.append(time_decode(model, cache, layers, L, new_tokens, batch, compile))
                     done += 1
                     if on_progress:
                         on_progress(done, total, label)

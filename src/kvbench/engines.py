@@ -25,6 +25,7 @@ import torch
 
 from kvbench.agreement import reference_logits
 from kvbench.caches import get_cache_spec, make_caches
+from kvbench.caches.base import UNKNOWN_TRAFFIC, Traffic
 from kvbench.devices import synchronize
 from kvbench.generation import generate
 from kvbench.verify import REFERENCE_TOLERANCES, TOLERANCES
@@ -58,9 +59,9 @@ def weight_bytes(module: torch.nn.Module) -> int:
 class _KVBenchConfiguration:
     """One cache configuration of our loop: the caches allocated once, reset by `generate` before every run."""
 
-    def __init__(self, model, cache: str, batch: int, max_len: int) -> None:
+    def __init__(self, model, cache: str, batch: int, max_len: int, compile: str = "off") -> None:
         w = model.lm_head.weight
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.compile = model, cache, compile
         self.caches = make_caches(cache, model.config, batch, max_len, w.dtype, w.device)
 
     def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False) -> RunTiming:
@@ -69,8 +70,9 @@ class _KVBenchConfiguration:
         synchronize(device)
         t0 = time.perf_counter()
         r = generate(
-            self.model, prompts, new_tokens, cache=self.cache, caches=self.caches, record_logits=record_logits
-        )
+            self.model, prompts, new_tokens, cache=self.cache, caches=self.caches, record_logits=record_logits,
+            compile=self.compile,
+        )  # fmt: skip
         synchronize(device)
         total = time.perf_counter() - t0
         return RunTiming(r.ttft_s, r.step_s, total, r.cache_bytes, r.bytes_copied, r.tokens, r.logits)
@@ -86,13 +88,13 @@ class _KVBenchConfiguration:
     def probe(self, ids: torch.Tensor) -> None:
         """Prefill + one decode step through the same code path, eagerly (no CUDA graph, no compile) on fresh
         caches, so every attention call is visible to `backends.watch_sdpa`."""
-        from kvbench.caches import static_graph
+        from kvbench.fixed_step import FixedShapeDecoder
 
         w = self.model.lm_head.weight
         B, T = ids.shape
         caches = make_caches(self.cache, self.model.config, B, T + 2, w.dtype, w.device)
-        if get_cache_spec(self.cache).decode_runner is static_graph.decode_runner:
-            caches[0].runner = static_graph.FixedShapeDecoder(self.model, caches, graph=False, compile=False)
+        if get_cache_spec(self.cache).fixed_step:
+            caches[0].runner = FixedShapeDecoder(self.model, caches, graph=False)
         generate(self.model, ids.tolist(), 2, cache=self.cache, caches=caches)
 
 
@@ -124,8 +126,8 @@ class KVBenchEngine(_OnOurGPT):
     family = "kvbench"  # rows of a family share a `none` baseline
     token_reference = True  # its `none` rows are every row's token reference
 
-    def __init__(self, model) -> None:
-        self.model = model
+    def __init__(self, model, compile: str = "off") -> None:
+        self.model, self.compile = model, compile  # compile: how a fixed-shape decode step runs (--compile)
 
     @staticmethod
     def supports(cache: str) -> bool:
@@ -134,8 +136,14 @@ class KVBenchEngine(_OnOurGPT):
     def weight_bytes(self) -> int:
         return weight_bytes(self.model)
 
+    @staticmethod
+    def traffic(cache: str) -> Traffic | None:
+        """What a decode step of `cache` moves (the floor); None for the no-cache path (no floor)."""
+        spec = get_cache_spec(cache)
+        return None if spec.factory is None else spec.traffic or UNKNOWN_TRAFFIC
+
     def configure(self, cache: str, batch: int, max_len: int) -> _KVBenchConfiguration:
-        return _KVBenchConfiguration(self.model, cache, batch, max_len)
+        return _KVBenchConfiguration(self.model, cache, batch, max_len, self.compile)
 
     def describe(self) -> str:
         return "kvbench's generation loop on its own GPT-2; caches allocated once per configuration"
@@ -187,6 +195,13 @@ class HFEngine(_OnOurGPT):
     def weight_bytes(self) -> int:
         return weight_bytes(self.hf)
 
+    @staticmethod
+    def traffic(cache: str) -> Traffic | None:
+        """What a decode step of transformers' `cache` moves; None for its no-cache path (no floor)."""
+        from kvbench.hf_engine import HF_TRAFFIC
+
+        return HF_TRAFFIC.get(cache)
+
     def configure(self, cache: str, batch: int, max_len: int) -> _HFConfiguration:
         return _HFConfiguration(self.hf, cache, self.compile)
 
@@ -224,8 +239,9 @@ class HFCompiledEngine(HFEngine):
 ENGINES: dict[str, type] = {"kvbench": KVBenchEngine, "hf": HFEngine, "hf-compiled": HFCompiledEngine}
 
 
-def build_engines(model, names: list[str]) -> dict:
-    """The engines named, built once; hf and hf-compiled share one transformers model (and our weights)."""
+def build_engines(model, names: list[str], compile: str = "off") -> dict:
+    """The engines named, built once; hf and hf-compiled share one transformers model (and our weights).
+    `compile` (--compile) applies to our engine's fixed-shape decode step; transformers' engines keep their own."""
     engines: dict = {}
     hf = None
     for name in names:
@@ -234,5 +250,5 @@ def build_engines(model, names: list[str]) -> dict:
             engines[name] = cls(model, hf)
             hf = engines[name].hf
         else:
-            engines[name] = cls(model)
+            engines[name] = cls(model, compile)
     return engines

@@ -1,12 +1,12 @@
 """The registry of injected KV-cache bugs behind `kvbench break`, and the harness that runs each against `verify`.
 
-Each fault is a named, documented variant of the real code path, switched by an explicit argument at the line where
-the bug lives (never a monkeypatch), so `break` runs the same code as `generate`:
-    position        generation.generate   positions restart at 0 every forward call (arange(T) per call)
-    mask            model.CausalSelfAttention.causal_in_decode (set by generate): SDPA's causal flag on in decode
-    padding         generation.left_pad   right padding, positions 0..T-1, no padding mask; logits at [:, -1]
-    reset           generation.generate   caches reused for a new prompt without reset()
-    static-pointer  caches.StaticCache(pointer_fault=True)   write pointer left one slot short after each write
+Each fault is a buggy rule or a buggy cache, passed from outside into the very loop `generate` runs (its
+`DecodeRules`, generation.py): the loop, the model and the caches hold no fault switch.
+    position        RestartingPositions   positions restart at 0 every forward call (arange(T) per call)
+    mask            CausalFlagInDecode    SDPA's causal flag on in a cached decode step (aligned top-left)
+    padding         RightPadding          right padding, positions 0..T-1, no padding mask; logits at [:, -1]
+    reset           NoReset               caches reused for a new prompt without reset()
+    static-pointer  PointerOneShort       a StaticCache whose write pointer is left on the last written slot
 For each, `break_fault` runs the correct and the faulty path side by side, measures the bug's signature, runs every
 `verify` check with the fault injected, and shows the bug dormant where it cannot fire.
 """
@@ -19,9 +19,67 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvbench.caches.static import StaticCache
 from kvbench.errors import KVBenchError
-from kvbench.model import GPT
+from kvbench.generation import EXACT, PAD_ID, Batch, CacheReuse, DecodeRules, Padding, Positions, left_pad
+from kvbench.model import GPT, GPTConfig, MaskRule
 from kvbench.verify import CHECKS, CheckRow, fresh_caches, run, run_verify
+
+
+# --- the buggy rules and the buggy cache ------------------------------------------------------------------------
+class RestartingPositions(Positions):
+    """BUG on purpose: every forward call's positions are arange(T) of that call, so a cached decode step (T = 1)
+    embeds its token at position 0."""
+
+    def start(self, batch: Batch) -> torch.Tensor:
+        B, T = batch.ids.shape
+        return torch.arange(T, device=batch.ids.device).expand(B, T)
+
+    def advance(self, positions: torch.Tensor, cached: bool) -> torch.Tensor:
+        B, n = positions.size(0), 1 if cached else positions.size(1) + 1
+        return torch.arange(n, device=positions.device).expand(B, n)
+
+
+class CausalFlagInDecode(MaskRule):
+    """BUG on purpose: SDPA's causal flag for a query block shorter than its keys (a cached decode step). SDPA aligns
+    that mask top-left, so the one decode query attends only to key 0."""
+
+    def adjust(self, T, S, attn_mask, is_causal):
+        return (None, True) if T < S else (attn_mask, is_causal)
+
+
+class RightPadding(Padding):
+    """BUG on purpose: right padding, positions 0..T-1, no padding mask; short rows end in pads, so the logits at
+    [:, -1] are a pad's."""
+
+    def __call__(self, prompts: list[list[int]], device: torch.device | str) -> Batch:
+        lens = left_pad(prompts, device).prompt_lens  # the same checks on the prompts
+        B, T = len(prompts), max(lens)
+        ids = torch.full((B, T), PAD_ID, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        return Batch(ids.to(device), torch.arange(T).expand(B, T).to(device), None, lens)
+
+
+class NoReset(CacheReuse):
+    """BUG on purpose: caches passed in for a new prompt keep the previous prompt's K/V."""
+
+    def __call__(self, caches: list) -> None:
+        pass
+
+
+class PointerOneShort(StaticCache):
+    """BUG on purpose: the write pointer is left on the last written slot instead of one past it, so the next
+    token's K/V overwrite this one's."""
+
+    def update(self, k, v, positions):
+        k_view, v_view = super().update(k, v, positions)
+        self.length -= 1
+        return k_view, v_view
+
+
+def _pointer_one_short(c: GPTConfig, batch: int, max_len: int, dtype, device) -> StaticCache:
+    return PointerOneShort(batch, c.n_head, max_len, c.head_dim, dtype, device)
 
 
 @dataclass(frozen=True)
@@ -34,9 +92,11 @@ class Fault:
     dormant_where: str  # where it cannot fire, so "it works there" proves nothing
     cache: str = "dynamic"  # the cache it is run against by default
     batched: bool = False  # needs a batch of prompts of different lengths
-    any_cache: bool = (
-        True  # the bug lives outside the cache (generation, attention), so any cache can carry it
-    )
+    # the bug lives outside the cache (generation, attention), so any cache can carry it
+    any_cache: bool = True
+    rules: DecodeRules = EXACT  # the loop's rules with the buggy one in
+    # (config, batch, max_len, dtype, device) -> a buggy layer cache in place of the design's own; None: the design's
+    layer_cache: Callable | None = None
 
     def applies_to(self, cache: str) -> bool:
         return cache != "none" and (self.any_cache or cache == self.cache)
@@ -47,45 +107,50 @@ FAULTS: dict[str, Fault] = {
     "position": Fault(
         "position",
         "positions restart at 0 every forward call (arange(T) per call)",
-        "generation.generate, the positions fed to each forward",
+        "the loop's position rule (generation.Positions), the positions fed to each forward",
         "fluent garbage: every cached decode step embeds its token at position 0",
         "positions = past + arange(T): the loop owns the positions and passes them in",
         "the no-cache path: it feeds the whole sequence every call, so arange(T) is accidentally right",
+        rules=DecodeRules(positions=RestartingPositions()),
     ),
     "mask": Fault(
         "mask",
         "SDPA's causal flag left on during cached decode",
-        "model.CausalSelfAttention.forward (switch causal_in_decode)",
+        "the mask attention hands SDPA (model.MaskRule), in every layer",
         "SDPA aligns a non-square causal mask top-left: the one decode query attends only to key 0",
         "is_causal only when queries and keys are the same tokens (prefill); no mask for a one-token decode step",
         "the no-cache path and the prefill: there queries and keys are the same T tokens, so causal is right",
+        rules=DecodeRules(mask=CausalFlagInDecode()),
     ),
     "padding": Fault(
         "padding",
         "batched decode with right padding, logits gathered at [:, -1], no padding mask",
-        "generation.left_pad (the layout), used by generate",
+        "the loop's padding rule (generation.Padding, the batch layout)",
         "short prompts sample from a padding column and attend to pads: their output goes off the rails",
         "left-pad so every last token shares the last column; carry the padding mask into every step",
         "a batch of one, or of equal-length prompts: nothing is padded",
         batched=True,
+        rules=DecodeRules(padding=RightPadding()),
     ),
     "reset": Fault(
         "reset",
         "caches reused for a new prompt without reset()",
-        "generation.generate, where passed-in caches are reset",
+        "the loop's reuse rule (generation.CacheReuse), where passed-in caches are prepared",
         "the new prompt's prefill attends to the previous prompt's stale K/V",
         "reset() every layer's cache before a new prompt (or allocate fresh caches)",
         "the first prompt on a fresh cache, and every test that builds a new cache per run",
+        rules=DecodeRules(reuse=NoReset()),
     ),
     "static-pointer": Fault(
         "static-pointer",
         "static-cache write pointer off by one: left on the last written slot",
-        "caches.StaticCache.update (constructor flag pointer_fault)",
+        "caches.StaticCache.update (a subclass, PointerOneShort)",
         "each decode step overwrites the previous token's K/V: the cache never grows past the prompt",
         "self.length = end (one past the last written slot), not end - 1",
         "the prefill (the first token is always right) and every other cache",
         cache="static",
         any_cache=False,
+        layer_cache=_pointer_one_short,
     ),
 }
 
@@ -185,29 +250,29 @@ def break_fault(
     if f.batched:
         row = min(range(len(prompts)), key=lambda b: len(prompts[b]))  # the shortest: most padding
         correct = run(model, prompts, new_tokens, cache).tokens[row]
-        faulty = run(model, prompts, new_tokens, cache, name).tokens[row]
-        dormant = run(model, [prompts[row]], new_tokens, cache, name).tokens[0]
+        faulty = run(model, prompts, new_tokens, cache, f).tokens[row]
+        dormant = run(model, [prompts[row]], new_tokens, cache, f).tokens[0]
         shown = f"alone (a batch of one) the faulty path gives the correct tokens: {dormant == correct}"
         signature = f"{f.signature}; shown: the length-{len(prompts[row])} prompt of a batch padded to {max(map(len, prompts))}"
     elif name == "reset":
         caches = fresh_caches(model, cache, 1, max(len(prompt), len(other)) + new_tokens)
-        run(model, [other], new_tokens, cache, name, caches)
+        run(model, [other], new_tokens, cache, f, caches)
         stale = caches[0].length
-        faulty = run(model, [prompt], new_tokens, cache, name, caches).tokens[0]
+        faulty = run(model, [prompt], new_tokens, cache, f, caches).tokens[0]
         correct = run(model, [prompt], new_tokens, cache).tokens[0]
-        dormant = run(model, [prompt], new_tokens, cache, name).tokens[0]  # fresh caches: nothing stale
+        dormant = run(model, [prompt], new_tokens, cache, f).tokens[0]  # fresh caches: nothing stale
         shown = f"on a fresh cache the faulty path gives the correct tokens: {dormant == correct}"
         signature = f"{f.signature}; shown: the prefill started with {stale} stale columns instead of 0"
     else:
         res_ok = run(model, [prompt], new_tokens, cache)
-        caches = fresh_caches(model, cache, 1, len(prompt) + new_tokens, name)
-        res_bad = run(model, [prompt], new_tokens, cache, name, caches)
+        caches = fresh_caches(model, cache, 1, len(prompt) + new_tokens, f)
+        res_bad = run(model, [prompt], new_tokens, cache, f, caches)
         correct, faulty = res_ok.tokens[0], res_bad.tokens[0]
         if name == "static-pointer":
             shown = f"the prefill's token is right: {faulty[0] == correct[0]}"
             signature = f"{f.signature}; shown: after {len(prompt) + new_tokens - 1} tokens the cache holds {caches[0].length}"
         else:
-            dormant = run(model, [prompt], new_tokens, "none", name).tokens[0]
+            dormant = run(model, [prompt], new_tokens, "none", f).tokens[0]
             shown = f"on the no-cache path the faulty code gives the correct tokens: {dormant == correct}"
             if name == "mask":
                 s = mask_signature(model, prompt)
@@ -218,7 +283,7 @@ def break_fault(
                 )
             else:
                 signature = f"{f.signature}; shown: decode steps fed position 0 instead of {len(prompt)}, {len(prompt) + 1}, ..."
-    report = run_verify(model, [cache], prompts, new_tokens, reference, hf_dir, fault=name)
+    report = run_verify(model, [cache], prompts, new_tokens, reference, hf_dir, fault=f)
     caught = [r.name for r in report.checks if not r.passed]
     caught_by = [c for c in CHECKS if c in caught]
     return BreakResult(

@@ -13,7 +13,7 @@ sequences at context L (the key slots that hold tokens, this step's included), i
               wpe this step's tokens and positions use
     kv        K and V of the slots attention reads: 2 x layers x B x slots x C x element size
     kv_write  this token's K and V, written into the cache
-    design    what the design moves on top (`DESIGNS`)
+    design    what the design moves on top (its spec's `Traffic`, caches/base.py)
 
 Writes count as traffic too: they cost bandwidth like reads. The floor is the design's own minimum, not what an
 implementation happens to allocate on the way: `int8` dequantises through fp32 temporaries today, and that extra
@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvbench import validate
+from kvbench.caches.base import UNKNOWN_TRAFFIC, Traffic
 from kvbench.model import GPTConfig
 
 GB = 1e9
@@ -201,39 +202,11 @@ def weight_bytes(cfg: GPTConfig, elt: int, batch: int = 1) -> int:
     return elt * (cfg.n_layer * per_block + 2 * C + V * C + 2 * batch * C)
 
 
-PAGED_BLOCK = 16  # tokens per block of the `paged` cache (caches/paged.py BLOCK_SIZE)
-
-# What each design moves per step on top of attention's read and this token's write. Keys: our cache names, and
-# transformers' caches as `hf:<name>` (read in transformers' cache_utils: DynamicLayer.update concatenates;
-# StaticLayer.update writes with index_copy_ and returns the whole max_cache_len buffer, masked).
-DESIGNS = {
-    "static": "reads the filled prefix in place (views of its buffer)",
-    "dynamic": "torch.cat re-copies the history: reads and writes L-1 slots",
-    "static-graph": "attends over its whole buffer (capacity slots, masked)",
-    "paged": f"gathers its {PAGED_BLOCK}-token blocks (L rounded up) into a contiguous copy: reads and writes them",
-    "int8": "reads int8 + scales of L slots, writes one dequantised copy in the model's dtype (attention reads it)",
-    "hf:dynamic": "transformers' DynamicCache: torch.cat, reads and writes L-1 slots",
-    "hf:static": "transformers' StaticCache: attends over its whole max_cache_len buffer (masked)",
-}
-UNKNOWN_DESIGN = "design traffic unknown (a plugin): weights and K/V of L slots only"
-WHOLE_BUFFER = ("static-graph", "hf:static")  # attention reads `capacity` slots, not `context`
-
-
-def design_for(engine: str, cache: str) -> str | None:
-    """The design whose traffic a bench row pays: our caches by name, transformers' as hf:<name> (hf and
-    hf-compiled run the same cache), None for `none` (no cache: the step recomputes the sequence, no floor)."""
-    if cache == "none":
-        return None
-    if engine in ("hf", "hf-compiled"):
-        return f"hf:{cache}"
-    return cache
-
-
 def step_bytes(
-    cfg: GPTConfig, dtype: torch.dtype, batch: int, context: int, capacity: int, design: str
+    cfg: GPTConfig, dtype: torch.dtype, batch: int, context: int, capacity: int, traffic: Traffic | None
 ) -> StepBytes:
-    """Bytes of one decode step at `context` slots (this token included) for `design` (a key of DESIGNS; anything
-    else, a plugin, counts weights and K/V only). capacity: the slots the cache's buffer holds."""
+    """Bytes of one decode step at `context` slots (this token included) for a design moving `traffic` (None: a
+    design that does not say, counted as weights and K/V only). capacity: the slots the cache's buffer holds."""
     from kvbench.caches.int8 import scale_dtype_for
 
     elt = torch.empty((), dtype=dtype).element_size()
@@ -241,21 +214,14 @@ def step_bytes(
     L, cap = context, max(capacity, context)
     slot = 2 * cfg.n_layer * batch * cfg.n_embd * elt  # K + V of one token position, all layers
     q8 = 2 * cfg.n_layer * batch * (cfg.n_embd + cfg.n_head * scale)  # int8 + one scale per head
-    if design in ("dynamic", "hf:dynamic"):
-        extra = 2 * (L - 1) * slot
-    elif design == "paged":
-        extra = 2 * (-(-L // PAGED_BLOCK) * PAGED_BLOCK) * slot
-    elif design == "int8":
-        extra = L * q8 + L * slot
-    else:
-        extra = 0
-    slots = cap if design in WHOLE_BUFFER else L
+    t = traffic or UNKNOWN_TRAFFIC
+    slots = cap if t.whole_buffer else L
     return StepBytes(
         weights=weight_bytes(cfg, elt, batch),
         kv=slots * slot,
-        kv_write=q8 if design == "int8" else slot,
-        design=extra,
-        note=DESIGNS.get(design, UNKNOWN_DESIGN),
+        kv_write=t.write(slot, q8),
+        design=t.extra(L, slot, q8),
+        note=t.note,
         context=L,
         slots=slots,
     )
@@ -272,12 +238,12 @@ def floor_ms(b: StepBytes, bw: Bandwidth) -> float:
 
 
 def decode_floor_ms(
-    cfg: GPTConfig, dtype: torch.dtype, batch: int, prompt_len: int, new_tokens: int, design: str, bw: Bandwidth,
-    capacity: int | None = None,
+    cfg: GPTConfig, dtype: torch.dtype, batch: int, prompt_len: int, new_tokens: int, traffic: Traffic | None,
+    bw: Bandwidth, capacity: int | None = None,
 ) -> tuple[float, StepBytes]:  # fmt: skip
     """The floor of the median decode step of a generation. capacity: the buffer's slots (default prompt + new)."""
     b = step_bytes(cfg, dtype, batch, median_step_context(prompt_len, new_tokens), capacity or prompt_len + new_tokens,
-                   design)  # fmt: skip
+                   traffic)  # fmt: skip
     return floor_ms(b, bw), b
 
 

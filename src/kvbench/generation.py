@@ -8,25 +8,29 @@ padding mask over every column and positions that start at 0 at each sequence's 
                                         _ _ a b c  0 0 1 1 1   0 0 0 1 2
                                         d e f g h  1 1 1 1 1   0 1 2 3 4
 Each decode step appends one column: ids (B, 1), positions last + 1, padding mask extended by a column of ones.
+
+The loop is written once and knows no bug. What varies is passed in as `DecodeRules`, the correct rules by default:
+how prompts are laid out (`padding`), how positions start and advance (`positions`), what attention hands SDPA
+(`mask`, model.MaskRule) and how passed-in caches are prepared for a new prompt (`reuse`). `kvbench break` runs this
+same loop with a buggy rule in one of those places (faults.py).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from kvbench import validate
+from kvbench import fixed_step, validate
 from kvbench.caches import cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
 from kvbench.devices import synchronize
 from kvbench.errors import KVBenchError
-from kvbench.model import GPT, CausalSelfAttention
+from kvbench.model import EXACT_MASK, GPT, MaskRule
 
 PAD_ID = 0  # the id written into padding slots: never attended to, so any id in every vocabulary works
-# Injected bugs whose branch lives in this module (`kvbench break`; documented in faults.py). None in normal runs.
-FAULTS = ("position", "mask", "padding", "reset")
 
 
 @dataclass
@@ -68,7 +72,7 @@ class Batch:
     prompt_lens: list[int]
 
 
-def left_pad(prompts: list[list[int]], device: torch.device | str, fault: str | None = None) -> Batch:
+def left_pad(prompts: list[list[int]], device: torch.device | str) -> Batch:
     if not prompts:
         raise KVBenchError("no prompts given")
     for i, p in enumerate(prompts):
@@ -83,12 +87,46 @@ def left_pad(prompts: list[list[int]], device: torch.device | str, fault: str | 
         real[b, T - len(p) :] = 1
     positions = (real.cumsum(-1) - 1).clamp(min=0)  # 0 at each sequence's first real token
     padding = None if min(lens) == T else real.to(device)
-    if fault == "padding":  # BUG on purpose (faults.py): right padding, positions 0..T-1, no padding mask
-        ids = torch.full((B, T), PAD_ID, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)  # short rows end in pads: [:, -1] is a pad
-        positions, padding = torch.arange(T).expand(B, T), None
     return Batch(ids.to(device), positions.to(device), padding, lens)
+
+
+# --- the rules the loop takes (the correct ones; faults.py holds the buggy ones) ----------------------------------
+class Padding:
+    """How a batch of prompts is laid out: left-padded, so every sequence's last token shares the last column."""
+
+    def __call__(self, prompts: list[list[int]], device: torch.device | str) -> Batch:
+        return left_pad(prompts, device)
+
+
+class Positions:
+    """How positions start (the batch's own, 0 at each first real token) and advance (each sequence's last + 1)."""
+
+    def start(self, batch: Batch) -> torch.Tensor:
+        return batch.positions  # (B, T)
+
+    def advance(self, positions: torch.Tensor, cached: bool) -> torch.Tensor:
+        """The next forward call's positions: (B, 1) with a cache, else every column so far plus the new one."""
+        nxt = positions[:, -1:] + 1  # (B, 1)
+        return nxt if cached else torch.cat([positions, nxt], dim=1)
+
+
+class CacheReuse:
+    """How caches passed in for a new prompt are prepared: every layer's cache is reset."""
+
+    def __call__(self, caches: list) -> None:
+        for c in caches:
+            c.reset()
+
+
+@dataclass(frozen=True)
+class DecodeRules:
+    padding: Padding = field(default_factory=Padding)
+    positions: Positions = field(default_factory=Positions)
+    mask: MaskRule = EXACT_MASK
+    reuse: CacheReuse = field(default_factory=CacheReuse)
+
+
+EXACT = DecodeRules()  # the rules of every normal run
 
 
 @dataclass
@@ -133,18 +171,19 @@ def generate(
     record_logits: bool = False,
     on_token: Callable[[list[int]], None] | None = None,
     caches: list | None = None,
-    fault: str | None = None,
+    rules: DecodeRules = EXACT,
+    compile: str = "off",
 ) -> GenerationResult:
     """Generate `max_new_tokens` for each prompt through the cache named `cache` ('none': recompute everything).
 
     Pass `caches` to reuse existing cache objects (they are reset first); otherwise fresh ones are allocated for
-    prompt + new tokens. `on_token(ids)` is called with the B new ids after each token, for streaming.
-    `fault` injects one of the named bugs in FAULTS for `kvbench break` (see faults.py); None in normal runs.
+    prompt + new tokens (they are prepared by `rules.reuse`, i.e. reset). `on_token(ids)` is called with the B new
+    ids after each token, for streaming. `rules`: the loop's rules (module docstring); the exact ones by default.
+    `compile`: how a fixed-shape decode step runs (fixed_step.COMPILE_MODES; designs with `CacheSpec.fixed_step`).
     """
-    assert fault is None or fault in FAULTS, f"unknown fault {fault!r}"
     sampler = sampler or Sampler()
     device = model.lm_head.weight.device
-    batch = left_pad(prompts, device, fault)
+    batch = rules.padding(prompts, device)
     B, T = batch.ids.shape
     check_fits(model, T, max_new_tokens)
     spec = get_cache_spec(cache)
@@ -152,23 +191,19 @@ def generate(
         caches = None
     elif caches is None:
         caches = make_caches(cache, model.config, B, T + max_new_tokens, model.lm_head.weight.dtype, device)
-    elif (
-        fault != "reset"
-    ):  # BUG on purpose when fault == "reset": reuse the caches with the last prompt's K/V
-        for c in caches:
-            c.reset()
-    for m in (
-        model.modules()
-    ):  # the `mask` fault's switch (model.py); every call sets it, so it is off unless asked
-        if isinstance(m, CausalSelfAttention):
-            m.causal_in_decode = fault == "mask"
-    # A cache may bring its own runner for forward calls (static-graph: a fixed-shape, CUDA-graph decode step).
-    forward = model if caches is None or spec.decode_runner is None else spec.decode_runner(model, caches)
+    else:
+        rules.reuse(caches)
+    # A design may run its decode step as one fixed-shape function (static-graph: compiled, CUDA-graph captured).
+    if caches is not None and spec.fixed_step:
+        forward = fixed_step.runner_for(model, caches, rules.mask, compile)
+    else:
+        forward = functools.partial(model, mask_rule=rules.mask)
     generator = None
     if sampler.temperature > 0:
         generator = torch.Generator(device=device).manual_seed(sampler.seed)
 
-    ids, positions, padding = batch.ids, batch.positions, batch.padding  # what the next forward sees
+    # what the next forward sees
+    ids, positions, padding = batch.ids, rules.positions.start(batch), batch.padding
     out: list[torch.Tensor] = []  # (B, 1) each
     logits_log: list[torch.Tensor] | None = [] if record_logits else None
     done = torch.zeros(B, 1, dtype=torch.bool, device=device)
@@ -177,8 +212,6 @@ def generate(
     for step in range(max_new_tokens):
         synchronize(device)
         t0 = time.perf_counter()
-        if fault == "position":  # BUG on purpose (faults.py): positions restart at 0 every forward call
-            positions = torch.arange(ids.size(1), device=device).expand(B, -1)  # (B, T this call)
         # No cache: the whole sequence every step. Cached: the prompt once (prefill), then one token per step.
         logits = forward(ids, positions, caches, padding, last_only=True)[:, -1]  # (B, V)
         nxt = sampler(logits, generator)  # (B, 1)
@@ -197,20 +230,12 @@ def generate(
             done |= nxt == stop_token
             if bool(done.all()):
                 break
-        # The next column: each sequence's next position is its last + 1, and the new token is real.
-        next_pos = positions[:, -1:] + 1  # (B, 1)
-        if caches is None:
-            ids = torch.cat([ids, nxt], dim=1)  # (B, T + step + 1)
-            positions = torch.cat([positions, next_pos], dim=1)
-        else:
-            ids, positions = nxt, next_pos  # (B, 1): the cache holds everything before it
+        # The next column: the new token is real; with a cache the forward sees only it (B, 1).
+        positions = rules.positions.advance(positions, cached=caches is not None)
+        ids = nxt if caches is not None else torch.cat([ids, nxt], dim=1)  # (B, 1) or (B, T + step + 1)
         if padding is not None:
             padding = torch.cat([padding, torch.ones_like(padding[:, :1])], dim=1)  # (B, columns so far + 1)
 
-    if fault == "mask":
-        for m in model.modules():
-            if isinstance(m, CausalSelfAttention):
-                m.causal_in_decode = False
     tokens = torch.cat(out, dim=1).tolist()  # (B, new)
     if stop_token is not None:
         tokens = [seq[: seq.index(stop_token)] if stop_token in seq else seq for seq in tokens]

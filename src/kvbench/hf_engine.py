@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.caches.base import Traffic
 from kvbench.devices import synchronize
 from kvbench.model import GPT
 
@@ -36,6 +37,17 @@ HF_CACHES: dict[str, dict] = {
     "none": {"use_cache": False},  # full recompute every step
     "dynamic": {"use_cache": True},  # transformers' DynamicCache (torch.cat growth)
     "static": {"use_cache": True, "cache_implementation": "static"},  # preallocated StaticCache
+}
+# What a decode step of each of those caches moves (the floor), read in transformers' cache_utils: DynamicLayer.update
+# concatenates; StaticLayer.update writes with index_copy_ and returns the whole max_cache_len buffer, masked.
+HF_TRAFFIC: dict[str, Traffic] = {
+    "dynamic": Traffic(
+        "transformers' DynamicCache: torch.cat, reads and writes L-1 slots",
+        extra=lambda L, slot, q8: 2 * (L - 1) * slot,
+    ),
+    "static": Traffic(
+        "transformers' StaticCache: attends over its whole max_cache_len buffer (masked)", whole_buffer=True
+    ),
 }
 
 

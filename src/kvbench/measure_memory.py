@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench import memory
-from kvbench.caches import CACHES, cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
+from kvbench.caches import CACHES, CacheSpec, cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
 from kvbench.devices import DTYPES, device_name, resolve_device
 from kvbench.errors import KVBenchError
 from kvbench.model import PRESETS, GPTConfig
@@ -23,20 +23,6 @@ from kvbench.model import PRESETS, GPTConfig
 MAX_COUNTED_COPY_BYTES = 8 * memory.GiB
 # --lengths fills a paged cache one token at a time (about 12,000 tokens a second on a laptop CPU).
 MAX_PAGED_TOKENS = 2**16
-
-# What we know about a cache's footprint beyond the prediction, by registry name (others fall back to their summary).
-EXPLAIN = {
-    "none": "caches nothing: every step recomputes K and V for the whole sequence (0 B held, all compute)",
-    "static": "preallocates (B, H, max_len, Dh) K and V per layer up front: reserved whether or not the tokens arrive",
-    "static-graph": "the static cache's buffers; the CUDA graph's private memory pool is not part of nbytes",
-    "dynamic": "holds exactly the tokens it was given, but each step torch.cat allocates a new (B, H, t+1, Dh) "
-    "tensor and copies the history, so for a moment a layer holds both copies (see --copy-traffic)",
-    "paged": "the pool rounds each sequence up to whole blocks of 16 tokens, reserved up front for max_len; the "
-    "per-layer block table (B x blocks int64) is not part of nbytes",
-    "int8": "int8 values plus one scale per token per head (fp16 scales for an fp16 model, fp32 otherwise)",
-}
-# The planner's storage format that models a cache, when it is not --kv-dtype itself.
-PLANNER_FORMAT = {"int8": "int8"}
 
 
 @dataclass
@@ -117,8 +103,7 @@ def _fill(caches, cfg: GPTConfig, batch: int, n0: int, n1: int, dtype, device) -
 
 
 def _explain(
-    name: str,
-    summary: str,
+    design: CacheSpec,
     no_cache: bool,
     diff: int,
     expected: int,
@@ -129,11 +114,11 @@ def _explain(
     batch: int,
 ) -> str:
     """Why a cache's measured bytes are what they are, in one line."""
-    what = EXPLAIN.get(name, summary)
+    what = design.memory_note or design.summary
     if no_cache:
         return what
-    if name in PLANNER_FORMAT:
-        q = memory.KV_FORMATS[PLANNER_FORMAT[name]]
+    if design.planner_format:
+        q = memory.KV_FORMATS[design.planner_format]
         head = (
             f"equals the planner's --kv-dtype {q.name} figure to the byte ({q.note})"
             if diff == 0
@@ -202,14 +187,12 @@ def measure_caches(
             allocated = torch.cuda.memory_allocated(dev) - base
             if caches is not None:
                 peak_extra = max(0, torch.cuda.max_memory_allocated(dev) - base - allocated)
-        pformat = PLANNER_FORMAT.get(cname, kv_dtype)
+        pformat = cspec.planner_format or kv_dtype
         expected = (
             0 if caches is None else memory.bytes_per_sequence(spec, memory.KV_FORMATS[pformat], ctx) * batch
         )
         diff = measured - expected
-        why = _explain(
-            cname, cspec.summary, caches is None, diff, expected, measured, predicted, spec, fmt, batch
-        )
+        why = _explain(cspec, caches is None, diff, expected, measured, predicted, spec, fmt, batch)
         rows.append(
             MeasureRow(
                 cache=cname,

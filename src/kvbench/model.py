@@ -78,9 +78,6 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.c_attn = Conv1D(cfg.n_embd, 3 * cfg.n_embd)  # fused Q, K, V
         self.c_proj = Conv1D(cfg.n_embd, cfg.n_embd)
-        # Fault switch for `kvbench break mask`: keep SDPA's causal flag on during cached decode (the seed's bug 2).
-        # Off in every normal run; see faults.py.
-        self.causal_in_decode = False
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache, mask: AttentionMask) -> torch.Tensor:
         B, T, C = x.shape
@@ -92,8 +89,6 @@ class CausalSelfAttention(nn.Module):
             # The one line of cache code in attention: store this call's K/V, get back what to attend over.
             k, v = cache.update(k, v, positions)  # (B, H, S, Dh)
         attn_mask, is_causal = mask.for_keys(k.size(2))
-        if self.causal_in_decode and cache is not None and T < k.size(2):
-            attn_mask, is_causal = None, True  # BUG on purpose: SDPA aligns this mask top-left
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)  # (B, H, T, Dh)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.c_proj(y)
@@ -123,6 +118,19 @@ class Block(nn.Module):
         return x
 
 
+class MaskRule:
+    """What SDPA is given for T queries over S key slots, from the mask the forward call built: the correct rule
+    passes it through. A different rule (`kvbench break mask`) is passed in by the caller; the model holds none."""
+
+    def adjust(
+        self, T: int, S: int, attn_mask: torch.Tensor | None, is_causal: bool
+    ) -> tuple[torch.Tensor | None, bool]:
+        return attn_mask, is_causal
+
+
+EXACT_MASK = MaskRule()
+
+
 class AttentionMask:
     """Which key slots each query of this forward call may read, built once per call and shared by all layers.
 
@@ -134,11 +142,15 @@ class AttentionMask:
     - anything else (padding, chunked prefill, a fixed-size buffer): an explicit boolean mask (B, 1, T, S).
     """
 
-    def __init__(self, T: int, n_valid: int, padding: torch.Tensor | None):
-        self.T, self.n_valid, self.padding = T, n_valid, padding
+    def __init__(self, T: int, n_valid: int, padding: torch.Tensor | None, rule: MaskRule = EXACT_MASK):
+        self.T, self.n_valid, self.padding, self.rule = T, n_valid, padding, rule
         self._built: dict[int, torch.Tensor] = {}
 
     def for_keys(self, S: int) -> tuple[torch.Tensor | None, bool]:
+        """(attn_mask, is_causal) for SDPA over S key slots."""
+        return self.rule.adjust(self.T, S, *self._exact(S))
+
+    def _exact(self, S: int) -> tuple[torch.Tensor | None, bool]:
         assert S >= self.n_valid, f"attention got {S} key slots but {self.n_valid} are filled"
         if self.padding is None and S == self.n_valid:
             if self.T == S:
@@ -221,6 +233,7 @@ class GPT(nn.Module):
         caches: list | None = None,
         padding_mask: torch.Tensor | None = None,
         last_only: bool = False,
+        mask_rule: MaskRule = EXACT_MASK,
     ) -> torch.Tensor:
         """Logits for every input token.
 
@@ -229,6 +242,7 @@ class GPT(nn.Module):
         `idx` (the no-cache path); padding_mask: (B, past + T), 1 for real tokens and 0 for padding, over every
         column the caches hold plus this call's. Returns (B, T, V), or (B, 1, V) for the last token with
         `last_only` (what generation samples from: it skips the vocabulary projection of every other position).
+        mask_rule: what attention hands SDPA from the mask built here (MaskRule; the exact one by default).
         """
         B, T = idx.shape
         assert positions.shape == (B, T), f"positions {tuple(positions.shape)} must match idx {(B, T)}"
@@ -237,7 +251,7 @@ class GPT(nn.Module):
             assert padding_mask.shape == (B, past + T), (
                 f"padding_mask {tuple(padding_mask.shape)} != {(B, past + T)}"
             )
-        mask = AttentionMask(T, past + T, padding_mask)
+        mask = AttentionMask(T, past + T, padding_mask, mask_rule)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             x = block(x, positions, None if caches is None else caches[i], mask)

@@ -171,7 +171,7 @@ def meta_doc(**fields: Any) -> dict[str, Any]:
         "git": git_revision(),
         "versions": versions(),
         "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "huge_pages": hugepages.status()},
-        # the environment variables that change what kvbench runs (KVBENCH_COMPILE compiles static-graph's step)
+        # the KVBENCH_ environment variables set for the run (KVBENCH_PROBE_BYTES sizes the bandwidth probe)
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVBENCH_")},
         **fields,
     }

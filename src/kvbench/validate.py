@@ -52,25 +52,6 @@ def fits_context(what: str, prompt_len: int, new_tokens: int, context: int, fix:
         )
 
 
-COMPILE_ENV = "KVBENCH_COMPILE"  # how static-graph runs its decode step; read by caches/static_graph.py
-
-
-def compile_setting(text: str) -> str | None:
-    """`$KVBENCH_COMPILE`: 0/off (or unset) -> None, the eager step; 1/on -> "default", torch.compile;
-    max -> "max", the CPU step with frozen weights and autotuned GEMMs. Anything else is refused."""
-    value = text.strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return None
-    if value in ("1", "true", "yes", "on"):
-        return "default"
-    if value == "max":
-        return "max"
-    raise KVBenchError(
-        f"{COMPILE_ENV}={text!r}: use 0 (eager step), 1 (torch.compile) or max (CPU: frozen weights, autotuned "
-        "C++ GEMMs)"
-    )
-
-
 PROBE_ENV = "KVBENCH_PROBE_BYTES"  # the bandwidth probe's size in bytes; read by floor.py
 # 1 MiB (a smaller probe sits in a cache) to 1 TiB (more than any device's memory)
 PROBE_MIN, PROBE_MAX = 1 << 20, 1 << 40

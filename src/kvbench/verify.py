@@ -26,14 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from kvbench.caches import get_cache_spec, make_caches
-from kvbench.caches.static import StaticCache
 from kvbench.errors import KVBenchError
-from kvbench.generation import FAULTS as GENERATION_FAULTS
-from kvbench.generation import GenerationResult, generate
+from kvbench.generation import DecodeRules, GenerationResult, generate
 from kvbench.model import GPT
 
 CHECKS = ("logits", "greedy", "reference", "batched", "cache_state")
@@ -79,6 +78,14 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
 
 
+class Injection(Protocol):
+    """What a check runs with in place of the correct code (faults.Fault): the loop's rules, and optionally a layer
+    cache factory (config, batch, max_len, dtype, device) in place of the design's own."""
+
+    rules: DecodeRules
+    layer_cache: Callable | None
+
+
 # --- prompts and runs ---------------------------------------------------------------------------------------------
 def random_prompts(vocab_size: int, prompt_len: int, batch: int, seed: int) -> list[list[int]]:
     """`batch` seeded random prompts of distinct lengths prompt_len, ..., about prompt_len / batch (first is the
@@ -96,15 +103,13 @@ def random_prompts(vocab_size: int, prompt_len: int, batch: int, seed: int) -> l
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lens]
 
 
-def fresh_caches(model: GPT, cache: str, batch: int, max_len: int, fault: str | None = None) -> list | None:
-    """The caches a check runs on. The `static-pointer` fault is a constructor flag of StaticCache (caches.py)."""
-    if fault == "static-pointer":
-        assert cache == "static", f"static-pointer fault needs the static cache, not {cache!r}"
+def fresh_caches(
+    model: GPT, cache: str, batch: int, max_len: int, fault: Injection | None = None
+) -> list | None:
+    """The caches a check runs on: the design's own, or the injected fault's layer cache (`kvbench break`)."""
+    if fault is not None and fault.layer_cache is not None:
         cfg, w = model.config, model.lm_head.weight
-        return [
-            StaticCache(batch, cfg.n_head, max_len, cfg.head_dim, w.dtype, w.device, pointer_fault=True)
-            for _ in range(cfg.n_layer)
-        ]
+        return [fault.layer_cache(cfg, batch, max_len, w.dtype, w.device) for _ in range(cfg.n_layer)]
     return make_caches(
         cache, model.config, batch, max_len, model.lm_head.weight.dtype, model.lm_head.weight.device
     )
@@ -115,14 +120,18 @@ def run(
     prompts: list[list[int]],
     new: int,
     cache: str,
-    fault: str | None = None,
+    fault: Injection | None = None,
     caches: list | None = None,
+    compile: str = "off",
 ) -> GenerationResult:
-    """Greedy generation with logits recorded, through `generate` (the code `kvbench generate` runs)."""
+    """Greedy generation with logits recorded, through `generate` (the code `kvbench generate` runs); with `fault`,
+    the same loop with the fault's rules and caches passed in."""
     if caches is None:
         caches = fresh_caches(model, cache, len(prompts), max(map(len, prompts)) + new, fault)
-    gen_fault = fault if fault in GENERATION_FAULTS else None
-    return generate(model, prompts, new, cache=cache, record_logits=True, caches=caches, fault=gen_fault)
+    kw = {} if fault is None else {"rules": fault.rules}
+    return generate(
+        model, prompts, new, cache=cache, record_logits=True, caches=caches, compile=compile, **kw
+    )
 
 
 @torch.inference_mode()
@@ -311,13 +320,14 @@ def check_cache_state(
     prompt: list[int],
     fresh: GenerationResult,
     new: int,
-    fault: str | None,
+    fault: Injection | None,
+    compile: str = "off",
 ) -> CheckRow:
     """Generate for `prev`, then for `prompt` on the same cache objects (generate resets them) vs a fresh cache."""
     caches = fresh_caches(model, cache, 1, max(len(prev), len(prompt)) + new, fault)
     try:
-        run(model, [prev], new, cache, fault, caches)
-        reused = run(model, [prompt], new, cache, fault, caches)
+        run(model, [prev], new, cache, fault, caches, compile)
+        reused = run(model, [prompt], new, cache, fault, caches, compile)
     except KVBenchError as e:  # e.g. a static cache that overflows because it was never reset
         return CheckRow("cache_state", cache, False, None, None, "identical tokens", f"reuse raised: {e}")
     row = _compare_tokens(
@@ -372,13 +382,15 @@ def run_verify(
     new_tokens: int = 100,
     reference: str = "hf",
     hf_dir: str | None = None,
-    fault: str | None = None,
+    fault: Injection | None = None,
     checks: tuple[str, ...] = CHECKS,
     short_tokens: int = SHORT_TOKENS,
     on_row: Callable[[CheckRow], None] | None = None,
+    compile: str = "off",
 ) -> VerifyReport:
     """Run `checks` for every cache in `caches` on `prompts` (prompts[0] is the single-prompt checks' prompt; all
-    of them form the batch). `fault` injects a named bug (faults.py) into every cached run."""
+    of them form the batch). `fault` injects a bug (faults.Fault) into every cached run. `compile`: how a fixed-shape
+    decode step runs (fixed_step.COMPILE_MODES)."""
     if new_tokens < 2:
         raise KVBenchError(
             f"--new-tokens must be >= 2 (the logits check needs a decode step), got {new_tokens}"
@@ -425,7 +437,7 @@ def run_verify(
                 )
                 ours, theirs = full(tokens)
                 return [check_reference(cache, dtype, prompt, None, ours, theirs, source)]
-            res = run(model, [prompt], new_tokens, cache, fault)
+            res = run(model, [prompt], new_tokens, cache, fault, compile=compile)
             ours, theirs = full(res.tokens[0])
             out = []
             if "logits" in checks:
@@ -437,12 +449,15 @@ def run_verify(
             return out
 
         def multi_rows(cache=cache, multi=multi) -> list[CheckRow]:
-            solo = [run(model, [p], short, cache, fault) for p in prompts]
+            solo = [run(model, [p], short, cache, fault, compile=compile) for p in prompts]
             out = []
             if "batched" in checks:
-                out.append(check_batched(model, cache, run(model, prompts, short, cache, fault), solo, lens))
+                batch = run(model, prompts, short, cache, fault, compile=compile)
+                out.append(check_batched(model, cache, batch, solo, lens))
             if "cache_state" in multi:
-                out.append(check_cache_state(model, cache, prompts[0], prompts[1], solo[1], short, fault))
+                out.append(
+                    check_cache_state(model, cache, prompts[0], prompts[1], solo[1], short, fault, compile)
+                )
             return out
 
         for names, fn in ((single, single_rows), (multi, multi_rows)):

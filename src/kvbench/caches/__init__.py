@@ -17,14 +17,19 @@ from __future__ import annotations
 import torch
 
 from kvbench.caches import dynamic, int8, paged, plugins, static, static_graph
-from kvbench.caches.base import CacheSpec, LayerCache, cache_bytes_copied, cache_nbytes
+from kvbench.caches.base import CacheSpec, LayerCache, Traffic, cache_bytes_copied, cache_nbytes
 from kvbench.errors import KVBenchError
 from kvbench.model import GPTConfig
 
-__all__ = ["CACHES", "CacheSpec", "LayerCache", "cache_bytes_copied", "cache_nbytes", "get_cache_spec",
+__all__ = ["CACHES", "CacheSpec", "LayerCache", "Traffic", "cache_bytes_copied", "cache_nbytes", "get_cache_spec",
            "make_caches", "parse_cache_names"]  # fmt: skip
 
-NONE = CacheSpec("none", "no cache: full forward over the whole sequence every step", None)
+NONE = CacheSpec(
+    "none",
+    "no cache: full forward over the whole sequence every step",
+    None,
+    memory_note="caches nothing: every step recomputes K and V for the whole sequence (0 B held, all compute)",
+)
 
 # One registry of caches: the built-in designs. Plugins are loaded on first use into PLUGINS (get_cache_spec), so
 # "every cache" stays what `parse_cache_names("all")` says: built-ins plus installed entry points.

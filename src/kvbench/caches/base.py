@@ -60,6 +60,34 @@ class LayerCache:
         raise NotImplementedError
 
 
+def _no_extra(L: int, slot: int, q8: int) -> int:
+    return 0
+
+
+def _one_slot(slot: int, q8: int) -> int:
+    return slot
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one decode step of a design moves besides the weights: the floor (floor.py) counts it.
+
+    At context L (slots holding tokens, this step's included), with `slot` the bytes of one token's K and V (all
+    layers, the whole batch, the model's dtype) and `q8` the same in int8 plus one scale per head:
+    attention reads `slot` bytes for each of L slots (each of the buffer's `capacity` slots when `whole_buffer`),
+    this token's write is `write(slot, q8)`, and the design moves `extra(L, slot, q8)` on top (copies, gathers,
+    dequantisation). The design's own minimum: temporaries an implementation allocates on the way are overhead.
+    """
+
+    note: str  # what the design moves on top, in words
+    whole_buffer: bool = False  # attention reads every slot of its buffer (masked), not only the filled ones
+    extra: Callable[[int, int, int], int] = _no_extra  # (L, slot, q8) -> bytes
+    write: Callable[[int, int], int] = _one_slot  # (slot, q8) -> bytes of this token's K/V write
+
+
+UNKNOWN_TRAFFIC = Traffic("design traffic unknown (a plugin): weights and K/V of L slots only")
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     name: str
@@ -74,9 +102,16 @@ class CacheSpec:
     logit_atol: float = 1e-5
     logit_rtol: float = 1e-5
     min_greedy_agreement: float = 1.0
-    # Optional: (model, caches) -> a callable used by `generate` instead of `model` for forward calls; it receives
-    # the same arguments (ids, positions, caches, padding). static-graph uses it for its CUDA-graph decode step.
-    decode_runner: Callable | None = None
+    # What a decode step moves (the floor); None: unknown (a plugin that does not say), counted as weights and
+    # the K/V of the filled slots only, and labelled so.
+    traffic: Traffic | None = None
+    # What the memory measurement says of its footprint beyond the bytes (kvbench memory --measure).
+    memory_note: str = ""
+    # The planner's storage format (memory.KV_FORMATS) that models it, when it is not the model's dtype.
+    planner_format: str | None = None
+    # Its decode step runs as one fixed-shape function over StaticGraphCache buffers (fixed_step.py), which can be
+    # compiled (--compile) and, on CUDA, captured as a CUDA graph; the layer caches must be StaticGraphCache.
+    fixed_step: bool = False
 
 
 def cache_nbytes(caches: list[LayerCache] | None) -> int:

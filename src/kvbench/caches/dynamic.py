@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.caches.base import CacheSpec, LayerCache
+from kvbench.caches.base import CacheSpec, LayerCache, Traffic
 
 
 class DynamicCache(LayerCache):
@@ -43,4 +43,10 @@ SPEC = CacheSpec(
     "dynamic",
     "torch.cat append (the seed's cache): copies all history every step",
     lambda c, b, n, dt, dev: DynamicCache(),
+    traffic=Traffic(
+        "torch.cat re-copies the history: reads and writes L-1 slots",
+        extra=lambda L, slot, q8: 2 * (L - 1) * slot,
+    ),
+    memory_note="holds exactly the tokens it was given, but each step torch.cat allocates a new (B, H, t+1, Dh) "
+    "tensor and copies the history, so for a moment a layer holds both copies (see --copy-traffic)",
 )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.caches.base import CacheSpec, LayerCache
+from kvbench.caches.base import CacheSpec, LayerCache, Traffic
 from kvbench.model import GPTConfig
 
 QMAX = 127  # symmetric: -127..127 (-128 unused, so the range is symmetric around zero)
@@ -95,6 +95,13 @@ SPEC = CacheSpec(
     logit_atol=0.1,
     logit_rtol=0.05,
     min_greedy_agreement=0.9,
+    traffic=Traffic(
+        "reads int8 + scales of L slots, writes one dequantised copy in the model's dtype (attention reads it)",
+        extra=lambda L, slot, q8: L * q8 + L * slot,
+        write=lambda slot, q8: q8,
+    ),
+    memory_note="int8 values plus one scale per token per head (fp16 scales for an fp16 model, fp32 otherwise)",
+    planner_format="int8",
 )
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.caches.base import CacheSpec, LayerCache
+from kvbench.caches.base import CacheSpec, LayerCache, Traffic
 from kvbench.errors import CacheOverflowError
 from kvbench.model import GPTConfig
 
@@ -191,6 +191,12 @@ SPEC = CacheSpec(
     "paged",
     "vLLM-style pool of 16-token blocks + block table per sequence; reads gather through the table",
     make_paged_cache,
+    traffic=Traffic(
+        f"gathers its {BLOCK_SIZE}-token blocks (L rounded up) into a contiguous copy: reads and writes them",
+        extra=lambda L, slot, q8: 2 * (-(-L // BLOCK_SIZE) * BLOCK_SIZE) * slot,
+    ),
+    memory_note=f"the pool rounds each sequence up to whole blocks of {BLOCK_SIZE} tokens, reserved up front for "
+    "max_len; the per-layer block table (B x blocks int64) is not part of nbytes",
 )
 
 

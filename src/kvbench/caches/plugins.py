@@ -83,9 +83,7 @@ def wrap(obj: object, name: str) -> CacheSpec:
         )
     if spec.factory is None:
         raise PluginError(f"cache plugin {name!r}: its CacheSpec has no factory")
-    checked = dataclasses.replace(
-        spec, factory=_checked_factory(spec.factory, name, spec.decode_runner is None)
-    )
+    checked = dataclasses.replace(spec, factory=_checked_factory(spec.factory, name, not spec.fixed_step))
     probe(checked)
     return checked
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.caches.base import CacheSpec, LayerCache
+from kvbench.caches.base import CacheSpec, LayerCache, Traffic
 
 
 class StaticCache(LayerCache):
@@ -15,22 +15,17 @@ class StaticCache(LayerCache):
     never moves. This is Hugging Face's StaticCache in miniature.
     """
 
-    def __init__(self, batch, n_head, max_len, head_dim, dtype, device, pointer_fault: bool = False) -> None:
+    def __init__(self, batch, n_head, max_len, head_dim, dtype, device) -> None:
         super().__init__()
         self.k = torch.zeros(batch, n_head, max_len, head_dim, dtype=dtype, device=device)  # (B, H, L, Dh)
         self.v = torch.zeros_like(self.k)
         self.capacity = max_len
-        self.pointer_fault = (
-            pointer_fault  # `kvbench break static-pointer` only (faults.py); False in every cache
-        )
 
     def update(self, k, v, positions):
         start, end = self.check_capacity(k.size(2), "static")
         self.k[:, :, start:end].copy_(k)
         self.v[:, :, start:end].copy_(v)
-        # BUG on purpose when pointer_fault: the pointer is left on the last written slot instead of one past it,
-        # so the next token's K/V overwrite this one's.
-        self.length = end - 1 if self.pointer_fault else end
+        self.length = end  # one past the last written slot
         return self.k[:, :, :end], self.v[:, :, :end]  # views: (B, H, end, Dh)
 
     @property
@@ -42,4 +37,7 @@ SPEC = CacheSpec(
     "static",
     "preallocated (B, H, max_len, Dh) buffers + write pointer: no copies",
     lambda c, b, n, dt, dev: StaticCache(b, c.n_head, n, c.head_dim, dt, dev),
+    traffic=Traffic("reads the filled prefix in place (views of its buffer)"),
+    memory_note="preallocates (B, H, max_len, Dh) K and V per layer up front: reserved whether or not the tokens "
+    "arrive",
 )

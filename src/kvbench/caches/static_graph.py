@@ -1,61 +1,15 @@
-"""The `static-graph` cache: a static cache whose decode step has one fixed shape, captured once as a CUDA graph.
+"""The `static-graph` cache: static buffers whose decode step has one fixed shape (fixed_step.py), captured once as
+a CUDA graph on CUDA.
 
-Why: at batch 1 a GPT-2 decode step is a few hundred tiny kernels, and on a fast GPU the CPU launching them takes
-longer than the GPU running them. A CUDA graph records the launches once and replays them with one call. A graph
-replays the exact kernels on the exact addresses it recorded, so the step must not change shape or allocate:
-
-    everything that changes per token lives in device buffers the graph reads:
-        tokens (B, 1) and positions (B, 1)   copied in before each replay
-        column (1,)                           the cache slot this step writes = tokens cached so far
-        padding (B, L)                        which columns are real tokens (all True without left padding)
-    attention reads the WHOLE (B, H, L, Dh) buffer, L = max_len, under a mask computed on the device:
-        allowed[b, s] = (s <= column) & padding[b, s]        (B, 1, 1, L)
-    K/V are written with index_copy_ at `column` (a device index, no Python int baked into the graph).
-
-On CUDA the step is warmed up on a side stream, captured once per cache set (batch size and max_len fixed by the
-allocation), and replayed per token; the runner records how long warm-up + capture took (`capture_s`), and is
-rebuilt, never replayed, once the model's parameters have new storage (`model.to(...)`). Elsewhere the same fixed-shape step runs eagerly, so CI tests its exactness on
-the CPU. `KVBENCH_COMPILE` compiles the step with `torch.compile` (inside the graph on CUDA):
-    1     Inductor's default: LayerNorm, bias, GELU and residual adds fused, matrix products left to the BLAS;
-    max   CPU only: the weights frozen into the compiled step as constants, every matrix product autotuned
-          between Inductor's C++ GEMM templates and ATen's, and the kernels called from generated C++ (no Python
-          between them). At batch 1 those templates stream the weights faster than the BLAS's matrix-vector path
-          (gpt2 fp32, 2-core x86: ~0.78x the eager step, against ~0.9x for `1`).
-          Frozen weights are a copy the step no longer reads from the model, so this runner also keys on the
-          parameters' version counters: an in-place change (`copy_`, `load_state_dict`) gets a new compilation.
-
-The prefill (T > 1) runs the ordinary eager forward and writes the same buffers. A `StaticGraphCache` used directly
-through `model(...)` (without the runner) behaves as a static cache whose decode step returns the whole buffer, so
-the model's `AttentionMask` excludes the unfilled tail; that path is exact too.
+A `StaticGraphCache` used directly through `model(...)` (without the fixed-shape runner) behaves as a static cache
+whose decode step returns the whole buffer, so the model's `AttentionMask` excludes the unfilled tail; that path is
+exact too.
 """
 
 from __future__ import annotations
 
-import os
-import time
-import types
-import weakref
-
-import torch
-
-from kvbench.caches.base import CacheSpec
+from kvbench.caches.base import CacheSpec, Traffic
 from kvbench.caches.static import StaticCache
-from kvbench.errors import KVBenchError
-from kvbench.model import GPT
-from kvbench.validate import COMPILE_ENV, compile_setting
-
-# Inductor settings of the `max` mode (CPU): weights as constants, GEMMs autotuned over C++ templates and ATen, the
-# ~150 kernels of a step called from generated C++ rather than Python (gpt2, 2-core x86: ~0.78x the eager step's
-# time against ~0.82x with the Python wrapper), and the autotuning tables kept off the terminal.
-MAX_OPTIONS = {
-    "freezing": True,
-    "max_autotune": True,
-    "max_autotune_gemm_backends": "CPP,ATEN",
-    "cpp_wrapper": True,
-    "autotune_num_choices_displayed": 0,
-    "max_autotune_report_choices_stats": False,
-}
-WARMUP_STEPS = 3  # eager runs on a side stream before capture (lazy inits, cuBLAS handles, compilation)
 
 
 class StaticGraphCache(StaticCache):
@@ -68,270 +22,13 @@ class StaticGraphCache(StaticCache):
 
     def __init__(self, batch, n_head, max_len, head_dim, dtype, device) -> None:
         super().__init__(batch, n_head, max_len, head_dim, dtype, device)
-        self.runner: FixedShapeDecoder | None = None
+        self.runner = None  # the fixed_step.FixedShapeDecoder built for these buffers, if any
 
     def update(self, k, v, positions):
         k_view, v_view = super().update(k, v, positions)
         if k.size(2) > 1:
             return k_view, v_view  # (B, H, length, Dh)
         return self.k, self.v  # (B, H, max_len, Dh): fixed shape; columns >= length are masked out
-
-
-class _SlotWriter:
-    """Stands in for one layer's cache inside the fixed-shape step: writes K/V at the device index `column`.
-
-    Holds the cache's tensors, not the cache, so a cache -> runner -> tensors chain has no reference cycle.
-    """
-
-    def __init__(self, k_buf: torch.Tensor, v_buf: torch.Tensor, column: torch.Tensor) -> None:
-        self.k, self.v, self.column = k_buf, v_buf, column  # (B, H, L, Dh), (B, H, L, Dh), (1,)
-
-    def update(self, k, v, positions):
-        self.k.index_copy_(2, self.column, k)  # k: (B, H, 1, Dh) into column `column`
-        self.v.index_copy_(2, self.column, v)
-        return self.k, self.v  # (B, H, L, Dh)
-
-
-class _DeviceMask:
-    """The `AttentionMask` interface over a mask tensor computed on the device: nothing per-step in Python."""
-
-    def __init__(self, allowed: torch.Tensor) -> None:
-        self.allowed = allowed  # (B, 1, 1, L) bool
-
-    def for_keys(self, S: int) -> tuple[torch.Tensor, bool]:
-        assert S == self.allowed.size(-1), (
-            f"fixed-shape step got {S} key slots, buffer has {self.allowed.size(-1)}"
-        )
-        return self.allowed, False
-
-
-def fixed_decode_step(
-    model: GPT,
-    slots: list[_SlotWriter],
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    column: torch.Tensor,
-    padding: torch.Tensor,
-    cols: torch.Tensor,
-) -> torch.Tensor:
-    """One decode step over fixed-size buffers; every input is a device tensor. Returns logits (B, 1, V).
-
-    tokens, positions: (B, 1); column: (1,) slot to write; padding: (B, L) bool; cols: arange(L).
-    A module-level function (not a method) so `torch.compile` guards on tensor shapes, not on a runner's identity.
-    """
-    allowed = (cols[None, :] <= column) & padding  # (B, L): filled columns that hold real tokens
-    mask = _DeviceMask(allowed[:, None, None, :])  # (B, 1, 1, L)
-    tr = model.transformer
-    x = tr.wte(tokens) + tr.wpe(positions)  # (B, 1, C)
-    for block, slot in zip(tr.h, slots, strict=True):
-        x = block(x, positions, slot, mask)
-    return model.lm_head(tr.ln_f(x))  # (B, 1, V)
-
-
-def compile_mode(device_type: str) -> str | None:
-    """`$KVBENCH_COMPILE` read for a step on `device_type`: None (eager), "default" or "max"."""
-    mode = compile_setting(os.environ.get(COMPILE_ENV, ""))
-    if mode == "max" and device_type != "cpu":
-        raise KVBenchError(
-            f"{COMPILE_ENV}=max compiles the CPU decode step (frozen weights, C++ GEMM templates); "
-            f"on {device_type} use {COMPILE_ENV}=1"
-        )
-    return mode
-
-
-_compiled_step = None
-_frozen_step: tuple | None = None  # (weakref to the model, its frozen key, the step compiled for it)
-
-
-def _compiled(mode: str, model: GPT, key: tuple) -> object:
-    """The compiled step. "default" is shared by every runner (its graph reads the weights as inputs). "max" is
-    compiled from a fresh copy of the function for each model and weights version: its weights are constants, and
-    Dynamo keeps compiled code per code object, so one shared by two models would serve the first one's weights.
-    Runners of the same model and weights share it (other cache shapes add compilations to it, as for "default").
-    Its Inductor settings are applied around each call (compilation happens inside the first one):
-    `torch.compile(options=...)` does not apply freezing."""
-    global _compiled_step, _frozen_step
-    if mode == "max":
-        if _frozen_step is not None and _frozen_step[0]() is model and _frozen_step[1] == key:
-            return _frozen_step[2]
-        from torch._inductor import config as inductor_config
-
-        f = fixed_decode_step
-        fresh = types.FunctionType(
-            f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__
-        )
-        # Dynamo's guards on the model's modules cost ~0.5 ms a call; this step is already keyed on everything of
-        # the model it reads (identity, switches, parameter storage and versions), so only tensor guards stay.
-        guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        compiled = torch.compile(fresh, dynamic=False, options=guards)
-
-        def step(*args):
-            with inductor_config.patch(MAX_OPTIONS):
-                return compiled(*args)
-
-        _frozen_step = (weakref.ref(model), key, step)
-        return step
-    if _compiled_step is None:
-        _compiled_step = torch.compile(fixed_decode_step, dynamic=False)
-    return _compiled_step
-
-
-def _model_key(model: GPT, frozen: bool = False) -> tuple:
-    """What a captured graph depends on besides its buffers: the model's switches read at capture time (see
-    faults), and the storage of every parameter. A graph replays reads of the exact addresses it recorded, so after
-    `model.to(...)` (new tensors; the old ones freed) it must be rebuilt, never replayed. Weights changed in place
-    (`copy_`, `load_state_dict`) keep their storage, and the graph reads the new values; a step that froze the
-    weights (`frozen`) holds copies, so there every parameter's version counter is part of the key too."""
-    switches = tuple(b.attn.causal_in_decode for b in model.transformer.h)
-    storage = tuple(
-        (p.data_ptr(), p.dtype, p.device, tuple(p.shape), p._version if frozen else 0)
-        for p in (*model.parameters(), *model.buffers())
-    )
-    return switches, storage
-
-
-class FixedShapeDecoder:
-    """Runs generation's forward calls for `static-graph` caches: eager prefill, fixed-shape decode steps.
-
-    Call it like the model: `runner(ids, positions, caches, padding) -> logits (B, T, V)`. With T == 1 it copies the
-    inputs into its device buffers and replays the CUDA graph (capturing it on the first decode step), or runs the
-    same step eagerly where there is no graph. It advances the caches' `length` itself (the graph cannot).
-    """
-
-    def __init__(
-        self,
-        model: GPT,
-        caches: list[StaticGraphCache],
-        graph: bool | None = None,
-        compile: bool | str | None = None,
-    ) -> None:
-        assert caches and all(isinstance(c, StaticGraphCache) for c in caches), (
-            "needs StaticGraphCache per layer"
-        )
-        B, H, L, Dh = caches[0].k.shape
-        device = caches[0].k.device
-        self.model = model
-        self.capacity = L
-        self.use_graph = device.type == "cuda" if graph is None else graph
-        assert not self.use_graph or device.type == "cuda", (
-            f"CUDA graphs need a CUDA device, caches on {device}"
-        )
-        if compile is None:
-            mode = compile_mode(device.type)
-        else:
-            mode = ("default" if compile is True else compile) if compile else None
-        assert mode in (None, "default", "max"), f"unknown compile mode {mode!r}"
-        self.compile_mode = mode  # None (eager), "default", "max"
-        self.compile = mode is not None
-        self.key = _model_key(model, frozen=mode == "max")
-        self._step = _compiled(mode, model, self.key) if mode else fixed_decode_step
-        # The device buffers the step (and the graph) reads. Their addresses never change.
-        self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)  # (B, 1)
-        self.positions = torch.zeros(B, 1, dtype=torch.long, device=device)  # (B, 1)
-        self.column = torch.zeros(1, dtype=torch.long, device=device)  # (1,)
-        self.padding = torch.ones(B, L, dtype=torch.bool, device=device)  # (B, L)
-        self.cols = torch.arange(L, device=device)  # (L,)
-        self.slots = [_SlotWriter(c.k, c.v, self.column) for c in caches]
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None  # the graph's static output (B, 1, V)
-        self.captures = 0  # graphs captured (1 on CUDA after the first decode step)
-        self.capture_s = (
-            0.0  # seconds spent warming up and capturing (device synchronised), over all captures
-        )
-        self.fixed_steps = 0  # decode steps run through the fixed-shape step (replays or eager)
-
-    def matches(self, model: GPT, caches: list) -> bool:
-        """Built for this model, with its current switches and parameter storage, and for these cache buffers."""
-        return (
-            model is self.model
-            and self.key == _model_key(model, frozen=self.compile_mode == "max")
-            and self._holds(caches)
-        )
-
-    def _holds(self, caches: list) -> bool:
-        return len(caches) == len(self.slots) and all(
-            c.k is s.k and c.v is s.v for c, s in zip(caches, self.slots, strict=True)
-        )
-
-    def _run(self) -> torch.Tensor:
-        return self._step(
-            self.model, self.slots, self.tokens, self.positions, self.column, self.padding, self.cols
-        )
-
-    def _capture(self) -> None:
-        """The torch.cuda.CUDAGraph recipe: warm up on a side stream, then record one step into a graph.
-
-        The warm-up steps run for real with the current inputs: they write this step's K/V into `column`, the
-        same values the replay that follows writes again, so the cache is unchanged by them.
-        """
-        device = self.tokens.device
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_STEPS):
-                self._run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.out = self._run()  # recorded, not run; its storage is the graph's static output
-        self.graph = graph
-        self.captures += 1
-        torch.cuda.synchronize(device)
-        self.capture_s += time.perf_counter() - t0
-
-    def __call__(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        caches: list,
-        padding: torch.Tensor | None = None,
-        last_only: bool = False,
-    ) -> torch.Tensor:
-        if (
-            ids.size(1) != 1
-        ):  # prefill: the ordinary eager forward; once per generation, so check everything here
-            assert self.matches(self.model, caches), (
-                "static-graph runner is stale (model parameters moved, switches changed, or other caches); "
-                "get one from decode_runner"
-            )
-            return self.model(ids, positions, caches, padding, last_only)
-        assert self._holds(caches), "runner called with caches it was not built for"
-        n, _ = caches[0].check_capacity(
-            1, "static-graph"
-        )  # n: tokens cached so far = the column this step writes
-        self.tokens.copy_(ids)
-        self.positions.copy_(positions)
-        self.column.fill_(n)
-        if padding is None:
-            self.padding.fill_(True)
-        else:
-            assert padding.shape == (ids.size(0), n + 1), (
-                f"padding {tuple(padding.shape)} != {(ids.size(0), n + 1)}"
-            )
-            self.padding[:, : n + 1].copy_(padding.bool())
-        if self.use_graph:
-            if self.graph is None:
-                self._capture()
-            self.graph.replay()
-            logits = self.out.clone()  # the static output is overwritten by the next replay
-        else:
-            logits = self._run()
-        for c in caches:
-            c.length = n + 1
-        self.fixed_steps += 1
-        return logits
-
-
-def decode_runner(model: GPT, caches: list) -> FixedShapeDecoder:
-    """The runner for these caches: reused while model, its parameter storage and the buffers match (one capture
-    per cache set); rebuilt (and re-captured) otherwise."""
-    runner = caches[0].runner
-    if runner is None or not runner.matches(model, caches):
-        runner = FixedShapeDecoder(model, caches)
-        caches[0].runner = runner
-    return runner
 
 
 def make_static_graph_cache(c, batch, max_len, dtype, device) -> StaticGraphCache:
@@ -342,5 +39,7 @@ SPEC = CacheSpec(
     "static-graph",
     "static buffers + fixed-shape decode step over the whole buffer, one CUDA graph replay per token",
     make_static_graph_cache,
-    decode_runner=decode_runner,
+    traffic=Traffic("attends over its whole buffer (capacity slots, masked)", whole_buffer=True),
+    memory_note="the static cache's buffers; the CUDA graph's private memory pool is not part of nbytes",
+    fixed_step=True,
 )

@@ -18,7 +18,7 @@ from typer.core import TyperGroup
 
 from kvbench import __version__, console, hugepages
 from kvbench.errors import KVBenchError
-from kvbench.validate import COMPILE_ENV, PROBE_ENV, compile_setting, probe_bytes_setting
+from kvbench.validate import PROBE_ENV, probe_bytes_setting
 
 # The click that Typer runs on: vendored as typer._click in recent Typer, the click package before.
 click = getattr(typer_core, "_click", None) or __import__("click")
@@ -79,6 +79,11 @@ TokenizerOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout and nothing else.")]
+COMPILE_HELP = (
+    "How static-graph's fixed-shape decode step runs: off (eager), default (torch.compile), or max (CPU only: "
+    "weights frozen into the step, GEMMs autotuned over Inductor's C++ templates). The first step compiles."
+)
+CompileOpt = Annotated[str, typer.Option("--compile", help=COMPILE_HELP)]
 
 
 def _dtype_opt(default: str) -> object:
@@ -154,7 +159,6 @@ def _root(
     """kvbench: generate, verify, break, bench and memory over one GPT-2 core."""
     VERBOSE["on"] = verbose
     try:  # read again where they are used; checked here so a typo stops the run before it starts
-        compile_setting(os.environ.get(COMPILE_ENV, ""))
         probe_bytes_setting(os.environ.get(PROBE_ENV, ""))
         hugepages.check()
     except KVBenchError as e:
@@ -167,7 +171,6 @@ def _root(
 def quiet_libraries() -> None:
     """Keep transformers' and huggingface_hub's loading bars, advisories and warnings off the terminal: kvbench
     reports what matters itself. Environment variables the user set win."""
-    import os
     import sys
     import warnings
 

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from kvbench import console
 from kvbench.cli.app import (
+    COMPILE_HELP,
     DeviceOpt,
     JsonOpt,
     ModelOpt,
@@ -117,6 +118,7 @@ def bench(
             "a shared machine hits every row alike (rows are written when the prompt length's rounds end).",
         ),
     ] = None,
+    compile: Annotated[str | None, typer.Option("--compile", help=COMPILE_HELP + " Default: off.")] = None,
     json_out: JsonOpt = False,
     hf: HFOpt = None,
     trust_remote_code: TrustOpt = False,
@@ -137,7 +139,7 @@ def bench(
     overrides = dict(
         prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
         warmup=warmup, model=model, weights=weights, device=device, dtype=dtype, seed=seed, threads=threads, out=out,
-        fill=fill, order=order,
+        fill=fill, order=order, compile=compile,
     )  # fmt: skip
     if hf is not None:  # the same checks, folder, sweep and files; the model and its engine from cli/hf.py
         from kvbench.cli.hf import prepare_bench_hf
@@ -163,7 +165,7 @@ def bench(
         )
         # the checkpoint's own shape, when --weights is a folder
         B.check_sizes(settings, loaded.config, dt, dev)
-        engines = B.build_engines(loaded.model, settings.engine)
+        engines = B.build_engines(loaded.model, settings.engine, settings.compile)
         notes, extra_meta = B.sweep_warnings(settings), None
     bandwidth = measure_bandwidth(dev)
     run_dir = report.create_run_dir(out_dir, force)  # only now: a rejected command leaves no folder behind
@@ -223,7 +225,7 @@ def random_fill_sweep(settings, out_dir, force: bool, config_path, json_out: boo
         lambda progress: run_context_sweep(
             loaded.model, settings.caches, settings.prompt_len, settings.new_tokens, settings.repeats,
             settings.warmup, settings.batch, bandwidth, recorder.dtype, recorder.device_label, seed=settings.seed,
-            on_result=recorder.add, on_progress=progress,
+            on_result=recorder.add, on_progress=progress, compile=settings.compile,
         ),
     )  # fmt: skip
     if json_out:

@@ -9,6 +9,7 @@ import typer
 
 from kvbench import console
 from kvbench.cli.app import (
+    CompileOpt,
     DeviceOpt,
     JsonOpt,
     ModelOpt,
@@ -76,12 +77,14 @@ def generate(
     dtype: str = _dtype_opt("auto"),
     seed: SeedOpt = 0,
     tokenizer: TokenizerOpt = None,
+    compile: CompileOpt = "off",
     json_out: JsonOpt = False,
 ) -> None:
     """Generate text through any cache (and batches of prompts). Greedy by default; streams a single prompt."""
     texts = read_prompts(prompt, prompts, prompts_file)
     from kvbench import validate
     from kvbench.caches import get_cache_spec
+    from kvbench.fixed_step import check_compile
     from kvbench.generation import Sampler
     from kvbench.generation import generate as run_generate
     from kvbench.tokenizer import load_tokenizer
@@ -90,6 +93,7 @@ def generate(
     validate.integer("--max-new-tokens", max_new_tokens, 1)
     validate.integer("the number of prompts", len(texts), 1, validate.MAX_BATCH)
     get_cache_spec(cache)
+    check_compile(compile)
     sampler = Sampler(temperature=temperature, top_k=top_k, seed=seed)
     tok = load_tokenizer(tokenizer)
     ids = [tok.encode(t) for t in texts]
@@ -101,6 +105,7 @@ def generate(
     validate.fits_context("prompt length" if len(ids) == 1 else "longest prompt", longest, max_new_tokens,
                           cfg.block_size, "use a shorter prompt or fewer --max-new-tokens")  # fmt: skip
     loaded, dev, dt = load_for_cli(model, weights, device, dtype, seed)
+    check_compile(compile, dev.type)
     vocab = loaded.config.vocab_size
     for i, p in enumerate(ids):
         if max(p) >= vocab:
@@ -115,10 +120,12 @@ def generate(
         sampler=sampler,
         stop_token=tok.eot_id if stop_at_eot else None,
         on_token=stream.push if stream else None,
+        compile=compile,
     )
     if stream:
         stream.close()
     doc = generation_report(texts, result, tok, loaded, dev, dt, sampler, tokenizer_source=tok.source)
+    doc["settings"]["compile"] = compile
     if json_out:
         console.print_json(doc)
     else:

@@ -9,6 +9,7 @@ from rich.text import Text
 
 from kvbench import console
 from kvbench.cli.app import (
+    CompileOpt,
     DeviceOpt,
     JsonOpt,
     ModelOpt,
@@ -52,6 +53,7 @@ def verify(
     device: DeviceOpt = "auto",
     dtype: str = _dtype_opt("fp32"),
     seed: SeedOpt = 0,
+    compile: CompileOpt = "off",
     json_out: JsonOpt = False,
     hf: HFOpt = None,
     trust_remote_code: TrustOpt = False,
@@ -67,7 +69,12 @@ def verify(
         from kvbench.cli.hf import refuse_gpt2_options, run_verify_hf
 
         refuse_gpt2_options(
-            **{"--model": model, "--weights": weights != "auto", "--reference": reference != "hf"}
+            **{
+                "--model": model,
+                "--weights": weights != "auto",
+                "--reference": reference != "hf",
+                "--compile": compile != "off",
+            }
         )
         report, meta = run_verify_hf(
             hf, caches=caches, prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, device=device,
@@ -75,7 +82,7 @@ def verify(
         )  # fmt: skip
     else:
         report, meta = _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weights, device, dtype,
-                                    seed, on_row, trust_remote_code, layers)  # fmt: skip
+                                    seed, on_row, trust_remote_code, layers, compile)  # fmt: skip
     if json_out:
         from dataclasses import asdict
 
@@ -87,9 +94,10 @@ def verify(
 
 
 def _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weights, device, dtype, seed, on_row,
-                 trust_remote_code, layers):  # fmt: skip
+                 trust_remote_code, layers, compile):  # fmt: skip
     from kvbench import validate
     from kvbench.caches import parse_cache_names
+    from kvbench.fixed_step import check_compile
     from kvbench.verify import random_prompts, run_verify
     from kvbench.weights import peek_config
 
@@ -97,6 +105,7 @@ def _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weight
         if value:
             raise KVBenchError(f"{flag} applies to --hf models only")
     names = parse_cache_names(caches)
+    check_compile(compile)
     if reference not in ("hf", "none"):
         raise KVBenchError(f"--reference must be hf or none, got {reference!r}")
     validate.integer("--new-tokens", new_tokens, 2, why="the logits check needs a decode step")
@@ -112,9 +121,13 @@ def _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weight
         "--prompt-len", prompt_len, new_tokens, cfg.block_size, "lower --prompt-len or --new-tokens"
     )
     loaded, dev, dt, hf_dir = load_for_checks(model, weights, device, dtype, seed)
+    check_compile(compile, dev.type)
     prompts = random_prompts(loaded.config.vocab_size, prompt_len, batch, seed)
-    report = run_verify(loaded.model, names, prompts, new_tokens, reference, hf_dir, on_row=on_row)
-    meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev), "dtype": report.dtype}
+    report = run_verify(
+        loaded.model, names, prompts, new_tokens, reference, hf_dir, on_row=on_row, compile=compile
+    )
+    meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev), "dtype": report.dtype,
+            "compile": compile}  # fmt: skip
     return report, meta
 
 
