@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import resource
-import sys
-
 import torch
 
 from kvbench.errors import KVBenchError
@@ -115,15 +112,3 @@ def memory_peak(device: torch.device) -> float:
         return float(torch.cuda.max_memory_allocated(device))
     kib = _proc_status_kib("VmHWM")
     return float("nan") if kib is None else kib * 1024.0
-
-
-def peak_memory(device: torch.device) -> dict[str, float]:
-    """Peak memory in MiB. CUDA: allocated and reserved by PyTorch's allocator since the last reset.
-    CPU: the process's peak resident set size (it cannot be reset, so it is a high-water mark of the whole run)."""
-    if device.type == "cuda":
-        return {
-            "peak_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20,
-            "peak_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20,
-        }
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return {"peak_rss_mib": rss / (2**20 if sys.platform == "darwin" else 2**10)}

@@ -59,11 +59,6 @@ class Bandwidth:
     read_kernel: str = "sum"  # which read kernel read_gbps comes from (sum, or mv: a matrix-vector product)
     read_by_kernel: dict = field(default_factory=dict)  # median GB/s of each read kernel tried
 
-    def fits_in_cache(self, step_bytes: float) -> bool:
-        """A step whose bytes fit in the last-level cache is read from the cache, not memory, and can run below this
-        floor (x_floor < 1): the floor bounds steps larger than the cache."""
-        return self.llc_bytes is not None and step_bytes <= self.llc_bytes
-
     @property
     def gbps(self) -> float:
         return self.read_gbps if self.used == "read" else self.copy_gbps

@@ -38,9 +38,6 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids)
 
-    def decode_token(self, token_id: int) -> bytes:
-        return self.encoding.decode_single_token_bytes(token_id)
-
 
 def _encoding_from_ranks(ranks: dict[bytes, int], label: str):
     import tiktoken
