@@ -34,7 +34,9 @@ class BenchSettings:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # fp16 on CUDA, fp32 on the CPU
     seed: int = 0  # random weights and the random prompt ids
-    prompt_len: list[int] = field(default_factory=lambda: [16, 128, 512])  # the seed's three prompt lengths
+    prompt_len: list[int] = field(
+        default_factory=lambda: [16, 128, 512]
+    )  # a short, a medium and a long prompt
     new_tokens: int = 400  # generated tokens per run (the first from the prefill, the rest decode steps)
     caches: list[str] = field(default_factory=lambda: list(CACHES))  # every registered cache by default
     engine: list[str] = field(default_factory=lambda: ["kvbench", "hf"])  # hf-compiled on request

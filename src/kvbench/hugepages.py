@@ -2,9 +2,9 @@
 
 A decode step on the CPU streams every weight once: ~500 MB for gpt2 fp32. In 4 KiB pages that is ~120k pages, and
 each new page costs a TLB walk and restarts the hardware prefetcher's stream; in 2 MiB pages the same reads run
-faster (2-core x86 reference host, 2026-11: 48 gpt2 block matrix-vector products 16.8 -> 14.2 ms, a 1 GiB sum
-20 -> 27 GB/s). PyTorch's CPU allocator asks the kernel for huge pages (madvise MADV_HUGEPAGE) for every buffer of
-2 MiB or more when THP_MEM_ALLOC_ENABLE=1 is set at its first allocation, i.e. before torch is imported.
+faster (docs/bench.md has the measurements). PyTorch's CPU allocator asks the kernel for huge pages (madvise
+MADV_HUGEPAGE) for every buffer of 2 MiB or more when THP_MEM_ALLOC_ENABLE=1 is set at its first allocation, i.e.
+before torch is imported.
 
 The `kvbench` command sets it for its own process, unless the variable is already set (THP_MEM_ALLOC_ENABLE=0
 measures with ordinary pages). Everything in the process gets the same pages: our weights, transformers' weights,

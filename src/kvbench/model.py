@@ -238,7 +238,7 @@ class GPT(nn.Module):
         """Logits for every input token.
 
         idx: (B, T) token ids; positions: (B, T) absolute positions, owned by the caller (never guessed here from a
-        length: that guess is the seed's bug 1); caches: one cache object per layer, or None to attend only within
+        length: that guess is the classic position bug); caches: one cache object per layer, or None to attend only within
         `idx` (the no-cache path); padding_mask: (B, past + T), 1 for real tokens and 0 for padding, over every
         column the caches hold plus this call's. Returns (B, T, V), or (B, 1, V) for the last token with
         `last_only` (what generation samples from: it skips the vocabulary projection of every other position).

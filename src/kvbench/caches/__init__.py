@@ -1,7 +1,7 @@
 """The registry of KV-cache designs: built-in ones by name, plugins by `pkg.module:ClassOrSpec` or entry point.
 
     none          no cache: full forward over the whole sequence every step
-    dynamic       dynamic.py       torch.cat append (the seed's cache)
+    dynamic       dynamic.py       torch.cat append
     static        static.py        preallocated buffers + write pointer
     static-graph  static_graph.py  static buffers + a fixed-shape decode step (one CUDA graph replay per token)
     paged         paged.py         a pool of 16-token blocks + block tables

@@ -1,4 +1,4 @@
-"""The `dynamic` cache: the seed's torch.cat append, kept as the baseline whose copying `bench` measures."""
+"""The `dynamic` cache: torch.cat append, the baseline whose copying `bench` measures."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from kvbench.caches.base import CacheSpec, LayerCache, Traffic
 
 
 class DynamicCache(LayerCache):
-    """The seed's cache: append with `torch.cat`, which allocates a new tensor and copies all history every step.
+    """Append with `torch.cat`, which allocates a new tensor and copies all history every step.
 
     Kept on purpose as the baseline whose copying cost `bench` measures: each update re-copies the `length` cached
     tokens of K and V, so growing from n0 to n1 tokens one at a time copies
@@ -41,7 +41,7 @@ class DynamicCache(LayerCache):
 
 SPEC = CacheSpec(
     "dynamic",
-    "torch.cat append (the seed's cache): copies all history every step",
+    "torch.cat append: copies all history every step",
     lambda c, b, n, dt, dev: DynamicCache(),
     traffic=Traffic(
         "torch.cat re-copies the history: reads and writes L-1 slots",

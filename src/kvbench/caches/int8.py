@@ -11,7 +11,7 @@ stored scale, so the bound holds for what is stored). A row of zeros gets scale 
 Memory per token per head: Dh bytes + one scale, against 2 * Dh bytes in fp16. For GPT-2 (Dh = 64) with fp16 scales
 that is 66 / 128 = 0.516 of an fp16 cache (0.266 of an fp32 cache with fp32 scales: 68 / 256).
 
-Not exact: attention reads x', not x. The tolerance `verify` applies to it is set in the registry (caches.py) from
+Not exact: attention reads x', not x. The tolerance `verify` applies to it is set in its SPEC below from
 the measurements in docs/performance.md. The dequantised (B, H, S, Dh) copy is built every step; `bytes_copied`
 counts it, as it counts torch.cat's copy.
 """

@@ -352,7 +352,7 @@ def _all_caption(plans: list, gpu) -> str:
 
 
 def render_all(plans: list, batch: int, kv_dtype: str, weights_dtype: str) -> None:
-    """Every preset in one table: the seed's table, extended."""
+    """Every preset in one table."""
     from kvbench.memory import fmt_bytes, fmt_tokens
 
     if not plans:
@@ -423,7 +423,8 @@ def render_checks(checks: list) -> None:
 
 
 def render_copy_traffic(traffic: list) -> None:
-    """What a torch.cat cache copies while growing: closed form, the seed's approximation, and our counter."""
+    """What a torch.cat cache copies while growing: the closed form, the common (n1^2 - n0^2)/2 approximation, and
+    our counter."""
     from kvbench.memory import fmt_bytes
 
     cols = ["model", "KV / token", "tokens", "copied (exact)", "seed's (n1²-n0²)/2", "dynamic cache counter"]

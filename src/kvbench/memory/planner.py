@@ -76,7 +76,7 @@ class ModelPlan:
     tp: int  # tensor-parallel degree
     kv_heads_per_gpu: int  # KV heads each GPU holds (replicated when tp > kv_heads; all of MLA's latent)
     layer_bytes_per_token: int  # bytes one layer caches per token (whole model)
-    bytes_per_token: int  # bytes per token over all layers, no window applied: the seed's "KiB / token"
+    bytes_per_token: int  # bytes per token over all layers, no window applied ("KiB / token")
     weights_bytes: int | None  # params x bytes(weights dtype), whole model
     rows: list[PlanRow]  # one per context
     gpu: GPUBudget | None  # the budget, when a GPU was given

@@ -19,7 +19,7 @@ from kvbench.memory.spec import GPUSpec, ModelSpec
 from kvbench.memory.traffic import check_copy_range
 from kvbench.memory.units import MAX_BATCH, fmt_int, parse_bytes, parse_ctx, parse_overhead
 
-DEFAULT_COPY_RANGE = (128, 528)  # the seed's example: a 128-token prompt and 400 new tokens
+DEFAULT_COPY_RANGE = (128, 528)  # a 128-token prompt and 400 new tokens
 DEFAULT_MEASURE_CTX = 1024
 ALL_CONTEXTS = [8 * 1024, 128 * 1024]
 MAX_CONTEXTS = 256  # rows of one table; each is a bisection for the longest context that fits

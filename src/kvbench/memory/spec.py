@@ -68,7 +68,7 @@ class ModelSpec:
 
     @property
     def kv_shape(self) -> str:
-        """What one layer caches per token, in the seed's notation."""
+        """What one layer caches per token."""
         if self.is_mla:
             return f"latent {self.kv_lora_rank}+{self.qk_rope_head_dim}"
         return f"{self.n_kv_heads}x{self.head_dim}"

@@ -1,4 +1,4 @@
-"""What a torch.cat cache copies while a sequence grows: the closed form, and the seed's approximation of it."""
+"""What a torch.cat cache copies while a sequence grows: the closed form, and the common approximation of it."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class CopyTraffic:
     batch: int  # sequences
     bytes_per_token: int  # cache bytes per token over all layers
     exact_bytes: int  # bytes/token x (n0 + (n0+1) + ... + (n1-1)) x batch (windowed layers capped)
-    seed_approx_bytes: int  # the seed's bytes/token x (n1^2 - n0^2) / 2 x batch
+    seed_approx_bytes: int  # the approximation bytes/token x (n1^2 - n0^2) / 2 x batch
     measured_bytes: int | None = None  # the `dynamic` cache's own bytes_copied counter, when it was run
     counter_note: str = ""  # where the counter ran, or why it did not
     working: list[str] = field(default_factory=list)  # the arithmetic
