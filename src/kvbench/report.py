@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import numbers
 import os
 import platform
 import shlex
@@ -124,8 +125,29 @@ def write_csv(path: Path, columns: list[str], rows: list[Any]) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
+def finite_or_null(doc: Any) -> Any:
+    """`doc` with every NaN and infinity (Python or numpy) replaced by None, numpy integers made ints: JSON has no
+    NaN or infinity, and a reader given `NaN` or `Infinity` gets a document that is not JSON."""
+    if isinstance(doc, dict):
+        return {k: finite_or_null(v) for k, v in doc.items()}
+    if isinstance(doc, list | tuple):
+        return [finite_or_null(v) for v in doc]
+    if isinstance(doc, bool | int | str) or doc is None:
+        return doc
+    if isinstance(doc, numbers.Integral):
+        return int(doc)
+    if isinstance(doc, numbers.Real):
+        return float(doc) if math.isfinite(doc) else None
+    return doc
+
+
+def json_text(doc: Any) -> str:
+    """Strict JSON (NaN and infinities as null), indented; values JSON cannot hold (paths) as text."""
+    return json.dumps(finite_or_null(doc), indent=2, default=str, allow_nan=False)
+
+
 def write_json(path: Path, doc: Any) -> None:
-    atomic_write_text(path, json.dumps(doc, indent=2, default=str) + "\n")
+    atomic_write_text(path, json_text(doc) + "\n")
 
 
 def git_revision() -> dict[str, Any]:
