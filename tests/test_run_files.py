@@ -458,3 +458,16 @@ def test_latency_png_is_left_out_past_its_panel_limit(tmp_path):
     assert [p.name for p in pngs] == ["speedup.png"] and not (tmp_path / "latency.png").exists()
     assert not_drawn == [f"latency.png not drawn: {n} prompt lengths (it draws at most {n - 1}; speedup.png shows "
                          "every one, and steps.csv holds every step)"]  # fmt: skip
+
+
+@pytest.mark.parametrize("quoted", [False, True], ids=["plain", "quoted"])
+def test_a_row_of_the_wrong_width_after_blank_lines_is_named_by_its_line(runs, quoted):
+    """Both readers (plain files, and files with a quoted field) count blank lines when naming a line."""
+    base, cand = runs
+    lines = (cand / "steps.csv").read_text().splitlines(keepends=True)
+    if quoted:
+        lines[1] = lines[1].replace("kvbench", '"kvbench"', 1)
+    lines[4:4] = ["\n", "\n", "kvbench,static,8,1\n"]  # lines 5 and 6 blank, line 7 short
+    (cand / "steps.csv").write_text("".join(lines))
+    r, text = invoke("compare", base, cand)
+    assert_one_line(r, text, "steps.csv line 7 has 4 fields, the header 7")

@@ -163,12 +163,13 @@ def bootstrap_medians(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> n
     from scipy.stats import binom
 
     s = np.sort(x)
-    p = np.arange(1, n + 1) / n  # (n,)
     u = rng.random(n_boot)  # (n_boot,)
+    half = int(8 * math.sqrt(n)) + 2  # 16 standard deviations of Binomial(n, 1/2): J never falls outside
 
     def order_statistic(k: int) -> np.ndarray:
-        cdf = binom.sf(k - 1, n, p)  # P(J <= j): at least k of the n draws are <= s[j - 1]
-        return s[np.minimum(np.searchsorted(cdf, u), n - 1)]
+        j = np.arange(max(1, k - half), min(n, k + half) + 1)  # (window,) candidate values of J
+        cdf = binom.sf(k - 1, n, j / n)  # P(J <= j): at least k of the n draws are <= s[j - 1]
+        return s[j[np.minimum(np.searchsorted(cdf, u), len(j) - 1)] - 1]
 
     if n % 2:
         return order_statistic((n + 1) // 2)

@@ -188,13 +188,18 @@ def _parse_plain(text: str, header: list[str], path: Path, what: str) -> pd.Data
     where pandas reads it otherwise: the csv module's reading is then the one used."""
     import io
 
-    # (line number, text) of every non-empty line after the header
-    numbered = [(i, ln) for i, ln in enumerate(text.split("\n"), start=1) if ln][1:]
-    widths = np.fromiter((ln.count(",") + 1 for _, ln in numbered), dtype=np.int64, count=len(numbered))
+    b = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)  # (bytes,)
+    starts = np.concatenate(([0], np.flatnonzero(b == ord("\n")) + 1))  # (lines,) where each line starts
+    ends = np.append(starts[1:] - 1, len(b))  # (lines,) its newline (or the end of the file)
+    body = np.flatnonzero(ends > starts)[1:]  # non-empty lines after the header (line 1)
+    at = np.flatnonzero(b == ord(","))  # (commas,) sorted byte offsets
+    # fields in each line: its commas + 1
+    widths = np.searchsorted(at, ends[body]) - np.searchsorted(at, starts[body]) + 1
     wrong = np.flatnonzero(widths != len(header))
     if len(wrong):
         i = int(wrong[0])
-        raise _wrong_width(path, what, numbered[i][0], int(widths[i]), len(header))
+        raise _wrong_width(path, what, int(body[i]) + 1, int(widths[i]), len(header))
+    numbered = body + 1  # line numbers
     names = [f"c{j}" for j in range(len(header))]  # header names as given (pandas would rename repeated ones)
     df = pd.read_csv(io.StringIO(text), header=None, skiprows=1, names=names, dtype=str, keep_default_na=False,
                      na_values=[""], skip_blank_lines=True, engine="c", quoting=csv.QUOTE_NONE)  # fmt: skip
@@ -203,7 +208,7 @@ def _parse_plain(text: str, header: list[str], path: Path, what: str) -> pd.Data
     df.columns = header
     if any(str(dt) != "object" for dt in df.dtypes):  # pandas versions whose str dtype is not object
         df = df.astype(object)
-    df.attrs["lines"] = np.fromiter((i for i, _ in numbered), dtype=np.int64, count=len(numbered))
+    df.attrs["lines"] = numbered.astype(np.int64)
     return df
 
 
