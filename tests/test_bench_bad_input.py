@@ -124,6 +124,11 @@ CASES = [
     ("order-interleaved-with-fill-random", ["--fill", "random", "--order", "interleaved"], "prefill sweeps"),
     ("config-order-number", ["--config", _toml("order = 1\n")], "order must be a string"),
     ("fill-random-with-none", ["--fill", "random", "--caches", "none,static"], "drop none from --caches"),
+    (
+        "allow-env-change-without-baseline",
+        ["--allow-env-change"],
+        "--allow-env-change applies to --baseline only",
+    ),
     ("fill-random-with-hf", ["--fill", "random", "--engine", "kvbench,hf"], "runs only --engine kvbench"),
     ("fill-random-beyond-positions", ["--fill", "random", "--prompt-len", "256,1k"], "use --model gpt2-long"),
     (
@@ -164,3 +169,110 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypatch, 
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before, (
         "a rejected command changed files"
     )
+
+
+# --- the run folder is this run's alone ---------------------------------------------------------------------------------
+def _held(out):
+    """Another bench is writing into `out` right now: it holds the folder and has written its first row."""
+    from contextlib import ExitStack
+
+    from kvbench import report
+
+    stack = ExitStack()
+    stack.enter_context(report.claimed_run_dir(out, False))
+    (out / "summary.csv").write_text("engine,cache\nkvbench,none\n")
+    return stack
+
+
+def _finished(out):
+    """Another bench started after this one was validated, wrote its run into `out` and ended."""
+    with _held(out):
+        pass
+    return None
+
+
+@pytest.mark.parametrize(
+    "other, force, needle",
+    [
+        (_held, False, "is in use by another kvbench bench that is still running"),
+        (_held, True, "is in use by another kvbench bench that is still running"),
+        (_finished, False, "was written to while this run got ready (it now holds summary.csv)"),
+    ],
+    ids=["held", "held-with-force", "finished"],
+)
+def test_a_second_bench_with_the_same_out_is_refused_and_loses_nothing(
+    tmp_path, monkeypatch, other, force, needle
+):
+    """Both commands were validated while --out did not exist; the other one created it first."""
+    from kvbench.cli import bench as cli_bench
+
+    out = tmp_path / "run"
+    stacks = []
+    # the other run claims --out after this one was validated, before it creates the folder
+    monkeypatch.setattr(cli_bench, "measure_bandwidth", lambda dev: stacks.append(other(out)))
+    argv = [
+        *TINY,
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "4",
+        "--out",
+        str(out),
+        *(["--force"] if force else []),
+    ]
+    result = CliRunner().invoke(app, ["bench", *argv])
+    for stack in stacks:
+        if stack is not None:
+            stack.close()
+    shown = f"exit {result.exit_code}\nstdout: {result.stdout!r}\nstderr: {result.stderr!r}"
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and needle in lines[0], shown
+    assert result.stdout == "" and "Traceback" not in result.output, shown
+    # the other run's row is intact
+    assert (out / "summary.csv").read_text() == "engine,cache\nkvbench,none\n"
+    assert sorted(p.name for p in out.iterdir()) == ["summary.csv"]  # its lock is gone with it, nothing added
+
+
+def test_a_run_folder_is_claimed_once_at_a_time(tmp_path):
+    from kvbench import report
+    from kvbench.errors import KVBenchError
+
+    out = tmp_path / "run"
+    with report.claimed_run_dir(out, False) as p:
+        assert p == out and (out / report.RUN_LOCK).is_file()
+        for force in (False, True):
+            with pytest.raises(KVBenchError, match="in use by another kvbench bench"):
+                report.check_run_dir(str(out), force)
+            with pytest.raises(KVBenchError, match="in use by another kvbench bench"):
+                with report.claimed_run_dir(out, force):
+                    pass
+    assert list(out.iterdir()) == []  # released: the lock file is gone
+    report.check_run_dir(str(out), False)  # and the empty folder can be used again
+    with report.claimed_run_dir(out, False):
+        pass
+
+
+def test_a_run_folder_deleted_mid_run_is_one_line(tmp_path, monkeypatch):
+    import shutil
+
+    from kvbench.cli import bench as cli_bench
+
+    out = tmp_path / "run"
+    real_update = cli_bench._BenchProgress.update
+
+    def update(self, done, total, label):  # the first run has finished; its row is written next
+        if done == 1:
+            shutil.rmtree(out)
+        real_update(self, done, total, label)
+
+    monkeypatch.setattr(cli_bench._BenchProgress, "update", update)
+    argv = [*TINY, "--engine", "kvbench", "--caches", "none,static", "--prompt-len", "8", "--new-tokens", "4",
+            "--out", str(out)]  # fmt: skip
+    result = CliRunner().invoke(app, ["bench", *argv])
+    shown = f"exit {result.exit_code}\nstdout: {result.stdout!r}\nstderr: {result.stderr!r}"
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and lines[-1] == f"error: the run folder disappeared: {out}", shown
+    assert len([ln for ln in lines if ln.startswith("error:")]) == 1 and "Traceback" not in result.output, (
+        shown
+    )
+    assert "kvbench bug" not in result.stderr, shown

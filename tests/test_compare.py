@@ -458,3 +458,79 @@ def test_bench_json_with_baseline_is_one_document(base_run, tmp_path):
     assert [row["cache"] for row in doc["summary"]] == ["static"]
     assert [(row["cache"], row["prompt_len"]) for row in doc["compare"]["rows"]] == [("static", 8)]
     assert len(doc["compare"]["unmatched"]) == 3
+
+
+# --- bench --baseline checks the baseline before the sweep --------------------------------------------------------------
+ONE_ROW = [{"8,32": "8", ",".join(CACHES): "static"}.get(a, a) for a in BENCH]
+
+
+@pytest.mark.parametrize(
+    "meta, needle",
+    [
+        ({"versions__torch": "9.9.9"}, "torch 9.9.9 -> {torch}"),  # baseline -> this run
+        ({"host__huge_pages__THP_MEM_ALLOC_ENABLE": "0"}, "THP_MEM_ALLOC_ENABLE 0 -> "),
+        ({"device_name": "CPU (arm64, 1 threads)"}, "device name CPU (arm64, 1 threads) -> CPU"),
+    ],
+)
+def test_bench_baseline_of_another_environment_stops_before_the_sweep(base_run, tmp_path, meta, needle):
+    base = scaled_copy(base_run, tmp_path / "base", 1.0)
+    torch_version = json.loads((base / "meta.json").read_text())["versions"]["torch"]
+    _edit_meta(base, **meta)
+    r, text = invoke("bench", *ONE_ROW, "--out", tmp_path / "run", "--baseline", base)
+    assert r.exit_code == 2, text
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle.format(torch=torch_version) in lines[0], text
+    assert "kvbench bench --allow-env-change" in lines[0] and r.stdout == "", text
+    assert not (tmp_path / "run").exists()  # stopped before any work
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (["--prompt-len", "16"], "(baseline vs sweep: prompt_len 32,8 vs 16)"),
+        (["--new-tokens", "21"], "(baseline vs sweep: new_tokens 81 vs 21)"),
+        (["--caches", "paged"], "(baseline vs sweep: cache dynamic,static vs paged)"),
+    ],
+)
+def test_bench_baseline_without_a_configuration_in_common_stops_before_the_sweep(
+    base_run, tmp_path, change, needle
+):
+    args = [*ONE_ROW]
+    i = args.index(change[0])
+    args[i + 1] = change[1]
+    r, text = invoke("bench", *args, "--out", tmp_path / "run", "--baseline", base_run)
+    assert r.exit_code == 2, text
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the sweep has no configuration in common with the baseline" in lines[0], text
+    assert needle in lines[0] and r.stdout == "", text
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("in_use", [True, False])
+def test_bench_baseline_measured_with_other_huge_pages_is_compared(base_run, tmp_path, in_use):
+    """Whether the kernel gave huge pages to the probe buffer is measured, not chosen: never a refusal. With the
+    baseline's value set both ways, at least one of the two runs differs from what this run measures."""
+    base = scaled_copy(base_run, tmp_path / "base", 1.0)
+    _edit_meta(base, host__huge_pages__in_use=in_use)
+    r, text = invoke("bench", *ONE_ROW, "--out", tmp_path / "run", "--baseline", base, "--json")
+    assert r.exit_code == 0, text
+    doc = json.loads(r.stdout)
+    assert [(row["cache"], row["prompt_len"]) for row in doc["compare"]["rows"]] == [("static", 8)]
+    field = next(f for f in doc["compare"]["environment"]["context"] if f["name"] == "huge pages in use")
+    assert field["baseline"] is in_use and field["differs"] == (field["candidate"] != in_use)
+    assert (f"huge pages in use {in_use} -> " in r.stderr) == field["differs"], text
+
+
+def test_bench_baseline_across_an_allowed_change_prints_the_bench_table_then_the_comparison(
+    base_run, tmp_path
+):
+    base = scaled_copy(base_run, tmp_path / "base", 1.0)
+    _edit_meta(base, versions__numpy="0.0.1")
+    out = tmp_path / "run"
+    r, text = invoke("bench", *ONE_ROW, "--out", out, "--baseline", base, "--allow-env-change")
+    assert r.exit_code == 0, text
+    assert (
+        0 <= r.stdout.index("bench: gpt2-tiny") < r.stdout.index(f"compare: {out} against baseline {base}")
+    ), text
+    assert "environment changed (allowed): numpy 0.0.1 -> " in r.stdout
+    assert (out / "compare.json").is_file()

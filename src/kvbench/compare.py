@@ -16,8 +16,10 @@ each side, and:
 
 Decode steps of one run are treated as independent draws. They are not quite: a run that was slowed as a whole
 (a busy machine) shifts all its steps together, which no test on the steps can tell from a slower build. The
-threshold absorbs small shifts of that kind, and runs from different environments are refused; beyond that,
-compare runs made on the same, otherwise idle machine.
+threshold absorbs small shifts of that kind, and runs of a different identity (IDENTITY: device, dtype, library
+versions, threads, what was asked for) are refused; what was measured about the machine at run time (CONTEXT: huge
+pages actually given, read bandwidth) is shown side by side and warned about when it differs. Beyond that, compare
+runs made on the same, otherwise idle machine.
 
 TTFT, tokens/s, peak memory, KV bytes and (when both runs have the column) token agreement come from summary.csv.
 """
@@ -32,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.errors import KVBenchError
-from kvbench.runs import KEY, Run, load_run, row_label
+from kvbench.runs import KEY, Run, load_run, row_label, run_level
 
 # Keys that --allow-env-change stops matching on when the two runs differ in them.
 RELAXABLE = ("dtype", "device")
@@ -44,10 +46,11 @@ FAIL_ON = {
 }
 
 
-# --- environment -----------------------------------------------------------------------------------------------------
-# What must be the same for timings to be comparable. The kvbench version and git commit are left out on purpose:
+# --- environment: identity and context ------------------------------------------------------------------------------
+# Identity: what the user or the software chose for a run. Timings are comparable only when it is the same, so a
+# difference is refused (unless --allow-env-change). The kvbench version and git commit are left out on purpose:
 # they are what a comparison is about.
-ENVIRONMENT = (
+IDENTITY = (
     ("device", ("device",)),
     ("device name", ("device_name",)),
     ("dtype", ("dtype",)),
@@ -57,7 +60,16 @@ ENVIRONMENT = (
     ("numpy", ("versions", "numpy")),
     ("CUDA", ("versions", "cuda")),
     ("torch threads", ("versions", "torch_threads")),
-    ("huge pages", ("host", "huge_pages", "in_use")),
+    ("THP_MEM_ALLOC_ENABLE", ("host", "huge_pages", "THP_MEM_ALLOC_ENABLE")),  # huge pages asked for, as set
+)
+# Context: what was measured or found on the machine at run time (whether the kernel actually gave huge pages to a
+# fresh buffer depends on fragmentation and load; the read bandwidth moves with load). Shown side by side and
+# warned about when it differs, never a reason to refuse.
+CONTEXT = (
+    ("huge pages in use", ("host", "huge_pages", "in_use")),
+    ("huge pages advised", ("host", "huge_pages", "advised")),
+    ("kernel THP mode", ("host", "huge_pages", "system")),
+    ("read bandwidth (GB/s)", ("floor", "bandwidth", "gbps")),
 )
 
 
@@ -66,6 +78,17 @@ class EnvChange:
     name: str  # e.g. "torch", "dtype"
     baseline: str | None
     candidate: str | None
+
+
+@dataclass
+class ContextField:
+    """A measured fact about the machine in both runs; `differs` when it changed (a number: by more than the
+    comparison's threshold)."""
+
+    name: str
+    baseline: object
+    candidate: object
+    differs: bool
 
 
 def _dig(doc: dict, path: tuple[str, ...]):
@@ -77,32 +100,88 @@ def _dig(doc: dict, path: tuple[str, ...]):
 
 
 def environment_changes(base_meta: dict, cand_meta: dict) -> list[EnvChange]:
-    """Every environment field whose value differs between the two meta.json files."""
+    """Every identity field whose value differs between the two meta.json files."""
     changes = []
-    for name, path in ENVIRONMENT:
+    for name, path in IDENTITY:
         b, c = _dig(base_meta, path), _dig(cand_meta, path)
         if b != c:
             changes.append(EnvChange(name, None if b is None else str(b), None if c is None else str(c)))
     return changes
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def context_fields(base_meta: dict, cand_meta: dict, threshold: float) -> list[ContextField]:
+    """The context fields either run recorded, side by side."""
+    out = []
+    for name, path in CONTEXT:
+        b, c = _dig(base_meta, path), _dig(cand_meta, path)
+        if b is None and c is None:
+            continue
+        if _is_number(b) and _is_number(c) and b > 0:
+            differs = abs(c / b - 1) > threshold
+        else:
+            differs = b != c
+        out.append(ContextField(name, b, c, differs))
+    return out
+
+
 def describe_changes(changes: list[EnvChange]) -> str:
     return "; ".join(f"{c.name} {c.baseline} -> {c.candidate}" for c in changes)
 
 
+def describe_context(fields: list[ContextField]) -> str:
+    def show(v) -> str:
+        return f"{v:.1f}" if _is_number(v) and not isinstance(v, int) else str(v)
+
+    return "; ".join(f"{f.name} {show(f.baseline)} -> {show(f.candidate)}" for f in fields)
+
+
 # --- statistics ------------------------------------------------------------------------------------------------------
+# Up to this many steps a side is resampled step by step; above it the bootstrap medians are drawn from their
+# distribution directly (bootstrap_medians), which costs the same for 10^6 steps as for 10^4.
+RESAMPLE_UP_TO = 20_000
+
+
+def bootstrap_medians(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """`n_boot` medians of resamples of `x` drawn with replacement, shape (n_boot,).
+
+    Small samples are resampled. For large ones no resample is built: the k-th smallest of n draws from the sorted
+    x is x_(J) with P(J <= j) = P(Binomial(n, j/n) >= k), so J is drawn by inverting that distribution (exact for
+    an odd n; for an even n the two middle order statistics share one uniform draw, which at these sizes moves
+    the interval by far less than its own width)."""
+    n = len(x)
+    if n <= RESAMPLE_UP_TO:
+        out = np.empty(n_boot)
+        chunk = max(1, 2_000_000 // n)  # bounded memory
+        for i in range(0, n_boot, chunk):
+            k = min(chunk, n_boot - i)
+            out[i : i + k] = np.median(x[rng.integers(0, n, (k, n))], axis=1)  # (k,)
+        return out
+    from scipy.stats import binom
+
+    s = np.sort(x)
+    u = rng.random(n_boot)  # (n_boot,)
+    half = int(8 * math.sqrt(n)) + 2  # 16 standard deviations of Binomial(n, 1/2): J never falls outside
+
+    def order_statistic(k: int) -> np.ndarray:
+        j = np.arange(max(1, k - half), min(n, k + half) + 1)  # (window,) candidate values of J
+        cdf = binom.sf(k - 1, n, j / n)  # P(J <= j): at least k of the n draws are <= s[j - 1]
+        return s[j[np.minimum(np.searchsorted(cdf, u), len(j) - 1)] - 1]
+
+    if n % 2:
+        return order_statistic((n + 1) // 2)
+    return (order_statistic(n // 2) + order_statistic(n // 2 + 1)) / 2
+
+
 def median_ratio_ci(
     base: np.ndarray, cand: np.ndarray, level: float, n_boot: int, seed: int
 ) -> tuple[float, float, float]:
     """median(cand) / median(base) and its percentile bootstrap interval at `level` (both sides resampled)."""
     rng = np.random.default_rng(seed)
-    ratios = np.empty(n_boot)
-    chunk = max(1, 2_000_000 // max(len(base), len(cand)))  # bounded memory for long runs
-    for i in range(0, n_boot, chunk):
-        k = min(chunk, n_boot - i)
-        b = np.median(base[rng.integers(0, len(base), (k, len(base)))], axis=1)  # (k,)
-        c = np.median(cand[rng.integers(0, len(cand), (k, len(cand)))], axis=1)  # (k,)
-        ratios[i : i + k] = c / b
+    ratios = bootstrap_medians(cand, n_boot, rng) / bootstrap_medians(base, n_boot, rng)
     lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
     return float(np.median(cand) / np.median(base)), float(lo), float(hi)
 
@@ -117,8 +196,10 @@ def mann_whitney_p(base: np.ndarray, cand: np.ndarray) -> float:
 
 
 def smallest_p(n1: int, n2: int) -> float:
-    """The smallest two-sided p-value Mann-Whitney U can give for samples of these sizes (complete separation)."""
-    return min(1.0, 2 / math.comb(n1 + n2, n1))
+    """The smallest two-sided p-value Mann-Whitney U can give for samples of these sizes (complete separation):
+    2 / C(n1 + n2, n1), in logarithms (the binomial coefficient of two 10^5-step samples has 60,000 digits)."""
+    log_comb = math.lgamma(n1 + n2 + 1) - math.lgamma(n1 + 1) - math.lgamma(n2 + 1)
+    return min(1.0, math.exp(math.log(2) - log_comb))
 
 
 def verdict(ratio: float, p: float, alpha: float, threshold: float) -> str:
@@ -196,6 +277,8 @@ class Comparison:
     relaxed_keys: list[str]  # key fields not matched on because the runs differ in them and that was allowed
     baseline_git: dict | None
     candidate_git: dict | None
+    context: list[ContextField] = field(default_factory=list)  # measured at run time, side by side
+    unfinished: list[str] = field(default_factory=list)  # one line per run whose sweep did not finish
 
     def regressions(self, fail_on: list[str]) -> list[str]:
         """One line per regressed row, for the gates named in `fail_on` (keys of FAIL_ON)."""
@@ -209,8 +292,9 @@ class Comparison:
         return out
 
 
-def _detail(r) -> str:
-    return f"{r.model} {r.weights} {r.dtype} {r.device}, {int(r.new_tokens)} new tokens, batch {int(r.batch)}"
+def _detail(r: pd.Series) -> str:
+    # r["dtype"], not r.dtype: a Series' own .dtype attribute would win
+    return f"{r['model']} {r['weights']} {r['dtype']} {r['device']}, {int(r['new_tokens'])} new tokens, batch {int(r['batch'])}"
 
 
 def _num(row: pd.Series, col: str) -> float:
@@ -218,17 +302,29 @@ def _num(row: pd.Series, col: str) -> float:
     return math.nan if v is None or pd.isna(v) else float(v)
 
 
-def _steps_for(run: Run, row: pd.Series) -> tuple[np.ndarray, list[float]]:
-    """The pooled decode-step latencies of one summary row (steps.csv rows with the same key columns), and the
-    median of each timed repeat where steps.csv says which repeat a step belongs to."""
-    st = run.steps
-    mask = np.ones(len(st), dtype=bool)
-    for col in KEY:
-        if col in st.columns:
-            mask &= (st[col] == row[col]).to_numpy()
-    mine = st.loc[mask]
-    per_repeat = list(mine.groupby("repeat")["latency_ms"].median()) if "repeat" in mine.columns else []
-    return mine["latency_ms"].to_numpy(dtype=float), per_repeat
+class _Steps:
+    """One run's decode steps grouped once by the key columns steps.csv has: a summary row's steps are a lookup."""
+
+    def __init__(self, run: Run) -> None:
+        st = run.steps
+        self.cols = [c for c in KEY if c in st.columns]
+        latency = st["latency_ms"].to_numpy(dtype=float)
+        groups = st.groupby(self.cols, sort=False, dropna=False).indices
+        self.steps = {self._key(k): latency[i] for k, i in groups.items()}
+        self.repeats: dict[tuple, list[float]] = {}
+        if "repeat" in st.columns:
+            medians = st.groupby([*self.cols, "repeat"], sort=False, dropna=False)["latency_ms"].median()
+            for k, m in medians.items():
+                self.repeats.setdefault(self._key(k[:-1]), []).append(float(m))
+
+    def _key(self, k) -> tuple:
+        return k if isinstance(k, tuple) else (k,)
+
+    def of(self, row: pd.Series) -> tuple[np.ndarray, list[float]]:
+        """The pooled decode-step latencies of one summary row (steps.csv rows with the same key columns), and the
+        median of each timed repeat where steps.csv says which repeat a step belongs to."""
+        key = tuple(row[c] for c in self.cols)
+        return self.steps.get(key, np.empty(0)), self.repeats.get(key, [])
 
 
 def repeat_spread(medians: list[float]) -> float:
@@ -236,15 +332,46 @@ def repeat_spread(medians: list[float]) -> float:
     return max(medians) / min(medians) - 1 if len(medians) >= 2 and min(medians) > 0 else 0.0
 
 
-def check_environment(base: Run, cand: Run, allow_env_change: bool) -> list[EnvChange]:
-    """The environment changes between the runs; KVBenchError listing them unless they are allowed."""
-    changes = environment_changes(base.meta, cand.meta)
+def check_environment(
+    base_meta: dict, cand_meta: dict, allow_env_change: bool, command: str = "kvbench compare"
+) -> list[EnvChange]:
+    """The identity changes between two runs; KVBenchError listing them unless they are allowed."""
+    changes = environment_changes(base_meta, cand_meta)
     if changes and not allow_env_change:
         raise KVBenchError(
             f"the runs come from different environments ({describe_changes(changes)}); timings are not comparable. "
-            "Rerun both on the same machine and software, or compare anyway with kvbench compare --allow-env-change"
+            f"Rerun both on the same machine and software, or compare anyway with {command} --allow-env-change"
         )
     return changes
+
+
+def unfinished(run: Run, role: str) -> str | None:
+    """A line saying the run's sweep did not finish and which configurations it lacks; None when it finished (or
+    its meta.json does not say)."""
+    status = run.status
+    if status is None or status == "complete":
+        return None
+    how = {
+        "interrupted": "was interrupted",
+        "running": "did not finish (meta.json says running: it is still running, or was stopped without a word)",
+    }.get(status, f"did not finish (meta.json status {status!r})")
+    planned = run.planned
+    if planned is None:
+        return f"the {role} run {how}: it may lack configurations ({len(run.summary)} in summary.csv)"
+    done = set(
+        zip(run.summary["engine"], run.summary["cache"], run.summary["prompt_len"].astype(int), strict=True)
+    )
+    missing = [p for p in planned if p not in done]
+    if not missing:
+        return f"the {role} run {how}, after its last configuration"
+    shown = ", ".join(f"{e} {c} prompt {n}" for e, c, n in missing[:6])
+    more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+    return f"the {role} run {how}: {len(missing)} of its {len(planned)} configurations are missing ({shown}{more})"
+
+
+def _relaxed(base: pd.DataFrame, cand: pd.DataFrame, allow_env_change: bool) -> list[str]:
+    """With --allow-env-change, runs made in different dtypes or on different devices are matched without them."""
+    return [k for k in RELAXABLE if set(base[k]) != set(cand[k])] if allow_env_change else []
 
 
 def compare_runs(
@@ -262,15 +389,13 @@ def compare_runs(
     if not 0 <= threshold < 1:
         raise KVBenchError(f"--threshold must be at least 0% and below 100%, got {threshold:.0%}")
     base, cand = load_run(baseline, "baseline"), load_run(candidate, "candidate")
-    changes = check_environment(base, cand, allow_env_change)
-    # With --allow-env-change, runs made in different dtypes or on different devices are compared row by row.
-    relaxed = (
-        [k for k in RELAXABLE if set(base.summary[k]) != set(cand.summary[k])] if allow_env_change else []
-    )
+    changes = check_environment(base.meta, cand.meta, allow_env_change)
+    relaxed = _relaxed(base.summary, cand.summary, allow_env_change)
     match = [k for k in KEY if k not in relaxed]
 
     b_rows = {tuple(r[k] for k in match): r for _, r in base.summary.iterrows()}
     c_rows = {tuple(r[k] for k in match): r for _, r in cand.summary.iterrows()}
+    b_steps, c_steps = _Steps(base), _Steps(cand)
     rows: list[RowComparison] = []
     unmatched: list[Unmatched] = []
 
@@ -287,7 +412,7 @@ def compare_runs(
         if failed:
             skip(b, f"status {' and '.join(failed)}: no timings")  # e.g. oom: CUDA ran out of memory
             continue
-        (xb, rb), (xc, rc) = _steps_for(base, b), _steps_for(cand, c)
+        (xb, rb), (xc, rc) = b_steps.of(b), c_steps.of(c)
         empty = [side for side, x in (("baseline", xb), ("candidate", xc)) if len(x) == 0]
         if empty:
             skip(b, f"no decode steps in the {' and '.join(empty)} steps.csv")
@@ -301,7 +426,7 @@ def compare_runs(
         if key not in b_rows:
             skip(c, "only in the candidate")
     if not rows:
-        raise KVBenchError(_nothing_in_common(base, cand, match, unmatched))
+        raise KVBenchError(_nothing_in_common(base.summary, cand.summary, match, unmatched))
     return Comparison(
         baseline=str(base.path),
         candidate=str(cand.path),
@@ -315,19 +440,49 @@ def compare_runs(
         relaxed_keys=relaxed,
         baseline_git=base.meta.get("git"),
         candidate_git=cand.meta.get("git"),
+        context=context_fields(base.meta, cand.meta, threshold),
+        unfinished=[u for u in (unfinished(base, "baseline"), unfinished(cand, "candidate")) if u],
     )
 
 
-def _nothing_in_common(base: Run, cand: Run, match: list[str], unmatched: list[Unmatched]) -> str:
-    if any(u.reason.startswith(("status", "no decode")) for u in unmatched):
-        return f"no row could be compared: {'; '.join(f'{u.engine} {u.cache} prompt {u.prompt_len}: {u.reason}' for u in unmatched)}"
+def _differing(base: pd.DataFrame, cand: pd.DataFrame, match: list[str], other: str = "candidate") -> str:
+    """' (baseline vs candidate: prompt_len 32,8 vs 1008,1032)': the key fields with no value in common."""
     differ = []
     for k in match:
-        vb, vc = sorted(map(str, set(base.summary[k]))), sorted(map(str, set(cand.summary[k])))
+        vb, vc = sorted(map(str, set(base[k]))), sorted(map(str, set(cand[k])))
         if not set(vb) & set(vc):
             differ.append(f"{k} {','.join(vb)} vs {','.join(vc)}")
-    why = f" (baseline vs candidate: {'; '.join(differ)})" if differ else ""
-    return f"the runs have no rows in common{why}; rows are matched on {', '.join(match)}"
+    return f" (baseline vs {other}: {'; '.join(differ)})" if differ else ""
+
+
+def _nothing_in_common(
+    base: pd.DataFrame, cand: pd.DataFrame, match: list[str], unmatched: list[Unmatched]
+) -> str:
+    if any(u.reason.startswith(("status", "no decode")) for u in unmatched):
+        return f"no row could be compared: {'; '.join(f'{u.engine} {u.cache} prompt {u.prompt_len}: {u.reason}' for u in unmatched)}"
+    return f"the runs have no rows in common{_differing(base, cand, match)}; rows are matched on {', '.join(match)}"
+
+
+def check_baseline(
+    base: Run, meta: dict, planned: list[tuple[str, str, int]], allow_env_change: bool
+) -> None:
+    """`bench --baseline`, before the sweep: the run about to be made (its meta.json fields and the configurations
+    it plans, (engine, cache, prompt_len)) must be comparable with the baseline, or the command stops now rather
+    than after the work: the same identity (unless allowed), and at least one configuration in common."""
+    check_environment(base.meta, meta, allow_env_change, command="kvbench bench")
+    level = run_level(meta)
+    sweep = pd.DataFrame([{"engine": e, "cache": c, "prompt_len": p, **level} for e, c, p in planned])
+    if sweep.empty:
+        return
+    sweep["weights"] = sweep["weights"].astype(str)
+    match = [k for k in KEY if k not in _relaxed(base.summary, sweep, allow_env_change)]
+    have = set(base.summary[match].itertuples(index=False, name=None))
+    if not any(k in have for k in sweep[match].itertuples(index=False, name=None)):
+        why = _differing(base.summary, sweep, match, "sweep")
+        raise KVBenchError(
+            f"the sweep has no configuration in common with the baseline{why}; "
+            f"rows are matched on {', '.join(match)}: sweep what the baseline ran, or choose another --baseline"
+        )
 
 
 def _compare_row(b, c, xb, xc, alpha, threshold, n_boot, seed) -> RowComparison:
@@ -383,10 +538,15 @@ def _compare_row(b, c, xb, xc, alpha, threshold, n_boot, seed) -> RowComparison:
 
 # --- options and outputs ---------------------------------------------------------------------------------------------
 def parse_fail_on(text: str | None) -> list[str]:
-    """`slower`, `memory` or `slower,memory` -> the list of gates; None or empty -> no gate."""
-    if not text:
+    """`slower`, `memory` or `slower,memory` -> the list of gates; None (not given) -> no gate. An empty value is
+    refused: a gate that quietly gates nothing would pass every build."""
+    if text is None:
         return []
     names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    if not names:
+        raise KVBenchError(
+            f"--fail-on {text!r} names no gate; give slower, memory or slower,memory (or leave --fail-on out)"
+        )
     bad = [n for n in names if n not in FAIL_ON]
     if bad:
         raise KVBenchError(
@@ -411,12 +571,9 @@ def parse_threshold(text: str) -> float:
     return value
 
 
-def _nan_to_none(v):
-    return None if isinstance(v, float) and math.isnan(v) else v
-
-
 def json_doc(c: Comparison, fail_on: list[str], files: list[Path] | None = None) -> dict:
-    """The whole comparison as one JSON-ready document (NaN -> null)."""
+    """The whole comparison as one JSON-ready document; written with report.json_text, which turns NaN and
+    infinities into null."""
     regressions = c.regressions(fail_on)
     return {
         "baseline": c.baseline,
@@ -431,9 +588,11 @@ def json_doc(c: Comparison, fail_on: list[str], files: list[Path] | None = None)
             "changes": [asdict(e) for e in c.env_changes],
             "allowed": c.env_allowed,
             "not_matched_on": c.relaxed_keys,
+            "context": [asdict(f) for f in c.context],
         },
+        "unfinished": c.unfinished,
         "git": {"baseline": c.baseline_git, "candidate": c.candidate_git},
-        "rows": [{k: _nan_to_none(v) for k, v in asdict(r).items()} for r in c.rows],
+        "rows": [asdict(r) for r in c.rows],
         "unmatched": [asdict(u) for u in c.unmatched],
         "files": [str(f) for f in files or []],
     }

@@ -12,7 +12,7 @@ reach the terminal raw: every C0 and C1 control character but newline and tab is
 
 from __future__ import annotations
 
-import json
+import errno
 import sys
 from typing import Any
 
@@ -47,6 +47,11 @@ class SafeConsole(Console):
             if seg.control is None and escape_controls(seg.text) != seg.text:
                 seg = Segment(escape_controls(seg.text), seg.style)
             yield seg
+
+    def on_broken_pipe(self) -> None:
+        """A reader closing the pipe early raises BrokenPipeError (the CLI's error layer ends the command quietly,
+        cli/app.py) instead of Rich's own exit 1, which reads as a failed check."""
+        raise BrokenPipeError(errno.EPIPE, "the reader closed the pipe")
 
 
 def _console(stderr: bool) -> Console:
@@ -86,9 +91,35 @@ def _one_line(message: str) -> str:
     return " ".join(str(message).split("\n")) if "\n" in str(message) else str(message)
 
 
+def stdout_closed() -> None:
+    """The reader of stdout went away (`kvbench ... | head -1`): point stdout at /dev/null, so nothing written later
+    (nor Python's flush at exit) fails again and prints a second error."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is no file descriptor (captured, replaced)
+        pass
+
+
+def stdout_is_devnull() -> bool:
+    """Is stdout's file descriptor /dev/null (where stdout_closed, or Rich, points a closed pipe)?"""
+    import os
+
+    try:
+        a, b = os.fstat(sys.stdout.fileno()), os.stat(os.devnull)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def print_json(doc: Any) -> None:
-    """One JSON document on stdout and nothing else (for scripts and CI)."""
-    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    """One JSON document on stdout and nothing else (for scripts and CI): strict JSON, NaN and infinities null."""
+    from kvbench.report import json_text
+
+    sys.stdout.write(json_text(doc) + "\n")
     sys.stdout.flush()
 
 

@@ -22,6 +22,11 @@ from kvbench.caches import CACHES  # noqa: E402
 ENGINE_STYLE = {"kvbench": "-", "hf": "--", "hf-compiled": "-."}
 ENGINE_LABEL = {"kvbench": "kvbench", "hf": "transformers", "hf-compiled": "transformers compiled"}
 ENGINE_ORDER = list(ENGINE_STYLE)
+# latency.png draws two panels per prompt length (about 0.4 s each on a small CPU); past this many prompt lengths
+# it is not drawn (speedup.png still shows every one), so a long sweep, or one stopped by a signal, ends promptly.
+MAX_LATENCY_PANELS = 12
+# At most this many labelled ticks on a prompt-length or context axis; more are left to matplotlib's locator.
+MAX_TICKS = 16
 
 
 def _colour(cache: str) -> str:
@@ -78,22 +83,29 @@ def _title(meta: dict) -> str:
     return f"{meta.get('model', '?')} ({meta.get('weights', '?')}) · {meta.get('device_name', '?')} · {meta.get('dtype', '?')}"
 
 
+def _prompt_lens(summary: pd.DataFrame) -> list:
+    ok = summary[summary["status"] == "ok"]
+    return sorted(ok["prompt_len"].unique()) or sorted(summary["prompt_len"].unique())
+
+
 def latency_figure(summary: pd.DataFrame, steps: pd.DataFrame, meta: dict, path: Path) -> Path:
     """Per prompt length, two panels: decode latency by step (median over repeats) and cumulative time including
     the prefill (the first token at TTFT), one line per engine x cache."""
     ok = summary[summary["status"] == "ok"]
-    prompt_lens = sorted(ok["prompt_len"].unique()) or sorted(summary["prompt_len"].unique())
+    prompt_lens = _prompt_lens(summary)
     n = max(len(prompt_lens), 1)
+    # every series' median step curve at once: (engine, cache, prompt_len, step) -> median latency
+    medians = steps.groupby(["engine", "cache", "prompt_len", "step"])["latency_ms"].median()
+    curves = {k: g.droplevel([0, 1, 2]) for k, g in medians.groupby(level=[0, 1, 2])}
     fig, axes = plt.subplots(n, 2, figsize=(13, 3.9 * n + 0.6), squeeze=False)  # a row per prompt length
     for row, plen in enumerate(prompt_lens):
         ax_step, ax_cum = axes[row]
         sub = ok[ok["prompt_len"] == plen]
         all_ms = []
         for engine, cache in _series(sub):
-            st = steps[(steps.engine == engine) & (steps.cache == cache) & (steps.prompt_len == plen)]
-            if st.empty:
+            per_step = curves.get((engine, cache, plen))  # (decode steps,)
+            if per_step is None or per_step.empty:
                 continue
-            per_step = st.groupby("step")["latency_ms"].median()  # (decode steps,)
             ttft_ms = float(sub[(sub.engine == engine) & (sub.cache == cache)]["ttft_ms"].iloc[0])
             kw = dict(color=_colour(cache), linestyle=ENGINE_STYLE.get(engine, ":"), linewidth=1.4)
             # decode step j produces token j + 1; token 1 comes from the prefill
@@ -194,7 +206,8 @@ def speedup_figure(summary: pd.DataFrame, meta: dict, path: Path) -> Path:
     for ax in (ax_sp, ax_tp):
         if len(plens) > 1 and plens[-1] / plens[0] >= 4:
             ax.set_xscale("log", base=2)
-        ax.set_xticks(plens)
+        if len(plens) <= MAX_TICKS:
+            ax.set_xticks(plens)
         ax.xaxis.set_major_formatter(_PLAIN)
         ax.xaxis.set_minor_locator(NullLocator())
         ax.grid(True, which="major", alpha=0.3)
@@ -206,14 +219,24 @@ def speedup_figure(summary: pd.DataFrame, meta: dict, path: Path) -> Path:
     return path
 
 
-def write_plots(run_dir: Path, summary: pd.DataFrame, steps: pd.DataFrame, meta: dict) -> list[Path]:
-    """Both figures into `run_dir`, or none when no configuration finished."""
+def write_plots(
+    run_dir: Path, summary: pd.DataFrame, steps: pd.DataFrame, meta: dict, not_drawn: list[str] | None = None
+) -> list[Path]:
+    """Both figures into `run_dir`, or none when no configuration finished. latency.png is left out past
+    MAX_LATENCY_PANELS prompt lengths; the reason is appended to `not_drawn`."""
     if summary.empty or (summary["status"] != "ok").all():
         return []
-    return [
-        latency_figure(summary, steps, meta, run_dir / "latency.png"),
-        speedup_figure(summary, meta, run_dir / "speedup.png"),
-    ]
+    out = []
+    n = len(_prompt_lens(summary))
+    if n <= MAX_LATENCY_PANELS:
+        out.append(latency_figure(summary, steps, meta, run_dir / "latency.png"))
+    elif not_drawn is not None:
+        not_drawn.append(
+            f"latency.png not drawn: {n} prompt lengths (it draws at most {MAX_LATENCY_PANELS}; speedup.png shows "
+            "every one, and steps.csv holds every step)"
+        )
+    out.append(speedup_figure(summary, meta, run_dir / "speedup.png"))
+    return out
 
 
 def _context_label(n: float) -> str:
@@ -251,7 +274,8 @@ def context_figure(summary: pd.DataFrame, meta: dict, path: Path) -> Path:
     shown = cross is not None and lo / 4 <= cross <= hi * 4
     for a in (ax, ax_x):
         a.set_xscale("log", base=2)
-        a.set_xticks(contexts)
+        if len(contexts) <= MAX_TICKS:
+            a.set_xticks(contexts)
         a.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _context_label(x)))
         a.xaxis.set_minor_locator(NullLocator())
         a.grid(True, which="major", alpha=0.3)
@@ -339,18 +363,21 @@ def compare_figure(comparison, path: Path) -> Path:
     ax.axvline(1.0, color="0.35", linewidth=1, zorder=1)
     for i, r in enumerate(rows):
         colour = VERDICT_COLOUR.get(r.verdict, "black")
-        ax.errorbar(
-            r.tpot_ratio, i, xerr=[[r.tpot_ratio - r.ci_low], [r.ci_high - r.tpot_ratio]],
-            fmt="o", color=colour, ecolor=colour, elinewidth=2, capsize=4, markersize=6, zorder=3,
-        )  # fmt: skip
+        # The interval drawn as it is, from ci_low to ci_high: at a low confidence level (a large --alpha) it can
+        # be narrower than the ratio's distance from its centre, and leave the ratio outside it.
+        ax.plot([r.ci_low, r.ci_high], [i, i], color=colour, linewidth=2, zorder=2)
+        ax.plot(
+            [r.ci_low, r.ci_high], [i, i], linestyle="none", marker="|", markersize=9, color=colour, zorder=2
+        )
+        ax.plot([r.tpot_ratio], [i], "o", color=colour, markersize=6, zorder=3)
         mark = "" if r.steady else " *"
-        ax.annotate(f"×{r.tpot_ratio:.3f}  {r.verdict}{mark}", (r.ci_high, i), xytext=(7, 0),
+        ax.annotate(f"×{r.tpot_ratio:.3f}  {r.verdict}{mark}", (max(r.ci_high, r.tpot_ratio), i), xytext=(7, 0),
                     textcoords="offset points", va="center", fontsize=8.5, color=colour)  # fmt: skip
     ax.set_yticks(y, [r.label for r in rows])
     ax.invert_yaxis()
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    lo = min([r.ci_low for r in rows] + [1 - 1.5 * t, 0.9])
-    hi = max([r.ci_high for r in rows] + [1 + 1.5 * t, 1.1])
+    lo = min([min(r.ci_low, r.tpot_ratio) for r in rows] + [1 - 1.5 * t, 0.9])
+    hi = max([max(r.ci_high, r.tpot_ratio) for r in rows] + [1 + 1.5 * t, 1.1])
     pad = 0.05 * (hi - lo)
     ax.set_xlim(lo - pad, hi + 0.28 * (hi - lo))  # room on the right for the labels
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}×"))

@@ -9,12 +9,14 @@ from __future__ import annotations
 import csv
 import json
 import math
+import numbers
 import os
 import platform
 import shlex
 import subprocess
 import sys
 import time
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,8 @@ def prepare_run_dir(path: str | Path) -> Path:
 
 # What a bench run writes into its folder; --force replaces exactly these.
 BENCH_FILES = ("summary.csv", "steps.csv", "meta.json", "latency.png", "speedup.png", "context.png")
+# Held (locked) in a run folder while a bench writes into it; removed when the run ends.
+RUN_LOCK = ".kvbench-run.lock"
 
 
 def unique_default_run_dir(kind: str = "bench") -> Path:
@@ -68,6 +72,8 @@ def check_run_dir(path: str, force: bool) -> Path:
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise KVBenchError(f"--out {p} exists and is not a folder; choose another --out")
+    if p.is_dir() and _locked_by_another(p):
+        raise KVBenchError(_in_use(p))
     if p.is_dir() and any(p.iterdir()) and not force:
         held = sorted(x.name for x in p.iterdir())
         shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
@@ -83,23 +89,109 @@ def check_run_dir(path: str, force: bool) -> Path:
     return p
 
 
-def create_run_dir(path: Path, force: bool) -> Path:
-    """Create the (validated) run folder once all other validation has passed; with `force`, remove the bench
-    files of an earlier run there first, so no file of that run survives next to the new one."""
-    p = prepare_run_dir(path)
-    if force:
-        for name in BENCH_FILES:
-            (p / name).unlink(missing_ok=True)
-    return p
+def _in_use(p: Path) -> str:
+    return f"--out {p} is in use by another kvbench bench that is still running; wait for it, or choose another --out"
+
+
+def _lock(p: Path) -> int | None:
+    """Lock `p` for this run (an advisory lock the kernel drops when the process ends, however it ends); the open
+    lock file's descriptor. KVBenchError when another run holds it. Where there are no advisory locks (not POSIX),
+    None: the exclusive mkdir and the emptiness check in claimed_run_dir remain."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(p / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise KVBenchError(
+            f"--out {p} is not a writable directory ({e.strerror}); choose another --out"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise KVBenchError(_in_use(p)) from None
+    return fd
+
+
+def _locked_by_another(p: Path) -> bool:
+    """Does a running bench hold `p`'s lock?"""
+    try:
+        import fcntl
+
+        fd = os.open(p / RUN_LOCK, os.O_RDONLY)
+    except (ImportError, OSError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+@contextmanager
+def claimed_run_dir(path: Path, force: bool):
+    """The (validated) run folder, created once all other validation has passed and held for this run alone until
+    the block ends. It is created exclusively and locked, so two benches given the same --out cannot both write
+    there: the second is refused (even with `force`) while the first runs. Without `force` it must still be empty
+    (another command may have filled it since validation); with `force`, the bench files of an earlier run are
+    removed first, so no file of that run survives next to the new one."""
+    p = Path(path).expanduser()
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            p.mkdir()
+            made = True
+        except FileExistsError:
+            made = False
+    except OSError as e:
+        raise KVBenchError(
+            f"--out {p} is not a writable directory ({e.strerror}); choose another --out"
+        ) from None
+    fd = _lock(p)
+    try:
+        held = [] if made or force else sorted(x.name for x in p.iterdir() if x.name != RUN_LOCK)
+        if held:
+            shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+            raise KVBenchError(
+                f"--out {p} was written to while this run got ready (it now holds {shown}); choose a new folder, "
+                "or add --force to replace its bench files"
+            )
+        prepare_run_dir(p)
+        if force:
+            for name in BENCH_FILES:
+                (p / name).unlink(missing_ok=True)
+        yield p
+    finally:
+        if fd is not None:
+            with suppress(OSError):
+                (p / RUN_LOCK).unlink(missing_ok=True)
+            os.close(fd)
+
+
+@contextmanager
+def writing_into(folder: Path):
+    """A write into a run folder that fails becomes one line: the folder was removed while the run wrote into it,
+    or the file system refused (full, read-only)."""
+    try:
+        yield
+    except OSError as e:
+        if not folder.is_dir():
+            raise KVBenchError(f"the run folder disappeared: {folder}") from None
+        raise KVBenchError(f"cannot write into {folder} ({e.strerror or e})") from None
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w", encoding="utf-8", newline="") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with writing_into(path.parent):
+        with tmp.open("w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
 
 def _cell(v: Any) -> Any:
@@ -124,8 +216,29 @@ def write_csv(path: Path, columns: list[str], rows: list[Any]) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
+def finite_or_null(doc: Any) -> Any:
+    """`doc` with every NaN and infinity (Python or numpy) replaced by None, numpy integers made ints: JSON has no
+    NaN or infinity, and a reader given `NaN` or `Infinity` gets a document that is not JSON."""
+    if isinstance(doc, dict):
+        return {k: finite_or_null(v) for k, v in doc.items()}
+    if isinstance(doc, list | tuple):
+        return [finite_or_null(v) for v in doc]
+    if isinstance(doc, bool | int | str) or doc is None:
+        return doc
+    if isinstance(doc, numbers.Integral):
+        return int(doc)
+    if isinstance(doc, numbers.Real):
+        return float(doc) if math.isfinite(doc) else None
+    return doc
+
+
+def json_text(doc: Any) -> str:
+    """Strict JSON (NaN and infinities as null), indented; values JSON cannot hold (paths) as text."""
+    return json.dumps(finite_or_null(doc), indent=2, default=str, allow_nan=False)
+
+
 def write_json(path: Path, doc: Any) -> None:
-    atomic_write_text(path, json.dumps(doc, indent=2, default=str) + "\n")
+    atomic_write_text(path, json_text(doc) + "\n")
 
 
 def git_revision() -> dict[str, Any]:
@@ -214,36 +327,49 @@ def floor_meta(bandwidth) -> dict:
     return {"bandwidth": bandwidth.as_dict(), "note": FLOOR_NOTE, "steps": {}}
 
 
+def device_label(device) -> str:
+    """`cpu`, `cuda`, `cuda:1`: the device as rows and meta.json name it."""
+    return device.type if device.index is None else f"{device.type}:{device.index}"
+
+
+def run_meta(loaded, device, dtype, settings, config_path) -> dict[str, Any]:
+    """The meta.json fields every run folder starts with: the run, the model, the device (status `running`).
+    Also what `bench --baseline` checks against the baseline before the sweep."""
+    from kvbench.bench import settings_dict
+    from kvbench.devices import device_name, dtype_name
+
+    return meta_doc(
+        status="running",
+        config_file=None if config_path is None else str(config_path),
+        settings=settings_dict(settings),
+        model=loaded.config.name,
+        model_config={
+            k: getattr(loaded.config, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+        },
+        weights=loaded.weights,
+        random_weights=loaded.random,
+        device=device_label(device),
+        device_name=device_name(device),
+        dtype=dtype_name(dtype),
+        seed=settings.seed,
+    )
+
+
 class BenchRecorder:
     """A bench run directory: meta.json at the start, summary.csv and steps.csv rewritten (atomically) each time a
     configuration completes, and the plots plus a final meta.json at the end or on interruption."""
 
     def _start(self, run_dir: Path, loaded, device, dtype, settings, config_path) -> None:
         """The fields every run folder shares: the run, the model, the device."""
-        from kvbench.bench import settings_dict
-        from kvbench.devices import device_name, dtype_name
+        from kvbench.devices import dtype_name
 
         self.run_dir = run_dir
         self.dtype = dtype_name(dtype)
-        self.device_label = device.type if device.index is None else f"{device.type}:{device.index}"
+        self.device_label = device_label(device)
         self.summary: list = []
         self.steps: list = []
-        self.meta = meta_doc(
-            status="running",
-            config_file=None if config_path is None else str(config_path),
-            settings=settings_dict(settings),
-            model=loaded.config.name,
-            model_config={
-                k: getattr(loaded.config, k)
-                for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-            },
-            weights=loaded.weights,
-            random_weights=loaded.random,
-            device=self.device_label,
-            device_name=device_name(device),
-            dtype=self.dtype,
-            seed=settings.seed,
-        )
+        self.plot_notes: list[str] = []  # plots not drawn, and why (finish)
+        self.meta = run_meta(loaded, device, dtype, settings, config_path)
 
     def __init__(
         self, run_dir: Path, loaded, device, dtype, settings, config_path, bandwidth=None, extra_meta=None
@@ -292,7 +418,8 @@ class BenchRecorder:
         from kvbench.bench import StepRow, SummaryRow
 
         summary = pd.DataFrame([asdict(r) for r in self.summary], columns=SummaryRow.columns())
-        steps = pd.DataFrame([asdict(r) for r in self.steps], columns=StepRow.columns())
+        # column by column: a long sweep has millions of steps, and asdict per row would take a minute
+        steps = pd.DataFrame({c: [getattr(r, c) for r in self.steps] for c in StepRow.columns()})
         return summary, steps
 
     def finish(self, status: str, engines: dict | None = None) -> list[Path]:
@@ -314,11 +441,18 @@ class BenchRecorder:
         }
         write_json(self.run_dir / "meta.json", self.meta)
         summary, steps = self.frames()
-        pngs = write_plots(self.run_dir, summary, steps, self.meta)
-        self.meta["plots"] = [p.name for p in pngs]
-        write_json(self.run_dir / "meta.json", self.meta)
+        with writing_into(self.run_dir):
+            pngs = write_plots(self.run_dir, summary, steps, self.meta, self.plot_notes)
+        self._plotted(pngs)
         names = ["summary.csv", "steps.csv", "meta.json"]
         return [self.run_dir / n for n in names] + pngs
+
+    def _plotted(self, pngs: list[Path]) -> None:
+        """meta.json again, now with the plots drawn (and those not drawn, with the reason)."""
+        self.meta["plots"] = [p.name for p in pngs]
+        if self.plot_notes:
+            self.meta["plots_not_drawn"] = self.plot_notes
+        write_json(self.run_dir / "meta.json", self.meta)
 
     def add_empty(self) -> None:
         from kvbench.bench import StepRow, SummaryRow
@@ -389,7 +523,7 @@ class ContextRecorder(BenchRecorder):
         self.meta["configurations_failed"] = sum(r.status != "ok" for r in self.summary)
         write_json(self.run_dir / "meta.json", self.meta)
         summary = pd.DataFrame([asdict(r) for r in self.summary], columns=ContextRow.columns())
-        pngs = write_context_plots(self.run_dir, summary, self.meta)
-        self.meta["plots"] = [p.name for p in pngs]
-        write_json(self.run_dir / "meta.json", self.meta)
+        with writing_into(self.run_dir):
+            pngs = write_context_plots(self.run_dir, summary, self.meta)
+        self._plotted(pngs)
         return [self.run_dir / n for n in ("summary.csv", "steps.csv", "meta.json")] + pngs

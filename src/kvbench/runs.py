@@ -1,14 +1,20 @@
 """Reading a bench run folder back: meta.json, summary.csv and steps.csv, checked, with every row's key filled in.
 
-A folder that is not a bench run, a corrupt or non-UTF-8 file, a cell that is not a number: each is a KVBenchError
-naming the file (and the line), never a traceback. Columns are read by name, so files with extra columns (or
-without the optional ones) from other kvbench versions read the same way.
+A folder that is not a bench run, a corrupt or non-UTF-8 file, a column named twice, a cell that is not a number or
+holds one out of its range (an infinite or negative latency, a prompt length of 0): each is a KVBenchError naming
+the file, the line and the column, never a traceback. Every number compare reads, from the CSVs or from meta.json,
+is checked here, so nothing downstream sees NaN where a value is required, an infinity or a negative time. Columns
+are read by name, so files with extra columns (or without the optional ones) from other kvbench versions read the
+same way.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
+import sys
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +32,64 @@ SUMMARY_REQUIRED = ("engine", "cache", "prompt_len")
 STEPS_REQUIRED = ("engine", "cache", "prompt_len", "latency_ms")
 
 
+# --- what a number in a run folder may be ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Number:
+    """The values a numeric field may hold: finite, within [low, high] (above low when `above`), whole if
+    `integer`."""
+
+    low: float
+    high: float
+    integer: bool = False
+    above: bool = False  # strictly above `low`
+
+    def allows(self, v: np.ndarray) -> np.ndarray:
+        with np.errstate(invalid="ignore"):
+            ok = np.isfinite(v) & ((v > self.low) if self.above else (v >= self.low)) & (v <= self.high)
+            if self.integer:
+                ok &= v == np.round(v)
+        return ok
+
+    def problem(self, v: float) -> str:
+        """What is wrong with `v` (a value `allows` refused), for an error message."""
+        if math.isnan(v):
+            return "not a number"
+        if not math.isfinite(v):
+            return "not a finite number"
+        if self.integer and v != round(v):
+            return f"not a whole number (from {self.low:,.0f} to {self.high:,.0f})"
+        low = f"above {self.low:g}" if self.above else f"at least {self.low:g}"
+        return f"out of range (it must be {low} and at most {self.high:,.0f})"
+
+
+WHOLE = Number(1, 2**31 - 1, integer=True)
+MS = Number(0, 86_400_000, above=True)  # a time in ms: above 0, at most a day
+MIB = Number(0, 2**40)  # memory in MiB: an exbibyte at most
+# Every numeric column compare reads; a column not listed is never read as a number.
+NUMBERS = {
+    "prompt_len": WHOLE,
+    "new_tokens": WHOLE,
+    "batch": WHOLE,
+    "repeat": WHOLE,
+    "latency_ms": MS,
+    "ttft_ms": MS,
+    "tpot_ms_median": MS,
+    "tokens_per_s": Number(0, 1e12, above=True),
+    "peak_mem_mib": MIB,
+    "kv_cache_mib": MIB,
+    "token_agreement": Number(0, 1),
+}
+BANDWIDTH_GBPS = Number(0, 1e6, above=True)  # meta.json floor.bandwidth.gbps
+SUMMARY_NUMBERS = (
+    "ttft_ms",
+    "tpot_ms_median",
+    "tokens_per_s",
+    "peak_mem_mib",
+    "kv_cache_mib",
+    "token_agreement",
+)
+
+
 # --- loading a run folder ------------------------------------------------------------------------------------------
 @dataclass
 class Run:
@@ -35,6 +99,18 @@ class Run:
     meta: dict
     summary: pd.DataFrame
     steps: pd.DataFrame
+
+    @property
+    def status(self) -> str | None:
+        """meta.json's status: complete, interrupted, running (still running, or stopped without a word)."""
+        return self.meta.get("status")
+
+    @property
+    def planned(self) -> list[tuple[str, str, int]] | None:
+        """The configurations the sweep set out to run, (engine, cache, prompt_len); None where meta.json does not
+        say (runs from before kvbench recorded it)."""
+        rows = self.meta.get("configurations_planned")
+        return None if rows is None else [(r["engine"], r["cache"], r["prompt_len"]) for r in rows]
 
 
 def weights_kind(desc: object) -> str:
@@ -64,58 +140,184 @@ def _read_json(path: Path, what: str) -> dict:
             doc = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise KVBenchError(f"{what}: {path} is not valid JSON (line {e.lineno}: {e.msg})") from None
+    except RecursionError:
+        raise KVBenchError(f"{what}: {path} is nested too deeply to be a kvbench meta.json") from None
+    except ValueError as e:  # e.g. an integer with more digits than Python converts
+        raise KVBenchError(f"{what}: {path} is not a kvbench meta.json ({e})") from None
     if not isinstance(doc, dict):
         raise KVBenchError(f"{what}: {path} is not a kvbench meta.json (a JSON object was expected)")
     return doc
 
 
 def _read_csv(path: Path, what: str, required: tuple[str, ...]) -> pd.DataFrame:
-    """Every field as text (empty cells: NaN), so a stray value is reported rather than guessed at. Read with the
-    csv module rather than pandas, which would quietly turn a row with extra fields into an index."""
-    try:
-        with _reading(path, what), path.open(encoding="utf-8", newline="") as f:
-            reader = csv.reader(f, strict=True)
-            header = next(reader, None)
-            rows = []
-            for row in reader:
-                if not row:
-                    continue
-                if len(row) != len(header):
-                    raise KVBenchError(
-                        f"{what}: {path} line {reader.line_num} has {len(row)} fields, the header {len(header)} "
-                        "(a corrupt or truncated file?)"
-                    )
-                rows.append(row)
-    except csv.Error as e:
-        raise KVBenchError(f"{what}: {path} is not a valid CSV (line {reader.line_num}: {e})") from None
+    """Every field as text (empty cells: NaN), so a stray value is reported rather than guessed at; each row's line
+    in the file in `df.attrs["lines"]`. A row with more or fewer fields than the header is an error (a parser that
+    filled or folded it would compare the wrong numbers)."""
+    with _reading(path, what):
+        text = path.read_text(encoding="utf-8")
+    first = text.split("\n", 1)[0]
+    # what bench writes: no quoting anywhere
+    plain = '"' not in text and "\r" not in text and "\0" not in text
+    header = (first.split(",") if first else None) if plain else next(csv.reader([first]), None)
     if not header:
         raise KVBenchError(f"{what}: {path} is empty (not even a header line)")
+    df = _parse_plain(text, header, path, what) if plain else None
+    if df is None:
+        header, df = _parse_csv(text, path, what)
+    twice = [name for name, n in Counter(header).items() if n > 1]
+    if twice:
+        raise KVBenchError(f"{what}: {path} names the column {twice[0]!r} more than once (line 1)")
     missing = [c for c in required if c not in header]
     if missing:
         shown = ", ".join(header[:8]) + (", ..." if len(header) > 8 else "")
         raise KVBenchError(
             f"{what}: {path} has no column {', '.join(missing)} (columns: {shown}); is it a kvbench bench file?"
         )
-    df = pd.DataFrame(rows, columns=header, dtype=object)
-    return df.mask(df == "")  # empty cells -> NaN
+    return df
 
 
-def _to_numbers(df: pd.DataFrame, col: str, path: Path, what: str, integer: bool = False) -> None:
-    """Convert one column in place; a cell that is not a number is an error naming file, line and value."""
-    values = pd.to_numeric(df[col], errors="coerce")
-    bad = values.isna() & df[col].notna()
-    if integer:
-        bad |= values.notna() & (values != values.round())
+def _wrong_width(path: Path, what: str, line: int, fields: int, header: int) -> KVBenchError:
+    return KVBenchError(
+        f"{what}: {path} line {line} has {fields} fields, the header {header} (a corrupt or truncated file?)"
+    )
+
+
+def _parse_plain(text: str, header: list[str], path: Path, what: str) -> pd.DataFrame | None:
+    """A CSV without a single quote character (what bench writes): every line is its fields split at commas, so
+    the widths are checked line by line and pandas' C parser reads the cells (a million steps in a second). None
+    where pandas reads it otherwise: the csv module's reading is then the one used."""
+    import io
+
+    b = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)  # (bytes,)
+    starts = np.concatenate(([0], np.flatnonzero(b == ord("\n")) + 1))  # (lines,) where each line starts
+    ends = np.append(starts[1:] - 1, len(b))  # (lines,) its newline (or the end of the file)
+    body = np.flatnonzero(ends > starts)[1:]  # non-empty lines after the header (line 1)
+    at = np.flatnonzero(b == ord(","))  # (commas,) sorted byte offsets
+    # fields in each line: its commas + 1
+    widths = np.searchsorted(at, ends[body]) - np.searchsorted(at, starts[body]) + 1
+    wrong = np.flatnonzero(widths != len(header))
+    if len(wrong):
+        i = int(wrong[0])
+        raise _wrong_width(path, what, int(body[i]) + 1, int(widths[i]), len(header))
+    numbered = body + 1  # line numbers
+    names = [f"c{j}" for j in range(len(header))]  # header names as given (pandas would rename repeated ones)
+    df = pd.read_csv(io.StringIO(text), header=None, skiprows=1, names=names, dtype=str, keep_default_na=False,
+                     na_values=[""], skip_blank_lines=True, engine="c", quoting=csv.QUOTE_NONE)  # fmt: skip
+    if len(df) != len(numbered):
+        return None
+    df.columns = header
+    if any(str(dt) != "object" for dt in df.dtypes):  # pandas versions whose str dtype is not object
+        df = df.astype(object)
+    df.attrs["lines"] = numbered.astype(np.int64)
+    return df
+
+
+def _parse_csv(text: str, path: Path, what: str) -> tuple[list[str], pd.DataFrame]:
+    """Any CSV, quoted fields and all, with the csv module (strict: broken quoting is an error)."""
+    import io
+
+    lines: list[int] = []
+    rows = []
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    try:
+        header = next(reader, None)
+        for row in reader:
+            if not row:
+                continue
+            if len(row) != len(header):
+                raise _wrong_width(path, what, reader.line_num, len(row), len(header))
+            rows.append(row)
+            lines.append(reader.line_num)
+    except csv.Error as e:
+        raise KVBenchError(f"{what}: {path} is not a valid CSV (line {reader.line_num}: {e})") from None
+    if not header:
+        raise KVBenchError(f"{what}: {path} is empty (not even a header line)")
+    df = pd.DataFrame(rows, columns=range(len(header)), dtype=object)
+    df = df.mask(df == "")  # empty cells -> NaN
+    df.columns = header
+    df.attrs["lines"] = np.asarray(lines, dtype=np.int64)
+    return header, df
+
+
+def _shown(v: object, limit: int = 40) -> str:
+    """A value for an error message: its repr, cut short."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _to_numbers(df: pd.DataFrame, col: str, path: Path, what: str) -> None:
+    """Convert one column in place (empty cells stay NaN); a cell that is not a number, or not one the column may
+    hold (NUMBERS), is an error naming the file, the line, the column and the value."""
+    spec = NUMBERS[col]
+    try:  # every cell a number (or empty): numpy converts them all at once
+        values = pd.Series(df[col].to_numpy().astype(float), index=df.index)
+    except (ValueError, TypeError):  # some cell is not: pandas finds which
+        values = pd.to_numeric(df[col], errors="coerce")
+    bad = df[col].notna().to_numpy() & ~spec.allows(values.to_numpy(dtype=float))
     if bad.any():
-        i = int(np.flatnonzero(bad.to_numpy())[0])
-        raise KVBenchError(
-            f"{what}: {path} line {i + 2}: {col} is {df[col].iloc[i]!r}, not a{'n integer' if integer else ' number'}"
-        )
+        i = int(np.flatnonzero(bad)[0])
+        line = int(df.attrs["lines"][i]) if "lines" in df.attrs else i + 2
+        problem = spec.problem(float(values.iloc[i]))
+        raise KVBenchError(f"{what}: {path} line {line}: {col} is {_shown(df[col].iloc[i])}, {problem}")
+    if spec.integer and not values.isna().any():
+        values = values.astype(np.int64)  # whole numbers read back as such (8, not 8.0, in messages and keys)
     df[col] = values
 
 
-def _run_level(meta: dict) -> dict:
-    """The KEY fields one bench run has a single value for, from its meta.json."""
+def _field(meta: dict, path: tuple[str, ...]):
+    doc = meta
+    for k in path:
+        if not isinstance(doc, dict):
+            return None
+        doc = doc.get(k)
+    return doc
+
+
+def _meta_number(meta: dict, path: tuple[str, ...], spec: Number, where: str):
+    """A number meta.json holds, checked like a CSV cell; None when absent."""
+    v = _field(meta, path)
+    if v is None:
+        return None
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        raise KVBenchError(f"{where}: {'.'.join(path)} is {_shown(v)}, not a number")
+    try:
+        f = float(v)
+    except OverflowError:  # an integer beyond any float: out of every range
+        f = sys.float_info.max if v > 0 else -sys.float_info.max
+    if not spec.allows(np.array([f]))[0]:
+        raise KVBenchError(f"{where}: {'.'.join(path)} is {_shown(v)}, {spec.problem(f)}")
+    return int(v) if spec.integer else float(v)
+
+
+def _check_meta(meta: dict, where: str) -> None:
+    """The fields of meta.json that compare reads, of the type and range they must have."""
+    for key in ("settings", "host", "versions", "floor", "git"):
+        if key in meta and meta[key] is not None and not isinstance(meta[key], dict):
+            raise KVBenchError(f"{where}: {key} is {type(meta[key]).__name__}, not an object")
+    for key in ("model", "dtype", "device", "status"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise KVBenchError(f"{where}: {key} is {_shown(meta[key])}, not a name")
+    _meta_number(meta, ("settings", "new_tokens"), WHOLE, where)
+    _meta_number(meta, ("settings", "batch"), WHOLE, where)
+    _meta_number(meta, ("floor", "bandwidth", "gbps"), BANDWIDTH_GBPS, where)
+    planned = meta.get("configurations_planned")
+    if planned is not None:
+        fine = isinstance(planned, list) and all(
+            isinstance(r, dict)
+            and isinstance(r.get("engine"), str)
+            and isinstance(r.get("cache"), str)
+            and isinstance(r.get("prompt_len"), int)
+            and not isinstance(r.get("prompt_len"), bool)
+            for r in planned
+        )
+        if not fine:
+            raise KVBenchError(
+                f"{where}: configurations_planned is not a list of {{engine, cache, prompt_len}} objects"
+            )
+
+
+def run_level(meta: dict) -> dict:
+    """The KEY fields one bench run has a single value for, from its (checked) meta.json."""
     settings = meta.get("settings") if isinstance(meta.get("settings"), dict) else {}
     return {
         "model": meta.get("model"),
@@ -141,12 +343,13 @@ def load_run(path: str | Path, role: str) -> Run:
             f"{what} is not a kvbench run folder (no {', '.join(absent)}); give a folder written by kvbench bench"
         )
     meta = _read_json(p / "meta.json", role)
+    _check_meta(meta, f"{role}: {p / 'meta.json'}")
     summary = _read_csv(p / "summary.csv", role, SUMMARY_REQUIRED)
     steps = _read_csv(p / "steps.csv", role, STEPS_REQUIRED)
     if summary.empty:
         raise KVBenchError(f"{what}: summary.csv has no rows (did the sweep finish any configuration?)")
     # Every KEY column filled in: from summary.csv where it has the column, else the run's one value from meta.json.
-    level = _run_level(meta)
+    level = run_level(meta)
     for col in KEY:
         if col not in summary.columns:
             if level.get(col) is None:
@@ -154,31 +357,22 @@ def load_run(path: str | Path, role: str) -> Run:
             summary[col] = str(level[col])
         elif col == "weights":  # a per-row description, if a bench ever writes one: compare its kind
             summary[col] = summary[col].map(weights_kind)
-    for col in INT_KEYS:
-        _to_numbers(summary, col, p / "summary.csv", role, integer=True)
-    for col in INT_KEYS:
-        if col in steps.columns:
-            _to_numbers(steps, col, p / "steps.csv", role, integer=True)
-    _to_numbers(steps, "latency_ms", p / "steps.csv", role)
-    for col in (
-        "ttft_ms",
-        "tpot_ms_median",
-        "tokens_per_s",
-        "peak_mem_mib",
-        "kv_cache_mib",
-        "token_agreement",
-    ):
+    for col in (*INT_KEYS, *SUMMARY_NUMBERS):
         if col in summary.columns:
             _to_numbers(summary, col, p / "summary.csv", role)
-    empty = summary[list(KEY)].isna().any(axis=1)
+    for col in (*INT_KEYS, "repeat", "latency_ms"):
+        if col in steps.columns:
+            _to_numbers(steps, col, p / "steps.csv", role)
+    empty = summary[list(KEY)].isna().any(axis=1).to_numpy()
     if empty.any():
-        i = int(np.flatnonzero(empty.to_numpy())[0])
+        line = int(summary.attrs["lines"][np.flatnonzero(empty)[0]])
         raise KVBenchError(
-            f"{what}: summary.csv line {i + 2} is incomplete (an empty engine, cache or length)"
+            f"{what}: summary.csv line {line} is incomplete (an empty engine, cache or length)"
         )
-    if steps["latency_ms"].isna().any():
-        i = int(np.flatnonzero(steps["latency_ms"].isna().to_numpy())[0])
-        raise KVBenchError(f"{what}: steps.csv line {i + 2} has no latency_ms (a truncated file?)")
+    no_latency = steps["latency_ms"].isna().to_numpy()
+    if no_latency.any():
+        line = int(steps.attrs["lines"][np.flatnonzero(no_latency)[0]])
+        raise KVBenchError(f"{what}: steps.csv line {line} has no latency_ms (a truncated file?)")
     dup = summary.duplicated(list(KEY))
     if dup.any():
         r = summary[dup].iloc[0]
@@ -188,5 +382,14 @@ def load_run(path: str | Path, role: str) -> Run:
     return Run(p, meta, summary, steps)
 
 
+def printable(text: object) -> str:
+    """`text` with control characters (a newline or a tab in a cache name read from a CSV) written as escapes, so
+    a label stays on one line of a table, a Markdown row or a plot."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in s)
+
+
 def row_label(r) -> str:
-    return f"{r.engine} {r.cache} prompt {int(r.prompt_len)}"
+    return printable(f"{r.engine} {r.cache} prompt {int(r.prompt_len)}")

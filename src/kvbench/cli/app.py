@@ -23,6 +23,10 @@ from kvbench.validate import PROBE_ENV, probe_bytes_setting
 # The click that Typer runs on: vendored as typer._click in recent Typer, the click package before.
 click = getattr(typer_core, "_click", None) or __import__("click")
 
+# The exit status when the reader of stdout goes away early (`kvbench ... | head -1`): 128 + SIGPIPE, what a shell
+# reports for a program the signal stopped. The command ends quietly, with no verdict.
+STDOUT_CLOSED = 141
+
 
 class KVBenchGroup(TyperGroup):
     """Click's own usage errors (an unknown option, `--batch abc`) answered like every other error: one red line
@@ -31,8 +35,18 @@ class KVBenchGroup(TyperGroup):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        was_devnull = console.stdout_is_devnull()
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except BrokenPipeError:  # help or a usage error written to a pipe closed early
+            console.stdout_closed()
+            sys.exit(STDOUT_CLOSED)
+        except SystemExit as e:
+            # Typer's help is printed by a Rich console of its own, which answers a closed pipe by pointing stdout
+            # at /dev/null and exiting 1; seen from here, that is the same closed pipe.
+            if e.code == 1 and not was_devnull and console.stdout_is_devnull():
+                sys.exit(STDOUT_CLOSED)
+            raise
         except click.exceptions.NoArgsIsHelpError as e:
             click.echo(e.ctx.get_help())
             sys.exit(0)
@@ -92,8 +106,8 @@ def _dtype_opt(default: str) -> object:
 
 def handle_errors(fn):
     """The one layer where errors become exit codes: KVBenchError -> red line + exit 2; running out of memory (CPU or
-    CUDA) -> red line + exit 2; Ctrl-C -> exit 130; anything else -> one line naming it as a kvbench bug, exit 70
-    (the traceback with --verbose)."""
+    CUDA) -> red line + exit 2; Ctrl-C -> exit 130; stdout closed by its reader -> quiet exit 141; anything else ->
+    one line naming it as a kvbench bug, exit 70 (the traceback with --verbose)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -105,6 +119,9 @@ def handle_errors(fn):
         except KeyboardInterrupt:
             console.error("interrupted")
             raise typer.Exit(130) from None
+        except BrokenPipeError:
+            console.stdout_closed()
+            raise typer.Exit(STDOUT_CLOSED) from None
         except (typer.Exit, typer.Abort):
             raise
         except Exception as e:

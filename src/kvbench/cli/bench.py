@@ -101,6 +101,14 @@ def bench(
             help="A previous run folder: compare this run against it when the sweep ends (as kvbench compare).",
         ),
     ] = None,
+    allow_env_change: Annotated[
+        bool,
+        typer.Option(
+            "--allow-env-change",
+            help="With --baseline: compare even though the baseline ran on another device, dtype or library "
+            "versions (the changes are printed).",
+        ),
+    ] = False,
     fill: Annotated[
         str | None,
         typer.Option(
@@ -131,10 +139,15 @@ def bench(
     from kvbench import bench as B
     from kvbench import report
 
+    base_run = None
     if baseline is not None:
         from kvbench.runs import load_run
 
-        load_run(baseline, "--baseline")  # a bad folder fails now, not after the sweep
+        base_run = load_run(baseline, "--baseline")  # a bad folder fails now, not after the sweep
+    elif allow_env_change:
+        raise KVBenchError(
+            "--allow-env-change applies to --baseline only (it allows comparing across environments)"
+        )
 
     overrides = dict(
         prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
@@ -167,39 +180,60 @@ def bench(
         B.check_sizes(settings, loaded.config, dt, dev)
         engines = B.build_engines(loaded.model, settings.engine, settings.compile)
         notes, extra_meta = B.sweep_warnings(settings), None
-    bandwidth = measure_bandwidth(dev)
-    run_dir = report.create_run_dir(out_dir, force)  # only now: a rejected command leaves no folder behind
-    for note in notes:  # after every error that could still stop the command
-        console.warn(note)
     # a config given by name (seed) is recorded as the shipped file it stands for
     config_path = None if config is None else B.resolve_config_path(config)
-    recorder = report.BenchRecorder(run_dir, loaded, dev, dt, settings, config_path, bandwidth, extra_meta)
-    files = run_recorded(
-        recorder,
-        lambda progress: B.run_sweep(loaded.model, settings, recorder.dtype, recorder.device_label,
-                                     on_result=recorder.add, on_progress=progress, engines=engines,
-                                     bandwidth=bandwidth),
-        engines,
-    )  # fmt: skip
-    comparison = None
+    planned = B.plan(settings, engines)
+    extra_meta = {
+        **(extra_meta or {}),
+        "configurations_planned": [{"engine": e, "cache": c, "prompt_len": p} for p, e, c in planned],
+    }
+    if base_run is not None:  # the whole baseline check before the sweep: the same identity, rows in common
+        from kvbench.compare import check_baseline
+
+        meta = {**report.run_meta(loaded, dev, dt, settings, config_path), **extra_meta}
+        check_baseline(base_run, meta, [(e, c, p) for p, e, c in planned], allow_env_change)
+    bandwidth = measure_bandwidth(dev)
+    # only now: a rejected command leaves no folder behind
+    with report.claimed_run_dir(out_dir, force) as run_dir:
+        for note in notes:  # after every error that could still stop the command
+            console.warn(note)
+        recorder = report.BenchRecorder(
+            run_dir, loaded, dev, dt, settings, config_path, bandwidth, extra_meta
+        )
+        files = run_recorded(
+            recorder,
+            lambda progress: B.run_sweep(loaded.model, settings, recorder.dtype, recorder.device_label,
+                                         on_result=recorder.add, on_progress=progress, engines=engines,
+                                         bandwidth=bandwidth),
+            engines,
+        )  # fmt: skip
+        if json_out:
+            print_bench_json(recorder, baseline, run_dir, allow_env_change)
+        else:
+            render_bench(recorder.summary, recorder.meta, run_dir, files)
+            if baseline is not None:  # the bench table is out first, whatever the comparison says
+                from kvbench.cli.compare import render_compare, run_compare
+
+                comparison, compare_files = run_compare(baseline, run_dir, allow_env_change=allow_env_change)
+                render_compare(comparison, [], compare_files)
+    _exit_if_failed(recorder.summary, lambda r: f"{r.engine} {r.cache} prompt {r.prompt_len}")
+
+
+def print_bench_json(recorder, baseline, run_dir, allow_env_change: bool) -> None:
+    """--json: the bench document, with the comparison as its `compare` member when there is a baseline. A
+    comparison that still fails after the sweep prints the bench document first, then its one-line error."""
+    doc = recorder.json_doc()
     if baseline is not None:
         from kvbench.cli.compare import run_compare
-
-        comparison, compare_files = run_compare(baseline, run_dir)
-    if json_out:
         from kvbench.compare import json_doc
 
-        doc = recorder.json_doc()
-        if comparison is not None:
-            doc["compare"] = json_doc(comparison, [], compare_files)
-        console.print_json(doc)
-    else:
-        render_bench(recorder.summary, recorder.meta, run_dir, files)
-        if comparison is not None:
-            from kvbench.cli.compare import render_compare
-
-            render_compare(comparison, [], compare_files)
-    _exit_if_failed(recorder.summary, lambda r: f"{r.engine} {r.cache} prompt {r.prompt_len}")
+        try:
+            comparison, compare_files = run_compare(baseline, run_dir, allow_env_change=allow_env_change)
+        except KVBenchError:
+            console.print_json(doc)
+            raise
+        doc["compare"] = json_doc(comparison, [], compare_files)
+    console.print_json(doc)
 
 
 def random_fill_sweep(settings, out_dir, force: bool, config_path, json_out: bool) -> None:
@@ -216,18 +250,21 @@ def random_fill_sweep(settings, out_dir, force: bool, config_path, json_out: boo
     )
     B.check_sizes(settings, loaded.config, dt, dev, weights_loaded=True)  # the checkpoint's own shape
     bandwidth = measure_bandwidth(dev)
-    run_dir = report.create_run_dir(out_dir, force)  # only now: a rejected command leaves no folder behind
     elt = torch.empty((), dtype=dt).element_size()
     crossover = floor.crossover_context(loaded.config, elt, settings.batch)
-    recorder = report.ContextRecorder(run_dir, loaded, dev, dt, settings, config_path, bandwidth, crossover)
-    files = run_recorded(
-        recorder,
-        lambda progress: run_context_sweep(
-            loaded.model, settings.caches, settings.prompt_len, settings.new_tokens, settings.repeats,
-            settings.warmup, settings.batch, bandwidth, recorder.dtype, recorder.device_label, seed=settings.seed,
-            on_result=recorder.add, on_progress=progress, compile=settings.compile,
-        ),
-    )  # fmt: skip
+    # only now: a rejected command leaves no folder behind
+    with report.claimed_run_dir(out_dir, force) as run_dir:
+        recorder = report.ContextRecorder(
+            run_dir, loaded, dev, dt, settings, config_path, bandwidth, crossover
+        )
+        files = run_recorded(
+            recorder,
+            lambda progress: run_context_sweep(
+                loaded.model, settings.caches, settings.prompt_len, settings.new_tokens, settings.repeats,
+                settings.warmup, settings.batch, bandwidth, recorder.dtype, recorder.device_label,
+                seed=settings.seed, on_result=recorder.add, on_progress=progress, compile=settings.compile,
+            ),
+        )  # fmt: skip
     if json_out:
         console.print_json(recorder.json_doc())
     else:
@@ -263,6 +300,8 @@ def run_recorded(recorder, sweep, engines: dict | None = None) -> list[Path]:
     except KeyboardInterrupt as e:
         with _signals_ignored():  # a second Ctrl-C or a SIGTERM now would lose the rows' plots and meta.json
             recorder.finish("interrupted", engines)
+        for text in recorder.plot_notes:
+            console.note(text)
         console.note(
             f"interrupted: {len(recorder.summary)} completed configuration(s) kept in {recorder.run_dir}"
         )
@@ -271,7 +310,10 @@ def run_recorded(recorder, sweep, engines: dict | None = None) -> list[Path]:
             raise typer.Exit(128 + e.signum) from None
         raise
     with _signals_ignored():
-        return recorder.finish("complete", engines)
+        files = recorder.finish("complete", engines)
+    for text in recorder.plot_notes:
+        console.note(text)
+    return files
 
 
 def _check_baseline(baseline: Path | None, out_dir) -> None:

@@ -49,7 +49,7 @@ def compare(
         ),
     ] = False,
     out_dir: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--out", "-o", help="Where compare.png and compare.json go (default: the CANDIDATE folder)."
         ),
@@ -63,6 +63,11 @@ def compare(
 
     if fmt not in FORMATS:
         raise KVBenchError(f"--format {fmt!r}: choose table, md or json")
+    if out_dir is not None and not out_dir.strip():
+        raise KVBenchError(
+            "--out is empty; give a folder for compare.png and compare.json (or leave --out out for the candidate "
+            "folder)"
+        )
     gates = C.parse_fail_on(fail_on)
     comparison, files = run_compare(
         baseline, candidate, alpha, C.parse_threshold(threshold), allow_env_change, out_dir
@@ -93,15 +98,31 @@ def run_compare(
     from kvbench.plots import compare_figure
 
     comparison = C.compare_runs(baseline, candidate, alpha, threshold, allow_env_change)
-    if comparison.env_changes:
-        console.warn(f"comparing across an environment change: {C.describe_changes(comparison.env_changes)}")
-    if comparison.relaxed_keys:
-        console.warn(f"rows matched without {' and '.join(comparison.relaxed_keys)} (the runs differ in it)")
+    warn_about(comparison)
     where = report.prepare_run_dir(out_dir or comparison.candidate)
     png, js = where / "compare.png", where / "compare.json"
     compare_figure(comparison, png)
     report.write_json(js, C.json_doc(comparison, [], [png, js]))
     return comparison, [png, js]
+
+
+def warn_about(comparison) -> None:
+    """One warning line each: an allowed environment change, rows matched without a key, a measured condition that
+    changed between the runs, a run whose sweep did not finish."""
+    from kvbench import compare as C
+
+    if comparison.env_changes:
+        console.warn(f"comparing across an environment change: {C.describe_changes(comparison.env_changes)}")
+    if comparison.relaxed_keys:
+        console.warn(f"rows matched without {' and '.join(comparison.relaxed_keys)} (the runs differ in it)")
+    changed = [f for f in comparison.context if f.differs]
+    if changed:
+        console.warn(
+            f"the machine measured differently in the two runs ({C.describe_context(changed)}); timings may differ "
+            "for that reason too"
+        )
+    for text in comparison.unfinished:
+        console.warn(text)
 
 
 # --- rendering ---
@@ -151,7 +172,8 @@ def _after(r) -> list[str]:
 
 def _footer(c) -> list[tuple[str, str]]:
     """(kind, text) lines under the table: row notes, unsteady runs, rows not compared, environment changes."""
-    from kvbench.compare import describe_changes
+    from kvbench.compare import describe_changes, describe_context
+    from kvbench.runs import printable
 
     lines = [("note", f"{r.label}: {n}") for r in c.rows for n in r.notes]
     unsteady = [r for r in c.rows if not r.steady]
@@ -162,10 +184,13 @@ def _footer(c) -> list[tuple[str, str]]:
             f"{spread:.0%}): the machine changed speed during the run, so p understates the uncertainty there; "
             "rerun both on a quiet machine",
         ))  # fmt: skip
-    lines += [("not compared", f"{u.engine} {u.cache} prompt {u.prompt_len} ({u.detail}): {u.reason}")
+    lines += [("not compared", printable(f"{u.engine} {u.cache} prompt {u.prompt_len} ({u.detail}): {u.reason}"))
               for u in c.unmatched]  # fmt: skip
     if c.env_changes:
         lines.append(("environment changed (allowed)", describe_changes(c.env_changes)))
+    if c.context:
+        lines.append(("measured in the runs (baseline -> candidate)", describe_context(c.context)))
+    lines += [("unfinished", text) for text in c.unfinished]
     return lines
 
 
@@ -185,6 +210,8 @@ def _counts(c) -> str:
 def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
     """The Rich table, the lines under it, the gate's result and the files written. User text (paths, names) is
     literal: cells and lines go through `cell`, `line` and `styled`, never through markup."""
+    from kvbench.runs import printable
+
     level = f"{c.confidence:.0%}"
     cols = ["engine", "cache", "prompt", "TPOT ms", "ratio", f"{level} CI", "p", "verdict", "TTFT", "tok/s",
             "Δpeak MiB", "ΔKV MiB"]  # fmt: skip
@@ -220,8 +247,8 @@ def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
         if r.memory_regressed:
             after[-1] = styled(after[-1], "red")
         row = [
-            r.engine,
-            r.cache,
+            printable(r.engine),
+            printable(r.cache),
             r.prompt_len,
             *_cells(r),
             styled(_verdict(r), VERDICT_STYLE[r.verdict]),
@@ -256,8 +283,10 @@ def markdown(c, fail_on: list[str]) -> str:
     if agree:
         cols.append("token agreement")
 
-    def md(text: str) -> str:  # user text inside a table cell or code span
-        return str(text).replace("|", "\\|").replace("`", "'")
+    from kvbench.runs import printable
+
+    def md(text: str) -> str:  # user text inside a table cell or code span: one line, no column break
+        return printable(text).replace("|", "\\|").replace("`", "'")
 
     lines = [
         f"**kvbench compare**: `{md(c.candidate)}` against the baseline `{md(c.baseline)}`",
