@@ -252,6 +252,93 @@ def test_learned_positions_are_held_to_their_limit(toy_dirs):
     assert "learned absolute positions" in out and "128" in out, out
 
 
+# --- remote code that misbehaves: contained ------------------------------------------------------------------------
+FORWARD = "        cache = cache if cache is not None else past_key_values\n"
+# name -> (text in modeling_kvtoy.py, what replaces it)
+HOSTILE_TOYS = {
+    "exit_import": ("import torch\n", "import sys\nsys.exit(0)\nimport torch\n"),
+    "exit3_import": ("import torch\n", "import sys\nsys.exit(3)\nimport torch\n"),
+    "base_import": ("import torch\n", "raise GeneratorExit('from the module')\n"),
+    "exit_init": (
+        "        super().__init__(config)\n",
+        "        super().__init__(config)\n        import sys\n        sys.exit(0)\n",
+    ),
+    "exit_embeddings": ("        return self.wte\n", "        import sys\n        sys.exit(0)\n"),
+    "exit_forward": (FORWARD, "        import sys\n        sys.exit(0)\n"),
+    "print_forward": (FORWARD, "        print('kvtoy forward')\n" + FORWARD),
+}
+
+
+@pytest.fixture(scope="module")
+def hostile_toys(toy_dirs, tmp_path_factory) -> dict[str, Path]:
+    import shutil
+
+    base = tmp_path_factory.mktemp("hostile")
+    out = {}
+    for name, (old, new) in HOSTILE_TOYS.items():
+        d = base / f"kvtoy_{name}"  # a directory name of its own: transformers imports its code by that name
+        shutil.copytree(toy_dirs["fixed"], d)
+        code = (d / "modeling_kvtoy.py").read_text()
+        assert old in code, name
+        (d / "modeling_kvtoy.py").write_text(code.replace(old, new, 1))
+        out[name] = d
+    return out
+
+
+@pytest.mark.parametrize(
+    "toy, message",
+    [
+        ("exit_import", "loading it called sys.exit(0) instead of raising an exception"),
+        ("exit3_import", "loading it called sys.exit(3)"),
+        ("base_import", "loading it raised GeneratorExit: from the module"),
+        ("exit_init", "loading it called sys.exit(0)"),
+        (
+            "exit_embeddings",
+            "the model's own code (--trust-remote-code): get_input_embeddings called sys.exit(0)",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", ["verify", "bench"])
+def test_remote_code_that_exits_while_loading_is_one_line(hostile_toys, tmp_path, toy, message, command):
+    """Modelling code that ends the process (or raises a BaseException) while it is imported, built or described
+    stops the command with one line naming the model and what it did, exit 2; bench creates no run folder."""
+    out_dir = tmp_path / "run"
+    extra = ["--out", str(out_dir)] if command == "bench" else []
+    r, out = invoke(command, "--hf", str(hostile_toys[toy]), "--trust-remote-code", "--json", *extra)
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2, out
+    assert len(lines) == 1 and "Traceback" not in out, out
+    assert str(hostile_toys[toy]) in lines[0] and message in lines[0], lines[0]
+    assert r.stdout == "" and not out_dir.exists(), out
+
+
+def test_remote_code_that_exits_in_forward_fails_its_checks(hostile_toys, tmp_path):
+    """sys.exit() inside the model's forward: verify reports every check as failed, naming it (exit 1, one JSON
+    document on stdout); bench records the rows as errors and finishes (meta.json complete, exit 1)."""
+    d = hostile_toys["exit_forward"]
+    r, out = invoke("verify", "--hf", str(d), "--trust-remote-code", "--caches", "none,dynamic",
+                    "--prompt-len", "8", "--new-tokens", "4", "--json")  # fmt: skip
+    assert r.exit_code == 1, out
+    checks = json.loads(r.stdout)["checks"]
+    assert checks and all("forward called sys.exit(0)" in c["detail"] and not c["passed"] for c in checks), (
+        checks
+    )
+    out_dir = tmp_path / "run"
+    r, out = invoke("bench", "--hf", str(d), "--trust-remote-code", "--prompt-len", "6", "--new-tokens", "3",
+                    "--caches", "none,dynamic", "--repeats", "1", "--warmup", "0", "--out", str(out_dir))  # fmt: skip
+    assert r.exit_code == 1, out
+    summary = pd.read_csv(out_dir / "summary.csv")
+    assert len(summary) == 2 and all("forward called sys.exit(0)" in s for s in summary.status), summary
+    assert json.loads((out_dir / "meta.json").read_text())["status"] == "complete"
+
+
+def test_remote_code_prints_go_to_stderr(hostile_toys):
+    r, out = invoke("verify", "--hf", str(hostile_toys["print_forward"]), "--trust-remote-code",
+                    "--caches", "dynamic", "--prompt-len", "8", "--new-tokens", "4", "--json")  # fmt: skip
+    assert r.exit_code == 0, out
+    assert json.loads(r.stdout)["passed"] and "kvtoy forward" in r.stderr
+
+
 # --- sources -------------------------------------------------------------------------------------------------------
 def test_config_json_alone_gives_random_weights_and_layers(model_dirs):
     r, out = invoke("verify", "--hf", str(model_dirs["llama"] / "config.json"), "--layers", "1",

@@ -16,6 +16,7 @@ transformers' loading bars, log messages and Python warnings are kept off the te
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from kvbench.errors import KVBenchError
+from kvbench.thirdparty import contained, did, why
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -39,6 +41,7 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # Config attributes that bound the sequence length, most common first (GPT-2's n_positions is mapped onto the
 # first by its config class).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+REMOTE_MODULES = "transformers_modules"  # where transformers imports a directory's own modelling code from
 
 
 @dataclass
@@ -317,6 +320,7 @@ def _load(source, device, dtype, seed, layers, trust_remote_code, init_std) -> L
         )
         weights = r.weights
     model = model.to(device=device, dtype=dtype).eval()
+    _contain_remote_code(model, source)
     pad = _neutral_generation_config(model)
     return LoadedHF(model, source, weights, r.weights is None, describe(model), pad, layers_of=r.layers_of)
 
@@ -343,6 +347,7 @@ def peek_hf(source: str, layers: int | None = None, trust_remote_code: bool = Fa
         r = _resolve(source, layers, trust_remote_code)
         with torch.device("meta"):
             model = _call(lambda: AutoModelForCausalLM.from_config(r.config, **r.kwargs), source)
+        _contain_remote_code(model, source)
         return HFShape(describe(model), sum(p.numel() for p in model.parameters()), r.layers_of)
 
 
@@ -353,15 +358,14 @@ def _hub_online() -> bool:
 
 
 def _call(fn, source: str):
-    """Run a transformers loading call; whatever it raises becomes one line naming the source."""
-    try:
-        return fn()
-    except KVBenchError:
-        raise
-    # transformers and huggingface_hub raise OSError, ValueError, KeyError, ImportError, ...
-    except Exception as e:
+    """Run a transformers loading call (and, with --trust-remote-code, the model's own code it imports and runs);
+    whatever it raises, or a sys.exit() inside it, becomes one line naming the source. Its prints go to stderr."""
+
+    def fail(e: BaseException) -> KVBenchError:
+        if not isinstance(e, Exception):  # sys.exit() or another BaseException: someone's code tried to leave
+            return KVBenchError(f"cannot load {source}: {did('loading it', e)}")
+        # transformers and huggingface_hub raise OSError, ValueError, KeyError, ImportError, ...
         text = str(e).strip()
-        first = text.splitlines()[0] if text else ""
         hint = ""
         if (
             "local_files_only" in text
@@ -369,7 +373,41 @@ def _call(fn, source: str):
             or type(e).__name__.endswith("OfflineError")
         ):
             hint = " (the hub is not reachable or HF_HUB_OFFLINE is set, and it is not in the local cache)"
-        raise KVBenchError(f"cannot load {source}: {type(e).__name__}: {first}{hint}") from None
+        return KVBenchError(f"cannot load {source}: {why(e)}{hint}")
+
+    with contained(fail):
+        return fn()
+
+
+def _contain_remote_code(model, source: str) -> None:
+    """Every method the model's own code defines (its classes from `auto_map`, loaded with --trust-remote-code)
+    called through `contained`: a sys.exit(), any exception or a print from inside forward, generate or any other
+    method it overrides becomes one KVBenchError naming the source and the method, and prints go to stderr.
+    Submodules run inside the top-level forward, so they are covered by it. Under torch.compile the methods are
+    called directly (the graph is traced through them)."""
+    seen: set[str] = set()
+    for cls in type(model).__mro__:
+        if not cls.__module__.startswith(REMOTE_MODULES):
+            continue
+        for name, fn in vars(cls).items():
+            if name.startswith("__") or name in seen or not inspect.isfunction(fn):
+                continue
+            seen.add(name)
+            object.__setattr__(model, name, _contained_method(getattr(model, name), source, name))
+
+
+def _contained_method(bound, source: str, name: str):
+    def fail(e: BaseException) -> KVBenchError:
+        return KVBenchError(f"{source}: the model's own code (--trust-remote-code): {did(name, e)}")
+
+    @functools.wraps(bound)  # keeps the signature: generate reads forward's parameters
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return bound(*args, **kwargs)
+        with contained(fail):
+            return bound(*args, **kwargs)
+
+    return call
 
 
 def _neutral_generation_config(model) -> int:
