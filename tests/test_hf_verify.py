@@ -389,6 +389,76 @@ def test_unloadable_models_are_one_line_and_exit_2(tmp_path):
             assert len(out.strip().splitlines()) == 1, (case, out)
 
 
+def _edited_checkpoint(src: Path, dst: Path, edit) -> Path:
+    """A copy of the model directory `src` whose tensors went through `edit(dict) -> dict`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = edit(load_file(str(src / "model.safetensors")))
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+INCOMPLETE = {  # name -> (edit of llama's tensors, what the one line says)
+    "one layer of two": (
+        lambda t: {k: v for k, v in t.items() if ".layers.1." not in k},
+        "the checkpoint lacks 9 of the model's tensors (model.layers.1.input_layernorm.weight, "
+        "model.layers.1.mlp.down_proj.weight, model.layers.1.mlp.gate_proj.weight, ... (6 more)); transformers "
+        "would fill them with random values; use a complete checkpoint, or --layers 1 to keep the layers it holds",
+    ),
+    "no final norm": (
+        lambda t: {k: v for k, v in t.items() if k != "model.norm.weight"},
+        "the checkpoint lacks 1 of the model's tensors (model.norm.weight)",
+    ),
+    "no embedding": (
+        lambda t: {k: v for k, v in t.items() if k != "model.embed_tokens.weight"},
+        "lacks 1 of the model's tensors (model.embed_tokens.weight)",
+    ),
+    "an extra tensor": (
+        lambda t: {**t, "model.adapter.weight": torch.zeros(4)},
+        "the checkpoint has 1 tensor(s) the model does not use (model.adapter.weight)",
+    ),
+    "a tensor of the wrong shape": (
+        lambda t: {**t, "model.norm.weight": torch.ones(32)},
+        "tensor model.norm.weight has shape (32,) in the checkpoint, the config expects (64,)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(INCOMPLETE))
+@pytest.mark.parametrize("command", ["verify", "bench"])
+def test_incomplete_checkpoints_are_refused(model_dirs, tmp_path, case, command):
+    """Tensors missing, unexpected or mis-shaped are one line naming how many and which, exit 2, before any work:
+    never random values standing in for weights that passed every check."""
+    edit, message = INCOMPLETE[case]
+    d = _edited_checkpoint(model_dirs["llama"], tmp_path / "ckpt", edit)
+    out_dir = tmp_path / "run"
+    extra = ["--out", str(out_dir)] if command == "bench" else []
+    r, out = invoke(
+        command, "--hf", str(d), "--caches", "dynamic", "--prompt-len", "6", "--new-tokens", "3", *extra
+    )
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2, out
+    assert len(lines) == 1 and "Traceback" not in out, out
+    assert lines[0].startswith(f"error: {d}: ") and message in lines[0], lines[0]
+    assert r.stdout == "" and not out_dir.exists(), out
+
+
+def test_complete_checkpoints_load(model_dirs, hf_dir, tmp_path):
+    """Controls: GPT-2's lm_head tied to its embedding is not missing; --layers 1 of a full checkpoint drops the
+    other layer's tensors on purpose; a checkpoint holding one layer of two loads with --layers 1."""
+    for d, layers in ((hf_dir, []), (model_dirs["llama"], ["--layers", "1"])):
+        r, out = invoke("verify", "--hf", str(d), *layers, "--caches", "dynamic", "--prompt-len", "6",
+                        "--new-tokens", "3")  # fmt: skip
+        assert r.exit_code == 0, out
+    half = _edited_checkpoint(model_dirs["llama"], tmp_path / "half", INCOMPLETE["one layer of two"][0])
+    r, out = invoke("verify", "--hf", str(half), "--layers", "1", "--caches", "dynamic", "--prompt-len", "6",
+                    "--new-tokens", "3", "--json")  # fmt: skip
+    assert r.exit_code == 0 and "first 1 of 2 layers" in json.loads(r.stdout)["model"], out
+
+
 def test_gpt2_options_are_refused_with_hf(model_dirs):
     r, out = invoke("verify", "--hf", str(model_dirs["llama"]), "--weights", "random")
     assert r.exit_code == 2 and "--weights" in out, out

@@ -314,15 +314,62 @@ def _load(source, device, dtype, seed, layers, trust_remote_code, init_std) -> L
         model = _call(lambda: AutoModelForCausalLM.from_config(config, **r.kwargs), source)
         weights = f"random(transformers init, initializer_range={std}, seed={seed}) from {path}"
     else:
-        model = _call(
-            lambda: AutoModelForCausalLM.from_pretrained(r.where, config=config, dtype=dtype, **r.kwargs),
+        model, info = _call(
+            lambda: AutoModelForCausalLM.from_pretrained(
+                r.where, config=config, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True,
+                **r.kwargs,
+            ),
             source,
-        )
+        )  # fmt: skip
+        refuse_incomplete(info, r.weights, kept=None if layers is None else layers)
         weights = r.weights
     model = model.to(device=device, dtype=dtype).eval()
     _contain_remote_code(model, source)
     pad = _neutral_generation_config(model)
     return LoadedHF(model, source, weights, r.weights is None, describe(model), pad, layers_of=r.layers_of)
+
+
+def refuse_incomplete(info: dict, where: str, kept: int | None = None) -> None:
+    """A checkpoint must hold exactly the model's tensors, as the GPT-2 loader requires: transformers fills a missing
+    tensor with random values and ignores an unexpected one, so a half checkpoint would pass every check on noise.
+    `info` is from_pretrained's loading info; tied tensors (lm_head tied to the embedding) are not missing. With
+    --layers N the layers past N are in the checkpoint but not in the model: those are expected."""
+
+    def names(keys) -> str:
+        keys = sorted(keys)
+        return ", ".join(keys[:3]) + (f", ... ({len(keys) - 3} more)" if len(keys) > 3 else "")
+
+    mismatched = sorted(info.get("mismatched_keys") or [], key=lambda m: m[0])
+    if mismatched:
+        key, ckpt, want = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more mismatched)" if len(mismatched) > 1 else ""
+        raise KVBenchError(
+            f"{where}: tensor {key} has shape {tuple(ckpt)} in the checkpoint, the config expects {tuple(want)}"
+            f"{more}; the checkpoint does not match its config.json"
+        )
+    missing = set(info.get("missing_keys") or ())
+    if missing:
+        layers = [_layer_index(k) for k in missing]
+        first = min(layers) if None not in layers else 0  # the checkpoint holds layers 0 .. first-1 in full
+        hint = f", or --layers {first} to keep the layers it holds" if first else ""
+        raise KVBenchError(
+            f"{where}: the checkpoint lacks {len(missing)} of the model's tensors ({names(missing)}); transformers "
+            f"would fill them with random values; use a complete checkpoint{hint}"
+        )
+    unexpected = {
+        k for k in info.get("unexpected_keys") or () if kept is None or (_layer_index(k) or 0) < kept
+    }
+    if unexpected:
+        raise KVBenchError(
+            f"{where}: the checkpoint has {len(unexpected)} tensor(s) the model does not use ({names(unexpected)}); "
+            "it is not a checkpoint of the architecture its config.json names"
+        )
+
+
+def _layer_index(key: str) -> int | None:
+    """The decoder layer a tensor name belongs to ('model.layers.3.mlp...' -> 3), or None."""
+    m = re.search(r"\.(\d+)\.", key)
+    return int(m.group(1)) if m else None
 
 
 @dataclass
