@@ -235,6 +235,12 @@ HOSTILE = textwrap.dedent(
                 sys.exit(0)
             return super().update(k, v, positions)
 
+    class NaNKeys(GrowingCache):
+        # values are not probed: the shapes are right, every key is NaN
+        def update(self, k, v, positions):
+            k, v = super().update(k, v, positions)
+            return torch.full_like(k, float("nan")), v
+
     def exiting_runner(model, caches):
         sys.exit(0)
 
@@ -449,3 +455,26 @@ def test_memory_measure_allocates_a_plugin(plugin_dir):
     )
     r = run("memory", "-m", "gpt2", "--caches", "static")
     assert r.exit_code == 2 and "--caches goes with --measure" in r.stderr
+
+
+def test_a_plugin_whose_logits_are_not_finite(plugin_dir):
+    """NaN keys from a plugin: verify fails its rows saying the cached run is not finite while the no-cache forward
+    is (exit 1); break refuses to claim a fault caught on it, in one line (exit 2)."""
+    import json
+
+    ref = "mycaches.hostile:NaNKeys"
+    r = run("verify", "--caches", ref, "-n", 4, *TINY, "--json", "--reference", "none")
+    assert r.exit_code == 1, r.output
+    rows = {c["name"]: c["detail"] for c in json.loads(r.stdout)["checks"]}
+    assert (
+        "logits are not finite (" in rows["logits"]
+        and "in the cached run (the no-cache forward is finite)" in (rows["logits"])
+    ), rows
+    assert all("logits are not finite (" in d for d in rows.values()), rows
+    r = run("break", "reset", "--cache", ref, *TINY, "-n", 4, "--reference", "none")
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert (
+        len(lines) == 1
+        and "while the model's no-cache forward is finite: that cache itself is broken" in (lines[0])
+    ), r.stderr
