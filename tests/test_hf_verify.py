@@ -459,6 +459,102 @@ def test_complete_checkpoints_load(model_dirs, hf_dir, tmp_path):
     assert r.exit_code == 0 and "first 1 of 2 layers" in json.loads(r.stdout)["model"], out
 
 
+# A config's sizes are held to the bounds memory --config applies, before transformers builds anything.
+UNBOUNDED = {  # name -> (fields over COMMON, what the one line says)
+    "layers 1e30": (
+        {"num_hidden_layers": 10**30},
+        "num_hidden_layers = 1000000000000000000000000000000 must be from 1 to 4,096",
+    ),
+    "layers float": (
+        {"num_hidden_layers": 1e30},
+        "num_hidden_layers = 1e+30 must be a whole number (float given)",
+    ),
+    "layers 1e9": ({"num_hidden_layers": 10**9}, "num_hidden_layers = 1000000000 must be from 1 to 4,096"),
+    "layers zero": ({"num_hidden_layers": 0}, "num_hidden_layers = 0 must be from 1"),
+    "heads negative": ({"num_attention_heads": -4}, "num_attention_heads = -4 must be from 1"),
+    "hidden a string": ({"hidden_size": "64"}, 'hidden_size = "64" must be a whole number (str given)'),
+    "width 2^21": ({"intermediate_size": 2**21}, "intermediate_size = 2097152 must be from 1 to 1,048,576"),
+    "vocabulary 1e12": ({"vocab_size": 10**12}, "vocab_size = 1000000000000 must be from 1 to 16,777,216"),
+    "context 2^50": (
+        {"max_position_embeddings": 2**50},
+        "max_position_embeddings = 1125899906842624 must be",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNBOUNDED))
+@pytest.mark.parametrize("command, as_dir", [("verify", False), ("verify", True), ("bench", False)])
+def test_hf_config_sizes_are_bounded(tmp_path, case, command, as_dir):
+    fields, message = UNBOUNDED[case]
+    where = tmp_path / "model"
+    where.mkdir()
+    (where / "config.json").write_text(json.dumps({"model_type": "llama", **COMMON, **fields}))
+    source = where if as_dir else where / "config.json"
+    out_dir = tmp_path / "run"
+    extra = ["--out", str(out_dir)] if command == "bench" else []
+    r, out = invoke(command, "--hf", str(source), *extra)
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2, out
+    assert len(lines) == 1 and "Traceback" not in out, out
+    assert "config.json: " in lines[0] and message in lines[0], lines[0]
+    assert not out_dir.exists(), out
+
+
+def test_hf_model_beyond_memory_is_refused_before_allocating(tmp_path, model_dirs, monkeypatch):
+    """The model is built on the meta device and its parameters counted at the dtype, plus an allowance for the
+    run, against the memory free now: one line naming the estimate and what is available, before any allocation."""
+    huge = tmp_path / "huge.json"  # ~5.8e11 parameters: terabytes, on any machine
+    huge.write_text(json.dumps({"model_type": "llama", **COMMON, "hidden_size": 65536, "num_attention_heads": 64,
+                                "num_key_value_heads": 64, "head_dim": 1024, "intermediate_size": 65536,
+                                "vocab_size": 2**22, "num_hidden_layers": 1}))  # fmt: skip
+    for command in ("verify", "bench"):
+        out_dir = tmp_path / "run"
+        extra = (
+            ["--out", str(out_dir), "--prompt-len", "8", "--new-tokens", "4"] if command == "bench" else []
+        )
+        r, out = invoke(command, "--hf", str(huge), *extra)
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2, out
+        assert len(lines) == 1 and "Traceback" not in out and not out_dir.exists(), out
+        if command == "bench":  # bench holds the weights and its sweep's cache to the device's size first
+            assert "GiB of weights (LlamaForCausalLM (1 layers)), more than the device's" in lines[0], lines[
+                0
+            ]
+            continue
+        assert f"--hf {huge}: LlamaForCausalLM (1 layers) needs about" in lines[0], lines[0]
+        assert "TiB of CPU memory: 579,820,781,568 parameters x 4 B (random weights" in lines[0], lines[0]
+        assert "B is available; use --layers N" in lines[0], lines[0]
+    # a tiny checkpoint where (as the kernel says) almost nothing is free: refused the same way, naming both sizes
+    import kvbench.bench_settings as bs
+
+    monkeypatch.setattr(bs, "available_memory_bytes", lambda device: 2**20)
+    r, out = invoke("verify", "--hf", str(model_dirs["llama"]), "--caches", "dynamic")
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, out
+    assert (
+        "parameters x 4 B + " in r.stderr and "for activations and the cache; 1 MiB is available" in r.stderr
+    )
+
+
+def test_hf_memory_estimate_counts_the_device_and_the_host(model_dirs, monkeypatch):
+    """On a GPU the weights and the allowance must fit the device's free memory, and a random init the host's."""
+    import kvbench.bench_settings as bs
+    from kvbench.hf_models import check_memory, peek_hf
+
+    shape = peek_hf(str(model_dirs["llama"]))
+    free = {"cpu": 2**40, "cuda": 2**10}
+    monkeypatch.setattr(bs, "available_memory_bytes", lambda device: free[device.type])
+    with pytest.raises(KVBenchError, match=r"needs about .* of memory on cuda: .* parameters x 2 B \+ "):
+        check_memory("x", shape, torch.device("cuda"), torch.float16, random=False, batch=2, tokens=64)
+    free.update(cpu=3 * shape.parameters, cuda=2**40)  # the host holds 2 B a parameter, not an fp32 init's 4
+    with pytest.raises(KVBenchError, match=r"of CPU memory: .* parameters x 4 B \(random weights"):
+        check_memory("x", shape, torch.device("cuda"), torch.float16, random=True)
+    check_memory(
+        "x", shape, torch.device("cuda"), torch.float16, random=False
+    )  # the host holds 2 B a parameter
+    free.update(cpu=2**40)
+    check_memory("x", shape, torch.device("cpu"), torch.float32, random=True, batch=3, tokens=64)
+
+
 def test_gpt2_options_are_refused_with_hf(model_dirs):
     r, out = invoke("verify", "--hf", str(model_dirs["llama"]), "--weights", "random")
     assert r.exit_code == 2 and "--weights" in out, out

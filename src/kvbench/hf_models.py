@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from kvbench.errors import KVBenchError
+from kvbench.memory.config_json import check_fields
 from kvbench.thirdparty import contained, did, why
 
 WEIGHT_FILES = (
@@ -256,6 +257,7 @@ def _resolve(source: str, layers: int | None, trust_remote_code: bool) -> _Resol
     if path.is_file():
         doc = _read_config(path)
         _refuse_unloadable(doc, str(path), trust_remote_code)
+        check_fields(doc, path)  # the bounds memory --config holds a config to, before transformers builds it
         where, weights = str(path), None
         if doc.get("auto_map"):  # its code is found beside it, through the directory
             if path.name != "config.json":
@@ -268,7 +270,9 @@ def _resolve(source: str, layers: int | None, trust_remote_code: bool) -> _Resol
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise KVBenchError(f"no config.json in {path}; not a Hugging Face model directory")
-        _refuse_unloadable(_read_config(cfg_path), str(path), trust_remote_code)
+        doc = _read_config(cfg_path)
+        _refuse_unloadable(doc, str(path), trust_remote_code)
+        check_fields(doc, cfg_path)
         if not any((path / f).is_file() for f in WEIGHT_FILES):
             raise KVBenchError(
                 f"no weights in {path} (model.safetensors or pytorch_model.bin); for random weights pass {cfg_path}"
@@ -282,6 +286,7 @@ def _resolve(source: str, layers: int | None, trust_remote_code: bool) -> _Resol
     config = _call(lambda: AutoConfig.from_pretrained(where, **kwargs), source)
     if "local_files_only" in kwargs:  # a hub id: now we know its config
         _refuse_unloadable(config.to_dict(), where, trust_remote_code)
+        check_fields(config.to_dict(), Path(f"{where} config.json"))
     _, total = _shrink(config, layers, str(path) if weights is None else where)
     return _Resolved(config, where, kwargs, weights, total)
 
@@ -294,17 +299,27 @@ def load_hf(
     layers: int | None = None,
     trust_remote_code: bool = False,
     init_std: float | None = None,
+    run: tuple[int, int] | None = None,
+    check=None,
 ) -> LoadedHF:
     """Load SOURCE (see the module docstring) in `dtype` on `device`, eval mode, with a neutral generation config.
-    `init_std`, for random weights only, replaces the config's initializer_range (None: keep the config's)."""
+    `init_std`, for random weights only, replaces the config's initializer_range (None: keep the config's).
+
+    Before any real allocation the model is built on the meta device: `check(shape)`, if given, runs on it (the
+    caller's own checks: context, sizes), then its memory is estimated (`check_memory`, with `run` = (batch,
+    tokens) of the largest generation the caller will run) against what the device has free."""
     with quiet_transformers():
-        return _load(source, device, dtype, seed, layers, trust_remote_code, init_std)
+        return _load(source, device, dtype, seed, layers, trust_remote_code, init_std, run, check)
 
 
-def _load(source, device, dtype, seed, layers, trust_remote_code, init_std) -> LoadedHF:
+def _load(source, device, dtype, seed, layers, trust_remote_code, init_std, run, check) -> LoadedHF:
     from transformers import AutoModelForCausalLM
 
     r = _resolve(source, layers, trust_remote_code)
+    shape = _meta_shape(r, source)
+    if check is not None:
+        check(shape)
+    check_memory(source, shape, device, dtype, r.weights is None, *(run or (1, 0)))
     config, path = r.config, Path(source).expanduser()
     if r.weights is None:
         if init_std is not None and hasattr(config, "initializer_range"):
@@ -388,14 +403,71 @@ class HFShape:
 def peek_hf(source: str, layers: int | None = None, trust_remote_code: bool = False) -> HFShape:
     """SOURCE resolved and checked exactly as load_hf does, and the model built on the meta device (no memory, no
     init, no weights read), so its context, layers and parameter count are known before anything is loaded."""
+    with quiet_transformers():
+        return _meta_shape(_resolve(source, layers, trust_remote_code), source)
+
+
+def _meta_shape(r: _Resolved, source: str) -> HFShape:
     from transformers import AutoModelForCausalLM
 
-    with quiet_transformers():
-        r = _resolve(source, layers, trust_remote_code)
-        with torch.device("meta"):
-            model = _call(lambda: AutoModelForCausalLM.from_config(r.config, **r.kwargs), source)
-        _contain_remote_code(model, source)
-        return HFShape(describe(model), sum(p.numel() for p in model.parameters()), r.layers_of)
+    with torch.device("meta"):
+        model = _call(lambda: AutoModelForCausalLM.from_config(r.config, **r.kwargs), source)
+    _contain_remote_code(model, source)
+    return HFShape(describe(model), sum(p.numel() for p in model.parameters()), r.layers_of)
+
+
+def run_bytes(info: HFModelInfo, batch: int, tokens: int, element_size: int) -> int:
+    """A rough allowance for running `batch` sequences of `tokens` tokens: K and V of every layer, twice (a cache and
+    the copy a reset or a concatenation makes), the logits kept for comparison (fp32, on the device and on the CPU)
+    and one eager attention's scores over the whole length."""
+    kv = 2 * info.n_layers * info.n_kv_heads * info.head_dim * tokens * batch * element_size
+    logits = 3 * batch * tokens * info.vocab_size * 4
+    scores = batch * max(info.n_heads, 1) * tokens * tokens * 4
+    return 2 * kv + logits + scores
+
+
+def check_memory(source: str, shape: HFShape, device: torch.device, dtype: torch.dtype, random: bool,
+                 batch: int = 1, tokens: int = 0) -> None:  # fmt: skip
+    """The model's memory, estimated from its meta-device build, against what is free before anything is allocated:
+    its parameters at `dtype` (random weights are initialised in fp32 on the CPU first), plus an allowance for
+    activations and the cache (`run_bytes`, and a tenth of the weights). One line naming the estimate and what is
+    available."""
+    from kvbench.bench_settings import available_memory_bytes
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    weights = shape.parameters * elem
+    allowance = run_bytes(shape.info, batch, tokens, elem) + weights // 10
+    host = shape.parameters * 4 if random else weights  # what is built on the CPU first
+    built = f"{shape.parameters:,} parameters x {4 if random else elem} B" + (
+        " (random weights are initialised in fp32 on the CPU)" if random else ""
+    )
+    run_on = f" + {_gib(allowance)} for activations and the cache"
+    if device.type == "cpu":  # a random init in fp32 converted to another dtype is held twice for a moment
+        twice = weights if random and elem != 4 else 0
+        needs = [
+            (
+                device,
+                host + twice + allowance,
+                built + (f" + {_gib(twice)} converted" if twice else "") + run_on,
+            )
+        ]
+    else:
+        needs = [(torch.device("cpu"), host, built), (device, weights + allowance, f"{shape.parameters:,} "
+                 f"parameters x {elem} B{run_on}")]  # fmt: skip
+    for dev, need, how in needs:
+        free = available_memory_bytes(dev)
+        if free is not None and need > free:
+            what = "CPU memory" if dev.type == "cpu" else f"memory on {dev}"
+            raise KVBenchError(
+                f"--hf {source}: {shape.label} needs about {_gib(need)} of {what}: {how}; {_gib(free)} is "
+                "available; use --layers N, a smaller model or fewer tokens"
+            )
+
+
+def _gib(n: int) -> str:
+    from kvbench.memory.units import fmt_bytes
+
+    return fmt_bytes(n)
 
 
 def _hub_online() -> bool:
