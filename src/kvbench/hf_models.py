@@ -29,6 +29,7 @@ import torch
 
 from kvbench.errors import KVBenchError
 from kvbench.memory.config_json import check_fields
+from kvbench.memory.state import RECURRENT_TYPES
 from kvbench.thirdparty import contained, did, why
 
 WEIGHT_FILES = (
@@ -59,13 +60,34 @@ class HFModelInfo:
     vocab_size: int
     context: int | None  # the configured maximum sequence length, if the config has one
     learned_positions: bool  # a position-embedding table: there is no position past `context`
-    layer_types: list[str]  # per layer: "full" or "sliding(W)", as transformers' DynamicCache builds them
+    # per layer, as transformers' DynamicCache builds them: "full" or "sliding(W)" (K/V), "recurrent" (a fixed-size
+    # state: Mamba, RWKV, xLSTM, linear attention), "recurrent+full" / "recurrent+sliding(W)" (both: a hybrid
+    # layer), "none" (no sequence mixing: an MLP-only layer)
+    layer_types: list[str]
     attn_implementation: str  # eager, sdpa, ...
     transformers_version: str
 
     @property
     def windowed(self) -> bool:
-        return any(t != "full" for t in self.layer_types)
+        return any("sliding(" in t for t in self.layer_types)
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layer keeps a recurrent state."""
+        return any(t.startswith("recurrent") for t in self.layer_types)
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that cache K and V (0: no KV cache at all, a purely recurrent model)."""
+        return sum(1 for t in self.layer_types if self.kv_tokens(t, 1))
+
+    @staticmethod
+    def kv_tokens(layer_type: str, tokens: int) -> int:
+        """Tokens one layer of this type holds in its KV cache after `tokens` tokens."""
+        kind = layer_type.removeprefix("recurrent+")
+        if kind.startswith("sliding("):
+            return min(int(kind[len("sliding(") : -1]), tokens)
+        return tokens if kind == "full" else 0
 
     def layers_summary(self) -> str:
         """'2 full' / '2 sliding(8)' / '1 sliding(8) + 1 full' in layer order of first appearance."""
@@ -420,7 +442,7 @@ def run_bytes(info: HFModelInfo, batch: int, tokens: int, element_size: int) -> 
     """A rough allowance for running `batch` sequences of `tokens` tokens: K and V of every layer, twice (a cache and
     the copy a reset or a concatenation makes), the logits kept for comparison (fp32, on the device and on the CPU)
     and one eager attention's scores over the whole length."""
-    kv = 2 * info.n_layers * info.n_kv_heads * info.head_dim * tokens * batch * element_size
+    kv = 2 * info.kv_layers * info.n_kv_heads * info.head_dim * tokens * batch * element_size
     logits = 3 * batch * tokens * info.vocab_size * 4
     scores = batch * max(info.n_heads, 1) * tokens * tokens * 4
     return 2 * kv + logits + scores
@@ -570,11 +592,13 @@ def describe(model) -> HFModelInfo:
     context = next((getattr(cfg, k) for k in CONTEXT_KEYS if isinstance(getattr(cfg, k, None), int)), None)
     layer_types = []
     try:
-        for layer in DynamicCache(config=cfg).layers:
-            window = getattr(layer, "sliding_window", None)
-            layer_types.append(f"sliding({window})" if window else "full")
+        layer_types = [_layer_type(layer) for layer in DynamicCache(config=cfg).layers]
     except Exception:  # a custom config DynamicCache cannot read: every layer is taken as full attention
         layer_types = []
+    if (
+        str(getattr(cfg, "model_type", "")) in RECURRENT_TYPES
+    ):  # no layer_types: DynamicCache would say "full"
+        layer_types = ["recurrent"] * n_layers
     if len(layer_types) != n_layers:
         layer_types = ["full"] * n_layers
     return HFModelInfo(
@@ -592,6 +616,18 @@ def describe(model) -> HFModelInfo:
         attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "default"),
         transformers_version=transformers.__version__,
     )
+
+
+def _layer_type(layer) -> str:
+    """One layer of transformers' DynamicCache, in HFModelInfo.layer_types' words."""
+    from transformers import cache_utils
+
+    state = isinstance(layer, getattr(cache_utils, "LinearAttentionCacheLayerMixin", ()))
+    if not isinstance(layer, cache_utils.DynamicLayer):
+        return "recurrent" if state else "none"
+    window = getattr(layer, "sliding_window", None)
+    kind = f"sliding({window})" if window else "full"
+    return f"recurrent+{kind}" if state else kind
 
 
 def _has_position_table(model, context: int | None) -> bool:

@@ -100,6 +100,8 @@ def _quantized(backend: str) -> HFCache:
 
         if loaded.info.windowed:
             return "QuantizedCache holds full-attention layers only; this model has sliding-window layers"
+        if loaded.info.recurrent:
+            return "QuantizedCache holds full-attention layers only; this model has recurrent layers"
         if backend == "fp8" and not hasattr(cache_utils, "Fp8QuantizedLayer"):
             return (
                 f"transformers {transformers.__version__} has no fp8 cache backend (later versions have it)"
@@ -477,9 +479,14 @@ def _run(loaded, caches, prompts, new_tokens, checks, short_tokens, on_row) -> V
             reference[key] = generate_run(loaded, [p], n, use_cache=False)
         return reference[key]
 
+    no_kv = (
+        f"{loaded.info.model_type} keeps a recurrent state, no KV cache"
+        if not loaded.info.kv_layers
+        else None
+    )
     for name in caches:
         cache = HF_CACHES[name]
-        why = cache.unavailable(loaded, device) if cache.unavailable else None
+        why = no_kv or (cache.unavailable(loaded, device) if cache.unavailable else None)
         if why:
             add(_skipped(name, why))
             continue
@@ -527,9 +534,8 @@ def _run(loaded, caches, prompts, new_tokens, checks, short_tokens, on_row) -> V
         f"{len(prompts)} seeded prompts of lengths {', '.join(map(str, lens))}; logits and greedy use the first "
         f"with {new_tokens} new tokens; batched and cache_state use {short} new tokens",
         "reference: transformers' own no-cache path on the same model (generate and forward with use_cache=False)",
-        f"model: {info.architecture}, {info.layers_summary()} attention layers, {info.n_heads} heads "
-        f"({info.n_kv_heads} key/value), {info.attn_implementation} attention, {info.positions_summary()}, "
-        f"transformers {info.transformers_version}",
+        f"model: {info.architecture}, {_model_layers(info)}, {info.attn_implementation} attention, "
+        f"{info.positions_summary()}, transformers {info.transformers_version}",
     ]
     if layers_seen:
         notes.append(
@@ -560,6 +566,19 @@ def _run(loaded, caches, prompts, new_tokens, checks, short_tokens, on_row) -> V
         reference="transformers no-cache path (use_cache=False)",
         notes=notes,
     )
+
+
+def _model_layers(info) -> str:
+    """'2 full attention layers, 4 heads (2 key/value)'; a model with recurrent layers says so, and how many of its
+    layers cache K/V (none: it has no KV cache, so the cache checks do not apply)."""
+    heads = f"{info.n_heads} heads ({info.n_kv_heads} key/value)"
+    if not info.recurrent:
+        return f"{info.layers_summary()} attention layers, {heads}"
+    if not info.kv_layers:
+        return (
+            f"{info.layers_summary()} layers: no attention, so no KV cache (a fixed-size state per sequence)"
+        )
+    return f"layers {info.layers_summary()}: {info.kv_layers} of {info.n_layers} cache K/V, {heads}"
 
 
 def _count(names: list[str]) -> str:
