@@ -252,6 +252,93 @@ def test_learned_positions_are_held_to_their_limit(toy_dirs):
     assert "learned absolute positions" in out and "128" in out, out
 
 
+# --- remote code that misbehaves: contained ------------------------------------------------------------------------
+FORWARD = "        cache = cache if cache is not None else past_key_values\n"
+# name -> (text in modeling_kvtoy.py, what replaces it)
+HOSTILE_TOYS = {
+    "exit_import": ("import torch\n", "import sys\nsys.exit(0)\nimport torch\n"),
+    "exit3_import": ("import torch\n", "import sys\nsys.exit(3)\nimport torch\n"),
+    "base_import": ("import torch\n", "raise GeneratorExit('from the module')\n"),
+    "exit_init": (
+        "        super().__init__(config)\n",
+        "        super().__init__(config)\n        import sys\n        sys.exit(0)\n",
+    ),
+    "exit_embeddings": ("        return self.wte\n", "        import sys\n        sys.exit(0)\n"),
+    "exit_forward": (FORWARD, "        import sys\n        sys.exit(0)\n"),
+    "print_forward": (FORWARD, "        print('kvtoy forward')\n" + FORWARD),
+}
+
+
+@pytest.fixture(scope="module")
+def hostile_toys(toy_dirs, tmp_path_factory) -> dict[str, Path]:
+    import shutil
+
+    base = tmp_path_factory.mktemp("hostile")
+    out = {}
+    for name, (old, new) in HOSTILE_TOYS.items():
+        d = base / f"kvtoy_{name}"  # a directory name of its own: transformers imports its code by that name
+        shutil.copytree(toy_dirs["fixed"], d)
+        code = (d / "modeling_kvtoy.py").read_text()
+        assert old in code, name
+        (d / "modeling_kvtoy.py").write_text(code.replace(old, new, 1))
+        out[name] = d
+    return out
+
+
+@pytest.mark.parametrize(
+    "toy, message",
+    [
+        ("exit_import", "loading it called sys.exit(0) instead of raising an exception"),
+        ("exit3_import", "loading it called sys.exit(3)"),
+        ("base_import", "loading it raised GeneratorExit: from the module"),
+        ("exit_init", "loading it called sys.exit(0)"),
+        (
+            "exit_embeddings",
+            "the model's own code (--trust-remote-code): get_input_embeddings called sys.exit(0)",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", ["verify", "bench"])
+def test_remote_code_that_exits_while_loading_is_one_line(hostile_toys, tmp_path, toy, message, command):
+    """Modelling code that ends the process (or raises a BaseException) while it is imported, built or described
+    stops the command with one line naming the model and what it did, exit 2; bench creates no run folder."""
+    out_dir = tmp_path / "run"
+    extra = ["--out", str(out_dir)] if command == "bench" else []
+    r, out = invoke(command, "--hf", str(hostile_toys[toy]), "--trust-remote-code", "--json", *extra)
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2, out
+    assert len(lines) == 1 and "Traceback" not in out, out
+    assert str(hostile_toys[toy]) in lines[0] and message in lines[0], lines[0]
+    assert r.stdout == "" and not out_dir.exists(), out
+
+
+def test_remote_code_that_exits_in_forward_fails_its_checks(hostile_toys, tmp_path):
+    """sys.exit() inside the model's forward: verify reports every check as failed, naming it (exit 1, one JSON
+    document on stdout); bench records the rows as errors and finishes (meta.json complete, exit 1)."""
+    d = hostile_toys["exit_forward"]
+    r, out = invoke("verify", "--hf", str(d), "--trust-remote-code", "--caches", "none,dynamic",
+                    "--prompt-len", "8", "--new-tokens", "4", "--json")  # fmt: skip
+    assert r.exit_code == 1, out
+    checks = json.loads(r.stdout)["checks"]
+    assert checks and all("forward called sys.exit(0)" in c["detail"] and not c["passed"] for c in checks), (
+        checks
+    )
+    out_dir = tmp_path / "run"
+    r, out = invoke("bench", "--hf", str(d), "--trust-remote-code", "--prompt-len", "6", "--new-tokens", "3",
+                    "--caches", "none,dynamic", "--repeats", "1", "--warmup", "0", "--out", str(out_dir))  # fmt: skip
+    assert r.exit_code == 1, out
+    summary = pd.read_csv(out_dir / "summary.csv")
+    assert len(summary) == 2 and all("forward called sys.exit(0)" in s for s in summary.status), summary
+    assert json.loads((out_dir / "meta.json").read_text())["status"] == "complete"
+
+
+def test_remote_code_prints_go_to_stderr(hostile_toys):
+    r, out = invoke("verify", "--hf", str(hostile_toys["print_forward"]), "--trust-remote-code",
+                    "--caches", "dynamic", "--prompt-len", "8", "--new-tokens", "4", "--json")  # fmt: skip
+    assert r.exit_code == 0, out
+    assert json.loads(r.stdout)["passed"] and "kvtoy forward" in r.stderr
+
+
 # --- sources -------------------------------------------------------------------------------------------------------
 def test_config_json_alone_gives_random_weights_and_layers(model_dirs):
     r, out = invoke("verify", "--hf", str(model_dirs["llama"] / "config.json"), "--layers", "1",
@@ -300,6 +387,172 @@ def test_unloadable_models_are_one_line_and_exit_2(tmp_path):
             assert r.exit_code == 2, (case, command, out)
             assert words in out and "Traceback" not in out, (case, out)
             assert len(out.strip().splitlines()) == 1, (case, out)
+
+
+def _edited_checkpoint(src: Path, dst: Path, edit) -> Path:
+    """A copy of the model directory `src` whose tensors went through `edit(dict) -> dict`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = edit(load_file(str(src / "model.safetensors")))
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+INCOMPLETE = {  # name -> (edit of llama's tensors, what the one line says)
+    "one layer of two": (
+        lambda t: {k: v for k, v in t.items() if ".layers.1." not in k},
+        "the checkpoint lacks 9 of the model's tensors (model.layers.1.input_layernorm.weight, "
+        "model.layers.1.mlp.down_proj.weight, model.layers.1.mlp.gate_proj.weight, ... (6 more)); transformers "
+        "would fill them with random values; use a complete checkpoint, or --layers 1 to keep the layers it holds",
+    ),
+    "no final norm": (
+        lambda t: {k: v for k, v in t.items() if k != "model.norm.weight"},
+        "the checkpoint lacks 1 of the model's tensors (model.norm.weight)",
+    ),
+    "no embedding": (
+        lambda t: {k: v for k, v in t.items() if k != "model.embed_tokens.weight"},
+        "lacks 1 of the model's tensors (model.embed_tokens.weight)",
+    ),
+    "an extra tensor": (
+        lambda t: {**t, "model.adapter.weight": torch.zeros(4)},
+        "the checkpoint has 1 tensor(s) the model does not use (model.adapter.weight)",
+    ),
+    "a tensor of the wrong shape": (
+        lambda t: {**t, "model.norm.weight": torch.ones(32)},
+        "tensor model.norm.weight has shape (32,) in the checkpoint, the config expects (64,)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(INCOMPLETE))
+@pytest.mark.parametrize("command", ["verify", "bench"])
+def test_incomplete_checkpoints_are_refused(model_dirs, tmp_path, case, command):
+    """Tensors missing, unexpected or mis-shaped are one line naming how many and which, exit 2, before any work:
+    never random values standing in for weights that passed every check."""
+    edit, message = INCOMPLETE[case]
+    d = _edited_checkpoint(model_dirs["llama"], tmp_path / "ckpt", edit)
+    out_dir = tmp_path / "run"
+    extra = ["--out", str(out_dir)] if command == "bench" else []
+    r, out = invoke(
+        command, "--hf", str(d), "--caches", "dynamic", "--prompt-len", "6", "--new-tokens", "3", *extra
+    )
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2, out
+    assert len(lines) == 1 and "Traceback" not in out, out
+    assert lines[0].startswith(f"error: {d}: ") and message in lines[0], lines[0]
+    assert r.stdout == "" and not out_dir.exists(), out
+
+
+def test_complete_checkpoints_load(model_dirs, hf_dir, tmp_path):
+    """Controls: GPT-2's lm_head tied to its embedding is not missing; --layers 1 of a full checkpoint drops the
+    other layer's tensors on purpose; a checkpoint holding one layer of two loads with --layers 1."""
+    for d, layers in ((hf_dir, []), (model_dirs["llama"], ["--layers", "1"])):
+        r, out = invoke("verify", "--hf", str(d), *layers, "--caches", "dynamic", "--prompt-len", "6",
+                        "--new-tokens", "3")  # fmt: skip
+        assert r.exit_code == 0, out
+    half = _edited_checkpoint(model_dirs["llama"], tmp_path / "half", INCOMPLETE["one layer of two"][0])
+    r, out = invoke("verify", "--hf", str(half), "--layers", "1", "--caches", "dynamic", "--prompt-len", "6",
+                    "--new-tokens", "3", "--json")  # fmt: skip
+    assert r.exit_code == 0 and "first 1 of 2 layers" in json.loads(r.stdout)["model"], out
+
+
+# A config's sizes are held to the bounds memory --config applies, before transformers builds anything.
+UNBOUNDED = {  # name -> (fields over COMMON, what the one line says)
+    "layers 1e30": (
+        {"num_hidden_layers": 10**30},
+        "num_hidden_layers = 1000000000000000000000000000000 must be from 1 to 4,096",
+    ),
+    "layers float": (
+        {"num_hidden_layers": 1e30},
+        "num_hidden_layers = 1e+30 must be a whole number (float given)",
+    ),
+    "layers 1e9": ({"num_hidden_layers": 10**9}, "num_hidden_layers = 1000000000 must be from 1 to 4,096"),
+    "layers zero": ({"num_hidden_layers": 0}, "num_hidden_layers = 0 must be from 1"),
+    "heads negative": ({"num_attention_heads": -4}, "num_attention_heads = -4 must be from 1"),
+    "hidden a string": ({"hidden_size": "64"}, 'hidden_size = "64" must be a whole number (str given)'),
+    "width 2^21": ({"intermediate_size": 2**21}, "intermediate_size = 2097152 must be from 1 to 1,048,576"),
+    "vocabulary 1e12": ({"vocab_size": 10**12}, "vocab_size = 1000000000000 must be from 1 to 16,777,216"),
+    "context 2^50": (
+        {"max_position_embeddings": 2**50},
+        "max_position_embeddings = 1125899906842624 must be",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNBOUNDED))
+@pytest.mark.parametrize("command, as_dir", [("verify", False), ("verify", True), ("bench", False)])
+def test_hf_config_sizes_are_bounded(tmp_path, case, command, as_dir):
+    fields, message = UNBOUNDED[case]
+    where = tmp_path / "model"
+    where.mkdir()
+    (where / "config.json").write_text(json.dumps({"model_type": "llama", **COMMON, **fields}))
+    source = where if as_dir else where / "config.json"
+    out_dir = tmp_path / "run"
+    extra = ["--out", str(out_dir)] if command == "bench" else []
+    r, out = invoke(command, "--hf", str(source), *extra)
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2, out
+    assert len(lines) == 1 and "Traceback" not in out, out
+    assert "config.json: " in lines[0] and message in lines[0], lines[0]
+    assert not out_dir.exists(), out
+
+
+def test_hf_model_beyond_memory_is_refused_before_allocating(tmp_path, model_dirs, monkeypatch):
+    """The model is built on the meta device and its parameters counted at the dtype, plus an allowance for the
+    run, against the memory free now: one line naming the estimate and what is available, before any allocation."""
+    huge = tmp_path / "huge.json"  # ~5.8e11 parameters: terabytes, on any machine
+    huge.write_text(json.dumps({"model_type": "llama", **COMMON, "hidden_size": 65536, "num_attention_heads": 64,
+                                "num_key_value_heads": 64, "head_dim": 1024, "intermediate_size": 65536,
+                                "vocab_size": 2**22, "num_hidden_layers": 1}))  # fmt: skip
+    for command in ("verify", "bench"):
+        out_dir = tmp_path / "run"
+        extra = (
+            ["--out", str(out_dir), "--prompt-len", "8", "--new-tokens", "4"] if command == "bench" else []
+        )
+        r, out = invoke(command, "--hf", str(huge), *extra)
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2, out
+        assert len(lines) == 1 and "Traceback" not in out and not out_dir.exists(), out
+        if command == "bench":  # bench holds the weights and its sweep's cache to the device's size first
+            assert "GiB of weights (LlamaForCausalLM (1 layers)), more than the device's" in lines[0], lines[
+                0
+            ]
+            continue
+        assert f"--hf {huge}: LlamaForCausalLM (1 layers) needs about" in lines[0], lines[0]
+        assert "TiB of CPU memory: 579,820,781,568 parameters x 4 B (random weights" in lines[0], lines[0]
+        assert "B is available; use --layers N" in lines[0], lines[0]
+    # a tiny checkpoint where (as the kernel says) almost nothing is free: refused the same way, naming both sizes
+    import kvbench.bench_settings as bs
+
+    monkeypatch.setattr(bs, "available_memory_bytes", lambda device: 2**20)
+    r, out = invoke("verify", "--hf", str(model_dirs["llama"]), "--caches", "dynamic")
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, out
+    assert (
+        "parameters x 4 B + " in r.stderr and "for activations and the cache; 1 MiB is available" in r.stderr
+    )
+
+
+def test_hf_memory_estimate_counts_the_device_and_the_host(model_dirs, monkeypatch):
+    """On a GPU the weights and the allowance must fit the device's free memory, and a random init the host's."""
+    import kvbench.bench_settings as bs
+    from kvbench.hf_models import check_memory, peek_hf
+
+    shape = peek_hf(str(model_dirs["llama"]))
+    free = {"cpu": 2**40, "cuda": 2**10}
+    monkeypatch.setattr(bs, "available_memory_bytes", lambda device: free[device.type])
+    with pytest.raises(KVBenchError, match=r"needs about .* of memory on cuda: .* parameters x 2 B \+ "):
+        check_memory("x", shape, torch.device("cuda"), torch.float16, random=False, batch=2, tokens=64)
+    free.update(cpu=3 * shape.parameters, cuda=2**40)  # the host holds 2 B a parameter, not an fp32 init's 4
+    with pytest.raises(KVBenchError, match=r"of CPU memory: .* parameters x 4 B \(random weights"):
+        check_memory("x", shape, torch.device("cuda"), torch.float16, random=True)
+    check_memory(
+        "x", shape, torch.device("cuda"), torch.float16, random=False
+    )  # the host holds 2 B a parameter
+    free.update(cpu=2**40)
+    check_memory("x", shape, torch.device("cpu"), torch.float32, random=True, batch=3, tokens=64)
 
 
 def test_gpt2_options_are_refused_with_hf(model_dirs):

@@ -355,9 +355,9 @@ def test_config_rejects_what_it_cannot_interpret(tmp_path):
                 "num_hidden_layers": 2,
                 "num_attention_heads": 2,
                 "hidden_size": 8,
-                "layers_block_type": ["mamba", "attention"],
+                "layers_block_type": ["mamba", "teleport"],  # a layer kind with no known memory
             },
-            "layers_block_type",
+            "layers_block_type contains 'teleport'",
         ),  # fmt: skip
         "types.json": (
             {
@@ -365,9 +365,9 @@ def test_config_rejects_what_it_cannot_interpret(tmp_path):
                 "num_hidden_layers": 2,
                 "num_attention_heads": 2,
                 "hidden_size": 8,
-                "layer_types": ["full_attention", "linear_attention"],
+                "layer_types": ["full_attention", "teleport_attention"],
             },
-            "linear_attention",
+            "teleport_attention",
         ),  # fmt: skip
         "odd.json": (
             {"model_type": "x", "num_hidden_layers": 2, "num_attention_heads": 3, "hidden_size": 8},

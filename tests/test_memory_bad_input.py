@@ -51,6 +51,13 @@ FILES = {
     "deep": b"[" * 100_000 + b"]" * 100_000,
     "a-directory": None,
     "int-of-5000-digits": b'{"model_type": "llama", "num_hidden_layers": ' + b"9" * 5000 + b"}",
+    # hybrid layer stacks (a model type transformers lacks, so the fields are read as written)
+    "pattern-letter": {**llama(model_type="mystery"), "hybrid_override_pattern": "M?"},
+    "pattern-length": {**llama(model_type="mystery"), "hybrid_override_pattern": "M*M"},
+    "period-zero": {**llama(model_type="mystery"), "attn_layer_period": 0},
+    "indices-out-of-range": {**llama(model_type="mystery"), "attn_layer_indices": [0, 5]},
+    "block-kind": {**llama(model_type="mystery"), "layers_block_type": ["mamba", "quantum"]},
+    "layer-kind": {**llama(model_type="mystery"), "layer_types": ["linear_attention", "quantum"]},
 }  # fmt: skip
 
 # (case id, arguments, text the one error line must contain)
@@ -75,6 +82,12 @@ CASES = [
     ("text_config list", ["--config", "CFG:text-config-list"], "text_config must be a JSON object"),
     ("fallback reader bounded", ["--config", "CFG:unknown-type-layers-1e9"], "num_hidden_layers = 1000000000"),
     ("kv heads not a divisor", ["--config", "CFG:heads-not-multiple"], "not a multiple of 3 key/value heads"),
+    ("hybrid pattern letter", ["--config", "CFG:pattern-letter"], "hybrid_override_pattern has '?', which this planner cannot size"),
+    ("hybrid pattern length", ["--config", "CFG:pattern-length"], "hybrid_override_pattern lists 3 layers, the model has 2"),
+    ("attention period 0", ["--config", "CFG:period-zero"], "attn_layer_period 0 / attn_layer_offset 0 are not a layer pattern"),
+    ("attention index 5 of 2", ["--config", "CFG:indices-out-of-range"], "attn_layer_indices must be a list of layer indices below 2"),
+    ("unknown block kind", ["--config", "CFG:block-kind"], "layers_block_type contains 'quantum', which this planner cannot size"),
+    ("unknown layer kind", ["--config", "CFG:layer-kind"], "layer_types contains 'quantum', which this planner cannot size"),
     ("encoder", ["--config", "CFG:bert"], "model_type 'bert' is not a decoder-only LLM"),
     ("JSON array", ["--config", "CFG:array"], "expected a JSON object"),
     ("not JSON", ["--config", "CFG:not-json"], "is not valid JSON"),

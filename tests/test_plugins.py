@@ -128,6 +128,9 @@ def plugin_dir(tmp_path, monkeypatch):
         )
     )
     (pkg / "import_error.py").write_text("import this_module_does_not_exist\n")
+    (pkg / "hostile.py").write_text(HOSTILE)
+    for name, body in EXITS_ON_IMPORT.items():
+        (pkg / f"{name}.py").write_text(body)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
     for name in [m for m in sys.modules if m.startswith("mycaches")]:
@@ -138,6 +141,205 @@ def plugin_dir(tmp_path, monkeypatch):
 
 def run(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
+
+
+# --- third-party code that misbehaves: contained, one line naming it ------------------------------------------------
+EXITS_ON_IMPORT = {
+    "bye": "import sys\nsys.exit(0)\n",
+    "bye3": "import sys\nsys.exit(3)\n",
+    "base_exception": "class Boom(BaseException):\n    pass\n\nraise Boom('not an Exception')\n",
+    "chatty_import": "print('hello from the plugin module')\nfrom mycaches.growing import GrowingCache  # noqa\n",
+}
+HOSTILE = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from kvbench.caches import CacheSpec
+    from mycaches.growing import GrowingCache
+
+    class ExitInit(GrowingCache):
+        def __init__(self, config, batch, max_len, dtype, device):
+            sys.exit(0)
+
+    class ExitUpdate(GrowingCache):
+        def update(self, k, v, positions):
+            sys.exit(0)
+
+    class ExitReset(GrowingCache):
+        def reset(self):
+            sys.exit(1)
+
+    class ExitLength(GrowingCache):
+        @property
+        def length(self):
+            sys.exit(0)
+        @length.setter
+        def length(self, value):
+            pass
+
+    class BaseInUpdate(GrowingCache):
+        def update(self, k, v, positions):
+            raise GeneratorExit("from update")
+
+    class CtrlC(GrowingCache):
+        def update(self, k, v, positions):
+            raise KeyboardInterrupt
+
+    class NegativeCapacity(GrowingCache):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.capacity = -1
+
+    class FloatCapacity(GrowingCache):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.capacity = 4.5
+
+    class BoolCapacity(GrowingCache):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.capacity = True
+
+    class OverCapacity(GrowingCache):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.capacity = 2  # claims 2 slots, holds more
+
+    class NotEmpty(GrowingCache):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.length = 3
+
+    class WrongDevice(GrowingCache):
+        def update(self, k, v, positions):
+            k, v = super().update(k, v, positions)
+            return k.to("meta"), v.to("meta")
+
+    class WrongDtype(GrowingCache):
+        def update(self, k, v, positions):
+            k, v = super().update(k, v, positions)
+            return k.double(), v.double()
+
+    class Chatty(GrowingCache):
+        def __init__(self, *args):
+            print("chatty: building")
+            super().__init__(*args)
+        def update(self, k, v, positions):
+            print("chatty: update")
+            return super().update(k, v, positions)
+
+    class ExitsLater(GrowingCache):
+        # passes the load-time probe (batch 2, 8 slots), then ends the process on a real run
+        def update(self, k, v, positions):
+            if self.length + k.size(2) > 8:
+                sys.exit(0)
+            return super().update(k, v, positions)
+
+    class NaNKeys(GrowingCache):
+        # values are not probed: the shapes are right, every key is NaN
+        def update(self, k, v, positions):
+            k, v = super().update(k, v, positions)
+            return torch.full_like(k, float("nan")), v
+
+    def exiting_runner(model, caches):
+        sys.exit(0)
+
+    RUNNER_EXITS = CacheSpec("runner", "a spec whose decode runner exits", GrowingCache, decode_runner=exiting_runner)
+    """
+)
+
+# (reference, what the one line must say). Each is refused when the plugin is loaded: exit 2, nothing on stdout.
+HOSTILE_CASES = [
+    ("mycaches.bye:X", "cache plugin 'mycaches.bye:X': importing 'mycaches.bye' called sys.exit(0)"),
+    ("mycaches.bye3:X", "importing 'mycaches.bye3' called sys.exit(3)"),
+    ("mycaches.base_exception:X", "importing 'mycaches.base_exception' raised Boom: not an Exception"),
+    ("mycaches.hostile:ExitInit", "constructing it called sys.exit(0)"),
+    ("mycaches.hostile:ExitUpdate", "broke the cache contract: update called sys.exit(0)"),
+    ("mycaches.hostile:ExitReset", "broke the cache contract: reset called sys.exit(1)"),
+    ("mycaches.hostile:ExitLength", "broke the cache contract: reading length called sys.exit(0)"),
+    ("mycaches.hostile:BaseInUpdate", "update raised GeneratorExit: from update"),
+    ("mycaches.hostile:NegativeCapacity", "capacity must be a non-negative int or None, got -1"),
+    ("mycaches.hostile:FloatCapacity", "capacity must be a non-negative int or None, got 4.5"),
+    ("mycaches.hostile:BoolCapacity", "capacity must be a non-negative int or None, got True"),
+    ("mycaches.hostile:OverCapacity", "length 3 exceeds its capacity 2 after an update of 3 token(s)"),
+    ("mycaches.hostile:NotEmpty", "a new cache must be empty, but its length is 3"),
+    ("mycaches.hostile:WrongDevice", "update returned k on meta, attention runs on cpu"),
+    ("mycaches.hostile:WrongDtype", "update returned k in torch.float64, attention runs in torch.float32"),
+    ("mycaches.hostile:RUNNER_EXITS", "its decode_runner called sys.exit(0)"),
+]
+
+
+@pytest.mark.parametrize(
+    "command, ref, message",
+    # verify first calls a decode runner inside a check, where a plugin's failure is that check's failing row
+    [
+        (c, ref, m)
+        for c in ("generate", "verify")
+        for ref, m in HOSTILE_CASES
+        if c == "generate" or "RUNNER" not in ref
+    ],
+)
+def test_hostile_plugin_is_contained_in_one_line(plugin_dir, command, ref, message):
+    """A plugin that ends the process, raises a BaseException or breaks the contract stops the command with one
+    line naming it and what it did: exit 2, never the plugin's own exit code, nothing on stdout."""
+    args = ["hi", "--cache", ref, "-n", 3] if command == "generate" else ["--caches", ref, "-n", 4]
+    args.append("--json")  # nothing may reach stdout: no streamed text, no plugin print
+    r = run(command, *args, *TINY)
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2, r.output
+    assert len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert ref in lines[0] and message in lines[0], lines[0]
+    assert r.stdout == "", r.stdout
+
+
+def test_plugin_prints_go_to_stderr_and_json_stays_clean(plugin_dir):
+    """Whatever a plugin prints (importing, building, every update) goes to stderr: --json's stdout is one
+    document."""
+    import json
+
+    r = run("generate", "hi", "--cache", "mycaches.hostile:Chatty", "-n", 3, *TINY, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["settings"]["cache"] == "mycaches.hostile:Chatty"
+    assert "chatty: update" in r.stderr and "chatty" not in r.stdout
+    r = run("verify", "--caches", "mycaches.chatty_import:GrowingCache", "-n", 4, *TINY, "--json",
+            "--reference", "none")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["passed"] and "hello from the plugin module" in r.stderr
+
+
+def test_ctrl_c_inside_a_plugin_still_interrupts(plugin_dir):
+    r = run("generate", "hi", "--cache", "mycaches.hostile:CtrlC", "-n", 3, *TINY)
+    assert r.exit_code == 130, r.output
+    assert r.stderr.strip().splitlines() == ["error: interrupted"], r.stderr
+
+
+def test_plugin_that_exits_mid_run(plugin_dir, tmp_path):
+    """A plugin that passes the probe and calls sys.exit() later: generate stops with one line (exit 2); verify
+    fails its rows naming it (exit 1); bench records its rows as errors and finishes the sweep (every other row,
+    the plots and meta.json kept, exit 1)."""
+    import json
+
+    ref = "mycaches.hostile:ExitsLater"
+    r = run("generate", "hello there", "--cache", ref, "-n", 12, *TINY)
+    assert r.exit_code == 2, r.output
+    assert r.stderr.strip().splitlines() == [
+        f"error: cache plugin {ref!r} broke the cache contract: update called sys.exit(0) instead of raising an "
+        "exception"
+    ], r.stderr
+    r = run("verify", "--caches", ref, "-n", 12, *TINY, "--json", "--reference", "none")
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.stdout)
+    assert all("update called sys.exit(0)" in c["detail"] for c in doc["checks"] if not c["passed"]), doc
+    out = tmp_path / "run"
+    r = run("bench", "--caches", f"none,{ref}", "--engine", "kvbench", "--prompt-len", 16, "--new-tokens", 4,
+            "--repeats", 1, "--warmup", 0, "--threads", 1, *TINY, "--out", out)  # fmt: skip
+    assert r.exit_code == 1, r.output
+    import pandas as pd
+
+    status = pd.read_csv(out / "summary.csv").set_index("cache").status
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["status"] == "complete" and (out / "latency.png").is_file(), meta["status"]
+    assert status["none"] == "ok" and "update called sys.exit(0)" in status[ref], status
 
 
 def test_plugin_is_exact_like_a_builtin(plugin_dir, tiny_model):
@@ -253,3 +455,26 @@ def test_memory_measure_allocates_a_plugin(plugin_dir):
     )
     r = run("memory", "-m", "gpt2", "--caches", "static")
     assert r.exit_code == 2 and "--caches goes with --measure" in r.stderr
+
+
+def test_a_plugin_whose_logits_are_not_finite(plugin_dir):
+    """NaN keys from a plugin: verify fails its rows saying the cached run is not finite while the no-cache forward
+    is (exit 1); break refuses to claim a fault caught on it, in one line (exit 2)."""
+    import json
+
+    ref = "mycaches.hostile:NaNKeys"
+    r = run("verify", "--caches", ref, "-n", 4, *TINY, "--json", "--reference", "none")
+    assert r.exit_code == 1, r.output
+    rows = {c["name"]: c["detail"] for c in json.loads(r.stdout)["checks"]}
+    assert (
+        "logits are not finite (" in rows["logits"]
+        and "in the cached run (the no-cache forward is finite)" in (rows["logits"])
+    ), rows
+    assert all("logits are not finite (" in d for d in rows.values()), rows
+    r = run("break", "reset", "--cache", ref, *TINY, "-n", 4, "--reference", "none")
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert (
+        len(lines) == 1
+        and "while the model's no-cache forward is finite: that cache itself is broken" in (lines[0])
+    ), r.stderr

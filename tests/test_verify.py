@@ -145,3 +145,88 @@ def test_cli_verify_bad_input_exits_2():
     assert r.exit_code == 2, r.output
     r = CliRunner().invoke(app, ["verify", "--model", "gpt2-tiny", "--weights", "random", "--caches", "nope"])
     assert r.exit_code == 2, r.output
+
+
+# --- logits that are not finite (a checkpoint with NaN or inf in a weight) -----------------------------------------
+def _poisoned(tmp_path_factory, name: str, poison) -> str:
+    """A tiny Hugging Face GPT-2 saved with `poison(model)` applied to its weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=300, initializer_range=0.1,
+                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    model = GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        poison(model)
+    d = tmp_path_factory.mktemp(name)
+    model.save_pretrained(d)
+    return str(d)
+
+
+def _nan_mlp(m):
+    m.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")  # every position goes NaN from layer 0 on
+
+
+def _inf_norm(m):
+    m.transformer.ln_f.weight[0] = float("inf")  # every logit +-inf or NaN
+
+
+def _nan_token(m):
+    m.transformer.wte.weight[7, 0] = float("nan")  # tied lm_head: one NaN logit (token 7) in every row
+
+
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory) -> dict[str, str]:
+    return {
+        name: _poisoned(tmp_path_factory, name, fn)
+        for name, fn in (("nan-mlp", _nan_mlp), ("inf-norm", _inf_norm), ("nan-token", _nan_token))
+    }
+
+
+@pytest.mark.parametrize("ckpt", ["nan-mlp", "inf-norm", "nan-token"])
+@pytest.mark.parametrize("subject", ["weights", "hf"])
+def test_not_finite_logits_fail_every_check_with_the_reason(poisoned, ckpt, subject):
+    """NaN or inf logits are a failing row saying so, for every check and every cache (exit 1), never a crash; and
+    never a pass because two NaN runs happen to pick the same argmax."""
+    where = (
+        ["--weights", poisoned[ckpt], "--device", "cpu"] if subject == "weights" else ["--hf", poisoned[ckpt]]
+    )
+    caches = ["--caches", "none,dynamic"]
+    r = CliRunner().invoke(
+        app, ["verify", *where, *caches, "--prompt-len", "6", "--new-tokens", "4", "--json"]
+    )
+    assert r.exit_code == 1, r.output
+    assert "Traceback" not in r.output and "kvbench bug" not in r.output, r.output
+    checks = [c for c in json.loads(r.stdout)["checks"] if not c["skipped"]]
+    assert checks and not any(c["passed"] for c in checks), checks
+    for c in checks:
+        assert "logits are not finite (" in c["detail"] and " NaN, " in c["detail"], c
+    first = (
+        checks[0]["detail"] if subject == "hf" else next(c for c in checks if c["name"] == "logits")["detail"]
+    )
+    assert "the model itself is not finite" in first, first
+
+
+@pytest.mark.parametrize("ckpt", ["nan-mlp", "inf-norm", "nan-token"])
+@pytest.mark.parametrize("fault", ["position", "static-pointer", "all"])
+def test_break_refuses_a_model_that_is_not_finite(poisoned, ckpt, fault):
+    """break cannot show a fault caught when the clean model's own logits are NaN: one line saying so, exit 2."""
+    r = CliRunner().invoke(app, ["break", fault, "--weights", poisoned[ckpt], "--device", "cpu", "-n", "4"])
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert "the clean model is not finite: with no fault injected, logits are not finite (" in lines[0], (
+        lines[0]
+    )
+    assert "detected" not in r.stdout, r.stdout
+
+
+def test_finite_check_compares_nothing_it_cannot():
+    """The rule itself: NaN anywhere in either run fails the comparison with counts; finite runs compare as before."""
+    from kvbench.verify import not_finite
+
+    a = torch.zeros(3, 5)
+    assert not_finite([("x", a), ("y", a)]) is None
+    b = a.clone()
+    b[1, 2], b[2, 0], b[0, 4] = float("nan"), float("inf"), -float("inf")
+    assert not_finite([("x", a), ("y", b)]) == "logits are not finite (1 NaN, 2 inf) in y"

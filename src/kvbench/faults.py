@@ -23,7 +23,7 @@ from kvbench.caches.static import StaticCache
 from kvbench.errors import KVBenchError
 from kvbench.generation import EXACT, PAD_ID, Batch, CacheReuse, DecodeRules, Padding, Positions, left_pad
 from kvbench.model import GPT, GPTConfig, MaskRule
-from kvbench.verify import CHECKS, CheckRow, fresh_caches, run, run_verify
+from kvbench.verify import CHECKS, CheckRow, fresh_caches, full_logits, not_finite, run, run_verify
 
 
 # --- the buggy rules and the buggy cache ------------------------------------------------------------------------
@@ -217,6 +217,26 @@ def mask_signature(model: GPT, prompt: list[int]) -> dict:
     }
 
 
+def require_finite(model: GPT, prompts: list[list[int]], new_tokens: int, cache: str) -> None:
+    """The correct path's logits on these prompts must be finite: with NaN or inf logits every verify check fails
+    for that reason alone, so a fault would look caught when nothing was shown. One line saying which is not finite:
+    the model itself (no cache), or only the cache carrying the faults."""
+    res = run(model, prompts, new_tokens, cache)
+    broken = not_finite([(f"the correct run through the {cache} cache", torch.stack(res.logits))])
+    if broken is None:
+        return
+    itself = not_finite([("its no-cache forward", full_logits(model, prompts[0], res.tokens[0]))])
+    if itself or cache == "none":
+        raise KVBenchError(
+            f"the clean model is not finite: with no fault injected, {itself or broken}; every verify check would "
+            "fail for that reason alone, so no fault can be shown caught (check the weights)"
+        )
+    raise KVBenchError(
+        f"with no fault injected, {broken}, while the model's no-cache forward is finite: that cache itself is "
+        f"broken, so no fault can be shown caught on it (kvbench verify --caches {cache} shows where)"
+    )
+
+
 def _first_diff(a: list[int], b: list[int]) -> int | None:
     return next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
 
@@ -247,6 +267,7 @@ def break_fault(
             f"the {name} fault needs a batch of >= 2 prompts of different lengths (got lengths "
             f"{[len(p) for p in prompts]}): with one prompt, or equal lengths, nothing is padded and the bug is dormant"
         )
+    require_finite(model, prompts, new_tokens, cache)
     if f.batched:
         row = min(range(len(prompts)), key=lambda b: len(prompts[b]))  # the shortest: most padding
         correct = run(model, prompts, new_tokens, cache).tokens[row]

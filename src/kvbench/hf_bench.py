@@ -208,10 +208,11 @@ def hf_bench_settings(config, overrides: dict) -> BenchSettings:
 
 
 def kv_bytes(shape: HFShape, tokens: int, element_size: int) -> int:
-    """K and V of every layer for one sequence of `tokens` tokens; a sliding-window layer holds at most its window."""
+    """K and V of every layer for one sequence of `tokens` tokens; a sliding-window layer holds at most its window,
+    a recurrent layer none (its fixed-size state is not a KV cache)."""
     total = 0
     for kind in shape.info.layer_types:
-        held = min(int(kind[len("sliding(") : -1]), tokens) if kind.startswith("sliding(") else tokens
+        held = shape.info.kv_tokens(kind, tokens)
         total += 2 * shape.info.n_kv_heads * shape.info.head_dim * held * element_size
     return total
 
@@ -273,10 +274,11 @@ class HFBenchConfig:
     vocab_size: int
     n_kv_head: int
     head_dim: int
+    kv_layers: int  # the layers that cache K/V (a hybrid's attention layers; 0 for a recurrent model)
 
     def kv_bytes_per_token(self, element_size: int) -> int:
-        """K and V of every layer, for one token (sliding-window layers counted in full)."""
-        return 2 * self.n_layer * self.n_kv_head * self.head_dim * element_size
+        """K and V of every attention layer, for one token (sliding-window layers counted in full)."""
+        return 2 * self.kv_layers * self.n_kv_head * self.head_dim * element_size
 
 
 @dataclass
@@ -308,6 +310,7 @@ def bench_view(loaded: LoadedHF) -> BenchLoaded:
         vocab_size=info.vocab_size,
         n_kv_head=info.n_kv_heads,
         head_dim=info.head_dim,
+        kv_layers=info.kv_layers,
     )
     head = loaded.model.get_output_embeddings()
     assert head is not None and hasattr(head, "weight"), (

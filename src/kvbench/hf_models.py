@@ -16,6 +16,7 @@ transformers' loading bars, log messages and Python warnings are kept off the te
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import warnings
@@ -27,6 +28,9 @@ import torch
 
 from kvbench import files
 from kvbench.errors import KVBenchError
+from kvbench.memory.config_json import check_fields
+from kvbench.memory.state import RECURRENT_TYPES
+from kvbench.thirdparty import contained, did, why
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -39,6 +43,7 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # Config attributes that bound the sequence length, most common first (GPT-2's n_positions is mapped onto the
 # first by its config class).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+REMOTE_MODULES = "transformers_modules"  # where transformers imports a directory's own modelling code from
 
 
 @dataclass
@@ -55,13 +60,34 @@ class HFModelInfo:
     vocab_size: int
     context: int | None  # the configured maximum sequence length, if the config has one
     learned_positions: bool  # a position-embedding table: there is no position past `context`
-    layer_types: list[str]  # per layer: "full" or "sliding(W)", as transformers' DynamicCache builds them
+    # per layer, as transformers' DynamicCache builds them: "full" or "sliding(W)" (K/V), "recurrent" (a fixed-size
+    # state: Mamba, RWKV, xLSTM, linear attention), "recurrent+full" / "recurrent+sliding(W)" (both: a hybrid
+    # layer), "none" (no sequence mixing: an MLP-only layer)
+    layer_types: list[str]
     attn_implementation: str  # eager, sdpa, ...
     transformers_version: str
 
     @property
     def windowed(self) -> bool:
-        return any(t != "full" for t in self.layer_types)
+        return any("sliding(" in t for t in self.layer_types)
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layer keeps a recurrent state."""
+        return any(t.startswith("recurrent") for t in self.layer_types)
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that cache K and V (0: no KV cache at all, a purely recurrent model)."""
+        return sum(1 for t in self.layer_types if self.kv_tokens(t, 1))
+
+    @staticmethod
+    def kv_tokens(layer_type: str, tokens: int) -> int:
+        """Tokens one layer of this type holds in its KV cache after `tokens` tokens."""
+        kind = layer_type.removeprefix("recurrent+")
+        if kind.startswith("sliding("):
+            return min(int(kind[len("sliding(") : -1]), tokens)
+        return tokens if kind == "full" else 0
 
     def layers_summary(self) -> str:
         """'2 full' / '2 sliding(8)' / '1 sliding(8) + 1 full' in layer order of first appearance."""
@@ -246,6 +272,7 @@ def _resolve(source: str, layers: int | None, trust_remote_code: bool) -> _Resol
     if path.is_file():
         doc = _read_config(path)
         _refuse_unloadable(doc, str(path), trust_remote_code)
+        check_fields(doc, path)  # the bounds memory --config holds a config to, before transformers builds it
         where, weights = str(path), None
         if doc.get("auto_map"):  # its code is found beside it, through the directory
             if path.name != "config.json":
@@ -258,7 +285,9 @@ def _resolve(source: str, layers: int | None, trust_remote_code: bool) -> _Resol
         cfg_path = path / "config.json"
         if not cfg_path.exists():
             raise KVBenchError(f"no config.json in {path}; not a Hugging Face model directory")
-        _refuse_unloadable(_read_config(cfg_path), str(path), trust_remote_code)
+        doc = _read_config(cfg_path)
+        _refuse_unloadable(doc, str(path), trust_remote_code)
+        check_fields(doc, cfg_path)
         for f in (path / name for name in WEIGHT_FILES if (path / name).exists()):
             files.check_file(f, str(f), "a checkpoint's weights are regular files")
         if not any((path / f).is_file() for f in WEIGHT_FILES):
@@ -278,6 +307,7 @@ def _resolve(source: str, layers: int | None, trust_remote_code: bool) -> _Resol
     config = _call(lambda: AutoConfig.from_pretrained(where, **kwargs), source)
     if "local_files_only" in kwargs:  # a hub id: now we know its config
         _refuse_unloadable(config.to_dict(), where, trust_remote_code)
+        check_fields(config.to_dict(), Path(f"{where} config.json"))
     _, total = _shrink(config, layers, str(path) if weights is None else where)
     return _Resolved(config, where, kwargs, weights, total)
 
@@ -290,17 +320,27 @@ def load_hf(
     layers: int | None = None,
     trust_remote_code: bool = False,
     init_std: float | None = None,
+    run: tuple[int, int] | None = None,
+    check=None,
 ) -> LoadedHF:
     """Load SOURCE (see the module docstring) in `dtype` on `device`, eval mode, with a neutral generation config.
-    `init_std`, for random weights only, replaces the config's initializer_range (None: keep the config's)."""
+    `init_std`, for random weights only, replaces the config's initializer_range (None: keep the config's).
+
+    Before any real allocation the model is built on the meta device: `check(shape)`, if given, runs on it (the
+    caller's own checks: context, sizes), then its memory is estimated (`check_memory`, with `run` = (batch,
+    tokens) of the largest generation the caller will run) against what the device has free."""
     with quiet_transformers():
-        return _load(source, device, dtype, seed, layers, trust_remote_code, init_std)
+        return _load(source, device, dtype, seed, layers, trust_remote_code, init_std, run, check)
 
 
-def _load(source, device, dtype, seed, layers, trust_remote_code, init_std) -> LoadedHF:
+def _load(source, device, dtype, seed, layers, trust_remote_code, init_std, run, check) -> LoadedHF:
     from transformers import AutoModelForCausalLM
 
     r = _resolve(source, layers, trust_remote_code)
+    shape = _meta_shape(r, source)
+    if check is not None:
+        check(shape)
+    check_memory(source, shape, device, dtype, r.weights is None, *(run or (1, 0)))
     config, path = r.config, Path(source).expanduser()
     if r.weights is None:
         if init_std is not None and hasattr(config, "initializer_range"):
@@ -310,14 +350,62 @@ def _load(source, device, dtype, seed, layers, trust_remote_code, init_std) -> L
         model = _call(lambda: AutoModelForCausalLM.from_config(config, **r.kwargs), source)
         weights = f"random(transformers init, initializer_range={std}, seed={seed}) from {path}"
     else:
-        model = _call(
-            lambda: AutoModelForCausalLM.from_pretrained(r.where, config=config, dtype=dtype, **r.kwargs),
+        model, info = _call(
+            lambda: AutoModelForCausalLM.from_pretrained(
+                r.where, config=config, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True,
+                **r.kwargs,
+            ),
             source,
-        )
+        )  # fmt: skip
+        refuse_incomplete(info, r.weights, kept=None if layers is None else layers)
         weights = r.weights
     model = model.to(device=device, dtype=dtype).eval()
+    _contain_remote_code(model, source)
     pad = _neutral_generation_config(model)
     return LoadedHF(model, source, weights, r.weights is None, describe(model), pad, layers_of=r.layers_of)
+
+
+def refuse_incomplete(info: dict, where: str, kept: int | None = None) -> None:
+    """A checkpoint must hold exactly the model's tensors, as the GPT-2 loader requires: transformers fills a missing
+    tensor with random values and ignores an unexpected one, so a half checkpoint would pass every check on noise.
+    `info` is from_pretrained's loading info; tied tensors (lm_head tied to the embedding) are not missing. With
+    --layers N the layers past N are in the checkpoint but not in the model: those are expected."""
+
+    def names(keys) -> str:
+        keys = sorted(keys)
+        return ", ".join(keys[:3]) + (f", ... ({len(keys) - 3} more)" if len(keys) > 3 else "")
+
+    mismatched = sorted(info.get("mismatched_keys") or [], key=lambda m: m[0])
+    if mismatched:
+        key, ckpt, want = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more mismatched)" if len(mismatched) > 1 else ""
+        raise KVBenchError(
+            f"{where}: tensor {key} has shape {tuple(ckpt)} in the checkpoint, the config expects {tuple(want)}"
+            f"{more}; the checkpoint does not match its config.json"
+        )
+    missing = set(info.get("missing_keys") or ())
+    if missing:
+        layers = [_layer_index(k) for k in missing]
+        first = min(layers) if None not in layers else 0  # the checkpoint holds layers 0 .. first-1 in full
+        hint = f", or --layers {first} to keep the layers it holds" if first else ""
+        raise KVBenchError(
+            f"{where}: the checkpoint lacks {len(missing)} of the model's tensors ({names(missing)}); transformers "
+            f"would fill them with random values; use a complete checkpoint{hint}"
+        )
+    unexpected = {
+        k for k in info.get("unexpected_keys") or () if kept is None or (_layer_index(k) or 0) < kept
+    }
+    if unexpected:
+        raise KVBenchError(
+            f"{where}: the checkpoint has {len(unexpected)} tensor(s) the model does not use ({names(unexpected)}); "
+            "it is not a checkpoint of the architecture its config.json names"
+        )
+
+
+def _layer_index(key: str) -> int | None:
+    """The decoder layer a tensor name belongs to ('model.layers.3.mlp...' -> 3), or None."""
+    m = re.search(r"\.(\d+)\.", key)
+    return int(m.group(1)) if m else None
 
 
 @dataclass
@@ -336,13 +424,71 @@ class HFShape:
 def peek_hf(source: str, layers: int | None = None, trust_remote_code: bool = False) -> HFShape:
     """SOURCE resolved and checked exactly as load_hf does, and the model built on the meta device (no memory, no
     init, no weights read), so its context, layers and parameter count are known before anything is loaded."""
+    with quiet_transformers():
+        return _meta_shape(_resolve(source, layers, trust_remote_code), source)
+
+
+def _meta_shape(r: _Resolved, source: str) -> HFShape:
     from transformers import AutoModelForCausalLM
 
-    with quiet_transformers():
-        r = _resolve(source, layers, trust_remote_code)
-        with torch.device("meta"):
-            model = _call(lambda: AutoModelForCausalLM.from_config(r.config, **r.kwargs), source)
-        return HFShape(describe(model), sum(p.numel() for p in model.parameters()), r.layers_of)
+    with torch.device("meta"):
+        model = _call(lambda: AutoModelForCausalLM.from_config(r.config, **r.kwargs), source)
+    _contain_remote_code(model, source)
+    return HFShape(describe(model), sum(p.numel() for p in model.parameters()), r.layers_of)
+
+
+def run_bytes(info: HFModelInfo, batch: int, tokens: int, element_size: int) -> int:
+    """A rough allowance for running `batch` sequences of `tokens` tokens: K and V of every layer, twice (a cache and
+    the copy a reset or a concatenation makes), the logits kept for comparison (fp32, on the device and on the CPU)
+    and one eager attention's scores over the whole length."""
+    kv = 2 * info.kv_layers * info.n_kv_heads * info.head_dim * tokens * batch * element_size
+    logits = 3 * batch * tokens * info.vocab_size * 4
+    scores = batch * max(info.n_heads, 1) * tokens * tokens * 4
+    return 2 * kv + logits + scores
+
+
+def check_memory(source: str, shape: HFShape, device: torch.device, dtype: torch.dtype, random: bool,
+                 batch: int = 1, tokens: int = 0) -> None:  # fmt: skip
+    """The model's memory, estimated from its meta-device build, against what is free before anything is allocated:
+    its parameters at `dtype` (random weights are initialised in fp32 on the CPU first), plus an allowance for
+    activations and the cache (`run_bytes`, and a tenth of the weights). One line naming the estimate and what is
+    available."""
+    from kvbench.bench_settings import available_memory_bytes
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    weights = shape.parameters * elem
+    allowance = run_bytes(shape.info, batch, tokens, elem) + weights // 10
+    host = shape.parameters * 4 if random else weights  # what is built on the CPU first
+    built = f"{shape.parameters:,} parameters x {4 if random else elem} B" + (
+        " (random weights are initialised in fp32 on the CPU)" if random else ""
+    )
+    run_on = f" + {_gib(allowance)} for activations and the cache"
+    if device.type == "cpu":  # a random init in fp32 converted to another dtype is held twice for a moment
+        twice = weights if random and elem != 4 else 0
+        needs = [
+            (
+                device,
+                host + twice + allowance,
+                built + (f" + {_gib(twice)} converted" if twice else "") + run_on,
+            )
+        ]
+    else:
+        needs = [(torch.device("cpu"), host, built), (device, weights + allowance, f"{shape.parameters:,} "
+                 f"parameters x {elem} B{run_on}")]  # fmt: skip
+    for dev, need, how in needs:
+        free = available_memory_bytes(dev)
+        if free is not None and need > free:
+            what = "CPU memory" if dev.type == "cpu" else f"memory on {dev}"
+            raise KVBenchError(
+                f"--hf {source}: {shape.label} needs about {_gib(need)} of {what}: {how}; {_gib(free)} is "
+                "available; use --layers N, a smaller model or fewer tokens"
+            )
+
+
+def _gib(n: int) -> str:
+    from kvbench.memory.units import fmt_bytes
+
+    return fmt_bytes(n)
 
 
 def _hub_online() -> bool:
@@ -352,15 +498,14 @@ def _hub_online() -> bool:
 
 
 def _call(fn, source: str):
-    """Run a transformers loading call; whatever it raises becomes one line naming the source."""
-    try:
-        return fn()
-    except KVBenchError:
-        raise
-    # transformers and huggingface_hub raise OSError, ValueError, KeyError, ImportError, ...
-    except Exception as e:
+    """Run a transformers loading call (and, with --trust-remote-code, the model's own code it imports and runs);
+    whatever it raises, or a sys.exit() inside it, becomes one line naming the source. Its prints go to stderr."""
+
+    def fail(e: BaseException) -> KVBenchError:
+        if not isinstance(e, Exception):  # sys.exit() or another BaseException: someone's code tried to leave
+            return KVBenchError(f"cannot load {source}: {did('loading it', e)}")
+        # transformers and huggingface_hub raise OSError, ValueError, KeyError, ImportError, ...
         text = str(e).strip()
-        first = text.splitlines()[0] if text else ""
         hint = ""
         if (
             "local_files_only" in text
@@ -368,7 +513,41 @@ def _call(fn, source: str):
             or type(e).__name__.endswith("OfflineError")
         ):
             hint = " (the hub is not reachable or HF_HUB_OFFLINE is set, and it is not in the local cache)"
-        raise KVBenchError(f"cannot load {source}: {type(e).__name__}: {first}{hint}") from None
+        return KVBenchError(f"cannot load {source}: {why(e)}{hint}")
+
+    with contained(fail):
+        return fn()
+
+
+def _contain_remote_code(model, source: str) -> None:
+    """Every method the model's own code defines (its classes from `auto_map`, loaded with --trust-remote-code)
+    called through `contained`: a sys.exit(), any exception or a print from inside forward, generate or any other
+    method it overrides becomes one KVBenchError naming the source and the method, and prints go to stderr.
+    Submodules run inside the top-level forward, so they are covered by it. Under torch.compile the methods are
+    called directly (the graph is traced through them)."""
+    seen: set[str] = set()
+    for cls in type(model).__mro__:
+        if not cls.__module__.startswith(REMOTE_MODULES):
+            continue
+        for name, fn in vars(cls).items():
+            if name.startswith("__") or name in seen or not inspect.isfunction(fn):
+                continue
+            seen.add(name)
+            object.__setattr__(model, name, _contained_method(getattr(model, name), source, name))
+
+
+def _contained_method(bound, source: str, name: str):
+    def fail(e: BaseException) -> KVBenchError:
+        return KVBenchError(f"{source}: the model's own code (--trust-remote-code): {did(name, e)}")
+
+    @functools.wraps(bound)  # keeps the signature: generate reads forward's parameters
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return bound(*args, **kwargs)
+        with contained(fail):
+            return bound(*args, **kwargs)
+
+    return call
 
 
 def _neutral_generation_config(model) -> int:
@@ -412,11 +591,13 @@ def describe(model) -> HFModelInfo:
     context = next((getattr(cfg, k) for k in CONTEXT_KEYS if isinstance(getattr(cfg, k, None), int)), None)
     layer_types = []
     try:
-        for layer in DynamicCache(config=cfg).layers:
-            window = getattr(layer, "sliding_window", None)
-            layer_types.append(f"sliding({window})" if window else "full")
+        layer_types = [_layer_type(layer) for layer in DynamicCache(config=cfg).layers]
     except Exception:  # a custom config DynamicCache cannot read: every layer is taken as full attention
         layer_types = []
+    if (
+        str(getattr(cfg, "model_type", "")) in RECURRENT_TYPES
+    ):  # no layer_types: DynamicCache would say "full"
+        layer_types = ["recurrent"] * n_layers
     if len(layer_types) != n_layers:
         layer_types = ["full"] * n_layers
     return HFModelInfo(
@@ -434,6 +615,18 @@ def describe(model) -> HFModelInfo:
         attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "default"),
         transformers_version=transformers.__version__,
     )
+
+
+def _layer_type(layer) -> str:
+    """One layer of transformers' DynamicCache, in HFModelInfo.layer_types' words."""
+    from transformers import cache_utils
+
+    state = isinstance(layer, getattr(cache_utils, "LinearAttentionCacheLayerMixin", ()))
+    if not isinstance(layer, cache_utils.DynamicLayer):
+        return "recurrent" if state else "none"
+    window = getattr(layer, "sliding_window", None)
+    kind = f"sliding({window})" if window else "full"
+    return f"recurrent+{kind}" if state else kind
 
 
 def _has_position_table(model, context: int | None) -> bool:

@@ -29,11 +29,14 @@ import torch
 from kvbench.errors import KVBenchError
 from kvbench.hf_models import LoadedHF, cache_kwarg, check_length, quiet_transformers, returned_cache
 from kvbench.verify import (
+    CACHED,
+    NO_CACHE,
     SHORT_TOKENS,
     TOLERANCES,
     CheckRow,
     VerifyReport,
     _allclose_err,
+    not_finite,
     token_verdict,
 )
 
@@ -97,6 +100,8 @@ def _quantized(backend: str) -> HFCache:
 
         if loaded.info.windowed:
             return "QuantizedCache holds full-attention layers only; this model has sliding-window layers"
+        if loaded.info.recurrent:
+            return "QuantizedCache holds full-attention layers only; this model has recurrent layers"
         if backend == "fp8" and not hasattr(cache_utils, "Fp8QuantizedLayer"):
             return (
                 f"transformers {transformers.__version__} has no fp8 cache backend (later versions have it)"
@@ -253,10 +258,15 @@ def _tol(cache: HFCache, dtype: torch.dtype) -> tuple[float, float, str]:
 
 def compare_tokens(
     name: str, cache: str, dtype: torch.dtype, want: list[int], got: list[int], want_rows: torch.Tensor,
-    got_rows: torch.Tensor, what: str,
+    got_rows: torch.Tensor, what: str, want_where: str = NO_CACHE, got_where: str = CACHED,
 ) -> CheckRow:  # fmt: skip
     """Exact: `got` tokens identical to `want`; in fp16/bf16 a flip at a near-tie (top-2 gap <= 2 x the logit error
     at that step) is reported and passes. Rows (N, V) are the logits each token was chosen from."""
+    broken = not_finite([(want_where, want_rows), (got_where, got_rows)])
+    if broken:
+        return CheckRow(
+            name, cache, False, None, None, "finite logits", f"{what}{'; ' if what else ''}{broken}"
+        )
     n = min(len(want), len(got))
     first = next((i for i in range(n) if want[i] != got[i]), None)
     upto = n if first is None else first + 1  # inputs are identical up to and including the divergent step
@@ -270,6 +280,11 @@ def _bounded(
     """A lossy cache: every step's logits within its bound of the no-cache forward over the same tokens.
     Returns the row and the worst step's error as a fraction of that step's largest logit."""
     rtol, atol, tol = _tol(cache, dtype)
+    broken = not_finite([(NO_CACHE, ref_rows), (CACHED, got_rows)])
+    if broken:
+        return CheckRow(
+            name, cache.name, False, None, None, tol, f"{what}{'; ' if what else ''}{broken}"
+        ), 0.0
     ok, err = _allclose_err(got_rows, ref_rows, rtol, atol)
     rel = float(((got_rows - ref_rows).abs().amax(-1) / ref_rows.abs().amax(-1)).max())
     row = CheckRow(name, cache.name, ok, err, None, tol, f"{what}; worst step {rel:.1%} of its row scale")
@@ -281,6 +296,9 @@ def check_logits(loaded: LoadedHF, cache: HFCache, dtype, prompt: list[int], res
     """Decode step 1 of `res` against one no-cache forward over exactly prompt + token 0."""
     rtol, atol, tol = _tol(cache, dtype)
     ref = full_logits(loaded, prompt, res.tokens[0][:2])[-1]  # prompt + token 0 -> predicts token 1
+    broken = not_finite([(NO_CACHE, ref), (CACHED, res.logits[0, 1])])
+    if broken:
+        return CheckRow("logits", cache.name, False, None, None, tol, broken)
     ok, err = _allclose_err(res.logits[0, 1], ref, rtol, atol)
     rel = err / float(ref.abs().max())
     return CheckRow(
@@ -314,6 +332,20 @@ def check_batched(
     lens = [len(p) for p in prompts]
     n = len(batch.tokens[0])
     what = f"lengths {', '.join(map(str, lens))} left-padded vs alone, {n} tokens"
+    runs = [("the padded batch", batch.logits)]
+    runs += (
+        []
+        if cache.lossy is not None
+        else [
+            (f"the prompt of length {length} alone", s.logits) for length, s in zip(lens, solo, strict=True)
+        ]
+    )
+    broken = not_finite(runs)
+    if broken:
+        model_itself = ": the model itself is not finite (check its weights)" if cache.build is None else ""
+        return CheckRow(
+            "batched", cache.name, False, None, None, "finite logits", f"{what}; {broken}{model_itself}"
+        )
     if cache.lossy is not None:
         rows = [
             _bounded(
@@ -326,6 +358,13 @@ def check_batched(
             )  # fmt: skip
             for b, p in enumerate(prompts)
         ]
+        unjudged = next(
+            (r for r, _ in rows if r.max_abs_diff is None), None
+        )  # a reference that is not finite
+        if unjudged is not None:
+            return CheckRow(
+                "batched", cache.name, False, None, None, unjudged.tolerance, what + unjudged.detail
+            )
         bad = [lens[b] for b, (r, _) in enumerate(rows) if not r.passed]
         what = what.replace("vs alone", "vs no cache alone on the same tokens")
         what += f"; beyond the bound for length {', '.join(map(str, bad))}" if bad else ""
@@ -369,7 +408,7 @@ def check_cache_state(
     reused = generate_run(loaded, [prompt], new, **kw)
     return compare_tokens(
         "cache_state", cache.name, dtype, fresh.tokens[0], reused.tokens[0], fresh.logits[0], reused.logits[0],
-        f"a {type(obj).__name__} reset() and reused vs fresh, {new} tokens",
+        f"a {type(obj).__name__} reset() and reused vs fresh, {new} tokens", "a fresh cache", "the reused cache",
     )  # fmt: skip
 
 
@@ -440,9 +479,14 @@ def _run(loaded, caches, prompts, new_tokens, checks, short_tokens, on_row) -> V
             reference[key] = generate_run(loaded, [p], n, use_cache=False)
         return reference[key]
 
+    no_kv = (
+        f"{loaded.info.model_type} keeps a recurrent state, no KV cache"
+        if not loaded.info.kv_layers
+        else None
+    )
     for name in caches:
         cache = HF_CACHES[name]
-        why = cache.unavailable(loaded, device) if cache.unavailable else None
+        why = no_kv or (cache.unavailable(loaded, device) if cache.unavailable else None)
         if why:
             add(_skipped(name, why))
             continue
@@ -490,9 +534,8 @@ def _run(loaded, caches, prompts, new_tokens, checks, short_tokens, on_row) -> V
         f"{len(prompts)} seeded prompts of lengths {', '.join(map(str, lens))}; logits and greedy use the first "
         f"with {new_tokens} new tokens; batched and cache_state use {short} new tokens",
         "reference: transformers' own no-cache path on the same model (generate and forward with use_cache=False)",
-        f"model: {info.architecture}, {info.layers_summary()} attention layers, {info.n_heads} heads "
-        f"({info.n_kv_heads} key/value), {info.attn_implementation} attention, {info.positions_summary()}, "
-        f"transformers {info.transformers_version}",
+        f"model: {info.architecture}, {_model_layers(info)}, {info.attn_implementation} attention, "
+        f"{info.positions_summary()}, transformers {info.transformers_version}",
     ]
     if layers_seen:
         notes.append(
@@ -523,6 +566,19 @@ def _run(loaded, caches, prompts, new_tokens, checks, short_tokens, on_row) -> V
         reference="transformers no-cache path (use_cache=False)",
         notes=notes,
     )
+
+
+def _model_layers(info) -> str:
+    """'2 full attention layers, 4 heads (2 key/value)'; a model with recurrent layers says so, and how many of its
+    layers cache K/V (none: it has no KV cache, so the cache checks do not apply)."""
+    heads = f"{info.n_heads} heads ({info.n_kv_heads} key/value)"
+    if not info.recurrent:
+        return f"{info.layers_summary()} attention layers, {heads}"
+    if not info.kv_layers:
+        return (
+            f"{info.layers_summary()} layers: no attention, so no KV cache (a fixed-size state per sequence)"
+        )
+    return f"layers {info.layers_summary()}: {info.kv_layers} of {info.n_layers} cache K/V, {heads}"
 
 
 def _count(names: list[str]) -> str:

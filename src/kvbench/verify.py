@@ -147,6 +147,22 @@ def _stack(res: GenerationResult, b: int = 0) -> torch.Tensor:
     return torch.stack([step[b] for step in res.logits])  # (N, V)
 
 
+# Where non-finite logits came from, for the row's detail: the reference is the model itself, not the cache.
+NO_CACHE = "the no-cache forward: the model itself is not finite (check its weights), whatever the cache"
+CACHED = "the cached run (the no-cache forward is finite)"
+
+
+def not_finite(runs: list[tuple[str, torch.Tensor]]) -> str | None:
+    """'logits are not finite (3 NaN, 0 inf) in <where>' for the first run whose logits hold a NaN or an inf; None
+    when all are finite. Comparing such logits means nothing (NaN is never within a tolerance, and an argmax over
+    NaN still picks a token, so two NaN runs would agree), so a check fails with this reason instead."""
+    for where, t in runs:
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        if nan or inf:
+            return f"logits are not finite ({nan:,} NaN, {inf:,} inf) in {where}"
+    return None
+
+
 def _allclose_err(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[bool, float]:
     """|a - b| <= atol + rtol * (the row's largest |logit|): rtol is relative to the logit scale, not to each
     element, since logits near zero would otherwise be held to atol alone, which the fp32 summation-order
@@ -182,9 +198,14 @@ def _compare_tokens(
     ref_rows: torch.Tensor,
     got_rows: torch.Tensor,
     what: str,
+    ref_where: str = NO_CACHE,
+    got_where: str = CACHED,
 ) -> CheckRow:
     """Tokens `got` against `want`, with logit rows (N, V) of each: exact, near-tie, or lossy agreement."""
     spec = get_cache_spec(cache)
+    bad = not_finite([(ref_where, ref_rows), (got_where, got_rows)])
+    if bad:
+        return CheckRow(name, cache, False, None, None, "finite logits", f"{what}{'; ' if what else ''}{bad}")
     n = min(len(want), len(got))
     first = next((i for i in range(n) if want[i] != got[i]), None)
     upto = n if first is None else first + 1  # inputs are identical up to and including the divergent step
@@ -233,6 +254,9 @@ def check_logits(
         _stack(res)[1:],
         full[T:],
     )  # (N - 1, V): decode steps 1..N-1 vs rows predicting the same tokens
+    bad = not_finite([(NO_CACHE, want), (CACHED, got)])
+    if bad:
+        return CheckRow("logits", cache, False, None, None, tol, bad)
     ok, err = _allclose_err(got, want, rtol, atol)
     first = None
     if not ok:
@@ -265,6 +289,12 @@ def check_reference(
     no-cache forward (prefill and decode rows); for a cache: the logits it produced at each generated step."""
     rtol, atol, tol = _tol(cache, dtype, REFERENCE_TOLERANCES)
     T = len(prompt)
+    ours = ours_full if res is None else _stack(res)
+    bad = not_finite(
+        [(NO_CACHE, ours_full), (CACHED, ours), ("Hugging Face's reference (ours are finite)", hf_full)]
+    )
+    if bad:
+        return CheckRow("reference", cache, False, None, None, tol, bad)
     if res is None:
         ok, err = _allclose_err(ours_full, hf_full, rtol, atol)
         what = f"no-cache logits at all {ours_full.size(0)} positions vs HF"
@@ -278,6 +308,15 @@ def check_batched(
     model: GPT, cache: str, batch_res: GenerationResult, solo: list[GenerationResult], lens: list[int]
 ) -> CheckRow:
     """Each row of a left-padded batch against the same prompt generated alone, through the same cache."""
+    n = len(batch_res.tokens[0])
+    what = f"lengths {', '.join(map(str, lens))} left-padded together vs alone, {n} tokens"
+    broken = not_finite([(f"the prompt of length {lens[b]} alone", _stack(s)) for b, s in enumerate(solo)]
+                     + [("the padded batch", torch.stack(batch_res.logits))])  # fmt: skip
+    if broken:
+        model_itself = ": the model itself is not finite (check its weights)" if cache == "none" else ""
+        return CheckRow(
+            "batched", cache, False, None, None, "finite logits", f"{what}; {broken}{model_itself}"
+        )
     rows = [
         _compare_tokens(
             "batched",
@@ -293,8 +332,6 @@ def check_batched(
     ]
     bad = [b for b, r in enumerate(rows) if not r.passed]
     firsts = [r.first_divergence for r in rows if r.first_divergence is not None]
-    n = len(batch_res.tokens[0])
-    what = f"lengths {', '.join(map(str, lens))} left-padded together vs alone, {n} tokens"
     if bad:
         what += "; differs for length " + ", ".join(
             f"{lens[b]} (from step {rows[b].first_divergence})" for b in bad
@@ -332,7 +369,7 @@ def check_cache_state(
         return CheckRow("cache_state", cache, False, None, None, "identical tokens", f"reuse raised: {e}")
     row = _compare_tokens(
         "cache_state", cache, model.lm_head.weight.dtype, fresh.tokens[0], reused.tokens[0], _stack(fresh),
-        _stack(reused), f"reused after another prompt vs fresh, {new} tokens",
+        _stack(reused), f"reused after another prompt vs fresh, {new} tokens", "a fresh cache", "the reused cache",
     )  # fmt: skip
     return row
 

@@ -9,6 +9,11 @@ when it sets them). Either way the plugin gets what built-in caches get: generat
 A plugin is held to the contract when it is loaded (a small probe on the CPU: attributes present, `update` returns
 (B, H, S, Dh) tensors with S >= length) and on every call after that (`CheckedCache`), so a plugin that breaks the
 contract fails with one line naming it and what it broke, never a traceback from inside it.
+
+A plugin's code is contained (kvbench.thirdparty): importing its module, building its cache, every per-layer call
+and a spec's decode runner. Whatever it raises, including `sys.exit()` and other BaseExceptions, becomes one
+PluginError naming the plugin and what it was doing (Ctrl-C still interrupts), and what it prints goes to stderr, so
+stdout stays kvbench's own (one JSON document under --json).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from kvbench.caches.base import CacheSpec, LayerCache
 from kvbench.errors import KVBenchError
 from kvbench.model import GPTConfig
+from kvbench.thirdparty import contained, did, why
 
 ENTRY_POINT_GROUP = "kvbench.caches"
 ATTRIBUTES = ("update", "reset", "length", "capacity", "nbytes", "bytes_copied")
@@ -47,25 +53,33 @@ def load_reference(ref: str) -> CacheSpec:
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
         raise PluginError(f"cache plugin {ref!r}: expected 'pkg.module:ClassOrSpec'")
-    try:
+
+    def cannot_import(e: BaseException) -> PluginError:
+        if isinstance(e, Exception):  # any error while importing someone else's module is theirs
+            return PluginError(f"cache plugin {ref!r}: cannot import {module_name!r} ({why(e)})")
+        return PluginError(f"cache plugin {ref!r}: {did(f'importing {module_name!r}', e)}")
+
+    with contained(cannot_import):
         module = importlib.import_module(module_name)
-    except Exception as e:  # any error while importing someone else's module is theirs: report it in one line
-        raise PluginError(f"cache plugin {ref!r}: cannot import {module_name!r} ({_why(e)})") from None
     obj = module
     for part in attr.split("."):
-        if not hasattr(obj, part):
+        with contained(
+            lambda e, part=part: PluginError(f"cache plugin {ref!r}: {did(f'reading {part!r}', e)}")
+        ):
+            found = hasattr(obj, part)
+            obj = getattr(obj, part) if found else obj
+        if not found:
             raise PluginError(f"cache plugin {ref!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
     return wrap(obj, ref)
 
 
 def load_entry_point(ep: metadata.EntryPoint) -> CacheSpec:
-    try:
+    def cannot_load(e: BaseException) -> PluginError:
+        what = why(e) if isinstance(e, Exception) else did("loading it", e)
+        return PluginError(f"cache plugin {ep.name!r} (entry point {ep.value}): cannot load it ({what})")
+
+    with contained(cannot_load):
         obj = ep.load()
-    except Exception as e:
-        raise PluginError(
-            f"cache plugin {ep.name!r} (entry point {ep.value}): cannot load it ({_why(e)})"
-        ) from None
     return wrap(obj, ep.name)
 
 
@@ -92,39 +106,41 @@ def _inherited(cls: type, field: str) -> bool:
     return any(field in vars(base) for base in cls.__mro__[1:] if base not in (LayerCache, object))
 
 
-def _why(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
 def _checked_factory(factory, name: str, wrap_calls: bool):
+    def fail(what: str) -> PluginError:
+        return PluginError(f"cache plugin {name!r}: {what}")
+
     def build(config, batch, max_len, dtype, device):
-        try:
+        with contained(lambda e: fail(did("constructing it", e))):
             cache = factory(config, batch, max_len, dtype, device)
-        except KVBenchError:
-            raise
-        except Exception as e:
-            raise PluginError(f"cache plugin {name!r}: constructing it raised {_why(e)}") from None
         missing = [a for a in ATTRIBUTES if not _has(cache, a)]
         if missing:
-            raise PluginError(f"cache plugin {name!r}: its cache object has no {', '.join(missing)}")
-        return CheckedCache(cache, name) if wrap_calls else cache
+            raise fail(f"its cache object has no {', '.join(missing)}")
+        checked = CheckedCache(cache, name)
+        _ = checked.capacity  # read once here: a negative or non-integer capacity is refused before any run
+        if checked.length != 0:
+            raise checked._fail(f"a new cache must be empty, but its length is {checked.length}")
+        return checked if wrap_calls else cache
 
     return build
 
 
 def _has(obj: object, attr: str) -> bool:
     try:
-        getattr(obj, attr)
+        with contained(lambda e: e):  # the plugin's prints to stderr; anything it raises is answered below
+            getattr(obj, attr)
     except AttributeError:
         return False
-    except Exception:
-        return True  # the attribute exists but raised: the call-time check reports it
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # the attribute exists but raised (or exited): the call-time check reports it
+        return True
     return True
 
 
 class CheckedCache(LayerCache):
-    """A plugin's cache behind the contract: every call checked, every failure one line naming the plugin."""
+    """A plugin's cache behind the contract: every call checked and contained (see `contained`), every failure one
+    line naming the plugin."""
 
     def __init__(self, inner, name: str) -> None:
         self.inner, self.name = inner, name
@@ -132,21 +148,18 @@ class CheckedCache(LayerCache):
     def _fail(self, what: str) -> PluginError:
         return PluginError(f"cache plugin {self.name!r} broke the cache contract: {what}")
 
+    def _calling(self, doing: str) -> contained:
+        return contained(lambda e: self._fail(did(doing, e)))
+
     def _get(self, attr: str):
-        try:
+        with self._calling(f"reading {attr}"):
             return getattr(self.inner, attr)
-        except Exception as e:
-            raise self._fail(f"reading {attr} raised {_why(e)}") from None
 
     def update(self, k, v, positions):
         B, H, T, Dh = k.shape
         before = self.length
-        try:
+        with self._calling("update"):
             out = self.inner.update(k, v, positions)
-        except KVBenchError:
-            raise
-        except Exception as e:
-            raise self._fail(f"update raised {_why(e)}") from None
         if not (
             isinstance(out, tuple | list) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
         ):
@@ -162,22 +175,27 @@ class CheckedCache(LayerCache):
                 raise self._fail(f"update returned {t.size(2)} {label} slots but length is {length}")
             if t.dtype != k.dtype:
                 raise self._fail(f"update returned {label} in {t.dtype}, attention runs in {k.dtype}")
+            if t.device != k.device:
+                raise self._fail(f"update returned {label} on {t.device}, attention runs on {k.device}")
         if k_out.shape != v_out.shape:
             raise self._fail(
                 f"update returned k {tuple(k_out.shape)} and v {tuple(v_out.shape)} of different shapes"
             )
-        if not isinstance(length, int) or length < before:
+        if length < before:
             raise self._fail(f"length went from {before} to {length!r} after an update of {T} token(s)")
+        capacity = self.capacity
+        if capacity is not None and length > capacity:
+            raise self._fail(
+                f"length {length} exceeds its capacity {capacity} after an update of {T} token(s)"
+            )
         return k_out, v_out
 
     def reset(self) -> None:
-        try:
+        with self._calling("reset"):
             self.inner.reset()
-        except Exception as e:
-            raise self._fail(f"reset raised {_why(e)}") from None
 
     def check_capacity(self, n_new: int, kind: str) -> tuple[int, int]:
-        return self.inner.check_capacity(n_new, kind)
+        return LayerCache.check_capacity(self, n_new, kind)  # on the checked length and capacity
 
     @property
     def length(self) -> int:
@@ -185,13 +203,14 @@ class CheckedCache(LayerCache):
 
     @length.setter
     def length(self, value: int) -> None:
-        self.inner.length = value
+        with self._calling("setting length"):
+            self.inner.length = value
 
     @property
     def capacity(self) -> int | None:
         cap = self._get("capacity")
-        if cap is not None and not isinstance(cap, int):
-            raise self._fail(f"capacity must be an int or None, got {cap!r}")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise self._fail(f"capacity must be a non-negative int or None, got {cap!r}")
         return cap
 
     @property

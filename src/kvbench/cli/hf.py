@@ -49,15 +49,17 @@ def refuse_gpt2_options(**given) -> None:
 
 
 def load_hf_for_cli(
-    source: str, device: str, dtype: str, seed: int, layers: int | None, trust: bool, init_std: float | None
-):
-    """Resolve device and dtype, then load SOURCE (transformers kept quiet). Returns (loaded, device, dtype)."""
+    source: str, device: str, dtype: str, seed: int, layers: int | None, trust: bool, init_std: float | None,
+    run: tuple[int, int] | None = None, check=None,
+):  # fmt: skip
+    """Resolve device and dtype, then load SOURCE (transformers kept quiet; `run` and `check` as in load_hf).
+    Returns (loaded, device, dtype)."""
     from kvbench.devices import resolve_device, resolve_dtype
     from kvbench.hf_models import load_hf
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    return load_hf(source, dev, dt, seed, layers, trust, init_std), dev, dt
+    return load_hf(source, dev, dt, seed, layers, trust, init_std, run, check), dev, dt
 
 
 def run_verify_hf(
@@ -78,11 +80,15 @@ def run_verify_hf(
         )
     names = parse_hf_cache_names(caches, resolve_device(device))
     random_prompts(1, prompt_len, batch, seed)  # --batch and --prompt-len checked before a model is loaded
-    loaded, dev, _ = load_hf_for_cli(source, device, dtype, seed, layers, trust, init_std=CHECK_INIT_STD)
-    check_length(
-        loaded.info, prompt_len + new_tokens, f"--prompt-len {prompt_len} + --new-tokens {new_tokens}",
-        "lower --prompt-len or --new-tokens",
-    )  # fmt: skip
+
+    def fits(shape) -> None:  # on the meta-device build, before any weight is read
+        check_length(
+            shape.info, prompt_len + new_tokens, f"--prompt-len {prompt_len} + --new-tokens {new_tokens}",
+            "lower --prompt-len or --new-tokens",
+        )  # fmt: skip
+
+    loaded, dev, _ = load_hf_for_cli(source, device, dtype, seed, layers, trust, init_std=CHECK_INIT_STD,
+                                     run=(batch, prompt_len + new_tokens), check=fits)  # fmt: skip
     prompts = random_prompts(loaded.info.vocab_size, prompt_len, batch, seed)
     report = run_hf_verify(loaded, names, prompts, new_tokens, on_row=on_row)
     meta = {
@@ -112,19 +118,20 @@ def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: 
         hf_bench_settings,
         sweep_warnings_hf,
     )
-    from kvbench.hf_models import load_hf, peek_hf
+    from kvbench.hf_models import load_hf
 
     settings = hf_bench_settings(config, overrides)
     default = str(report.unique_default_run_dir("bench"))
     out_dir = report.check_run_dir(settings.out if settings.out is not None else default, force)
     dev = resolve_device(settings.device)
     dt = resolve_dtype(settings.dtype, dev)
-    check_sizes_hf(settings, peek_hf(source, layers, trust), dt, dev)
     if settings.threads is not None:
         import torch
 
         torch.set_num_threads(settings.threads)
-    loaded = load_hf(source, dev, dt, settings.seed, layers, trust)
+    longest = max(settings.prompt_len) + settings.new_tokens
+    loaded = load_hf(source, dev, dt, settings.seed, layers, trust, run=(settings.batch, longest),
+                     check=lambda shape: check_sizes_hf(settings, shape, dt, dev))  # fmt: skip
     engines = {"hf": HFModelEngine(loaded)}
     notes = sweep_warnings_hf(settings, dev)
     return (

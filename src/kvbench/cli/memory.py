@@ -252,14 +252,44 @@ def _shape(m) -> str:
         "GQA": f"GQA, {m.n_heads} query heads share {m.n_kv_heads} KV heads",
         "MQA": f"MQA, {m.n_heads} query heads share 1 KV head",
         "MLA": f"MLA, {m.n_heads} heads read one {m.kv_lora_rank}+{m.qk_rope_head_dim} latent",
+        "none": "no attention: every layer keeps a fixed-size recurrent state",
     }[m.attention]
+
+
+def _layers(m) -> str:
+    if m.model_layers is None:
+        return f"{m.n_layers} layers"
+    if not m.kv_cache:
+        return f"{m.model_layers} recurrent layers"
+    return f"{m.model_layers} layers ({m.n_layers} attention, {m.state_layers} with a recurrent state)"
+
+
+def _cache_line(p):
+    from kvbench.memory import fmt_bytes
+
+    m = p.model
+    state = (
+        f"{fmt_bytes(p.state_bytes_per_sequence)} per sequence at any context"
+        if m.state_elements is not None
+        else "not sized from this config"
+    )
+    if not m.kv_cache:
+        return line("KV cache: ", styled("none", "bold"), f"; recurrent state: {state} ({p.kv_dtype})")
+    per_token = styled(f"{fmt_bytes(p.bytes_per_token)}/token", "bold")
+    if not m.state_layers:
+        return line("KV cache: ", per_token, f" ({p.kv_dtype})")
+    return line(
+        "KV cache: ",
+        per_token,
+        f" ({p.kv_dtype}) in its {m.n_layers} attention layers; recurrent state: {state}",
+    )
 
 
 def _longest(r, m) -> str:
     from kvbench.memory import MAX_TOKENS
 
     if r.max_ctx_unbounded:
-        return "unbounded (all layers windowed)"
+        return "unbounded (no KV cache)" if not m.kv_cache else "unbounded (all layers windowed)"
     if r.max_ctx_at_limit:
         return f">= {r.max_ctx:,} (searched up to {MAX_TOKENS:,})"
     return f"{r.max_ctx:,}" + ("†" if m.max_context and r.max_ctx > m.max_context else "")
@@ -295,15 +325,14 @@ def _plan_table(p):
 
 def render_plan(p) -> None:
     """One model: a header with the per-token working, a row per context, then each row's arithmetic and notes."""
-    from kvbench.memory import fmt_bytes, fmt_tokens
+    from kvbench.memory import fmt_tokens
 
     m = p.model
     max_ctx = "unknown" if m.max_context is None else fmt_tokens(m.max_context)
-    head = f"  {_shape(m)}, {m.n_layers} layers, max context {max_ctx}"
+    head = f"  {_shape(m)}, {_layers(m)}, max context {max_ctx}"
     source = ("  ", styled(m.source, "dim")) if m.source != m.name else ()
     out.print(line(styled(m.name, "bold"), *source, head), soft_wrap=True)
-    per_token = styled(f"{fmt_bytes(p.bytes_per_token)}/token", "bold")
-    out.print(line("KV cache: ", per_token, f" ({p.kv_dtype})"), soft_wrap=True)
+    out.print(_cache_line(p), soft_wrap=True)
     _working(p.working)
     out.print(_plan_table(p))
     if any(r.windowed for r in p.rows):

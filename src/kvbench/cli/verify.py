@@ -183,5 +183,9 @@ def render_verify(report, meta: dict) -> None:
                 f" {len(failed)} of {len(judged)} checks: {', '.join(failed)}{also}",
             )
         )
+    elif not judged:  # nothing failed because nothing ran: say so, not PASSED
+        out.print(
+            line(styled("NOTHING CHECKED", "bold yellow"), f": all {skipped} cache(s) skipped (see the rows)")
+        )
     else:
         out.print(line(styled("PASSED", "bold green"), f" all {len(judged)} checks{also}"))

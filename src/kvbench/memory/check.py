@@ -287,6 +287,12 @@ def check_plan(
     params: also compare the planner's parameter count with the meta model's numel() (for a config.json, whose
     fields are the model's own; a preset's config carries only the attention shape)."""
     fmt = check_format(kv_dtype)
+    if (
+        spec.state_layers
+    ):  # transformers keeps the state in the same cache object: no K/V-only count to compare
+        what = "it has no KV cache" if not spec.kv_cache else "only its attention layers cache K/V"
+        return _unchecked(spec, fmt, contexts, batch, f"{spec.family} keeps a recurrent state ({what}); --check "
+                          "compares K/V caches, so it does not apply to its recurrent layers")  # fmt: skip
     if config is None:
         return _unchecked(spec, fmt, contexts, batch, why_not or "no transformers config for this model")
     text = config.get_text_config(decoder=True)

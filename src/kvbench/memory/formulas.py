@@ -19,6 +19,8 @@ def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
     """KV heads on each of tp GPUs: split evenly, or one (replicated) per GPU when tp exceeds the KV heads."""
     if tp < 1:
         raise KVBenchError(f"--tp {tp} must be at least 1")
+    if not spec.kv_cache:
+        return 0  # no attention layer: nothing per head to split
     if spec.n_heads % tp:
         raise KVBenchError(
             f"--tp {tp}: {spec.name} has {spec.n_heads} attention heads, not divisible by {tp}"
@@ -43,6 +45,32 @@ def layer_bytes_per_token(spec: ModelSpec, fmt: KVFormat, kv_heads: int | None =
 def bytes_per_sequence(spec: ModelSpec, fmt: KVFormat, ctx: int, kv_heads: int | None = None) -> int:
     """Cache bytes of one sequence of ctx tokens: each layer holds ctx tokens, or its window."""
     return layer_bytes_per_token(spec, fmt, kv_heads) * spec.held(ctx)
+
+
+def state_element_bytes(fmt: KVFormat) -> int:
+    """Bytes of one recurrent-state element: --kv-dtype when it is a plain float format (fp32, fp16, bf16); the
+    quantized cache formats (fp8, int8, int4) do not apply to a recurrent state, which stays at 16 bits."""
+    return fmt.bits // 8 if fmt.group_size is None and fmt.bits >= 16 else 2
+
+
+def state_bytes(spec: ModelSpec, fmt: KVFormat, tp: int = 1) -> int:
+    """One sequence's recurrent state (0 when there is none, or it is not sized), split evenly over tp GPUs."""
+    if not spec.state_elements:
+        return 0
+    return -(-spec.state_elements * state_element_bytes(fmt) // tp)
+
+
+def state_working(spec: ModelSpec, fmt: KVFormat) -> str:
+    """The recurrent state's bytes per sequence, as arithmetic."""
+    if spec.state_elements is None:
+        return f"recurrent state: {spec.state_working} (not counted below)"
+    b = state_element_bytes(fmt)
+    total = spec.state_elements * b
+    held = fmt.name if b * 8 == fmt.bits else f"16-bit: --kv-dtype {fmt.name} applies to K/V only"
+    return (
+        f"recurrent state: {spec.state_working} x {b} B ({held}) = {fmt_int(total)} B = {fmt_bytes(total)} per "
+        "sequence, the same at any context"
+    )
 
 
 def per_token_working(spec: ModelSpec, fmt: KVFormat, kv_heads: int, total: int, label: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 from kvbench.errors import KVBenchError
 from kvbench.memory.params import Shape, estimate_params
 from kvbench.memory.spec import ModelSpec
+from kvbench.memory.state import State, read_state
 
 # model_types that are not decoder-only LLMs; their config.json has layers and heads too, so refuse them by name.
 NOT_DECODERS = {
@@ -24,8 +25,6 @@ NOT_DECODERS = {
     "mpnet", "longformer", "ernie", "modernbert", "t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian",
     "whisper", "vit", "clip", "siglip", "wav2vec2", "hubert", "beit", "swin", "convnext", "detr",
 }  # fmt: skip
-# Fields of hybrid models whose layers are not all attention layers (Mamba, linear attention): not sized here.
-HYBRID_FIELDS = ("layers_block_type", "hybrid_override_pattern", "attn_layer_period", "attn_layer_indices")
 LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
 
 
@@ -61,7 +60,7 @@ def cfg_int(cfg: dict[str, Any], keys: tuple[str, ...], path: Path, required: bo
 
 
 def refuse_non_decoders(cfg: dict[str, Any], model_type: str, path: Path) -> None:
-    """Encoders, encoder-decoders and hybrid (non-attention) stacks, refused by name."""
+    """Encoders and encoder-decoders, refused by name."""
     if cfg.get("is_encoder_decoder"):
         raise KVBenchError(
             f"{path}: is_encoder_decoder is true ({model_type}); this planner sizes decoder-only LLMs"
@@ -71,11 +70,6 @@ def refuse_non_decoders(cfg: dict[str, Any], model_type: str, path: Path) -> Non
     archs = cfg.get("architectures") or []
     if archs and not any(re.search(r"(CausalLM|LMHeadModel|ForConditionalGeneration)$", a) for a in archs):
         raise KVBenchError(f"{path}: architectures {archs} has no causal LM (…ForCausalLM / …LMHeadModel)")
-    for f in HYBRID_FIELDS:
-        if cfg.get(f) is not None:
-            raise KVBenchError(
-                f"{path}: field {f!r} marks a hybrid (non-attention) layer stack; not supported"
-            )
 
 
 def kv_heads(cfg: dict[str, Any], model_type: str, n_heads: int, path: Path) -> int:
@@ -96,7 +90,7 @@ def kv_heads(cfg: dict[str, Any], model_type: str, n_heads: int, path: Path) -> 
 
 def head_dim(cfg: dict[str, Any], hidden: int, n_heads: int, path: Path) -> int:
     """The config's own head_dim when it has one (Gemma 2: 256, not hidden/heads = 224)."""
-    hd = cfg_int(cfg, ("head_dim",), path, required=False)
+    hd = cfg_int(cfg, ("head_dim", "attention_head_dim"), path, required=False)
     if hd is None:
         if hidden % n_heads:
             raise KVBenchError(
@@ -173,27 +167,66 @@ def windows(
     return {}
 
 
+def _state_windows(cfg: dict[str, Any], state: State, path: Path) -> dict[str, Any]:
+    """A hybrid's windowed attention layers, numbered among its attention layers (the ones the plan counts)."""
+    kinds = [state.layers.kinds[i] for i in state.layers.attention]
+    kind_of = {"sliding_attention": "sliding", "hybrid_sliding": "sliding", "chunked_attention": "chunked"}
+    found = {kind_of[k] for k in kinds if k in kind_of}
+    if not found:
+        return {}
+    if len(found) > 1:
+        raise KVBenchError(f"{path}: {state.layers.field} mixes sliding and chunked attention; not supported")
+    kind = found.pop()
+    keys = ("attention_chunk_size",) if kind == "chunked" else ("sliding_window", "attention_window_size")
+    size = cfg_int(cfg, keys, path, required=False)
+    if size is None:
+        raise KVBenchError(f"{path}: {state.layers.field} has {kind} layers but {keys[0]} is missing")
+    layers = tuple(i for i, k in enumerate(kinds) if kind_of.get(k) == kind)
+    return {"sliding_window": size, "sliding_layers": layers, "window_kind": kind}
+
+
+def _state_fields(state: State | None, n_layers: int) -> dict[str, Any]:
+    if state is None:
+        return {}
+    return {
+        "model_layers": n_layers,
+        "state_layers": len(state.layers.state),
+        "state_elements": state.elements,
+        "state_working": state.working,
+    }
+
+
 def spec_from_fields(cfg: dict[str, Any], src: Source) -> ModelSpec:
-    """The ModelSpec of one language model's fields (the text_config of a multimodal model)."""
+    """The ModelSpec of one language model's fields (the text_config of a multimodal model). A model with recurrent
+    layers (state.py) counts its attention layers only as cached layers, and carries its state's size beside."""
     path = src.path
     model_type = str(cfg.get("model_type") or "unknown")
     refuse_non_decoders(cfg, model_type, path)
     n_layers = cfg_int(cfg, ("num_hidden_layers", "n_layer", "num_layers"), path)
-    n_heads = cfg_int(cfg, ("num_attention_heads", "n_head", "num_heads"), path)
     hidden = cfg_int(cfg, ("hidden_size", "n_embd", "d_model"), path)
-    n_kv = kv_heads(cfg, model_type, n_heads, path)
-    hd = head_dim(cfg, hidden, n_heads, path)
+    state = read_state(cfg, model_type, n_layers, path)
+    n_attn = n_layers if state is None else len(state.layers.attention)
+    n_heads = n_kv = hd = 0
+    if n_attn:
+        n_heads = cfg_int(cfg, ("num_attention_heads", "n_head", "num_heads"), path)
+        n_kv = kv_heads(cfg, model_type, n_heads, path)
+        hd = head_dim(cfg, hidden, n_heads, path)
     max_keys = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_sequence_length")
     max_ctx = cfg_int(cfg, max_keys, path, False)
-    params = estimate_params(cfg, Shape(n_layers, n_heads, n_kv, hd, hidden))
+    # recurrent layers have parameters of their own kinds: counted on the meta device where transformers can
+    params = estimate_params(cfg, Shape(n_layers, n_heads, n_kv, hd, hidden)) if state is None else None
     notes = [src.note] if src.note else []
-    if not max_ctx:
+    if not max_ctx and n_attn:
         notes.append("config.json gives no max_position_embeddings: beyond-context warnings are off")
+    if state is None:
+        win = windows(cfg, model_type, n_layers, path, src.resolved)
+    else:
+        win = _state_windows(cfg, state, path) if n_attn else {}
     return ModelSpec(
         name=str(path),
         source=src.name_or_path or str(path),
         family=model_type,
-        n_layers=n_layers,
+        n_layers=n_attn,
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=hd,
@@ -201,10 +234,11 @@ def spec_from_fields(cfg: dict[str, Any], src: Source) -> ModelSpec:
         max_context=max_ctx,
         params=params,
         params_estimated=params is not None,
-        **windows(cfg, model_type, n_layers, path, src.resolved),
-        **mla(cfg, path),
+        **win,
+        **(mla(cfg, path) if n_attn else {}),
         wrapper=src.wrapper,
         vision_params=src.vision_params,
         resolved_by=src.resolved_by,
         note="; ".join(notes),
+        **_state_fields(state, n_layers),
     )

@@ -14,6 +14,8 @@ from kvbench.memory.formulas import (
     kv_heads_per_gpu,
     layer_bytes_per_token,
     per_token_working,
+    state_bytes,
+    state_working,
     tp_working,
 )
 from kvbench.memory.spec import GPUSpec, ModelSpec
@@ -83,6 +85,10 @@ class ModelPlan:
     working: list[str]  # how bytes_per_token and the weights were computed
     warnings: list[str]  # beyond-trained-context and similar, one line each
     notes: list[str]  # facts about the model the numbers depend on (windows, MLA, quantization overhead)
+    kv_cache: bool = True  # False: no layer attends, so nothing grows per token (a recurrent model)
+    state_bytes_per_sequence: int = (
+        0  # a recurrent state held per sequence at any context (included in the rows)
+    )
 
 
 def gpu_budget(
@@ -112,18 +118,23 @@ def gpu_budget(
 
 
 def max_context(
-    spec: ModelSpec, fmt: KVFormat, kv_heads: int, batch: int, available: int
+    spec: ModelSpec, fmt: KVFormat, kv_heads: int, batch: int, available: int, state: int = 0
 ) -> tuple[int | None, str]:
-    """Longest context whose cache for `batch` sequences fits in `available` bytes, and how it ended:
-    "found", "unbounded" (every layer windowed: the cache stops growing) or "limit" (MAX_TOKENS fits)."""
-    if available <= 0 or batch * bytes_per_sequence(spec, fmt, 1, kv_heads) > available:
+    """Longest context whose cache for `batch` sequences (each also holding `state` bytes of recurrent state) fits
+    in `available` bytes, and how it ended: "found", "unbounded" (every layer windowed or recurrent: the memory
+    stops growing) or "limit" (MAX_TOKENS fits)."""
+
+    def need(ctx: int) -> int:
+        return batch * (bytes_per_sequence(spec, fmt, ctx, kv_heads) + state)
+
+    if available <= 0 or need(1) > available:
         return 0, "found"
-    if batch * bytes_per_sequence(spec, fmt, MAX_TOKENS, kv_heads) <= available:
+    if need(MAX_TOKENS) <= available:
         return (None, "unbounded") if spec.n_full == 0 else (MAX_TOKENS, "limit")
     lo, hi = 1, MAX_TOKENS  # lo fits, hi does not; bytes grow monotonically with ctx, so bisect
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if batch * bytes_per_sequence(spec, fmt, mid, kv_heads) <= available:
+        if need(mid) <= available:
             lo = mid
         else:
             hi = mid
@@ -147,7 +158,10 @@ def _weights_working(spec: ModelSpec, weights: int, wbits: int, weights_dtype: s
 
 def _window_note(spec: ModelSpec) -> str:
     n, w = spec.n_windowed, fmt_int(spec.sliding_window)
-    which = "every layer" if n == spec.n_layers else f"{n} of {spec.n_layers} layers"
+    attn = (
+        "attention " if spec.model_layers is not None else ""
+    )  # a hybrid: only attention layers have a window
+    which = f"every {attn}layer" if n == spec.n_layers else f"{n} of {spec.n_layers} {attn}layers"
     if spec.window_kind == "chunked":
         return (
             f"{which} use {w}-token chunked attention: each attends only within its own chunk, so those layers "
@@ -161,6 +175,16 @@ def _window_note(spec: ModelSpec) -> str:
 
 def _notes(spec: ModelSpec, fmt: KVFormat, per_token: int) -> list[str]:
     notes: list[str] = []
+    if spec.state_layers:
+        what = (
+            "keeps a fixed-size recurrent state and no KV cache"
+            if not spec.kv_cache
+            else (
+                f"is a hybrid: {spec.state_layers} of its {spec.model_layers} layers keep a fixed-size recurrent state, "
+                f"only its attention layers ({spec.n_layers}) cache K/V"
+            )
+        )
+        notes.append(f"{spec.family} {what}: the state does not grow with the context")
     if spec.sliding_layers:
         notes.append(_window_note(spec))
     if spec.is_mla and spec.qk_nope_head_dim and spec.v_head_dim:
@@ -196,9 +220,21 @@ class _Sizes:
     batch: int
     tp: int
     budget: GPUBudget | None
+    state: int = 0  # recurrent state bytes per sequence
+    state_gpu: int = 0  # the same on one GPU under tp
 
 
 def _seq_working(spec: ModelSpec, s: _Sizes, ctx: int, held: int) -> str:
+    kv = _kv_working(spec, s, ctx, held)
+    if not s.state:
+        return kv
+    total = s.per_layer * held + s.state
+    if not spec.kv_cache:
+        return f"{fmt_tokens(ctx)}: recurrent state {fmt_int(s.state)} B = {fmt_bytes(total)} per sequence (no KV cache)"
+    return f"{kv} + recurrent state {fmt_int(s.state)} B = {fmt_bytes(total)} per sequence"
+
+
+def _kv_working(spec: ModelSpec, s: _Sizes, ctx: int, held: int) -> str:
     per_seq = s.per_layer * held
     if held == ctx * spec.n_layers:
         per_token = s.per_layer * spec.n_layers
@@ -216,7 +252,9 @@ def _seq_working(spec: ModelSpec, s: _Sizes, ctx: int, held: int) -> str:
 
 def _fit_working(row: PlanRow, budget: GPUBudget, ctx: int) -> str:
     if row.max_ctx_unbounded:
-        longest = "unbounded context (every layer windowed)"
+        longest = (
+            "unbounded context (" + ("no KV cache" if row.tokens_held == 0 else "every layer windowed") + ")"
+        )
     elif row.max_ctx_at_limit:
         longest = f"max context >= {fmt_int(row.max_ctx)} (searched up to {fmt_int(MAX_TOKENS)})"
     else:
@@ -229,7 +267,9 @@ def _fit_working(row: PlanRow, budget: GPUBudget, ctx: int) -> str:
 
 def _row(spec: ModelSpec, s: _Sizes, ctx: int) -> PlanRow:
     held = spec.held(ctx)
-    per_seq, per_gpu = s.per_layer * held, s.per_layer_gpu * held * s.batch
+    per_seq = s.per_layer * held + s.state
+    per_seq_gpu = s.per_layer_gpu * held + s.state_gpu
+    per_gpu = per_seq_gpu * s.batch
     row = PlanRow(
         ctx=ctx, batch=s.batch, tokens_held=held, bytes_per_seq=per_seq, bytes_batch=per_seq * s.batch,
         bytes_per_gpu=per_gpu, beyond_max=spec.max_context is not None and ctx > spec.max_context,
@@ -243,8 +283,8 @@ def _row(spec: ModelSpec, s: _Sizes, ctx: int) -> PlanRow:
     if s.budget is not None:
         available = s.budget.available
         row.fits = available >= per_gpu
-        row.max_batch = available // (s.per_layer_gpu * held) if available > 0 else 0
-        row.max_ctx, how = max_context(spec, s.fmt, s.kv_heads_gpu, s.batch, available)
+        row.max_batch = (available // per_seq_gpu if per_seq_gpu else None) if available > 0 else 0
+        row.max_ctx, how = max_context(spec, s.fmt, s.kv_heads_gpu, s.batch, available, s.state_gpu)
         row.max_ctx_unbounded, row.max_ctx_at_limit = how == "unbounded", how == "limit"
         row.working.append(_fit_working(row, s.budget, ctx))
     return row
@@ -276,16 +316,23 @@ def plan(
     fmt, wbits, kvh = get_kv_format(kv_dtype), weight_bits(weights_dtype), kv_heads_per_gpu(spec, tp)
     per_layer = layer_bytes_per_token(spec, fmt)
     per_token = per_layer * spec.n_layers
-    working = [per_token_working(spec, fmt, spec.n_kv_heads, per_token, "per token")]
-    if tp > 1:
-        working.append(tp_working(spec, fmt, tp, kvh, per_token))
+    state, state_gpu = state_bytes(spec, fmt), state_bytes(spec, fmt, tp)
+    working = _kv_lines(spec, fmt, tp, kvh, per_token)
+    if spec.state_layers:
+        working.append(state_working(spec, fmt))
+        if tp > 1 and state:
+            working.append(
+                f"per GPU (tp {tp}): the recurrent state split evenly = {fmt_bytes(state_gpu)} per sequence"
+            )
     weights = None if spec.params is None else -(-spec.params * wbits // 8)
     if weights is not None:
         working.append(_weights_working(spec, weights, wbits, weights_dtype, tp))
     budget = gpu_budget(gpu, gpu_mem, overhead, 0 if weights is None else -(-weights // tp), gpu_mem_text)
     if budget is not None:
         working.append(f"GPU budget: {budget.working}")
-    sizes = _Sizes(fmt, per_layer, layer_bytes_per_token(spec, fmt, kvh), kvh, batch, tp, budget)
+    sizes = _Sizes(
+        fmt, per_layer, layer_bytes_per_token(spec, fmt, kvh), kvh, batch, tp, budget, state, state_gpu
+    )
     rows = [_row(spec, sizes, ctx) for ctx in contexts]
     warnings = [
         f"{spec.name}: {fmt_int(r.ctx)} tokens is beyond the {fmt_int(spec.max_context)} it was trained for "
@@ -298,5 +345,21 @@ def plan(
     return ModelPlan(
         model=spec, kv_dtype=fmt.name, weights_dtype=weights_dtype, tp=tp, kv_heads_per_gpu=kvh,
         layer_bytes_per_token=per_layer, bytes_per_token=per_token, weights_bytes=weights, rows=rows, gpu=budget,
-        working=working, warnings=warnings, notes=_notes(spec, fmt, per_token),
+        working=working, warnings=warnings, notes=_notes(spec, fmt, per_token), kv_cache=spec.kv_cache,
+        state_bytes_per_sequence=state,
     )  # fmt: skip
+
+
+def _kv_lines(spec: ModelSpec, fmt: KVFormat, tp: int, kvh: int, per_token: int) -> list[str]:
+    """The per-token working: every layer, a hybrid's attention layers only, or no KV cache at all."""
+    if not spec.kv_cache:
+        return [
+            f"per token: no KV cache: no layer of this {spec.family} model attends; each keeps a fixed-size state"
+        ]
+    line = per_token_working(spec, fmt, spec.n_kv_heads, per_token, "per token")
+    if spec.model_layers is not None:
+        line += (
+            f"   [the {spec.n_layers} attention layers of {spec.model_layers}; {spec.state_layers} layers keep a "
+            "recurrent state instead of K/V]"
+        )
+    return [line] + ([tp_working(spec, fmt, tp, kvh, per_token)] if tp > 1 else [])

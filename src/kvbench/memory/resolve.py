@@ -29,6 +29,9 @@ _RESOLVED_ATTRS = (
     "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
     "max_position_embeddings", "vocab_size", "intermediate_size", "tie_word_embeddings", "layer_types",
     "sliding_window", "attention_chunk_size", "kv_sharing_modes",
+    # recurrent layers (state.py): which layers they are, and their state's shape
+    "layers_block_type", "num_heads", "expand", "state_size", "conv_kernel", "n_groups", "qk_head_dim", "v_head_dim",
+    "attention_head_dim",
 )  # fmt: skip
 
 
@@ -124,7 +127,30 @@ def _transformers_spec(config: Any, path: Path, raw: dict[str, Any]) -> Resolved
         name_or_path=raw.get("_name_or_path") or None,
         note=vision_note,
     )
-    return Resolved(spec_from_fields(_fields(text), src), config, text)
+    spec = spec_from_fields(_fields(text), src)
+    if spec.state_layers and spec.params is None:
+        spec = _counted_params(spec, text)
+    return Resolved(spec, config, text)
+
+
+def _counted_params(spec: ModelSpec, text: Any) -> ModelSpec:
+    """A model with recurrent layers: its parameters counted on transformers' own model, built on the meta device
+    (no memory), since the dense-transformer estimate does not describe its layers."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with quiet_transformers(), torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(text)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, NotImplementedError, ImportError):
+        return spec  # no parameter count: the plan has no weights line, and says so
+    n = sum(p.numel() for p in model.parameters())
+    note = "; ".join(
+        x for x in (spec.note, "parameters counted on transformers' model built on the meta device") if x
+    )
+    return dataclasses.replace(spec, params=n, params_estimated=False, note=note)
 
 
 def _fallback_spec(raw: dict[str, Any], path: Path, why: str) -> Resolved:

@@ -41,10 +41,18 @@ class ModelSpec:
     )
     resolved_by: str = ""  # how a config.json was read: transformers' config class, or kvbench's own reader
     note: str = ""  # anything a reader of the numbers should know
+    # Recurrent layers (Mamba, RWKV, xLSTM, linear attention): a fixed-size state per sequence instead of K/V.
+    # n_layers above counts the attention layers only (0 for a model with none: then no KV cache at all).
+    model_layers: int | None = None  # the decoder's layers, when not every one caches K/V
+    state_layers: int = 0  # layers that keep a recurrent state (a hybrid's attention layers may keep one too)
+    state_elements: int | None = None  # that state's elements per sequence, all layers (None: not sized)
+    state_working: str = ""  # how state_elements was computed, with the config's numbers
 
     def __post_init__(self) -> None:
-        for f in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size"):
+        assert self.n_layers >= 0 and self.hidden_size > 0, f"{self.name}: layers {self.n_layers}"
+        for f in ("n_heads", "n_kv_heads", "head_dim") if self.n_layers else ():
             assert getattr(self, f) > 0, f"{self.name}: {f} must be positive, got {getattr(self, f)}"
+        assert self.n_layers or self.state_layers, f"{self.name}: neither attention nor recurrent layers"
         assert all(0 <= i < self.n_layers for i in self.sliding_layers), (
             f"{self.name}: window layer out of range"
         )
@@ -58,8 +66,15 @@ class ModelSpec:
         return self.kv_lora_rank is not None
 
     @property
+    def kv_cache(self) -> bool:
+        """False for a model with no attention layer (every layer keeps a recurrent state instead)."""
+        return self.n_layers > 0
+
+    @property
     def attention(self) -> str:
-        """MHA, GQA, MQA or MLA."""
+        """MHA, GQA, MQA or MLA; "none" when no layer attends."""
+        if not self.kv_cache:
+            return "none"
         if self.is_mla:
             return "MLA"
         if self.n_kv_heads == self.n_heads:
@@ -69,6 +84,8 @@ class ModelSpec:
     @property
     def kv_shape(self) -> str:
         """What one layer caches per token."""
+        if not self.kv_cache:
+            return "-"
         if self.is_mla:
             return f"latent {self.kv_lora_rank}+{self.qk_rope_head_dim}"
         return f"{self.n_kv_heads}x{self.head_dim}"

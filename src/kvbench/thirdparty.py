@@ -1,0 +1,47 @@
+"""Code kvbench runs but did not write (cache plugins, a model's own modelling code under --trust-remote-code),
+contained: whatever it raises, `sys.exit()` included, becomes one KVBenchError naming it and what it was doing, and
+whatever it prints goes to stderr, so stdout stays kvbench's own (one JSON document under --json). Ctrl-C still
+interrupts, and a KVBenchError it raises (a kvbench cache's own overflow error) passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from kvbench.errors import KVBenchError
+
+
+class contained:
+    """`with contained(fail): their_code()`: on any exception or other BaseException `e` from inside, raise
+    `fail(e)` instead (one line for the user); while inside, `print` writes to stderr.
+
+    A class, not a generator: it wraps every per-layer call of a plugin cache, so it stays cheap."""
+
+    __slots__ = ("fail", "saved")
+
+    def __init__(self, fail: Callable[[BaseException], Exception]) -> None:
+        self.fail = fail
+
+    def __enter__(self) -> None:
+        self.saved, sys.stdout = sys.stdout, sys.stderr
+
+    def __exit__(self, kind, e, tb) -> bool:
+        sys.stdout = self.saved
+        if e is None or isinstance(e, KVBenchError | KeyboardInterrupt):
+            return False
+        raise self.fail(e) from None
+
+
+def did(doing: str, e: BaseException) -> str:
+    """What third-party code did, in words: 'update raised ValueError: boom', 'update called sys.exit(0) instead
+    of raising an exception'."""
+    if isinstance(e, SystemExit):
+        return f"{doing} called sys.exit({e.code!r}) instead of raising an exception"
+    return f"{doing} raised {why(e)}"
+
+
+def why(e: BaseException) -> str:
+    """'ValueError: its first line', or the type alone when the message is empty."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
