@@ -241,10 +241,6 @@ HOSTILE = textwrap.dedent(
             k, v = super().update(k, v, positions)
             return torch.full_like(k, float("nan")), v
 
-    def exiting_runner(model, caches):
-        sys.exit(0)
-
-    RUNNER_EXITS = CacheSpec("runner", "a spec whose decode runner exits", GrowingCache, decode_runner=exiting_runner)
     """
 )
 
@@ -265,19 +261,12 @@ HOSTILE_CASES = [
     ("mycaches.hostile:NotEmpty", "a new cache must be empty, but its length is 3"),
     ("mycaches.hostile:WrongDevice", "update returned k on meta, attention runs on cpu"),
     ("mycaches.hostile:WrongDtype", "update returned k in torch.float64, attention runs in torch.float32"),
-    ("mycaches.hostile:RUNNER_EXITS", "its decode_runner called sys.exit(0)"),
 ]
 
 
 @pytest.mark.parametrize(
     "command, ref, message",
-    # verify first calls a decode runner inside a check, where a plugin's failure is that check's failing row
-    [
-        (c, ref, m)
-        for c in ("generate", "verify")
-        for ref, m in HOSTILE_CASES
-        if c == "generate" or "RUNNER" not in ref
-    ],
+    [(c, ref, m) for c in ("generate", "verify") for ref, m in HOSTILE_CASES],
 )
 def test_hostile_plugin_is_contained_in_one_line(plugin_dir, command, ref, message):
     """A plugin that ends the process, raises a BaseException or breaks the contract stops the command with one
