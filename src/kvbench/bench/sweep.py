@@ -84,7 +84,9 @@ class SummaryRow:
     speedup_vs_fastest_hf: (
         float  # TPOT of the fastest transformers row (hf, hf-compiled) at this prompt / TPOT
     )
-    token_agreement: float  # fraction of generated tokens equal to kvbench `none`'s (worst run); bench/agreement.py
+    token_agreement: (
+        float  # fraction of generated tokens equal to kvbench `none`'s (worst run); bench/agreement.py
+    )
     first_divergence: float  # first differing token index (empty when identical)
     flips: int  # sequences whose tokens differ from the reference
     near_tie_flips: int  # of those, flips at near-ties (rounding, judged as verify does)
