@@ -105,7 +105,7 @@ import sys
 mode = sys.argv[1]
 missing = []
 for name in ("torch", "transformers", "tiktoken", "typer", "rich", "pandas", "matplotlib", "kvbench.cli",
-             "kvbench.bench", "kvbench.plots"):
+             "kvbench.bench.sweep", "kvbench.results.plots"):
     try:
         importlib.import_module(name)
     except Exception as e:  # report every missing piece at once
@@ -127,7 +127,7 @@ if mode == "cuda":
     else:
         p = torch.cuda.get_device_properties(0)
         print("device", p.name, f"{p.total_memory / 2**30:.1f} GiB", f"sm_{p.major}{p.minor}")
-from kvbench.backends import sdpa_settings, watch_sdpa  # noqa: E402
+from kvbench.bench.backends import sdpa_settings, watch_sdpa  # noqa: E402
 
 print("sdpa", json.dumps(sdpa_settings()))
 if not missing:  # the backend SDPA picks for GPT-2's shapes: prefill (causal) and one decode query over 528 keys

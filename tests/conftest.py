@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench.model import GPT, GPTConfig
+from kvbench.model.gpt2 import GPT, GPTConfig
 
 # A small, non-default shape (3 layers, 4 heads of 16, short context, small vocabulary) so shape bugs show.
 TINY = dict(n_layer=3, n_head=4, n_embd=64, block_size=128, vocab_size=500)

@@ -135,7 +135,7 @@ def test_a_model_name_with_markup_in_an_error_is_literal():
 
 def test_cpu_allocation_failure_is_reported_like_out_of_memory(monkeypatch):
     """An allocation the CPU cannot satisfy is one line and exit 2, as CUDA OOM is."""
-    import kvbench.generation as gen
+    import kvbench.decode.generate as gen
 
     def no_memory(*a, **k):
         raise RuntimeError(
@@ -150,7 +150,7 @@ def test_cpu_allocation_failure_is_reported_like_out_of_memory(monkeypatch):
 
 
 def test_an_unexpected_error_is_one_line_naming_a_bug(monkeypatch):
-    import kvbench.generation as gen
+    import kvbench.decode.generate as gen
 
     def broken(*a, **k):
         raise ZeroDivisionError("division by zero")

@@ -14,12 +14,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvbench import bench as B
+from kvbench.bench import sweep as B
 from kvbench.caches import CACHES
 from kvbench.caches.dynamic import DynamicCache
 from kvbench.cli import app
-from kvbench.generation import generate
-from kvbench.model import GPT, GPTConfig
+from kvbench.decode.generate import generate
+from kvbench.model.gpt2 import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ISSUE_COLUMNS = (
@@ -47,7 +47,7 @@ def _one_thread():
 def _small_probe(monkeypatch):
     """Every sweep measures the device's bandwidth once, streaming a tensor past the last-level cache (~1 GiB
     here); these tests check its plumbing and arithmetic, so they stream 16 MiB."""
-    from kvbench import floor
+    from kvbench.bench import floor
 
     monkeypatch.setenv(floor.PROBE_ENV, str(16 << 20))
 
@@ -175,8 +175,8 @@ def test_floor_columns_are_present_and_consistent(tmp_path):
     the bytes of its own design; `none` has none. transformers' static cache is floored on the buffer it really
     attended over: its generate keeps the largest max_cache_len of earlier calls on the same model, so at prompt 8
     after prompt 16 it attends over 16 + new - 1 slots."""
-    from kvbench import floor
-    from kvbench.model import PRESETS
+    from kvbench.bench import floor
+    from kvbench.model.gpt2 import PRESETS
 
     out, new = tmp_path / "run", 6
     result, text = invoke(
@@ -353,7 +353,7 @@ def test_bench_config_by_name(name):
 # --- transformers' engine ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cache", ["none", "dynamic", "static"])
 def test_hf_engine_runs_the_same_weights_for_exactly_n_tokens(tiny_model, cache):
-    from kvbench.hf_engine import build_hf_model, hf_generate
+    from kvbench.hf.engine import build_hf_model, hf_generate
 
     hf = build_hf_model(tiny_model)
     prompts = [torch.randint(0, 500, (1, 10)), torch.randint(0, 500, (1, 10))]
@@ -380,8 +380,8 @@ class _FakeGraph:
 
 
 def test_static_graph_captures_once_per_configuration_and_reuses_its_caches(tiny_model, monkeypatch):
-    from kvbench import fixed_step as static_graph
-    from kvbench.model import EXACT_MASK
+    from kvbench.decode import fixed_step as static_graph
+    from kvbench.model.gpt2 import EXACT_MASK
 
     built = []
     real_init = static_graph.FixedShapeDecoder.__init__
@@ -415,7 +415,7 @@ def test_static_graph_captures_once_per_configuration_and_reuses_its_caches(tiny
 
 
 def test_caches_are_allocated_once_per_configuration(tiny_model, monkeypatch):
-    from kvbench import engines
+    from kvbench.bench import engines
 
     allocations = []
     real = engines.make_caches
@@ -493,7 +493,7 @@ def test_bench_order_interleaved_from_the_command_line(tmp_path):
 
 
 def test_pooled_bandwidth_is_the_median_probe_with_the_widest_range():
-    from kvbench.floor import Bandwidth, pooled
+    from kvbench.bench.floor import Bandwidth, pooled
 
     probes = [
         Bandwidth(g, g / 2, 1 << 20, "cpu", read_range=(g - 1, g + 1), copy_range=(1, 2), repeats=3,
@@ -507,7 +507,7 @@ def test_pooled_bandwidth_is_the_median_probe_with_the_widest_range():
 
 def test_interleaved_order_keeps_going_past_a_failing_configuration(tiny_model):
     """A configuration that fails in the rounds becomes its row's status; the others finish their rounds."""
-    from kvbench.engines import KVBenchEngine
+    from kvbench.bench.engines import KVBenchEngine
 
     class FailsOnThirdPagedRun(KVBenchEngine):
         def configure(self, cache, batch, max_len):
@@ -543,7 +543,7 @@ def _rows(*pairs):
 
 
 def test_token_check_identical_near_tie_and_real_difference():
-    from kvbench.agreement import check_tokens
+    from kvbench.bench.agreement import check_tokens
 
     fp16 = dict(rtol=1e-2, atol=1e-2)  # verify's tolerance for fp16
     ref = [[1, 2, 3, 4]]
@@ -574,7 +574,7 @@ def test_token_check_identical_near_tie_and_real_difference():
 
 
 def test_token_check_reports_the_worst_run_and_nondeterminism():
-    from kvbench.agreement import check_tokens
+    from kvbench.bench.agreement import check_tokens
 
     ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
     runs = [ref, [[1, 2, 3, 4], [5, 9, 9, 9]]]  # the second run flips sequence 1 at token 1
@@ -617,8 +617,8 @@ def test_a_wrong_cache_is_caught_by_token_agreement(tiny_model, monkeypatch):
 
 # --- memory, engines, SDPA ---------------------------------------------------------------------------------------
 def test_hf_engine_shares_our_weights(tiny_model):
-    from kvbench.engines import weight_bytes
-    from kvbench.hf_engine import build_hf_model
+    from kvbench.bench.engines import weight_bytes
+    from kvbench.hf.engine import build_hf_model
 
     hf = build_hf_model(tiny_model)
     assert (
@@ -747,7 +747,7 @@ def test_sigterm_leaves_what_ctrl_c_leaves(tmp_path, monkeypatch):
 def test_a_second_ctrl_c_while_writing_does_not_lose_the_rows(tmp_path, monkeypatch):
     import signal
 
-    from kvbench import plots
+    from kvbench.results import plots
 
     def first_ctrl_c():
         raise KeyboardInterrupt
@@ -825,7 +825,7 @@ def test_plan_runs_the_token_reference_first_then_the_order_given():
 
 
 def test_token_check_that_cannot_explain_a_flip_says_so():
-    from kvbench.agreement import check_tokens
+    from kvbench.bench.agreement import check_tokens
 
     def rerun():
         raise RuntimeError("CUDA out of memory\nwhile recording logits")

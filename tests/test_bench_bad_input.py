@@ -176,7 +176,7 @@ def _held(out):
     """Another bench is writing into `out` right now: it holds the folder and has written its first row."""
     from contextlib import ExitStack
 
-    from kvbench import report
+    from kvbench.results import report
 
     stack = ExitStack()
     stack.enter_context(report.claimed_run_dir(out, False))
@@ -234,8 +234,8 @@ def test_a_second_bench_with_the_same_out_is_refused_and_loses_nothing(
 
 
 def test_a_run_folder_is_claimed_once_at_a_time(tmp_path):
-    from kvbench import report
     from kvbench.errors import KVBenchError
+    from kvbench.results import report
 
     out = tmp_path / "run"
     with report.claimed_run_dir(out, False) as p:

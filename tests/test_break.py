@@ -7,12 +7,12 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from kvbench.check.faults import FAULTS, break_fault, get_fault, mask_signature
+from kvbench.check.verify import random_prompts, run_verify
 from kvbench.cli import app
+from kvbench.decode.generate import generate
 from kvbench.errors import KVBenchError
-from kvbench.faults import FAULTS, break_fault, get_fault, mask_signature
-from kvbench.generation import generate
-from kvbench.model import GPT, GPTConfig
-from kvbench.verify import random_prompts, run_verify
+from kvbench.model.gpt2 import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=500)
 N = 16

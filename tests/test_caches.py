@@ -6,8 +6,8 @@ import torch
 from kvbench.caches import CACHES, make_caches
 from kvbench.caches.dynamic import DynamicCache
 from kvbench.caches.static import StaticCache
+from kvbench.decode.generate import generate
 from kvbench.errors import CacheOverflowError
-from kvbench.generation import generate
 
 EXACT = [n for n, s in CACHES.items() if s.exact and s.factory is not None]
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
@@ -47,7 +47,7 @@ def test_cached_decode_matches_hf_full_recompute(hf_dir):
     """Every cached step's logits against HF recomputing the whole sequence (independent implementation)."""
     from transformers import GPT2LMHeadModel
 
-    from kvbench.weights import load_model
+    from kvbench.model.weights import load_model
 
     hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
     ours = load_model(None, str(hf_dir), torch.device("cpu"), torch.float32).model

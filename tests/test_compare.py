@@ -15,9 +15,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvbench import compare as C
 from kvbench.cli import app
-from kvbench.runs import load_run
+from kvbench.results import compare as C
+from kvbench.results.runs import load_run
 
 runner = CliRunner()
 CACHES = ("dynamic", "static")

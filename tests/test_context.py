@@ -13,15 +13,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvbench import floor
-from kvbench.bench_settings import load_settings
+from kvbench.bench import floor
+from kvbench.bench.context import fill_random, run_context_sweep, time_decode
+from kvbench.bench.floor import Bandwidth
+from kvbench.bench.settings import load_settings
 from kvbench.caches import CACHES, CacheSpec, make_caches
 from kvbench.caches.static import StaticCache
 from kvbench.cli import app
-from kvbench.context import fill_random, run_context_sweep, time_decode
-from kvbench.floor import Bandwidth
-from kvbench.generation import generate
-from kvbench.model import PRESETS
+from kvbench.decode.generate import generate
+from kvbench.model.gpt2 import PRESETS
 
 BW = Bandwidth(read_gbps=20.0, copy_gbps=15.0, nbytes=1, device="cpu")
 
@@ -59,7 +59,7 @@ def test_fill_then_decode_equals_the_same_cache_filled_by_a_prefill(tiny_model):
 
 @pytest.mark.parametrize("cache", ["static", "static-graph", "paged", "int8", "dynamic"])
 def test_fill_random_fills_exactly_the_context(tiny_model, cache, monkeypatch):
-    monkeypatch.setattr("kvbench.context.FILL_CHUNK", 24)  # several chunks, the last one partial
+    monkeypatch.setattr("kvbench.bench.context.FILL_CHUNK", 24)  # several chunks, the last one partial
     layers = make_caches(cache, tiny_model.config, 2, 70, torch.float32, "cpu")
     fill_random(layers, tiny_model, 2, 64, torch.Generator().manual_seed(0))
     assert all(c.length == 64 for c in layers), cache

@@ -13,11 +13,11 @@ from kvbench.caches.int8 import Int8Cache, dequantize, memory_ratio, quantize
 from kvbench.caches.paged import BlockAllocator, PagedCache, paged_memory_report
 from kvbench.caches.static import StaticCache
 from kvbench.caches.static_graph import StaticGraphCache
+from kvbench.check.faults import FAULTS
+from kvbench.decode.fixed_step import FixedShapeDecoder, check_compile, runner_for
+from kvbench.decode.generate import EXACT, generate
 from kvbench.errors import CacheOverflowError
-from kvbench.faults import FAULTS
-from kvbench.fixed_step import FixedShapeDecoder, check_compile, runner_for
-from kvbench.generation import EXACT, generate
-from kvbench.model import GPT, PRESETS, GPTConfig
+from kvbench.model.gpt2 import GPT, PRESETS, GPTConfig
 
 MASK_FAULT = FAULTS["mask"].rules  # the loop's rules with SDPA's causal flag left on in decode
 

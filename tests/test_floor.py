@@ -6,10 +6,8 @@ import math
 import pytest
 import torch
 
-from kvbench.caches import CACHES, make_caches
-from kvbench.caches.base import UNKNOWN_TRAFFIC
-from kvbench.engines import ENGINES
-from kvbench.floor import (
+from kvbench.bench.engines import ENGINES
+from kvbench.bench.floor import (
     Bandwidth,
     crossover_context,
     decode_floor_ms,
@@ -18,8 +16,10 @@ from kvbench.floor import (
     step_bytes,
     weight_bytes,
 )
-from kvbench.hf_engine import HF_TRAFFIC
-from kvbench.model import GPT, PRESETS
+from kvbench.caches import CACHES, make_caches
+from kvbench.caches.base import UNKNOWN_TRAFFIC
+from kvbench.hf.engine import HF_TRAFFIC
+from kvbench.model.gpt2 import GPT, PRESETS
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

@@ -16,10 +16,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvbench.cli import app
-from kvbench.errors import KVBenchError
-from kvbench.hf_models import load_hf
-from kvbench.hf_verify import (
+from kvbench.check.hf_verify import (
     CHECKS,
     HF_CACHES,
     check_logits,
@@ -28,7 +25,10 @@ from kvbench.hf_verify import (
     parse_hf_cache_names,
     run_hf_verify,
 )
-from kvbench.verify import random_prompts
+from kvbench.check.verify import random_prompts
+from kvbench.cli import app
+from kvbench.errors import KVBenchError
+from kvbench.hf.models import load_hf
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -525,7 +525,7 @@ def test_hf_model_beyond_memory_is_refused_before_allocating(tmp_path, model_dir
         assert "TiB of CPU memory: 579,820,781,568 parameters x 4 B (random weights" in lines[0], lines[0]
         assert "B is available; use --layers N" in lines[0], lines[0]
     # a tiny checkpoint where (as the kernel says) almost nothing is free: refused the same way, naming both sizes
-    import kvbench.bench_settings as bs
+    import kvbench.bench.settings as bs
 
     monkeypatch.setattr(bs, "available_memory_bytes", lambda device: 2**20)
     r, out = invoke("verify", "--hf", str(model_dirs["llama"]), "--caches", "dynamic")
@@ -537,8 +537,8 @@ def test_hf_model_beyond_memory_is_refused_before_allocating(tmp_path, model_dir
 
 def test_hf_memory_estimate_counts_the_device_and_the_host(model_dirs, monkeypatch):
     """On a GPU the weights and the allowance must fit the device's free memory, and a random init the host's."""
-    import kvbench.bench_settings as bs
-    from kvbench.hf_models import check_memory, peek_hf
+    import kvbench.bench.settings as bs
+    from kvbench.hf.models import check_memory, peek_hf
 
     shape = peek_hf(str(model_dirs["llama"]))
     free = {"cpu": 2**40, "cuda": 2**10}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench import hugepages
+from kvbench.bench import hugepages
 
 ROOT = Path(__file__).resolve().parents[1]
 THP_WORKS = hugepages.system_mode() in ("always", "madvise") and Path("/proc/self/smaps").is_file()
@@ -95,7 +95,7 @@ def _fresh_process(env_value: str | None) -> dict:
     env["PYTHONPATH"] = str(ROOT / "src")
     if env_value is not None:
         env[hugepages.ENV] = env_value
-    code = "import json; from kvbench import hugepages; hugepages.request(); print(json.dumps(hugepages.status()))"
+    code = "import json; from kvbench.bench import hugepages; hugepages.request(); print(json.dumps(hugepages.status()))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 

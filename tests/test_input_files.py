@@ -241,7 +241,7 @@ def test_a_toml_integer_of_5000_digits_is_one_line(tmp_path):
 def test_a_ranks_file_read_once_is_not_cached(ranks_file, tmp_path):
     """A tokenizer file changed at the same path is read again, never served from a copy of its old contents."""
     from kvbench.errors import KVBenchError
-    from kvbench.tokenizer import load_tokenizer
+    from kvbench.model.tokenizer import load_tokenizer
 
     path = tmp_path / "gpt2.tiktoken"
     path.write_bytes(ranks_file.read_bytes())

@@ -121,7 +121,7 @@ def test_every_preset_cites_a_source_and_is_positive(presets):
 
 
 def test_gpt2_presets_match_the_model(presets):
-    from kvbench.model import PRESETS
+    from kvbench.model.gpt2 import PRESETS
 
     for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"):
         c, s = PRESETS[name], presets[name]
@@ -395,8 +395,8 @@ def test_copy_traffic_seed_example(presets):
 
 
 def test_copy_traffic_counter_equals_closed_form():
-    from kvbench.measure_memory import count_copy_traffic, spec_from_gpt_config
-    from kvbench.model import PRESETS
+    from kvbench.bench.measure_memory import count_copy_traffic, spec_from_gpt_config
+    from kvbench.model.gpt2 import PRESETS
 
     for name, n0, n1, batch in (("gpt2-tiny", 5, 40, 2), ("gpt2", 0, 24, 1)):
         counted, where = count_copy_traffic(name, n0, n1, batch, "fp32", "cpu")
@@ -407,8 +407,8 @@ def test_copy_traffic_counter_equals_closed_form():
 
 # --- --measure on the CPU -----------------------------------------------------------------------------------------
 def test_measure_static_equals_prediction_exactly():
+    from kvbench.bench.measure_memory import measure_caches
     from kvbench.caches import CACHES
-    from kvbench.measure_memory import measure_caches
 
     batch, ctx = 2, 40
     r = measure_caches("gpt2", batch, ctx, "fp32", "cpu")
@@ -423,7 +423,7 @@ def test_measure_static_equals_prediction_exactly():
 
 
 def test_measure_refuses_non_gpt2_and_quantized_dtype():
-    from kvbench.measure_memory import measure_caches
+    from kvbench.bench.measure_memory import measure_caches
 
     with pytest.raises(KVBenchError, match="gpt2-family"):
         measure_caches("llama-3-8b", 1, 8, "fp16", "cpu")
@@ -554,7 +554,7 @@ def test_chunked_window_kind_in_presets(presets, tmp_path):
 
 
 def test_copy_traffic_counter_says_why_it_did_not_run(presets):
-    from kvbench.measure_memory import count_copy_traffic
+    from kvbench.bench.measure_memory import count_copy_traffic
 
     assert count_copy_traffic("llama-3-8b", 128, 528)[0] is None
     counted, why = count_copy_traffic("gpt2-xl", 128, 528, 1, "fp16", "cpu")  # 300 KiB x 131,000 tokens

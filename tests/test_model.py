@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from kvbench.generation import left_pad
-from kvbench.model import GPT, PRESETS
-from kvbench.weights import load_model
+from kvbench.decode.generate import left_pad
+from kvbench.model.gpt2 import GPT, PRESETS
+from kvbench.model.weights import load_model
 
 
 @pytest.fixture(scope="module")

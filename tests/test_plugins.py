@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from kvbench import caches as registry
 from kvbench.caches import get_cache_spec, make_caches, parse_cache_names
 from kvbench.cli import app
+from kvbench.decode.generate import generate
 from kvbench.errors import KVBenchError
-from kvbench.generation import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "kvbench"

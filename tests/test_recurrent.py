@@ -331,8 +331,8 @@ def test_verify_hf_checks_a_hybrid_through_its_attention_layers(model_dirs):
 
 
 def test_bench_hf_sizes_a_hybrid_cache_by_its_attention_layers(model_dirs):
-    from kvbench.hf_bench import kv_bytes
-    from kvbench.hf_models import peek_hf
+    from kvbench.bench.hf_sweep import kv_bytes
+    from kvbench.hf.models import peek_hf
 
     shape = peek_hf(str(model_dirs["jamba"]))
     per_token = 2 * shape.info.n_kv_heads * shape.info.head_dim * 4  # one attention layer, fp32

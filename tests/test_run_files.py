@@ -19,8 +19,8 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvbench import compare as C
 from kvbench.cli import app
+from kvbench.results import compare as C
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 60  # decode steps per repeat
@@ -275,7 +275,7 @@ def test_json_output_is_strict_json_with_nulls(tmp_path):
 
 
 def test_report_json_text_maps_every_non_finite_value_to_null():
-    from kvbench.report import json_text
+    from kvbench.results.report import json_text
 
     doc = {"a": float("inf"), "b": [float("nan"), -float("inf"), np.float32("inf"), np.float64(2.5)],
            "c": np.int64(3), "d": (1.0, None), "e": Path("x")}  # fmt: skip
@@ -320,7 +320,7 @@ def test_any_valid_alpha_draws_compare_png(tmp_path, alpha):
 
 def test_compare_png_draws_a_ratio_outside_its_interval(tmp_path):
     """At a low confidence level the bootstrap interval can leave the point estimate outside it."""
-    from kvbench.plots import compare_figure
+    from kvbench.results.plots import compare_figure
 
     c = C.compare_runs(make_run(tmp_path / "base"), make_run(tmp_path / "cand", factor=1.1), alpha=0.5)
     c.rows[0].ci_low, c.rows[0].ci_high = c.rows[0].tpot_ratio + 0.01, c.rows[0].tpot_ratio + 0.02
@@ -445,7 +445,7 @@ def test_a_closed_stdout_ends_quietly_with_141(tmp_path, args):
 
 # --- plots that would take long are left out, saying so ---------------------------------------------------------------
 def test_latency_png_is_left_out_past_its_panel_limit(tmp_path):
-    from kvbench import plots
+    from kvbench.results import plots
 
     n = plots.MAX_LATENCY_PANELS + 1
     summary = pd.DataFrame([dict(engine="kvbench", cache=c, prompt_len=8 * p, new_tokens=5, status="ok", ttft_ms=5.0,

@@ -5,7 +5,7 @@ import hashlib
 import pytest
 
 from kvbench.errors import KVBenchError
-from kvbench.tokenizer import load_tokenizer
+from kvbench.model.tokenizer import load_tokenizer
 
 
 def test_hello_world(ranks_file):

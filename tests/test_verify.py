@@ -9,11 +9,11 @@ import torch
 from typer.testing import CliRunner
 
 from kvbench.caches import CACHES, get_cache_spec
+from kvbench.check.verify import CHECKS, full_logits, random_prompts, run_verify
 from kvbench.cli import app
+from kvbench.decode.generate import generate
 from kvbench.errors import KVBenchError
-from kvbench.generation import generate
-from kvbench.model import GPT, GPTConfig
-from kvbench.verify import CHECKS, full_logits, random_prompts, run_verify
+from kvbench.model.gpt2 import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=500)
 N = 24
@@ -76,7 +76,7 @@ def test_reference_loads_hf_directory(model, prompts, tmp_path):
     """When weights come from a Hugging Face directory, the reference is loaded from it (our port is checked)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from kvbench.weights import load_model
+    from kvbench.model.weights import load_model
 
     torch.manual_seed(1)
     hf_cfg = GPT2Config(
@@ -223,7 +223,7 @@ def test_break_refuses_a_model_that_is_not_finite(poisoned, ckpt, fault):
 
 def test_finite_check_compares_nothing_it_cannot():
     """The rule itself: NaN anywhere in either run fails the comparison with counts; finite runs compare as before."""
-    from kvbench.verify import not_finite
+    from kvbench.check.verify import not_finite
 
     a = torch.zeros(3, 5)
     assert not_finite([("x", a), ("y", a)]) is None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvbench.errors import KVBenchError
-from kvbench.weights import hub_reachable, load_model
+from kvbench.model.weights import hub_reachable, load_model
 
 CPU = torch.device("cpu")
 

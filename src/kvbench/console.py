@@ -117,7 +117,7 @@ def stdout_is_devnull() -> bool:
 
 def print_json(doc: Any) -> None:
     """One JSON document on stdout and nothing else (for scripts and CI): strict JSON, NaN and infinities null."""
-    from kvbench.report import json_text
+    from kvbench.results.report import json_text
 
     sys.stdout.write(json_text(doc) + "\n")
     sys.stdout.flush()

@@ -52,7 +52,7 @@ def fits_context(what: str, prompt_len: int, new_tokens: int, context: int, fix:
         )
 
 
-PROBE_ENV = "KVBENCH_PROBE_BYTES"  # the bandwidth probe's size in bytes; read by floor.py
+PROBE_ENV = "KVBENCH_PROBE_BYTES"  # the bandwidth probe's size in bytes; read by bench/floor.py
 # 1 MiB (a smaller probe sits in a cache) to 1 TiB (more than any device's memory)
 PROBE_MIN, PROBE_MAX = 1 << 20, 1 << 40
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.errors import CacheOverflowError
-from kvbench.model import GPTConfig
+from kvbench.model.gpt2 import GPTConfig
 
 
 class LayerCache:
@@ -70,7 +70,7 @@ def _one_slot(slot: int, q8: int) -> int:
 
 @dataclass(frozen=True)
 class Traffic:
-    """What one decode step of a design moves besides the weights: the floor (floor.py) counts it.
+    """What one decode step of a design moves besides the weights: the floor (bench/floor.py) counts it.
 
     At context L (slots holding tokens, this step's included), with `slot` the bytes of one token's K and V (all
     layers, the whole batch, the model's dtype) and `q8` the same in int8 plus one scale per head:
@@ -109,7 +109,7 @@ class CacheSpec:
     memory_note: str = ""
     # The planner's storage format (memory.KV_FORMATS) that models it, when it is not the model's dtype.
     planner_format: str | None = None
-    # Its decode step runs as one fixed-shape function over StaticGraphCache buffers (fixed_step.py), which can be
+    # Its decode step runs as one fixed-shape function over StaticGraphCache buffers (decode/fixed_step.py), which can be
     # compiled (--compile) and, on CUDA, captured as a CUDA graph; the layer caches must be StaticGraphCache.
     fixed_step: bool = False
 

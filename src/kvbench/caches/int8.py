@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kvbench.caches.base import CacheSpec, LayerCache, Traffic
-from kvbench.model import GPTConfig
+from kvbench.model.gpt2 import GPTConfig
 
 QMAX = 127  # symmetric: -127..127 (-128 unused, so the range is symmetric around zero)
 

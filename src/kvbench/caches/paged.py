@@ -26,7 +26,7 @@ import torch
 
 from kvbench.caches.base import CacheSpec, LayerCache, Traffic
 from kvbench.errors import CacheOverflowError
-from kvbench.model import GPTConfig
+from kvbench.model.gpt2 import GPTConfig
 
 BLOCK_SIZE = 16  # tokens per block, vLLM's default
 

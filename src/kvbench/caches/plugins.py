@@ -26,7 +26,7 @@ import torch
 
 from kvbench.caches.base import CacheSpec, LayerCache
 from kvbench.errors import KVBenchError
-from kvbench.model import GPTConfig
+from kvbench.model.gpt2 import GPTConfig
 from kvbench.thirdparty import contained, did, why
 
 ENTRY_POINT_GROUP = "kvbench.caches"

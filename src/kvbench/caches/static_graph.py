@@ -1,4 +1,4 @@
-"""The `static-graph` cache: static buffers whose decode step has one fixed shape (fixed_step.py), captured once as
+"""The `static-graph` cache: static buffers whose decode step has one fixed shape (decode/fixed_step.py), captured once as
 a CUDA graph on CUDA.
 
 A `StaticGraphCache` used directly through `model(...)` (without the fixed-shape runner) behaves as a static cache

@@ -5,7 +5,7 @@ transformers, matplotlib) happen inside the commands, so `kvbench --help` is ins
 pages before torch loads.
 """
 
-from kvbench import hugepages
+from kvbench.bench import hugepages
 from kvbench.cli import bench, break_, compare, generate, memory, verify  # noqa: F401  (each registers its command)
 from kvbench.cli.app import app
 
@@ -13,5 +13,5 @@ __all__ = ["app", "main"]
 
 
 def main() -> None:
-    hugepages.request()  # before torch loads: its CPU allocator reads THP_MEM_ALLOC_ENABLE once (hugepages.py)
+    hugepages.request()  # before torch loads: its CPU allocator reads THP_MEM_ALLOC_ENABLE once (bench/hugepages.py)
     app()

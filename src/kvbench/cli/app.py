@@ -16,7 +16,8 @@ import typer
 from typer import core as typer_core
 from typer.core import TyperGroup
 
-from kvbench import __version__, console, hugepages
+from kvbench import __version__, console
+from kvbench.bench import hugepages
 from kvbench.errors import KVBenchError
 from kvbench.validate import PROBE_ENV, probe_bytes_setting
 
@@ -208,7 +209,7 @@ def quiet_libraries() -> None:
 def load_for_cli(model: str | None, weights: str, device: str, dtype: str, seed: int, init_std: float = 0.02):
     """Resolve device and dtype, load the model, and show the random-weights warning once. Shared by commands."""
     from kvbench.devices import resolve_device, resolve_dtype
-    from kvbench.weights import load_model
+    from kvbench.model.weights import load_model
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -228,7 +229,7 @@ CHECK_INIT_STD = 0.05
 def load_for_checks(model: str | None, weights: str, device: str, dtype: str, seed: int):
     """Like load_for_cli, with CHECK_INIT_STD for random weights; also the Hugging Face directory the weights came
     from, if any, so the reference loads the checkpoint itself rather than our port of it."""
-    from kvbench.weights import hub_snapshot
+    from kvbench.model.weights import hub_snapshot
 
     loaded, dev, dt = load_for_cli(model, weights, device, dtype, seed, init_std=CHECK_INIT_STD)
     hf_dir = None

@@ -136,12 +136,12 @@ def bench(
 
     With --hf SOURCE: transformers' own caches (none, dynamic, static, static-compiled) on any Hugging Face causal
     LM, in the same rows and files, its tokens checked against its own none."""
-    from kvbench import bench as B
-    from kvbench import report
+    from kvbench.bench import sweep as B
+    from kvbench.results import report
 
     base_run = None
     if baseline is not None:
-        from kvbench.runs import load_run
+        from kvbench.results.runs import load_run
 
         base_run = load_run(baseline, "--baseline")  # a bad folder fails now, not after the sweep
     elif allow_env_change:
@@ -188,7 +188,7 @@ def bench(
         "configurations_planned": [{"engine": e, "cache": c, "prompt_len": p} for p, e, c in planned],
     }
     if base_run is not None:  # the whole baseline check before the sweep: the same identity, rows in common
-        from kvbench.compare import check_baseline
+        from kvbench.results.compare import check_baseline
 
         meta = {**report.run_meta(loaded, dev, dt, settings, config_path), **extra_meta}
         check_baseline(base_run, meta, [(e, c, p) for p, e, c in planned], allow_env_change)
@@ -225,7 +225,7 @@ def print_bench_json(recorder, baseline, run_dir, allow_env_change: bool) -> Non
     doc = recorder.json_doc()
     if baseline is not None:
         from kvbench.cli.compare import run_compare
-        from kvbench.compare import json_doc
+        from kvbench.results.compare import json_doc
 
         try:
             comparison, compare_files = run_compare(baseline, run_dir, allow_env_change=allow_env_change)
@@ -238,12 +238,13 @@ def print_bench_json(recorder, baseline, run_dir, allow_env_change: bool) -> Non
 
 def random_fill_sweep(settings, out_dir, force: bool, config_path, json_out: bool) -> None:
     """`--fill random`: load, measure the bandwidth, then time every (context, cache) on caches filled with random
-    K/V (context.py), writing rows as they complete."""
+    K/V (bench/context.py), writing rows as they complete."""
     import torch
 
-    from kvbench import bench as B
-    from kvbench import floor, report
-    from kvbench.context import run_context_sweep
+    from kvbench.bench import floor
+    from kvbench.bench import sweep as B
+    from kvbench.bench.context import run_context_sweep
+    from kvbench.results import report
 
     loaded, dev, dt = load_for_cli(
         settings.model, settings.weights, settings.device, settings.dtype, settings.seed
@@ -285,7 +286,7 @@ def _exit_if_failed(rows: list, label) -> None:
 
 def measure_bandwidth(device):
     """The device's read bandwidth, once per run, before the run folder exists (an interruption here leaves none)."""
-    from kvbench import floor
+    from kvbench.bench import floor
 
     with err.status("measuring the device's read bandwidth (the floor of every row)"):
         return floor.measure_bandwidth(device)
@@ -328,9 +329,9 @@ def _check_baseline(baseline: Path | None, out_dir) -> None:
 def _validated(config, overrides: dict, force: bool):
     """Every check that needs no weights, before anything is loaded, allocated or created on disk:
     (settings, the run folder to create)."""
-    from kvbench import bench as B
-    from kvbench import report
+    from kvbench.bench import sweep as B
     from kvbench.devices import resolve_device, resolve_dtype
+    from kvbench.results import report
 
     settings = B.load_settings(config, overrides)
     default = str(report.unique_default_run_dir("bench"))

@@ -1,4 +1,4 @@
-"""Rendering `kvbench bench --fill random` (decode cost against context, context.py) and the floor's caption that
+"""Rendering `kvbench bench --fill random` (decode cost against context, bench/context.py) and the floor's caption that
 every bench table carries."""
 
 from __future__ import annotations

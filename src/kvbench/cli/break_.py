@@ -66,9 +66,9 @@ def break_(
     Runs correct and faulty code side by side on the same model and prompt. Exit 0 when every injected fault was
     detected by verify, 1 when any slipped through."""
     from kvbench.caches import get_cache_spec
-    from kvbench.faults import FAULTS, break_fault, parse_fault_names
-    from kvbench.tokenizer import load_tokenizer
-    from kvbench.verify import random_prompts
+    from kvbench.check.faults import FAULTS, break_fault, parse_fault_names
+    from kvbench.check.verify import random_prompts
+    from kvbench.model.tokenizer import load_tokenizer
 
     names = parse_fault_names(name)
     if cache is not None:
@@ -93,7 +93,7 @@ def break_(
     if reference not in ("hf", "none"):
         raise KVBenchError(f"--reference must be hf or none, got {reference!r}")
     from kvbench import validate
-    from kvbench.weights import peek_config
+    from kvbench.model.weights import peek_config
 
     validate.integer("--batch", batch, 2, validate.MAX_BATCH)
     validate.seed(seed)

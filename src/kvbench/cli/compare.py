@@ -59,7 +59,7 @@ def compare(
 
     Rows are matched on engine, cache, model, weights, dtype, device, prompt length, new tokens and batch.
     Exit 0; 1 with --fail-on when a row regresses; 2 on bad input."""
-    from kvbench import compare as C
+    from kvbench.results import compare as C
 
     if fmt not in FORMATS:
         raise KVBenchError(f"--format {fmt!r}: choose table, md or json")
@@ -93,9 +93,9 @@ def run_compare(
 ):
     """Compare, warn about allowed environment changes, write compare.png and compare.json (into the candidate
     folder unless `out_dir`); returns the Comparison and the files written. Shared with `bench --baseline`."""
-    from kvbench import compare as C
-    from kvbench import report
-    from kvbench.plots import compare_figure
+    from kvbench.results import compare as C
+    from kvbench.results import report
+    from kvbench.results.plots import compare_figure
 
     comparison = C.compare_runs(baseline, candidate, alpha, threshold, allow_env_change)
     warn_about(comparison)
@@ -109,7 +109,7 @@ def run_compare(
 def warn_about(comparison) -> None:
     """One warning line each: an allowed environment change, rows matched without a key, a measured condition that
     changed between the runs, a run whose sweep did not finish."""
-    from kvbench import compare as C
+    from kvbench.results import compare as C
 
     if comparison.env_changes:
         console.warn(f"comparing across an environment change: {C.describe_changes(comparison.env_changes)}")
@@ -172,8 +172,8 @@ def _after(r) -> list[str]:
 
 def _footer(c) -> list[tuple[str, str]]:
     """(kind, text) lines under the table: row notes, unsteady runs, rows not compared, environment changes."""
-    from kvbench.compare import describe_changes, describe_context
-    from kvbench.runs import printable
+    from kvbench.results.compare import describe_changes, describe_context
+    from kvbench.results.runs import printable
 
     lines = [("note", f"{r.label}: {n}") for r in c.rows for n in r.notes]
     unsteady = [r for r in c.rows if not r.steady]
@@ -210,7 +210,7 @@ def _counts(c) -> str:
 def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
     """The Rich table, the lines under it, the gate's result and the files written. User text (paths, names) is
     literal: cells and lines go through `cell`, `line` and `styled`, never through markup."""
-    from kvbench.runs import printable
+    from kvbench.results.runs import printable
 
     level = f"{c.confidence:.0%}"
     cols = ["engine", "cache", "prompt", "TPOT ms", "ratio", f"{level} CI", "p", "verdict", "TTFT", "tok/s",
@@ -283,7 +283,7 @@ def markdown(c, fail_on: list[str]) -> str:
     if agree:
         cols.append("token agreement")
 
-    from kvbench.runs import printable
+    from kvbench.results.runs import printable
 
     def md(text: str) -> str:  # user text inside a table cell or code span: one line, no column break
         return printable(text).replace("|", "\\|").replace("`", "'")

@@ -84,11 +84,11 @@ def generate(
     texts = read_prompts(prompt, prompts, prompts_file)
     from kvbench import validate
     from kvbench.caches import get_cache_spec
-    from kvbench.fixed_step import check_compile
-    from kvbench.generation import Sampler
-    from kvbench.generation import generate as run_generate
-    from kvbench.tokenizer import load_tokenizer
-    from kvbench.weights import peek_config
+    from kvbench.decode.fixed_step import check_compile
+    from kvbench.decode.generate import Sampler
+    from kvbench.decode.generate import generate as run_generate
+    from kvbench.model.tokenizer import load_tokenizer
+    from kvbench.model.weights import peek_config
 
     validate.integer("--max-new-tokens", max_new_tokens, 1)
     validate.integer("the number of prompts", len(texts), 1, validate.MAX_BATCH)

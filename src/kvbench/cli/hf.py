@@ -1,7 +1,7 @@
 """The `--hf SOURCE` options that `verify` and `bench` share, and loading a Hugging Face model for them.
 
 `verify --hf` and `bench --hf` run transformers' own model code and caches on any causal LM instead of our GPT-2;
-the commands stay in verify.py and bench.py and call in here for the parts that differ.
+the commands stay in check/verify.py and bench/sweep.py and call in here for the parts that differ.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def load_hf_for_cli(
     """Resolve device and dtype, then load SOURCE (transformers kept quiet; `run` and `check` as in load_hf).
     Returns (loaded, device, dtype)."""
     from kvbench.devices import resolve_device, resolve_dtype
-    from kvbench.hf_models import load_hf
+    from kvbench.hf.models import load_hf
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -67,12 +67,12 @@ def run_verify_hf(
     seed: int, layers: int | None, trust: bool, on_row,
 ):  # fmt: skip
     """`kvbench verify --hf`: load, run every check on every cache, return (report, meta) for the renderers."""
+    from kvbench.check.hf_verify import HF_CACHES, parse_hf_cache_names, run_hf_verify
+    from kvbench.check.verify import random_prompts
     from kvbench.cli.app import CHECK_INIT_STD
     from kvbench.devices import resolve_device
     from kvbench.errors import KVBenchError
-    from kvbench.hf_models import check_length
-    from kvbench.hf_verify import HF_CACHES, parse_hf_cache_names, run_hf_verify
-    from kvbench.verify import random_prompts
+    from kvbench.hf.models import check_length
 
     if new_tokens < 2:
         raise KVBenchError(
@@ -108,9 +108,7 @@ def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: 
 
     Returns (settings, run folder to create, the model as the sweep and the recorder read it, device, dtype,
     engines, warnings, meta.json additions)."""
-    from kvbench import report
-    from kvbench.devices import resolve_device, resolve_dtype
-    from kvbench.hf_bench import (
+    from kvbench.bench.hf_sweep import (
         HFModelEngine,
         bench_meta,
         bench_view,
@@ -118,7 +116,9 @@ def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: 
         hf_bench_settings,
         sweep_warnings_hf,
     )
-    from kvbench.hf_models import load_hf
+    from kvbench.devices import resolve_device, resolve_dtype
+    from kvbench.hf.models import load_hf
+    from kvbench.results import report
 
     settings = hf_bench_settings(config, overrides)
     default = str(report.unique_default_run_dir("bench"))

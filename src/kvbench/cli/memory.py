@@ -141,8 +141,8 @@ def memory(
 
 def _gpt2_spec(name: str):
     """Our own GPT-2 presets (gpt2-tiny too) for --measure and --copy-traffic; None for any other name."""
-    from kvbench.measure_memory import spec_from_gpt_config
-    from kvbench.model import PRESETS as GPT_PRESETS
+    from kvbench.bench.measure_memory import spec_from_gpt_config
+    from kvbench.model.gpt2 import PRESETS as GPT_PRESETS
 
     key = name.strip().lower()
     return spec_from_gpt_config(GPT_PRESETS[key]) if key in GPT_PRESETS else None
@@ -151,7 +151,7 @@ def _gpt2_spec(name: str):
 def _measure(req, doc: dict, json_out: bool) -> None:
     """Allocate every registered cache (and, with --lengths, a paged cache of mixed lengths) and compare."""
     from kvbench import memory as mem
-    from kvbench.measure_memory import check_measure, measure_caches, paged_waste
+    from kvbench.bench.measure_memory import check_measure, measure_caches, paged_waste
 
     name, contexts = req.specs[0].name, req.contexts or [mem.DEFAULT_MEASURE_CTX]
     max_len = max(req.contexts) if req.contexts else None
@@ -176,7 +176,7 @@ def _measure(req, doc: dict, json_out: bool) -> None:
 def _copy_traffic(req, doc: dict, json_out: bool) -> None:
     """The closed form of what torch.cat copies, and our dynamic cache's own counter where it can run."""
     from kvbench import memory as mem
-    from kvbench.measure_memory import count_copy_traffic
+    from kvbench.bench.measure_memory import count_copy_traffic
 
     (n0, n1), traffic = req.copy_range, []
     for spec in req.specs:

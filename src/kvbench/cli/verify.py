@@ -97,9 +97,9 @@ def _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weight
                  trust_remote_code, layers, compile):  # fmt: skip
     from kvbench import validate
     from kvbench.caches import parse_cache_names
-    from kvbench.fixed_step import check_compile
-    from kvbench.verify import random_prompts, run_verify
-    from kvbench.weights import peek_config
+    from kvbench.check.verify import random_prompts, run_verify
+    from kvbench.decode.fixed_step import check_compile
+    from kvbench.model.weights import peek_config
 
     for flag, value in (("--trust-remote-code", trust_remote_code), ("--layers", layers is not None)):
         if value:

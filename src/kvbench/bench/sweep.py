@@ -12,8 +12,8 @@ synchronisation.
 
 Per configuration the summary holds medians over the timed repeats, the pooled decode-step distribution, peak
 memory above what was allocated before the configuration (plus the weights of the engine in use, counted once),
-whether its tokens agree with kvbench's `none` (agreement.py) and which SDPA backend its attention calls got
-(backends.py); see docs/bench.md for every column. Rows come back through `on_result` as each configuration
+whether its tokens agree with kvbench's `none` (bench/agreement.py) and which SDPA backend its attention calls got
+(bench/backends.py); see docs/bench.md for every column. Rows come back through `on_result` as each configuration
 completes, so a caller can write them at once and an interrupted sweep keeps what it finished. A configuration
 that fails (out of memory, or an error raised by a cache plugin) becomes a row whose status says so, and the sweep
 goes on.
@@ -28,10 +28,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kvbench import floor
-from kvbench.agreement import TokenCheck, check_tokens
-from kvbench.backends import watch_sdpa
-from kvbench.bench_settings import (
+from kvbench.bench import floor
+from kvbench.bench.agreement import TokenCheck, check_tokens
+from kvbench.bench.backends import watch_sdpa
+from kvbench.bench.engines import ENGINES, HFEngine, KVBenchEngine, RunTiming, build_engines
+from kvbench.bench.settings import (
     SETTING_KEYS,
     BenchSettings,
     check_fits_context,
@@ -45,9 +46,8 @@ from kvbench.bench_settings import (
     sweep_warnings,
 )
 from kvbench.devices import memory_in_use, memory_peak, reset_peak_memory
-from kvbench.engines import ENGINES, HFEngine, KVBenchEngine, RunTiming, build_engines
 from kvbench.errors import KVBenchError
-from kvbench.model import GPTConfig
+from kvbench.model.gpt2 import GPTConfig
 
 # Settings and engines live in their own modules; these names stay importable from here.
 __all__ = [
@@ -71,7 +71,7 @@ class SummaryRow:
     ttft_ms: float  # median over timed repeats: prefill + first token
     tpot_ms_median: float  # median decode-step latency, all steps of all timed repeats pooled
     tpot_ms_p90: float
-    floor_ms: float  # the bandwidth floor of the median decode step: step_bytes / measured read bandwidth (floor.py)
+    floor_ms: float  # the bandwidth floor of the median decode step: step_bytes / measured read bandwidth (bench/floor.py)
     x_floor: float  # tpot_ms_median / floor_ms; empty for `none` (no cache: the floor does not apply)
     step_bytes: (
         float  # bytes the median decode step moves: weights, K/V read and written, the design's copies
@@ -84,7 +84,9 @@ class SummaryRow:
     speedup_vs_fastest_hf: (
         float  # TPOT of the fastest transformers row (hf, hf-compiled) at this prompt / TPOT
     )
-    token_agreement: float  # fraction of generated tokens equal to kvbench `none`'s (worst run); agreement.py
+    token_agreement: (
+        float  # fraction of generated tokens equal to kvbench `none`'s (worst run); bench/agreement.py
+    )
     first_divergence: float  # first differing token index (empty when identical)
     flips: int  # sequences whose tokens differ from the reference
     near_tie_flips: int  # of those, flips at near-ties (rounding, judged as verify does)

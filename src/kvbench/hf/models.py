@@ -453,7 +453,7 @@ def check_memory(source: str, shape: HFShape, device: torch.device, dtype: torch
     its parameters at `dtype` (random weights are initialised in fp32 on the CPU first), plus an allowance for
     activations and the cache (`run_bytes`, and a tenth of the weights). One line naming the estimate and what is
     available."""
-    from kvbench.bench_settings import available_memory_bytes
+    from kvbench.bench.settings import available_memory_bytes
 
     elem = torch.empty((), dtype=dtype).element_size()
     weights = shape.parameters * elem
@@ -492,7 +492,7 @@ def _gib(n: int) -> str:
 
 
 def _hub_online() -> bool:
-    from kvbench.weights import hub_reachable
+    from kvbench.model.weights import hub_reachable
 
     return hub_reachable()
 

@@ -10,8 +10,8 @@ get it; that allocation is part of its TTFT.
     hf            transformers' generate, eager (disable_compile=True): none, dynamic, static
     hf-compiled   transformers' generate with its static cache and its default automatic torch.compile
 
-An engine also says how its rows' tokens are judged (agreement.py): `token_reference` is True for the engine whose
-`none` rows are the sweep's token reference (kvbench here; `bench --hf`'s engine on its own model, hf_bench.py),
+An engine also says how its rows' tokens are judged (bench/agreement.py): `token_reference` is True for the engine whose
+`none` rows are the sweep's token reference (kvbench here; `bench --hf`'s engine on its own model, bench/hf_sweep.py),
 `reference_logits(ids, ref, d)` gives that reference's logits at a flip, and `token_tolerance(cache, dtype)` the
 rounding a correct path may show there.
 """
@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.agreement import reference_logits
+from kvbench.bench.agreement import reference_logits
 from kvbench.caches import get_cache_spec, make_caches
 from kvbench.caches.base import UNKNOWN_TRAFFIC, Traffic
+from kvbench.check.verify import REFERENCE_TOLERANCES, TOLERANCES
+from kvbench.decode.generate import generate
 from kvbench.devices import synchronize
-from kvbench.generation import generate
-from kvbench.verify import REFERENCE_TOLERANCES, TOLERANCES
 
 
 @dataclass
@@ -88,7 +88,7 @@ class _KVBenchConfiguration:
     def probe(self, ids: torch.Tensor) -> None:
         """Prefill + one decode step through the same code path, eagerly (no CUDA graph, no compile) on fresh
         caches, so every attention call is visible to `backends.watch_sdpa`."""
-        from kvbench.fixed_step import FixedShapeDecoder
+        from kvbench.decode.fixed_step import FixedShapeDecoder
 
         w = self.model.lm_head.weight
         B, T = ids.shape
@@ -157,7 +157,7 @@ class _HFConfiguration:
         self.hf, self.cache, self.compile = hf, cache, compile
 
     def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False) -> RunTiming:
-        from kvbench.hf_engine import hf_generate
+        from kvbench.hf.engine import hf_generate
 
         r = hf_generate(
             self.hf, ids, new_tokens, self.cache, compile=self.compile, record_logits=record_logits
@@ -167,13 +167,13 @@ class _HFConfiguration:
     def probe(self, ids: torch.Tensor) -> None:
         """Prefill + one decode step, eagerly (compiled code hides its attention calls; the compiled graph makes
         the same SDPA calls as the eager static path it was traced from)."""
-        from kvbench.hf_engine import hf_generate
+        from kvbench.hf.engine import hf_generate
 
         hf_generate(self.hf, ids, 2, self.cache, compile=False)
 
 
 class HFEngine(_OnOurGPT):
-    """transformers' generate on the same weights, eagerly (see hf_engine.py for what its numbers include)."""
+    """transformers' generate on the same weights, eagerly (see hf/engine.py for what its numbers include)."""
 
     name = "hf"
     family = "hf"
@@ -181,14 +181,14 @@ class HFEngine(_OnOurGPT):
     token_reference = False
 
     def __init__(self, model, hf=None) -> None:
-        from kvbench.hf_engine import build_hf_model
+        from kvbench.hf.engine import build_hf_model
 
         self.model = model
         self.hf = hf if hf is not None else build_hf_model(model)
 
     @staticmethod
     def supports(cache: str) -> bool:
-        from kvbench.hf_engine import HF_CACHES
+        from kvbench.hf.engine import HF_CACHES
 
         return cache in HF_CACHES
 
@@ -198,7 +198,7 @@ class HFEngine(_OnOurGPT):
     @staticmethod
     def traffic(cache: str) -> Traffic | None:
         """What a decode step of transformers' `cache` moves; None for its no-cache path (no floor)."""
-        from kvbench.hf_engine import HF_TRAFFIC
+        from kvbench.hf.engine import HF_TRAFFIC
 
         return HF_TRAFFIC.get(cache)
 
@@ -221,7 +221,7 @@ class HFCompiledEngine(HFEngine):
         return cache == "static"
 
     def describe(self) -> str:
-        from kvbench.hf_engine import compiled_decode
+        from kvbench.hf.engine import compiled_decode
 
         if compiled_decode(self.hf):
             return (

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.verify import _near_tie
+from kvbench.check.verify import _near_tie
 
 
 @dataclass

@@ -24,12 +24,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kvbench import fixed_step, floor
+from kvbench.bench import floor
+from kvbench.bench.engines import KVBenchEngine
 from kvbench.caches import get_cache_spec, make_caches
+from kvbench.decode import fixed_step
 from kvbench.devices import synchronize
-from kvbench.engines import KVBenchEngine
 from kvbench.errors import KVBenchError
-from kvbench.model import GPT
+from kvbench.model.gpt2 import GPT
 
 FILL_CHUNK = 4096  # tokens per update while filling: bounds the temporary random K/V
 FILL_NOTE = (
@@ -51,7 +52,7 @@ class ContextRow:
     tpot_ms_median: float  # every timed step of every timed repeat pooled
     tpot_ms_p10: float
     tpot_ms_p90: float
-    floor_ms: float  # the bandwidth floor of the median step (floor.py)
+    floor_ms: float  # the bandwidth floor of the median step (bench/floor.py)
     x_floor: float  # tpot_ms_median / floor_ms
     step_bytes: int  # what the median step must move
     kv_read_bytes: int  # of which K/V read by attention
@@ -156,7 +157,7 @@ def run_context_sweep(
 ) -> list[ContextResult]:
     """Every (context, cache), contexts outermost so that an interrupted sweep has every cache at the contexts it
     finished. A configuration that runs out of memory, or whose cache raises, becomes a row saying so."""
-    from kvbench.bench import failure_status
+    from kvbench.bench.sweep import failure_status
 
     cfg = model.config
     too_long = [c for c in contexts if c + new_tokens > cfg.block_size]

@@ -7,7 +7,7 @@
 - random: GPT-2's initialisation, seeded;
 - auto:   the local cache, else the hub if it answers within seconds, else random with a visible warning.
 The port from Hugging Face is a plain copy: our four projections are Conv1D with (in, out) weights, as GPT-2's own
-checkpoint stores them (model.py says why), and lm_head is tied to wte.
+checkpoint stores them (model/gpt2.py says why), and lm_head is tied to wte.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from kvbench import files, validate
 from kvbench.errors import KVBenchError
-from kvbench.model import GPT, PRESETS, GPTConfig
+from kvbench.model.gpt2 import GPT, PRESETS, GPTConfig
 
 HUB_REPOS = {
     "gpt2": "openai-community/gpt2",

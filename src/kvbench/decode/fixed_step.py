@@ -40,7 +40,7 @@ import torch
 
 from kvbench.caches.static_graph import StaticGraphCache
 from kvbench.errors import KVBenchError
-from kvbench.model import EXACT_MASK, GPT, MaskRule
+from kvbench.model.gpt2 import EXACT_MASK, GPT, MaskRule
 
 COMPILE_MODES = ("off", "default", "max")  # the --compile choices
 

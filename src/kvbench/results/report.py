@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvbench import hugepages
+from kvbench.bench import hugepages
 from kvbench.errors import KVBenchError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -335,7 +335,7 @@ def device_label(device) -> str:
 def run_meta(loaded, device, dtype, settings, config_path) -> dict[str, Any]:
     """The meta.json fields every run folder starts with: the run, the model, the device (status `running`).
     Also what `bench --baseline` checks against the baseline before the sweep."""
-    from kvbench.bench import settings_dict
+    from kvbench.bench.sweep import settings_dict
     from kvbench.devices import device_name, dtype_name
 
     return meta_doc(
@@ -374,7 +374,7 @@ class BenchRecorder:
     def __init__(
         self, run_dir: Path, loaded, device, dtype, settings, config_path, bandwidth=None, extra_meta=None
     ) -> None:
-        from kvbench.backends import sdpa_settings
+        from kvbench.bench.backends import sdpa_settings
         from kvbench.devices import cpu_peak_resettable
 
         self._start(run_dir, loaded, device, dtype, settings, config_path)
@@ -397,7 +397,7 @@ class BenchRecorder:
         write_json(self.run_dir / "meta.json", self.meta)
 
     def add(self, result) -> None:
-        from kvbench.bench import StepRow, SummaryRow, fill_relative
+        from kvbench.bench.sweep import StepRow, SummaryRow, fill_relative
 
         self.summary.append(result.summary)
         self.steps.extend(result.steps)
@@ -415,7 +415,7 @@ class BenchRecorder:
     def frames(self):
         import pandas as pd
 
-        from kvbench.bench import StepRow, SummaryRow
+        from kvbench.bench.sweep import StepRow, SummaryRow
 
         summary = pd.DataFrame([asdict(r) for r in self.summary], columns=SummaryRow.columns())
         # column by column: a long sweep has millions of steps, and asdict per row would take a minute
@@ -425,7 +425,7 @@ class BenchRecorder:
     def finish(self, status: str, engines: dict | None = None) -> list[Path]:
         """Write the final meta.json and the plots from whatever completed; returns the files written. meta.json is
         written before the plots (so a kill while drawing still leaves the right status) and again after them."""
-        from kvbench.plots import write_plots
+        from kvbench.results.plots import write_plots
 
         if not self.summary:  # nothing completed: still leave valid (header-only) CSVs
             self.add_empty()
@@ -455,7 +455,7 @@ class BenchRecorder:
         write_json(self.run_dir / "meta.json", self.meta)
 
     def add_empty(self) -> None:
-        from kvbench.bench import StepRow, SummaryRow
+        from kvbench.bench.sweep import StepRow, SummaryRow
 
         write_csv(self.run_dir / "summary.csv", SummaryRow.columns(), [])
         write_csv(self.run_dir / "steps.csv", StepRow.columns(), [])
@@ -474,7 +474,7 @@ class ContextRecorder(BenchRecorder):
     def __init__(
         self, run_dir: Path, loaded, device, dtype, settings, config_path, bandwidth, crossover
     ) -> None:
-        from kvbench.context import FILL_NOTE
+        from kvbench.bench.context import FILL_NOTE
 
         self._start(run_dir, loaded, device, dtype, settings, config_path)
         self.meta.update(
@@ -495,7 +495,7 @@ class ContextRecorder(BenchRecorder):
         write_json(self.run_dir / "meta.json", self.meta)
 
     def add(self, result) -> None:
-        from kvbench.context import ContextRow, ContextStepRow
+        from kvbench.bench.context import ContextRow, ContextStepRow
 
         self.summary.append(result.summary)
         self.steps.extend(result.steps)
@@ -503,7 +503,7 @@ class ContextRecorder(BenchRecorder):
         write_csv(self.run_dir / "steps.csv", ContextStepRow.columns(), self.steps)
 
     def add_empty(self) -> None:
-        from kvbench.context import ContextRow, ContextStepRow
+        from kvbench.bench.context import ContextRow, ContextStepRow
 
         write_csv(self.run_dir / "summary.csv", ContextRow.columns(), [])
         write_csv(self.run_dir / "steps.csv", ContextStepRow.columns(), [])
@@ -512,8 +512,8 @@ class ContextRecorder(BenchRecorder):
         """The final meta.json, then context.png from whatever completed, then meta.json again."""
         import pandas as pd
 
-        from kvbench.context import ContextRow
-        from kvbench.plots import write_context_plots
+        from kvbench.bench.context import ContextRow
+        from kvbench.results.plots import write_context_plots
 
         if not self.summary:
             self.add_empty()

@@ -3,11 +3,11 @@
 The sweep (`bench.run_sweep`), its rows, cold/warm rules, token agreement, CSV files, meta.json and plots are the
 GPT-2 bench's; what differs lives here:
 
-- `HFModelEngine` implements the engine API of engines.py on the model. `configure` prepares one configuration once:
+- `HFModelEngine` implements the engine API of bench/engines.py on the model. `configure` prepares one configuration once:
   the `generate` arguments of its cache and, for `static-compiled`, the one CompileConfig every run of the
   configuration shares, so transformers compiles in the first run of each shape (the cold run) and reuses the
   compiled step in the warm ones. transformers allocates its cache inside every `generate` call, as its users get
-  it (part of TTFT), exactly as the `hf` engine on GPT-2; runs are timed the same way (hf_engine.py: a
+  it (part of TTFT), exactly as the `hf` engine on GPT-2; runs are timed the same way (hf/engine.py: a
   LogitsProcessor synchronises and stamps the clock once per token).
 - The token reference is the model's own `none`: `generate(use_cache=False)` on the same prompt ids in the same run.
   A flip is judged with one no-cache forward of the model over the prompt and the reference tokens before it,
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.bench_settings import (
+from kvbench.bench.engines import RunTiming, weight_bytes
+from kvbench.bench.settings import (
     BenchSettings,
     check_fits_context,
     check_settings,
@@ -32,12 +33,11 @@ from kvbench.bench_settings import (
     read_settings,
     settings_dict,
 )
-from kvbench.engines import RunTiming, weight_bytes
+from kvbench.check.hf_verify import HF_CACHES, _compile_config
+from kvbench.check.verify import TOLERANCES
 from kvbench.errors import KVBenchError
-from kvbench.hf_engine import compiled_decode, timed_generate
-from kvbench.hf_models import HFShape, LoadedHF, quiet_transformers
-from kvbench.hf_verify import HF_CACHES, _compile_config
-from kvbench.verify import TOLERANCES
+from kvbench.hf.engine import compiled_decode, timed_generate
+from kvbench.hf.models import HFShape, LoadedHF, quiet_transformers
 
 # The caches bench times, each selected in generate by its hf_verify.HF_CACHES entry; --caches choices, the
 # default sweep and meta.json read this.

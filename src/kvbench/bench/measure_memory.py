@@ -17,7 +17,7 @@ from kvbench import memory
 from kvbench.caches import CACHES, CacheSpec, cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
 from kvbench.devices import DTYPES, device_name, resolve_device
 from kvbench.errors import KVBenchError
-from kvbench.model import PRESETS, GPTConfig
+from kvbench.model.gpt2 import PRESETS, GPTConfig
 
 # Counting the dynamic cache's copies re-runs every torch.cat; above this many bytes copied it is not worth the wait.
 MAX_COUNTED_COPY_BYTES = 8 * memory.GiB
@@ -45,7 +45,7 @@ class MeasureRow:
 class MeasureReport:
     """Predicted vs measured cache bytes for one model, batch and context on one device."""
 
-    model: str  # kvbench.model preset
+    model: str  # kvbench.model.gpt2 preset
     device: str  # where the caches were allocated
     kv_dtype: str  # element type of K and V
     batch: int  # sequences
@@ -60,7 +60,7 @@ def spec_from_gpt_config(cfg: GPTConfig) -> memory.ModelSpec:
     """Our GPT-2's shape as the planner sees it (MHA: one K/V head per query head)."""
     return memory.ModelSpec(
         name=cfg.name,
-        source="kvbench.model.PRESETS",
+        source="kvbench.model.gpt2.PRESETS",
         family="gpt2",
         n_layers=cfg.n_layer,
         n_heads=cfg.n_head,

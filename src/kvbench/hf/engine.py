@@ -30,7 +30,7 @@ import torch
 
 from kvbench.caches.base import Traffic
 from kvbench.devices import synchronize
-from kvbench.model import GPT
+from kvbench.model.gpt2 import GPT
 
 # Our cache names -> the transformers `generate` arguments that select the equivalent cache.
 HF_CACHES: dict[str, dict] = {

@@ -9,7 +9,7 @@ tokens, and one forward with `use_cache=False` over a whole prefix for single st
     batched      prompts of different lengths, left-padded with an attention mask and decoded together, against
                  each prompt decoded alone through the same cache
     cache_state  one cache object: a prompt, reset(), a second prompt, against a fresh cache for the second prompt
-The rows, tolerances, near-tie rule and report are those of `verify.py` (CheckRow, VerifyReport). A cache that
+The rows, tolerances, near-tie rule and report are those of `check/verify.py` (CheckRow, VerifyReport). A cache that
 cannot run here (offloading without CUDA, a quantization backend that is not installed, a quantized cache on a
 model with sliding-window layers) is one row marked skipped, with the reason.
 
@@ -26,9 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench.errors import KVBenchError
-from kvbench.hf_models import LoadedHF, cache_kwarg, check_length, quiet_transformers, returned_cache
-from kvbench.verify import (
+from kvbench.check.verify import (
     CACHED,
     NO_CACHE,
     SHORT_TOKENS,
@@ -39,6 +37,8 @@ from kvbench.verify import (
     not_finite,
     token_verdict,
 )
+from kvbench.errors import KVBenchError
+from kvbench.hf.models import LoadedHF, cache_kwarg, check_length, quiet_transformers, returned_cache
 
 CHECKS = ("logits", "greedy", "batched", "cache_state")
 

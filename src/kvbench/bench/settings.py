@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from kvbench import files
+from kvbench.bench.engines import ENGINES
 from kvbench.caches import CACHES, parse_cache_names
-from kvbench.engines import ENGINES
+from kvbench.decode.fixed_step import check_compile
 from kvbench.errors import KVBenchError
-from kvbench.fixed_step import check_compile
-from kvbench.model import GPTConfig
+from kvbench.model.gpt2 import GPTConfig
 
 
 @dataclass
@@ -48,13 +48,13 @@ class BenchSettings:
     fill: str = "prefill"  # prefill: a real prefill fills the cache; random: random K/V, decode timed only
     order: str = "sequential"  # sequential: each configuration's runs back to back; interleaved: in rounds
     compile: str = (
-        "off"  # off | default | max: how static-graph's fixed-shape decode step runs (fixed_step.py)
+        "off"  # off | default | max: how static-graph's fixed-shape decode step runs (decode/fixed_step.py)
     )
 
 
 FILLS = ("prefill", "random")
 ORDERS = ("sequential", "interleaved")
-# With --fill random a sweep times decode steps at long contexts (context.py): no `none` (nothing to fill), only our
+# With --fill random a sweep times decode steps at long contexts (bench/context.py): no `none` (nothing to fill), only our
 # engine (transformers' generate cannot start from a filled cache), and a few dozen steps per context.
 FILL_RANDOM_DEFAULTS = {
     "caches": lambda: [c for c in CACHES if c != "none"],
@@ -242,7 +242,7 @@ def sweep_warnings(s: BenchSettings) -> list[str]:
 def sweep_model_config(s: BenchSettings) -> GPTConfig:
     """The model's shape from its preset or the checkpoint's config.json, without loading any weights. One rule for
     every command: a checkpoint's own config decides; a --model given as well must agree with it."""
-    from kvbench.weights import peek_config, resolve_config
+    from kvbench.model.weights import peek_config, resolve_config
 
     cfg = peek_config(s.model, s.weights)
     if s.weights not in ("auto", "hub", "random") and s.model is not None:

@@ -12,7 +12,7 @@ Each decode step appends one column: ids (B, 1), positions last + 1, padding mas
 The loop is written once and knows no bug. What varies is passed in as `DecodeRules`, the correct rules by default:
 how prompts are laid out (`padding`), how positions start and advance (`positions`), what attention hands SDPA
 (`mask`, model.MaskRule) and how passed-in caches are prepared for a new prompt (`reuse`). `kvbench break` runs this
-same loop with a buggy rule in one of those places (faults.py).
+same loop with a buggy rule in one of those places (check/faults.py).
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench import fixed_step, validate
+from kvbench import validate
 from kvbench.caches import cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
+from kvbench.decode import fixed_step
 from kvbench.devices import synchronize
 from kvbench.errors import KVBenchError
-from kvbench.model import EXACT_MASK, GPT, MaskRule
+from kvbench.model.gpt2 import EXACT_MASK, GPT, MaskRule
 
 PAD_ID = 0  # the id written into padding slots: never attended to, so any id in every vocabulary works
 
@@ -90,7 +91,7 @@ def left_pad(prompts: list[list[int]], device: torch.device | str) -> Batch:
     return Batch(ids.to(device), positions.to(device), padding, lens)
 
 
-# --- the rules the loop takes (the correct ones; faults.py holds the buggy ones) ----------------------------------
+# --- the rules the loop takes (the correct ones; check/faults.py holds the buggy ones) ----------------------------------
 class Padding:
     """How a batch of prompts is laid out: left-padded, so every sequence's last token shares the last column."""
 

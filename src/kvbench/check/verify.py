@@ -31,9 +31,9 @@ from typing import Protocol
 import torch
 
 from kvbench.caches import get_cache_spec, make_caches
+from kvbench.decode.generate import DecodeRules, GenerationResult, generate
 from kvbench.errors import KVBenchError
-from kvbench.generation import DecodeRules, GenerationResult, generate
-from kvbench.model import GPT
+from kvbench.model.gpt2 import GPT
 
 CHECKS = ("logits", "greedy", "reference", "batched", "cache_state")
 # (rtol, atol) for cached vs recomputed logits with an exact cache, by dtype. fp32 is the seed's 1e-5; the low
@@ -382,7 +382,7 @@ def hf_reference(model: GPT, hf_dir: str | None = None):
     same names and layouts)."""
     from transformers import GPT2LMHeadModel
 
-    from kvbench.weights import to_hf_model
+    from kvbench.model.weights import to_hf_model
 
     if hf_dir is None:
         return to_hf_model(model, attn_implementation="eager", dtype=torch.float32)

@@ -2,7 +2,7 @@
 
 Learned absolute positions, pre-LayerNorm blocks, tanh-GELU, tied `lm_head`, 1024 context. Parameter names and
 layouts are GPT-2's own (`wte`, `wpe`, `h`, `ln_1`, `attn.c_attn`, `c_proj`, `mlp.c_fc`, `ln_f`, `lm_head`; the four
-projections as Conv1D, weights (in, out)), so a Hugging Face checkpoint ports with a plain copy (see `weights.py`).
+projections as Conv1D, weights (in, out)), so a Hugging Face checkpoint ports with a plain copy (see `model/weights.py`).
 
 Symbols used in shape comments:
     B batch, T tokens in this forward call, C embedding width, H heads, Dh head dim (C // H),

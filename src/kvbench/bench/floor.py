@@ -32,7 +32,7 @@ import torch
 
 from kvbench import validate
 from kvbench.caches.base import UNKNOWN_TRAFFIC, Traffic
-from kvbench.model import GPTConfig
+from kvbench.model.gpt2 import GPTConfig
 
 GB = 1e9
 CPU_PROBE_BYTES = 512 << 20  # at least this much, and at least twice the last-level cache the OS reports

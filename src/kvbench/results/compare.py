@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.errors import KVBenchError
-from kvbench.runs import KEY, Run, load_run, row_label, run_level
+from kvbench.results.runs import KEY, Run, load_run, row_label, run_level
 
 # Keys that --allow-env-change stops matching on when the two runs differ in them.
 RELAXABLE = ("dtype", "device")

@@ -1,7 +1,7 @@
 """The registry of injected KV-cache bugs behind `kvbench break`, and the harness that runs each against `verify`.
 
 Each fault is a buggy rule or a buggy cache, passed from outside into the very loop `generate` runs (its
-`DecodeRules`, generation.py): the loop, the model and the caches hold no fault switch.
+`DecodeRules`, decode/generate.py): the loop, the model and the caches hold no fault switch.
     position        RestartingPositions   positions restart at 0 every forward call (arange(T) per call)
     mask            CausalFlagInDecode    SDPA's causal flag on in a cached decode step (aligned top-left)
     padding         RightPadding          right padding, positions 0..T-1, no padding mask; logits at [:, -1]
@@ -20,10 +20,19 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.caches.static import StaticCache
+from kvbench.check.verify import CHECKS, CheckRow, fresh_caches, full_logits, not_finite, run, run_verify
+from kvbench.decode.generate import (
+    EXACT,
+    PAD_ID,
+    Batch,
+    CacheReuse,
+    DecodeRules,
+    Padding,
+    Positions,
+    left_pad,
+)
 from kvbench.errors import KVBenchError
-from kvbench.generation import EXACT, PAD_ID, Batch, CacheReuse, DecodeRules, Padding, Positions, left_pad
-from kvbench.model import GPT, GPTConfig, MaskRule
-from kvbench.verify import CHECKS, CheckRow, fresh_caches, full_logits, not_finite, run, run_verify
+from kvbench.model.gpt2 import GPT, GPTConfig, MaskRule
 
 
 # --- the buggy rules and the buggy cache ------------------------------------------------------------------------

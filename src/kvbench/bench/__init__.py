@@ -1,0 +1,1 @@
+"""What bench measures: settings, engines, the sweeps, the floor, token agreement, environment probes."""
