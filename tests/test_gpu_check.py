@@ -86,7 +86,9 @@ def test_the_deadline_holds_by_skipping_what_does_not_fit(tmp_path):
     # a timing that must be read: the deadline; the margin covers the closing summary on a busy machine
     assert wall < budget + 15, f"took {wall:.0f} s of a {budget} s budget"
     status = status_lines(out)
-    if status["preflight"].startswith("preflight failed"):  # a busy machine: the imports outlasted its 18 s limit
+    if status["preflight"].startswith(
+        "preflight failed"
+    ):  # a busy machine: the imports outlasted its 18 s limit
         assert "preflight rc=124 " in (out / "status.txt").read_text(), status
         assert list(status) == ["preflight"], status  # and nothing else started
         return

@@ -275,7 +275,7 @@ def test_json_output_is_strict_json_with_nulls(tmp_path):
 
 
 def test_report_json_text_maps_every_non_finite_value_to_null():
-    from kvbench.results.report import json_text
+    from kvbench.jsonio import json_text
 
     doc = {"a": float("inf"), "b": [float("nan"), -float("inf"), np.float32("inf"), np.float64(2.5)],
            "c": np.int64(3), "d": (1.0, None), "e": Path("x")}  # fmt: skip

@@ -21,6 +21,8 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from kvbench.jsonio import json_text
+
 # Piped or redirected output is not an 80-column terminal: lay tables out wide and never wrap prose there.
 PIPE_WIDTH = 200
 
@@ -117,8 +119,6 @@ def stdout_is_devnull() -> bool:
 
 def print_json(doc: Any) -> None:
     """One JSON document on stdout and nothing else (for scripts and CI): strict JSON, NaN and infinities null."""
-    from kvbench.results.report import json_text
-
     sys.stdout.write(json_text(doc) + "\n")
     sys.stdout.flush()
 

@@ -572,7 +572,7 @@ def parse_threshold(text: str) -> float:
 
 
 def json_doc(c: Comparison, fail_on: list[str], files: list[Path] | None = None) -> dict:
-    """The whole comparison as one JSON-ready document; written with report.json_text, which turns NaN and
+    """The whole comparison as one JSON-ready document; written with jsonio.json_text, which turns NaN and
     infinities into null."""
     regressions = c.regressions(fail_on)
     return {

@@ -7,9 +7,7 @@ Every write goes to a temporary file in the same directory and is moved into pla
 from __future__ import annotations
 
 import csv
-import json
 import math
-import numbers
 import os
 import platform
 import shlex
@@ -23,6 +21,7 @@ from typing import Any
 
 from kvbench.bench import hugepages
 from kvbench.errors import KVBenchError
+from kvbench.jsonio import json_text
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -214,27 +213,6 @@ def write_csv(path: Path, columns: list[str], rows: list[Any]) -> None:
         d = asdict(r) if not isinstance(r, dict) else r
         w.writerow([_cell(d.get(c, "")) for c in columns])
     atomic_write_text(path, buf.getvalue())
-
-
-def finite_or_null(doc: Any) -> Any:
-    """`doc` with every NaN and infinity (Python or numpy) replaced by None, numpy integers made ints: JSON has no
-    NaN or infinity, and a reader given `NaN` or `Infinity` gets a document that is not JSON."""
-    if isinstance(doc, dict):
-        return {k: finite_or_null(v) for k, v in doc.items()}
-    if isinstance(doc, list | tuple):
-        return [finite_or_null(v) for v in doc]
-    if isinstance(doc, bool | int | str) or doc is None:
-        return doc
-    if isinstance(doc, numbers.Integral):
-        return int(doc)
-    if isinstance(doc, numbers.Real):
-        return float(doc) if math.isfinite(doc) else None
-    return doc
-
-
-def json_text(doc: Any) -> str:
-    """Strict JSON (NaN and infinities as null), indented; values JSON cannot hold (paths) as text."""
-    return json.dumps(finite_or_null(doc), indent=2, default=str, allow_nan=False)
 
 
 def write_json(path: Path, doc: Any) -> None:
