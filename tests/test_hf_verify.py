@@ -525,7 +525,7 @@ def test_hf_model_beyond_memory_is_refused_before_allocating(tmp_path, model_dir
         assert "TiB of CPU memory: 579,820,781,568 parameters x 4 B (random weights" in lines[0], lines[0]
         assert "B is available; use --layers N" in lines[0], lines[0]
     # a tiny checkpoint where (as the kernel says) almost nothing is free: refused the same way, naming both sizes
-    import kvbench.bench.settings as bs
+    import kvbench.devices as bs
 
     monkeypatch.setattr(bs, "available_memory_bytes", lambda device: 2**20)
     r, out = invoke("verify", "--hf", str(model_dirs["llama"]), "--caches", "dynamic")
@@ -537,7 +537,7 @@ def test_hf_model_beyond_memory_is_refused_before_allocating(tmp_path, model_dir
 
 def test_hf_memory_estimate_counts_the_device_and_the_host(model_dirs, monkeypatch):
     """On a GPU the weights and the allowance must fit the device's free memory, and a random init the host's."""
-    import kvbench.bench.settings as bs
+    import kvbench.devices as bs
     from kvbench.hf.models import check_memory, peek_hf
 
     shape = peek_hf(str(model_dirs["llama"]))

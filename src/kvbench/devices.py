@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvbench.errors import KVBenchError
@@ -112,3 +114,30 @@ def memory_peak(device: torch.device) -> float:
         return float(torch.cuda.max_memory_allocated(device))
     kib = _proc_status_kib("VmHWM")
     return float("nan") if kib is None else kib * 1024.0
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for this run now: CUDA, free device memory; CPU, the kernel's MemAvailable (Linux), else the
+    free pages."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for row in f:
+                if row.startswith("MemAvailable:"):
+                    return int(row.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench import devices
 from kvbench.bench.engines import RunTiming, weight_bytes
 from kvbench.bench.settings import (
     BenchSettings,
     check_fits_context,
     check_settings,
-    device_memory_bytes,
     read_settings,
     settings_dict,
 )
@@ -225,7 +225,7 @@ def check_sizes_hf(s: BenchSettings, shape: HFShape, dtype: torch.dtype, device:
     elem = torch.empty((), dtype=dtype).element_size()
     longest = max(s.prompt_len) + s.new_tokens
     kv, weights = s.batch * kv_bytes(shape, longest, elem), shape.parameters * elem
-    total = device_memory_bytes(device)
+    total = devices.device_memory_bytes(device)
     if total is not None and weights + kv > total:
         gib = 2**30
         raise KVBenchError(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench import memory
+from kvbench import devices, memory
 from kvbench.caches import CACHES, CacheSpec, cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
 from kvbench.devices import DTYPES, device_name, resolve_device
 from kvbench.errors import KVBenchError
@@ -254,18 +254,6 @@ def count_copy_traffic(
     return cache_bytes_copied(caches), f"counted by the dynamic cache on {dev}"
 
 
-def free_bytes(dev: torch.device) -> int | None:
-    """Memory the device can still give: CUDA's free memory, or the host's MemAvailable (None if unknown)."""
-    if dev.type == "cuda":
-        return torch.cuda.mem_get_info(dev)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
 def check_measure(
     name: str,
     batch: int,
@@ -279,7 +267,11 @@ def check_measure(
     a torch format, and room on the device for the largest cache (twice: torch.cat holds old and new at once)."""
     cfg, dev = _gpt_config(name), resolve_device(device)
     _torch_dtype(kv_dtype)
-    spec, fmt, room = spec_from_gpt_config(cfg), memory.get_kv_format(kv_dtype), free_bytes(dev)
+    spec, fmt, room = (
+        spec_from_gpt_config(cfg),
+        memory.get_kv_format(kv_dtype),
+        devices.available_memory_bytes(dev),
+    )
     need = 2 * memory.bytes_per_sequence(spec, fmt, max(contexts)) * batch
     if room is not None and need > room:
         raise KVBenchError(

@@ -8,14 +8,13 @@ configuration.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
-from kvbench import files
+from kvbench import devices, files
 from kvbench.bench.engines import ENGINES
 from kvbench.caches import CACHES, parse_cache_names
 from kvbench.decode.fixed_step import check_compile
@@ -274,39 +273,12 @@ def check_fits_context(s: BenchSettings, block_size: int, model_name: str) -> No
         )
 
 
-def device_memory_bytes(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def available_memory_bytes(device: torch.device) -> int | None:
-    """Memory free for this run now: CUDA, free device memory; CPU, the kernel's MemAvailable (Linux), else the
-    free pages."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for row in f:
-                if row.startswith("MemAvailable:"):
-                    return int(row.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _check_random_fill_memory(s: BenchSettings, cfg: GPTConfig, weights: int, kv: int, device) -> None:
     """One configuration's cache is alive at a time; on top of it, one layer's K and V may exist up to four times
     over (torch.cat's new tensor, the paged gather, int8's dequantisation temporaries)."""
     temporaries = 4 * kv // cfg.n_layer
     need = weights + kv + temporaries
-    free = available_memory_bytes(device)
+    free = devices.available_memory_bytes(device)
     if free is not None and need > free:
         gib = 2**30
         parts = (f"weights {weights / gib:.1f} + " if weights else "") + (
@@ -337,7 +309,7 @@ def check_sizes(
     if s.fill == "random":
         _check_random_fill_memory(s, cfg, 0 if weights_loaded else params * elem, kv, device)
         return
-    total = device_memory_bytes(device)
+    total = devices.device_memory_bytes(device)
     if total is not None and params * elem + kv > total:
         gib = 2**30
         raise KVBenchError(

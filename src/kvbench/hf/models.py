@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kvbench import files
+from kvbench import devices, files
 from kvbench.errors import KVBenchError
 from kvbench.memory.config_json import check_fields
 from kvbench.memory.state import RECURRENT_TYPES
@@ -453,7 +453,6 @@ def check_memory(source: str, shape: HFShape, device: torch.device, dtype: torch
     its parameters at `dtype` (random weights are initialised in fp32 on the CPU first), plus an allowance for
     activations and the cache (`run_bytes`, and a tenth of the weights). One line naming the estimate and what is
     available."""
-    from kvbench.bench.settings import available_memory_bytes
 
     elem = torch.empty((), dtype=dtype).element_size()
     weights = shape.parameters * elem
@@ -476,7 +475,7 @@ def check_memory(source: str, shape: HFShape, device: torch.device, dtype: torch
         needs = [(torch.device("cpu"), host, built), (device, weights + allowance, f"{shape.parameters:,} "
                  f"parameters x {elem} B{run_on}")]  # fmt: skip
     for dev, need, how in needs:
-        free = available_memory_bytes(dev)
+        free = devices.available_memory_bytes(dev)
         if free is not None and need > free:
             what = "CPU memory" if dev.type == "cpu" else f"memory on {dev}"
             raise KVBenchError(
