@@ -130,3 +130,18 @@ def test_cli_break_bad_input_exits_2(args, match):
     r = CliRunner().invoke(app, [*args, "--model", "gpt2-tiny", "--weights", "random", "--reference", "none"])
     assert r.exit_code == 2, r.output
     assert match in r.output, r.output
+
+
+@pytest.mark.parametrize("cache", ["static", "static-graph", "paged", "int8"])
+def test_reset_fault_on_a_fixed_capacity_cache_shows_stale_columns_not_an_overflow(cache):
+    """The reset bug keeps the first prompt's K/V: a cache sized for one prompt would overflow and stop `break all`
+    with a bad-input error; sized for both, the stale columns show and the fault is caught."""
+    r = CliRunner().invoke(
+        app,
+        ["break", "reset", "--cache", cache, "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu",
+         "--new-tokens", "4", "--reference", "none", "--json"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    (bug,) = json.loads(r.stdout)["bugs"]
+    assert bug["detected"] and "cache_state" in bug["caught_by"], bug
+    assert "stale columns instead of 0" in bug["signature"] and "with 0 stale" not in bug["signature"]

@@ -285,7 +285,9 @@ def break_fault(
         shown = f"alone (a batch of one) the faulty path gives the correct tokens: {dormant == correct}"
         signature = f"{f.signature}; shown: the length-{len(prompts[row])} prompt of a batch padded to {max(map(len, prompts))}"
     elif name == "reset":
-        caches = fresh_caches(model, cache, 1, max(len(prompt), len(other)) + new_tokens)
+        # room for both prompts' tokens: the bug keeps the first one's, and a fixed-capacity cache must show
+        # stale columns, not overflow
+        caches = fresh_caches(model, cache, 1, len(other) + len(prompt) + 2 * new_tokens)
         run(model, [other], new_tokens, cache, f, caches)
         stale = caches[0].length
         faulty = run(model, [prompt], new_tokens, cache, f, caches).tokens[0]
