@@ -212,3 +212,47 @@ def test_gpu_memory_beyond_any_need_says_how_far_it_searched():
         ">= 1,099,511,627,776 (searched up to 1,099,511,627,776)" in text
         and "all layers windowed" not in text
     )
+
+
+# Values transformers' own config classes cannot digest: whatever they raise, the file is refused in one line.
+THIRD_PARTY_CONFIGS = {
+    "jamba attn_layer_period 0": (
+        {"model_type": "jamba", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "attn_layer_period": 0, "attn_layer_offset": 1},
+        "jamba config class rejects it: ZeroDivisionError",
+    ),
+    "qwen3_next full_attention_interval 0": (
+        {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "full_attention_interval": 0},
+        "qwen3_next config class rejects it: ZeroDivisionError",
+    ),
+    "xlstm qk_dim_factor NaN": (
+        {"model_type": "xlstm", "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4, "qk_dim_factor": "NaN"},
+        "cannot derive qk_head_dim from this config: ValueError",
+    ),
+    "llama with a text_config dict": (
+        {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "text_config": {"hidden_size": 32}},
+        "no num_hidden_layers",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(THIRD_PARTY_CONFIGS))
+def test_what_transformers_config_classes_raise_is_one_line(tmp_path, case):
+    doc, message = THIRD_PARTY_CONFIGS[case]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc).replace('"NaN"', "NaN"))
+    r = runner.invoke(app, ["memory", "--config", str(path), "--ctx", "1k"])
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.output, r.stderr
+
+
+def test_a_vision_config_kept_as_a_dict_is_read_as_it_is(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "vision_config": {"hidden_size": 32}}))  # fmt: skip
+    r = runner.invoke(app, ["memory", "--config", str(path), "--ctx", "1k"])
+    assert r.exit_code == 0, r.output
+    assert "vision tower" in r.output
