@@ -161,6 +161,25 @@ HOSTILE = textwrap.dedent(
         def __init__(self, config, batch, max_len, dtype, device):
             sys.exit(0)
 
+    class StrTolerance(GrowingCache):
+        exact = False
+        logit_atol = "0.1"
+
+    class NegativeTolerance(GrowingCache):
+        exact = False
+        logit_atol = -1.0
+
+    class NanTolerance(GrowingCache):
+        exact = False
+        logit_rtol = float("nan")
+
+    class AgreementBelowZero(GrowingCache):
+        exact = False
+        min_greedy_agreement = -5
+
+    class ExactYes(GrowingCache):
+        exact = "yes"
+
     class ExitUpdate(GrowingCache):
         def update(self, k, v, positions):
             sys.exit(0)
@@ -250,6 +269,11 @@ HOSTILE_CASES = [
     ("mycaches.bye3:X", "importing 'mycaches.bye3' called sys.exit(3)"),
     ("mycaches.base_exception:X", "importing 'mycaches.base_exception' raised Boom: not an Exception"),
     ("mycaches.hostile:ExitInit", "constructing it called sys.exit(0)"),
+    ("mycaches.hostile:StrTolerance", "logit_atol must be a finite number >= 0, got '0.1'"),
+    ("mycaches.hostile:NegativeTolerance", "logit_atol must be a finite number >= 0, got -1.0"),
+    ("mycaches.hostile:NanTolerance", "logit_rtol must be a finite number >= 0, got nan"),
+    ("mycaches.hostile:AgreementBelowZero", "min_greedy_agreement must be a fraction from 0 to 1, got -5"),
+    ("mycaches.hostile:ExactYes", "exact must be True or False, got 'yes'"),
     ("mycaches.hostile:ExitUpdate", "broke the cache contract: update called sys.exit(0)"),
     ("mycaches.hostile:ExitReset", "broke the cache contract: reset called sys.exit(1)"),
     ("mycaches.hostile:ExitLength", "broke the cache contract: reading length called sys.exit(0)"),

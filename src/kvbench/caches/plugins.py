@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from importlib import metadata
 
 import torch
 
-from kvbench.caches.base import CacheSpec, LayerCache
+from kvbench.caches.base import CacheSpec, LayerCache, Traffic
 from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPTConfig
 from kvbench.thirdparty import contained, did, why
@@ -97,9 +98,30 @@ def wrap(obj: object, name: str) -> CacheSpec:
         )
     if spec.factory is None:
         raise PluginError(f"cache plugin {name!r}: its CacheSpec has no factory")
+    _check_stated(spec, name)
     checked = dataclasses.replace(spec, factory=_checked_factory(spec.factory, name, not spec.fixed_step))
     probe(checked)
     return checked
+
+
+def _check_stated(spec: CacheSpec, name: str) -> None:
+    """What a plugin states about itself is what verify and the floor trust: it must be of the right kind."""
+
+    def bad(field: str, value: object, want: str) -> PluginError:
+        return PluginError(f"cache plugin {name!r}: {field} must be {want}, got {value!r}")
+
+    for field in ("exact", "fixed_step"):
+        if not isinstance(getattr(spec, field), bool):
+            raise bad(field, getattr(spec, field), "True or False")
+    for field in ("logit_atol", "logit_rtol"):
+        v = getattr(spec, field)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            raise bad(field, v, "a finite number >= 0")
+    v = spec.min_greedy_agreement
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
+        raise bad("min_greedy_agreement", v, "a fraction from 0 to 1")
+    if spec.traffic is not None and not isinstance(spec.traffic, Traffic):
+        raise bad("traffic", spec.traffic, "a kvbench.caches.Traffic or None")
 
 
 def _inherited(cls: type, field: str) -> bool:
