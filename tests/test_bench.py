@@ -862,3 +862,41 @@ def test_bench_compile_bad_values_are_one_line(value, tmp_path):
     assert result.exit_code == 2, result.output
     assert f"--compile {value!r}: use off" in result.stderr and result.stderr.strip().count("\n") == 0
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--caches", "none,dynamic"], "the caches run here (none, dynamic) have none"),
+        (["--caches", "static-graph", "--engine", "hf"], "the caches run here (none of kvbench's) have none"),
+        (["--fill", "random", "--caches", "dynamic"], "the caches run here (dynamic) have none"),
+    ],
+)
+def test_bench_compile_where_nothing_would_be_compiled_is_refused(args, message, tmp_path):
+    result, _ = invoke("--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--prompt-len", "8",
+                       "--new-tokens", "4", "--compile", "max", *args, "--out", str(tmp_path / "r"))  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_generate_and_verify_compile_without_a_fixed_step_cache_are_refused():
+    for cmd in (["generate", "hi", "--cache", "dynamic"], ["verify", "--caches", "dynamic,static"]):
+        r = CliRunner().invoke(
+            app, [*cmd, "-m", "gpt2-tiny", "-w", "random", "-d", "cpu", "--compile", "default"]
+        )
+        assert r.exit_code == 2 and "nothing would be compiled" in r.stderr, r.output
+
+
+def test_bench_hf_refuses_compile(tmp_path):
+    """--compile runs kvbench's own step; under --hf transformers runs the model, so it would be recorded and do
+    nothing."""
+    cfg = tmp_path / "llama.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "vocab_size": 128, "max_position_embeddings": 64}))  # fmt: skip
+    result, _ = invoke("--hf", str(cfg), "--device", "cpu", "--compile", "max", "--out", str(tmp_path / "r"))
+    assert result.exit_code == 2 and "--compile max: --compile runs kvbench's own" in result.stderr, (
+        result.output
+    )
+    assert not (tmp_path / "r").exists()

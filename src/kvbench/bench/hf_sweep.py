@@ -178,6 +178,16 @@ def hf_bench_settings(config, overrides: dict) -> BenchSettings:
             f"{what}: random-filled caches are timed on kvbench's own GPT-2 only; with --hf the engine is "
             "transformers' generate, which fills its cache with a real prefill: use --fill prefill (the default)"
         )
+    if raw.get("compile", "off") != "off":
+        what = (
+            f"--config {config} sets compile = {raw['compile']}"
+            if from_file("compile")
+            else f"--compile {raw['compile']}"
+        )
+        raise KVBenchError(
+            f"{what}: --compile runs kvbench's own fixed-shape decode step; with --hf transformers' generate runs "
+            "the model (its compiled static cache is --caches static-compiled)"
+        )
     for key in ("model", "weights"):
         if key in raw:
             what, fix = (

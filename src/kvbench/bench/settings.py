@@ -186,7 +186,7 @@ def check_settings(s: BenchSettings) -> None:
     s.engine = list(dict.fromkeys(s.engine))
     if s.fill not in FILLS:
         raise KVBenchError(f"--fill {s.fill!r}: use prefill (a real prefill, the default) or random")
-    check_compile(s.compile)
+    check_compile(s.compile, caches=s.caches if "kvbench" in s.engine else [])
     if s.order not in ORDERS:
         raise KVBenchError(
             f"--order {s.order!r}: use sequential (each configuration's runs back to back, the default) or "

@@ -93,7 +93,7 @@ def generate(
     validate.integer("--max-new-tokens", max_new_tokens, 1)
     validate.integer("the number of prompts", len(texts), 1, validate.MAX_BATCH)
     get_cache_spec(cache)
-    check_compile(compile)
+    check_compile(compile, caches=[cache])
     sampler = Sampler(temperature=temperature, top_k=top_k, seed=seed)
     tok = load_tokenizer(tokenizer)
     ids = [tok.encode(t) for t in texts]

@@ -105,7 +105,7 @@ def _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weight
         if value:
             raise KVBenchError(f"{flag} applies to --hf models only")
     names = parse_cache_names(caches)
-    check_compile(compile)
+    check_compile(compile, caches=names)
     if reference not in ("hf", "none"):
         raise KVBenchError(f"--reference must be hf or none, got {reference!r}")
     validate.integer("--new-tokens", new_tokens, 2, why="the logits check needs a decode step")

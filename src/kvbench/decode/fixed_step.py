@@ -38,6 +38,7 @@ import weakref
 
 import torch
 
+from kvbench.caches import get_cache_spec
 from kvbench.caches.static_graph import StaticGraphCache
 from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import EXACT_MASK, GPT, MaskRule
@@ -58,13 +59,20 @@ MAX_OPTIONS = {
 WARMUP_STEPS = 3  # eager runs on a side stream before capture (lazy inits, cuBLAS handles, compilation)
 
 
-def check_compile(mode: str, device_type: str | None = None) -> str:
+def check_compile(mode: str, device_type: str | None = None, caches: list[str] | None = None) -> str:
     """`--compile` for a step on `device_type`: one of COMPILE_MODES, max on the CPU only (not checked where the
-    device is not known yet: None)."""
+    device is not known yet: None); other than off, only where one of `caches` (when given) has a fixed-shape
+    step, since nothing else is compiled."""
     if mode not in COMPILE_MODES:
         raise KVBenchError(
             f"--compile {mode!r}: use off (the eager step), default (torch.compile) or max (CPU: frozen weights, "
             "autotuned C++ GEMMs)"
+        )
+    if caches is not None and mode != "off" and not any(get_cache_spec(c).fixed_step for c in caches):
+        runs = ", ".join(caches) or "none of kvbench's"
+        raise KVBenchError(
+            f"--compile {mode} compiles the fixed-shape decode step of static-graph; the caches run here ({runs}) "
+            "have none, so nothing would be compiled: add static-graph or drop --compile"
         )
     if mode == "max" and device_type not in (None, "cpu"):
         raise KVBenchError(
