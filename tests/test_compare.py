@@ -534,3 +534,19 @@ def test_bench_baseline_across_an_allowed_change_prints_the_bench_table_then_the
     ), text
     assert "environment changed (allowed): numpy 0.0.1 -> " in r.stdout
     assert (out / "compare.json").is_file()
+
+
+def test_a_comparison_against_another_baseline_is_never_replaced_silently(base_run, tmp_path):
+    """compare writes into the candidate folder: a second baseline must not overwrite the first one's result, while
+    the same comparison run again replaces its own files."""
+    a, b = scaled_copy(base_run, tmp_path / "a", 1.0), scaled_copy(base_run, tmp_path / "b", 1.0)
+    cand = scaled_copy(base_run, tmp_path / "cand", 1.0)
+    r, text = invoke("compare", a, cand)
+    assert r.exit_code == 0, text
+    first = (cand / "compare.json").read_bytes()
+    r, text = invoke("compare", b, cand)
+    assert r.exit_code == 2 and r.stderr.strip().count("\n") == 0, text
+    assert "holds the comparison against" in r.stderr and "--out" in r.stderr
+    assert (cand / "compare.json").read_bytes() == first
+    assert invoke("compare", a, cand)[0].exit_code == 0  # the same comparison again
+    assert invoke("compare", b, cand, "--out", tmp_path / "elsewhere")[0].exit_code == 0

@@ -93,10 +93,13 @@ def run_compare(
 ):
     """Compare, warn about allowed environment changes, write compare.png and compare.json (into the candidate
     folder unless `out_dir`); returns the Comparison and the files written. Shared with `bench --baseline`."""
+    from pathlib import Path
+
     from kvbench.results import compare as C
     from kvbench.results import report
     from kvbench.results.plots import compare_figure
 
+    _keep_other_comparison(Path(out_dir or candidate) / "compare.json", baseline)
     comparison = C.compare_runs(baseline, candidate, alpha, threshold, allow_env_change)
     warn_about(comparison)
     where = report.prepare_run_dir(out_dir or comparison.candidate)
@@ -104,6 +107,24 @@ def run_compare(
     compare_figure(comparison, png)
     report.write_json(js, C.json_doc(comparison, [], [png, js]))
     return comparison, [png, js]
+
+
+def _keep_other_comparison(js, baseline) -> None:
+    """A folder's compare.json against another baseline is another comparison's result: never replaced silently.
+    The same comparison run again (same baseline) replaces its own files."""
+    import json
+    from pathlib import Path
+
+    js = Path(js)
+    try:
+        earlier = json.loads(js.read_text()).get("baseline") if js.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        earlier = None  # unreadable: nothing worth keeping is lost by writing a readable one
+    if earlier is not None and Path(str(earlier)).resolve() != Path(str(baseline)).resolve():
+        raise KVBenchError(
+            f"{js} holds the comparison against {earlier}; write this one elsewhere with --out DIR (or remove that "
+            "file to replace it)"
+        )
 
 
 def warn_about(comparison) -> None:
