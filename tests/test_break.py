@@ -98,6 +98,10 @@ def test_padding_needs_a_real_batch(model, prompts):
         break_fault(model, "padding", [prompts[0]] * 2, N)
 
 
+def test_fault_names_are_trimmed_as_cache_names_are():
+    assert get_fault(" mask ").name == "mask"
+
+
 def test_unknown_fault_lists_the_known_ones():
     with pytest.raises(KVBenchError, match="static-pointer"):
         get_fault("nope")

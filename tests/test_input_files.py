@@ -279,12 +279,13 @@ def test_prompts_file_lines(case, tmp_path):
 
 
 # --- control characters never reach the terminal raw ---------------------------------------------------------------
-HOSTILE = "a\x1b[2J\x1b]0;owned\x07b\x9b31mc\rd\x08e\x7f"
-SHOWN = "a\\x1b[2J\\x1b]0;owned\\x07b\\x9b31mc\\x0dd\\x08e\\x7f"
+HOSTILE = "a\x1b[2J\x1b]0;owned\x07b\x9b31mc\rd\x08e\x7f\u202ef\u2066g"
+SHOWN = "a\\x1b[2J\\x1b]0;owned\\x07b\\x9b31mc\\x0dd\\x08e\\x7f\\u202ef\\u2066g"
+BIDI = {*map(chr, range(0x202A, 0x202F)), *map(chr, range(0x2066, 0x206A))}  # reorder what follows on screen
 
 
 def _raw_controls(text: str) -> set[str]:
-    return {c for c in text if (ord(c) < 0x20 and c not in "\n\t") or 0x7F <= ord(c) < 0xA0}
+    return {c for c in text if (ord(c) < 0x20 and c not in "\n\t") or 0x7F <= ord(c) < 0xA0 or c in BIDI}
 
 
 @pytest.mark.parametrize("batch", [1, 2], ids=["streamed", "batch"])

@@ -29,6 +29,8 @@ PIPE_WIDTH = 200
 
 # C0 controls but tab and newline, DEL, and C1 controls, each as a visible escape: ESC -> \x1b
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(c) not in "\t\n"}
+# and the bidirectional overrides and isolates, which reorder what follows them on screen: U+202E as \u202e
+_CONTROLS.update({c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))})
 
 
 def escape_controls(text: str) -> str:

@@ -165,13 +165,14 @@ FAULTS: dict[str, Fault] = {
 
 
 def get_fault(name: str) -> Fault:
+    name = name.strip()
     if name not in FAULTS:
         raise KVBenchError(f"unknown fault {name!r}; known faults: {', '.join(FAULTS)} (or all)")
     return FAULTS[name]
 
 
 def parse_fault_names(name: str) -> list[str]:
-    return list(FAULTS) if name == "all" else [get_fault(name).name]
+    return list(FAULTS) if name.strip() == "all" else [get_fault(name).name]
 
 
 @dataclass
