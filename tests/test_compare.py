@@ -207,10 +207,11 @@ def test_token_agreement_only_when_both_runs_have_it_and_extra_columns_are_ignor
     r, text = invoke("compare", a, b)
     assert "agreement" in r.stdout and "1.000 → 0.750" in r.stdout, text
 
-    code, doc, text = compare_json(base_run, b)  # only the candidate has the column: not shown
+    # only the candidate has the column: not shown (a second baseline for b: its files go elsewhere)
+    code, doc, text = compare_json(base_run, b, "--out", tmp_path / "second")
     assert code == 0, text
     assert all(row["token_agreement_baseline"] is None for row in doc["rows"])
-    assert "0.750" not in invoke("compare", base_run, b)[0].stdout
+    assert "0.750" not in invoke("compare", base_run, b, "--out", tmp_path / "second")[0].stdout
 
 
 def test_missing_optional_columns_read_as_unknown(base_run, tmp_path):
