@@ -11,3 +11,9 @@ class KVBenchError(Exception):
 
 class CacheOverflowError(KVBenchError):
     """A fixed-capacity cache was asked to hold more tokens than it has slots for."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception in one line for the user: 'ValueError: its first line', or the type alone when it says nothing."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, one_line
 
 
 class contained:
@@ -38,10 +38,4 @@ def did(doing: str, e: BaseException) -> str:
     of raising an exception'."""
     if isinstance(e, SystemExit):
         return f"{doing} called sys.exit({e.code!r}) instead of raising an exception"
-    return f"{doing} raised {why(e)}"
-
-
-def why(e: BaseException) -> str:
-    """'ValueError: its first line', or the type alone when the message is empty."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return f"{doing} raised {one_line(e)}"

@@ -26,9 +26,9 @@ from importlib import metadata
 import torch
 
 from kvbench.caches.base import CacheSpec, LayerCache, Traffic
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, one_line
 from kvbench.model.gpt2 import GPTConfig
-from kvbench.thirdparty import contained, did, why
+from kvbench.thirdparty import contained, did
 
 ENTRY_POINT_GROUP = "kvbench.caches"
 ATTRIBUTES = ("update", "reset", "length", "capacity", "nbytes", "bytes_copied")
@@ -57,7 +57,7 @@ def load_reference(ref: str) -> CacheSpec:
 
     def cannot_import(e: BaseException) -> PluginError:
         if isinstance(e, Exception):  # any error while importing someone else's module is theirs
-            return PluginError(f"cache plugin {ref!r}: cannot import {module_name!r} ({why(e)})")
+            return PluginError(f"cache plugin {ref!r}: cannot import {module_name!r} ({one_line(e)})")
         return PluginError(f"cache plugin {ref!r}: {did(f'importing {module_name!r}', e)}")
 
     with contained(cannot_import):
@@ -76,7 +76,7 @@ def load_reference(ref: str) -> CacheSpec:
 
 def load_entry_point(ep: metadata.EntryPoint) -> CacheSpec:
     def cannot_load(e: BaseException) -> PluginError:
-        what = why(e) if isinstance(e, Exception) else did("loading it", e)
+        what = one_line(e) if isinstance(e, Exception) else did("loading it", e)
         return PluginError(f"cache plugin {ep.name!r} (entry point {ep.value}): cannot load it ({what})")
 
     with contained(cannot_load):

@@ -37,7 +37,7 @@ from kvbench.check.verify import (
     not_finite,
     token_verdict,
 )
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, one_line
 from kvbench.hf.models import LoadedHF, cache_kwarg, check_length, quiet_transformers, returned_cache
 
 CHECKS = ("logits", "greedy", "batched", "cache_state")
@@ -418,8 +418,7 @@ def _guarded(cache: str, names: list[str], fn: Callable[[], list[CheckRow]]) -> 
     try:
         return fn()
     except Exception as e:  # transformers raises many types (ValueError, RuntimeError, IndexError, ...)
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        why = f"the run raised {type(e).__name__}: {msg}"
+        why = f"the run raised {one_line(e)}"
         return [CheckRow(n, cache, False, None, None, "runs without error", why) for n in names]
 
 

@@ -32,7 +32,7 @@ import torch
 
 from kvbench.caches import get_cache_spec, make_caches
 from kvbench.decode.generate import DecodeRules, GenerationResult, generate
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, one_line
 from kvbench.model.gpt2 import GPT
 
 CHECKS = ("logits", "greedy", "reference", "batched", "cache_state")
@@ -408,7 +408,7 @@ def _guarded(cache: str, names: list[str], fn: Callable[[], list[CheckRow]]) -> 
     try:
         return fn()
     except CRASHES as e:
-        why = f"the run raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        why = f"the run raised {one_line(e)}"
         return [CheckRow(n, cache, False, None, None, "runs without error", why) for n in names]
 
 

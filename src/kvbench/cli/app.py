@@ -18,7 +18,7 @@ from typer.core import TyperGroup
 
 from kvbench import __version__, console
 from kvbench.bench import hugepages
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, one_line
 from kvbench.validate import PROBE_ENV, probe_bytes_setting
 
 # The click that Typer runs on: vendored as typer._click in recent Typer, the click package before.
@@ -132,9 +132,8 @@ def handle_errors(fn):
                 raise typer.Exit(2) from None
             if VERBOSE["on"]:
                 raise
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             console.error(
-                f"unexpected {type(e).__name__}: {first} (a kvbench bug: please report it; --verbose shows the traceback)"
+                f"unexpected {one_line(e)} (a kvbench bug: please report it; --verbose shows the traceback)"
             )
             raise typer.Exit(70) from None
 

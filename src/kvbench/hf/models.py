@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from kvbench import devices, files
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, one_line
 from kvbench.memory.config_json import check_fields
 from kvbench.memory.state import RECURRENT_TYPES
-from kvbench.thirdparty import contained, did, why
+from kvbench.thirdparty import contained, did
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -512,7 +512,7 @@ def _call(fn, source: str):
             or type(e).__name__.endswith("OfflineError")
         ):
             hint = " (the hub is not reachable or HF_HUB_OFFLINE is set, and it is not in the local cache)"
-        return KVBenchError(f"cannot load {source}: {why(e)}{hint}")
+        return KVBenchError(f"cannot load {source}: {one_line(e)}{hint}")
 
     with contained(fail):
         return fn()
