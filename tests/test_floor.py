@@ -18,8 +18,10 @@ from kvbench.bench.floor import (
 )
 from kvbench.caches import CACHES, make_caches
 from kvbench.caches.base import UNKNOWN_TRAFFIC
-from kvbench.hf.engine import HF_TRAFFIC
+from kvbench.hf.caches import HF_CACHES
 from kvbench.model.gpt2 import GPT, PRESETS
+
+HF_TRAFFIC = {n: c.traffic for n, c in HF_CACHES.items() if c.traffic is not None}
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

@@ -16,18 +16,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvbench.check.hf_verify import (
-    CHECKS,
-    HF_CACHES,
-    check_logits,
-    compare_tokens,
-    generate_run,
-    parse_hf_cache_names,
-    run_hf_verify,
-)
+from kvbench.check.hf_subject import HFModel, HFSubject, generate_run
+from kvbench.check.hf_verify import CHECKS, run_hf_verify
+from kvbench.check.judge import compare_tokens
+from kvbench.check.suite import check_logits
 from kvbench.check.verify import random_prompts
 from kvbench.cli import app
 from kvbench.errors import KVBenchError
+from kvbench.hf.caches import HF_CACHES
+from kvbench.hf.caches import parse_verify_caches as parse_hf_cache_names
 from kvbench.hf.models import load_hf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,10 +171,11 @@ def test_logits_check_is_held_to_1e5(reports):
     """The same decode step passes as computed, and fails once moved by 1e-4 of the row scale."""
     loaded, prompts, _ = reports["qwen2"]
     res = generate_run(loaded, [prompts[0]], 4, cache_implementation="dynamic")
-    row = check_logits(loaded, HF_CACHES["dynamic"], torch.float32, prompts[0], res)
+    subject = HFSubject(HFModel(loaded), "dynamic")
+    row = check_logits(subject, prompts[0], res)
     assert row.passed and row.max_abs_diff < 1e-5, row
     res.logits[0, 1] += 1e-4 * res.logits[0, 1].abs().max()
-    row = check_logits(loaded, HF_CACHES["dynamic"], torch.float32, prompts[0], res)
+    row = check_logits(subject, prompts[0], res)
     assert not row.passed, row
 
 

@@ -9,7 +9,9 @@ import torch
 from typer.testing import CliRunner
 
 from kvbench.caches import CACHES, get_cache_spec
-from kvbench.check.verify import CHECKS, full_logits, random_prompts, run_verify
+from kvbench.check.gpt2_subject import full_logits
+from kvbench.check.suite import CHECKS
+from kvbench.check.verify import random_prompts, run_verify
 from kvbench.cli import app
 from kvbench.decode.generate import generate
 from kvbench.errors import KVBenchError
@@ -223,7 +225,7 @@ def test_break_refuses_a_model_that_is_not_finite(poisoned, ckpt, fault):
 
 def test_finite_check_compares_nothing_it_cannot():
     """The rule itself: NaN anywhere in either run fails the comparison with counts; finite runs compare as before."""
-    from kvbench.check.verify import not_finite
+    from kvbench.check.judge import not_finite
 
     a = torch.zeros(3, 5)
     assert not_finite([("x", a), ("y", a)]) is None

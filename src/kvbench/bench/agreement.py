@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.check.verify import _near_tie
+from kvbench.check.judge import near_tie
 
 
 @dataclass
@@ -116,7 +116,7 @@ def _explain(ref, got, first, ref_logits, rerun, rtol, atol) -> tuple[int, list[
         if d not in ref_rows:
             ref_rows[d] = ref_logits(d)  # one forward per distinct flip position
         row = ref_rows[d][b]
-        tie, gap, err = _near_tie(row, logits[d][b])
+        tie, gap, err = near_tie(row, logits[d][b])
         bound = atol + rtol * float(row.abs().max())
         near += tie and err <= bound
         if tie and err <= bound:

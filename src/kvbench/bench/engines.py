@@ -26,9 +26,13 @@ import torch
 from kvbench.bench.agreement import reference_logits
 from kvbench.caches import get_cache_spec, make_caches
 from kvbench.caches.base import UNKNOWN_TRAFFIC, Traffic
-from kvbench.check.verify import REFERENCE_TOLERANCES, TOLERANCES
+from kvbench.check.judge import tolerance
+from kvbench.decode.fixed_step import FixedShapeDecoder
 from kvbench.decode.generate import generate
 from kvbench.devices import synchronize
+from kvbench.hf.caches import HF_CACHES
+from kvbench.hf.engine import ENGINE_CACHES as HF_ENGINE_CACHES
+from kvbench.hf.engine import build_hf_model, compiled_decode, hf_generate
 
 
 @dataclass
@@ -88,8 +92,6 @@ class _KVBenchConfiguration:
     def probe(self, ids: torch.Tensor) -> None:
         """Prefill + one decode step through the same code path, eagerly (no CUDA graph, no compile) on fresh
         caches, so every attention call is visible to `backends.watch_sdpa`."""
-        from kvbench.decode.fixed_step import FixedShapeDecoder
-
         w = self.model.lm_head.weight
         B, T = ids.shape
         caches = make_caches(self.cache, self.model.config, B, T + 2, w.dtype, w.device)
@@ -112,11 +114,10 @@ class _OnOurGPT:
         """(rtol, atol, lossy): the rounding a correct path may show, as verify allows it: our caches against our
         no-cache path, transformers against it as a reference implementation; a lossy cache within its own
         documented error."""
-        rtol, atol = (REFERENCE_TOLERANCES if self.family == "hf" else TOLERANCES)[dtype]
         spec = get_cache_spec(cache)
-        if not spec.exact:
-            rtol, atol = max(rtol, spec.logit_rtol), max(atol, spec.logit_atol)
-        return rtol, atol, not spec.exact
+        lossy = None if spec.exact else (spec.logit_rtol, spec.logit_atol)
+        tol = tolerance(dtype, lossy, reference=self.family == "hf")
+        return tol.rtol, tol.atol, tol.lossy
 
 
 class KVBenchEngine(_OnOurGPT):
@@ -157,8 +158,6 @@ class _HFConfiguration:
         self.hf, self.cache, self.compile = hf, cache, compile
 
     def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False) -> RunTiming:
-        from kvbench.hf.engine import hf_generate
-
         r = hf_generate(
             self.hf, ids, new_tokens, self.cache, compile=self.compile, record_logits=record_logits
         )
@@ -167,8 +166,6 @@ class _HFConfiguration:
     def probe(self, ids: torch.Tensor) -> None:
         """Prefill + one decode step, eagerly (compiled code hides its attention calls; the compiled graph makes
         the same SDPA calls as the eager static path it was traced from)."""
-        from kvbench.hf.engine import hf_generate
-
         hf_generate(self.hf, ids, 2, self.cache, compile=False)
 
 
@@ -181,16 +178,12 @@ class HFEngine(_OnOurGPT):
     token_reference = False
 
     def __init__(self, model, hf=None) -> None:
-        from kvbench.hf.engine import build_hf_model
-
         self.model = model
         self.hf = hf if hf is not None else build_hf_model(model)
 
     @staticmethod
     def supports(cache: str) -> bool:
-        from kvbench.hf.engine import HF_CACHES
-
-        return cache in HF_CACHES
+        return cache in HF_ENGINE_CACHES
 
     def weight_bytes(self) -> int:
         return weight_bytes(self.hf)
@@ -198,9 +191,7 @@ class HFEngine(_OnOurGPT):
     @staticmethod
     def traffic(cache: str) -> Traffic | None:
         """What a decode step of transformers' `cache` moves; None for its no-cache path (no floor)."""
-        from kvbench.hf.engine import HF_TRAFFIC
-
-        return HF_TRAFFIC.get(cache)
+        return HF_CACHES[cache].traffic if cache in HF_ENGINE_CACHES else None
 
     def configure(self, cache: str, batch: int, max_len: int) -> _HFConfiguration:
         return _HFConfiguration(self.hf, cache, self.compile)
@@ -221,8 +212,6 @@ class HFCompiledEngine(HFEngine):
         return cache == "static"
 
     def describe(self) -> str:
-        from kvbench.hf.engine import compiled_decode
-
         if compiled_decode(self.hf):
             return (
                 "transformers' generate with cache_implementation='static' and its default torch.compile of the "

@@ -13,7 +13,7 @@ GPT-2 bench's; what differs lives here:
   A flip is judged with one no-cache forward of the model over the prompt and the reference tokens before it,
   within verify's tolerance for a cache against its own no-cache path (TOLERANCES: same model, same code, only the
   cache differs).
-- Settings: bench's keys, file and checks, with transformers' cache names (HF_BENCH_CACHES) and the one engine; the
+- Settings: bench's keys, file and checks, with transformers' cache names (hf/caches.py, those it times) and the one engine; the
   model's context and the device's memory are checked from its config (`peek_hf`: no weight read) before any work.
 """
 
@@ -33,20 +33,11 @@ from kvbench.bench.settings import (
     read_settings,
     settings_dict,
 )
-from kvbench.check.hf_verify import HF_CACHES, _compile_config
-from kvbench.check.verify import TOLERANCES
+from kvbench.check.judge import tolerance
 from kvbench.errors import KVBenchError
+from kvbench.hf.caches import HF_CACHES, TIMED, generate_kwargs, parse_bench_caches
 from kvbench.hf.engine import compiled_decode, timed_generate
 from kvbench.hf.models import HFShape, LoadedHF, quiet_transformers
-
-# The caches bench times, each selected in generate by its hf_verify.HF_CACHES entry; --caches choices, the
-# default sweep and meta.json read this.
-HF_BENCH_CACHES: dict[str, str] = {
-    "none": "use_cache=False: the whole sequence every step (the token reference)",
-    "dynamic": "DynamicCache (torch.cat growth; sliding-window layers where the model has them)",
-    "static": "StaticCache, eager (disable_compile=True)",
-    "static-compiled": "StaticCache with generate's torch.compile of the decode step (CompileConfig(), any device)",
-}
 
 TOKEN_REFERENCE = (
     "token_agreement: fraction of a row's generated tokens equal to those of the model's own none "
@@ -56,28 +47,7 @@ TOKEN_REFERENCE = (
 )
 
 
-def parse_hf_bench_caches(names: list[str] | None) -> list[str]:
-    """--caches with --hf: names from HF_BENCH_CACHES, each once, or `all` / not given for all of them."""
-    if names is None or names == ["all"]:
-        return list(HF_BENCH_CACHES)
-    if not names:
-        raise KVBenchError(f"--caches is empty; name one or more of {', '.join(HF_BENCH_CACHES)}, or 'all'")
-    bad = [n for n in names if n not in HF_BENCH_CACHES]
-    if bad:
-        raise KVBenchError(
-            f"unknown cache {', '.join(map(repr, bad))} for bench --hf; caches: {', '.join(HF_BENCH_CACHES)}"
-        )
-    return list(dict.fromkeys(names))
-
-
 # --- the engine ----------------------------------------------------------------------------------------------------
-def _generate_kwargs(cache: str) -> dict:
-    kw = dict(HF_CACHES[cache].generate_kwargs)
-    if "compile_config" in kw:
-        kw["compile_config"] = _compile_config()  # generate's default compile, on every device
-    return kw
-
-
 def _generate(
     loaded: LoadedHF, ids: torch.Tensor, new_tokens: int, kwargs: dict, record_logits: bool
 ) -> RunTiming:
@@ -94,7 +64,7 @@ class _HFModelConfiguration:
 
     def __init__(self, loaded: LoadedHF, cache: str) -> None:
         self.loaded, self.cache = loaded, cache
-        self.kwargs = _generate_kwargs(cache)
+        self.kwargs = generate_kwargs(cache)
 
     def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False) -> RunTiming:
         return _generate(self.loaded, ids, new_tokens, self.kwargs, record_logits)
@@ -103,11 +73,11 @@ class _HFModelConfiguration:
         """Prefill + one decode step, eagerly (compiled code hides its attention calls; static-compiled traces the
         eager static path)."""
         cache = "static" if self.cache == "static-compiled" else self.cache
-        _generate(self.loaded, ids, 2, _generate_kwargs(cache), record_logits=False)
+        _generate(self.loaded, ids, 2, generate_kwargs(cache), record_logits=False)
 
 
 class HFModelEngine:
-    """transformers' generate on a Hugging Face model, one of HF_BENCH_CACHES per configuration; `hf` in the rows."""
+    """transformers' generate on a Hugging Face model, one of its timed caches (hf/caches.py) per configuration; `hf` in the rows."""
 
     name = "hf"
     family = "hf"  # fill_relative: speedup over this engine's none, TPOT against the fastest transformers row
@@ -120,7 +90,7 @@ class HFModelEngine:
 
     @staticmethod
     def supports(cache: str) -> bool:
-        return cache in HF_BENCH_CACHES
+        return cache in TIMED
 
     def weight_bytes(self) -> int:
         return weight_bytes(self.loaded.model)
@@ -148,8 +118,8 @@ class HFModelEngine:
     @staticmethod
     def token_tolerance(cache: str, dtype: torch.dtype) -> tuple[float, float, bool]:
         """(rtol, atol, lossy): every cache here is exact, held to verify's rounding against its own no-cache path."""
-        rtol, atol = TOLERANCES[dtype]
-        return rtol, atol, False
+        tol = tolerance(dtype)
+        return tol.rtol, tol.atol, False
 
     def describe(self) -> str:
         text = (
@@ -210,10 +180,10 @@ def hf_bench_settings(config, overrides: dict) -> BenchSettings:
         )
     caches = raw.pop("caches", None)
     # check_settings knows our registry's cache and engine names only: it checks everything else here, and the
-    # caches are transformers' (parse_hf_bench_caches)
+    # caches are transformers' (parse_bench_caches)
     s = BenchSettings(**raw, caches=["none"], engine=["kvbench"])
     check_settings(s)
-    s.caches, s.engine = parse_hf_bench_caches(caches), ["hf"]
+    s.caches, s.engine = parse_bench_caches(caches), ["hf"]
     return s
 
 
@@ -267,7 +237,7 @@ def bench_meta(loaded: LoadedHF, s: BenchSettings, layers: int | None, trust: bo
     return {
         "settings": {**settings, "hf": loaded.source, "layers": layers, "trust_remote_code": trust},
         "token_reference": TOKEN_REFERENCE,
-        "hf": {**loaded.meta(), "caches": {n: HF_BENCH_CACHES[n] for n in s.caches}},
+        "hf": {**loaded.meta(), "caches": {n: HF_CACHES[n].summary for n in s.caches}},
     }
 
 

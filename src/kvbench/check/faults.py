@@ -20,7 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.caches.static import StaticCache
-from kvbench.check.verify import CHECKS, CheckRow, fresh_caches, full_logits, not_finite, run, run_verify
+from kvbench.check.gpt2_subject import fresh_caches, full_logits, run
+from kvbench.check.judge import CheckRow, first_diff, not_finite
+from kvbench.check.suite import CHECKS
+from kvbench.check.verify import run_verify
 from kvbench.decode.generate import (
     EXACT,
     PAD_ID,
@@ -106,9 +109,125 @@ class Fault:
     rules: DecodeRules = EXACT  # the loop's rules with the buggy one in
     # (config, batch, max_len, dtype, device) -> a buggy layer cache in place of the design's own; None: the design's
     layer_cache: Callable | None = None
+    # (model, fault, prompts, new, cache) -> (correct tokens, faulty tokens, dormant shown, signature measured)
+    demo: Callable[..., tuple] | None = None
 
     def applies_to(self, cache: str) -> bool:
         return cache != "none" and (self.any_cache or cache == self.cache)
+
+
+@torch.inference_mode()
+def mask_signature(model: GPT, prompt: list[int]) -> dict:
+    """The `mask` bug measured on the model's real layer-0 queries and keys for the first decode step (hook-free:
+    prefill into a dynamic cache, recompute the next token's q/k by hand). SDPA with V = identity returns the
+    attention weights themselves, so we read the distribution each causal flag produces."""
+    device = model.lm_head.weight.device
+    T = len(prompt)
+    caches = fresh_caches(model, "dynamic", 1, T + 1)
+    ids = torch.tensor([prompt], device=device)
+    logits = model(ids, torch.arange(T, device=device)[None], caches)
+    nxt = logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+    tr, attn = model.transformer, model.transformer.h[0].attn
+    x = tr.h[0].ln_1(tr.wte(nxt) + tr.wpe(torch.tensor([[T]], device=device)))  # (1, 1, C)
+    B, _, C = x.shape
+    q, k, _ = attn.c_attn(x).split(C, dim=2)
+    q, k = (t.view(B, 1, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k))  # (1, H, 1, Dh)
+    keys = torch.cat([caches[0].k, k], dim=2)  # (1, H, S, Dh), S = T + 1
+    S = keys.size(2)
+    eye = torch.eye(S, device=device, dtype=q.dtype).expand(1, attn.n_head, S, S)  # V = one-hot per key
+    right = F.scaled_dot_product_attention(q, keys, eye, is_causal=False)[
+        :, :, 0
+    ].float()  # (1, H, S) weights
+    wrong = F.scaled_dot_product_attention(q, keys, eye, is_causal=True)[:, :, 0].float()
+    return {
+        "keys": S,
+        "mass_on_key0_wrong": float(wrong[..., 0].mean()),
+        "mass_on_key0_right": float(right[..., 0].mean()),
+        "keys_attended_wrong": int((wrong > 1e-6).sum(-1).max()),
+        "keys_attended_right": int((right > 1e-6).sum(-1).min()),
+    }
+
+
+# --- what each fault does, shown beside the correct path: (correct tokens, faulty tokens, dormant shown, signature)
+def demo_batched(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: str) -> tuple:
+    """On the batch, showing its shortest prompt (the most padding); dormant: that prompt alone."""
+    row = min(range(len(prompts)), key=lambda b: len(prompts[b]))
+    correct = run(model, prompts, new, cache).tokens[row]
+    faulty = run(model, prompts, new, cache, f).tokens[row]
+    dormant = run(model, [prompts[row]], new, cache, f).tokens[0]
+    shown = f"alone (a batch of one) the faulty path gives the correct tokens: {dormant == correct}"
+    longest = max(map(len, prompts))
+    return (
+        correct,
+        faulty,
+        shown,
+        f"{f.signature}; shown: the length-{len(prompts[row])} prompt of a batch padded to {longest}",
+    )
+
+
+def demo_reuse(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: str) -> tuple:
+    """prompts[1], then prompts[0] on the same caches; dormant: a fresh cache."""
+    prompt, other = prompts[0], prompts[1]
+    # room for both prompts' tokens: the bug keeps the first one's, and a fixed-capacity cache must show stale
+    # columns, not overflow
+    caches = fresh_caches(model, cache, 1, len(other) + len(prompt) + 2 * new)
+    run(model, [other], new, cache, f, caches)
+    stale = caches[0].length
+    faulty = run(model, [prompt], new, cache, f, caches).tokens[0]
+    correct = run(model, [prompt], new, cache).tokens[0]
+    dormant = run(model, [prompt], new, cache, f).tokens[0]  # fresh caches: nothing stale
+    shown = f"on a fresh cache the faulty path gives the correct tokens: {dormant == correct}"
+    return (
+        correct,
+        faulty,
+        shown,
+        f"{f.signature}; shown: the prefill started with {stale} stale columns instead of 0",
+    )
+
+
+def _single(
+    model: GPT, f: Fault, prompt: list[int], new: int, cache: str
+) -> tuple[list[int], list[int], list]:
+    correct = run(model, [prompt], new, cache).tokens[0]
+    caches = fresh_caches(model, cache, 1, len(prompt) + new, f)
+    return correct, run(model, [prompt], new, cache, f, caches).tokens[0], caches
+
+
+def demo_pointer(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: str) -> tuple:
+    """One prompt; the cache's length after the run shows the pointer stuck."""
+    correct, faulty, caches = _single(model, f, prompts[0], new, cache)
+    shown = f"the prefill's token is right: {faulty[0] == correct[0]}"
+    held = f"after {len(prompts[0]) + new - 1} tokens the cache holds {caches[0].length}"
+    return correct, faulty, shown, f"{f.signature}; shown: {held}"
+
+
+def _dormant_without_cache(model: GPT, f: Fault, prompt: list[int], new: int, correct: list[int]) -> str:
+    dormant = run(model, [prompt], new, "none", f).tokens[0]
+    return f"on the no-cache path the faulty code gives the correct tokens: {dormant == correct}"
+
+
+def demo_positions(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: str) -> tuple:
+    prompt = prompts[0]
+    correct, faulty, _ = _single(model, f, prompt, new, cache)
+    fed = f"decode steps fed position 0 instead of {len(prompt)}, {len(prompt) + 1}, ..."
+    return (
+        correct,
+        faulty,
+        _dormant_without_cache(model, f, prompt, new, correct),
+        f"{f.signature}; shown: {fed}",
+    )
+
+
+def demo_mask(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: str) -> tuple:
+    prompt = prompts[0]
+    correct, faulty, _ = _single(model, f, prompt, new, cache)
+    s = mask_signature(model, prompt)
+    signature = (
+        f"{f.signature}; shown (layer 0, first decode step): attention mass on key 0 "
+        f"{s['mass_on_key0_wrong']:.2f} (correct: {s['mass_on_key0_right']:.2f}), attended to "
+        f"{s['keys_attended_wrong']} of {s['keys']} keys"
+    )
+    return correct, faulty, _dormant_without_cache(model, f, prompt, new, correct), signature
 
 
 # One registry of faults: CLI choices, `break all` and test parametrisation iterate this dict.
@@ -121,6 +240,7 @@ FAULTS: dict[str, Fault] = {
         "positions = past + arange(T): the loop owns the positions and passes them in",
         "the no-cache path: it feeds the whole sequence every call, so arange(T) is accidentally right",
         rules=DecodeRules(positions=RestartingPositions()),
+        demo=demo_positions,
     ),
     "mask": Fault(
         "mask",
@@ -130,6 +250,7 @@ FAULTS: dict[str, Fault] = {
         "is_causal only when queries and keys are the same tokens (prefill); no mask for a one-token decode step",
         "the no-cache path and the prefill: there queries and keys are the same T tokens, so causal is right",
         rules=DecodeRules(mask=CausalFlagInDecode()),
+        demo=demo_mask,
     ),
     "padding": Fault(
         "padding",
@@ -140,6 +261,7 @@ FAULTS: dict[str, Fault] = {
         "a batch of one, or of equal-length prompts: nothing is padded",
         batched=True,
         rules=DecodeRules(padding=RightPadding()),
+        demo=demo_batched,
     ),
     "reset": Fault(
         "reset",
@@ -149,6 +271,7 @@ FAULTS: dict[str, Fault] = {
         "reset() every layer's cache before a new prompt (or allocate fresh caches)",
         "the first prompt on a fresh cache, and every test that builds a new cache per run",
         rules=DecodeRules(reuse=NoReset()),
+        demo=demo_reuse,
     ),
     "static-pointer": Fault(
         "static-pointer",
@@ -160,6 +283,7 @@ FAULTS: dict[str, Fault] = {
         cache="static",
         any_cache=False,
         layer_cache=_pointer_one_short,
+        demo=demo_pointer,
     ),
 }
 
@@ -195,38 +319,6 @@ class BreakResult:
     faulty_text: str | None = None
 
 
-@torch.inference_mode()
-def mask_signature(model: GPT, prompt: list[int]) -> dict:
-    """The `mask` bug measured on the model's real layer-0 queries and keys for the first decode step (hook-free:
-    prefill into a dynamic cache, recompute the next token's q/k by hand). SDPA with V = identity returns the
-    attention weights themselves, so we read the distribution each causal flag produces."""
-    device = model.lm_head.weight.device
-    T = len(prompt)
-    caches = fresh_caches(model, "dynamic", 1, T + 1)
-    ids = torch.tensor([prompt], device=device)
-    logits = model(ids, torch.arange(T, device=device)[None], caches)
-    nxt = logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
-    tr, attn = model.transformer, model.transformer.h[0].attn
-    x = tr.h[0].ln_1(tr.wte(nxt) + tr.wpe(torch.tensor([[T]], device=device)))  # (1, 1, C)
-    B, _, C = x.shape
-    q, k, _ = attn.c_attn(x).split(C, dim=2)
-    q, k = (t.view(B, 1, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k))  # (1, H, 1, Dh)
-    keys = torch.cat([caches[0].k, k], dim=2)  # (1, H, S, Dh), S = T + 1
-    S = keys.size(2)
-    eye = torch.eye(S, device=device, dtype=q.dtype).expand(1, attn.n_head, S, S)  # V = one-hot per key
-    right = F.scaled_dot_product_attention(q, keys, eye, is_causal=False)[
-        :, :, 0
-    ].float()  # (1, H, S) weights
-    wrong = F.scaled_dot_product_attention(q, keys, eye, is_causal=True)[:, :, 0].float()
-    return {
-        "keys": S,
-        "mass_on_key0_wrong": float(wrong[..., 0].mean()),
-        "mass_on_key0_right": float(right[..., 0].mean()),
-        "keys_attended_wrong": int((wrong > 1e-6).sum(-1).max()),
-        "keys_attended_right": int((right > 1e-6).sum(-1).min()),
-    }
-
-
 def require_finite(model: GPT, prompts: list[list[int]], new_tokens: int, cache: str) -> None:
     """The correct path's logits on these prompts must be finite: with NaN or inf logits every verify check fails
     for that reason alone, so a fault would look caught when nothing was shown. One line saying which is not finite:
@@ -247,75 +339,26 @@ def require_finite(model: GPT, prompts: list[list[int]], new_tokens: int, cache:
     )
 
 
-def _first_diff(a: list[int], b: list[int]) -> int | None:
-    return next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
-
-
 def break_fault(
-    model: GPT,
-    name: str,
-    prompts: list[list[int]],
-    new_tokens: int,
-    reference: str = "hf",
-    hf_dir: str | None = None,
-    decode: Callable[[list[int]], str] | None = None,
-    cache: str | None = None,
-) -> BreakResult:
-    """Run fault `name` against the correct path on prompts[0] (the padding fault: on the batch, showing its
-    shortest prompt), run every verify check with the fault in, and show it dormant where it cannot fire.
-    `cache`: the cache to carry the fault (default: the fault's own; any cache, plugins included, for faults that
-    live outside the cache)."""
+    model: GPT, name: str, prompts: list[list[int]], new_tokens: int, reference: str = "hf",
+    hf_dir: str | None = None, decode: Callable[[list[int]], str] | None = None, cache: str | None = None,
+) -> BreakResult:  # fmt: skip
+    """Run fault `name` against the correct path (its `demo`), run every verify check with the fault in, and show
+    it dormant where it cannot fire. `cache`: the cache to carry the fault (default: the fault's own; any cache,
+    plugins included, for faults that live outside the cache)."""
     f = get_fault(name)
     cache = cache or f.cache
     if not f.applies_to(cache):
         raise KVBenchError(
             f"the {name} fault lives in the {f.cache} cache itself; it cannot be run on {cache!r}"
         )
-    prompt, other = prompts[0], prompts[1]
     if f.batched and (len(prompts) < 2 or len({len(p) for p in prompts}) < 2):
         raise KVBenchError(
             f"the {name} fault needs a batch of >= 2 prompts of different lengths (got lengths "
             f"{[len(p) for p in prompts]}): with one prompt, or equal lengths, nothing is padded and the bug is dormant"
         )
     require_finite(model, prompts, new_tokens, cache)
-    if f.batched:
-        row = min(range(len(prompts)), key=lambda b: len(prompts[b]))  # the shortest: most padding
-        correct = run(model, prompts, new_tokens, cache).tokens[row]
-        faulty = run(model, prompts, new_tokens, cache, f).tokens[row]
-        dormant = run(model, [prompts[row]], new_tokens, cache, f).tokens[0]
-        shown = f"alone (a batch of one) the faulty path gives the correct tokens: {dormant == correct}"
-        signature = f"{f.signature}; shown: the length-{len(prompts[row])} prompt of a batch padded to {max(map(len, prompts))}"
-    elif name == "reset":
-        # room for both prompts' tokens: the bug keeps the first one's, and a fixed-capacity cache must show
-        # stale columns, not overflow
-        caches = fresh_caches(model, cache, 1, len(other) + len(prompt) + 2 * new_tokens)
-        run(model, [other], new_tokens, cache, f, caches)
-        stale = caches[0].length
-        faulty = run(model, [prompt], new_tokens, cache, f, caches).tokens[0]
-        correct = run(model, [prompt], new_tokens, cache).tokens[0]
-        dormant = run(model, [prompt], new_tokens, cache, f).tokens[0]  # fresh caches: nothing stale
-        shown = f"on a fresh cache the faulty path gives the correct tokens: {dormant == correct}"
-        signature = f"{f.signature}; shown: the prefill started with {stale} stale columns instead of 0"
-    else:
-        res_ok = run(model, [prompt], new_tokens, cache)
-        caches = fresh_caches(model, cache, 1, len(prompt) + new_tokens, f)
-        res_bad = run(model, [prompt], new_tokens, cache, f, caches)
-        correct, faulty = res_ok.tokens[0], res_bad.tokens[0]
-        if name == "static-pointer":
-            shown = f"the prefill's token is right: {faulty[0] == correct[0]}"
-            signature = f"{f.signature}; shown: after {len(prompt) + new_tokens - 1} tokens the cache holds {caches[0].length}"
-        else:
-            dormant = run(model, [prompt], new_tokens, "none", f).tokens[0]
-            shown = f"on the no-cache path the faulty code gives the correct tokens: {dormant == correct}"
-            if name == "mask":
-                s = mask_signature(model, prompt)
-                signature = (
-                    f"{f.signature}; shown (layer 0, first decode step): attention mass on key 0 "
-                    f"{s['mass_on_key0_wrong']:.2f} (correct: {s['mass_on_key0_right']:.2f}), attended to "
-                    f"{s['keys_attended_wrong']} of {s['keys']} keys"
-                )
-            else:
-                signature = f"{f.signature}; shown: decode steps fed position 0 instead of {len(prompt)}, {len(prompt) + 1}, ..."
+    correct, faulty, shown, signature = f.demo(model, f, prompts, new_tokens, cache)
     report = run_verify(model, [cache], prompts, new_tokens, reference, hf_dir, fault=f)
     caught = [r.name for r in report.checks if not r.passed]
     caught_by = [c for c in CHECKS if c in caught]
@@ -325,7 +368,7 @@ def break_fault(
         cache=cache,
         detected=bool(caught_by),
         caught_by=caught_by,
-        first_divergence=_first_diff(correct, faulty),
+        first_divergence=first_diff(correct, faulty),
         correct_tokens=correct,
         faulty_tokens=faulty,
         signature=signature,

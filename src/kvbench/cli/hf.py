@@ -67,18 +67,19 @@ def run_verify_hf(
     seed: int, layers: int | None, trust: bool, on_row,
 ):  # fmt: skip
     """`kvbench verify --hf`: load, run every check on every cache, return (report, meta) for the renderers."""
-    from kvbench.check.hf_verify import HF_CACHES, parse_hf_cache_names, run_hf_verify
+    from kvbench.check.hf_verify import run_hf_verify
     from kvbench.check.verify import random_prompts
     from kvbench.cli.app import CHECK_INIT_STD
     from kvbench.devices import resolve_device
     from kvbench.errors import KVBenchError
+    from kvbench.hf.caches import HF_CACHES, parse_verify_caches
     from kvbench.hf.models import check_length
 
     if new_tokens < 2:
         raise KVBenchError(
             f"--new-tokens must be >= 2 (the logits check needs a decode step), got {new_tokens}"
         )
-    names = parse_hf_cache_names(caches, resolve_device(device))
+    names = parse_verify_caches(caches, resolve_device(device))
     random_prompts(1, prompt_len, batch, seed)  # --batch and --prompt-len checked before a model is loaded
 
     def fits(shape) -> None:  # on the meta-device build, before any weight is read

@@ -27,28 +27,14 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
 
-from kvbench.caches.base import Traffic
 from kvbench.devices import synchronize
+from kvbench.hf.caches import generate_kwargs
 from kvbench.model.gpt2 import GPT
 
-# Our cache names -> the transformers `generate` arguments that select the equivalent cache.
-HF_CACHES: dict[str, dict] = {
-    "none": {"use_cache": False},  # full recompute every step
-    "dynamic": {"use_cache": True},  # transformers' DynamicCache (torch.cat growth)
-    "static": {"use_cache": True, "cache_implementation": "static"},  # preallocated StaticCache
-}
-# What a decode step of each of those caches moves (the floor), read in transformers' cache_utils: DynamicLayer.update
-# concatenates; StaticLayer.update writes with index_copy_ and returns the whole max_cache_len buffer, masked.
-HF_TRAFFIC: dict[str, Traffic] = {
-    "dynamic": Traffic(
-        "transformers' DynamicCache: torch.cat, reads and writes L-1 slots",
-        extra=lambda L, slot, q8: 2 * (L - 1) * slot,
-    ),
-    "static": Traffic(
-        "transformers' StaticCache: attends over its whole max_cache_len buffer (masked)", whole_buffer=True
-    ),
-}
+# Our caches that transformers has by the same name (hf/caches.py selects each in generate).
+ENGINE_CACHES = ("none", "dynamic", "static")
 
 
 def build_hf_model(model: GPT):
@@ -56,8 +42,6 @@ def build_hf_model(model: GPT):
 
     Built on the meta device, so transformers' random init never runs and nothing is allocated on the host; then
     every parameter is assigned from our state dict: already on the device, already in the target dtype."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     c = model.config
     cfg = GPT2Config(
         vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
@@ -93,8 +77,6 @@ class HFTiming:
 
 
 def _token_clock(device: torch.device):
-    from transformers import LogitsProcessor
-
     class TokenClock(LogitsProcessor):
         """Stamps a synchronised clock each time HF has the logits of a new token."""
 
@@ -141,8 +123,6 @@ def timed_generate(
     """Greedy `model.generate` of exactly `new_tokens` for the (B, T) prompt `ids`, the clock stamped (device
     synchronised) once per token; `generate_kwargs` pick the cache and compile settings. Shared by the `hf` engines
     on our GPT-2 and `bench --hf`'s engine on any model."""
-    from transformers import LogitsProcessorList
-
     device = ids.device
     clock = _token_clock(device)
     synchronize(device)
@@ -188,6 +168,5 @@ def hf_generate(
 
     compile: leave transformers' automatic compile on (its default for a static cache on CUDA); False runs eagerly.
     record_logits: also return each token's logits (for explaining token flips; never in a timed run)."""
-    return timed_generate(
-        hf_model, ids, new_tokens, 0, record_logits, disable_compile=not compile, **HF_CACHES[cache]
-    )
+    kwargs = {**generate_kwargs(cache), "disable_compile": not compile}
+    return timed_generate(hf_model, ids, new_tokens, 0, record_logits, **kwargs)

@@ -1,0 +1,159 @@
+"""Our GPT-2 with one of our caches (built-in or plugin) as a check subject, through `generate`, the very loop
+`kvbench generate` runs; an injected fault (`kvbench break`) passes its rules and caches into that loop.
+
+The no-cache path as one forward. The `none` loop runs N forwards over prefixes of length T, T+1, ...; causal
+attention makes row T-1+i of ONE forward over prompt + generated tokens exactly what that loop computes at step i
+(position j never reads a later token). So greedy compares the cached tokens with the argmax of those rows: if every
+row's argmax is the cached token, the `none` loop produces the same N tokens; the first row where it is not is the
+first divergent step. The no-cache path itself is held to an independent implementation, transformers'
+GPT2LMHeadModel with the same weights, by the `reference` row of cache `none`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from transformers import GPT2LMHeadModel
+
+from kvbench.caches import get_cache_spec, make_caches
+from kvbench.check.judge import tolerance
+from kvbench.check.subject import NoCache, Run
+from kvbench.decode.generate import DecodeRules, GenerationResult, generate
+from kvbench.errors import KVBenchError
+from kvbench.model.gpt2 import GPT
+from kvbench.model.weights import to_hf_model
+
+REFERENCE = "transformers GPT2LMHeadModel (eager, fp32)"
+
+
+class Injection(Protocol):
+    """What a check runs with in place of the correct code (faults.Fault): the loop's rules, and optionally a layer
+    cache factory (config, batch, max_len, dtype, device) in place of the design's own."""
+
+    rules: DecodeRules
+    layer_cache: Callable | None
+
+
+def fresh_caches(
+    model: GPT, cache: str, batch: int, max_len: int, fault: Injection | None = None
+) -> list | None:
+    """The caches a check runs on: the design's own, or the injected fault's layer cache (`kvbench break`)."""
+    w = model.lm_head.weight
+    if fault is not None and fault.layer_cache is not None:
+        return [
+            fault.layer_cache(model.config, batch, max_len, w.dtype, w.device)
+            for _ in range(model.config.n_layer)
+        ]
+    return make_caches(cache, model.config, batch, max_len, w.dtype, w.device)
+
+
+def run(
+    model: GPT, prompts: list[list[int]], new: int, cache: str, fault: Injection | None = None,
+    caches: list | None = None, compile: str = "off",
+) -> GenerationResult:  # fmt: skip
+    """Greedy generation with logits recorded, through `generate`; with `fault`, the same loop with the fault's
+    rules and caches passed in."""
+    if caches is None:
+        caches = fresh_caches(model, cache, len(prompts), max(map(len, prompts)) + new, fault)
+    kw = {} if fault is None else {"rules": fault.rules}
+    return generate(
+        model, prompts, new, cache=cache, record_logits=True, caches=caches, compile=compile, **kw
+    )
+
+
+def as_run(res: GenerationResult) -> Run:
+    return Run(res.tokens, torch.stack(res.logits, dim=1))  # (B, N, V)
+
+
+@torch.inference_mode()
+def full_logits(model: GPT, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """One no-cache forward over prompt + tokens[:-1]: (T + N - 1, V) fp32 on the CPU; row T-1+i predicts step i."""
+    device = model.lm_head.weight.device
+    ids = torch.tensor([prompt + tokens[:-1]], device=device)  # (1, T + N - 1)
+    pos = torch.arange(ids.size(1), device=device)[None]  # (1, T + N - 1)
+    return model(ids, pos)[0].float().cpu()
+
+
+def hf_reference(model: GPT, hf_dir: str | None = None):
+    """transformers' GPT2LMHeadModel in fp32 with eager attention (matmul + softmax, not SDPA, so it shares no
+    attention kernel with us), on our model's device. From `hf_dir` when our weights came from that Hugging Face
+    directory (so a bug in our port cannot hide); otherwise our weights copied into it (the inverse port:
+    same names and layouts)."""
+    if hf_dir is None:
+        return to_hf_model(model, attn_implementation="eager", dtype=torch.float32)
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    return hf.to(model.lm_head.weight.device).eval()
+
+
+@torch.inference_mode()
+def hf_logits(hf, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """HF's logits over prompt + tokens[:-1], (T + N - 1, V) fp32 on the CPU."""
+    ids = torch.tensor([prompt + tokens[:-1]], device=next(hf.parameters()).device)
+    return hf(input_ids=ids, use_cache=False).logits[0].float().cpu()
+
+
+class GPT2Model:
+    """Our GPT-2 as the model under test: its no-cache forward (memoised per sequence, shared by every cache) and
+    transformers' GPT2LMHeadModel on the same weights as its independent reference (`reference="hf"`)."""
+
+    def __init__(self, model: GPT, reference: str = "hf", hf_dir: str | None = None) -> None:
+        self.gpt, self.hf_dir = model, hf_dir
+        self.dtype = model.lm_head.weight.dtype
+        self.hf = hf_reference(model, hf_dir) if reference == "hf" else None
+        self.reference_name = REFERENCE if self.hf is not None else None
+        self._full: dict[tuple, torch.Tensor] = {}
+        self._ref: dict[tuple, torch.Tensor] = {}
+
+    def full_logits(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        key = (tuple(prompt), tuple(tokens))
+        if key not in self._full:
+            self._full[key] = full_logits(self.gpt, prompt, tokens)
+        return self._full[key]
+
+    def no_cache(self, prompt: list[int], new: int, cached: list[int]) -> NoCache:
+        rows = self.full_logits(prompt, cached)[len(prompt) - 1 :]  # (N, V)
+        return NoCache(rows.argmax(-1).tolist(), rows, f"{new} greedy tokens vs no cache", "no cache")
+
+    def reference_logits(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        key = (tuple(prompt), tuple(tokens))
+        if key not in self._ref:
+            self._ref[key] = hf_logits(self.hf, prompt, tokens)
+        return self._ref[key]
+
+    def continuation(self, prompt: list[int], new: int) -> list[int]:
+        """Tokens a cached run already produced for `prompt` (any tokens do), else a dynamic-cache run's."""
+        seen = next((list(t) for p, t in self._full if p == tuple(prompt) and len(t) == new), None)
+        return seen if seen is not None else run(self.gpt, [prompt], new, "dynamic").tokens[0]
+
+
+class GPT2Subject:
+    """Our GPT-2 with cache `cache`, optionally with a fault injected and a compiled fixed-shape step."""
+
+    # an invariant tripped inside a run (a model assert, a cache overflow): a failed row, not a traceback
+    crashes = (KVBenchError, AssertionError, RuntimeError)
+
+    def __init__(
+        self, model: GPT2Model, cache: str, fault: Injection | None = None, compile: str = "off"
+    ) -> None:
+        spec = get_cache_spec(cache)
+        self.model, self.cache, self.fault, self.compile = model, cache, fault, compile
+        self.cached = spec.factory is not None
+        lossy = None if spec.exact else (spec.logit_rtol, spec.logit_atol)
+        own = dict(lossy=lossy, min_agreement=spec.min_greedy_agreement, source="its logit_atol, logit_rtol")
+        self.tol = tolerance(model.dtype, **own)
+        self.reference_tol = tolerance(model.dtype, reference=True, **own)
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def generate(self, prompts: list[list[int]], new: int) -> Run:
+        return as_run(run(self.model.gpt, prompts, new, self.cache, self.fault, compile=self.compile))
+
+    def reused(self, prev: list[int], prompt: list[int], new: int) -> tuple[Run, str]:
+        gpt = self.model.gpt
+        caches = fresh_caches(gpt, self.cache, 1, max(len(prev), len(prompt)) + new, self.fault)
+        run(gpt, [prev], new, self.cache, self.fault, caches, self.compile)
+        res = run(gpt, [prompt], new, self.cache, self.fault, caches, self.compile)  # generate resets them
+        return as_run(res), "reused after another prompt"

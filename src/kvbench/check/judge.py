@@ -1,0 +1,198 @@
+"""How a check judges: tolerances, the near-tie rule, non-finite logits, and the row a verdict becomes.
+
+Tolerances: exact caches in fp32 must match to rtol = atol = 1e-5 (rtol relative to the row's largest logit, see
+`allclose_err`) and produce identical tokens. In fp16/bf16 the two paths round differently, so a token may flip at a
+near-tie: a mismatch whose top-2 logit gap at the divergent step is within twice the logit error there (each of the
+two logits may move by the error) is reported as a near-tie and passes, with the reason in the row. A lossy cache is
+held to its own stated bound, and the row says so: our designs state a logit bound and a minimum token agreement
+(`CacheSpec.logit_atol`, `logit_rtol`, `min_greedy_agreement`); transformers' quantized caches a logit bound on
+every step against the no-cache forward over the same tokens (teacher-forced).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# (rtol, atol) for cached vs recomputed logits with an exact cache, by dtype. fp32 is 1e-5; the low precisions
+# allow their rounding (bf16 keeps 8 mantissa bits, fp16 11).
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (5e-2, 5e-2),
+}
+# Against an independent implementation (transformers' eager attention, fp32) on the same weights: in fp32 only
+# summation order differs, so 1e-5 holds; low-precision logits also carry their own rounding.
+REFERENCE_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-2, 5e-2),
+    torch.bfloat16: (5e-2, 2e-1),
+}
+
+# Where non-finite logits came from, for the row's detail: the reference is the model itself, not the cache.
+NO_CACHE = "the no-cache forward: the model itself is not finite (check its weights), whatever the cache"
+CACHED = "the cached run (the no-cache forward is finite)"
+MODEL_ITSELF = ": the model itself is not finite (check its weights)"
+LOW_PRECISION_NOTE = (
+    "low precision: cached and recomputed paths round differently, so a token may flip at a near-tie; such a flip "
+    "(top-2 gap <= 2 x logit error at that step) is reported, not failed"
+)
+
+
+@dataclass
+class CheckRow:
+    name: str  # the check
+    cache: str  # the cache checked, as named on the command line
+    passed: bool
+    max_abs_diff: float | None  # largest |logit difference| compared (None when no logits were compared)
+    first_divergence: int | None = None  # first generated step whose token differs (0 = the prefill's token)
+    tolerance: str = ""  # the criterion applied, in words
+    detail: str = ""  # what was compared, and why it passed or failed
+    skipped: bool = False  # not run here (the detail says why); never fails the report
+
+
+@dataclass
+class VerifyReport:
+    passed: bool
+    checks: list[CheckRow]
+    dtype: str
+    new_tokens: int
+    prompt_len: int
+    batch_lens: list[int]
+    reference: str  # what the reference was, or "none"
+    notes: list[str] = field(default_factory=list)
+
+
+def skipped(cache: str, why: str, name: str = "-") -> CheckRow:
+    return CheckRow(name, cache, True, None, None, "skipped", why, skipped=True)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """What a path is held to: (rtol, atol) on logits; `lossy` paths say so and are judged by `min_agreement` of
+    tokens when they state one, otherwise by the logit bound on teacher-forced steps."""
+
+    rtol: float
+    atol: float
+    lossy: bool = False
+    min_agreement: float | None = None
+    source: str = ""  # where a lossy bound comes from, e.g. "its logit_atol, logit_rtol"
+
+    @property
+    def words(self) -> str:
+        if not self.lossy:
+            return f"rtol {self.rtol:g}, atol {self.atol:g}"
+        where = f" ({self.source})" if self.source else ""
+        return f"lossy: atol {self.atol:g} + rtol {self.rtol:g} x row scale{where}"
+
+
+def tolerance(
+    dtype: torch.dtype, lossy: tuple[float, float] | None = None, min_agreement: float | None = None,
+    reference: bool = False, source: str = "",
+) -> Tolerance:  # fmt: skip
+    """The dtype's tolerance (against an independent implementation with `reference`), widened to a lossy path's
+    own (rtol, atol)."""
+    rtol, atol = (REFERENCE_TOLERANCES if reference else TOLERANCES)[dtype]
+    if lossy is None:
+        return Tolerance(rtol, atol)
+    return Tolerance(max(rtol, lossy[0]), max(atol, lossy[1]), True, min_agreement, source)
+
+
+def not_finite(runs: list[tuple[str, torch.Tensor]]) -> str | None:
+    """'logits are not finite (3 NaN, 0 inf) in <where>' for the first run whose logits hold a NaN or an inf; None
+    when all are finite. Comparing such logits means nothing (NaN is never within a tolerance, and an argmax over
+    NaN still picks a token, so two NaN runs would agree), so a check fails with this reason instead."""
+    for where, t in runs:
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        if nan or inf:
+            return f"logits are not finite ({nan:,} NaN, {inf:,} inf) in {where}"
+    return None
+
+
+def allclose_err(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[bool, float]:
+    """|a - b| <= atol + rtol * (the row's largest |logit|): rtol is relative to the logit scale, not to each
+    element, since logits near zero would otherwise be held to atol alone, which the fp32 summation-order
+    differences of a 12-layer model exceed (about 3e-5 on logits of magnitude 12)."""
+    diff = (a - b).abs()
+    scale = b.abs().amax(-1, keepdim=True)
+    return bool((diff <= atol + rtol * scale).all()), float(diff.max()) if diff.numel() else 0.0
+
+
+def first_off(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> int | None:
+    """The first row (step) of (N, V) logits outside the tolerance, or None."""
+    per_step = (got - want).abs() > tol.atol + tol.rtol * want.abs().amax(-1, keepdim=True)  # (N, V)
+    off = per_step.any(-1).nonzero()
+    return int(off[0, 0]) if off.numel() else None
+
+
+def near_tie(ref_row: torch.Tensor, got_row: torch.Tensor) -> tuple[bool, float, float]:
+    """Is a token flip at this step explained by rounding? (explained, top-2 gap, |logit error|)."""
+    top2 = ref_row.topk(2).values
+    gap, err = float(top2[0] - top2[1]), float((ref_row - got_row).abs().max())
+    return gap <= 2 * err, gap, err
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
+
+
+def compare_tokens(
+    name: str, cache: str, dtype: torch.dtype, want: list[int], got: list[int], ref_rows: torch.Tensor,
+    got_rows: torch.Tensor, what: str, tol: Tolerance | None = None, ref_where: str = NO_CACHE,
+    got_where: str = CACHED,
+) -> CheckRow:  # fmt: skip
+    """Tokens `got` against `want`, with the (N, V) logit rows each was chosen from: exact (near-ties allowed in
+    low precision), or a lossy path's token agreement."""
+    bad = not_finite([(ref_where, ref_rows), (got_where, got_rows)])
+    if bad:
+        return CheckRow(name, cache, False, None, None, "finite logits", f"{what}{'; ' if what else ''}{bad}")
+    n = min(len(want), len(got))
+    first = first_diff(want, got)
+    upto = n if first is None else first + 1  # inputs are identical up to and including the divergent step
+    err = float((ref_rows[:upto] - got_rows[:upto]).abs().max())
+    if tol is not None and tol.lossy and tol.min_agreement is not None:
+        agree = sum(w == g for w, g in zip(want, got, strict=False)) / max(n, 1)
+        ok = agree >= tol.min_agreement
+        words = f"lossy: agree >= {tol.min_agreement:.0%} (its min_greedy_agreement)"
+        return CheckRow(name, cache, ok, err, first, words, f"{what}; {agree:.0%} of {n} tokens agree")
+    return token_verdict(name, cache, dtype, want, got, ref_rows, got_rows, first, err, n, what)
+
+
+def token_verdict(
+    name: str, cache: str, dtype: torch.dtype, want: list[int], got: list[int], ref_rows: torch.Tensor,
+    got_rows: torch.Tensor, first: int | None, err: float, n: int, what: str,
+) -> CheckRow:  # fmt: skip
+    """An exact path's token check: identical tokens pass; in fp16/bf16 a flip the logit error explains (a near-tie)
+    passes and says so; any other difference fails, naming the step, the tokens, the gap and the error."""
+    if first is None:
+        return CheckRow(name, cache, True, err, None, "identical tokens", f"{what}: all {n} identical")
+    tie, gap, step_err = near_tie(ref_rows[first], got_rows[first])
+    if dtype != torch.float32 and tie:
+        return CheckRow(
+            name, cache, True, err, first, "identical tokens (near-tie flips allowed)",
+            f"{what}; step {first} flipped at a near-tie: top-2 gap {gap:.3g} <= 2 x logit error {step_err:.3g} "
+            "(rounding, not a cache bug)",
+        )  # fmt: skip
+    return CheckRow(
+        name, cache, False, err, first, "identical tokens",
+        f"{what}; token {first} differs ({want[first]} vs {got[first]}), top-2 gap {gap:.3g}, "
+        f"logit error {step_err:.3g}",
+    )  # fmt: skip
+
+
+def bounded(
+    name: str, cache: str, tol: Tolerance, got_rows: torch.Tensor, ref_rows: torch.Tensor, what: str
+) -> tuple[CheckRow, float]:
+    """A lossy path: every step's logits within its bound of the no-cache forward over the same tokens.
+    Returns the row and the worst step's error as a fraction of that step's largest logit."""
+    broken = not_finite([(NO_CACHE, ref_rows), (CACHED, got_rows)])
+    if broken:
+        return CheckRow(
+            name, cache, False, None, None, tol.words, f"{what}{'; ' if what else ''}{broken}"
+        ), 0.0
+    ok, err = allclose_err(got_rows, ref_rows, tol.rtol, tol.atol)
+    rel = float(((got_rows - ref_rows).abs().amax(-1) / ref_rows.abs().amax(-1)).max())
+    return CheckRow(
+        name, cache, ok, err, None, tol.words, f"{what}; worst step {rel:.1%} of its row scale"
+    ), rel

@@ -1,0 +1,75 @@
+"""What `verify` checks: a subject is one model with one cache design. The checks (check/suite.py) are written once
+against this protocol; our GPT-2 with one of our caches (check/gpt2_subject.py) and a Hugging Face model with one of
+transformers' caches (check/hf_subject.py) implement it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvbench.check.judge import Tolerance
+
+
+@dataclass
+class Run:
+    """A greedy run: what each sequence generated and the logits each token was chosen from."""
+
+    tokens: list[list[int]]  # (B, N) generated ids
+    logits: torch.Tensor  # (B, N, V) fp32 on the CPU
+    cache_layers: list[str] = field(default_factory=list)  # class names of the cache's layers, where known
+
+
+@dataclass
+class NoCache:
+    """The no-cache path's tokens for a prompt, the (N, V) logits they were chosen from, and what they are."""
+
+    tokens: list[int]
+    rows: torch.Tensor
+    words: str  # what the greedy check compared, e.g. "40 greedy tokens vs no cache"
+    source: str  # the no-cache path's name, e.g. "generate(use_cache=False)"
+
+
+class Model(Protocol):
+    """The model under test, shared by its subjects: its no-cache forward and, where there is one, an independent
+    implementation of the same weights."""
+
+    dtype: torch.dtype
+    reference_name: str | None  # the independent implementation, or None when the model is its own reference
+
+    def full_logits(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        """One no-cache forward over prompt + tokens[:-1]: (T + N - 1, V) fp32 on the CPU; row T-1+i predicts
+        step i."""
+
+    def no_cache(self, prompt: list[int], new: int, cached: list[int]) -> NoCache:
+        """The no-cache path's N tokens for `prompt` (`cached`: the tokens the cached run chose, for a path that
+        reads them teacher-forced)."""
+
+    def reference_logits(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        """The independent implementation's (T + N - 1, V) logits over the same tokens (reference_name set)."""
+
+    def continuation(self, prompt: list[int], new: int) -> list[int]:
+        """Any N tokens that follow `prompt` (the no-cache path is held to the reference over them)."""
+
+
+class Subject(Protocol):
+    """One model with one cache design, as a check drives it."""
+
+    cache: str  # the name rows carry
+    cached: bool  # False: the model's no-cache path
+    model: Model
+    tol: Tolerance  # cached vs recomputed logits
+    reference_tol: Tolerance  # against the model's independent implementation
+    crashes: tuple[type[BaseException], ...]  # what a run may raise and a row reports as a failure
+
+    def unavailable(self) -> str | None:
+        """Why this subject cannot run here (a skip row), or None."""
+
+    def generate(self, prompts: list[list[int]], new: int) -> Run:
+        """Greedy generation of exactly `new` tokens, left-padded, through this cache (a fresh one)."""
+
+    def reused(self, prev: list[int], prompt: list[int], new: int) -> tuple[Run, str]:
+        """Generate for `prev`, then for `prompt` on the same cache objects, prepared for reuse as this design
+        does; the run for `prompt` and what was reused, in words."""

@@ -1,0 +1,270 @@
+"""The checks behind `kvbench verify`, written once against a subject (check/subject.py): each returns rows.
+
+    logits       every cached decode step against one no-cache forward over exactly the same prefix
+    greedy       N greedy tokens through the cache against the no-cache path
+    reference    logits against an independent implementation of the same weights (where the model has one)
+    batched      prompts of different lengths, left-padded and decoded together, against each prompt alone
+    cache_state  a cache prepared for reuse and run on a new prompt, against a fresh cache
+
+Cached decode steps are teacher-forced on the tokens the cached run produced, so a bug that appears only after a
+few steps (a write pointer that stops advancing) shows at the step it starts. The no-cache path runs only `batched`
+(and `reference`). A subject that cannot run here is one skipped row saying why; a run that raises is a failed row
+with the exception, never a traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvbench.check.judge import (
+    CACHED,
+    MODEL_ITSELF,
+    NO_CACHE,
+    CheckRow,
+    allclose_err,
+    bounded,
+    compare_tokens,
+    first_off,
+    not_finite,
+    skipped,
+)
+from kvbench.check.subject import Run, Subject
+from kvbench.errors import KVBenchError, one_line
+
+CHECKS = ("logits", "greedy", "reference", "batched", "cache_state")
+SHORT_TOKENS = 16  # new tokens in the batched and cache_state checks (each runs several generations)
+
+
+# --- the checks ------------------------------------------------------------------------------------------------
+def check_logits(s: Subject, prompt: list[int], res: Run) -> CheckRow:
+    """Decode steps 1..N-1 of `res` against one no-cache forward over prompt + the tokens it chose."""
+    T = len(prompt)
+    got, want = res.logits[0, 1:], s.model.full_logits(prompt, res.tokens[0])[T:]  # (N - 1, V) each
+    bad = not_finite([(NO_CACHE, want), (CACHED, got)])
+    if bad:
+        return CheckRow("logits", s.cache, False, None, None, s.tol.words, bad)
+    ok, err = allclose_err(got, want, s.tol.rtol, s.tol.atol)
+    first = None if ok else first_off(got, want, s.tol) + 1
+    what = f"decode steps 1..{got.size(0)} vs a full forward over the same prefix"
+    return CheckRow(
+        "logits",
+        s.cache,
+        ok,
+        err,
+        None,
+        s.tol.words,
+        what + (f"; first off at step {first}" if first else ""),
+    )
+
+
+def check_greedy(s: Subject, prompt: list[int], res: Run) -> CheckRow:
+    """Every cached greedy token against the no-cache path's (a lossy cache without a token rule: its logit bound
+    on every step, teacher-forced)."""
+    got, n = res.tokens[0], len(res.tokens[0])
+    ref = s.model.no_cache(prompt, n, got)
+    if s.tol.lossy and s.tol.min_agreement is None:
+        forced = s.model.full_logits(prompt, got)[len(prompt) - 1 :]  # (N, V): no cache, on its own tokens
+        agree = sum(a == b for a, b in zip(ref.tokens, got, strict=True))
+        what = f"{n} steps vs no cache on the same tokens; {agree} of {n} tokens as {ref.source}"
+        return bounded("greedy", s.cache, s.tol, res.logits[0], forced, what)[0]
+    return compare_tokens(
+        "greedy", s.cache, s.model.dtype, ref.tokens, got, ref.rows, res.logits[0], ref.words, s.tol
+    )
+
+
+def check_reference(s: Subject, prompt: list[int], res: Run | None, new: int = 0) -> CheckRow:
+    """Our logits against the independent implementation over the same tokens (teacher-forced). The no-cache path
+    (`res` None): every position of one forward over a continuation; a cache: the logits of each generated step."""
+    tol, T = s.reference_tol, len(prompt)
+    tokens = res.tokens[0] if res is not None else s.model.continuation(prompt, new)
+    ours_full = s.model.full_logits(prompt, tokens)
+    theirs = s.model.reference_logits(prompt, tokens)
+    ours = ours_full if res is None else res.logits[0]
+    where = f"{s.model.reference_name}'s reference (ours are finite)"
+    bad = not_finite([(NO_CACHE, ours_full), (CACHED, ours), (where, theirs)])
+    if bad:
+        return CheckRow("reference", s.cache, False, None, None, tol.words, bad)
+    if res is None:
+        ok, err = allclose_err(ours_full, theirs, tol.rtol, tol.atol)
+        what = f"no-cache logits at all {ours_full.size(0)} positions vs HF"
+    else:
+        ok, err = allclose_err(ours, theirs[T - 1 :], tol.rtol, tol.atol)
+        what = f"prefill + {ours.size(0) - 1} decode steps vs HF"
+    return CheckRow("reference", s.cache, ok, err, None, tol.words, what)
+
+
+def check_batched(s: Subject, prompts: list[list[int]], batch: Run, solo: list[Run]) -> CheckRow:
+    """Each row of the left-padded batch against the same prompt alone through the same cache; a lossy cache
+    without a token rule (whose quantisation scales may span the batch) against the no-cache forward of that
+    prompt alone on the batch's tokens."""
+    lens = [len(p) for p in prompts]
+    n = len(batch.tokens[0])
+    what = f"lengths {', '.join(map(str, lens))} left-padded together vs alone, {n} tokens"
+    by_bound = s.tol.lossy and s.tol.min_agreement is None
+    runs = (
+        []
+        if by_bound
+        else [(f"the prompt of length {m} alone", r.logits[0]) for m, r in zip(lens, solo, strict=True)]
+    )
+    broken = not_finite([*runs, ("the padded batch", batch.logits)])
+    if broken:
+        return CheckRow("batched", s.cache, False, None, None, "finite logits",
+                        f"{what}; {broken}{'' if s.cached else MODEL_ITSELF}")  # fmt: skip
+    if by_bound:
+        return _batched_by_bound(s, prompts, batch, what)
+    rows = [
+        compare_tokens(
+            "batched",
+            s.cache,
+            s.model.dtype,
+            r.tokens[0],
+            batch.tokens[b],
+            r.logits[0],
+            batch.logits[b],
+            "",
+            s.tol,
+        )  # fmt: skip
+        for b, r in enumerate(solo)
+    ]
+    bad = [b for b, r in enumerate(rows) if not r.passed]
+    firsts = [r.first_divergence for r in rows if r.first_divergence is not None]
+    if bad:
+        what += "; differs for length " + ", ".join(
+            f"{lens[b]} (from step {rows[b].first_divergence})" for b in bad
+        )
+        if 0 not in bad:  # the longest prompt has no padding
+            what += "; only padded rows differ: suspect position ids or the padding mask"
+    else:
+        what += "".join(f"; length {lens[b]}{r.detail}" for b, r in enumerate(rows) if "near-tie" in r.detail)
+        if s.tol.lossy:
+            agree = min(sum(x == y for x, y in zip(r.tokens[0], batch.tokens[b], strict=True)) / n
+                        for b, r in enumerate(solo))  # fmt: skip
+            what += f"; worst row: {agree:.0%} of {n} tokens agree"
+    err = max(r.max_abs_diff for r in rows)
+    return CheckRow(
+        "batched", s.cache, not bad, err, min(firsts) if firsts else None, rows[0].tolerance, what
+    )
+
+
+def _batched_by_bound(s: Subject, prompts: list[list[int]], batch: Run, what: str) -> CheckRow:
+    rows = [
+        bounded(
+            "batched",
+            s.cache,
+            s.tol,
+            batch.logits[b],
+            s.model.full_logits(p, batch.tokens[b])[len(p) - 1 :],
+            "",
+        )
+        for b, p in enumerate(prompts)
+    ]
+    unjudged = next((r for r, _ in rows if r.max_abs_diff is None), None)  # a reference that is not finite
+    if unjudged is not None:
+        return CheckRow("batched", s.cache, False, None, None, unjudged.tolerance, what + unjudged.detail)
+    bad = [len(prompts[b]) for b, (r, _) in enumerate(rows) if not r.passed]
+    what = what.replace("vs alone", "vs no cache alone on the same tokens")
+    what += f"; beyond the bound for length {', '.join(map(str, bad))}" if bad else ""
+    what += f"; worst step {max(rel for _, rel in rows):.1%} of its row scale"
+    err = max(r.max_abs_diff for r, _ in rows)
+    return CheckRow("batched", s.cache, not bad, err, None, s.tol.words, what)
+
+
+def check_cache_state(s: Subject, prev: list[int], prompt: list[int], fresh: Run, new: int) -> CheckRow:
+    """`prev`, then `prompt` on the same cache objects (prepared for reuse as the design does), against a fresh
+    cache for `prompt`: identical."""
+    try:
+        reused, words = s.reused(prev, prompt, new)
+    except KVBenchError as e:  # e.g. a static cache that overflows because it was never reset
+        return CheckRow("cache_state", s.cache, False, None, None, "identical tokens", f"reuse raised: {e}")
+    return compare_tokens(
+        "cache_state", s.cache, s.model.dtype, fresh.tokens[0], reused.tokens[0], fresh.logits[0],
+        reused.logits[0], f"{words} vs fresh, {new} tokens", s.tol, "a fresh cache", "the reused cache",
+    )  # fmt: skip
+
+
+# --- the driver ------------------------------------------------------------------------------------------------
+def _guarded(s: Subject, names: list[str], fn: Callable[[], list[CheckRow]]) -> list[CheckRow]:
+    try:
+        return fn()
+    except s.crashes as e:
+        why = f"the run raised {one_line(e)}"
+        return [CheckRow(n, s.cache, False, None, None, "runs without error", why) for n in names]
+
+
+def plan(s: Subject, checks: tuple[str, ...], prompts: list[list[int]], new: int, short: int) -> list[tuple]:
+    """(check names, the function producing their rows) for one subject: the single-prompt checks share one run,
+    `batched` and `cache_state` share the runs of each prompt alone; each group fails alone if it raises."""
+    prompt, solo = prompts[0], {}
+
+    def alone(i: int) -> Run:
+        if i not in solo:
+            solo[i] = s.generate([prompts[i]], short)
+        return solo[i]
+
+    def single() -> list[CheckRow]:
+        if not s.cached:
+            return [check_reference(s, prompt, None, new)]
+        res = s.generate([prompt], new)
+        checks_of = {"logits": check_logits, "greedy": check_greedy, "reference": check_reference}
+        return [checks_of[c](s, prompt, res) for c in single_names]
+
+    def batched() -> list[CheckRow]:
+        batch = s.generate(prompts, short)
+        return [check_batched(s, prompts, batch, [alone(i) for i in range(len(prompts))])]
+
+    def cache_state() -> list[CheckRow]:
+        return [check_cache_state(s, prompts[0], prompts[1], alone(1), short)]
+
+    has_ref = s.model.reference_name is not None
+    wanted = [c for c in ("logits", "greedy") if s.cached] + (["reference"] if has_ref else [])
+    single_names = [c for c in wanted if c in checks]
+    groups = [(single_names, single), (["batched"], batched)]
+    groups += [(["cache_state"], cache_state)] if s.cached else []
+    return [(names, fn) for names, fn in groups if names and all(n in checks for n in names)]
+
+
+def run_checks(
+    subjects: list[Subject], prompts: list[list[int]], new_tokens: int, checks: tuple[str, ...],
+    short_tokens: int = SHORT_TOKENS, on_row: Callable[[CheckRow], None] | None = None,
+) -> list[CheckRow]:  # fmt: skip
+    """Every check in `checks` for every subject on `prompts` (prompts[0] is the single-prompt checks' prompt and
+    cache_state's first; prompts[1] its second; all of them form the batch), rows passed to `on_row` as they come."""
+    rows: list[CheckRow] = []
+
+    def add(row: CheckRow) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
+    short = min(short_tokens, new_tokens)
+    for s in subjects:
+        why = s.unavailable()
+        if why:
+            add(skipped(s.cache, why))
+            continue
+        for names, fn in plan(s, checks, prompts, new_tokens, short):
+            for row in _guarded(s, names, fn):
+                add(row)
+    return rows
+
+
+def validate_run(prompts: list[list[int]], new_tokens: int) -> None:
+    """What every check suite run needs: a decode step, and prompts of different lengths for `batched`."""
+    if new_tokens < 2:
+        raise KVBenchError(
+            f"--new-tokens must be >= 2 (the logits check needs a decode step), got {new_tokens}"
+        )
+    lens = [len(p) for p in prompts]
+    if len(prompts) < 2 or len(set(lens)) < 2:
+        raise KVBenchError(f"the batched check needs >= 2 prompts of different lengths, got lengths {lens}")
+
+
+def prompts_note(prompts: list[list[int]], new_tokens: int, short_tokens: int, has_ref: bool) -> str:
+    """What each check ran on, in one line."""
+    lens = ", ".join(str(len(p)) for p in prompts)
+    single = ["logits", "greedy"] + (["reference"] if has_ref else [])
+    named = " and ".join([", ".join(single[:-1]), single[-1]]) if len(single) > 1 else single[0]
+    return (
+        f"{len(prompts)} seeded prompts of lengths {lens}; {named} use the first with {new_tokens} new tokens; "
+        f"batched and cache_state use {min(short_tokens, new_tokens)} new tokens"
+    )
