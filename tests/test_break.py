@@ -7,7 +7,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvbench.check.faults import FAULTS, break_fault, get_fault, mask_signature
+from kvbench.check.breaking import break_fault
+from kvbench.check.faults import FAULTS, get_fault, mask_signature
 from kvbench.check.verify import random_prompts, run_verify
 from kvbench.cli import app
 from kvbench.decode.generate import generate

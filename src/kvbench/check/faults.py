@@ -7,23 +7,20 @@ Each fault is a buggy rule or a buggy cache, passed from outside into the very l
     padding         RightPadding          right padding, positions 0..T-1, no padding mask; logits at [:, -1]
     reset           NoReset               caches reused for a new prompt without reset()
     static-pointer  PointerOneShort       a StaticCache whose write pointer is left on the last written slot
-For each, `break_fault` runs the correct and the faulty path side by side, measures the bug's signature, runs every
-`verify` check with the fault injected, and shows the bug dormant where it cannot fire.
+Each fault's `demo` runs the correct and the faulty path side by side and measures the bug's signature;
+check/breaking.py runs every `verify` check with the fault injected.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvbench.caches.static import StaticCache
-from kvbench.check.gpt2_subject import fresh_caches, full_logits, run
-from kvbench.check.judge import CheckRow, first_diff, not_finite
-from kvbench.check.suite import CHECKS
-from kvbench.check.verify import run_verify
+from kvbench.check.gpt2_subject import fresh_caches, run
 from kvbench.decode.generate import (
     EXACT,
     PAD_ID,
@@ -299,84 +296,17 @@ def parse_fault_names(name: str) -> list[str]:
     return list(FAULTS) if name.strip() == "all" else [get_fault(name).name]
 
 
-@dataclass
-class BreakResult:
-    name: str
-    summary: str
-    cache: str
-    detected: bool  # at least one verify check failed with the fault in
-    caught_by: list[str]  # the checks that failed
-    first_divergence: int | None  # first generated step where faulty and correct tokens differ
-    correct_tokens: list[int]
-    faulty_tokens: list[int]
-    signature: str  # the documented signature plus what was measured here
-    fix: str
-    where: str
-    dormant_where: str
-    dormant_shown: str  # the dormant run, done: what it produced
-    checks: list[CheckRow] = field(default_factory=list)
-    correct_text: str | None = None  # decoded, when a tokenizer is available
-    faulty_text: str | None = None
-
-
-def require_finite(model: GPT, prompts: list[list[int]], new_tokens: int, cache: str) -> None:
-    """The correct path's logits on these prompts must be finite: with NaN or inf logits every verify check fails
-    for that reason alone, so a fault would look caught when nothing was shown. One line saying which is not finite:
-    the model itself (no cache), or only the cache carrying the faults."""
-    res = run(model, prompts, new_tokens, cache)
-    broken = not_finite([(f"the correct run through the {cache} cache", torch.stack(res.logits))])
-    if broken is None:
-        return
-    itself = not_finite([("its no-cache forward", full_logits(model, prompts[0], res.tokens[0]))])
-    if itself or cache == "none":
+def select_faults(name: str, cache: str | None) -> tuple[list[str], list[str]]:
+    """(the faults `name` runs on `cache`, those skipped because they live inside another cache design). A single
+    fault that cannot run on `cache` is refused."""
+    names = parse_fault_names(name)
+    if cache is None:
+        return names, []
+    if cache == "none":
+        raise KVBenchError("--cache none: the faults live in cached decoding; name a cache")
+    skipped = [n for n in names if not FAULTS[n].applies_to(cache)]
+    if skipped and name.strip() != "all":
         raise KVBenchError(
-            f"the clean model is not finite: with no fault injected, {itself or broken}; every verify check would "
-            "fail for that reason alone, so no fault can be shown caught (check the weights)"
+            f"the {name} fault lives in the {FAULTS[name].cache} cache; it cannot run on {cache!r}"
         )
-    raise KVBenchError(
-        f"with no fault injected, {broken}, while the model's no-cache forward is finite: that cache itself is "
-        f"broken, so no fault can be shown caught on it (kvbench verify --caches {cache} shows where)"
-    )
-
-
-def break_fault(
-    model: GPT, name: str, prompts: list[list[int]], new_tokens: int, reference: str = "hf",
-    hf_dir: str | None = None, decode: Callable[[list[int]], str] | None = None, cache: str | None = None,
-) -> BreakResult:  # fmt: skip
-    """Run fault `name` against the correct path (its `demo`), run every verify check with the fault in, and show
-    it dormant where it cannot fire. `cache`: the cache to carry the fault (default: the fault's own; any cache,
-    plugins included, for faults that live outside the cache)."""
-    f = get_fault(name)
-    cache = cache or f.cache
-    if not f.applies_to(cache):
-        raise KVBenchError(
-            f"the {name} fault lives in the {f.cache} cache itself; it cannot be run on {cache!r}"
-        )
-    if f.batched and (len(prompts) < 2 or len({len(p) for p in prompts}) < 2):
-        raise KVBenchError(
-            f"the {name} fault needs a batch of >= 2 prompts of different lengths (got lengths "
-            f"{[len(p) for p in prompts]}): with one prompt, or equal lengths, nothing is padded and the bug is dormant"
-        )
-    require_finite(model, prompts, new_tokens, cache)
-    correct, faulty, shown, signature = f.demo(model, f, prompts, new_tokens, cache)
-    report = run_verify(model, [cache], prompts, new_tokens, reference, hf_dir, fault=f)
-    caught = [r.name for r in report.checks if not r.passed]
-    caught_by = [c for c in CHECKS if c in caught]
-    return BreakResult(
-        name=name,
-        summary=f.summary,
-        cache=cache,
-        detected=bool(caught_by),
-        caught_by=caught_by,
-        first_divergence=first_diff(correct, faulty),
-        correct_tokens=correct,
-        faulty_tokens=faulty,
-        signature=signature,
-        fix=f.fix,
-        where=f.where,
-        dormant_where=f.dormant_where,
-        dormant_shown=shown,
-        checks=report.checks,
-        correct_text=decode(correct) if decode else None,
-        faulty_text=decode(faulty) if decode else None,
-    )
+    return [n for n in names if n not in skipped], skipped

@@ -24,41 +24,35 @@ from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
 from kvbench.console import err, line, out, styled, table
 from kvbench.errors import KVBenchError
 
+CachesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--caches",
+        "-c",
+        help="Comma-separated caches to check (default: all). With --hf: none, dynamic, static, "
+        "static-compiled, offloaded, offloaded_static, quantized-quanto, quantized-hqq, quantized-fp8.",
+    ),
+]
+PromptLenOpt = Annotated[int, typer.Option("--prompt-len", help="Tokens in the longest prompt.")]
+NewTokensOpt = Annotated[
+    int, typer.Option("--new-tokens", "-n", help="Greedy tokens for logits/greedy/reference.")
+]
+BatchOpt = Annotated[
+    int, typer.Option("--batch", help="Prompts of different lengths in the batched check (>= 2).")
+]
+ReferenceOpt = Annotated[
+    str, typer.Option("--reference", help="hf: also check against transformers' GPT2LMHeadModel; none: skip.")
+]
+
 
 @app.command()
 @handle_errors
 def verify(
-    caches: Annotated[
-        str | None,
-        typer.Option(
-            "--caches",
-            "-c",
-            help="Comma-separated caches to check (default: all). With --hf: none, dynamic, static, "
-            "static-compiled, offloaded, offloaded_static, quantized-quanto, quantized-hqq, quantized-fp8.",
-        ),
-    ] = None,
-    prompt_len: Annotated[int, typer.Option("--prompt-len", help="Tokens in the longest prompt.")] = 32,
-    new_tokens: Annotated[
-        int, typer.Option("--new-tokens", "-n", help="Greedy tokens for logits/greedy/reference.")
-    ] = 100,
-    batch: Annotated[
-        int, typer.Option("--batch", help="Prompts of different lengths in the batched check (>= 2).")
-    ] = 3,
-    reference: Annotated[
-        str,
-        typer.Option("--reference", help="hf: also check against transformers' GPT2LMHeadModel; none: skip."),
-    ] = "hf",
-    model: ModelOpt = None,
-    weights: WeightsOpt = "auto",
-    device: DeviceOpt = "auto",
-    dtype: str = _dtype_opt("fp32"),
-    seed: SeedOpt = 0,
-    compile: CompileOpt = "off",
-    json_out: JsonOpt = False,
-    hf: HFOpt = None,
-    trust_remote_code: TrustOpt = False,
-    layers: LayersOpt = None,
-) -> None:
+    caches: CachesOpt = None, prompt_len: PromptLenOpt = 32, new_tokens: NewTokensOpt = 100, batch: BatchOpt = 3,
+    reference: ReferenceOpt = "hf", model: ModelOpt = None, weights: WeightsOpt = "auto", device: DeviceOpt = "auto",
+    dtype: str = _dtype_opt("fp32"), seed: SeedOpt = 0, compile: CompileOpt = "off", json_out: JsonOpt = False,
+    hf: HFOpt = None, trust_remote_code: TrustOpt = False, layers: LayersOpt = None,
+) -> None:  # fmt: skip
     """Prove cached decoding equals full recomputation, for every cache, against Hugging Face.
 
     With --hf SOURCE: the same checks on any Hugging Face causal LM, for each of transformers' own caches, against

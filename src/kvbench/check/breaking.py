@@ -1,0 +1,120 @@
+"""`kvbench break`'s harness: each fault (check/faults.py) run against the correct path, its signature measured,
+every verify check run with it injected, and the bug shown dormant where it cannot fire."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbench.check.faults import get_fault
+from kvbench.check.gpt2_subject import full_logits, run
+from kvbench.check.judge import CheckRow, first_diff, not_finite
+from kvbench.check.suite import CHECKS
+from kvbench.check.verify import random_prompts, run_verify
+from kvbench.errors import KVBenchError
+from kvbench.model.gpt2 import GPT
+
+BREAK_PROMPTS = (
+    "The key to fast inference is",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "The capital of France is Paris, and the capital of Italy is",
+)
+
+
+@dataclass
+class BreakResult:
+    name: str
+    summary: str
+    cache: str
+    detected: bool  # at least one verify check failed with the fault in
+    caught_by: list[str]  # the checks that failed
+    first_divergence: int | None  # first generated step where faulty and correct tokens differ
+    correct_tokens: list[int]
+    faulty_tokens: list[int]
+    signature: str  # the documented signature plus what was measured here
+    fix: str
+    where: str
+    dormant_where: str
+    dormant_shown: str  # the dormant run, done: what it produced
+    checks: list[CheckRow] = field(default_factory=list)
+    correct_text: str | None = None  # decoded, when a tokenizer is available
+    faulty_text: str | None = None
+
+
+def require_finite(model: GPT, prompts: list[list[int]], new_tokens: int, cache: str) -> None:
+    """The correct path's logits on these prompts must be finite: with NaN or inf logits every verify check fails
+    for that reason alone, so a fault would look caught when nothing was shown. One line saying which is not finite:
+    the model itself (no cache), or only the cache carrying the faults."""
+    res = run(model, prompts, new_tokens, cache)
+    broken = not_finite([(f"the correct run through the {cache} cache", torch.stack(res.logits))])
+    if broken is None:
+        return
+    itself = not_finite([("its no-cache forward", full_logits(model, prompts[0], res.tokens[0]))])
+    if itself or cache == "none":
+        raise KVBenchError(
+            f"the clean model is not finite: with no fault injected, {itself or broken}; every verify check would "
+            "fail for that reason alone, so no fault can be shown caught (check the weights)"
+        )
+    raise KVBenchError(
+        f"with no fault injected, {broken}, while the model's no-cache forward is finite: that cache itself is "
+        f"broken, so no fault can be shown caught on it (kvbench verify --caches {cache} shows where)"
+    )
+
+
+def break_fault(
+    model: GPT, name: str, prompts: list[list[int]], new_tokens: int, reference: str = "hf",
+    hf_dir: str | None = None, decode: Callable[[list[int]], str] | None = None, cache: str | None = None,
+) -> BreakResult:  # fmt: skip
+    """Run fault `name` against the correct path (its `demo`), run every verify check with the fault in, and show
+    it dormant where it cannot fire. `cache`: the cache to carry the fault (default: the fault's own; any cache,
+    plugins included, for faults that live outside the cache)."""
+    f = get_fault(name)
+    cache = cache or f.cache
+    if not f.applies_to(cache):
+        raise KVBenchError(
+            f"the {name} fault lives in the {f.cache} cache itself; it cannot be run on {cache!r}"
+        )
+    if f.batched and (len(prompts) < 2 or len({len(p) for p in prompts}) < 2):
+        raise KVBenchError(
+            f"the {name} fault needs a batch of >= 2 prompts of different lengths (got lengths "
+            f"{[len(p) for p in prompts]}): with one prompt, or equal lengths, nothing is padded and the bug is dormant"
+        )
+    require_finite(model, prompts, new_tokens, cache)
+    correct, faulty, shown, signature = f.demo(model, f, prompts, new_tokens, cache)
+    report = run_verify(model, [cache], prompts, new_tokens, reference, hf_dir, fault=f)
+    caught = [r.name for r in report.checks if not r.passed]
+    caught_by = [c for c in CHECKS if c in caught]
+    return BreakResult(
+        name=name,
+        summary=f.summary,
+        cache=cache,
+        detected=bool(caught_by),
+        caught_by=caught_by,
+        first_divergence=first_diff(correct, faulty),
+        correct_tokens=correct,
+        faulty_tokens=faulty,
+        signature=signature,
+        fix=f.fix,
+        where=f.where,
+        dormant_where=f.dormant_where,
+        dormant_shown=shown,
+        checks=report.checks,
+        correct_text=decode(correct) if decode else None,
+        faulty_text=decode(faulty) if decode else None,
+    )
+
+
+def break_prompts(tok, vocab: int, prompt: str | None, batch: int, seed: int) -> list[list[int]]:
+    """`batch` prompts of at least two lengths, prompts[0] the one shown: the built-in texts (the first replaced by
+    `prompt`) through `tok` when it covers the model's vocabulary, else seeded random ids, shortest first."""
+    if tok is None or vocab < tok.eot_id + 1:
+        return random_prompts(vocab, 24, batch, seed)[::-1]
+    texts = ([prompt or BREAK_PROMPTS[0], *BREAK_PROMPTS[1:]] * batch)[:batch]
+    prompts = [tok.encode(t) for t in texts]
+    if not prompts[0]:
+        raise KVBenchError("--prompt encodes to zero tokens")
+    if len({len(p) for p in prompts}) < 2:
+        prompts[1] = prompts[1] + prompts[0]  # the batch needs two different lengths
+    return prompts
