@@ -1,4 +1,4 @@
-"""The registry of injected KV-cache bugs behind `kvbench break`, and the harness that runs each against `verify`.
+"""The registry of injected KV-cache bugs behind `kvbench break`.
 
 Each fault is a buggy rule or a buggy cache, passed from outside into the very loop `generate` runs (its
 `DecodeRules`, decode/generate.py): the loop, the model and the caches hold no fault switch.
@@ -7,6 +7,10 @@ Each fault is a buggy rule or a buggy cache, passed from outside into the very l
     padding         RightPadding          right padding, positions 0..T-1, no padding mask; logits at [:, -1]
     reset           NoReset               caches reused for a new prompt without reset()
     static-pointer  PointerOneShort       a StaticCache whose write pointer is left on the last written slot
+    stale-rollback  StaleCrop             a DynamicCache whose crop lowers the count but keeps the rejected columns
+    aliased-fork    AliasedFork           a StaticCache whose fork shares its storage
+    reorder-keys-only  KeysOnlyReorder    a StaticCache whose reorder moves K rows but not V rows
+    chunk-causal    ChunkCausal           SDPA's causal flag for a chunk of T > 1 queries over past + T keys
 Each fault's `demo` runs the correct and the faulty path side by side and measures the bug's signature;
 check/breaking.py runs every `verify` check with the fault injected.
 """
@@ -19,8 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvbench.caches.dynamic import DynamicCache
 from kvbench.caches.static import StaticCache
-from kvbench.check.gpt2_subject import fresh_caches, run
+from kvbench.check.gpt2_subject import GPT2Model, GPT2Subject, fresh_caches, run
+from kvbench.check.lifecycle import SCENARIOS
 from kvbench.decode.generate import (
     EXACT,
     PAD_ID,
@@ -89,6 +95,48 @@ class PointerOneShort(StaticCache):
 
 def _pointer_one_short(c: GPTConfig, batch: int, max_len: int, dtype, device) -> StaticCache:
     return PointerOneShort(batch, c.n_head, max_len, c.head_dim, dtype, device)
+
+
+class StaleCrop(DynamicCache):
+    """BUG on purpose: crop lowers the count but keeps the rejected columns, so attention still reads them."""
+
+    def crop(self, length: int) -> None:
+        self.length = length
+
+
+class AliasedFork(StaticCache):
+    """BUG on purpose: fork returns a cache over the same storage, so one continuation writes into the other."""
+
+    def fork(self) -> StaticCache:
+        twin = StaticCache.__new__(StaticCache)
+        twin.__dict__.update(self.__dict__)  # the same k and v tensors: views, not copies
+        return twin
+
+
+class KeysOnlyReorder(StaticCache):
+    """BUG on purpose: reorder moves the rows of K but not those of V."""
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.k = self.k.index_select(0, index)
+
+
+class ChunkCausal(MaskRule):
+    """BUG on purpose: SDPA's causal flag for a block of T > 1 queries over past + T keys (a chunk after the first,
+    a block of draft tokens). SDPA aligns it top-left, so the block attends to the first keys, not its own past."""
+
+    def adjust(self, T, S, attn_mask, is_causal):
+        return (None, True) if 1 < T < S else (attn_mask, is_causal)
+
+
+def _layer(cls) -> Callable:
+    """The layer-cache factory (config, batch, max_len, dtype, device) of a buggy subclass."""
+
+    def make(c: GPTConfig, batch: int, max_len: int, dtype, device):
+        if issubclass(cls, DynamicCache):
+            return cls()
+        return cls(batch, c.n_head, max_len, c.head_dim, dtype, device)
+
+    return make
 
 
 @dataclass(frozen=True)
@@ -227,6 +275,23 @@ def demo_mask(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: s
     return correct, faulty, _dormant_without_cache(model, f, prompt, new, correct), signature
 
 
+def demo_lifecycle(check: str) -> Callable[..., tuple]:
+    """A lifecycle fault shown by its check's own scenario (check/lifecycle.py) with the correct cache and with the
+    faulty one; dormant: plain generation, which never crops, forks or reorders (nor writes a chunk after a prefix)."""
+
+    def demo(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: str) -> tuple:
+        target = GPT2Model(model, reference="none")
+        short = min(new, 16)
+        correct = SCENARIOS[check](GPT2Subject(target, cache), prompts, short).tokens
+        faulty = SCENARIOS[check](GPT2Subject(target, cache, f), prompts, short).tokens
+        plain = run(model, [prompts[0]], new, cache).tokens[0]
+        dormant = run(model, [prompts[0]], new, cache, f).tokens[0]
+        shown = f"plain generate through the faulty code gives the correct tokens: {dormant == plain}"
+        return correct, faulty, shown, f"{f.signature}; shown: the {check} scenario's greedy tokens"
+
+    return demo
+
+
 # One registry of faults: CLI choices, `break all` and test parametrisation iterate this dict.
 FAULTS: dict[str, Fault] = {
     "position": Fault(
@@ -281,6 +346,51 @@ FAULTS: dict[str, Fault] = {
         any_cache=False,
         layer_cache=_pointer_one_short,
         demo=demo_pointer,
+    ),
+    "stale-rollback": Fault(
+        "stale-rollback",
+        "crop lowers the count but attention still reads the rejected draft slots",
+        "the cache's crop (a DynamicCache subclass, StaleCrop)",
+        "after a rejected draft the next steps attend to tokens that were never accepted",
+        "crop drops the columns past `length` (or a fixed buffer masks them); the next write lands at `length`",
+        "every run that never rolls back: plain generate, and speculative decoding that accepts every draft",
+        any_cache=False,
+        layer_cache=_layer(StaleCrop),
+        demo=demo_lifecycle("rollback"),
+    ),
+    "aliased-fork": Fault(
+        "aliased-fork",
+        "fork returns a cache over the same storage",
+        "the cache's fork (a StaticCache subclass, AliasedFork)",
+        "two continuations of one prefix overwrite each other's K/V: both go wrong after their first step",
+        "fork copies the buffers (or shares them copy-on-write, copying before the first write)",
+        "a prefix reused once, with the original never written again, and every run that never forks",
+        cache="static",
+        any_cache=False,
+        layer_cache=_layer(AliasedFork),
+        demo=demo_lifecycle("fork"),
+    ),
+    "reorder-keys-only": Fault(
+        "reorder-keys-only",
+        "beam reorder moves the rows of K but not those of V",
+        "the cache's reorder (a StaticCache subclass, KeysOnlyReorder)",
+        "after the first reorder a beam attends with its own keys to another beam's values",
+        "reorder every per-row buffer (K, V, scales, block tables) with the same index",
+        "greedy and sampling without beams, and a reorder that keeps every row in place (index 0..B-1)",
+        cache="static",
+        any_cache=False,
+        layer_cache=_layer(KeysOnlyReorder),
+        demo=demo_lifecycle("reorder"),
+    ),
+    "chunk-causal": Fault(
+        "chunk-causal",
+        "SDPA's causal flag for a chunk written after cached tokens",
+        "the mask attention hands SDPA (model.MaskRule), for a block of T > 1 queries over past + T keys",
+        "SDPA aligns the non-square causal mask top-left: the chunk attends to the first keys, not its own past",
+        "a causal mask aligned bottom-right (query i reads keys <= past + i), or is_causal only when T == S",
+        "a prompt prefilled in one call and one-token decode steps: plain generate never writes a chunk after a prefix",
+        rules=DecodeRules(mask=ChunkCausal()),
+        demo=demo_lifecycle("chunked_prefill"),
     ),
 }
 

@@ -18,9 +18,10 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from kvbench.caches import get_cache_spec, make_caches
+from kvbench.caches.base import LayerCache
 from kvbench.check.judge import tolerance
 from kvbench.check.subject import NoCache, Run
-from kvbench.decode.generate import DecodeRules, GenerationResult, generate
+from kvbench.decode.generate import EXACT, DecodeRules, GenerationResult, generate
 from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPT
 from kvbench.model.weights import to_hf_model
@@ -157,3 +158,50 @@ class GPT2Subject:
         run(gpt, [prev], new, self.cache, self.fault, caches, self.compile)
         res = run(gpt, [prompt], new, self.cache, self.fault, caches, self.compile)  # generate resets them
         return as_run(res), "reused after another prompt"
+
+    def open(self, batch: int, max_len: int) -> GPT2Session:
+        return GPT2Session(self, fresh_caches(self.model.gpt, self.cache, batch, max_len, self.fault))
+
+    def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
+        layer = fresh_caches(self.model.gpt, self.cache, 1, 1, self.fault)[0]
+        lacks = [m for m in members if _lacks(layer, m)]
+        return (
+            f"{type(layer).__name__} has no {', '.join(lacks)} (an optional member of the cache contract)"
+            if lacks
+            else None
+        )
+
+
+def _lacks(layer, member: str) -> bool:
+    """The layer cache does not implement `member` (absent, or the contract's base left as it is)."""
+    impl = getattr(type(layer), member, None)
+    return impl is None or impl is getattr(LayerCache, member, None)
+
+
+class GPT2Session:
+    """Our GPT-2 driven one forward at a time over its own caches, positions past + arange(T) per call."""
+
+    def __init__(self, subject: GPT2Subject, caches: list) -> None:
+        self.subject, self.caches = subject, caches
+        self.gpt = subject.model.gpt
+        self.rules = subject.fault.rules if subject.fault is not None else EXACT
+
+    @torch.inference_mode()
+    def forward(self, ids: list[list[int]]) -> torch.Tensor:
+        device = self.gpt.lm_head.weight.device
+        x = torch.tensor(ids, device=device)  # (B, T)
+        past = self.caches[0].length
+        pos = (past + torch.arange(x.size(1), device=device)).expand_as(x)  # (B, T)
+        return self.gpt(x, pos, self.caches, mask_rule=self.rules.mask).float().cpu()  # (B, T, V)
+
+    def crop(self, length: int) -> None:
+        for c in self.caches:
+            c.crop(length)
+
+    def fork(self) -> GPT2Session:
+        return GPT2Session(self.subject, [c.fork() for c in self.caches])
+
+    def reorder(self, index: list[int]) -> None:
+        idx = torch.tensor(index, device=self.gpt.lm_head.weight.device)
+        for c in self.caches:
+            c.reorder(idx)

@@ -8,10 +8,13 @@ through `generate` exactly as a user calls it, with the cache selected by name.
 
 from __future__ import annotations
 
+import copy
+import inspect
+
 import torch
 
 from kvbench.check.judge import tolerance
-from kvbench.check.subject import NoCache, Run
+from kvbench.check.subject import NoCache, Run, Unsupported
 from kvbench.hf.caches import HF_CACHES, generate_kwargs, reuse_kwargs
 from kvbench.hf.models import LoadedHF, cache_kwarg, returned_cache
 
@@ -105,3 +108,64 @@ class HFSubject:
         return generate_run(
             self.model.loaded, [prompt], new, **kw
         ), f"a {type(obj).__name__} reset() and reused"
+
+    def open(self, batch: int, max_len: int) -> HFSession:
+        return HFSession(self.model, self.spec.build(self.model.loaded.model, max_len))
+
+    def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
+        obj = self.spec.build(self.model.loaded.model, 8)
+        lacks = [m for m in members if m in HF_MEMBER and not hasattr(obj, HF_MEMBER[m])]
+        return f"{type(obj).__name__} has no {', '.join(HF_MEMBER[m] for m in lacks)}" if lacks else None
+
+
+# What transformers users call for each lifecycle operation (a fork is `copy.deepcopy`, which every cache takes).
+HF_MEMBER = {"crop": "crop", "reorder": "reorder_cache"}
+
+
+def crop_to(cache, length: int, held: int) -> None:
+    """`Cache.crop` to `length` tokens: transformers 5.2x takes the tokens to remove as a negative number, earlier
+    releases the length to keep."""
+    name = next(iter(inspect.signature(cache.crop).parameters))
+    cache.crop(length - held if name == "tokens_to_remove" else length)
+
+
+class HFSession:
+    """A Hugging Face model driven one forward at a time over one transformers Cache object, no padding: the model
+    places each call after what the cache holds and builds its own causal mask and positions (releases whose forward
+    takes `cache_position` are given it)."""
+
+    def __init__(self, model: HFModel, cache, held: int = 0) -> None:
+        self.model, self.cache, self.held = model, cache, held
+        if hasattr(cache, "layers"):
+            for layer in cache.layers:  # sliding-window layers keep what a rollback across the window needs
+                if hasattr(layer, "activate_past_recording"):
+                    layer.activate_past_recording()
+
+    @torch.no_grad()
+    def forward(self, ids: list[list[int]]) -> torch.Tensor:
+        x = torch.tensor(ids, device=self.model.device)  # (B, T)
+        pos = torch.arange(self.held, self.held + x.size(1), device=self.model.device)
+        kw = {cache_kwarg(): self.cache, "use_cache": True}
+        if "cache_position" in inspect.signature(self.model.loaded.model.forward).parameters:
+            kw["cache_position"] = pos
+        out = self.model.loaded.model(input_ids=x, **kw)
+        self.held += x.size(1)
+        return out.logits.float().cpu()  # (B, T, V)
+
+    def crop(self, length: int) -> None:
+        if getattr(self.cache, "is_croppable", True) is False:
+            layers = sorted(
+                {type(x).__name__ for x in getattr(self.cache, "layers", []) if not x.is_croppable}
+            )
+            raise Unsupported(
+                f"transformers declares this {type(self.cache).__name__} not croppable after {self.held} tokens "
+                f"(Cache.is_croppable False: {', '.join(layers)} evicted what a rollback would need)"
+            )
+        crop_to(self.cache, length, self.held)
+        self.held = length
+
+    def fork(self) -> HFSession:
+        return HFSession(self.model, copy.deepcopy(self.cache), self.held)
+
+    def reorder(self, index: list[int]) -> None:
+        self.cache.reorder_cache(torch.tensor(index, device=self.model.device))

@@ -17,12 +17,13 @@ import torch
 
 from kvbench.check.hf_subject import HFModel, HFSubject
 from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
+from kvbench.check.lifecycle import LIFECYCLE
 from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks, validate_run
 from kvbench.devices import dtype_name
 from kvbench.hf.caches import HF_CACHES
 from kvbench.hf.models import HFModelInfo, LoadedHF, check_length, quiet_transformers
 
-CHECKS = ("logits", "greedy", "batched", "cache_state")
+CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)
 
 
 def run_hf_verify(

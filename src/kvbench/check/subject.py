@@ -13,6 +13,10 @@ import torch
 from kvbench.check.judge import Tolerance
 
 
+class Unsupported(Exception):
+    """An operation the cache's own library declares it cannot do at this point: the check is a skip row saying so."""
+
+
 @dataclass
 class Run:
     """A greedy run: what each sequence generated and the logits each token was chosen from."""
@@ -54,6 +58,23 @@ class Model(Protocol):
         """Any N tokens that follow `prompt` (the no-cache path is held to the reference over them)."""
 
 
+class Session(Protocol):
+    """One live cache of a subject, driven a forward at a time (the lifecycle checks)."""
+
+    def forward(self, ids: list[list[int]]) -> torch.Tensor:
+        """Write (B, T) tokens after what the cache holds, every row the same count; (B, T, V) fp32 logits on the
+        CPU."""
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` columns (speculative decoding's rollback)."""
+
+    def fork(self) -> Session:
+        """An independent session holding the same tokens (prefix reuse)."""
+
+    def reorder(self, index: list[int]) -> None:
+        """Hold rows `index` of the batch, in that order (beam search)."""
+
+
 class Subject(Protocol):
     """One model with one cache design, as a check drives it."""
 
@@ -73,3 +94,9 @@ class Subject(Protocol):
     def reused(self, prev: list[int], prompt: list[int], new: int) -> tuple[Run, str]:
         """Generate for `prev`, then for `prompt` on the same cache objects, prepared for reuse as this design
         does; the run for `prompt` and what was reused, in words."""
+
+    def open(self, batch: int, max_len: int) -> Session:
+        """A fresh cache for `batch` rows of up to `max_len` tokens."""
+
+    def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
+        """Why the operations `members` cannot run on this cache (a skip row), or None."""

@@ -28,10 +28,11 @@ from kvbench.check.judge import (
     not_finite,
     skipped,
 )
+from kvbench.check.lifecycle import LIFECYCLE, lifecycle_rows
 from kvbench.check.subject import Run, Subject
 from kvbench.errors import KVBenchError, one_line
 
-CHECKS = ("logits", "greedy", "reference", "batched", "cache_state")
+CHECKS = ("logits", "greedy", "reference", "batched", "cache_state", *LIFECYCLE)
 SHORT_TOKENS = 16  # new tokens in the batched and cache_state checks (each runs several generations)
 
 
@@ -220,6 +221,7 @@ def plan(s: Subject, checks: tuple[str, ...], prompts: list[list[int]], new: int
     single_names = [c for c in wanted if c in checks]
     groups = [(single_names, single), (["batched"], batched)]
     groups += [(["cache_state"], cache_state)] if s.cached else []
+    groups += [([c], lambda c=c: lifecycle_rows(s, c, prompts, short)) for c in LIFECYCLE if s.cached]
     return [(names, fn) for names, fn in groups if names and all(n in checks for n in names)]
 
 

@@ -1,0 +1,173 @@
+"""The lifecycle checks: what a real decoder does to its cache besides appending, written once against a subject's
+live cache (`Session`, check/subject.py).
+
+    rollback         prefill, decode, write a block of draft tokens in one forward, crop back to accept only some of
+                     them (speculative decoding), continue; then crop to 0 and start over on another prompt
+    fork             prefill a shared prefix once, fork it, continue two different suffixes in the two copies, their
+                     steps interleaved (a copy that aliases its original shows at once)
+    reorder          a batch of beams where each step keeps and repeats rows ([1, 1, 0], then [2, 0, 1])
+    chunked_prefill  the prompt written in chunks (one token at a time, 7 at a time) against all at once
+
+Every logit a session produces is compared with one no-cache forward over the sequence that row holds at that
+point (teacher-forced: the tokens are those the cached run chose, so a wrong cache also shows as wrong tokens in the
+detail). Exact caches: the suite's tolerance (fp32: 1e-5 of the row scale); lossy ones: their own bound. A cache that
+lacks an operation is a skip row naming it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.check.judge import CheckRow, allclose_err, first_off, not_finite, skipped
+from kvbench.check.subject import Session, Subject, Unsupported
+
+LIFECYCLE = ("rollback", "fork", "reorder", "chunked_prefill")
+NEEDS = {"rollback": ("crop",), "fork": ("fork",), "reorder": ("reorder",), "chunked_prefill": ()}
+
+
+class Trace:
+    """What a scenario produced: per logit row, the sequence it predicts the next token of, and the row itself."""
+
+    def __init__(self) -> None:
+        self.seqs: list[list[int]] = []
+        self.rows: list[torch.Tensor] = []
+        self.tokens: list[int] = []  # the greedy tokens the scenario chose, for the detail and break's demo
+
+    def add(self, history: list[int], logits: torch.Tensor) -> None:
+        """`logits` (T, V) of the last T tokens of `history` (each row predicts the token after its prefix)."""
+        T = logits.size(0)
+        for i in range(T):
+            self.seqs.append(history[: len(history) - T + i + 1])
+            self.rows.append(logits[i])
+
+
+def _step(session: Session, trace: Trace, histories: list[list[int]], new: list[list[int]]) -> list[int]:
+    """Write `new[b]` (the same count per row) after histories[b]; record each row's logits; return each row's
+    greedy next token. Histories are extended in place."""
+    logits = session.forward(new)  # (B, T, V)
+    for b, h in enumerate(histories):
+        h.extend(new[b])
+        trace.add(h, logits[b])
+    return logits[:, -1].argmax(-1).tolist()
+
+
+def _decode(session: Session, trace: Trace, history: list[int], first: int, n: int) -> int:
+    """n greedy steps of one row starting with token `first`; returns the next token."""
+    tok = first
+    for _ in range(n):
+        tok = _step(session, trace, [history], [[tok]])[0]
+        trace.tokens.append(tok)
+    return tok
+
+
+def rollback(s: Subject, prompts: list[list[int]], new: int) -> Trace:
+    trace, prompt, other = Trace(), prompts[0], prompts[1]
+    session = s.open(1, len(prompt) + 3 * new + 8)
+    hist = []
+    tok = _step(session, trace, [hist], [prompt])[0]
+    tok = _decode(session, trace, hist, tok, max(2, new // 4))
+    draft = [tok, *prompt[1:6]]  # one forward over 6 draft tokens, as a prompt lookup proposes them
+    _step(session, trace, [hist], [draft])
+    keep = len(hist) - len(draft) + 3  # accept the first 3 draft tokens, forget 3
+    session.crop(keep)
+    del hist[keep:]
+    _decode(session, trace, hist, draft[3], max(2, new // 2))
+    session.crop(0)
+    hist = []
+    tok = _step(session, trace, [hist], [other])[0]
+    _decode(session, trace, hist, tok, 3)
+    return trace
+
+
+def fork(s: Subject, prompts: list[list[int]], new: int) -> Trace:
+    trace, prompt = Trace(), prompts[0]
+    original = s.open(1, len(prompt) + 2 * new + 2)
+    base: list[int] = []
+    tok = _step(original, trace, [base], [prompt])[0]
+    copy = original.fork()
+    a, b = list(base), list(base)
+    ta, tb = tok, prompts[1][0]  # two different continuations
+    for _ in range(max(2, new // 2)):  # interleaved: a write to either would show in the other at once
+        tb = _step(copy, trace, [b], [[tb]])[0]
+        ta = _step(original, trace, [a], [[ta]])[0]
+        trace.tokens.append(ta)
+    return trace
+
+
+def reorder(s: Subject, prompts: list[list[int]], new: int) -> Trace:
+    trace, T = Trace(), len(prompts[-1])
+    beams = [list(p[-T:]) for p in (prompts * 3)[:3]]  # three rows of one length: no padding
+    beams[-1] = beams[-1][::-1]  # distinct rows even from two prompts
+    session = s.open(3, T + 2 * new + 4)
+    hists: list[list[int]] = [[], [], []]
+    toks = _step(session, trace, hists, beams)
+    for index in ([1, 1, 0], [2, 0, 1], [0, 0, 2]):
+        session.reorder(index)
+        hists = [list(hists[i]) for i in index]
+        toks = [toks[i] for i in index]
+        for _ in range(max(1, new // 6)):
+            # row 0 follows its greedy token, the others a token of the prompt: rows of one history diverge
+            toks = _step(session, trace, hists, [[t if r == 0 else beams[r][r]] for r, t in enumerate(toks)])
+            trace.tokens.extend(toks)
+    return trace
+
+
+def chunked_prefill(s: Subject, prompts: list[list[int]], new: int) -> Trace:
+    trace, prompt = Trace(), prompts[0]
+    for chunk in (1, 7, len(prompt)):
+        session = s.open(1, len(prompt) + new + 2)
+        hist: list[int] = []
+        for i in range(0, len(prompt), chunk):
+            tok = _step(session, trace, [hist], [prompt[i : i + chunk]])[0]
+        tokens_before = len(trace.tokens)
+        _decode(session, trace, hist, tok, max(2, new // 4))
+        if chunk != 1:  # every schedule continues the same way: compare with the first
+            del trace.tokens[tokens_before:]
+    return trace
+
+
+SCENARIOS = {"rollback": rollback, "fork": fork, "reorder": reorder, "chunked_prefill": chunked_prefill}
+
+
+def _no_cache_rows(s: Subject, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """The no-cache logits after each sequence, one forward per sequence that is not a prefix of another."""
+    longest: list[list[int]] = []
+    for seq in sorted(seqs, key=len, reverse=True):
+        if not any(m[: len(seq)] == seq for m in longest):
+            longest.append(seq)
+    full = {tuple(m): s.model.full_logits(m, [0]) for m in longest}  # (len(m), V) each
+    rows = []
+    for seq in seqs:
+        m = next(m for m in longest if m[: len(seq)] == seq)
+        rows.append(full[tuple(m)][len(seq) - 1])
+    return rows
+
+
+def judge(s: Subject, name: str, trace: Trace) -> CheckRow:
+    """Every recorded row against the no-cache forward over the sequence it belongs to."""
+    got = torch.stack(trace.rows)  # (R, V)
+    want = torch.stack(_no_cache_rows(s, trace.seqs))  # (R, V)
+    bad = not_finite(
+        [("the no-cache forward: the model itself is not finite", want), ("the cached run", got)]
+    )
+    what = f"{len(trace.rows)} logit rows vs a no-cache forward over each row's sequence"
+    if bad:
+        return CheckRow(name, s.cache, False, None, None, s.tol.words, f"{what}; {bad}")
+    ok, err = allclose_err(got, want, s.tol.rtol, s.tol.atol)
+    if not ok:
+        r = first_off(got, want, s.tol)
+        what += f"; first off at row {r} (a sequence of {len(trace.seqs[r])} tokens)"
+    flips = int((got.argmax(-1) != want.argmax(-1)).sum())
+    what += f"; {flips} of {len(trace.rows)} greedy choices differ" if flips else ""
+    return CheckRow(name, s.cache, ok, err, None, s.tol.words, what)
+
+
+def lifecycle_rows(s: Subject, name: str, prompts: list[list[int]], new: int) -> list[CheckRow]:
+    missing = s.missing_lifecycle(NEEDS[name])
+    if missing:
+        return [skipped(s.cache, missing, name)]
+    try:
+        trace = SCENARIOS[name](s, prompts, new)
+    except Unsupported as e:
+        return [skipped(s.cache, str(e), name)]
+    return [judge(s, name, trace)]
