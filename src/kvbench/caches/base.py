@@ -9,6 +9,18 @@ The contract (one object per layer):
     nbytes        bytes of tensor storage held or reserved right now
     bytes_copied  bytes of already-cached history copied by updates (the price of torch.cat)
 
+The lifecycle (every built-in design; optional for a plugin, see `missing_lifecycle` in plugins.py):
+    crop(n)         keep columns 0..n-1 (B, H, n, Dh), forget the rest; the next update writes at column n.
+                    crop(0) empties it and it stays usable; n outside 0..length is a KVBenchError, never a clamp.
+                    Attention never reads a forgotten column again.
+    fork() -> cache an independent cache with the same contents (and counters): a write to either never shows in
+                    the other. paged shares its blocks and copies a block on its first write (copy-on-write).
+    reorder(index)  index: 1-D integer tensor of batch rows (any device; rows may repeat or be dropped, as beam
+                    search does). Afterwards row i holds old row index[i]: (len(index), H, length, Dh). Rows that
+                    came from the same old row never alias: a write to one does not show in the other.
+The lifecycle moves no `bytes_copied`: that counter stays the price of updates (paged's copy-on-write copy happens in
+the update that writes the shared block, and is counted there).
+
 Attention's only cache code is the one `update` call. Columns are the caller's: with left padding a column is not a
 position, so `positions` (B, T) is passed for caches that need it and the slot index is the write pointer.
 Implementations import this module (never the registry); plugins from outside the repository too, through
@@ -17,17 +29,24 @@ Implementations import this module (never the registry); plugins from outside th
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kvbench.errors import CacheOverflowError
+from kvbench.errors import CacheOverflowError, KVBenchError
 from kvbench.model.gpt2 import GPTConfig
+
+LIFECYCLE = ("crop", "fork", "reorder")  # the lifecycle members of the contract (optional for a plugin)
 
 
 class LayerCache:
-    """Base of the per-layer caches: the counters every implementation shares."""
+    """Base of the per-layer caches: the counters every implementation shares.
+
+    `crop`, `fork` and `reorder` raise NotImplementedError here: a design that does not override them lacks them
+    (plugins.missing_lifecycle). `check_crop` and `check_index` validate their arguments for every design.
+    """
 
     capacity: int | None = None
 
@@ -43,6 +62,51 @@ class LayerCache:
     def reset(self) -> None:
         self.length = 0
         self.bytes_copied = 0
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` columns, forget the rest; the next update writes at column `length`."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement crop")
+
+    def fork(self) -> LayerCache:
+        """An independent cache with the same contents: a write to either never shows in the other."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement fork")
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep batch rows `index` (1-D, may repeat and drop rows) in that order: batch size becomes len(index)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement reorder")
+
+    def check_crop(self, length: int) -> int:
+        """`length` for crop as an int in 0..self.length; anything else is an error naming both numbers."""
+        try:
+            n = operator.index(length)
+        except TypeError:
+            raise KVBenchError(f"crop({length!r}): the length must be an integer") from None
+        if isinstance(length, bool) or not 0 <= n <= self.length:
+            raise KVBenchError(
+                f"crop({length!r}) outside 0..{self.length}: the cache holds {self.length} tokens"
+            )
+        return n
+
+    def check_index(
+        self, index: torch.Tensor, batch: int | None, device: torch.device | None
+    ) -> torch.Tensor:
+        """`index` for reorder over `batch` rows: a non-empty 1-D integer tensor of values in 0..batch-1, on any
+        device; returned as a long tensor on `device`. batch None (rows not known here): only negative rows are refused."""
+        if not isinstance(index, torch.Tensor):
+            raise KVBenchError(f"reorder: index must be a 1-D integer tensor, got {type(index).__name__}")
+        if index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
+            raise KVBenchError(f"reorder: index must be a 1-D integer tensor, got dtype {index.dtype}")
+        if index.dim() != 1 or index.numel() == 0:
+            raise KVBenchError(
+                f"reorder: index must be a non-empty 1-D tensor of batch rows, got shape {tuple(index.shape)}"
+            )
+        lo, hi = int(index.min()), int(index.max())
+        if batch is None and lo < 0:
+            raise KVBenchError(f"reorder: row {lo} is negative")
+        if batch is not None and (lo < 0 or hi >= batch):
+            bad = lo if lo < 0 else hi
+            raise KVBenchError(f"reorder: row {bad} outside 0..{batch - 1}: the cache holds {batch} rows")
+        return index.to(device=device, dtype=torch.long)
 
     def check_capacity(self, n_new: int, kind: str) -> tuple[int, int]:
         """(start, end) slots for `n_new` more tokens; a fixed-capacity cache that cannot hold them is an error

@@ -34,6 +34,29 @@ class DynamicCache(LayerCache):
         super().reset()
         self.k = self.v = None
 
+    # The lifecycle shares tensors freely: torch.cat never writes into its inputs, so a view or a shared tensor is
+    # never changed by a later update of either holder.
+    def crop(self, length: int) -> None:
+        n = self.check_crop(length)
+        if n == 0:
+            self.k = self.v = None  # the next update is a first write again
+        elif self.k is not None:
+            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]  # views (B, H, n, Dh)
+        self.length = n
+
+    def fork(self) -> DynamicCache:
+        other = DynamicCache()
+        other.k, other.v = self.k, self.v  # shared: neither cache ever writes into them
+        other.length, other.bytes_copied = self.length, self.bytes_copied
+        return other
+
+    def reorder(self, index: torch.Tensor) -> None:
+        if self.k is None:  # empty: no rows yet (the next update sets the batch); the index is still checked
+            self.check_index(index, None, None)
+            return
+        idx = self.check_index(index, self.k.size(0), self.k.device)
+        self.k, self.v = self.k.index_select(0, idx), self.v.index_select(0, idx)  # new (len(idx), H, T, Dh)
+
     @property
     def nbytes(self) -> int:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes

@@ -18,6 +18,8 @@ counts it, as it counts torch.cat's copy.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from kvbench.caches.base import CacheSpec, LayerCache, Traffic
@@ -74,6 +76,23 @@ class Int8Cache(LayerCache):
             k_out[:, :, :start].nbytes + v_out[:, :, :start].nbytes
         )  # history re-materialised
         return k_out, v_out
+
+    # The lifecycle acts on the stored int8 values and scales: exact for what is stored (nothing re-quantised).
+    _BUFFERS = ("k_q", "v_q", "k_scale", "v_scale")
+
+    def crop(self, length: int) -> None:
+        self.length = self.check_crop(length)  # update dequantises the first `length` columns only
+
+    def fork(self) -> Int8Cache:
+        other = copy.copy(self)
+        for name in self._BUFFERS:
+            setattr(other, name, getattr(self, name).clone())
+        return other
+
+    def reorder(self, index: torch.Tensor) -> None:
+        idx = self.check_index(index, self.k_q.size(0), self.k_q.device)
+        for name in self._BUFFERS:  # (len(idx), H, L, Dh) and (len(idx), H, L, 1), new tensors
+            setattr(self, name, getattr(self, name).index_select(0, idx))
 
     @property
     def nbytes(self) -> int:

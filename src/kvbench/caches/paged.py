@@ -16,10 +16,17 @@ counts that copy, so `bench` shows what the kernel would save.
 Two interfaces: the per-layer cache contract (`update`: every sequence appends the same T columns, as generation's
 left-padded batch does) and the per-sequence one a scheduler would use (`append`, `read`, `free`), which lets
 sequences of a batch hold different lengths.
+
+Copy-on-write (fork, reorder): a block may have several holders (a fork and its original, or rows that reorder
+repeated), counted by the allocator. Forking or repeating a row copies no block; a write into a block that another
+holder shares first gives the writer a private copy of that one block (the update counts the copy in
+`bytes_copied`), so no write ever shows in another holder. A shared pool (`BlockPool`) doubles when a write finds it
+full; `nbytes` of each holder is the whole shared pool.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -32,13 +39,15 @@ BLOCK_SIZE = 16  # tokens per block, vLLM's default
 
 
 class BlockAllocator:
-    """A free list of block ids. Freed blocks are reused first (LIFO), as a warm cache would want."""
+    """A free list of block ids with a reference count per block in use. Freed blocks are reused first (LIFO), as a
+    warm cache would want. A block is shared (count > 1) by forks and repeated reorder rows; it goes back to the
+    free list when its last holder frees it."""
 
     def __init__(self, num_blocks: int) -> None:
         assert num_blocks >= 1, f"num_blocks must be >= 1, got {num_blocks}"
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ... first
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # block in use -> holders
 
     @property
     def num_free(self) -> int:
@@ -46,7 +55,11 @@ class BlockAllocator:
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return len(self._refs)
+
+    def refs(self, block: int) -> int:
+        """Holders of `block` (0: free)."""
+        return self._refs.get(block, 0)
 
     def allocate(self) -> int:
         if not self._free:
@@ -55,14 +68,51 @@ class BlockAllocator:
                 f"(free finished sequences or allocate a larger pool)"
             )
         block = self._free.pop()
-        self._used.add(block)
+        self._refs[block] = 1
         return block
 
-    def free(self, blocks: list[int]) -> None:
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for each of `blocks`."""
         for block in blocks:
-            assert block in self._used, f"block {block} freed but not allocated"
-            self._used.remove(block)
-            self._free.append(block)
+            assert block in self._refs, f"block {block} shared but not allocated"
+            self._refs[block] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """One holder fewer for each of `blocks`; a block nobody holds is free again."""
+        for block in blocks:
+            assert block in self._refs, f"block {block} freed but not allocated"
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                del self._refs[block]
+                self._free.append(block)
+
+    def grow(self, n: int) -> None:
+        """`n` more block ids, handed out after the blocks already free."""
+        self._free[:0] = range(self.num_blocks + n - 1, self.num_blocks - 1, -1)
+        self.num_blocks += n
+
+
+class BlockPool:
+    """One layer's block storage and its allocator, shared by a cache and its forks (copy-on-write).
+
+    A pool that has never been shared keeps its size (the allocator's exhausted error is a scheduler's signal). Once
+    shared by `fork`, or reordered to a larger batch, the holders together can need more blocks than it was sized
+    for, so it doubles when a write finds no free block.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, n_head: int, head_dim: int, dtype, device) -> None:
+        self.k = torch.zeros(num_blocks, block_size, n_head, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)  # (num_blocks, block_size, H, Dh)
+        self.allocator = BlockAllocator(num_blocks)
+        self.elastic = False
+
+    def allocate(self) -> int:
+        if self.elastic and self.allocator.num_free == 0:
+            n = self.allocator.num_blocks
+            self.k = torch.cat([self.k, torch.zeros_like(self.k)])  # (2 * num_blocks, block_size, H, Dh)
+            self.v = torch.cat([self.v, torch.zeros_like(self.v)])
+            self.allocator.grow(n)
+        return self.allocator.allocate()
 
 
 class PagedCache(LayerCache):
@@ -73,14 +123,24 @@ class PagedCache(LayerCache):
     ) -> None:
         super().__init__()
         self.batch, self.block_size = batch, block_size
-        self.k_pool = torch.zeros(num_blocks, block_size, n_head, head_dim, dtype=dtype, device=device)
-        self.v_pool = torch.zeros_like(self.k_pool)  # (num_blocks, block_size, H, Dh)
-        self.allocator = BlockAllocator(num_blocks)
+        self.pool = BlockPool(num_blocks, block_size, n_head, head_dim, dtype, device)
         self.tables: list[list[int]] = [[] for _ in range(batch)]  # block ids per sequence, in token order
         self.seq_lens = [0] * batch
         self.capacity = max_len if max_len is not None else num_blocks * block_size // batch
         max_blocks = -(-self.capacity // block_size)
         self.block_table = torch.zeros(batch, max_blocks, dtype=torch.long, device=device)  # (B, max_blocks)
+
+    @property
+    def k_pool(self) -> torch.Tensor:
+        return self.pool.k  # (num_blocks, block_size, H, Dh)
+
+    @property
+    def v_pool(self) -> torch.Tensor:
+        return self.pool.v
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        return self.pool.allocator
 
     # --- block accounting -------------------------------------------------------------------------------------
     @property
@@ -102,9 +162,27 @@ class PagedCache(LayerCache):
         table = self.tables[seq]
         first_new = len(table)
         while len(table) * self.block_size < new_len:
-            table.append(self.allocator.allocate())
+            table.append(self.pool.allocate())
         if len(table) > first_new:  # one small host-to-device copy per new block, not per token
             self.block_table[seq, first_new : len(table)] = torch.tensor(table[first_new:], dtype=torch.long)
+
+    def _own(self, seq: int, start: int, end: int) -> None:
+        """Copy-on-write: before columns start..end-1 of `seq` are written, a block there that another holder shares
+        (a fork, or a row repeated by reorder) is replaced by a private copy of its filled rows (counted in
+        bytes_copied: history copied by the update). Only the blocks written are copied."""
+        table = self.tables[seq]
+        for i in range(start // self.block_size, min(len(table), -(-end // self.block_size))):
+            shared = table[i]
+            if self.allocator.refs(shared) == 1:
+                continue
+            block = self.pool.allocate()
+            filled = max(0, min(self.block_size, start - i * self.block_size))  # rows holding history
+            self.pool.k[block, :filled] = self.pool.k[shared, :filled]
+            self.pool.v[block, :filled] = self.pool.v[shared, :filled]
+            self.bytes_copied += 2 * self.pool.k[shared, :filled].nbytes
+            self.allocator.free([shared])
+            table[i] = block
+            self.block_table[seq, i] = block
 
     def _slots(self, seq: int | slice, start: int, end: int) -> torch.Tensor:
         """Flat pool rows (block * block_size + offset) of columns start..end-1. (B, T) for a slice, (T,) for one."""
@@ -120,6 +198,7 @@ class PagedCache(LayerCache):
         """Append T tokens to sequence `seq`. k, v: (H, T, Dh)."""
         start = self.seq_lens[seq]
         end = start + k.size(1)
+        self._own(seq, start, end)
         self._grow(seq, end)
         slots = self._slots(seq, start, end)  # (T,)
         self._flat(self.k_pool).index_copy_(0, slots, k.transpose(0, 1))  # rows (T, H, Dh)
@@ -152,6 +231,7 @@ class PagedCache(LayerCache):
         )
         end = start + T
         for b in range(B):
+            self._own(b, start, end)
             self._grow(b, end)
         slots = self._slots(slice(None), start, end).reshape(-1)  # (B * T,)
         self._flat(self.k_pool).index_copy_(0, slots, k.transpose(1, 2).reshape(B * T, H, Dh))
@@ -172,6 +252,57 @@ class PagedCache(LayerCache):
         super().reset()
         for seq in range(self.batch):
             self.free(seq)
+
+    # --- the lifecycle ---------------------------------------------------------------------------------------------
+    def crop(self, length: int) -> None:
+        """Every sequence keeps at most `length` tokens; blocks wholly past them go back to the pool (or lose one
+        holder, when shared)."""
+        n = self.check_crop(length)
+        for seq, table in enumerate(self.tables):
+            self.seq_lens[seq] = min(self.seq_lens[seq], n)
+            keep = -(-self.seq_lens[seq] // self.block_size)
+            self.allocator.free(table[keep:])
+            del table[keep:]
+        self.length = n
+
+    def fork(self) -> PagedCache:
+        """Shares the pool and every block (one more holder each): the fork holds no new block until it writes, and
+        then copies only the block it writes (copy-on-write, `_own`); the same holds for this cache."""
+        other = copy.copy(self)
+        other.tables = [list(t) for t in self.tables]
+        other.seq_lens = list(self.seq_lens)
+        other.block_table = self.block_table.clone()
+        for table in self.tables:
+            self.allocator.share(table)
+        self.pool.elastic = True  # two holders may now need more blocks than one was given
+        return other
+
+    def __del__(self) -> None:
+        # A fork dropped without reset gives its holds back, so its sharers stop copying blocks nobody else reads.
+        # Only a shared pool needs it (an unshared one goes with its cache).
+        try:
+            if self.pool.elastic:
+                for table in self.tables:
+                    self.allocator.free(table)
+                self.tables = []
+        except Exception:  # half-built or interpreter shutdown: nothing to give back to
+            pass
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Row i takes old row index[i]'s block table; a repeated row shares its blocks (copy-on-write on the first
+        write), a dropped row's blocks lose a holder."""
+        idx = self.check_index(index, self.batch, self.block_table.device)
+        rows = idx.tolist()
+        tables = [list(self.tables[r]) for r in rows]
+        for table in tables:
+            self.allocator.share(table)
+        for table in self.tables:
+            self.allocator.free(table)
+        if len(rows) > self.batch:
+            self.pool.elastic = True
+        self.tables, self.seq_lens = tables, [self.seq_lens[r] for r in rows]
+        self.block_table = self.block_table.index_select(0, idx)  # (len(idx), max_blocks)
+        self.batch = len(rows)
 
     @property
     def nbytes(self) -> int:

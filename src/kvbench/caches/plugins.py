@@ -10,6 +10,10 @@ A plugin is held to the contract when it is loaded (a small probe on the CPU: at
 (B, H, S, Dh) tensors with S >= length) and on every call after that (`CheckedCache`), so a plugin that breaks the
 contract fails with one line naming it and what it broke, never a traceback from inside it.
 
+The lifecycle members (`crop`, `fork`, `reorder`) are optional: a plugin without them loads and runs, and
+`missing_lifecycle` names what it lacks, so verify's lifecycle checks give those a skip row. Those it has are
+checked like the rest (arguments validated before the call, the length it reports after).
+
 A plugin's code is contained (kvbench.thirdparty): importing its module, building its cache, every per-layer call
 and a spec's decode runner. Whatever it raises, including `sys.exit()` and other BaseExceptions, becomes one
 PluginError naming the plugin and what it was doing (Ctrl-C still interrupts), and what it prints goes to stderr, so
@@ -25,7 +29,7 @@ from importlib import metadata
 
 import torch
 
-from kvbench.caches.base import CacheSpec, LayerCache, Traffic
+from kvbench.caches.base import LIFECYCLE, CacheSpec, LayerCache, Traffic
 from kvbench.errors import KVBenchError, one_line
 from kvbench.model.gpt2 import GPTConfig
 from kvbench.thirdparty import contained, did
@@ -160,6 +164,22 @@ def _has(obj: object, attr: str) -> bool:
     return True
 
 
+def missing_lifecycle(cache_or_class: object) -> list[str]:
+    """The lifecycle members (base.LIFECYCLE: crop, fork, reorder) a cache or cache class lacks, in that order.
+
+    A member is missing when it is absent, not callable, or inherited unchanged from `LayerCache` (whose versions
+    raise NotImplementedError). A checked plugin cache is judged by the plugin's own object."""
+    target = cache_or_class.inner if isinstance(cache_or_class, CheckedCache) else cache_or_class
+    cls = target if isinstance(target, type) else type(target)
+    missing = []
+    for name in LIFECYCLE:
+        own = not isinstance(target, type) and name in getattr(target, "__dict__", {})  # set on the instance
+        member = getattr(cls, name, None)
+        if not own and (not callable(member) or member is getattr(LayerCache, name)):
+            missing.append(name)
+    return missing
+
+
 class CheckedCache(LayerCache):
     """A plugin's cache behind the contract: every call checked and contained (see `contained`), every failure one
     line naming the plugin."""
@@ -218,6 +238,43 @@ class CheckedCache(LayerCache):
 
     def check_capacity(self, n_new: int, kind: str) -> tuple[int, int]:
         return LayerCache.check_capacity(self, n_new, kind)  # on the checked length and capacity
+
+    # --- the lifecycle: optional for a plugin; its arguments are checked here, against the contract ----------------
+    def _lifecycle(self, member: str):
+        if member in missing_lifecycle(self.inner):
+            raise self._fail(f"it has no {member} (optional; see missing_lifecycle)")
+        return getattr(self.inner, member)
+
+    def crop(self, length: int) -> None:
+        n = self.check_crop(length)
+        crop = self._lifecycle("crop")
+        with self._calling(f"crop({n})"):
+            crop(n)
+        if self.length != n:
+            raise self._fail(f"length is {self.length} after crop({n})")
+
+    def fork(self) -> CheckedCache:
+        fork, length = self._lifecycle("fork"), self.length
+        with self._calling("fork"):
+            other = fork()
+        if other is self.inner:
+            raise self._fail("fork returned the cache itself, not an independent copy")
+        missing = [a for a in ATTRIBUTES if not _has(other, a)]
+        if missing:
+            raise self._fail(f"fork returned an object with no {', '.join(missing)}")
+        checked = CheckedCache(other, self.name)
+        if checked.length != length:
+            raise self._fail(f"fork holds {checked.length} tokens, the cache it was forked from {length}")
+        return checked
+
+    def reorder(self, index: torch.Tensor) -> None:
+        # Shape, dtype and sign here; the batch is the plugin's own, so rows past it are its own check.
+        idx, length = self.check_index(index, None, None), self.length
+        reorder = self._lifecycle("reorder")
+        with self._calling("reorder"):
+            reorder(idx)
+        if self.length != length:
+            raise self._fail(f"length went from {length} to {self.length} in reorder")
 
     @property
     def length(self) -> int:

@@ -3,6 +3,8 @@ miniature."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from kvbench.caches.base import CacheSpec, LayerCache, Traffic
@@ -27,6 +29,18 @@ class StaticCache(LayerCache):
         self.v[:, :, start:end].copy_(v)
         self.length = end  # one past the last written slot
         return self.k[:, :, :end], self.v[:, :, :end]  # views: (B, H, end, Dh)
+
+    def crop(self, length: int) -> None:
+        self.length = self.check_crop(length)  # update returns views of the first `length` columns only
+
+    def fork(self) -> StaticCache:
+        other = copy.copy(self)  # counters and capacity
+        other.k, other.v = self.k.clone(), self.v.clone()  # its own buffers (B, H, max_len, Dh)
+        return other
+
+    def reorder(self, index: torch.Tensor) -> None:
+        idx = self.check_index(index, self.k.size(0), self.k.device)
+        self.k, self.v = self.k.index_select(0, idx), self.v.index_select(0, idx)  # new (len(idx), H, L, Dh)
 
     @property
     def nbytes(self) -> int:

@@ -8,6 +8,8 @@ exact too.
 
 from __future__ import annotations
 
+import torch
+
 from kvbench.caches.base import CacheSpec, Traffic
 from kvbench.caches.static import StaticCache
 
@@ -29,6 +31,34 @@ class StaticGraphCache(StaticCache):
         if k.size(2) > 1:
             return k_view, v_view  # (B, H, length, Dh)
         return self.k, self.v  # (B, H, max_len, Dh): fixed shape; columns >= length are masked out
+
+    def crop(self, length: int) -> None:
+        """Lower the write pointer and zero the forgotten columns. The decode step reads the whole buffer under a
+        mask built from `length` (the model's AttentionMask, the runner's device `column`, which it fills from
+        `length` before every step), so the forgotten columns are masked anyway; zeroed, they cannot leak even
+        through a wrong mask. The buffers stay, so a captured graph stays valid."""
+        n, old = self.check_crop(length), self.length
+        self.k[:, :, n:old].zero_()
+        self.v[:, :, n:old].zero_()
+        self.length = n
+
+    def fork(self) -> StaticGraphCache:
+        other = super().fork()
+        other.runner = None  # the runner (and its graph) is built for this cache's buffers, not the fork's
+        return other
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Same batch size: rows gathered into the same buffers, so a captured graph stays valid. Another batch
+        size: new buffers, and the runner is dropped (runner_for builds a new one), never replayed on them."""
+        idx = self.check_index(index, self.k.size(0), self.k.device)
+        if idx.numel() == self.k.size(0):
+            self.k.copy_(
+                self.k.index_select(0, idx)
+            )  # index_select is a new tensor: no row reads a row written
+            self.v.copy_(self.v.index_select(0, idx))
+        else:
+            super().reorder(idx)
+            self.runner = None
 
 
 def make_static_graph_cache(c, batch, max_len, dtype, device) -> StaticGraphCache:
