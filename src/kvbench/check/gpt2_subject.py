@@ -17,8 +17,7 @@ from typing import Protocol
 import torch
 from transformers import GPT2LMHeadModel
 
-from kvbench.caches import get_cache_spec, make_caches
-from kvbench.caches.base import LayerCache
+from kvbench.caches import get_cache_spec, make_caches, missing_lifecycle
 from kvbench.check.judge import tolerance
 from kvbench.check.subject import NoCache, Run
 from kvbench.decode.generate import EXACT, DecodeRules, GenerationResult, generate
@@ -164,18 +163,11 @@ class GPT2Subject:
 
     def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
         layer = fresh_caches(self.model.gpt, self.cache, 1, 1, self.fault)[0]
-        lacks = [m for m in members if _lacks(layer, m)]
+        lacks = [m for m in members if m in missing_lifecycle(layer)]
+        name = type(getattr(layer, "inner", layer)).__name__
         return (
-            f"{type(layer).__name__} has no {', '.join(lacks)} (an optional member of the cache contract)"
-            if lacks
-            else None
+            f"{name} has no {', '.join(lacks)} (an optional member of the cache contract)" if lacks else None
         )
-
-
-def _lacks(layer, member: str) -> bool:
-    """The layer cache does not implement `member` (absent, or the contract's base left as it is)."""
-    impl = getattr(type(layer), member, None)
-    return impl is None or impl is getattr(LayerCache, member, None)
 
 
 class GPT2Session:

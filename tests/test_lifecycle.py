@@ -1,0 +1,182 @@
+"""The lifecycle checks (rollback, fork, reorder, chunked_prefill): every built-in cache passes them on our GPT-2;
+transformers' caches pass or skip with transformers' own reason on Llama, Qwen2, Mistral and Gemma 2; a plugin with a
+broken crop fails exactly `rollback`, one without the operations skips them; the four lifecycle faults of `break`
+are each caught by their check and dormant in plain generation."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvbench.caches import CACHES
+from kvbench.check.breaking import break_fault
+from kvbench.check.lifecycle import LIFECYCLE
+from kvbench.check.verify import random_prompts, run_verify
+from kvbench.cli import app
+from kvbench.model.gpt2 import GPT, GPTConfig
+
+TINY = ["-m", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(block_size=128, vocab_size=256, n_layer=2, n_head=4, n_embd=64)).eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.1)  # varied greedy output: a wrong history shows
+    return m
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(256, 20, 3, seed=0)
+
+
+@pytest.mark.parametrize("cache", [c for c in CACHES if c != "none"])
+def test_every_built_in_cache_passes_the_lifecycle(model, prompts, cache):
+    rep = run_verify(model, [cache], prompts, 20, reference="none", checks=LIFECYCLE)
+    assert [r.name for r in rep.checks] == list(LIFECYCLE), rep.checks
+    for r in rep.checks:
+        assert r.passed and not r.skipped, r
+        if CACHES[cache].exact:
+            assert r.max_abs_diff <= 1e-5, r
+
+
+@pytest.mark.parametrize(
+    "fault, check",
+    [("stale-rollback", "rollback"), ("aliased-fork", "fork"), ("reorder-keys-only", "reorder"),
+     ("chunk-causal", "chunked_prefill")],
+)  # fmt: skip
+def test_lifecycle_faults_are_caught_by_their_check_and_dormant_in_generate(model, prompts, fault, check):
+    r = break_fault(model, fault, prompts, 12, reference="none")
+    assert r.detected and check in r.caught_by, (r.caught_by, r.checks)
+    assert {"logits", "greedy", "batched", "cache_state"}.isdisjoint(r.caught_by), r.caught_by
+    assert r.dormant_shown.endswith("True"), r.dormant_shown
+
+
+# --- plugins ------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def plugins(tmp_path, monkeypatch):
+    pkg = tmp_path / "lcplugins"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "caches.py").write_text(
+        textwrap.dedent(
+            '''
+            """Lifecycle plugins for the tests."""
+            import torch
+            from kvbench.caches import LayerCache
+            from kvbench.caches.dynamic import DynamicCache
+
+            class CropKeysOnly(DynamicCache):
+                """A dynamic cache whose crop truncates K but not V."""
+                def __init__(self, config, batch, max_len, dtype, device):
+                    super().__init__()
+                def crop(self, length):
+                    self.k = self.k[:, :, :length]
+                    self.length = length
+
+            class AppendOnly(LayerCache):
+                """torch.cat append with no lifecycle operations."""
+                def __init__(self, config, batch, max_len, dtype, device):
+                    super().__init__()
+                    self.k = self.v = None
+                def update(self, k, v, positions):
+                    self.k = k if self.k is None else torch.cat([self.k, k], 2)
+                    self.v = v if self.v is None else torch.cat([self.v, v], 2)
+                    self.length = self.k.size(2)
+                    return self.k, self.v
+                def reset(self):
+                    super().reset()
+                    self.k = self.v = None
+                @property
+                def nbytes(self):
+                    return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+            '''
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "lcplugins.caches"
+    for name in [m for m in sys.modules if m.startswith("lcplugins")]:
+        del sys.modules[name]
+
+
+def _verify(*args):
+    r = CliRunner().invoke(app, ["verify", *args, *TINY, "-n", "8", "--reference", "none", "--json"])
+    return r, {(c["name"], c["cache"]): c for c in json.loads(r.stdout)["checks"]}
+
+
+def test_a_plugin_with_a_broken_crop_fails_rollback_only(plugins):
+    ref = f"{plugins}:CropKeysOnly"
+    r, rows = _verify("--caches", ref)
+    assert r.exit_code == 1, r.output
+    failed = {name for (name, _), c in rows.items() if not c["passed"]}
+    assert failed == {"rollback"}, rows
+
+
+def test_a_plugin_without_the_operations_skips_them_and_passes_the_rest(plugins):
+    ref = f"{plugins}:AppendOnly"
+    r, rows = _verify("--caches", ref)
+    assert r.exit_code == 0, r.output
+    for name in ("rollback", "fork", "reorder"):
+        c = next(c for (n, _), c in rows.items() if n == name)
+        assert c["skipped"] and "AppendOnly has no" in c["detail"], c
+    assert all(
+        c["passed"] and not c["skipped"]
+        for (n, _), c in rows.items()
+        if n not in ("rollback", "fork", "reorder")
+    )
+
+
+# --- transformers' caches -------------------------------------------------------------------------------------------
+COMMON = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_reports(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    from kvbench.check.hf_verify import run_hf_verify
+    from kvbench.hf.models import load_hf
+
+    configs = {
+        "llama": LlamaConfig(**COMMON),
+        "qwen2": Qwen2Config(**COMMON),
+        "mistral": MistralConfig(**COMMON, sliding_window=8),
+        "gemma2": Gemma2Config(**COMMON, sliding_window=8, head_dim=16),
+    }
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    for name, cfg in configs.items():
+        torch.manual_seed(0)
+        d = tmp_path_factory.mktemp(name)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+        loaded = load_hf(str(d), torch.device("cpu"), torch.float32)
+        ps = random_prompts(256, 12, 3, seed=0)
+        out[name] = run_hf_verify(loaded, ["dynamic", "static"], ps, 20, checks=LIFECYCLE)
+    torch.set_num_threads(n)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma2"])
+def test_transformers_caches_pass_or_skip_with_transformers_reason(hf_reports, family):
+    rows = {(r.name, r.cache): r for r in hf_reports[family].checks}
+    assert set(rows) == {(c, k) for c in LIFECYCLE for k in ("dynamic", "static")}, rows
+    windowed = family in ("mistral", "gemma2")
+    for (name, cache), r in rows.items():
+        if windowed and cache == "static" and name == "rollback":
+            # the run is longer than the window: transformers itself declares the static cache not croppable
+            assert r.skipped and "is_croppable False" in r.detail, r
+            continue
+        assert r.passed and not r.skipped and r.max_abs_diff <= 1e-5, r
