@@ -16,7 +16,7 @@ import torch
 from kvbench import devices, memory
 from kvbench.caches import CACHES, CacheSpec, cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
 from kvbench.devices import DTYPES, device_name, resolve_device
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, is_out_of_memory
 from kvbench.model.gpt2 import PRESETS, GPTConfig
 
 # Counting the dynamic cache's copies re-runs every torch.cat; above this many bytes copied it is not worth the wait.
@@ -173,8 +173,8 @@ def measure_caches(
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(dev)
                 _fill(caches, cfg, batch, max(ctx - 1, 0), ctx, dtype, dev)
-        except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
-            if "memory" not in str(e).lower() and "alloc" not in str(e).lower():
+        except Exception as e:
+            if not is_out_of_memory(e):
                 raise
             raise KVBenchError(
                 f"--measure: the {cname!r} cache for batch {batch} x {ctx} tokens ({memory.fmt_bytes(predicted)}) "
