@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kvbench import validate
 from kvbench.bench import floor
 from kvbench.bench.engines import KVBenchEngine
 from kvbench.caches import get_cache_spec, make_caches
@@ -160,12 +161,8 @@ def run_context_sweep(
     from kvbench.bench.sweep import failure_status
 
     cfg = model.config
-    too_long = [c for c in contexts if c + new_tokens > cfg.block_size]
-    if too_long:
-        raise KVBenchError(
-            f"context + new tokens exceeds {cfg.name}'s {cfg.block_size:,} positions for {too_long}; "
-            "use --model gpt2-long (65,536 positions) or shorter contexts"
-        )
+    fix = "use --model gpt2-long (65,536 positions) or shorter contexts"
+    validate.fits_context("context", contexts, new_tokens, cfg.block_size, fix, f"{cfg.name}'s")
     if "none" in caches:
         raise KVBenchError(
             "--fill random times decode steps over a filled cache; `none` has no cache to fill"

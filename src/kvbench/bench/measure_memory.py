@@ -18,6 +18,7 @@ from kvbench.caches import CACHES, CacheSpec, cache_bytes_copied, cache_nbytes, 
 from kvbench.devices import DTYPES, device_name, resolve_device
 from kvbench.errors import KVBenchError, is_out_of_memory
 from kvbench.model.gpt2 import PRESETS, GPTConfig
+from kvbench.validate import past_context
 
 # Counting the dynamic cache's copies re-runs every torch.cat; above this many bytes copied it is not worth the wait.
 MAX_COUNTED_COPY_BYTES = 8 * memory.GiB
@@ -221,7 +222,7 @@ def measure_caches(
             f"{name}: {ctx:,} tokens is beyond the {cfg.block_size:,} it was trained for; the caches are "
             f"allocated anyway (the model's position table stops at {cfg.block_size:,})"
         ]
-        if ctx > cfg.block_size
+        if past_context(ctx, cfg.block_size)
         else [],
     )
 

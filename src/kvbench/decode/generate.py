@@ -151,14 +151,16 @@ class GenerationResult:
 
 
 def check_fits(model: GPT, prompt_len: int, max_new_tokens: int) -> None:
+    """At least one new token, and prompt + new tokens within the model's context (validate.fits_context)."""
     if max_new_tokens < 1:
         raise KVBenchError(f"new tokens must be >= 1, got {max_new_tokens}")
-    ctx = model.config.block_size
-    if prompt_len + max_new_tokens > ctx:
-        raise KVBenchError(
-            f"prompt length {prompt_len} + new tokens {max_new_tokens} = {prompt_len + max_new_tokens} "
-            f"exceeds the model's context of {ctx} tokens"
-        )
+    validate.fits_context(
+        "prompt length",
+        prompt_len,
+        max_new_tokens,
+        model.config.block_size,
+        "use a shorter prompt or fewer new tokens",
+    )
 
 
 @torch.inference_mode()

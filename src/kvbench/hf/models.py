@@ -31,6 +31,7 @@ from kvbench.errors import KVBenchError, one_line
 from kvbench.memory.config_json import check_fields
 from kvbench.memory.state import RECURRENT_TYPES
 from kvbench.thirdparty import contained, did
+from kvbench.validate import context_error, past_context
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -641,12 +642,13 @@ def _has_position_table(model, context: int | None) -> bool:
 
 
 def check_length(info: HFModelInfo, total: int, what: str, fix: str) -> None:
-    """Hold a run of `total` tokens (longest prompt + new tokens) to the model's configured context."""
-    if info.context is None or total <= info.context:
+    """Hold a run of `total` tokens (longest prompt + new tokens, spelled out in `what`) to the model's configured
+    context (validate.past_context, validate.context_error)."""
+    if not past_context(total, info.context):
         return
     why = (
         f"learned absolute positions: the model has no embedding past position {info.context - 1}"
         if info.learned_positions
         else f"its config's maximum length is {info.context}"
     )
-    raise KVBenchError(f"{what} = {total} exceeds the model's context of {info.context} ({why}); {fix}")
+    raise context_error(f"{what} = {total}", info.context, fix, why=why, grouped=False)
