@@ -16,7 +16,7 @@ import torch
 from typer.testing import CliRunner
 
 from kvbench.cli import app
-from kvbench.results import compare as C
+from kvbench.results import stats as S
 from kvbench.results.runs import load_run
 
 runner = CliRunner()
@@ -145,7 +145,7 @@ def test_alpha_decides_significance(base_run, tmp_path):
     def pick(run):
         return run.steps[(run.steps.cache == "static") & (run.steps.prompt_len == 32)].latency_ms.to_numpy()
 
-    p = C.mann_whitney_p(pick(base), pick(scaled))
+    p = S.mann_whitney_p(pick(base), pick(scaled))
     assert 0 < p < 0.01
     for alpha, expected in ((p * 2, "slower"), (p / 2, "no significant change")):
         code, doc, text = compare_json(base_run, cand, "--alpha", alpha, "--fail-on", "slower")
@@ -156,21 +156,21 @@ def test_alpha_decides_significance(base_run, tmp_path):
 def test_bootstrap_interval_covers_the_true_ratio_and_narrows_with_samples():
     rng = np.random.default_rng(1)
     small, large = rng.lognormal(0, 0.3, 50), rng.lognormal(0, 0.3, 2000)
-    r_small, lo_s, hi_s = C.median_ratio_ci(small, small * 1.2, 0.99, 2000, seed=0)
-    r_large, lo_l, hi_l = C.median_ratio_ci(large, large * 1.2, 0.99, 2000, seed=0)
+    r_small, lo_s, hi_s = S.median_ratio_ci(small, small * 1.2, 0.99, 2000, seed=0)
+    r_large, lo_l, hi_l = S.median_ratio_ci(large, large * 1.2, 0.99, 2000, seed=0)
     assert r_small == pytest.approx(1.2) and r_large == pytest.approx(1.2)
     assert lo_s < 1.2 < hi_s and lo_l < 1.2 < hi_l
     assert hi_l - lo_l < (hi_s - lo_s) / 3  # 40x the samples: an interval about 6x narrower
-    assert C.median_ratio_ci(small, small, 0.99, 500, seed=3) == C.median_ratio_ci(
+    assert S.median_ratio_ci(small, small, 0.99, 500, seed=3) == S.median_ratio_ci(
         small, small, 0.99, 500, seed=3
     )
 
 
 def test_too_few_steps_are_flagged():
-    assert C.smallest_p(3, 3) == pytest.approx(
+    assert S.smallest_p(3, 3) == pytest.approx(
         0.1
     )  # 2 / C(6, 3): no pair of 3-step runs can reach alpha 0.01
-    assert C.smallest_p(120, 120) < 1e-60
+    assert S.smallest_p(120, 120) < 1e-60
 
 
 # --- memory, optional and extra columns ------------------------------------------------------------------------------

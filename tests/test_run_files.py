@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from kvbench.cli import app
 from kvbench.results import compare as C
+from kvbench.results import stats as S
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 60  # decode steps per repeat
@@ -403,9 +404,9 @@ def test_compare_on_100k_steps_a_row_is_correct(tmp_path):
 def test_bootstrap_medians_drawn_directly_match_resampling(monkeypatch, n):
     """The sampler used for large samples gives the bootstrap distribution that resampling gives."""
     x = np.random.default_rng(3).lognormal(0, 0.3, n)
-    resampled = C.bootstrap_medians(x, 20_000, np.random.default_rng(0))
-    monkeypatch.setattr(C, "RESAMPLE_UP_TO", 0)
-    direct = C.bootstrap_medians(x, 20_000, np.random.default_rng(1))
+    resampled = S.bootstrap_medians(x, 20_000, np.random.default_rng(0))
+    monkeypatch.setattr(S, "RESAMPLE_UP_TO", 0)
+    direct = S.bootstrap_medians(x, 20_000, np.random.default_rng(1))
     q = [0.01, 0.1, 0.5, 0.9, 0.99]
     spread = np.quantile(resampled, 0.99) - np.quantile(resampled, 0.01)
     assert np.abs(np.quantile(direct, q) - np.quantile(resampled, q)).max() < 0.05 * spread

@@ -17,3 +17,29 @@ def one_line(e: BaseException) -> str:
     """An exception in one line for the user: 'ValueError: its first line', or the type alone when it says nothing."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# What an allocation failure says in its text, where its type does not say it: the CPU allocator ("DefaultCPUAllocator:
+# can't allocate memory" on Linux and macOS, "not enough memory" on Windows) and a device's ("CUDA out of memory",
+# "CUDA error: out of memory", "MPS backend out of memory", "XPU out of memory").
+_HOST_OOM_TEXT = ("can't allocate memory", "not enough memory")
+_DEVICE_OOM_TEXT = ("out of memory",)
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """An allocation failure on any device: torch's OutOfMemoryError (matched by name, so torch is not imported
+    here), Python's MemoryError, or an exception whose text is the CPU, CUDA or MPS allocator's. A KVBenchError is
+    never one: it is a refusal already explained."""
+    if isinstance(e, KVBenchError):
+        return False
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    text = str(e)
+    return any(s in text for s in _HOST_OOM_TEXT + _DEVICE_OOM_TEXT)
+
+
+def is_out_of_host_memory(e: BaseException) -> bool:
+    """Of the failures `is_out_of_memory` matches, those of the CPU's memory: MemoryError or the CPU allocator's."""
+    if not is_out_of_memory(e) or type(e).__name__ == "OutOfMemoryError":
+        return False
+    return isinstance(e, MemoryError) or any(s in str(e) for s in _HOST_OOM_TEXT)

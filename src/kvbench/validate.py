@@ -7,6 +7,7 @@ Every size is checked against a bound before anything is allocated, so a typo (`
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from kvbench.errors import KVBenchError
 
@@ -43,13 +44,52 @@ def seed(value: object, name: str = "--seed") -> int:
     return integer(name, value, 0, SEED_MAX, "a seed is a non-negative 64-bit integer")
 
 
-def fits_context(what: str, prompt_len: int, new_tokens: int, context: int, fix: str) -> None:
-    """prompt + new tokens within the model's context (learned positions stop there)."""
-    if prompt_len + new_tokens > context:
-        raise KVBenchError(
-            f"{what} {prompt_len:,} + new tokens {new_tokens:,} = {prompt_len + new_tokens:,} exceeds the model's "
-            f"context of {context:,} tokens; {fix}"
-        )
+def past_context(tokens: int, context: int | None) -> bool:
+    """The rule every run is held to: its tokens (prompt + new tokens) may fill the model's context, never pass it
+    (learned positions stop there). `context` None: the model has no configured maximum."""
+    return context is not None and tokens > context
+
+
+def context_error(
+    subject: str,
+    context: int,
+    fix: str,
+    whose: str = "the model's",
+    why: str = "",
+    detail: str = "",
+    grouped: bool = True,
+) -> KVBenchError:
+    """The one line for a run past the model's context: '{subject} exceeds {whose} context of {context} tokens
+    ({why}): {detail}; {fix}', the parenthesis only with a `why` and the colon only with a `detail`. `grouped`: the
+    context written with thousands separators."""
+    ctx = f"{context:,}" if grouped else str(context)
+    why = f" ({why})" if why else ""
+    detail = f": {detail}" if detail else ""
+    return KVBenchError(f"{subject} exceeds {whose} context of {ctx} tokens{why}{detail}; {fix}")
+
+
+def fits_context(
+    what: str,
+    prompt_len: int | Sequence[int],
+    new_tokens: int,
+    context: int | None,
+    fix: str,
+    whose: str = "the model's",
+    grouped: bool = True,
+) -> None:
+    """Each prompt length + `new_tokens` within `context` (past_context); else one context_error naming every one
+    that is not. One prompt: '{what} P + new tokens N = T exceeds ...'; a sweep's list of prompt lengths:
+    '{what} + new tokens exceeds ...: P + N = T, ...'."""
+    n = (lambda x: f"{x:,}") if grouped else str
+    if isinstance(prompt_len, int):
+        if past_context(prompt_len + new_tokens, context):
+            subject = f"{what} {n(prompt_len)} + new tokens {n(new_tokens)} = {n(prompt_len + new_tokens)}"
+            raise context_error(subject, context, fix, whose, grouped=grouped)
+        return
+    bad = [p for p in prompt_len if past_context(p + new_tokens, context)]
+    if bad:
+        sums = ", ".join(f"{n(p)} + {n(new_tokens)} = {n(p + new_tokens)}" for p in bad)
+        raise context_error(f"{what} + new tokens", context, fix, whose, detail=sums, grouped=grouped)
 
 
 PROBE_ENV = "KVBENCH_PROBE_BYTES"  # the bandwidth probe's size in bytes; read by bench/floor.py

@@ -24,8 +24,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kvbench import validate
 from kvbench.bench import floor
 from kvbench.bench.engines import KVBenchEngine
+from kvbench.bench.sweep import failure_status
 from kvbench.caches import get_cache_spec, make_caches
 from kvbench.decode import fixed_step
 from kvbench.devices import synchronize
@@ -157,68 +159,96 @@ def run_context_sweep(
 ) -> list[ContextResult]:
     """Every (context, cache), contexts outermost so that an interrupted sweep has every cache at the contexts it
     finished. A configuration that runs out of memory, or whose cache raises, becomes a row saying so."""
-    from kvbench.bench.sweep import failure_status
-
     cfg = model.config
-    too_long = [c for c in contexts if c + new_tokens > cfg.block_size]
-    if too_long:
-        raise KVBenchError(
-            f"context + new tokens exceeds {cfg.name}'s {cfg.block_size:,} positions for {too_long}; "
-            "use --model gpt2-long (65,536 positions) or shorter contexts"
-        )
+    fix = "use --model gpt2-long (65,536 positions) or shorter contexts"
+    validate.fits_context("context", contexts, new_tokens, cfg.block_size, fix, f"{cfg.name}'s")
     if "none" in caches:
         raise KVBenchError(
             "--fill random times decode steps over a filled cache; `none` has no cache to fill"
         )
-    dev, dt = model.lm_head.weight.device, model.lm_head.weight.dtype
-    results, total, done = [], len(caches) * len(contexts) * (warmup + repeats), 0
+    total, done, results = len(caches) * len(contexts) * (warmup + repeats), 0, []
+
+    def advance(n: int, label: str) -> None:
+        nonlocal done
+        done += n
+        if on_progress:
+            on_progress(done, total, label)
+
     g = torch.Generator().manual_seed(seed)
+    common = dict(new_tokens=new_tokens, batch=batch, dtype=dtype_name, device=device_label, fill="random")
     for L in contexts:
         for cache in caches:
-            label = f"{cache} context {L:,} (random fill)"
-            runs: list[list[float]] = []
-            status, held, failure = "ok", 0, None
-            try:
-                layers = make_caches(cache, cfg, batch, L + new_tokens, dt, dev)
-                for _ in range(warmup + repeats):
-                    for c in layers:
-                        c.reset()
-                    fill_random(layers, model, batch, L, g)
-                    runs.append(time_decode(model, cache, layers, L, new_tokens, batch, compile))
-                    done += 1
-                    if on_progress:
-                        on_progress(done, total, label)
-                held = sum(c.nbytes for c in layers)
-            except Exception as e:  # oom, or a cache plugin that raised: the row says so, the sweep goes on
-                failure = failure_status(e)
-            layers = None  # outside the except block: the caches (and the exception's frames) are freed here
-            if failure is not None:
-                done = min(total, done + warmup + repeats - len(runs))
-                status, runs = failure, []
-                if on_progress:
-                    on_progress(done, total, f"{label}: {failure}")
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+            runs, held, status = _measure(
+                model, cache, L, new_tokens, warmup + repeats, batch, g, compile, advance
+            )
             timed = runs[warmup:]
-            steps = [x for r in timed for x in r]
             b = median_step_bytes(model, cache, L, new_tokens, batch)
-            fl = floor.floor_ms(b, bandwidth)
-            med = 1e3 * statistics.median(steps) if steps else math.nan
-            row = ContextRow(
-                cache=cache, context=L, new_tokens=new_tokens, batch=batch, dtype=dtype_name, device=device_label,
-                fill="random", status=status, tpot_ms_median=med,
-                tpot_ms_p10=1e3 * _pct(steps, 0.1) if steps else math.nan,
-                tpot_ms_p90=1e3 * _pct(steps, 0.9) if steps else math.nan,
-                floor_ms=fl, x_floor=med / fl, step_bytes=b.total, kv_read_bytes=b.kv, weight_bytes=b.weights,
-                design_bytes=b.design, kv_cache_mib=held / 2**20, repeats=len(timed),
-            )  # fmt: skip
-            step_rows = [
+            row = _row(common, cache, L, status, timed, b, floor.floor_ms(b, bandwidth), held)
+            steps = [
                 ContextStepRow(cache, L, batch, r + 1, i + 1, 1e3 * t)
                 for r, run in enumerate(timed)
                 for i, t in enumerate(run)
             ]
-            result = ContextResult(row, step_rows)
-            results.append(result)
+            results.append(ContextResult(row, steps))
             if on_result:
-                on_result(result)
+                on_result(results[-1])
     return results
+
+
+def _measure(
+    model: GPT,
+    cache: str,
+    context: int,
+    new_tokens: int,
+    runs: int,
+    batch: int,
+    generator: torch.Generator,
+    compile: str,
+    advance: Callable[[int, str], None],
+) -> tuple[list[list[float]], int, str]:
+    """`runs` runs of one (context, cache) on caches allocated once: each resets them, fills them to `context` and
+    times `new_tokens` decode steps. Returns (seconds per step of each run, bytes the caches held, status): status
+    `ok`, or failure_status's line, with no runs, when the allocation or a run raised."""
+    dev, dt = model.lm_head.weight.device, model.lm_head.weight.dtype
+    label = f"{cache} context {context:,} (random fill)"
+    out: list[list[float]] = []
+    held, failure = 0, None
+    try:
+        layers = make_caches(cache, model.config, batch, context + new_tokens, dt, dev)
+        for _ in range(runs):
+            for c in layers:
+                c.reset()
+            fill_random(layers, model, batch, context, generator)
+            out.append(time_decode(model, cache, layers, context, new_tokens, batch, compile))
+            advance(1, label)
+        held = sum(c.nbytes for c in layers)
+    except Exception as e:  # oom, or a cache plugin that raised: the row says so, the sweep goes on
+        failure = failure_status(e)
+    layers = None  # outside the except block: the caches (and the exception's frames) are freed here
+    if failure is not None:
+        advance(runs - len(out), f"{label}: {failure}")
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return ([], 0, failure) if failure is not None else (out, held, "ok")
+
+
+def _row(
+    common: dict,
+    cache: str,
+    context: int,
+    status: str,
+    timed: list[list[float]],
+    b: floor.StepBytes,
+    floor_ms: float,
+    held: int,
+) -> ContextRow:
+    """One (context, cache)'s summary row: percentiles over every timed step of every timed run (NaN: none)."""
+    steps = [x for r in timed for x in r]
+    med = 1e3 * statistics.median(steps) if steps else math.nan
+    return ContextRow(
+        cache=cache, context=context, **common, status=status, tpot_ms_median=med,
+        tpot_ms_p10=1e3 * _pct(steps, 0.1) if steps else math.nan,
+        tpot_ms_p90=1e3 * _pct(steps, 0.9) if steps else math.nan,
+        floor_ms=floor_ms, x_floor=med / floor_ms, step_bytes=b.total, kv_read_bytes=b.kv, weight_bytes=b.weights,
+        design_bytes=b.design, kv_cache_mib=held / 2**20, repeats=len(timed),
+    )  # fmt: skip

@@ -16,8 +16,9 @@ import torch
 from kvbench import devices, memory
 from kvbench.caches import CACHES, CacheSpec, cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
 from kvbench.devices import DTYPES, device_name, resolve_device
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, is_out_of_memory
 from kvbench.model.gpt2 import PRESETS, GPTConfig
+from kvbench.validate import past_context
 
 # Counting the dynamic cache's copies re-runs every torch.cat; above this many bytes copied it is not worth the wait.
 MAX_COUNTED_COPY_BYTES = 8 * memory.GiB
@@ -159,55 +160,16 @@ def measure_caches(
         if ctx > 1
         else "measured: after one 1-token update",
     ]
-    cuda = dev.type == "cuda"
-    rows: list[MeasureRow] = []
-    for cname in caches or list(CACHES):
-        cspec = get_cache_spec(cname)
-        if cuda:
-            torch.cuda.synchronize(dev)
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated(dev)
-        try:
-            caches = make_caches(cname, cfg, batch, ctx, dtype, dev)
-            if caches is not None:
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats(dev)
-                _fill(caches, cfg, batch, max(ctx - 1, 0), ctx, dtype, dev)
-        except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
-            if "memory" not in str(e).lower() and "alloc" not in str(e).lower():
-                raise
-            raise KVBenchError(
-                f"--measure: the {cname!r} cache for batch {batch} x {ctx} tokens ({memory.fmt_bytes(predicted)}) "
-                f"does not fit on {dev}; lower --batch or --ctx"
-            ) from None
-        measured = cache_nbytes(caches)
-        allocated = peak_extra = None
-        if cuda:
-            torch.cuda.synchronize(dev)
-            allocated = torch.cuda.memory_allocated(dev) - base
-            if caches is not None:
-                peak_extra = max(0, torch.cuda.max_memory_allocated(dev) - base - allocated)
-        pformat = cspec.planner_format or kv_dtype
-        expected = (
-            0 if caches is None else memory.bytes_per_sequence(spec, memory.KV_FORMATS[pformat], ctx) * batch
+    rows = [
+        _measure_one(cname, cfg, spec, fmt, batch, ctx, dtype, dev, predicted)
+        for cname in caches or list(CACHES)
+    ]
+    warnings = []
+    if past_context(ctx, cfg.block_size):
+        warnings.append(
+            f"{name}: {ctx:,} tokens is beyond the {cfg.block_size:,} it was trained for; the caches are "
+            f"allocated anyway (the model's position table stops at {cfg.block_size:,})"
         )
-        diff = measured - expected
-        why = _explain(cspec, caches is None, diff, expected, measured, predicted, spec, fmt, batch)
-        rows.append(
-            MeasureRow(
-                cache=cname,
-                summary=cspec.summary,
-                planner_format=pformat,
-                predicted_bytes=expected,
-                measured_bytes=measured,
-                allocated_bytes=allocated,
-                peak_extra_bytes=peak_extra,
-                difference=diff,
-                exact=diff == 0,
-                explanation=why,
-            )
-        )
-        del caches
     return MeasureReport(
         model=name,
         device=f"{dev} ({device_name(dev)})",
@@ -217,13 +179,72 @@ def measure_caches(
         predicted_bytes=predicted,
         rows=rows,
         working=working,
-        warnings=[
-            f"{name}: {ctx:,} tokens is beyond the {cfg.block_size:,} it was trained for; the caches are "
-            f"allocated anyway (the model's position table stops at {cfg.block_size:,})"
-        ]
-        if ctx > cfg.block_size
-        else [],
+        warnings=warnings,
     )
+
+
+def _measure_one(
+    cname: str,
+    cfg: GPTConfig,
+    spec: memory.ModelSpec,
+    fmt: memory.KVFormat,
+    batch: int,
+    ctx: int,
+    dtype: torch.dtype,
+    dev: torch.device,
+    predicted: int,
+) -> MeasureRow:
+    """One registered cache allocated for (batch, ctx), filled, measured and explained against the planner's figure
+    for its format (`predicted`: the figure for the --kv-dtype asked for)."""
+    cspec = get_cache_spec(cname)
+    caches, allocated, peak_extra = _allocate_and_fill(cname, cfg, batch, ctx, dtype, dev, predicted)
+    measured = cache_nbytes(caches)
+    pformat = cspec.planner_format or fmt.name
+    expected = (
+        0 if caches is None else memory.bytes_per_sequence(spec, memory.KV_FORMATS[pformat], ctx) * batch
+    )
+    diff = measured - expected
+    return MeasureRow(
+        cache=cname,
+        summary=cspec.summary,
+        planner_format=pformat,
+        predicted_bytes=expected,
+        measured_bytes=measured,
+        allocated_bytes=allocated,
+        peak_extra_bytes=peak_extra,
+        difference=diff,
+        exact=diff == 0,
+        explanation=_explain(cspec, caches is None, diff, expected, measured, predicted, spec, fmt, batch),
+    )
+
+
+def _allocate_and_fill(name: str, cfg: GPTConfig, batch: int, ctx: int, dtype, dev, predicted: int):
+    """The cache `name` for (batch, ctx), filled with ctx tokens (None for no cache), and on CUDA the allocator's
+    growth and the transient peak above it while filling (None elsewhere). Running out of memory is one line."""
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(dev)
+    try:
+        caches = make_caches(name, cfg, batch, ctx, dtype, dev)
+        if caches is not None:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(dev)
+            _fill(caches, cfg, batch, max(ctx - 1, 0), ctx, dtype, dev)
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        raise KVBenchError(
+            f"--measure: the {name!r} cache for batch {batch} x {ctx} tokens ({memory.fmt_bytes(predicted)}) "
+            f"does not fit on {dev}; lower --batch or --ctx"
+        ) from None
+    if not cuda:
+        return caches, None, None
+    torch.cuda.synchronize(dev)
+    allocated = torch.cuda.memory_allocated(dev) - base
+    peak_extra = None if caches is None else max(0, torch.cuda.max_memory_allocated(dev) - base - allocated)
+    return caches, allocated, peak_extra
 
 
 def count_copy_traffic(

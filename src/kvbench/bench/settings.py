@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvbench import devices, files
+from kvbench import devices, files, validate
 from kvbench.bench.engines import ENGINES
 from kvbench.caches import CACHES, parse_cache_names
 from kvbench.decode.fixed_step import check_compile
@@ -255,21 +255,18 @@ def sweep_model_config(s: BenchSettings) -> GPTConfig:
     return cfg
 
 
-def check_fits_context(s: BenchSettings, block_size: int, model_name: str) -> None:
-    """Reject an impossible sweep before any work, naming every offending prompt length."""
-    bad = [p for p in s.prompt_len if p + s.new_tokens > block_size]
-    if bad and s.fill == "random":
-        raise KVBenchError(
-            f"context + new tokens exceeds {model_name}'s {block_size:,} positions: "
-            + ", ".join(f"{p:,} + {s.new_tokens} = {p + s.new_tokens:,}" for p in bad)
-            + "; use --model gpt2-long (GPT-2's widths with 65,536 positions, random weights, for timing) or "
-            "shorter --prompt-len"
+def check_fits_context(s: BenchSettings, block_size: int | None, model_name: str) -> None:
+    """Reject an impossible sweep before any work, naming every offending prompt length (validate.fits_context)."""
+    if s.fill == "random":
+        fix = (
+            "use --model gpt2-long (GPT-2's widths with 65,536 positions, random weights, for timing) or shorter "
+            "--prompt-len"
         )
-    if bad:
-        raise KVBenchError(
-            f"prompt length + new tokens exceeds {model_name}'s context of {block_size}: "
-            + ", ".join(f"{p} + {s.new_tokens} = {p + s.new_tokens}" for p in bad)
-            + f"; use --prompt-len <= {max(block_size - s.new_tokens, 1)} and --new-tokens < {block_size}"
+        validate.fits_context("context", s.prompt_len, s.new_tokens, block_size, fix, f"{model_name}'s")
+    elif block_size is not None:
+        fix = f"use --prompt-len <= {max(block_size - s.new_tokens, 1)} and --new-tokens < {block_size}"
+        validate.fits_context(
+            "prompt length", s.prompt_len, s.new_tokens, block_size, fix, f"{model_name}'s", grouped=False
         )
 
 

@@ -46,7 +46,7 @@ from kvbench.bench.settings import (
     sweep_warnings,
 )
 from kvbench.devices import memory_in_use, memory_peak, reset_peak_memory
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, is_out_of_memory
 from kvbench.model.gpt2 import GPTConfig
 
 # Settings and engines live in their own modules; these names stay importable from here.
@@ -191,11 +191,9 @@ def fill_relative(rows: list[SummaryRow]) -> None:
 
 def failure_status(e: BaseException) -> str:
     """A configuration that raised: `oom` for an allocation failure on any device, else `error: <one line>`."""
-    text = " ".join(str(e).split())
-    if isinstance(e, torch.cuda.OutOfMemoryError | MemoryError) or (
-        isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate" in text
-    ):
+    if is_out_of_memory(e):
         return "oom"
+    text = " ".join(str(e).split())
     what = (
         text if isinstance(e, KVBenchError) else f"{type(e).__name__}: {text}" if text else type(e).__name__
     )

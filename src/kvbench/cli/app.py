@@ -144,17 +144,15 @@ VERBOSE = {"on": False}  # set by the root --verbose flag
 
 
 def out_of_memory(e: BaseException) -> str | None:
-    """One line for an allocation failure, CPU or CUDA; None if `e` is something else."""
-    text = str(e)
-    if type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in text:
-        return (
-            "out of GPU memory: "
-            + text.strip().splitlines()[0][:200]
-            + "; lower --batch, the lengths or the model"
-        )
-    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in text):
+    """One line for an allocation failure, CPU or GPU (errors.is_out_of_memory); None if `e` is something else."""
+    from kvbench.errors import is_out_of_host_memory, is_out_of_memory
+
+    if not is_out_of_memory(e):
+        return None
+    if is_out_of_host_memory(e):
         return "out of CPU memory (an allocation failed); lower --batch, the lengths or the model"
-    return None
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    return f"out of GPU memory: {first}; lower --batch, the lengths or the model"
 
 
 def _version(value: bool) -> None:

@@ -151,14 +151,43 @@ class GenerationResult:
 
 
 def check_fits(model: GPT, prompt_len: int, max_new_tokens: int) -> None:
+    """At least one new token, and prompt + new tokens within the model's context (validate.fits_context)."""
     if max_new_tokens < 1:
         raise KVBenchError(f"new tokens must be >= 1, got {max_new_tokens}")
-    ctx = model.config.block_size
-    if prompt_len + max_new_tokens > ctx:
-        raise KVBenchError(
-            f"prompt length {prompt_len} + new tokens {max_new_tokens} = {prompt_len + max_new_tokens} "
-            f"exceeds the model's context of {ctx} tokens"
+    validate.fits_context(
+        "prompt length",
+        prompt_len,
+        max_new_tokens,
+        model.config.block_size,
+        "use a shorter prompt or fewer new tokens",
+    )
+
+
+def _decoder(
+    model: GPT,
+    cache: str,
+    caches: list | None,
+    batch: Batch,
+    max_new_tokens: int,
+    rules: DecodeRules,
+    compile: str,
+) -> tuple[list | None, Callable]:
+    """What the loop runs: the caches it fills (None for `none`; the ones passed in, prepared by `rules.reuse`, or
+    fresh ones for prompt + new tokens) and the forward it calls with `rules.mask`: the model itself, or a design's
+    fixed-shape step function (static-graph: compiled, CUDA-graph captured)."""
+    spec = get_cache_spec(cache)
+    if spec.factory is None:
+        caches = None
+    elif caches is None:
+        B, T = batch.ids.shape
+        caches = make_caches(
+            cache, model.config, B, T + max_new_tokens, model.lm_head.weight.dtype, batch.ids.device
         )
+    else:
+        rules.reuse(caches)
+    if caches is not None and spec.fixed_step:
+        return caches, fixed_step.runner_for(model, caches, rules.mask, compile)
+    return caches, functools.partial(model, mask_rule=rules.mask)
 
 
 @torch.inference_mode()
@@ -177,51 +206,31 @@ def generate(
 ) -> GenerationResult:
     """Generate `max_new_tokens` for each prompt through the cache named `cache` ('none': recompute everything).
 
-    Pass `caches` to reuse existing cache objects (they are reset first); otherwise fresh ones are allocated for
-    prompt + new tokens (they are prepared by `rules.reuse`, i.e. reset). `on_token(ids)` is called with the B new
-    ids after each token, for streaming. `rules`: the loop's rules (module docstring); the exact ones by default.
-    `compile`: how a fixed-shape decode step runs (fixed_step.COMPILE_MODES; designs with `CacheSpec.fixed_step`).
+    Pass `caches` to reuse existing cache objects (they are prepared by `rules.reuse`, i.e. reset); otherwise fresh
+    ones are allocated for prompt + new tokens. `on_token(ids)` is called with the B new ids after each token, for
+    streaming. `rules`: the loop's rules (module docstring); the exact ones by default. `compile`: how a fixed-shape
+    decode step runs (fixed_step.COMPILE_MODES; designs with `CacheSpec.fixed_step`).
     """
     sampler = sampler or Sampler()
     device = model.lm_head.weight.device
     batch = rules.padding(prompts, device)
-    B, T = batch.ids.shape
-    check_fits(model, T, max_new_tokens)
-    spec = get_cache_spec(cache)
-    if spec.factory is None:
-        caches = None
-    elif caches is None:
-        caches = make_caches(cache, model.config, B, T + max_new_tokens, model.lm_head.weight.dtype, device)
-    else:
-        rules.reuse(caches)
-    # A design may run its decode step as one fixed-shape function (static-graph: compiled, CUDA-graph captured).
-    if caches is not None and spec.fixed_step:
-        forward = fixed_step.runner_for(model, caches, rules.mask, compile)
-    else:
-        forward = functools.partial(model, mask_rule=rules.mask)
-    generator = None
-    if sampler.temperature > 0:
-        generator = torch.Generator(device=device).manual_seed(sampler.seed)
-
+    check_fits(model, batch.ids.size(1), max_new_tokens)
+    caches, forward = _decoder(model, cache, caches, batch, max_new_tokens, rules, compile)
+    generator = torch.Generator(device=device).manual_seed(sampler.seed) if sampler.temperature > 0 else None
     # what the next forward sees
     ids, positions, padding = batch.ids, rules.positions.start(batch), batch.padding
     out: list[torch.Tensor] = []  # (B, 1) each
+    seconds: list[float] = []  # per token: the prefill's first, then each decode step's
     logits_log: list[torch.Tensor] | None = [] if record_logits else None
-    done = torch.zeros(B, 1, dtype=torch.bool, device=device)
-    step_s: list[float] = []
-    ttft = 0.0
-    for step in range(max_new_tokens):
+    done = torch.zeros(batch.ids.size(0), 1, dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
         synchronize(device)
         t0 = time.perf_counter()
         # No cache: the whole sequence every step. Cached: the prompt once (prefill), then one token per step.
         logits = forward(ids, positions, caches, padding, last_only=True)[:, -1]  # (B, V)
         nxt = sampler(logits, generator)  # (B, 1)
         synchronize(device)
-        dt = time.perf_counter() - t0
-        if step == 0:
-            ttft = dt
-        else:
-            step_s.append(dt)
+        seconds.append(time.perf_counter() - t0)
         out.append(nxt)
         if logits_log is not None:
             logits_log.append(logits.float().cpu())
@@ -233,10 +242,14 @@ def generate(
                 break
         # The next column: the new token is real; with a cache the forward sees only it (B, 1).
         positions = rules.positions.advance(positions, cached=caches is not None)
-        ids = nxt if caches is not None else torch.cat([ids, nxt], dim=1)  # (B, 1) or (B, T + step + 1)
+        ids = nxt if caches is not None else torch.cat([ids, nxt], dim=1)  # (B, 1) or (B, columns so far + 1)
         if padding is not None:
             padding = torch.cat([padding, torch.ones_like(padding[:, :1])], dim=1)  # (B, columns so far + 1)
+    return _result(cache, batch, out, seconds, stop_token, caches, logits_log)
 
+
+def _result(cache, batch, out, seconds, stop_token, caches, logits_log) -> GenerationResult:
+    """The generated ids (B, new), trimmed after the stop token, with the timings and what the caches hold."""
     tokens = torch.cat(out, dim=1).tolist()  # (B, new)
     if stop_token is not None:
         tokens = [seq[: seq.index(stop_token)] if stop_token in seq else seq for seq in tokens]
@@ -244,8 +257,8 @@ def generate(
         cache=cache,
         prompt_lens=batch.prompt_lens,
         tokens=tokens,
-        ttft_s=ttft,
-        step_s=step_s,
+        ttft_s=seconds[0],
+        step_s=seconds[1:],
         cache_bytes=cache_nbytes(caches),
         bytes_copied=cache_bytes_copied(caches),
         logits=logits_log,

@@ -1,4 +1,4 @@
-"""Load any Hugging Face causal LM for `verify --hf` and `bench --hf`, and describe what its caches depend on.
+"""Load a Hugging Face causal LM for `verify --hf` and `bench --hf`, or refuse it before any weight is read.
 
 SOURCE is one of:
 - a model directory (config.json + model.safetensors or pytorch_model.bin, sharded or not), as `save_pretrained`
@@ -12,6 +12,7 @@ SOURCE is one of:
 Anything that cannot become a decoder-only causal LM (missing files, an architecture transformers does not know,
 an encoder-only or encoder-decoder model) is a `KVBenchError` with one line naming the source and the fix.
 transformers' loading bars, log messages and Python warnings are kept off the terminal (`quiet_transformers`).
+What a loaded model is, read from it (`describe`), is in hf/introspect.py.
 """
 
 from __future__ import annotations
@@ -19,18 +20,32 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import __version__ as transformers_version
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
 
 from kvbench import devices, files
 from kvbench.errors import KVBenchError, one_line
+from kvbench.hf.introspect import HFModelInfo, cache_kwarg, describe, quiet_transformers, returned_cache
 from kvbench.memory.config_json import check_fields
-from kvbench.memory.state import RECURRENT_TYPES
+from kvbench.memory.units import fmt_bytes
+from kvbench.model.weights import hub_reachable
 from kvbench.thirdparty import contained, did
+from kvbench.validate import context_error, past_context
+
+# What a model is (introspect.py) stays importable from here, beside loading it.
+__all__ = [
+    "HFModelInfo", "HFShape", "LoadedHF", "cache_kwarg", "check_length", "check_memory", "describe", "load_hf",
+    "peek_hf", "quiet_transformers", "refuse_incomplete", "returned_cache", "run_bytes",
+]  # fmt: skip
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -40,67 +55,7 @@ WEIGHT_FILES = (
 )
 # "org/name" or "name": what the hub accepts as a model id (and what a path that does not exist may still be).
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-# Config attributes that bound the sequence length, most common first (GPT-2's n_positions is mapped onto the
-# first by its config class).
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 REMOTE_MODULES = "transformers_modules"  # where transformers imports a directory's own modelling code from
-
-
-@dataclass
-class HFModelInfo:
-    """What the cache checks and the bench need to know about a model, read from the model itself."""
-
-    architecture: str  # the model class, e.g. LlamaForCausalLM
-    model_type: str  # config.model_type
-    n_layers: int  # decoder layers actually loaded
-    n_heads: int  # query heads
-    n_kv_heads: int  # key/value heads (GQA: fewer than n_heads)
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    context: int | None  # the configured maximum sequence length, if the config has one
-    learned_positions: bool  # a position-embedding table: there is no position past `context`
-    # per layer, as transformers' DynamicCache builds them: "full" or "sliding(W)" (K/V), "recurrent" (a fixed-size
-    # state: Mamba, RWKV, xLSTM, linear attention), "recurrent+full" / "recurrent+sliding(W)" (both: a hybrid
-    # layer), "none" (no sequence mixing: an MLP-only layer)
-    layer_types: list[str]
-    attn_implementation: str  # eager, sdpa, ...
-    transformers_version: str
-
-    @property
-    def windowed(self) -> bool:
-        return any("sliding(" in t for t in self.layer_types)
-
-    @property
-    def recurrent(self) -> bool:
-        """Some layer keeps a recurrent state."""
-        return any(t.startswith("recurrent") for t in self.layer_types)
-
-    @property
-    def kv_layers(self) -> int:
-        """Layers that cache K and V (0: no KV cache at all, a purely recurrent model)."""
-        return sum(1 for t in self.layer_types if self.kv_tokens(t, 1))
-
-    @staticmethod
-    def kv_tokens(layer_type: str, tokens: int) -> int:
-        """Tokens one layer of this type holds in its KV cache after `tokens` tokens."""
-        kind = layer_type.removeprefix("recurrent+")
-        if kind.startswith("sliding("):
-            return min(int(kind[len("sliding(") : -1]), tokens)
-        return tokens if kind == "full" else 0
-
-    def layers_summary(self) -> str:
-        """'2 full' / '2 sliding(8)' / '1 sliding(8) + 1 full' in layer order of first appearance."""
-        counts: dict[str, int] = {}
-        for t in self.layer_types:
-            counts[t] = counts.get(t, 0) + 1
-        return " + ".join(f"{n} {t}" for t, n in counts.items())
-
-    def positions_summary(self) -> str:
-        if self.context is None:
-            return "no configured maximum length"
-        kind = "learned absolute positions" if self.learned_positions else "no position table"
-        return f"context {self.context} ({kind})"
 
 
 @dataclass
@@ -141,47 +96,6 @@ def _label(info: HFModelInfo, layers_of: int | None) -> str:
     return f"{info.architecture} ({of})"
 
 
-# --- keeping transformers quiet ------------------------------------------------------------------------------------
-@contextmanager
-def quiet_transformers():
-    """transformers' log messages below ERROR, its progress bars, huggingface_hub's download bars and Python
-    warnings off the terminal for the duration; everything restored afterwards."""
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-    from transformers.utils import logging as tlog
-
-    verbosity, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
-    hub_bars = are_progress_bars_disabled()
-    tlog.set_verbosity_error()
-    tlog.disable_progress_bar()
-    disable_progress_bars()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        tlog.set_verbosity(verbosity)
-        if bars:
-            tlog.enable_progress_bar()
-        if not hub_bars:
-            enable_progress_bars()
-
-
-# --- transformers version differences ------------------------------------------------------------------------------
-def cache_kwarg() -> str:
-    """The keyword `generate` and the models take a Cache object by: `cache` in recent transformers,
-    `past_key_values` before (the old name still works there, with a deprecation warning)."""
-    from transformers import GenerationMixin
-
-    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def returned_cache(out):
-    """The cache a `generate` or forward output carries, under either name (see cache_kwarg)."""
-    names = getattr(type(out), "__dataclass_fields__", {})
-    return getattr(out, "cache" if "cache" in names else "past_key_values", None)
-
-
 # --- reading a config before loading anything ----------------------------------------------------------------------
 def _read_config(path: Path) -> dict:
     doc = files.load_json(path, str(path), files.CONFIG_BYTES, "a model config")
@@ -193,13 +107,6 @@ def _read_config(path: Path) -> dict:
 def _refuse_unloadable(doc: dict, where: str, trust_remote_code: bool) -> None:
     """Refuse, by name, what cannot become a decoder-only causal LM, before transformers tries (and fails in one
     of many exception types, or prompts on the terminal)."""
-    from transformers import __version__
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
-
     model_type = doc.get("model_type")
     auto_map = doc.get("auto_map") or {}
     custom = isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map
@@ -215,7 +122,7 @@ def _refuse_unloadable(doc: dict, where: str, trust_remote_code: bool) -> None:
     if model_type not in CONFIG_MAPPING_NAMES:
         hint = " (it names custom code in auto_map, but not for AutoModelForCausalLM)" if auto_map else ""
         raise KVBenchError(
-            f"{where}: model_type {model_type!r} is unknown to transformers {__version__}{hint}; upgrade "
+            f"{where}: model_type {model_type!r} is unknown to transformers {transformers_version}{hint}; upgrade "
             "transformers, or point at a directory whose auto_map provides the code (with --trust-remote-code)"
         )
     if doc.get("is_encoder_decoder"):
@@ -265,8 +172,6 @@ class _Resolved:
 def _resolve(source: str, layers: int | None, trust_remote_code: bool) -> _Resolved:
     """Everything load_hf checks before it reads a weight: the source exists, its config reads, it is a decoder-only
     causal LM transformers can build, --layers fits; one line naming the source otherwise."""
-    from transformers import AutoConfig
-
     path = Path(source).expanduser()
     kwargs = {"trust_remote_code": trust_remote_code}  # never None: that would prompt on the terminal
     if path.is_file():
@@ -301,7 +206,7 @@ def _resolve(source: str, layers: int | None, trust_remote_code: bool) -> _Resol
         )
     elif HUB_ID.match(source) and not source.startswith("."):
         where, weights = source, f"hub:{source}"
-        kwargs["local_files_only"] = not _hub_online()
+        kwargs["local_files_only"] = not hub_reachable()
     else:
         raise KVBenchError(f"--hf {source}: no such file or directory, and not a hub id (org/name)")
     config = _call(lambda: AutoConfig.from_pretrained(where, **kwargs), source)
@@ -334,8 +239,6 @@ def load_hf(
 
 
 def _load(source, device, dtype, seed, layers, trust_remote_code, init_std, run, check) -> LoadedHF:
-    from transformers import AutoModelForCausalLM
-
     r = _resolve(source, layers, trust_remote_code)
     shape = _meta_shape(r, source)
     if check is not None:
@@ -429,8 +332,6 @@ def peek_hf(source: str, layers: int | None = None, trust_remote_code: bool = Fa
 
 
 def _meta_shape(r: _Resolved, source: str) -> HFShape:
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = _call(lambda: AutoModelForCausalLM.from_config(r.config, **r.kwargs), source)
     _contain_remote_code(model, source)
@@ -461,14 +362,14 @@ def check_memory(source: str, shape: HFShape, device: torch.device, dtype: torch
     built = f"{shape.parameters:,} parameters x {4 if random else elem} B" + (
         " (random weights are initialised in fp32 on the CPU)" if random else ""
     )
-    run_on = f" + {_gib(allowance)} for activations and the cache"
+    run_on = f" + {fmt_bytes(allowance)} for activations and the cache"
     if device.type == "cpu":  # a random init in fp32 converted to another dtype is held twice for a moment
         twice = weights if random and elem != 4 else 0
         needs = [
             (
                 device,
                 host + twice + allowance,
-                built + (f" + {_gib(twice)} converted" if twice else "") + run_on,
+                built + (f" + {fmt_bytes(twice)} converted" if twice else "") + run_on,
             )
         ]
     else:
@@ -479,21 +380,9 @@ def check_memory(source: str, shape: HFShape, device: torch.device, dtype: torch
         if free is not None and need > free:
             what = "CPU memory" if dev.type == "cpu" else f"memory on {dev}"
             raise KVBenchError(
-                f"--hf {source}: {shape.label} needs about {_gib(need)} of {what}: {how}; {_gib(free)} is "
+                f"--hf {source}: {shape.label} needs about {fmt_bytes(need)} of {what}: {how}; {fmt_bytes(free)} is "
                 "available; use --layers N, a smaller model or fewer tokens"
             )
-
-
-def _gib(n: int) -> str:
-    from kvbench.memory.units import fmt_bytes
-
-    return fmt_bytes(n)
-
-
-def _hub_online() -> bool:
-    from kvbench.model.weights import hub_reachable
-
-    return hub_reachable()
 
 
 def _call(fn, source: str):
@@ -553,8 +442,6 @@ def _neutral_generation_config(model) -> int:
     """Replace the model's generation defaults (sampling, repetition penalties, forced tokens: they change which
     token wins, identically on both paths, but hide the raw logits) with greedy defaults that keep only its special
     tokens. Returns the id left padding uses."""
-    from transformers import GenerationConfig
-
     old = getattr(model, "generation_config", None)
     cfg = model.config.get_text_config(decoder=True)
 
@@ -576,77 +463,14 @@ def _neutral_generation_config(model) -> int:
     return pad
 
 
-def describe(model) -> HFModelInfo:
-    """Read the facts the checks depend on from the loaded model (not from guesses about its family)."""
-    import transformers
-    from transformers import DynamicCache
-
-    cfg = model.config.get_text_config(decoder=True)
-    n_layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
-    n_heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
-    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
-    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
-    head_dim = int(getattr(cfg, "head_dim", None) or (hidden // n_heads if n_heads else 0))
-    context = next((getattr(cfg, k) for k in CONTEXT_KEYS if isinstance(getattr(cfg, k, None), int)), None)
-    layer_types = []
-    try:
-        layer_types = [_layer_type(layer) for layer in DynamicCache(config=cfg).layers]
-    except Exception:  # a custom config DynamicCache cannot read: every layer is taken as full attention
-        layer_types = []
-    if (
-        str(getattr(cfg, "model_type", "")) in RECURRENT_TYPES
-    ):  # no layer_types: DynamicCache would say "full"
-        layer_types = ["recurrent"] * n_layers
-    if len(layer_types) != n_layers:
-        layer_types = ["full"] * n_layers
-    return HFModelInfo(
-        architecture=type(model).__name__,
-        model_type=str(getattr(model.config, "model_type", "?")),
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        head_dim=head_dim,
-        hidden_size=hidden,
-        vocab_size=int(cfg.vocab_size),
-        context=context,
-        learned_positions=_has_position_table(model, context),
-        layer_types=layer_types,
-        attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "default"),
-        transformers_version=transformers.__version__,
-    )
-
-
-def _layer_type(layer) -> str:
-    """One layer of transformers' DynamicCache, in HFModelInfo.layer_types' words."""
-    from transformers import cache_utils
-
-    state = isinstance(layer, getattr(cache_utils, "LinearAttentionCacheLayerMixin", ()))
-    if not isinstance(layer, cache_utils.DynamicLayer):
-        return "recurrent" if state else "none"
-    window = getattr(layer, "sliding_window", None)
-    kind = f"sliding({window})" if window else "full"
-    return f"recurrent+{kind}" if state else kind
-
-
-def _has_position_table(model, context: int | None) -> bool:
-    """A learned absolute position embedding: an nn.Embedding other than the token embedding with (about)
-    `context` rows (OPT keeps 2 extra)."""
-    if context is None:
-        return False
-    tokens = model.get_input_embeddings()
-    return any(
-        isinstance(m, torch.nn.Embedding) and m is not tokens and context <= m.num_embeddings <= context + 2
-        for m in model.modules()
-    )
-
-
 def check_length(info: HFModelInfo, total: int, what: str, fix: str) -> None:
-    """Hold a run of `total` tokens (longest prompt + new tokens) to the model's configured context."""
-    if info.context is None or total <= info.context:
+    """Hold a run of `total` tokens (longest prompt + new tokens, spelled out in `what`) to the model's configured
+    context (validate.past_context, validate.context_error)."""
+    if not past_context(total, info.context):
         return
     why = (
         f"learned absolute positions: the model has no embedding past position {info.context - 1}"
         if info.learned_positions
         else f"its config's maximum length is {info.context}"
     )
-    raise KVBenchError(f"{what} = {total} exceeds the model's context of {info.context} ({why}); {fix}")
+    raise context_error(f"{what} = {total}", info.context, fix, why=why, grouped=False)

@@ -29,6 +29,7 @@ from kvbench.memory.units import (
     fmt_tokens,
     parse_overhead,
 )
+from kvbench.validate import past_context
 
 DEFAULT_OVERHEAD = (
     "10%"  # reserve for activations, CUDA context and allocator slack (vLLM's default leaves 10%)
@@ -272,7 +273,7 @@ def _row(spec: ModelSpec, s: _Sizes, ctx: int) -> PlanRow:
     per_gpu = per_seq_gpu * s.batch
     row = PlanRow(
         ctx=ctx, batch=s.batch, tokens_held=held, bytes_per_seq=per_seq, bytes_batch=per_seq * s.batch,
-        bytes_per_gpu=per_gpu, beyond_max=spec.max_context is not None and ctx > spec.max_context,
+        bytes_per_gpu=per_gpu, beyond_max=past_context(ctx, spec.max_context),
         windowed=held < ctx * spec.n_layers, fits=None, max_batch=None, max_ctx=None, max_ctx_unbounded=False,
         working=[_seq_working(spec, s, ctx, held)],
     )  # fmt: skip

@@ -16,12 +16,13 @@ each side, and:
 
 Decode steps of one run are treated as independent draws. They are not quite: a run that was slowed as a whole
 (a busy machine) shifts all its steps together, which no test on the steps can tell from a slower build. The
-threshold absorbs small shifts of that kind, and runs of a different identity (IDENTITY: device, dtype, library
-versions, threads, what was asked for) are refused; what was measured about the machine at run time (CONTEXT: huge
-pages actually given, read bandwidth) is shown side by side and warned about when it differs. Beyond that, compare
-runs made on the same, otherwise idle machine.
+threshold absorbs small shifts of that kind, and runs of a different identity (environment.IDENTITY: device,
+dtype, library versions, threads, what was asked for) are refused; what was measured about the machine at run time
+(environment.CONTEXT: huge pages actually given, read bandwidth) is shown side by side and warned about when it
+differs. Beyond that, compare runs made on the same, otherwise idle machine.
 
 TTFT, tokens/s, peak memory, KV bytes and (when both runs have the column) token agreement come from summary.csv.
+The statistics are in results/stats.py, the environment checks in results/environment.py.
 """
 
 from __future__ import annotations
@@ -34,7 +35,22 @@ import numpy as np
 import pandas as pd
 
 from kvbench.errors import KVBenchError
+from kvbench.results.environment import (
+    ContextField,
+    EnvChange,
+    check_environment,
+    context_fields,
+    describe_changes,
+    describe_context,
+)
 from kvbench.results.runs import KEY, Run, load_run, row_label, run_level
+from kvbench.results.stats import mann_whitney_p, median_ratio_ci, repeat_spread, smallest_p, verdict
+
+# The environment checks' renderings stay importable from here, beside the comparison they describe.
+__all__ = [
+    "FAIL_ON", "Comparison", "RowComparison", "Unmatched", "check_baseline", "compare_runs", "describe_changes",
+    "describe_context", "json_doc", "parse_fail_on", "parse_threshold", "unfinished",
+]  # fmt: skip
 
 # Keys that --allow-env-change stops matching on when the two runs differ in them.
 RELAXABLE = ("dtype", "device")
@@ -46,171 +62,6 @@ FAIL_ON = {
 }
 
 
-# --- environment: identity and context ------------------------------------------------------------------------------
-# Identity: what the user or the software chose for a run. Timings are comparable only when it is the same, so a
-# difference is refused (unless --allow-env-change). The kvbench version and git commit are left out on purpose:
-# they are what a comparison is about.
-IDENTITY = (
-    ("device", ("device",)),
-    ("device name", ("device_name",)),
-    ("dtype", ("dtype",)),
-    ("python", ("versions", "python")),
-    ("torch", ("versions", "torch")),
-    ("transformers", ("versions", "transformers")),
-    ("numpy", ("versions", "numpy")),
-    ("CUDA", ("versions", "cuda")),
-    ("torch threads", ("versions", "torch_threads")),
-    ("THP_MEM_ALLOC_ENABLE", ("host", "huge_pages", "THP_MEM_ALLOC_ENABLE")),  # huge pages asked for, as set
-)
-# Context: what was measured or found on the machine at run time (whether the kernel actually gave huge pages to a
-# fresh buffer depends on fragmentation and load; the read bandwidth moves with load). Shown side by side and
-# warned about when it differs, never a reason to refuse.
-CONTEXT = (
-    ("huge pages in use", ("host", "huge_pages", "in_use")),
-    ("huge pages advised", ("host", "huge_pages", "advised")),
-    ("kernel THP mode", ("host", "huge_pages", "system")),
-    ("read bandwidth (GB/s)", ("floor", "bandwidth", "gbps")),
-)
-
-
-@dataclass
-class EnvChange:
-    name: str  # e.g. "torch", "dtype"
-    baseline: str | None
-    candidate: str | None
-
-
-@dataclass
-class ContextField:
-    """A measured fact about the machine in both runs; `differs` when it changed (a number: by more than the
-    comparison's threshold)."""
-
-    name: str
-    baseline: object
-    candidate: object
-    differs: bool
-
-
-def _dig(doc: dict, path: tuple[str, ...]):
-    for k in path:
-        if not isinstance(doc, dict):
-            return None
-        doc = doc.get(k)
-    return doc
-
-
-def environment_changes(base_meta: dict, cand_meta: dict) -> list[EnvChange]:
-    """Every identity field whose value differs between the two meta.json files."""
-    changes = []
-    for name, path in IDENTITY:
-        b, c = _dig(base_meta, path), _dig(cand_meta, path)
-        if b != c:
-            changes.append(EnvChange(name, None if b is None else str(b), None if c is None else str(c)))
-    return changes
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def context_fields(base_meta: dict, cand_meta: dict, threshold: float) -> list[ContextField]:
-    """The context fields either run recorded, side by side."""
-    out = []
-    for name, path in CONTEXT:
-        b, c = _dig(base_meta, path), _dig(cand_meta, path)
-        if b is None and c is None:
-            continue
-        if _is_number(b) and _is_number(c) and b > 0:
-            differs = abs(c / b - 1) > threshold
-        else:
-            differs = b != c
-        out.append(ContextField(name, b, c, differs))
-    return out
-
-
-def describe_changes(changes: list[EnvChange]) -> str:
-    return "; ".join(f"{c.name} {c.baseline} -> {c.candidate}" for c in changes)
-
-
-def describe_context(fields: list[ContextField]) -> str:
-    def show(v) -> str:
-        return f"{v:.1f}" if _is_number(v) and not isinstance(v, int) else str(v)
-
-    return "; ".join(f"{f.name} {show(f.baseline)} -> {show(f.candidate)}" for f in fields)
-
-
-# --- statistics ------------------------------------------------------------------------------------------------------
-# Up to this many steps a side is resampled step by step; above it the bootstrap medians are drawn from their
-# distribution directly (bootstrap_medians), which costs the same for 10^6 steps as for 10^4.
-RESAMPLE_UP_TO = 20_000
-
-
-def bootstrap_medians(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """`n_boot` medians of resamples of `x` drawn with replacement, shape (n_boot,).
-
-    Small samples are resampled. For large ones no resample is built: the k-th smallest of n draws from the sorted
-    x is x_(J) with P(J <= j) = P(Binomial(n, j/n) >= k), so J is drawn by inverting that distribution (exact for
-    an odd n; for an even n the two middle order statistics share one uniform draw, which at these sizes moves
-    the interval by far less than its own width)."""
-    n = len(x)
-    if n <= RESAMPLE_UP_TO:
-        out = np.empty(n_boot)
-        chunk = max(1, 2_000_000 // n)  # bounded memory
-        for i in range(0, n_boot, chunk):
-            k = min(chunk, n_boot - i)
-            out[i : i + k] = np.median(x[rng.integers(0, n, (k, n))], axis=1)  # (k,)
-        return out
-    from scipy.stats import binom
-
-    s = np.sort(x)
-    u = rng.random(n_boot)  # (n_boot,)
-    half = int(8 * math.sqrt(n)) + 2  # 16 standard deviations of Binomial(n, 1/2): J never falls outside
-
-    def order_statistic(k: int) -> np.ndarray:
-        j = np.arange(max(1, k - half), min(n, k + half) + 1)  # (window,) candidate values of J
-        cdf = binom.sf(k - 1, n, j / n)  # P(J <= j): at least k of the n draws are <= s[j - 1]
-        return s[j[np.minimum(np.searchsorted(cdf, u), len(j) - 1)] - 1]
-
-    if n % 2:
-        return order_statistic((n + 1) // 2)
-    return (order_statistic(n // 2) + order_statistic(n // 2 + 1)) / 2
-
-
-def median_ratio_ci(
-    base: np.ndarray, cand: np.ndarray, level: float, n_boot: int, seed: int
-) -> tuple[float, float, float]:
-    """median(cand) / median(base) and its percentile bootstrap interval at `level` (both sides resampled)."""
-    rng = np.random.default_rng(seed)
-    ratios = bootstrap_medians(cand, n_boot, rng) / bootstrap_medians(base, n_boot, rng)
-    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
-    return float(np.median(cand) / np.median(base)), float(lo), float(hi)
-
-
-def mann_whitney_p(base: np.ndarray, cand: np.ndarray) -> float:
-    """Two-sided Mann-Whitney U p-value (scipy). Identical samples give exactly 1."""
-    from scipy.stats import mannwhitneyu
-
-    if np.array_equal(np.sort(base), np.sort(cand)):
-        return 1.0
-    return float(mannwhitneyu(cand, base, alternative="two-sided").pvalue)
-
-
-def smallest_p(n1: int, n2: int) -> float:
-    """The smallest two-sided p-value Mann-Whitney U can give for samples of these sizes (complete separation):
-    2 / C(n1 + n2, n1), in logarithms (the binomial coefficient of two 10^5-step samples has 60,000 digits)."""
-    log_comb = math.lgamma(n1 + n2 + 1) - math.lgamma(n1 + 1) - math.lgamma(n2 + 1)
-    return min(1.0, math.exp(math.log(2) - log_comb))
-
-
-def verdict(ratio: float, p: float, alpha: float, threshold: float) -> str:
-    if p < alpha and ratio >= 1 + threshold:
-        return "slower"
-    if p < alpha and ratio <= 1 - threshold:
-        return "faster"
-    return "no significant change"
-
-
-# --- the comparison ----------------------------------------------------------------------------------------------------
 @dataclass
 class RowComparison:
     """One configuration in both runs. Ratios are candidate / baseline; deltas are candidate - baseline."""
@@ -242,9 +93,8 @@ class RowComparison:
     memory_regressed: bool
     repeat_spread_baseline: float = 0.0  # slowest / fastest repeat's median step - 1, within the run
     repeat_spread_candidate: float = 0.0
-    steady: bool = (
-        True  # False: a run's repeats are further apart than the threshold (p understates uncertainty)
-    )
+    # False: a run's repeats are further apart than the threshold (p understates uncertainty)
+    steady: bool = True
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -327,24 +177,6 @@ class _Steps:
         return self.steps.get(key, np.empty(0)), self.repeats.get(key, [])
 
 
-def repeat_spread(medians: list[float]) -> float:
-    """How far apart a run's repeats are: slowest repeat median / fastest - 1 (0 with fewer than two repeats)."""
-    return max(medians) / min(medians) - 1 if len(medians) >= 2 and min(medians) > 0 else 0.0
-
-
-def check_environment(
-    base_meta: dict, cand_meta: dict, allow_env_change: bool, command: str = "kvbench compare"
-) -> list[EnvChange]:
-    """The identity changes between two runs; KVBenchError listing them unless they are allowed."""
-    changes = environment_changes(base_meta, cand_meta)
-    if changes and not allow_env_change:
-        raise KVBenchError(
-            f"the runs come from different environments ({describe_changes(changes)}); timings are not comparable. "
-            f"Rerun both on the same machine and software, or compare anyway with {command} --allow-env-change"
-        )
-    return changes
-
-
 def unfinished(run: Run, role: str) -> str | None:
     """A line saying the run's sweep did not finish and which configurations it lacks; None when it finished (or
     its meta.json does not say)."""
@@ -392,7 +224,32 @@ def compare_runs(
     changes = check_environment(base.meta, cand.meta, allow_env_change)
     relaxed = _relaxed(base.summary, cand.summary, allow_env_change)
     match = [k for k in KEY if k not in relaxed]
+    rows, unmatched = _pair_rows(base, cand, match, alpha, threshold, n_boot, seed)
+    if not rows:
+        raise KVBenchError(_nothing_in_common(base.summary, cand.summary, match, unmatched))
+    return Comparison(
+        baseline=str(base.path),
+        candidate=str(cand.path),
+        alpha=alpha,
+        threshold=threshold,
+        confidence=1 - alpha,
+        rows=rows,
+        unmatched=unmatched,
+        env_changes=changes,
+        env_allowed=allow_env_change,
+        relaxed_keys=relaxed,
+        baseline_git=base.meta.get("git"),
+        candidate_git=cand.meta.get("git"),
+        context=context_fields(base.meta, cand.meta, threshold),
+        unfinished=[u for u in (unfinished(base, "baseline"), unfinished(cand, "candidate")) if u],
+    )
 
+
+def _pair_rows(
+    base: Run, cand: Run, match: list[str], alpha: float, threshold: float, n_boot: int, seed: int
+) -> tuple[list[RowComparison], list[Unmatched]]:
+    """Each baseline row with the candidate row of the same `match` key, compared (row i seeded with seed + i);
+    the rows with no partner, or without timings on one side, listed as unmatched with the reason."""
     b_rows = {tuple(r[k] for k in match): r for _, r in base.summary.iterrows()}
     c_rows = {tuple(r[k] for k in match): r for _, r in cand.summary.iterrows()}
     b_steps, c_steps = _Steps(base), _Steps(cand)
@@ -425,24 +282,7 @@ def compare_runs(
     for key, c in c_rows.items():
         if key not in b_rows:
             skip(c, "only in the candidate")
-    if not rows:
-        raise KVBenchError(_nothing_in_common(base.summary, cand.summary, match, unmatched))
-    return Comparison(
-        baseline=str(base.path),
-        candidate=str(cand.path),
-        alpha=alpha,
-        threshold=threshold,
-        confidence=1 - alpha,
-        rows=rows,
-        unmatched=unmatched,
-        env_changes=changes,
-        env_allowed=allow_env_change,
-        relaxed_keys=relaxed,
-        baseline_git=base.meta.get("git"),
-        candidate_git=cand.meta.get("git"),
-        context=context_fields(base.meta, cand.meta, threshold),
-        unfinished=[u for u in (unfinished(base, "baseline"), unfinished(cand, "candidate")) if u],
-    )
+    return rows, unmatched
 
 
 def _differing(base: pd.DataFrame, cand: pd.DataFrame, match: list[str], other: str = "candidate") -> str:

@@ -249,67 +249,21 @@ def context_figure(summary: pd.DataFrame, meta: dict, path: Path) -> Path:
     bandwidth floor dashed in its colour, and the crossover context (K/V read = weight read) marked. Right: the same
     steps as multiples of their floor."""
     ok = summary[summary["status"] == "ok"]
-    caches = sorted(ok.cache.unique(), key=lambda c: list(CACHES).index(c) if c in CACHES else 99)
     contexts = sorted(summary.context.unique())
     cross = meta.get("crossover_context")
-    fig, (ax, ax_x) = plt.subplots(1, 2, figsize=(13, 5.6), gridspec_kw={"width_ratios": [3, 2]})
-    values = []
-    for cache in caches:
-        sub = ok[ok.cache == cache].sort_values("context")
-        colour = _colour(cache)
-        err = [sub.tpot_ms_median - sub.tpot_ms_p10, sub.tpot_ms_p90 - sub.tpot_ms_median]
-        ax.errorbar(sub.context, sub.tpot_ms_median, yerr=err, color=colour, marker="o", markersize=5,
-                    linewidth=1.6, capsize=3, label=cache)  # fmt: skip
-        ax.plot(sub.context, sub.floor_ms, color=colour, linestyle="--", linewidth=1.2, alpha=0.9)
-        ax_x.plot(
-            sub.context, sub.x_floor, color=colour, marker="o", markersize=5, linewidth=1.6, label=cache
-        )
-        values += list(sub.tpot_ms_p90) + list(sub.floor_ms)
     bw = meta.get("floor", {}).get("bandwidth", {})
+    fig, (ax, ax_x) = plt.subplots(1, 2, figsize=(13, 5.6), gridspec_kw={"width_ratios": [3, 2]})
+    values = _context_lines(ax, ax_x, ok)
     if len(ok) and bw.get("gbps"):
         alone = 1e3 * float(ok.weight_bytes.iloc[0]) / (bw["gbps"] * 1e9)
         ax.axhline(alone, color="0.55", linestyle="-.", linewidth=1)
         values.append(alone)
-    lo, hi = contexts[0], contexts[-1]
-    shown = cross is not None and lo / 4 <= cross <= hi * 4
-    for a in (ax, ax_x):
-        a.set_xscale("log", base=2)
-        if len(contexts) <= MAX_TICKS:
-            a.set_xticks(contexts)
-        a.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _context_label(x)))
-        a.xaxis.set_minor_locator(NullLocator())
-        a.grid(True, which="major", alpha=0.3)
-        if shown:
-            a.axvline(cross, color="0.35", linestyle=":", linewidth=1.4)
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(_PLAIN)
-    ax.yaxis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
-    if values:
-        ax.set_ylim(min(values) / 1.5, max(values) * 1.5)
-    if shown:
-        ax.set_xlim(min(lo, cross) / 1.4, max(hi, cross) * 1.4)
-        ax_x.set_xlim(*ax.get_xlim())
-        ax.annotate(f"K/V read = weight read\nat {cross:,} tokens", (cross, 1.0), xycoords=("data", "axes fraction"),
-                    xytext=(4, -4), textcoords="offset points", va="top", fontsize=9, color="0.25")  # fmt: skip
-        ax.annotate("← weights dominate", (cross, 0.0), xycoords=("data", "axes fraction"), xytext=(-4, 6),
-                    textcoords="offset points", ha="right", fontsize=8, color="0.4")  # fmt: skip
-        ax.annotate("K/V cache dominates →", (cross, 0.0), xycoords=("data", "axes fraction"), xytext=(4, 6),
-                    textcoords="offset points", ha="left", fontsize=8, color="0.4")  # fmt: skip
-    elif cross is not None:
-        ax.text(0.01, 0.99, f"K/V read = weight read at {cross:,} tokens (outside this sweep)",
-                transform=ax.transAxes, va="top", fontsize=9, color="0.25")  # fmt: skip
+    shown = cross is not None and contexts[0] / 4 <= cross <= contexts[-1] * 4
+    _context_axes(ax, ax_x, contexts, cross if shown else None, values)
+    _mark_crossover(ax, ax_x, cross, shown, contexts)
     ax.set(xlabel="context (tokens in the cache)", ylabel="decode step, median (ms)",
            title="Decode step vs context; dashed: each cache's bandwidth floor")  # fmt: skip
-    handles, labels = ax.get_legend_handles_labels()
-    handles.append(plt.Line2D([], [], color="0.3", linestyle="--"))
-    labels.append("floor: bytes / read bandwidth")
-    handles.append(plt.Line2D([], [], color="0.55", linestyle="-."))
-    labels.append("floor of the weights alone")
-    if shown:
-        handles.append(plt.Line2D([], [], color="0.35", linestyle=":"))
-        labels.append("crossover: K/V read = weights")
-    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.0, 0.9), fontsize=9, framealpha=0.9)
+    _context_legend(ax, shown)
     ax_x.axhline(1.0, color="0.35", linewidth=1, linestyle="--")
     ax_x.set_ylim(0, max([1.0, *ok.x_floor.dropna()]) * 1.15)
     ax_x.set(xlabel="context (tokens in the cache)", ylabel="median step / floor (x)",
@@ -328,24 +282,80 @@ def context_figure(summary: pd.DataFrame, meta: dict, path: Path) -> Path:
     return path
 
 
+def _context_lines(ax, ax_x, ok: pd.DataFrame) -> list[float]:
+    """Each cache's median step (with its 10th-90th percentile bars) and floor on `ax`, its x_floor on `ax_x`;
+    returns the values the y range must hold."""
+    caches = sorted(ok.cache.unique(), key=lambda c: list(CACHES).index(c) if c in CACHES else 99)
+    values = []
+    for cache in caches:
+        sub = ok[ok.cache == cache].sort_values("context")
+        colour = _colour(cache)
+        err = [sub.tpot_ms_median - sub.tpot_ms_p10, sub.tpot_ms_p90 - sub.tpot_ms_median]
+        ax.errorbar(sub.context, sub.tpot_ms_median, yerr=err, color=colour, marker="o", markersize=5,
+                    linewidth=1.6, capsize=3, label=cache)  # fmt: skip
+        ax.plot(sub.context, sub.floor_ms, color=colour, linestyle="--", linewidth=1.2, alpha=0.9)
+        ax_x.plot(
+            sub.context, sub.x_floor, color=colour, marker="o", markersize=5, linewidth=1.6, label=cache
+        )
+        values += list(sub.tpot_ms_p90) + list(sub.floor_ms)
+    return values
+
+
+def _context_axes(ax, ax_x, contexts: list, cross: float | None, values: list[float]) -> None:
+    """Both panels: log2 context axes labelled in tokens (the crossover, when given, as a dotted line); the left
+    one's log y axis with plain numbers, sized to `values`."""
+    for a in (ax, ax_x):
+        a.set_xscale("log", base=2)
+        if len(contexts) <= MAX_TICKS:
+            a.set_xticks(contexts)
+        a.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _context_label(x)))
+        a.xaxis.set_minor_locator(NullLocator())
+        a.grid(True, which="major", alpha=0.3)
+        if cross is not None:
+            a.axvline(cross, color="0.35", linestyle=":", linewidth=1.4)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(_PLAIN)
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
+    if values:
+        ax.set_ylim(min(values) / 1.5, max(values) * 1.5)
+
+
+def _mark_crossover(ax, ax_x, cross: float | None, shown: bool, contexts: list) -> None:
+    """The crossover context annotated on the left panel (both panels widened to hold it); a note in the corner
+    when it falls outside the sweep."""
+    if shown:
+        ax.set_xlim(min(contexts[0], cross) / 1.4, max(contexts[-1], cross) * 1.4)
+        ax_x.set_xlim(*ax.get_xlim())
+        ax.annotate(f"K/V read = weight read\nat {cross:,} tokens", (cross, 1.0), xycoords=("data", "axes fraction"),
+                    xytext=(4, -4), textcoords="offset points", va="top", fontsize=9, color="0.25")  # fmt: skip
+        ax.annotate("← weights dominate", (cross, 0.0), xycoords=("data", "axes fraction"), xytext=(-4, 6),
+                    textcoords="offset points", ha="right", fontsize=8, color="0.4")  # fmt: skip
+        ax.annotate("K/V cache dominates →", (cross, 0.0), xycoords=("data", "axes fraction"), xytext=(4, 6),
+                    textcoords="offset points", ha="left", fontsize=8, color="0.4")  # fmt: skip
+    elif cross is not None:
+        ax.text(0.01, 0.99, f"K/V read = weight read at {cross:,} tokens (outside this sweep)",
+                transform=ax.transAxes, va="top", fontsize=9, color="0.25")  # fmt: skip
+
+
+def _context_legend(ax, shown: bool) -> None:
+    """The caches, plus the line styles of the floors and (when shown) the crossover."""
+    handles, labels = ax.get_legend_handles_labels()
+    handles.append(plt.Line2D([], [], color="0.3", linestyle="--"))
+    labels.append("floor: bytes / read bandwidth")
+    handles.append(plt.Line2D([], [], color="0.55", linestyle="-."))
+    labels.append("floor of the weights alone")
+    if shown:
+        handles.append(plt.Line2D([], [], color="0.35", linestyle=":"))
+        labels.append("crossover: K/V read = weights")
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.0, 0.9), fontsize=9, framealpha=0.9)
+
+
 def write_context_plots(run_dir: Path, summary: pd.DataFrame, meta: dict) -> list[Path]:
     """context.png into `run_dir`, or nothing when no configuration finished."""
     if summary.empty or (summary["status"] != "ok").all():
         return []
     return [context_figure(summary, meta, run_dir / "context.png")]
-
-
-def replot(run_dir: str | Path) -> list[Path]:
-    """Redraw the figures of an existing run directory from its summary.csv, steps.csv and meta.json."""
-    import json
-
-    run_dir = Path(run_dir)
-    summary = pd.read_csv(run_dir / "summary.csv")
-    meta = json.loads((run_dir / "meta.json").read_text())
-    if meta.get("fill") == "random":
-        return write_context_plots(run_dir, summary, meta)
-    steps = pd.read_csv(run_dir / "steps.csv")
-    return write_plots(run_dir, summary, steps, meta)
 
 
 # --- compare -------------------------------------------------------------------------------------------------------

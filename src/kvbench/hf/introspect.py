@@ -1,0 +1,171 @@
+"""What kvbench reads from transformers itself, rather than assumes: a loaded model's facts (`describe`, as
+`HFModelInfo`), the version differences of its generation API (`cache_kwarg`, `returned_cache`), and keeping its
+log messages, progress bars and warnings off the terminal (`quiet_transformers`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import transformers
+from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+from transformers import DynamicCache, GenerationMixin, cache_utils
+from transformers.utils import logging as tlog
+
+from kvbench.memory.state import RECURRENT_TYPES
+
+# Config attributes that bound the sequence length, most common first (GPT-2's n_positions is mapped onto the
+# first by its config class).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+@dataclass
+class HFModelInfo:
+    """What the cache checks and the bench need to know about a model, read from the model itself."""
+
+    architecture: str  # the model class, e.g. LlamaForCausalLM
+    model_type: str  # config.model_type
+    n_layers: int  # decoder layers actually loaded
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads (GQA: fewer than n_heads)
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    context: int | None  # the configured maximum sequence length, if the config has one
+    learned_positions: bool  # a position-embedding table: there is no position past `context`
+    # per layer, as transformers' DynamicCache builds them: "full" or "sliding(W)" (K/V), "recurrent" (a fixed-size
+    # state: Mamba, RWKV, xLSTM, linear attention), "recurrent+full" / "recurrent+sliding(W)" (both: a hybrid
+    # layer), "none" (no sequence mixing: an MLP-only layer)
+    layer_types: list[str]
+    attn_implementation: str  # eager, sdpa, ...
+    transformers_version: str
+
+    @property
+    def windowed(self) -> bool:
+        return any("sliding(" in t for t in self.layer_types)
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layer keeps a recurrent state."""
+        return any(t.startswith("recurrent") for t in self.layer_types)
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that cache K and V (0: no KV cache at all, a purely recurrent model)."""
+        return sum(1 for t in self.layer_types if self.kv_tokens(t, 1))
+
+    @staticmethod
+    def kv_tokens(layer_type: str, tokens: int) -> int:
+        """Tokens one layer of this type holds in its KV cache after `tokens` tokens."""
+        kind = layer_type.removeprefix("recurrent+")
+        if kind.startswith("sliding("):
+            return min(int(kind[len("sliding(") : -1]), tokens)
+        return tokens if kind == "full" else 0
+
+    def layers_summary(self) -> str:
+        """'2 full' / '2 sliding(8)' / '1 sliding(8) + 1 full' in layer order of first appearance."""
+        counts: dict[str, int] = {}
+        for t in self.layer_types:
+            counts[t] = counts.get(t, 0) + 1
+        return " + ".join(f"{n} {t}" for t, n in counts.items())
+
+    def positions_summary(self) -> str:
+        if self.context is None:
+            return "no configured maximum length"
+        kind = "learned absolute positions" if self.learned_positions else "no position table"
+        return f"context {self.context} ({kind})"
+
+
+@contextmanager
+def quiet_transformers():
+    """transformers' log messages below ERROR, its progress bars, huggingface_hub's download bars and Python
+    warnings off the terminal for the duration; everything restored afterwards."""
+    verbosity, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
+    hub_bars = are_progress_bars_disabled()
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        tlog.set_verbosity(verbosity)
+        if bars:
+            tlog.enable_progress_bar()
+        if not hub_bars:
+            enable_progress_bars()
+
+
+def cache_kwarg() -> str:
+    """The keyword `generate` and the models take a Cache object by: `cache` in recent transformers,
+    `past_key_values` before (the old name still works there, with a deprecation warning)."""
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def returned_cache(out):
+    """The cache a `generate` or forward output carries, under either name (see cache_kwarg)."""
+    names = getattr(type(out), "__dataclass_fields__", {})
+    return getattr(out, "cache" if "cache" in names else "past_key_values", None)
+
+
+def describe(model) -> HFModelInfo:
+    """Read the facts the checks depend on from the loaded model (not from guesses about its family)."""
+    cfg = model.config.get_text_config(decoder=True)
+    n_layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    n_heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    head_dim = int(getattr(cfg, "head_dim", None) or (hidden // n_heads if n_heads else 0))
+    context = next((getattr(cfg, k) for k in CONTEXT_KEYS if isinstance(getattr(cfg, k, None), int)), None)
+    try:
+        layer_types = [_layer_type(layer) for layer in DynamicCache(config=cfg).layers]
+    except Exception:  # a custom config DynamicCache cannot read: every layer is taken as full attention
+        layer_types = []
+    # no layer_types: DynamicCache would say "full"
+    if str(getattr(cfg, "model_type", "")) in RECURRENT_TYPES:
+        layer_types = ["recurrent"] * n_layers
+    if len(layer_types) != n_layers:
+        layer_types = ["full"] * n_layers
+    return HFModelInfo(
+        architecture=type(model).__name__,
+        model_type=str(getattr(model.config, "model_type", "?")),
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        vocab_size=int(cfg.vocab_size),
+        context=context,
+        learned_positions=_has_position_table(model, context),
+        layer_types=layer_types,
+        attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "default"),
+        transformers_version=transformers.__version__,
+    )
+
+
+def _layer_type(layer) -> str:
+    """One layer of transformers' DynamicCache, in HFModelInfo.layer_types' words."""
+    state = isinstance(layer, getattr(cache_utils, "LinearAttentionCacheLayerMixin", ()))
+    if not isinstance(layer, cache_utils.DynamicLayer):
+        return "recurrent" if state else "none"
+    window = getattr(layer, "sliding_window", None)
+    kind = f"sliding({window})" if window else "full"
+    return f"recurrent+{kind}" if state else kind
+
+
+def _has_position_table(model, context: int | None) -> bool:
+    """A learned absolute position embedding: an nn.Embedding other than the token embedding with (about)
+    `context` rows (OPT keeps 2 extra)."""
+    if context is None:
+        return False
+    tokens = model.get_input_embeddings()
+    return any(
+        isinstance(m, torch.nn.Embedding) and m is not tokens and context <= m.num_embeddings <= context + 2
+        for m in model.modules()
+    )

@@ -1,0 +1,89 @@
+"""The statistics of a comparison of two timing samples (decode-step latencies), each side pooled over its repeats.
+
+- the TPOT ratio is median(candidate) / median(baseline), with a percentile bootstrap interval (each side resampled
+  with replacement, seeded, so the result is reproducible): `median_ratio_ci`;
+- the two samples are told apart by scipy's two-sided Mann-Whitney U test, which needs no normality (timing
+  samples, skewed and with a long tail of slow steps, never have it): `mann_whitney_p`, and the smallest p-value
+  samples of given sizes can reach, `smallest_p`;
+- the verdict takes a p-value below alpha and a ratio at least `threshold` from 1: `verdict`;
+- how far apart one run's repeats are: `repeat_spread`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy.stats import binom, mannwhitneyu
+
+# Up to this many steps a side is resampled step by step; above it the bootstrap medians are drawn from their
+# distribution directly (bootstrap_medians), which costs the same for 10^6 steps as for 10^4.
+RESAMPLE_UP_TO = 20_000
+
+
+def bootstrap_medians(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """`n_boot` medians of resamples of `x` drawn with replacement, shape (n_boot,).
+
+    Small samples are resampled. For large ones no resample is built: the k-th smallest of n draws from the sorted
+    x is x_(J) with P(J <= j) = P(Binomial(n, j/n) >= k), so J is drawn by inverting that distribution (exact for
+    an odd n; for an even n the two middle order statistics share one uniform draw, which at these sizes moves
+    the interval by far less than its own width)."""
+    n = len(x)
+    if n <= RESAMPLE_UP_TO:
+        out = np.empty(n_boot)
+        chunk = max(1, 2_000_000 // n)  # bounded memory
+        for i in range(0, n_boot, chunk):
+            k = min(chunk, n_boot - i)
+            out[i : i + k] = np.median(x[rng.integers(0, n, (k, n))], axis=1)  # (k,)
+        return out
+    s = np.sort(x)
+    u = rng.random(n_boot)  # (n_boot,)
+    half = int(8 * math.sqrt(n)) + 2  # 16 standard deviations of Binomial(n, 1/2): J never falls outside
+
+    def order_statistic(k: int) -> np.ndarray:
+        j = np.arange(max(1, k - half), min(n, k + half) + 1)  # (window,) candidate values of J
+        cdf = binom.sf(k - 1, n, j / n)  # P(J <= j): at least k of the n draws are <= s[j - 1]
+        return s[j[np.minimum(np.searchsorted(cdf, u), len(j) - 1)] - 1]
+
+    if n % 2:
+        return order_statistic((n + 1) // 2)
+    return (order_statistic(n // 2) + order_statistic(n // 2 + 1)) / 2
+
+
+def median_ratio_ci(
+    base: np.ndarray, cand: np.ndarray, level: float, n_boot: int, seed: int
+) -> tuple[float, float, float]:
+    """median(cand) / median(base) and its percentile bootstrap interval at `level` (both sides resampled)."""
+    rng = np.random.default_rng(seed)
+    ratios = bootstrap_medians(cand, n_boot, rng) / bootstrap_medians(base, n_boot, rng)
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return float(np.median(cand) / np.median(base)), float(lo), float(hi)
+
+
+def mann_whitney_p(base: np.ndarray, cand: np.ndarray) -> float:
+    """Two-sided Mann-Whitney U p-value (scipy). Identical samples give exactly 1."""
+    if np.array_equal(np.sort(base), np.sort(cand)):
+        return 1.0
+    return float(mannwhitneyu(cand, base, alternative="two-sided").pvalue)
+
+
+def smallest_p(n1: int, n2: int) -> float:
+    """The smallest two-sided p-value Mann-Whitney U can give for samples of these sizes (complete separation):
+    2 / C(n1 + n2, n1), in logarithms (the binomial coefficient of two 10^5-step samples has 60,000 digits)."""
+    log_comb = math.lgamma(n1 + n2 + 1) - math.lgamma(n1 + 1) - math.lgamma(n2 + 1)
+    return min(1.0, math.exp(math.log(2) - log_comb))
+
+
+def verdict(ratio: float, p: float, alpha: float, threshold: float) -> str:
+    """`slower` when p < alpha and the ratio is at least 1 + threshold, `faster` when p < alpha and it is at most
+    1 - threshold, otherwise `no significant change`."""
+    if p < alpha and ratio >= 1 + threshold:
+        return "slower"
+    if p < alpha and ratio <= 1 - threshold:
+        return "faster"
+    return "no significant change"
+
+
+def repeat_spread(medians: list[float]) -> float:
+    """How far apart a run's repeats are: slowest repeat median / fastest - 1 (0 with fewer than two repeats)."""
+    return max(medians) / min(medians) - 1 if len(medians) >= 2 and min(medians) > 0 else 0.0
