@@ -9,9 +9,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich import box
-from rich.console import Console
-from rich.table import Table
 
 from kvbench import console
 from kvbench.cli.app import (
@@ -25,9 +22,9 @@ from kvbench.cli.app import (
     handle_errors,
     load_for_cli,
 )
-from kvbench.cli.bench_context import WIDE, floor_caption, render_context, wrote_line
+from kvbench.cli.bench_render import render_bench, render_context
 from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
-from kvbench.console import cell, err, out, styled
+from kvbench.console import err
 from kvbench.errors import KVBenchError
 
 
@@ -425,105 +422,3 @@ class _BenchProgress:
 
 def bench_progress() -> _BenchProgress:
     return _BenchProgress()
-
-
-def _f(x: float, fmt: str) -> str:
-    return "-" if x is None or x != x else format(x, fmt)  # x != x: NaN
-
-
-def _times(x: float) -> str:
-    return _f(x, ".2f") + ("" if x != x else "x")
-
-
-def _tokens_cell(r):
-    """Agreement with kvbench's `none`: 100%, or a lower figure marked ~ (all flips at near-ties) or ! (not)."""
-    if r.token_agreement != r.token_agreement:
-        return "-"
-    text = f"{100 * r.token_agreement:.0f}%"
-    if r.flips == 0:
-        return text
-    if r.near_tie_flips == r.flips:
-        return styled(text + " ~", "yellow")
-    return styled(text + " !", "bold red")
-
-
-def caption_text(meta: dict, rows: list = ()) -> str:
-    """The table's footer: what every column includes, cold and warm defined."""
-    cuda = meta["device"].startswith("cuda")
-    hf = "hf" in meta  # bench --hf: the model's own caches, its `none` the token reference
-    return floor_caption(meta, rows) + (
-        "TTFT, total: medians over timed repeats (total includes the prefill). TPOT: decode steps pooled over "
-        "timed repeats. warm = the timed repeats, after --warmup runs of the same shapes on the same caches, "
-        "nothing freed in between. cold = the first run of each configuration"
-        + (" (from an emptied allocator cache)" if cuda else "")
-        + ": allocation, kernel selection and plan building for shapes not seen earlier in the sweep, graph "
-        "capture (capture ms, static-graph on CUDA) or compilation ("
-        + ("static-compiled" if hf else "hf-compiled")
-        + "); it depends on sweep order. "
-        "speedup: end to end vs the same family's `none` (hf-compiled vs hf none). vs hf: TPOT of the fastest "
-        "transformers row at that prompt / this TPOT. tokens: share of generated tokens equal to "
-        + ("the model's own none's" if hf else "kvbench none's")
-        + " (worst run; ~ all flips at near-ties, rounding; ! a real difference, see tokens_note in summary.csv). "
-        "peak: this engine's weights (counted once) + the peak above what was in use before the configuration "
-        + ("(CUDA max allocated)." if cuda else "(CPU resident set size; indicative).")
-    )
-
-
-def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
-    cols = ["engine", "cache", "prompt", "TTFT ms", "TPOT ms", "p90", "floor ms", "x floor", "total s", "speedup",
-            "vs hf", "tokens", "peak MiB", "KV MiB", "copied", "capture ms", "cold TPOT"]  # fmt: skip
-    body = []
-    for r in rows:
-        body.append(
-            [
-                r.engine, r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status.split(':')[0]})", "red"),
-                r.prompt_len,
-                _f(r.ttft_ms, ".1f"), _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p90, ".2f"), _f(r.floor_ms, ".2f"),
-                _times(r.x_floor), _f(r.total_s, ".3f"),
-                _times(r.speedup_vs_none), _times(r.speedup_vs_fastest_hf), _tokens_cell(r),
-                _f(r.peak_mem_mib, ".0f"), _f(r.kv_cache_mib, ".2f"),
-                "-" if r.bytes_copied != r.bytes_copied else console.fmt_bytes(int(r.bytes_copied)),
-                _f(r.capture_ms, ".1f"), _f(r.cold_tpot_ms_median, ".2f"),
-            ]
-        )  # fmt: skip
-    title = f"bench: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}"
-    if rows:
-        first = rows[0]
-        title += (
-            f", {first.new_tokens} new tokens, batch {first.batch}, {max(r.repeats for r in rows)} repeats"
-        )
-    tbl = Table(
-        title=title,
-        caption=caption_text(meta, rows),
-        title_justify="left",
-        caption_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-    )
-    for i, c in enumerate(cols):
-        tbl.add_column(c, no_wrap=True, justify="left" if i < 2 else "right")
-    for r in body:
-        tbl.add_row(*[cell(x) for x in r])
-    # A narrow (or non-tty, 80-column) console would squeeze the numbers into ellipses: print at full width instead.
-    wide = out if out.width >= WIDE else Console(highlight=False, width=WIDE)
-    wide.print(tbl)
-    for r in rows:
-        if r.status.startswith("error"):
-            out.print(styled(f"{r.engine} {r.cache} prompt {r.prompt_len}: {r.status}", "red"))
-        elif r.flips and r.near_tie_flips < r.flips:
-            out.print(styled(f"{r.engine} {r.cache} prompt {r.prompt_len}: tokens {r.tokens_note}", "red"))
-    observed = {f"{r.engine} {r.cache}": (r.sdpa_prefill, r.sdpa_decode) for r in rows if r.status == "ok"}
-    kinds = sorted(set(observed.values()))
-    if kinds:
-        out.print(
-            styled(
-                "SDPA backends (prefill / decode): "
-                + "; ".join(
-                    f"{p or '-'} / {d or '-'}: " + ", ".join(k for k, v in observed.items() if v == (p, d))
-                    for p, d in kinds
-                )
-                + f"; cuDNN {meta['sdpa'].get('cudnn_version') or 'not available'}",
-                "dim",
-            )
-        )
-    out.print(wrote_line(files, run_dir))
