@@ -26,16 +26,14 @@ from kvbench.model.gpt2 import GPTConfig
 class BenchSettings:
     """One sweep. Every field can come from a TOML file in configs/bench/ and be overridden on the command line."""
 
-    model: str | None = (
-        None  # preset name or GPT-2 config.json; None: gpt2, or the checkpoint's own with --weights
-    )
+    # preset name or GPT-2 config.json; None: gpt2, or the checkpoint's own with --weights
+    model: str | None = None
     weights: str = "auto"  # auto | hub | random | PATH
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # fp16 on CUDA, fp32 on the CPU
     seed: int = 0  # random weights and the random prompt ids
-    prompt_len: list[int] = field(
-        default_factory=lambda: [16, 128, 512]
-    )  # a short, a medium and a long prompt
+    # a short, a medium and a long prompt
+    prompt_len: list[int] = field(default_factory=lambda: [16, 128, 512])
     new_tokens: int = 400  # generated tokens per run (the first from the prefill, the rest decode steps)
     caches: list[str] = field(default_factory=lambda: list(CACHES))  # every registered cache by default
     engine: list[str] = field(default_factory=lambda: ["kvbench", "hf"])  # hf-compiled on request
@@ -46,9 +44,36 @@ class BenchSettings:
     threads: int | None = None  # torch intra-op CPU threads; None: torch's default (one per core)
     fill: str = "prefill"  # prefill: a real prefill fills the cache; random: random K/V, decode timed only
     order: str = "sequential"  # sequential: each configuration's runs back to back; interleaved: in rounds
-    compile: str = (
-        "off"  # off | default | max: how static-graph's fixed-shape decode step runs (decode/fixed_step.py)
-    )
+    # off | default | max: how static-graph's fixed-shape decode step runs (decode/fixed_step.py)
+    compile: str = "off"
+
+
+@dataclass
+class BenchOverrides:
+    """The command line's values for BenchSettings' fields: None for an option left out (the TOML file or the
+    default decides). Lists are comma-separated text, checked by `coerce` as a TOML file's values are."""
+
+    prompt_len: str | None = None
+    new_tokens: int | None = None
+    caches: str | None = None
+    engine: str | None = None
+    batch: int | None = None
+    repeats: int | None = None
+    warmup: int | None = None
+    model: str | None = None
+    weights: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    seed: int | None = None
+    threads: int | None = None
+    out: str | None = None
+    fill: str | None = None
+    order: str | None = None
+    compile: str | None = None
+
+    def given(self) -> dict:
+        """The options that were given, by field name, in field order (the order `coerce` checks them in)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 FILLS = ("prefill", "random")
@@ -130,21 +155,26 @@ def resolve_config_path(path: str | Path) -> Path:
     )
 
 
-def load_settings(path: str | Path | None, overrides: dict) -> BenchSettings:
-    """Defaults < the TOML file at `path` < `overrides` (command-line options that were given, None = not given)."""
+def load_settings(path: str | Path | None, overrides: BenchOverrides | dict) -> BenchSettings:
+    """Defaults < the TOML file at `path` < `overrides` (the command line: a BenchOverrides, or a dict of its keys;
+    None = not given)."""
     s = BenchSettings(**read_settings(path, overrides))
     check_settings(s)
     return s
 
 
-def read_settings(path: str | Path | None, overrides: dict) -> dict:
+def read_settings(path: str | Path | None, overrides: BenchOverrides | dict) -> dict:
     """The keys the TOML file at `path` and then `overrides` give (no defaults), keys and types checked."""
     merged: dict = {}
     if path is not None:
         p = resolve_config_path(path)
         data = files.load_toml(p, f"--config {p}", files.CONFIG_BYTES, "a sweep's TOML file")
         merged.update(coerce(data, str(p)))
-    merged.update(coerce({k: v for k, v in overrides.items() if v is not None}, "command line"))
+    if isinstance(overrides, BenchOverrides):
+        given = overrides.given()
+    else:
+        given = {k: v for k, v in overrides.items() if v is not None}
+    merged.update(coerce(given, "command line"))
     if merged.get("fill") == "random":
         merged.update({k: make() for k, make in FILL_RANDOM_DEFAULTS.items() if k not in merged})
     return merged

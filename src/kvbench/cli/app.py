@@ -1,7 +1,8 @@
-"""The Typer app, the options every command shares, and the one layer where errors become exit codes.
+"""The Typer app, the one layer where errors become exit codes, and loading a model for a command.
 
-Each command lives in its own module beside this one (generate, verify, break, bench, memory), with its options and
-its renderers; `kvbench.cli` imports them so they register on `app`.
+Each command lives in its own module beside this one (generate, verify, break, bench, memory, compare), with its
+renderers; the options they share are declared in cli/options.py (and importable from here too). `kvbench.cli`
+imports the command modules so they register on `app`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,17 @@ from typer.core import TyperGroup
 
 from kvbench import __version__, console
 from kvbench.bench import hugepages
+from kvbench.cli.options import (  # noqa: F401  (the options verify and break import from here)
+    COMPILE_HELP,
+    CompileOpt,
+    DeviceOpt,
+    JsonOpt,
+    ModelOpt,
+    SeedOpt,
+    TokenizerOpt,
+    WeightsOpt,
+)
+from kvbench.cli.options import dtype_opt as _dtype_opt  # noqa: F401
 from kvbench.errors import KVBenchError, one_line
 from kvbench.validate import PROBE_ENV, probe_bytes_setting
 
@@ -69,40 +81,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-# --- shared options (defined once, used by every command that loads a model) ------------------------------------
-ModelOpt = Annotated[
-    str,
-    typer.Option(
-        "--model", "-m", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-tiny, or a GPT-2 config.json."
-    ),
-]
-WeightsOpt = Annotated[
-    str,
-    typer.Option(
-        "--weights", "-w", help="auto | hub | random | PATH (a local Hugging Face GPT-2 directory)."
-    ),
-]
-DeviceOpt = Annotated[str, typer.Option("--device", "-d", help="auto | cpu | cuda | cuda:N.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for random weights, random prompts and sampling.")]
-TokenizerOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--tokenizer",
-        help="A .tiktoken ranks file or a directory with vocab.json + merges.txt (default: $KVBENCH_TOKENIZER, "
-        "else GPT-2's ranks file shipped inside kvbench; nothing is downloaded).",
-    ),
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout and nothing else.")]
-COMPILE_HELP = (
-    "How static-graph's fixed-shape decode step runs: off (eager), default (torch.compile), or max (CPU only: "
-    "weights frozen into the step, GEMMs autotuned over Inductor's C++ templates). The first step compiles."
-)
-CompileOpt = Annotated[str, typer.Option("--compile", help=COMPILE_HELP)]
-
-
-def _dtype_opt(default: str) -> object:
-    return typer.Option(default, "--dtype", help="fp32 | fp16 | bf16 (auto: fp16 on CUDA, fp32 on CPU).")
 
 
 def handle_errors(fn):
@@ -194,9 +172,8 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     warnings.filterwarnings("ignore", module=r"(transformers|huggingface_hub)(\..*)?$")
     warnings.filterwarnings("ignore", module=r"torch\._(inductor|dynamo)(\..*)?$")  # compiling a decode step
-    if (
-        "transformers" in sys.modules
-    ):  # already imported (tests, or an embedding program): set it directly too
+    # already imported (tests, or an embedding program): set it directly too
+    if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()

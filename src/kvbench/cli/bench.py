@@ -1,132 +1,112 @@
-"""`kvbench bench`: no cache vs each cache vs transformers, TTFT/TPOT/memory, written as the sweep runs."""
+"""`kvbench bench`: no cache vs each cache vs transformers, TTFT/TPOT/memory, written as the sweep runs.
+
+The command gathers its options into one BenchOptions and dispatches on the mode: a prefill sweep of our GPT-2, the
+same sweep of a Hugging Face model (--hf), or decode steps over random-filled caches (--fill random). Every mode
+makes each check that needs no weights before loading anything, and creates the run folder only once every check
+has passed.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import signal
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING
 
 import typer
-from rich import box
-from rich.console import Console
-from rich.table import Table
 
 from kvbench import console
-from kvbench.cli.app import (
-    COMPILE_HELP,
+from kvbench.cli.app import app, handle_errors, load_for_cli
+from kvbench.cli.bench_render import render_bench, render_context
+from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
+from kvbench.cli.options import (
+    BaselineOpt,
+    BenchAllowEnvChangeOpt,
+    BenchBatchOpt,
+    BenchCachesOpt,
+    BenchCompileOpt,
+    BenchConfigOpt,
+    BenchDtypeOpt,
+    BenchNewTokensOpt,
+    BenchOutOpt,
+    BenchPromptLenOpt,
     DeviceOpt,
+    EngineOpt,
+    FillOpt,
+    ForceOpt,
     JsonOpt,
     ModelOpt,
+    OrderOpt,
+    RepeatsOpt,
     SeedOpt,
+    ThreadsOpt,
+    WarmupOpt,
     WeightsOpt,
-    app,
-    handle_errors,
-    load_for_cli,
 )
-from kvbench.cli.bench_context import WIDE, floor_caption, render_context, wrote_line
-from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
-from kvbench.console import cell, err, out, styled
+from kvbench.console import err
 from kvbench.errors import KVBenchError
+
+if TYPE_CHECKING:  # bench.settings imports torch, which the command loads only when it runs
+    from kvbench.bench.settings import BenchOverrides, BenchSettings
+
+
+@dataclass
+class BenchOptions:
+    """One `kvbench bench` command line: the sweep's settings as given (`overrides`; the TOML file and the defaults
+    decide the rest), and the options that choose what happens around the sweep."""
+
+    overrides: BenchOverrides
+    config: Path | None
+    force: bool
+    baseline: Path | None
+    allow_env_change: bool
+    json_out: bool
+    hf: str | None
+    trust_remote_code: bool
+    layers: int | None
+
+
+@dataclass
+class Prepared:
+    """A prefill sweep ready to run: its checked settings, the run folder to create, the model as the sweep and the
+    recorder read it, its engines, the warnings to print once the folder is claimed, and meta.json additions."""
+
+    settings: BenchSettings
+    out_dir: Path
+    loaded: object
+    device: object
+    dtype: object
+    engines: dict
+    notes: list[str]
+    extra_meta: dict | None
 
 
 @app.command()
 @handle_errors
 def bench(
-    prompt_len: Annotated[
-        str | None,
-        typer.Option(
-            "--prompt-len",
-            help="Prompt lengths (with --fill random: contexts) to sweep, comma-separated; a k suffix is x1024, "
-            "e.g. 256,1k,4k,16k (default: 16,128,512).",
-        ),
-    ] = None,
-    new_tokens: Annotated[
-        int | None, typer.Option("--new-tokens", help="Tokens generated per run (default: 400).")
-    ] = None,
-    caches: Annotated[
-        str | None,
-        typer.Option(
-            "--caches",
-            help="Comma-separated cache names, or 'all' (default: all registered). With --hf: none, dynamic, "
-            "static, static-compiled.",
-        ),
-    ] = None,
-    engine: Annotated[
-        str | None,
-        typer.Option(
-            "--engine",
-            help="kvbench, hf (transformers' generate, eager), hf-compiled (its static cache with its default "
-            "torch.compile), comma-separated (default: kvbench,hf).",
-        ),
-    ] = None,
-    batch: Annotated[int | None, typer.Option("--batch", help="Sequences per run (default: 1).")] = None,
-    repeats: Annotated[
-        int | None, typer.Option("--repeats", help="Timed runs per configuration (default: 3).")
-    ] = None,
-    warmup: Annotated[
-        int | None,
-        typer.Option(
-            "--warmup", help="Runs before the timed ones; the first is reported as cold (default: 1)."
-        ),
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            "--config", "-c", help="A TOML sweep (configs/bench/) or a shipped one by name (seed, quick)."
-        ),
-    ] = None,
-    out: Annotated[
-        str | None, typer.Option("--out", "-o", help="Run folder (default: results/<timestamp>-bench/).")
-    ] = None,
-    force: Annotated[
-        bool, typer.Option("--force", help="Replace the bench files of an earlier run in --out.")
-    ] = False,
+    prompt_len: BenchPromptLenOpt = None,
+    new_tokens: BenchNewTokensOpt = None,
+    caches: BenchCachesOpt = None,
+    engine: EngineOpt = None,
+    batch: BenchBatchOpt = None,
+    repeats: RepeatsOpt = None,
+    warmup: WarmupOpt = None,
+    config: BenchConfigOpt = None,
+    out: BenchOutOpt = None,
+    force: ForceOpt = False,
     model: ModelOpt = None,
     weights: WeightsOpt = None,
     device: DeviceOpt = None,
-    dtype: Annotated[
-        str | None, typer.Option("--dtype", help="fp32 | fp16 | bf16 | auto (fp16 on CUDA, fp32 on CPU).")
-    ] = None,
+    dtype: BenchDtypeOpt = None,
     seed: SeedOpt = None,
-    threads: Annotated[
-        int | None,
-        typer.Option("--threads", help="torch CPU threads (default: torch's default: one per core)."),
-    ] = None,
-    baseline: Annotated[
-        Path | None,
-        typer.Option(
-            "--baseline",
-            help="A previous run folder: compare this run against it when the sweep ends (as kvbench compare).",
-        ),
-    ] = None,
-    allow_env_change: Annotated[
-        bool,
-        typer.Option(
-            "--allow-env-change",
-            help="With --baseline: compare even though the baseline ran on another device, dtype or library "
-            "versions (the changes are printed).",
-        ),
-    ] = False,
-    fill: Annotated[
-        str | None,
-        typer.Option(
-            "--fill",
-            help="prefill (default): a real prefill fills the cache, TTFT and decode timed. random: caches filled "
-            "with random K/V to each --prompt-len without a prefill, only decode timed (long contexts: -m gpt2-long).",
-        ),
-    ] = None,
-    order: Annotated[
-        str | None,
-        typer.Option(
-            "--order",
-            help="sequential (default): each configuration's runs back to back. interleaved: cold and warm-up runs "
-            "back to back, then the timed runs in rounds over every configuration of a prompt length, so drift on "
-            "a shared machine hits every row alike (rows are written when the prompt length's rounds end).",
-        ),
-    ] = None,
-    compile: Annotated[str | None, typer.Option("--compile", help=COMPILE_HELP + " Default: off.")] = None,
+    threads: ThreadsOpt = None,
+    baseline: BaselineOpt = None,
+    allow_env_change: BenchAllowEnvChangeOpt = False,
+    fill: FillOpt = None,
+    order: OrderOpt = None,
+    compile: BenchCompileOpt = None,
     json_out: JsonOpt = False,
     hf: HFOpt = None,
     trust_remote_code: TrustOpt = False,
@@ -136,87 +116,131 @@ def bench(
 
     With --hf SOURCE: transformers' own caches (none, dynamic, static, static-compiled) on any Hugging Face causal
     LM, in the same rows and files, its tokens checked against its own none."""
-    from kvbench.bench import sweep as B
-    from kvbench.results import report
+    from kvbench.bench.settings import BenchOverrides
 
-    base_run = None
-    if baseline is not None:
+    opts = BenchOptions(
+        overrides=BenchOverrides(
+            prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
+            warmup=warmup, model=model, weights=weights, device=device, dtype=dtype, seed=seed, threads=threads,
+            out=out, fill=fill, order=order, compile=compile,
+        ),
+        config=config, force=force, baseline=baseline, allow_env_change=allow_env_change, json_out=json_out, hf=hf,
+        trust_remote_code=trust_remote_code, layers=layers,
+    )  # fmt: skip
+    base_run = _baseline_run(opts)
+    if opts.hf is not None:
+        prefill_sweep(opts, _prepare_hf(opts), base_run)
+        return
+    settings, out_dir = _gpt2_settings(opts)
+    if settings.fill == "random":
+        random_fill_sweep(opts, settings, out_dir)
+    else:
+        prefill_sweep(opts, _load_gpt2(settings, out_dir), base_run)
+
+
+def _baseline_run(opts: BenchOptions):
+    """--baseline's run, read before anything else (a bad folder fails now, not after the sweep); None without it."""
+    if opts.baseline is not None:
         from kvbench.results.runs import load_run
 
-        base_run = load_run(baseline, "--baseline")  # a bad folder fails now, not after the sweep
-    elif allow_env_change:
+        return load_run(opts.baseline, "--baseline")
+    if opts.allow_env_change:
         raise KVBenchError(
             "--allow-env-change applies to --baseline only (it allows comparing across environments)"
         )
+    return None
 
-    overrides = dict(
-        prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
-        warmup=warmup, model=model, weights=weights, device=device, dtype=dtype, seed=seed, threads=threads, out=out,
-        fill=fill, order=order, compile=compile,
-    )  # fmt: skip
-    if hf is not None:  # the same checks, folder, sweep and files; the model and its engine from cli/hf.py
-        from kvbench.cli.hf import prepare_bench_hf
 
-        settings, out_dir, loaded, dev, dt, engines, notes, extra_meta = prepare_bench_hf(
-            hf, config, overrides, force, layers, trust_remote_code
-        )
-        _check_baseline(baseline, out_dir)
-    else:
-        for flag, given in (("--trust-remote-code", trust_remote_code), ("--layers", layers is not None)):
-            if given:
-                raise KVBenchError(f"{flag} applies to --hf models only")
-        settings, out_dir = _validated(config, overrides, force)
-        _check_baseline(baseline, out_dir)
-        if settings.fill == "random":
-            if baseline is not None:
-                raise KVBenchError("--baseline compares prefill sweeps; it does not apply to --fill random")
-            config_path = None if config is None else B.resolve_config_path(config)
-            random_fill_sweep(settings, out_dir, force, config_path, json_out)
-            return
-        loaded, dev, dt = load_for_cli(
-            settings.model, settings.weights, settings.device, settings.dtype, settings.seed
-        )
-        # the checkpoint's own shape, when --weights is a folder
-        B.check_sizes(settings, loaded.config, dt, dev)
-        engines = B.build_engines(loaded.model, settings.engine, settings.compile)
-        notes, extra_meta = B.sweep_warnings(settings), None
+def _prepare_hf(opts: BenchOptions) -> Prepared:
+    """--hf: the same checks, folder, sweep and files as for our GPT-2; the model and its engine from cli/hf.py."""
+    from kvbench.cli.hf import prepare_bench_hf
+
+    # prepare_bench_hf reads the options given as a mapping
+    given = opts.overrides.given()
+    prepared = Prepared(
+        *prepare_bench_hf(opts.hf, opts.config, given, opts.force, opts.layers, opts.trust_remote_code)
+    )
+    _check_baseline(opts.baseline, prepared.out_dir)
+    return prepared
+
+
+def _gpt2_settings(opts: BenchOptions) -> tuple[BenchSettings, Path]:
+    """Our GPT-2's sweep: the --hf options refused, then every check that needs no weights (_validated), and the
+    baseline kept apart from --out. Returns (settings, the run folder to create)."""
+    for flag, given in (
+        ("--trust-remote-code", opts.trust_remote_code),
+        ("--layers", opts.layers is not None),
+    ):
+        if given:
+            raise KVBenchError(f"{flag} applies to --hf models only")
+    settings, out_dir = _validated(opts.config, opts.overrides, opts.force)
+    _check_baseline(opts.baseline, out_dir)
+    return settings, out_dir
+
+
+def _load_gpt2(settings: BenchSettings, out_dir: Path) -> Prepared:
+    """Load our GPT-2, check the sweep against the checkpoint's own shape (when --weights is a folder), build the
+    engines."""
+    from kvbench.bench import sweep as B
+
+    loaded, dev, dt = load_for_cli(
+        settings.model, settings.weights, settings.device, settings.dtype, settings.seed
+    )
+    B.check_sizes(settings, loaded.config, dt, dev)
+    engines = B.build_engines(loaded.model, settings.engine, settings.compile)
+    return Prepared(settings, out_dir, loaded, dev, dt, engines, B.sweep_warnings(settings), None)
+
+
+def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
+    """Plan, check the baseline against the plan, measure the bandwidth, then claim the run folder and run the sweep,
+    writing rows as they complete; exit 1 when a configuration failed."""
+    from kvbench.bench import sweep as B
+    from kvbench.results import report
+
     # a config given by name (seed) is recorded as the shipped file it stands for
-    config_path = None if config is None else B.resolve_config_path(config)
-    planned = B.plan(settings, engines)
+    config_path = None if opts.config is None else B.resolve_config_path(opts.config)
+    planned = B.plan(p.settings, p.engines)
     extra_meta = {
-        **(extra_meta or {}),
-        "configurations_planned": [{"engine": e, "cache": c, "prompt_len": p} for p, e, c in planned],
+        **(p.extra_meta or {}),
+        "configurations_planned": [{"engine": e, "cache": c, "prompt_len": n} for n, e, c in planned],
     }
     if base_run is not None:  # the whole baseline check before the sweep: the same identity, rows in common
         from kvbench.results.compare import check_baseline
 
-        meta = {**report.run_meta(loaded, dev, dt, settings, config_path), **extra_meta}
-        check_baseline(base_run, meta, [(e, c, p) for p, e, c in planned], allow_env_change)
-    bandwidth = measure_bandwidth(dev)
+        meta = {**report.run_meta(p.loaded, p.device, p.dtype, p.settings, config_path), **extra_meta}
+        check_baseline(base_run, meta, [(e, c, n) for n, e, c in planned], opts.allow_env_change)
+    bandwidth = measure_bandwidth(p.device)
     # only now: a rejected command leaves no folder behind
-    with report.claimed_run_dir(out_dir, force) as run_dir:
-        for note in notes:  # after every error that could still stop the command
+    with report.claimed_run_dir(p.out_dir, opts.force) as run_dir:
+        for note in p.notes:  # after every error that could still stop the command
             console.warn(note)
         recorder = report.BenchRecorder(
-            run_dir, loaded, dev, dt, settings, config_path, bandwidth, extra_meta
+            run_dir, p.loaded, p.device, p.dtype, p.settings, config_path, bandwidth, extra_meta
         )
         files = run_recorded(
             recorder,
-            lambda progress: B.run_sweep(loaded.model, settings, recorder.dtype, recorder.device_label,
-                                         on_result=recorder.add, on_progress=progress, engines=engines,
+            lambda progress: B.run_sweep(p.loaded.model, p.settings, recorder.dtype, recorder.device_label,
+                                         on_result=recorder.add, on_progress=progress, engines=p.engines,
                                          bandwidth=bandwidth),
-            engines,
+            p.engines,
         )  # fmt: skip
-        if json_out:
-            print_bench_json(recorder, baseline, run_dir, allow_env_change)
-        else:
-            render_bench(recorder.summary, recorder.meta, run_dir, files)
-            if baseline is not None:  # the bench table is out first, whatever the comparison says
-                from kvbench.cli.compare import render_compare, run_compare
-
-                comparison, compare_files = run_compare(baseline, run_dir, allow_env_change=allow_env_change)
-                render_compare(comparison, [], compare_files)
+        _show_bench(opts, recorder, run_dir, files)
     _exit_if_failed(recorder.summary, lambda r: f"{r.engine} {r.cache} prompt {r.prompt_len}")
+
+
+def _show_bench(opts: BenchOptions, recorder, run_dir, files: list[Path]) -> None:
+    """The bench table (or --json document), then the comparison with --baseline."""
+    if opts.json_out:
+        print_bench_json(recorder, opts.baseline, run_dir, opts.allow_env_change)
+        return
+    render_bench(recorder.summary, recorder.meta, run_dir, files)
+    if opts.baseline is not None:  # the bench table is out first, whatever the comparison says
+        from kvbench.cli.compare import render_compare, run_compare
+
+        comparison, compare_files = run_compare(
+            opts.baseline, run_dir, allow_env_change=opts.allow_env_change
+        )
+        render_compare(comparison, [], compare_files)
 
 
 def print_bench_json(recorder, baseline, run_dir, allow_env_change: bool) -> None:
@@ -236,9 +260,9 @@ def print_bench_json(recorder, baseline, run_dir, allow_env_change: bool) -> Non
     console.print_json(doc)
 
 
-def random_fill_sweep(settings, out_dir, force: bool, config_path, json_out: bool) -> None:
+def random_fill_sweep(opts: BenchOptions, settings: BenchSettings, out_dir: Path) -> None:
     """`--fill random`: load, measure the bandwidth, then time every (context, cache) on caches filled with random
-    K/V (bench/context.py), writing rows as they complete."""
+    K/V (bench/context.py), writing rows as they complete; exit 1 when a configuration failed."""
     import torch
 
     from kvbench.bench import floor
@@ -246,6 +270,9 @@ def random_fill_sweep(settings, out_dir, force: bool, config_path, json_out: boo
     from kvbench.bench.context import run_context_sweep
     from kvbench.results import report
 
+    if opts.baseline is not None:
+        raise KVBenchError("--baseline compares prefill sweeps; it does not apply to --fill random")
+    config_path = None if opts.config is None else B.resolve_config_path(opts.config)
     loaded, dev, dt = load_for_cli(
         settings.model, settings.weights, settings.device, settings.dtype, settings.seed
     )
@@ -254,7 +281,7 @@ def random_fill_sweep(settings, out_dir, force: bool, config_path, json_out: boo
     elt = torch.empty((), dtype=dt).element_size()
     crossover = floor.crossover_context(loaded.config, elt, settings.batch)
     # only now: a rejected command leaves no folder behind
-    with report.claimed_run_dir(out_dir, force) as run_dir:
+    with report.claimed_run_dir(out_dir, opts.force) as run_dir:
         recorder = report.ContextRecorder(
             run_dir, loaded, dev, dt, settings, config_path, bandwidth, crossover
         )
@@ -266,7 +293,7 @@ def random_fill_sweep(settings, out_dir, force: bool, config_path, json_out: boo
                 seed=settings.seed, on_result=recorder.add, on_progress=progress, compile=settings.compile,
             ),
         )  # fmt: skip
-    if json_out:
+    if opts.json_out:
         console.print_json(recorder.json_doc())
     else:
         render_context(recorder.summary, recorder.meta, run_dir, files)
@@ -326,7 +353,7 @@ def _check_baseline(baseline: Path | None, out_dir) -> None:
         )
 
 
-def _validated(config, overrides: dict, force: bool):
+def _validated(config, overrides: BenchOverrides, force: bool):
     """Every check that needs no weights, before anything is loaded, allocated or created on disk:
     (settings, the run folder to create)."""
     from kvbench.bench import sweep as B
@@ -425,105 +452,3 @@ class _BenchProgress:
 
 def bench_progress() -> _BenchProgress:
     return _BenchProgress()
-
-
-def _f(x: float, fmt: str) -> str:
-    return "-" if x is None or x != x else format(x, fmt)  # x != x: NaN
-
-
-def _times(x: float) -> str:
-    return _f(x, ".2f") + ("" if x != x else "x")
-
-
-def _tokens_cell(r):
-    """Agreement with kvbench's `none`: 100%, or a lower figure marked ~ (all flips at near-ties) or ! (not)."""
-    if r.token_agreement != r.token_agreement:
-        return "-"
-    text = f"{100 * r.token_agreement:.0f}%"
-    if r.flips == 0:
-        return text
-    if r.near_tie_flips == r.flips:
-        return styled(text + " ~", "yellow")
-    return styled(text + " !", "bold red")
-
-
-def caption_text(meta: dict, rows: list = ()) -> str:
-    """The table's footer: what every column includes, cold and warm defined."""
-    cuda = meta["device"].startswith("cuda")
-    hf = "hf" in meta  # bench --hf: the model's own caches, its `none` the token reference
-    return floor_caption(meta, rows) + (
-        "TTFT, total: medians over timed repeats (total includes the prefill). TPOT: decode steps pooled over "
-        "timed repeats. warm = the timed repeats, after --warmup runs of the same shapes on the same caches, "
-        "nothing freed in between. cold = the first run of each configuration"
-        + (" (from an emptied allocator cache)" if cuda else "")
-        + ": allocation, kernel selection and plan building for shapes not seen earlier in the sweep, graph "
-        "capture (capture ms, static-graph on CUDA) or compilation ("
-        + ("static-compiled" if hf else "hf-compiled")
-        + "); it depends on sweep order. "
-        "speedup: end to end vs the same family's `none` (hf-compiled vs hf none). vs hf: TPOT of the fastest "
-        "transformers row at that prompt / this TPOT. tokens: share of generated tokens equal to "
-        + ("the model's own none's" if hf else "kvbench none's")
-        + " (worst run; ~ all flips at near-ties, rounding; ! a real difference, see tokens_note in summary.csv). "
-        "peak: this engine's weights (counted once) + the peak above what was in use before the configuration "
-        + ("(CUDA max allocated)." if cuda else "(CPU resident set size; indicative).")
-    )
-
-
-def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
-    cols = ["engine", "cache", "prompt", "TTFT ms", "TPOT ms", "p90", "floor ms", "x floor", "total s", "speedup",
-            "vs hf", "tokens", "peak MiB", "KV MiB", "copied", "capture ms", "cold TPOT"]  # fmt: skip
-    body = []
-    for r in rows:
-        body.append(
-            [
-                r.engine, r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status.split(':')[0]})", "red"),
-                r.prompt_len,
-                _f(r.ttft_ms, ".1f"), _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p90, ".2f"), _f(r.floor_ms, ".2f"),
-                _times(r.x_floor), _f(r.total_s, ".3f"),
-                _times(r.speedup_vs_none), _times(r.speedup_vs_fastest_hf), _tokens_cell(r),
-                _f(r.peak_mem_mib, ".0f"), _f(r.kv_cache_mib, ".2f"),
-                "-" if r.bytes_copied != r.bytes_copied else console.fmt_bytes(int(r.bytes_copied)),
-                _f(r.capture_ms, ".1f"), _f(r.cold_tpot_ms_median, ".2f"),
-            ]
-        )  # fmt: skip
-    title = f"bench: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}"
-    if rows:
-        first = rows[0]
-        title += (
-            f", {first.new_tokens} new tokens, batch {first.batch}, {max(r.repeats for r in rows)} repeats"
-        )
-    tbl = Table(
-        title=title,
-        caption=caption_text(meta, rows),
-        title_justify="left",
-        caption_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-    )
-    for i, c in enumerate(cols):
-        tbl.add_column(c, no_wrap=True, justify="left" if i < 2 else "right")
-    for r in body:
-        tbl.add_row(*[cell(x) for x in r])
-    # A narrow (or non-tty, 80-column) console would squeeze the numbers into ellipses: print at full width instead.
-    wide = out if out.width >= WIDE else Console(highlight=False, width=WIDE)
-    wide.print(tbl)
-    for r in rows:
-        if r.status.startswith("error"):
-            out.print(styled(f"{r.engine} {r.cache} prompt {r.prompt_len}: {r.status}", "red"))
-        elif r.flips and r.near_tie_flips < r.flips:
-            out.print(styled(f"{r.engine} {r.cache} prompt {r.prompt_len}: tokens {r.tokens_note}", "red"))
-    observed = {f"{r.engine} {r.cache}": (r.sdpa_prefill, r.sdpa_decode) for r in rows if r.status == "ok"}
-    kinds = sorted(set(observed.values()))
-    if kinds:
-        out.print(
-            styled(
-                "SDPA backends (prefill / decode): "
-                + "; ".join(
-                    f"{p or '-'} / {d or '-'}: " + ", ".join(k for k, v in observed.items() if v == (p, d))
-                    for p, d in kinds
-                )
-                + f"; cuDNN {meta['sdpa'].get('cudnn_version') or 'not available'}",
-                "dim",
-            )
-        )
-    out.print(wrote_line(files, run_dir))

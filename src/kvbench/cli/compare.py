@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
 
 import typer
 from rich import box
@@ -12,6 +11,16 @@ from rich.table import Table
 
 from kvbench import console
 from kvbench.cli.app import app, handle_errors
+from kvbench.cli.options import (
+    AlphaOpt,
+    BaselineArg,
+    CandidateArg,
+    CompareAllowEnvChangeOpt,
+    CompareOutOpt,
+    FailOnOpt,
+    FormatOpt,
+    ThresholdOpt,
+)
 from kvbench.console import cell, line, out, styled
 from kvbench.errors import KVBenchError
 
@@ -21,39 +30,14 @@ FORMATS = ("table", "md", "json")
 @app.command()
 @handle_errors
 def compare(
-    baseline: Annotated[Path, typer.Argument(help="The reference run folder (written by kvbench bench).")],
-    candidate: Annotated[Path, typer.Argument(help="The run folder to judge against it.")],
-    alpha: Annotated[
-        float, typer.Option("--alpha", help="Significance level of the Mann-Whitney U test on decode steps.")
-    ] = 0.01,
-    threshold: Annotated[
-        str,
-        typer.Option(
-            "--threshold", help="Minimum TPOT change that counts, e.g. 5% or 0.05 (smaller: no change)."
-        ),
-    ] = "5%",
-    fail_on: Annotated[
-        str | None,
-        typer.Option(
-            "--fail-on", help="Exit 1 when any row regresses: slower, memory, or slower,memory (the CI gate)."
-        ),
-    ] = None,
-    fmt: Annotated[
-        str, typer.Option("--format", "-f", help="table (Rich), md (Markdown for a pull request) or json.")
-    ] = "table",
-    allow_env_change: Annotated[
-        bool,
-        typer.Option(
-            "--allow-env-change",
-            help="Compare runs from different devices, dtypes or library versions (the changes are printed).",
-        ),
-    ] = False,
-    out_dir: Annotated[
-        str | None,
-        typer.Option(
-            "--out", "-o", help="Where compare.png and compare.json go (default: the CANDIDATE folder)."
-        ),
-    ] = None,
+    baseline: BaselineArg,
+    candidate: CandidateArg,
+    alpha: AlphaOpt = 0.01,
+    threshold: ThresholdOpt = "5%",
+    fail_on: FailOnOpt = None,
+    fmt: FormatOpt = "table",
+    allow_env_change: CompareAllowEnvChangeOpt = False,
+    out_dir: CompareOutOpt = None,
 ) -> None:
     """Compare two bench runs: TPOT ratio with a confidence interval and a verdict per row.
 
@@ -231,16 +215,30 @@ def _counts(c) -> str:
 def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
     """The Rich table, the lines under it, the gate's result and the files written. User text (paths, names) is
     literal: cells and lines go through `cell`, `line` and `styled`, never through markup."""
-    from kvbench.results.runs import printable
+    _render_header(c)
+    # A narrow terminal would squeeze the numbers into ellipses: print at full width instead.
+    wide = out if out.width >= 150 else Console(highlight=False, width=150)
+    wide.print(_compare_table(c))
+    for kind, text in _footer(c):
+        out.print(line(styled(kind if kind == "*" else f"{kind}:", "yellow"), " ", text))
+    out.print(_counts(c), markup=False)
+    if fail_on:
+        regressions = c.regressions(fail_on)
+        gate = ", ".join(fail_on)
+        if regressions:
+            out.print(line(styled("FAIL", "bold red"), f" ({gate}): {len(regressions)} regression(s)"))
+            for text in regressions:
+                out.print(f"  {text}", markup=False)
+        else:
+            out.print(line(styled("PASS", "bold green"), f" ({gate}): no regression"))
+    out.print(line(styled("wrote", "green"), f" {', '.join(f.name for f in files)} ", styled("in", "dim"),
+                   f" {files[0].parent}"))  # fmt: skip
 
-    level = f"{c.confidence:.0%}"
-    cols = ["engine", "cache", "prompt", "TPOT ms", "ratio", f"{level} CI", "p", "verdict", "TTFT", "tok/s",
-            "Δpeak MiB", "ΔKV MiB"]  # fmt: skip
-    agree = _has_agreement(c)
-    if agree:
-        cols.append("agreement")
+
+def _render_header(c) -> None:
+    """The two lines above the table, printed as lines rather than as the table's title so long paths are never
+    wrapped or folded."""
     first = c.rows[0]
-    # The header is printed as lines, not as the table's title, so long paths are never wrapped or folded.
     out.print(
         line(
             styled("compare:", "bold"),
@@ -254,6 +252,18 @@ def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
         f"batch {first.batch}; git {_git(c.baseline_git)} -> {_git(c.candidate_git)}",
         markup=False,
     )
+
+
+def _compare_table(c) -> Table:
+    """One row per compared configuration, its caption saying what each column means."""
+    from kvbench.results.runs import printable
+
+    level = f"{c.confidence:.0%}"
+    cols = ["engine", "cache", "prompt", "TPOT ms", "ratio", f"{level} CI", "p", "verdict", "TTFT", "tok/s",
+            "Δpeak MiB", "ΔKV MiB"]  # fmt: skip
+    agree = _has_agreement(c)
+    if agree:
+        cols.append("agreement")
     caption = (
         f"TPOT: median decode step, baseline → candidate; ratio = candidate / baseline (> 1: slower), with its "
         f"{level} bootstrap interval. verdict: two-sided Mann-Whitney U on the pooled decode steps at alpha "
@@ -276,23 +286,7 @@ def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
             *after,
         ]
         tbl.add_row(*[cell(x) for x in row + ([_agreement(r)] if agree else [])])
-    # A narrow terminal would squeeze the numbers into ellipses: print at full width instead.
-    wide = out if out.width >= 150 else Console(highlight=False, width=150)
-    wide.print(tbl)
-    for kind, text in _footer(c):
-        out.print(line(styled(kind if kind == "*" else f"{kind}:", "yellow"), " ", text))
-    out.print(_counts(c), markup=False)
-    if fail_on:
-        regressions = c.regressions(fail_on)
-        gate = ", ".join(fail_on)
-        if regressions:
-            out.print(line(styled("FAIL", "bold red"), f" ({gate}): {len(regressions)} regression(s)"))
-            for text in regressions:
-                out.print(f"  {text}", markup=False)
-        else:
-            out.print(line(styled("PASS", "bold green"), f" ({gate}): no regression"))
-    out.print(line(styled("wrote", "green"), f" {', '.join(f.name for f in files)} ", styled("in", "dim"),
-                   f" {files[0].parent}"))  # fmt: skip
+    return tbl
 
 
 def markdown(c, fail_on: list[str]) -> str:

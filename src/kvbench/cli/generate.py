@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 from kvbench import console
-from kvbench.cli.app import (
+from kvbench.cli.app import app, handle_errors, load_for_cli
+from kvbench.cli.options import (
     CompileOpt,
     DeviceOpt,
+    GenerateCacheOpt,
     JsonOpt,
+    MaxNewTokensOpt,
     ModelOpt,
+    PromptArg,
+    PromptsFileOpt,
+    PromptsOpt,
     SeedOpt,
+    StopOpt,
+    TemperatureOpt,
     TokenizerOpt,
+    TopKOpt,
     WeightsOpt,
-    _dtype_opt,
-    app,
-    handle_errors,
-    load_for_cli,
-)  # fmt: skip
+    dtype_opt,
+)
 from kvbench.console import line, out, styled, table
 from kvbench.errors import KVBenchError
 
@@ -46,90 +50,131 @@ def prompt_lines(path: Path) -> list[str]:
     return [line.removesuffix("\r") for line in text.removeprefix("\ufeff").split("\n")]
 
 
+@dataclass
+class GenerateOptions:
+    """One `kvbench generate` command line, as given."""
+
+    prompt: str | None
+    prompts: list[str] | None
+    prompts_file: Path | None
+    max_new_tokens: int
+    cache: str
+    temperature: float
+    top_k: int | None
+    stop_at_eot: bool
+    model: str | None
+    weights: str
+    device: str
+    dtype: str
+    seed: int
+    tokenizer: str | None
+    compile: str
+    json_out: bool
+
+
 @app.command()
 @handle_errors
 def generate(
-    prompt: Annotated[
-        str | None, typer.Argument(help="The prompt (or use --prompt / --prompts-file).")
-    ] = None,
-    prompts: Annotated[
-        list[str] | None,
-        typer.Option("--prompt", "-p", help="A prompt; repeat for a batch decoded together."),
-    ] = None,
-    prompts_file: Annotated[
-        Path | None,
-        typer.Option("--prompts-file", help="One prompt per line, decoded together as a batch."),
-    ] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")] = 64,
-    cache: Annotated[
-        str, typer.Option("--cache", "-c", help="KV cache: none, dynamic, static, ...")
-    ] = "dynamic",
-    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.")] = 0.0,
-    top_k: Annotated[
-        int | None, typer.Option("--top-k", help="Sample from the k most likely tokens.")
-    ] = None,
-    stop_at_eot: Annotated[
-        bool, typer.Option("--stop/--no-stop", help="Stop a sequence at <|endoftext|>.")
-    ] = True,
+    prompt: PromptArg = None,
+    prompts: PromptsOpt = None,
+    prompts_file: PromptsFileOpt = None,
+    max_new_tokens: MaxNewTokensOpt = 64,
+    cache: GenerateCacheOpt = "dynamic",
+    temperature: TemperatureOpt = 0.0,
+    top_k: TopKOpt = None,
+    stop_at_eot: StopOpt = True,
     model: ModelOpt = None,
     weights: WeightsOpt = "auto",
     device: DeviceOpt = "auto",
-    dtype: str = _dtype_opt("auto"),
+    dtype: str = dtype_opt("auto"),
     seed: SeedOpt = 0,
     tokenizer: TokenizerOpt = None,
     compile: CompileOpt = "off",
     json_out: JsonOpt = False,
 ) -> None:
     """Generate text through any cache (and batches of prompts). Greedy by default; streams a single prompt."""
-    texts = read_prompts(prompt, prompts, prompts_file)
+    opts = GenerateOptions(
+        prompt=prompt, prompts=prompts, prompts_file=prompts_file, max_new_tokens=max_new_tokens, cache=cache,
+        temperature=temperature, top_k=top_k, stop_at_eot=stop_at_eot, model=model, weights=weights, device=device,
+        dtype=dtype, seed=seed, tokenizer=tokenizer, compile=compile, json_out=json_out,
+    )  # fmt: skip
+    doc, streamed = run_generation(opts, prepare(opts))
+    if json_out:
+        console.print_json(doc)
+    else:
+        render_generation(doc, streamed=streamed)
+
+
+@dataclass
+class Prepared:
+    """What a generation runs on: the prompts, their token ids, the sampler and the loaded model."""
+
+    texts: list[str]
+    tok: object
+    ids: list[list[int]]
+    sampler: object
+    loaded: object
+    device: object
+    dtype: object
+
+
+def prepare(o: GenerateOptions) -> Prepared:
+    """Every check that needs no weights (prompts, --max-new-tokens, cache, compile mode, sampler, tokenizer, the
+    model's context), then the model, then the prompts' token ids against its vocabulary."""
+    texts = read_prompts(o.prompt, o.prompts, o.prompts_file)
     from kvbench import validate
     from kvbench.caches import get_cache_spec
     from kvbench.decode.fixed_step import check_compile
     from kvbench.decode.generate import Sampler
-    from kvbench.decode.generate import generate as run_generate
     from kvbench.model.tokenizer import load_tokenizer
     from kvbench.model.weights import peek_config
 
-    validate.integer("--max-new-tokens", max_new_tokens, 1)
+    validate.integer("--max-new-tokens", o.max_new_tokens, 1)
     validate.integer("the number of prompts", len(texts), 1, validate.MAX_BATCH)
-    get_cache_spec(cache)
-    check_compile(compile, caches=[cache])
-    sampler = Sampler(temperature=temperature, top_k=top_k, seed=seed)
-    tok = load_tokenizer(tokenizer)
+    get_cache_spec(o.cache)
+    check_compile(o.compile, caches=[o.cache])
+    sampler = Sampler(temperature=o.temperature, top_k=o.top_k, seed=o.seed)
+    tok = load_tokenizer(o.tokenizer)
     ids = [tok.encode(t) for t in texts]
     for i, p in enumerate(ids):
         if not p:
             raise KVBenchError(f"prompt {i + 1} encodes to zero tokens")
-    cfg = peek_config(model, weights)
+    cfg = peek_config(o.model, o.weights)
     longest = max(map(len, ids))
-    validate.fits_context("prompt length" if len(ids) == 1 else "longest prompt", longest, max_new_tokens,
+    validate.fits_context("prompt length" if len(ids) == 1 else "longest prompt", longest, o.max_new_tokens,
                           cfg.block_size, "use a shorter prompt or fewer --max-new-tokens")  # fmt: skip
-    loaded, dev, dt = load_for_cli(model, weights, device, dtype, seed)
-    check_compile(compile, dev.type)
+    loaded, dev, dt = load_for_cli(o.model, o.weights, o.device, o.dtype, o.seed)
+    check_compile(o.compile, dev.type)
     vocab = loaded.config.vocab_size
     for i, p in enumerate(ids):
         if max(p) >= vocab:
             raise KVBenchError(f"prompt {i + 1} has token id {max(p)} >= the model's vocabulary of {vocab}")
+    return Prepared(texts, tok, ids, sampler, loaded, dev, dt)
 
-    stream = TextStream(tok, texts[0]) if (len(texts) == 1 and not json_out) else None
+
+def run_generation(o: GenerateOptions, p: Prepared) -> tuple[dict, bool]:
+    """Generate, streaming a single prompt's completion unless --json; returns the JSON document and whether the
+    completion was streamed."""
+    from kvbench.decode.generate import generate as run_generate
+
+    stream = TextStream(p.tok, p.texts[0]) if (len(p.texts) == 1 and not o.json_out) else None
     result = run_generate(
-        loaded.model,
-        ids,
-        max_new_tokens,
-        cache=cache,
-        sampler=sampler,
-        stop_token=tok.eot_id if stop_at_eot else None,
+        p.loaded.model,
+        p.ids,
+        o.max_new_tokens,
+        cache=o.cache,
+        sampler=p.sampler,
+        stop_token=p.tok.eot_id if o.stop_at_eot else None,
         on_token=stream.push if stream else None,
-        compile=compile,
+        compile=o.compile,
     )
     if stream:
         stream.close()
-    doc = generation_report(texts, result, tok, loaded, dev, dt, sampler, tokenizer_source=tok.source)
-    doc["settings"]["compile"] = compile
-    if json_out:
-        console.print_json(doc)
-    else:
-        render_generation(doc, streamed=stream is not None)
+    doc = generation_report(
+        p.texts, result, p.tok, p.loaded, p.device, p.dtype, p.sampler, tokenizer_source=p.tok.source
+    )
+    doc["settings"]["compile"] = o.compile
+    return doc, stream is not None
 
 
 def generation_report(texts, result, tok, loaded, dev, dt, sampler, tokenizer_source) -> dict:

@@ -3,109 +3,57 @@ measured against our caches. The command parses options, calls the planner, and 
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
-
-import typer
 from rich.text import Text
 
 from kvbench import console
-from kvbench.cli.app import JsonOpt, app, handle_errors
+from kvbench.cli.app import app, handle_errors
+from kvbench.cli.options import (
+    AllOpt,
+    CheckOpt,
+    CopyTrafficOpt,
+    CtxOpt,
+    FromOpt,
+    GPUMemOpt,
+    GPUOpt,
+    JsonOpt,
+    KVDtypeOpt,
+    LengthsOpt,
+    MeasureOpt,
+    MemoryBatchOpt,
+    MemoryCachesOpt,
+    MemoryConfigOpt,
+    MemoryDeviceOpt,
+    MemoryModelOpt,
+    OverheadOpt,
+    ToOpt,
+    TPOpt,
+    WeightsDtypeOpt,
+)
 from kvbench.console import line, out, styled, table
-from kvbench.errors import KVBenchError
 
 
 @app.command()
 @handle_errors
 def memory(
-    model: Annotated[
-        list[str] | None,
-        typer.Option("--model", "-m", help="Preset from configs/models.toml, e.g. llama-3-8b (repeatable)."),
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            "--config", help="Any Hugging Face config.json of a decoder LLM (resolved by transformers)."
-        ),
-    ] = None,
-    all_: Annotated[bool, typer.Option("--all", help="One table for every preset.")] = False,
-    ctx: Annotated[
-        str | None,
-        typer.Option(
-            "--ctx",
-            help="Context lengths, e.g. 8k,32k,128k (k = 1024 tokens, m = 1024k). "
-            "Default: the model's max context; 8k,128k with --all.",
-        ),
-    ] = None,
-    batch: Annotated[int, typer.Option("--batch", "-b", help="Sequences held at once.")] = 1,
-    kv_dtype: Annotated[
-        str,
-        typer.Option(
-            "--kv-dtype", help="fp32 | fp16 | bf16 | fp8 | int8 | int4 (int8/int4 add group scales)."
-        ),
-    ] = "fp16",
-    weights_dtype: Annotated[
-        str | None, typer.Option("--weights-dtype", help="fp32 | fp16 | bf16 (default) | fp8 | int8 | int4.")
-    ] = None,
-    gpu: Annotated[
-        str | None,
-        typer.Option("--gpu", help="GPU preset from configs/gpus.toml: t4, a100-80gb, h100, h200, ..."),
-    ] = None,
-    gpu_mem: Annotated[
-        str | None, typer.Option("--gpu-mem", help="GPU memory instead of --gpu, e.g. 80GiB (GB = 10^9 B).")
-    ] = None,
-    overhead: Annotated[
-        str | None,
-        typer.Option(
-            "--overhead", help="Allowance for activations, CUDA context, allocator: 10% (default) or 4GiB."
-        ),
-    ] = None,
-    tp: Annotated[
-        int | None, typer.Option("--tp", help="Tensor-parallel GPUs (KV heads split across them).")
-    ] = None,
-    check: Annotated[
-        bool,
-        typer.Option(
-            "--check",
-            help="Also allocate transformers' own cache for the model on the meta device and compare per layer kind.",
-        ),
-    ] = False,
-    copy_traffic: Annotated[
-        bool,
-        typer.Option("--copy-traffic", help="Bytes a torch.cat cache copies growing from --from to --to."),
-    ] = False,
-    from_: Annotated[
-        int | None, typer.Option("--from", help="Tokens cached at the start (--copy-traffic; default 128).")
-    ] = None,
-    to: Annotated[
-        int | None, typer.Option("--to", help="Tokens cached at the end (--copy-traffic; default 528).")
-    ] = None,
-    measure: Annotated[
-        bool,
-        typer.Option("--measure", help="gpt2 family: allocate every registered cache and compare bytes."),
-    ] = False,
-    lengths: Annotated[
-        str | None,
-        typer.Option(
-            "--lengths",
-            help="With --measure: a batch of mixed sequence lengths, e.g. 37,130,260,528: the blocks a paged "
-            "cache holds vs a static cache's batch x max-length reservation (max length: --ctx, else the longest).",
-        ),
-    ] = None,
-    caches: Annotated[
-        str | None,
-        typer.Option(
-            "--caches",
-            help="With --measure: the caches to allocate, comma-separated names or pkg.module:Class plugins "
-            "(default: all).",
-        ),
-    ] = None,
-    device: Annotated[
-        str | None,
-        typer.Option(
-            "--device", "-d", help="Where --measure and the copy counter run: auto | cpu | cuda | cuda:N."
-        ),
-    ] = None,
+    model: MemoryModelOpt = None,
+    config: MemoryConfigOpt = None,
+    all_: AllOpt = False,
+    ctx: CtxOpt = None,
+    batch: MemoryBatchOpt = 1,
+    kv_dtype: KVDtypeOpt = "fp16",
+    weights_dtype: WeightsDtypeOpt = None,
+    gpu: GPUOpt = None,
+    gpu_mem: GPUMemOpt = None,
+    overhead: OverheadOpt = None,
+    tp: TPOpt = None,
+    check: CheckOpt = False,
+    copy_traffic: CopyTrafficOpt = False,
+    from_: FromOpt = None,
+    to: ToOpt = None,
+    measure: MeasureOpt = False,
+    lengths: LengthsOpt = None,
+    caches: MemoryCachesOpt = None,
+    device: MemoryDeviceOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Plan KV-cache memory for real models (bytes/token, per sequence, fits on a GPU)."""
@@ -114,15 +62,28 @@ def memory(
     options = mem.Options(
         model=model, config=config, all_=all_, ctx=ctx, batch=batch, kv_dtype=kv_dtype, weights_dtype=weights_dtype,
         gpu=gpu, gpu_mem=gpu_mem, overhead=overhead, tp=tp, copy_traffic=copy_traffic, from_=from_, to=to,
-        measure=measure, lengths=lengths, check=check, device=device,
+        measure=measure, lengths=lengths, check=check, device=device, caches=caches,
     )  # fmt: skip
-    req = mem.parse_request(options, extra=_gpt2_spec)  # every option and model checked before any work
-    if caches is not None and not measure:
-        raise KVBenchError("--caches goes with --measure (it names the caches to allocate)")
-    if measure:
+    doc = run_jobs(checked_request(options), json_out)
+    if json_out:
+        console.print_json(doc)
+
+
+def checked_request(options):
+    """Every option and model checked and --measure's caches resolved (plugins loaded and probed): no work yet."""
+    from kvbench import memory as mem
+
+    req = mem.parse_request(options, extra=_gpt2_spec)
+    if req.measure:
         from kvbench.caches import parse_cache_names
 
-        req.cache_names = parse_cache_names(caches)  # plugins are loaded (and probed) here, before any work
+        req.cache_names = parse_cache_names(options.caches)
+    return req
+
+
+def run_jobs(req, json_out: bool) -> dict:
+    """The request's jobs in order (--measure, --copy-traffic, else the plans), each rendered as it completes unless
+    `json_out`; returns the JSON document of them all."""
     doc: dict = {
         "kv_dtype": req.kv_dtype,
         "weights_dtype": req.weights_dtype,
@@ -135,8 +96,7 @@ def memory(
         _copy_traffic(req, doc, json_out)
     if req.plans:
         _plans(req, doc, json_out)
-    if json_out:
-        console.print_json(doc)
+    return doc
 
 
 def _gpt2_spec(name: str):

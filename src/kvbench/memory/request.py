@@ -47,6 +47,7 @@ class Options:
     lengths: str | None = None
     check: bool = False
     device: str | None = None
+    caches: str | None = None  # --measure's caches as given; the command resolves them (plugins need torch)
 
 
 @dataclass
@@ -190,6 +191,8 @@ def parse_request(o: Options, extra: Callable[[str], ModelSpec | None] | None = 
         check_copy_range(*copy_range, o.batch)
     lengths = _lengths(o, contexts)
     specs, resolved = _specs(o, extra if (o.measure or o.copy_traffic) else None)
+    if o.caches is not None and not o.measure:
+        raise KVBenchError("--caches goes with --measure (it names the caches to allocate)")
     return Request(
         specs=specs, contexts=contexts, batch=o.batch, kv_dtype=kv, weights_dtype=weights_dtype, tp=o.tp or 1,
         gpu=gpu, gpu_mem=gpu_mem, gpu_mem_text=o.gpu_mem or "", overhead=o.overhead or DEFAULT_OVERHEAD,

@@ -1,0 +1,190 @@
+"""Rendering `kvbench bench`: the prefill sweep's table, the `--fill random` table (decode cost against context,
+bench/context.py), the floor's caption both carry, and the closing line naming the files written."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from kvbench import console
+from kvbench.console import cell, line, out, styled
+
+WIDE = 170  # bench tables' width in characters: a narrower console would squeeze the numbers into ellipses
+
+
+def _f(x: float, fmt: str) -> str:
+    return "-" if x is None or x != x else format(x, fmt)  # x != x: NaN
+
+
+def _times(x: float) -> str:
+    return _f(x, ".2f") + ("" if x != x else "x")
+
+
+def floor_caption(meta: dict, rows: list) -> str:
+    bw = meta.get("floor", {}).get("bandwidth")
+    if not bw:
+        return ""
+    text = (
+        f"floor: the bytes the median decode step must move (weights, K/V read and written, the design's copies) / "
+        f"read bandwidth measured in this run ({bw['read_gbps']:.1f} GB/s read, {bw['copy_gbps']:.1f} GB/s copy, "
+        f"{bw['nbytes'] / 2**20:.0f} MiB streamed); x floor = TPOT / floor; none has no floor. "
+    )
+    rounds = meta["floor"].get("by_prompt_len")
+    if rounds:  # --order interleaved: probed again every round
+        each = ", ".join(f"prompt {p}: {b['read_gbps']:.1f}" for p, b in rounds.items())
+        text += f"Interleaved: the floor divides by the median of the first probe and one per round ({each} GB/s). "
+    llc = bw.get("llc_bytes")
+    if llc and any(r.step_bytes <= llc for r in rows):  # NaN compares False
+        text += (
+            f"Steps of at most {llc / 2**20:.0f} MiB fit in the last-level cache and can run below the floor "
+            "(x floor < 1): it bounds steps that stream from memory. "
+        )
+    return text
+
+
+def wrote_line(files: list, run_dir):
+    """The closing line of a sweep: which files were written where."""
+    return line(
+        styled("wrote", "green"), f" {', '.join(p.name for p in files)} ", styled("in", "dim"), f" {run_dir}"
+    )
+
+
+def _tokens_cell(r):
+    """Agreement with kvbench's `none`: 100%, or a lower figure marked ~ (all flips at near-ties) or ! (not)."""
+    if r.token_agreement != r.token_agreement:
+        return "-"
+    text = f"{100 * r.token_agreement:.0f}%"
+    if r.flips == 0:
+        return text
+    if r.near_tie_flips == r.flips:
+        return styled(text + " ~", "yellow")
+    return styled(text + " !", "bold red")
+
+
+def caption_text(meta: dict, rows: list = ()) -> str:
+    """The table's footer: what every column includes, cold and warm defined."""
+    cuda = meta["device"].startswith("cuda")
+    hf = "hf" in meta  # bench --hf: the model's own caches, its `none` the token reference
+    return floor_caption(meta, rows) + (
+        "TTFT, total: medians over timed repeats (total includes the prefill). TPOT: decode steps pooled over "
+        "timed repeats. warm = the timed repeats, after --warmup runs of the same shapes on the same caches, "
+        "nothing freed in between. cold = the first run of each configuration"
+        + (" (from an emptied allocator cache)" if cuda else "")
+        + ": allocation, kernel selection and plan building for shapes not seen earlier in the sweep, graph "
+        "capture (capture ms, static-graph on CUDA) or compilation ("
+        + ("static-compiled" if hf else "hf-compiled")
+        + "); it depends on sweep order. "
+        "speedup: end to end vs the same family's `none` (hf-compiled vs hf none). vs hf: TPOT of the fastest "
+        "transformers row at that prompt / this TPOT. tokens: share of generated tokens equal to "
+        + ("the model's own none's" if hf else "kvbench none's")
+        + " (worst run; ~ all flips at near-ties, rounding; ! a real difference, see tokens_note in summary.csv). "
+        "peak: this engine's weights (counted once) + the peak above what was in use before the configuration "
+        + ("(CUDA max allocated)." if cuda else "(CPU resident set size; indicative).")
+    )
+
+
+def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
+    cols = ["engine", "cache", "prompt", "TTFT ms", "TPOT ms", "p90", "floor ms", "x floor", "total s", "speedup",
+            "vs hf", "tokens", "peak MiB", "KV MiB", "copied", "capture ms", "cold TPOT"]  # fmt: skip
+    body = []
+    for r in rows:
+        body.append(
+            [
+                r.engine, r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status.split(':')[0]})", "red"),
+                r.prompt_len,
+                _f(r.ttft_ms, ".1f"), _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p90, ".2f"), _f(r.floor_ms, ".2f"),
+                _times(r.x_floor), _f(r.total_s, ".3f"),
+                _times(r.speedup_vs_none), _times(r.speedup_vs_fastest_hf), _tokens_cell(r),
+                _f(r.peak_mem_mib, ".0f"), _f(r.kv_cache_mib, ".2f"),
+                "-" if r.bytes_copied != r.bytes_copied else console.fmt_bytes(int(r.bytes_copied)),
+                _f(r.capture_ms, ".1f"), _f(r.cold_tpot_ms_median, ".2f"),
+            ]
+        )  # fmt: skip
+    title = f"bench: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}"
+    if rows:
+        first = rows[0]
+        title += (
+            f", {first.new_tokens} new tokens, batch {first.batch}, {max(r.repeats for r in rows)} repeats"
+        )
+    tbl = Table(
+        title=title,
+        caption=caption_text(meta, rows),
+        title_justify="left",
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for i, c in enumerate(cols):
+        tbl.add_column(c, no_wrap=True, justify="left" if i < 2 else "right")
+    for r in body:
+        tbl.add_row(*[cell(x) for x in r])
+    # A narrow (or non-tty, 80-column) console would squeeze the numbers into ellipses: print at full width instead.
+    wide = out if out.width >= WIDE else Console(highlight=False, width=WIDE)
+    wide.print(tbl)
+    for r in rows:
+        if r.status.startswith("error"):
+            out.print(styled(f"{r.engine} {r.cache} prompt {r.prompt_len}: {r.status}", "red"))
+        elif r.flips and r.near_tie_flips < r.flips:
+            out.print(styled(f"{r.engine} {r.cache} prompt {r.prompt_len}: tokens {r.tokens_note}", "red"))
+    observed = {f"{r.engine} {r.cache}": (r.sdpa_prefill, r.sdpa_decode) for r in rows if r.status == "ok"}
+    kinds = sorted(set(observed.values()))
+    if kinds:
+        out.print(
+            styled(
+                "SDPA backends (prefill / decode): "
+                + "; ".join(
+                    f"{p or '-'} / {d or '-'}: " + ", ".join(k for k, v in observed.items() if v == (p, d))
+                    for p, d in kinds
+                )
+                + f"; cuDNN {meta['sdpa'].get('cudnn_version') or 'not available'}",
+                "dim",
+            )
+        )
+    out.print(wrote_line(files, run_dir))
+
+
+def _mb(n: float) -> str:
+    return _f(n / 1e6, ",.1f")
+
+
+def render_context(rows: list, meta: dict, run_dir, files: list) -> None:
+    cols = ["cache", "context", "TPOT ms", "p10", "p90", "floor ms", "x floor", "step MB", "K/V read MB",
+            "design MB", "KV MiB held"]  # fmt: skip
+    tbl = Table(
+        title=(
+            f"bench --fill random: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}; "
+            "caches filled with RANDOM K/V, no prefill, decode steps only"
+            + (f", {rows[0].new_tokens} steps x {max(r.repeats for r in rows)} repeats" if rows else "")
+        ),
+        caption=(
+            floor_caption(meta, rows)
+            + f"K/V read = weight read at {meta['crossover_context']:,} tokens (past it the cache is most of the "
+            "step). TPOT: median over every timed step (forward + argmax, synchronised); p10/p90 of the same steps. "
+            "step MB: bytes the median step moves, of which K/V read by attention and the design's own copies."
+        ),
+        title_justify="left",
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for i, c in enumerate(cols):
+        tbl.add_column(c, no_wrap=True, justify="left" if i == 0 else "right")
+    for r in rows:
+        name = r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status.split(':')[0]})", "red")
+        tbl.add_row(
+            *[
+                cell(x)
+                for x in [
+                    name, f"{r.context:,}", _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p10, ".2f"),
+                    _f(r.tpot_ms_p90, ".2f"), _f(r.floor_ms, ".2f"), _times(r.x_floor), _mb(r.step_bytes),
+                    _mb(r.kv_read_bytes), _mb(r.design_bytes), _f(r.kv_cache_mib, ".1f"),
+                ]
+            ]
+        )  # fmt: skip
+    wide = out if out.width >= WIDE else Console(highlight=False, width=WIDE)
+    wide.print(tbl)
+    for r in rows:
+        if r.status.startswith("error"):
+            out.print(styled(f"{r.cache} context {r.context}: {r.status}", "red"))
+    out.print(wrote_line(files, run_dir))
