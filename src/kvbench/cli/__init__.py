@@ -1,8 +1,8 @@
-"""The `kvbench` command line: the app and its shared options (app.py), one module per command.
+"""The `kvbench` command line: the app (app.py), the options (options.py), one module per command.
 
-Commands parse options, call a library function that returns dataclasses, and render them; heavy imports (torch,
-transformers, matplotlib) happen inside the commands, so `kvbench --help` is instant and `main` can still ask for huge
-pages before torch loads.
+Commands gather their options into one settings object, call a library function that returns dataclasses, and
+render them; heavy imports (torch, transformers, matplotlib) happen inside the commands, so `kvbench --help` is
+instant and `main` can still ask for huge pages before torch loads.
 """
 
 from kvbench.bench import hugepages
