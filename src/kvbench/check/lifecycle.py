@@ -66,7 +66,7 @@ def rollback(s: Subject, prompts: list[list[int]], new: int) -> Trace:
     hist = []
     tok = _step(session, trace, [hist], [prompt])[0]
     tok = _decode(session, trace, hist, tok, max(2, new // 4))
-    draft = [tok, *prompt[1:6]]  # one forward over 6 draft tokens, as a prompt lookup proposes them
+    draft = [tok, *(prompt * 6)[1:6]]  # one forward over 6 draft tokens, as a prompt lookup proposes them
     _step(session, trace, [hist], [draft])
     keep = len(hist) - len(draft) + 3  # accept the first 3 draft tokens, forget 3
     session.crop(keep)
@@ -90,12 +90,12 @@ def fork(s: Subject, prompts: list[list[int]], new: int) -> Trace:
     for _ in range(max(2, new // 2)):  # interleaved: a write to either would show in the other at once
         tb = _step(copy, trace, [b], [[tb]])[0]
         ta = _step(original, trace, [a], [[ta]])[0]
-        trace.tokens.append(ta)
+        trace.tokens += [tb, ta]  # both continuations: an aliased copy corrupts the one written first
     return trace
 
 
 def reorder(s: Subject, prompts: list[list[int]], new: int) -> Trace:
-    trace, T = Trace(), len(prompts[-1])
+    trace, T = Trace(), min(map(len, prompts))
     beams = [list(p[-T:]) for p in (prompts * 3)[:3]]  # three rows of one length: no padding
     beams[-1] = beams[-1][::-1]  # distinct rows even from two prompts
     session = s.open(3, T + 2 * new + 4)
