@@ -287,7 +287,12 @@ def demo_lifecycle(check: str) -> Callable[..., tuple]:
         plain = run(model, [prompts[0]], new, cache).tokens[0]
         dormant = run(model, [prompts[0]], new, cache, f).tokens[0]
         shown = f"plain generate through the faulty code gives the correct tokens: {dormant == plain}"
-        return correct, faulty, shown, f"{f.signature}; shown: the {check} scenario's greedy tokens"
+        return (
+            correct,
+            faulty,
+            shown,
+            f"{f.signature}; shown: the greedy choice at each of the {check} scenario's {len(correct)} positions",
+        )
 
     return demo
 

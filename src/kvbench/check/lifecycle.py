@@ -31,7 +31,11 @@ class Trace:
     def __init__(self) -> None:
         self.seqs: list[list[int]] = []
         self.rows: list[torch.Tensor] = []
-        self.tokens: list[int] = []  # the greedy tokens the scenario chose, for the detail and break's demo
+
+    @property
+    def tokens(self) -> list[int]:
+        """The greedy choice at every recorded row (break shows these beside the correct cache's)."""
+        return [int(r.argmax()) for r in self.rows]
 
     def add(self, history: list[int], logits: torch.Tensor) -> None:
         """`logits` (T, V) of the last T tokens of `history` (each row predicts the token after its prefix)."""
@@ -39,6 +43,11 @@ class Trace:
         for i in range(T):
             self.seqs.append(history[: len(history) - T + i + 1])
             self.rows.append(logits[i])
+
+
+def _longest(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The n longest prompts, longest first (a chunk after the first needs a prompt longer than the chunk)."""
+    return sorted(prompts, key=len, reverse=True)[:n]
 
 
 def _step(session: Session, trace: Trace, histories: list[list[int]], new: list[list[int]]) -> list[int]:
@@ -56,12 +65,11 @@ def _decode(session: Session, trace: Trace, history: list[int], first: int, n: i
     tok = first
     for _ in range(n):
         tok = _step(session, trace, [history], [[tok]])[0]
-        trace.tokens.append(tok)
     return tok
 
 
 def rollback(s: Subject, prompts: list[list[int]], new: int) -> Trace:
-    trace, prompt, other = Trace(), prompts[0], prompts[1]
+    trace, (prompt, other) = Trace(), _longest(prompts, 2)
     session = s.open(1, len(prompt) + 3 * new + 8)
     hist = []
     tok = _step(session, trace, [hist], [prompt])[0]
@@ -80,17 +88,16 @@ def rollback(s: Subject, prompts: list[list[int]], new: int) -> Trace:
 
 
 def fork(s: Subject, prompts: list[list[int]], new: int) -> Trace:
-    trace, prompt = Trace(), prompts[0]
+    trace, (prompt, other) = Trace(), _longest(prompts, 2)
     original = s.open(1, len(prompt) + 2 * new + 2)
     base: list[int] = []
     tok = _step(original, trace, [base], [prompt])[0]
     copy = original.fork()
     a, b = list(base), list(base)
-    ta, tb = tok, prompts[1][0]  # two different continuations
+    ta, tb = tok, other[0]  # two different continuations
     for _ in range(max(2, new // 2)):  # interleaved: a write to either would show in the other at once
         tb = _step(copy, trace, [b], [[tb]])[0]
         ta = _step(original, trace, [a], [[ta]])[0]
-        trace.tokens += [tb, ta]  # both continuations: an aliased copy corrupts the one written first
     return trace
 
 
@@ -108,21 +115,17 @@ def reorder(s: Subject, prompts: list[list[int]], new: int) -> Trace:
         for _ in range(max(1, new // 6)):
             # row 0 follows its greedy token, the others a token of the prompt: rows of one history diverge
             toks = _step(session, trace, hists, [[t if r == 0 else beams[r][r]] for r, t in enumerate(toks)])
-            trace.tokens.extend(toks)
     return trace
 
 
 def chunked_prefill(s: Subject, prompts: list[list[int]], new: int) -> Trace:
-    trace, prompt = Trace(), prompts[0]
+    trace, prompt = Trace(), _longest(prompts, 1)[0]
     for chunk in (1, 7, len(prompt)):
         session = s.open(1, len(prompt) + new + 2)
         hist: list[int] = []
         for i in range(0, len(prompt), chunk):
             tok = _step(session, trace, [hist], [prompt[i : i + chunk]])[0]
-        tokens_before = len(trace.tokens)
         _decode(session, trace, hist, tok, max(2, new // 4))
-        if chunk != 1:  # every schedule continues the same way: compare with the first
-            del trace.tokens[tokens_before:]
     return trace
 
 
