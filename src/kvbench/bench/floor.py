@@ -32,6 +32,8 @@ import torch
 
 from kvbench import validate
 from kvbench.caches.base import UNKNOWN_TRAFFIC, Traffic
+from kvbench.caches.int8 import scale_dtype_for
+from kvbench.devices import synchronize
 from kvbench.model.gpt2 import GPTConfig
 
 GB = 1e9
@@ -116,8 +118,6 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: 
     matrix-vector product (the kernel a batch-1 decode step runs; on some CPUs the only one that reaches the memory's
     bandwidth), and the faster is the read bandwidth; the copy moves its first half onto its second (so the memory
     touched, and the page faults of a first touch, are those of one tensor)."""
-    from kvbench.devices import synchronize
-
     if device.type == "cuda":
         llc = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
         memory = torch.cuda.mem_get_info(device)[0]
@@ -202,8 +202,6 @@ def step_bytes(
 ) -> StepBytes:
     """Bytes of one decode step at `context` slots (this token included) for a design moving `traffic` (None: a
     design that does not say, counted as weights and K/V only). capacity: the slots the cache's buffer holds."""
-    from kvbench.caches.int8 import scale_dtype_for
-
     elt = torch.empty((), dtype=dtype).element_size()
     scale = torch.empty((), dtype=scale_dtype_for(dtype)).element_size()
     L, cap = context, max(capacity, context)

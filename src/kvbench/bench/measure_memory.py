@@ -15,6 +15,7 @@ import torch
 
 from kvbench import devices, memory
 from kvbench.caches import CACHES, CacheSpec, cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
+from kvbench.caches.paged import paged_memory_report
 from kvbench.devices import DTYPES, device_name, resolve_device
 from kvbench.errors import KVBenchError, is_out_of_memory
 from kvbench.model.gpt2 import PRESETS, GPTConfig
@@ -318,8 +319,6 @@ def check_measure(
 def paged_waste(name: str, lengths: list[int], max_len: int | None, kv_dtype: str):
     """`memory --measure --lengths`: the blocks a paged cache holds for a batch of mixed lengths against a static
     cache's batch x max_len reservation (max_len defaults to the longest sequence)."""
-    from kvbench.caches.paged import paged_memory_report
-
     cfg = _gpt_config(name)
     max_len = max_len or max(lengths)
     if max(lengths) > max_len:

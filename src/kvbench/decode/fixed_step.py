@@ -150,6 +150,7 @@ def _compiled(mode: str, model: GPT, key: tuple) -> object:
     if mode == "max":
         if _frozen_step is not None and _frozen_step[0]() is model and _frozen_step[1] == key:
             return _frozen_step[2]
+        # here, not at the top: Inductor takes seconds to import, and only --compile max uses its settings
         from torch._inductor import config as inductor_config
 
         f = fixed_decode_step

@@ -106,6 +106,7 @@ def check_format(kv_dtype: str) -> KVFormat:
 
 def preset_config(spec: ModelSpec) -> tuple[Any | None, str]:
     """transformers' config for a preset's shape (configs/models.toml), or (None, why not)."""
+    # transformers and torch when the check runs: --check is parsed, and this module imported, without them
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -147,6 +148,7 @@ def preset_config(spec: ModelSpec) -> tuple[Any | None, str]:
 
 def _build(text_config: Any):
     """The language model on the meta device: every parameter and buffer a shape, none of them memory."""
+    # transformers and torch when the check runs: --check is parsed, and this module imported, without them
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -159,6 +161,7 @@ def _allocate(
     model: Any, text_config: Any, ctx: int, batch: int
 ) -> list[tuple[str, tuple | None, tuple | None]]:
     """(layer type, K shape, V shape) of every layer of transformers' StaticCache after one decode step."""
+    # transformers and torch when the check runs: --check is parsed, and this module imported, without them
     import torch
     from transformers import StaticCache
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -314,6 +317,7 @@ def check_plan(
 
 
 def _check_one(spec: ModelSpec, fmt: KVFormat, model: Any, text: Any, ctx: int, batch: int) -> CacheCheck:
+    # transformers and torch when the check runs: --check is parsed, and this module imported, without them
     import transformers
 
     kinds = _compare(spec, fmt, ctx, batch, _allocate(model, text, ctx, batch))
