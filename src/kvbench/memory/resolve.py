@@ -83,15 +83,6 @@ def _auto_config(raw: dict[str, Any], path: Path) -> tuple[Any | None, str]:
         raise KVBenchError(f"{path}: transformers' {model_type} config class rejects it: {why}") from None
 
 
-def _validation_errors() -> tuple[type[Exception], ...]:
-    """huggingface_hub's strict-dataclass errors (config classes validate their fields with them), if it has them."""
-    try:  # huggingface_hub, like transformers, only on the --config path; older releases lack these errors
-        from huggingface_hub.errors import StrictDataclassError
-    except ImportError:
-        return ()
-    return (StrictDataclassError,)
-
-
 def _fields(config: Any) -> dict[str, Any]:
     """The config's fields and the attributes its class derives from them; a sub-config transformers kept as a plain
     dict is read as it is. A derived attribute the class cannot compute is the file's error, in one line."""
