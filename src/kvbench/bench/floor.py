@@ -47,9 +47,8 @@ class Bandwidth:
     """Measured once per run: a large read-only reduction and a copy. The floor divides by `read`: a decode step
     mostly reads (weights, cached K/V)."""
 
-    read_gbps: (
-        float  # median bytes read / s by the faster read kernel over a tensor far larger than the caches
-    )
+    # median bytes read / s by the faster read kernel over a tensor far larger than the caches
+    read_gbps: float
     copy_gbps: float  # median (bytes read + bytes written) / s copying one half of that tensor into the other
     nbytes: int  # size of the tensor streamed
     device: str

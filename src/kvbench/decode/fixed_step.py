@@ -228,9 +228,8 @@ class FixedShapeDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None  # the graph's static output (B, 1, V)
         self.captures = 0  # graphs captured (1 on CUDA after the first decode step)
-        self.capture_s = (
-            0.0  # seconds spent warming up and capturing (device synchronised), over all captures
-        )
+        # seconds spent warming up and capturing (device synchronised), over all captures
+        self.capture_s = 0.0
         self.fixed_steps = 0  # decode steps run through the fixed-shape step (replays or eager)
 
     def matches(
@@ -286,17 +285,15 @@ class FixedShapeDecoder:
         padding: torch.Tensor | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
-        if (
-            ids.size(1) != 1
-        ):  # prefill: the ordinary eager forward; once per generation, so check everything here
+        # prefill: the ordinary eager forward; once per generation, so check everything here
+        if ids.size(1) != 1:
             assert self.matches(self.model, caches, self.mask_rule, self.compile_mode), (
                 "fixed-shape runner is stale (model parameters moved, or other caches); get one from runner_for"
             )
             return self.model(ids, positions, caches, padding, last_only, mask_rule=self.mask_rule)
         assert self._holds(caches), "runner called with caches it was not built for"
-        n, _ = caches[0].check_capacity(
-            1, "static-graph"
-        )  # n: tokens cached so far = the column this step writes
+        # n: tokens cached so far = the column this step writes
+        n, _ = caches[0].check_capacity(1, "static-graph")
         self.tokens.copy_(ids)
         self.positions.copy_(positions)
         self.column.fill_(n)

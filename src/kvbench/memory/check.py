@@ -62,9 +62,8 @@ class CacheCheck:
     agrees: bool | None
     kinds: list[KindCheck] = field(default_factory=list)
     planner_params: int | None = None  # the planner's parameter estimate (a config.json's)
-    transformers_params: int | None = (
-        None  # numel() of the meta-device language model built from the same file
-    )
+    # numel() of the meta-device language model built from the same file
+    transformers_params: int | None = None
 
     @property
     def params_working(self) -> str:
@@ -290,9 +289,8 @@ def check_plan(
     params: also compare the planner's parameter count with the meta model's numel() (for a config.json, whose
     fields are the model's own; a preset's config carries only the attention shape)."""
     fmt = check_format(kv_dtype)
-    if (
-        spec.state_layers
-    ):  # transformers keeps the state in the same cache object: no K/V-only count to compare
+    # transformers keeps the state in the same cache object: no K/V-only count to compare
+    if spec.state_layers:
         what = "it has no KV cache" if not spec.kv_cache else "only its attention layers cache K/V"
         return _unchecked(spec, fmt, contexts, batch, f"{spec.family} keeps a recurrent state ({what}); --check "
                           "compares K/V caches, so it does not apply to its recurrent layers")  # fmt: skip
