@@ -16,7 +16,7 @@ sequences at context L (the key slots that hold tokens, this step's included), i
     design    what the design moves on top (its spec's `Traffic`, caches/base.py)
 
 Writes count as traffic too: they cost bandwidth like reads. The floor is the design's own minimum, not what an
-implementation happens to allocate on the way: `int8` dequantises through fp32 temporaries today, and that extra
+implementation happens to allocate on the way: `int8` dequantises through fp32 temporaries, and that extra
 traffic is overhead that `x_floor` shows, not part of the floor. docs/performance.md works an example.
 """
 

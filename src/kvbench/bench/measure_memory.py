@@ -23,7 +23,7 @@ from kvbench.validate import past_context
 
 # Counting the dynamic cache's copies re-runs every torch.cat; above this many bytes copied it is not worth the wait.
 MAX_COUNTED_COPY_BYTES = 8 * memory.GiB
-# --lengths fills a paged cache one token at a time (about 12,000 tokens a second on a laptop CPU).
+# --lengths fills a paged cache one token at a time, one update per token: at most this many tokens in all.
 MAX_PAGED_TOKENS = 2**16
 
 

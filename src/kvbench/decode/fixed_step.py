@@ -46,8 +46,8 @@ from kvbench.model.gpt2 import EXACT_MASK, GPT, MaskRule
 COMPILE_MODES = ("off", "default", "max")  # the --compile choices
 
 # Inductor settings of the `max` mode (CPU): weights as constants, GEMMs autotuned over C++ templates and ATen, the
-# ~150 kernels of a step called from generated C++ rather than Python (gpt2, 2-core x86: ~0.78x the eager step's
-# time against ~0.82x with the Python wrapper), and the autotuning tables kept off the terminal.
+# ~150 kernels of a step called from generated C++ rather than Python (less overhead per kernel than the Python
+# wrapper), and the autotuning tables kept off the terminal.
 MAX_OPTIONS = {
     "freezing": True,
     "max_autotune": True,

@@ -34,7 +34,7 @@ from kvbench.results.rundir import (
     writing_into,
 )
 
-# The run folder (rundir.py) stays reachable from here, as the commands use it beside the recorders.
+# Importable from here too: the run folder's functions (rundir.py) that the commands use beside the recorders.
 __all__ = [
     "BenchRecorder", "ContextRecorder", "check_run_dir", "claimed_run_dir", "device_label", "floor_meta", "meta_doc",
     "prepare_run_dir", "run_meta", "unique_default_run_dir", "versions", "write_json",

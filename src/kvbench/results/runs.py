@@ -185,7 +185,7 @@ def _wrong_width(path: Path, what: str, line: int, fields: int, header: int) -> 
 
 def _parse_plain(text: str, header: list[str], path: Path, what: str) -> pd.DataFrame | None:
     """A CSV without a single quote character (what bench writes): every line is its fields split at commas, so
-    the widths are checked line by line and pandas' C parser reads the cells (a million steps in a second). None
+    the widths are checked line by line and pandas' C parser reads the cells (no Python per cell). None
     where pandas reads it otherwise: the csv module's reading is then the one used."""
     b = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)  # (bytes,)
     starts = np.concatenate(([0], np.flatnonzero(b == ord("\n")) + 1))  # (lines,) where each line starts
