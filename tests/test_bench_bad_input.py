@@ -176,10 +176,10 @@ def _held(out):
     """Another bench is writing into `out` right now: it holds the folder and has written its first row."""
     from contextlib import ExitStack
 
-    from kvbench.results import report
+    from kvbench.results import rundir
 
     stack = ExitStack()
-    stack.enter_context(report.claimed_run_dir(out, False))
+    stack.enter_context(rundir.claimed_run_dir(out, False))
     (out / "summary.csv").write_text("engine,cache\nkvbench,none\n")
     return stack
 
@@ -235,20 +235,20 @@ def test_a_second_bench_with_the_same_out_is_refused_and_loses_nothing(
 
 def test_a_run_folder_is_claimed_once_at_a_time(tmp_path):
     from kvbench.errors import KVBenchError
-    from kvbench.results import report
+    from kvbench.results import rundir
 
     out = tmp_path / "run"
-    with report.claimed_run_dir(out, False) as p:
-        assert p == out and (out / report.RUN_LOCK).is_file()
+    with rundir.claimed_run_dir(out, False) as p:
+        assert p == out and (out / rundir.RUN_LOCK).is_file()
         for force in (False, True):
             with pytest.raises(KVBenchError, match="in use by another kvbench bench"):
-                report.check_run_dir(str(out), force)
+                rundir.check_run_dir(str(out), force)
             with pytest.raises(KVBenchError, match="in use by another kvbench bench"):
-                with report.claimed_run_dir(out, force):
+                with rundir.claimed_run_dir(out, force):
                     pass
     assert list(out.iterdir()) == []  # released: the lock file is gone
-    report.check_run_dir(str(out), False)  # and the empty folder can be used again
-    with report.claimed_run_dir(out, False):
+    rundir.check_run_dir(str(out), False)  # and the empty folder can be used again
+    with rundir.claimed_run_dir(out, False):
         pass
 
 

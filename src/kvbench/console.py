@@ -13,6 +13,7 @@ reach the terminal raw: every C0 and C1 control character but newline and tab is
 from __future__ import annotations
 
 import errno
+import os
 import sys
 from typing import Any
 
@@ -98,8 +99,6 @@ def _one_line(message: str) -> str:
 def stdout_closed() -> None:
     """The reader of stdout went away (`kvbench ... | head -1`): point stdout at /dev/null, so nothing written later
     (nor Python's flush at exit) fails again and prints a second error."""
-    import os
-
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -110,8 +109,6 @@ def stdout_closed() -> None:
 
 def stdout_is_devnull() -> bool:
     """Is stdout's file descriptor /dev/null (where stdout_closed, or Rich, points a closed pipe)?"""
-    import os
-
     try:
         a, b = os.fstat(sys.stdout.fileno()), os.stat(os.devnull)
     except (OSError, ValueError, AttributeError):

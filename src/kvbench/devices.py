@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 
 import torch
 
@@ -62,8 +63,6 @@ def synchronize(device: torch.device) -> None:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    import platform
-
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
@@ -94,8 +93,6 @@ def _proc_status_kib(field: str) -> int | None:
 
 def cpu_peak_resettable() -> bool:
     """Whether reset_peak_memory can reset the CPU peak here (Linux /proc)."""
-    import os
-
     return os.access("/proc/self/clear_refs", os.W_OK) and _proc_status_kib("VmHWM") is not None
 
 

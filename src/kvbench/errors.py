@@ -1,7 +1,9 @@
 """The project's one exception type for bad user input and unmet preconditions.
 
 Library code raises `KVBenchError` with a message that names the bad value and the fix; the CLI turns it into a red
-one-line message on stderr and a non-zero exit. Internal invariants use `assert` instead.
+one-line message on stderr and a non-zero exit. Internal invariants use `assert` instead. Other exceptions are read
+here too: in one line (`one_line`), and whether they are an allocation failure (`is_out_of_memory`). Nothing here
+imports torch.
 """
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 
 _NAMES = {
@@ -50,8 +51,6 @@ def _choice(args: tuple, kwargs: dict) -> str:
     q = args[0]
     try:
         code = chooser(*args, **kwargs)
-        from torch.nn.attention import SDPBackend
-
         name = _NAMES.get(SDPBackend(code).name, SDPBackend(code).name.lower())
     except (TypeError, RuntimeError, ValueError):
         return "unknown"

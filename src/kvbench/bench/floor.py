@@ -16,7 +16,7 @@ sequences at context L (the key slots that hold tokens, this step's included), i
     design    what the design moves on top (its spec's `Traffic`, caches/base.py)
 
 Writes count as traffic too: they cost bandwidth like reads. The floor is the design's own minimum, not what an
-implementation happens to allocate on the way: `int8` dequantises through fp32 temporaries today, and that extra
+implementation happens to allocate on the way: `int8` dequantises through fp32 temporaries, and that extra
 traffic is overhead that `x_floor` shows, not part of the floor. docs/performance.md works an example.
 """
 
@@ -32,6 +32,8 @@ import torch
 
 from kvbench import validate
 from kvbench.caches.base import UNKNOWN_TRAFFIC, Traffic
+from kvbench.caches.int8 import scale_dtype_for
+from kvbench.devices import synchronize
 from kvbench.model.gpt2 import GPTConfig
 
 GB = 1e9
@@ -45,9 +47,8 @@ class Bandwidth:
     """Measured once per run: a large read-only reduction and a copy. The floor divides by `read`: a decode step
     mostly reads (weights, cached K/V)."""
 
-    read_gbps: (
-        float  # median bytes read / s by the faster read kernel over a tensor far larger than the caches
-    )
+    # median bytes read / s by the faster read kernel over a tensor far larger than the caches
+    read_gbps: float
     copy_gbps: float  # median (bytes read + bytes written) / s copying one half of that tensor into the other
     nbytes: int  # size of the tensor streamed
     device: str
@@ -116,8 +117,6 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: 
     matrix-vector product (the kernel a batch-1 decode step runs; on some CPUs the only one that reaches the memory's
     bandwidth), and the faster is the read bandwidth; the copy moves its first half onto its second (so the memory
     touched, and the page faults of a first touch, are those of one tensor)."""
-    from kvbench.devices import synchronize
-
     if device.type == "cuda":
         llc = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
         memory = torch.cuda.mem_get_info(device)[0]
@@ -202,8 +201,6 @@ def step_bytes(
 ) -> StepBytes:
     """Bytes of one decode step at `context` slots (this token included) for a design moving `traffic` (None: a
     design that does not say, counted as weights and K/V only). capacity: the slots the cache's buffer holds."""
-    from kvbench.caches.int8 import scale_dtype_for
-
     elt = torch.empty((), dtype=dtype).element_size()
     scale = torch.empty((), dtype=scale_dtype_for(dtype)).element_size()
     L, cap = context, max(capacity, context)

@@ -85,6 +85,7 @@ def _probe() -> tuple[bool | None, bool | None]:
     """(advised, in_use) for a fresh PROBE_BYTES tensor: did the allocator ask for huge pages on it (madvise, the
     smaps flag "hg": what the software chose), and did the kernel back it with them (what the machine could give:
     it depends on fragmentation and load)? None where /proc cannot say."""
+    # here, not at the top: the CLI imports this module before torch, to set ENV first
     import torch
 
     buf = torch.empty(PROBE_BYTES, dtype=torch.uint8)

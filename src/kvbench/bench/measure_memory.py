@@ -15,6 +15,7 @@ import torch
 
 from kvbench import devices, memory
 from kvbench.caches import CACHES, CacheSpec, cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
+from kvbench.caches.paged import paged_memory_report
 from kvbench.devices import DTYPES, device_name, resolve_device
 from kvbench.errors import KVBenchError, is_out_of_memory
 from kvbench.model.gpt2 import PRESETS, GPTConfig
@@ -22,7 +23,7 @@ from kvbench.validate import past_context
 
 # Counting the dynamic cache's copies re-runs every torch.cat; above this many bytes copied it is not worth the wait.
 MAX_COUNTED_COPY_BYTES = 8 * memory.GiB
-# --lengths fills a paged cache one token at a time (about 12,000 tokens a second on a laptop CPU).
+# --lengths fills a paged cache one token at a time, one update per token: at most this many tokens in all.
 MAX_PAGED_TOKENS = 2**16
 
 
@@ -318,8 +319,6 @@ def check_measure(
 def paged_waste(name: str, lengths: list[int], max_len: int | None, kv_dtype: str):
     """`memory --measure --lengths`: the blocks a paged cache holds for a batch of mixed lengths against a static
     cache's batch x max_len reservation (max_len defaults to the longest sequence)."""
-    from kvbench.caches.paged import paged_memory_report
-
     cfg = _gpt_config(name)
     max_len = max_len or max(lengths)
     if max(lengths) > max_len:

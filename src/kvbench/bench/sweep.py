@@ -73,35 +73,30 @@ class SummaryRow:
     tpot_ms_p90: float
     floor_ms: float  # the bandwidth floor of the median decode step: step_bytes / measured read bandwidth (bench/floor.py)
     x_floor: float  # tpot_ms_median / floor_ms; empty for `none` (no cache: the floor does not apply)
-    step_bytes: (
-        float  # bytes the median decode step moves: weights, K/V read and written, the design's copies
-    )
+    # bytes the median decode step moves: weights, K/V read and written, the design's copies
+    step_bytes: float
     total_s: float  # median over timed repeats: the whole generation, prefill included
     total_s_min: float
     total_s_max: float
     tokens_per_s: float  # batch x new_tokens / total_s
     speedup_vs_none: float  # total_s of this engine family's `none` at the same prompt length / total_s
-    speedup_vs_fastest_hf: (
-        float  # TPOT of the fastest transformers row (hf, hf-compiled) at this prompt / TPOT
-    )
-    token_agreement: (
-        float  # fraction of generated tokens equal to kvbench `none`'s (worst run); bench/agreement.py
-    )
+    # TPOT of the fastest transformers row (hf, hf-compiled) at this prompt / TPOT
+    speedup_vs_fastest_hf: float
+    # fraction of generated tokens equal to kvbench `none`'s (worst run); bench/agreement.py
+    token_agreement: float
     first_divergence: float  # first differing token index (empty when identical)
     flips: int  # sequences whose tokens differ from the reference
     near_tie_flips: int  # of those, flips at near-ties (rounding, judged as verify does)
     tokens_note: str  # identical | the first flip and its explanation | why there is no reference
     peak_mem_mib: float  # weights_mib + run_peak_mib
     weights_mib: float  # the engine's weights, each storage once (hf and kvbench share the same tensors)
-    run_peak_mib: (
-        float  # peak during the runs above what was in use before the configuration (caches, activations)
-    )
+    # peak during the runs above what was in use before the configuration (caches, activations)
+    run_peak_mib: float
     peak_reserved_mib: float  # CUDA max_memory_reserved (the allocator's whole pool); NaN on the CPU
     kv_cache_mib: float  # bytes the cache holds at the end of a run
     bytes_copied: float  # history bytes copied by cache updates in one run (NaN where not counted)
-    bytes_copied_seed_estimate: (
-        float  # the seed's bytes/token x (n1^2 - n0^2)/2, n0 = prompt, n1 = prompt + new
-    )
+    # the seed's bytes/token x (n1^2 - n0^2)/2, n0 = prompt, n1 = prompt + new
+    bytes_copied_seed_estimate: float
     cold_ttft_ms: float  # the first run of this configuration
     cold_tpot_ms_median: float
     cold_total_s: float
@@ -360,9 +355,8 @@ def add_floor(
     (static-graph, transformers' StaticCache) is read from the cache the run held: transformers sizes its buffer
     per call, and never smaller than an earlier call's on the same model, so it can exceed prompt + new tokens."""
     r = result.summary
-    if (
-        not isinstance(cfg, GPTConfig) or r.engine not in ENGINES
-    ):  # the byte count is GPT-2's; --hf models have none
+    # the byte count is GPT-2's; --hf models have none
+    if not isinstance(cfg, GPTConfig) or r.engine not in ENGINES:
         return
     traffic = ENGINES[r.engine].traffic(r.cache)
     if traffic is None:  # the no-cache path recomputes the sequence: no floor

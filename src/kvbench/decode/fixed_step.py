@@ -46,8 +46,8 @@ from kvbench.model.gpt2 import EXACT_MASK, GPT, MaskRule
 COMPILE_MODES = ("off", "default", "max")  # the --compile choices
 
 # Inductor settings of the `max` mode (CPU): weights as constants, GEMMs autotuned over C++ templates and ATen, the
-# ~150 kernels of a step called from generated C++ rather than Python (gpt2, 2-core x86: ~0.78x the eager step's
-# time against ~0.82x with the Python wrapper), and the autotuning tables kept off the terminal.
+# ~150 kernels of a step called from generated C++ rather than Python (less overhead per kernel than the Python
+# wrapper), and the autotuning tables kept off the terminal.
 MAX_OPTIONS = {
     "freezing": True,
     "max_autotune": True,
@@ -150,6 +150,7 @@ def _compiled(mode: str, model: GPT, key: tuple) -> object:
     if mode == "max":
         if _frozen_step is not None and _frozen_step[0]() is model and _frozen_step[1] == key:
             return _frozen_step[2]
+        # here, not at the top: Inductor takes seconds to import, and only --compile max uses its settings
         from torch._inductor import config as inductor_config
 
         f = fixed_decode_step
@@ -227,9 +228,8 @@ class FixedShapeDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None  # the graph's static output (B, 1, V)
         self.captures = 0  # graphs captured (1 on CUDA after the first decode step)
-        self.capture_s = (
-            0.0  # seconds spent warming up and capturing (device synchronised), over all captures
-        )
+        # seconds spent warming up and capturing (device synchronised), over all captures
+        self.capture_s = 0.0
         self.fixed_steps = 0  # decode steps run through the fixed-shape step (replays or eager)
 
     def matches(
@@ -285,17 +285,15 @@ class FixedShapeDecoder:
         padding: torch.Tensor | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
-        if (
-            ids.size(1) != 1
-        ):  # prefill: the ordinary eager forward; once per generation, so check everything here
+        # prefill: the ordinary eager forward; once per generation, so check everything here
+        if ids.size(1) != 1:
             assert self.matches(self.model, caches, self.mask_rule, self.compile_mode), (
                 "fixed-shape runner is stale (model parameters moved, or other caches); get one from runner_for"
             )
             return self.model(ids, positions, caches, padding, last_only, mask_rule=self.mask_rule)
         assert self._holds(caches), "runner called with caches it was not built for"
-        n, _ = caches[0].check_capacity(
-            1, "static-graph"
-        )  # n: tokens cached so far = the column this step writes
+        # n: tokens cached so far = the column this step writes
+        n, _ = caches[0].check_capacity(1, "static-graph")
         self.tokens.copy_(ids)
         self.positions.copy_(positions)
         self.column.fill_(n)

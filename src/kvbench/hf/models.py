@@ -41,7 +41,7 @@ from kvbench.model.weights import hub_reachable
 from kvbench.thirdparty import contained, did
 from kvbench.validate import context_error, past_context
 
-# What a model is (introspect.py) stays importable from here, beside loading it.
+# Importable from here too: what a loaded model is (introspect.py), beside loading it.
 __all__ = [
     "HFModelInfo", "HFShape", "LoadedHF", "cache_kwarg", "check_length", "check_memory", "describe", "load_hf",
     "peek_hf", "quiet_transformers", "refuse_incomplete", "returned_cache", "run_bytes",

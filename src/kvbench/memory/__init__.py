@@ -44,6 +44,7 @@ from kvbench.memory.planner import (
 )
 from kvbench.memory.presets import GPUS_TOML, MODELS_TOML, get_gpu, get_model, load_gpus, load_presets
 from kvbench.memory.request import DEFAULT_MEASURE_CTX, Options, Request, parse_request, plan_request
+from kvbench.memory.resolve import resolve_config
 from kvbench.memory.spec import GPUSpec, ModelSpec
 from kvbench.memory.traffic import CopyTraffic, check_copy_range, copy_traffic
 from kvbench.memory.units import (
@@ -62,13 +63,6 @@ from kvbench.memory.units import (
     parse_ctx,
     parse_overhead,
 )
-
-
-def resolve_config(path):
-    """A config.json resolved through transformers' config classes (imports transformers; see `resolve`)."""
-    from kvbench.memory.resolve import resolve_config as _resolve
-
-    return _resolve(path)
 
 
 def spec_from_hf_config(path) -> ModelSpec:

@@ -62,9 +62,8 @@ class CacheCheck:
     agrees: bool | None
     kinds: list[KindCheck] = field(default_factory=list)
     planner_params: int | None = None  # the planner's parameter estimate (a config.json's)
-    transformers_params: int | None = (
-        None  # numel() of the meta-device language model built from the same file
-    )
+    # numel() of the meta-device language model built from the same file
+    transformers_params: int | None = None
 
     @property
     def params_working(self) -> str:
@@ -106,6 +105,7 @@ def check_format(kv_dtype: str) -> KVFormat:
 
 def preset_config(spec: ModelSpec) -> tuple[Any | None, str]:
     """transformers' config for a preset's shape (configs/models.toml), or (None, why not)."""
+    # transformers and torch when the check runs: --check is parsed, and this module imported, without them
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -147,6 +147,7 @@ def preset_config(spec: ModelSpec) -> tuple[Any | None, str]:
 
 def _build(text_config: Any):
     """The language model on the meta device: every parameter and buffer a shape, none of them memory."""
+    # transformers and torch when the check runs: --check is parsed, and this module imported, without them
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -159,6 +160,7 @@ def _allocate(
     model: Any, text_config: Any, ctx: int, batch: int
 ) -> list[tuple[str, tuple | None, tuple | None]]:
     """(layer type, K shape, V shape) of every layer of transformers' StaticCache after one decode step."""
+    # transformers and torch when the check runs: --check is parsed, and this module imported, without them
     import torch
     from transformers import StaticCache
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -287,9 +289,8 @@ def check_plan(
     params: also compare the planner's parameter count with the meta model's numel() (for a config.json, whose
     fields are the model's own; a preset's config carries only the attention shape)."""
     fmt = check_format(kv_dtype)
-    if (
-        spec.state_layers
-    ):  # transformers keeps the state in the same cache object: no K/V-only count to compare
+    # transformers keeps the state in the same cache object: no K/V-only count to compare
+    if spec.state_layers:
         what = "it has no KV cache" if not spec.kv_cache else "only its attention layers cache K/V"
         return _unchecked(spec, fmt, contexts, batch, f"{spec.family} keeps a recurrent state ({what}); --check "
                           "compares K/V caches, so it does not apply to its recurrent layers")  # fmt: skip
@@ -314,6 +315,7 @@ def check_plan(
 
 
 def _check_one(spec: ModelSpec, fmt: KVFormat, model: Any, text: Any, ctx: int, batch: int) -> CacheCheck:
+    # transformers and torch when the check runs: --check is parsed, and this module imported, without them
     import transformers
 
     kinds = _compare(spec, fmt, ctx, batch, _allocate(model, text, ctx, batch))

@@ -31,9 +31,8 @@ from kvbench.memory.units import (
 )
 from kvbench.validate import past_context
 
-DEFAULT_OVERHEAD = (
-    "10%"  # reserve for activations, CUDA context and allocator slack (vLLM's default leaves 10%)
-)
+# reserve for activations, CUDA context and allocator slack (vLLM's default leaves 10%)
+DEFAULT_OVERHEAD = "10%"
 
 
 @dataclass
@@ -87,9 +86,8 @@ class ModelPlan:
     warnings: list[str]  # beyond-trained-context and similar, one line each
     notes: list[str]  # facts about the model the numbers depend on (windows, MLA, quantization overhead)
     kv_cache: bool = True  # False: no layer attends, so nothing grows per token (a recurrent model)
-    state_bytes_per_sequence: int = (
-        0  # a recurrent state held per sequence at any context (included in the rows)
-    )
+    # a recurrent state held per sequence at any context (included in the rows)
+    state_bytes_per_sequence: int = 0
 
 
 def gpu_budget(
@@ -159,9 +157,8 @@ def _weights_working(spec: ModelSpec, weights: int, wbits: int, weights_dtype: s
 
 def _window_note(spec: ModelSpec) -> str:
     n, w = spec.n_windowed, fmt_int(spec.sliding_window)
-    attn = (
-        "attention " if spec.model_layers is not None else ""
-    )  # a hybrid: only attention layers have a window
+    # a hybrid: only attention layers have a window
+    attn = "attention " if spec.model_layers is not None else ""
     which = f"every {attn}layer" if n == spec.n_layers else f"{n} of {spec.n_layers} {attn}layers"
     if spec.window_kind == "chunked":
         return (

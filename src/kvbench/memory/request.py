@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.errors import KVBenchError
+from kvbench.memory.check import check_format
 from kvbench.memory.formats import get_kv_format, weight_bits
 from kvbench.memory.planner import DEFAULT_OVERHEAD, ModelPlan, plan
 from kvbench.memory.presets import get_gpu, get_model, load_presets
+from kvbench.memory.resolve import resolve_config
 from kvbench.memory.spec import GPUSpec, ModelSpec
 from kvbench.memory.traffic import check_copy_range
 from kvbench.memory.units import MAX_BATCH, fmt_int, parse_bytes, parse_ctx, parse_overhead
@@ -152,8 +154,6 @@ def _specs(o: Options, extra: Callable[[str], ModelSpec | None] | None) -> tuple
         specs.append(spec or get_model(name, presets))
     resolved = {}
     if o.config is not None:
-        from kvbench.memory.resolve import resolve_config
-
         r = resolve_config(o.config)
         specs.append(r.spec)
         resolved[r.spec.name] = r
@@ -179,8 +179,6 @@ def parse_request(o: Options, extra: Callable[[str], ModelSpec | None] | None = 
     weights_dtype = (o.weights_dtype or "bf16").strip().lower()
     weight_bits(weights_dtype)
     if o.check:
-        from kvbench.memory.check import check_format  # no torch: the check imports it when it runs
-
         check_format(kv)
     gpu, gpu_mem = _gpu(o)
     copy_range = (

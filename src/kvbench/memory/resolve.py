@@ -11,6 +11,7 @@ reader, and the plan says so. transformers (and with it torch) is imported here 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ class Resolved:
 @contextlib.contextmanager
 def quiet_transformers():
     """transformers' own warnings and log lines stay off the terminal while it resolves or builds a model."""
+    # transformers (and torch) only on the --config path: the planner runs on the standard library
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -62,7 +64,7 @@ def quiet_transformers():
 
 def _auto_config(raw: dict[str, Any], path: Path) -> tuple[Any | None, str]:
     """transformers' config object for this file, or (None, why not) when transformers does not know the type."""
-    try:
+    try:  # only on the --config path, and a transformers that cannot be imported is a reason to fall back
         import transformers
         from transformers import AutoConfig
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -79,15 +81,6 @@ def _auto_config(raw: dict[str, Any], path: Path) -> tuple[Any | None, str]:
     except Exception as e:  # the config class is transformers' code: whatever it raises, it rejects the file
         why = f"{type(e).__name__}: {' '.join(str(e).split())}" if str(e).strip() else type(e).__name__
         raise KVBenchError(f"{path}: transformers' {model_type} config class rejects it: {why}") from None
-
-
-def _validation_errors() -> tuple[type[Exception], ...]:
-    """huggingface_hub's strict-dataclass errors (config classes validate their fields with them), if it has them."""
-    try:
-        from huggingface_hub.errors import StrictDataclassError
-    except ImportError:
-        return ()
-    return (StrictDataclassError,)
 
 
 def _fields(config: Any) -> dict[str, Any]:
@@ -124,6 +117,7 @@ def _vision(config: Any) -> tuple[int | None, str]:
 
 
 def _transformers_spec(config: Any, path: Path, raw: dict[str, Any]) -> Resolved:
+    # transformers (and torch) only on the --config path: the planner runs on the standard library
     import transformers
 
     text = config.get_text_config(decoder=True)
@@ -147,8 +141,7 @@ def _transformers_spec(config: Any, path: Path, raw: dict[str, Any]) -> Resolved
 def _counted_params(spec: ModelSpec, text: Any) -> ModelSpec:
     """A model with recurrent layers: its parameters counted on transformers' own model, built on the meta device
     (no memory), since the dense-transformer estimate does not describe its layers."""
-    import dataclasses
-
+    # transformers (and torch) only on the --config path: the planner runs on the standard library
     import torch
     from transformers import AutoModelForCausalLM
 

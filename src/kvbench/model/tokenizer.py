@@ -14,6 +14,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import tiktoken
+from tiktoken_ext.openai_public import r50k_pat_str
+
 from kvbench import files
 from kvbench.errors import KVBenchError
 from kvbench.resources import GPT2_RANKS
@@ -40,9 +43,6 @@ class Tokenizer:
 
 
 def _encoding_from_ranks(ranks: dict[bytes, int], label: str):
-    import tiktoken
-    from tiktoken_ext.openai_public import r50k_pat_str
-
     if len(ranks) != EOT_ID:
         raise KVBenchError(f"{label}: expected GPT-2's {EOT_ID} BPE ranks, found {len(ranks)}")
     if sorted(ranks.values()) != list(range(EOT_ID)):

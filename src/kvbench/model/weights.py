@@ -12,13 +12,17 @@ checkpoint stores them (model/gpt2.py says why), and lm_head is tied to wte.
 
 from __future__ import annotations
 
+import difflib
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+from huggingface_hub import hf_hub_download
+from safetensors.torch import load_file
 
 from kvbench import files, validate
 from kvbench.errors import KVBenchError
@@ -56,8 +60,6 @@ def resolve_config(model: str) -> GPTConfig:
         p = p / "config.json"
     if p.suffix == ".json" or p.exists():
         return config_from_hf(p)
-    import difflib
-
     close = difflib.get_close_matches(model, PRESETS, n=3)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     raise KVBenchError(
@@ -111,12 +113,8 @@ def read_hf_state_dict(directory: Path) -> dict[str, torch.Tensor]:
             files.check_file(f, str(f), "a checkpoint's weights are a regular file")
     try:
         if st.is_file():
-            from safetensors.torch import load_file
-
             return load_file(str(st))
         if binf.is_file():
-            import warnings
-
             with warnings.catch_warnings():  # torch warns about pickle protocols before failing on a bad file
                 warnings.simplefilter("ignore")
                 return torch.load(binf, map_location="cpu", weights_only=True)
@@ -153,6 +151,7 @@ def to_hf_model(model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtyp
     """The inverse port: a transformers GPT2LMHeadModel holding `model`'s weights (a plain copy, lm_head tied), on
     the model's device, in `dtype` (default: the model's), eval mode.
     Used as the independent reference (`verify`) and as the `hf` engine (`bench`)."""
+    # here, not at the top: transformers takes seconds to import, and only the commands that compare with it need it
     from transformers import GPT2Config, GPT2LMHeadModel
 
     c, weight = model.config, model.lm_head.weight
@@ -209,8 +208,6 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 def hub_snapshot(name: str, allow_download: bool) -> Path | None:
     """Local directory with config.json + model.safetensors for a preset, from the cache or (if allowed) the hub."""
-    from huggingface_hub import hf_hub_download
-
     repo = HUB_REPOS[name]
     for local_only in (True, False) if allow_download else (True,):
         try:

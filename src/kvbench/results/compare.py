@@ -46,7 +46,7 @@ from kvbench.results.environment import (
 from kvbench.results.runs import KEY, Run, load_run, row_label, run_level
 from kvbench.results.stats import mann_whitney_p, median_ratio_ci, repeat_spread, smallest_p, verdict
 
-# The environment checks' renderings stay importable from here, beside the comparison they describe.
+# Importable from here too: the environment checks' renderings (environment.py), beside the comparison.
 __all__ = [
     "FAIL_ON", "Comparison", "RowComparison", "Unmatched", "check_baseline", "compare_runs", "describe_changes",
     "describe_context", "json_doc", "parse_fail_on", "parse_threshold", "unfinished",

@@ -1,12 +1,10 @@
-"""The run directory: meta.json and CSV files, written atomically as rows complete.
-
-Every write goes to a temporary file in the same directory and is moved into place with `os.replace`, so a reader
-(or an interrupted run) only ever sees a complete file: the previous version or the new one, never half of one.
+"""What a bench run records in its folder (results/rundir.py): meta.json at the start, summary.csv and steps.csv
+rewritten as each configuration completes, and the plots plus a final meta.json at the end or on interruption.
 """
 
 from __future__ import annotations
 
-import csv
+import importlib.metadata as md
 import math
 import os
 import platform
@@ -14,209 +12,35 @@ import shlex
 import subprocess
 import sys
 import time
-from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kvbench import __version__
 from kvbench.bench import hugepages
-from kvbench.errors import KVBenchError
-from kvbench.jsonio import json_text
+from kvbench.bench.backends import sdpa_settings
+from kvbench.bench.context import FILL_NOTE, ContextRow, ContextStepRow
+from kvbench.bench.sweep import StepRow, SummaryRow, fill_relative, settings_dict
+from kvbench.devices import cpu_peak_resettable, device_name, dtype_name
+from kvbench.results.rundir import (
+    check_run_dir,
+    claimed_run_dir,
+    prepare_run_dir,
+    unique_default_run_dir,
+    write_csv,
+    write_json,
+    writing_into,
+)
+
+# Importable from here too: the run folder's functions (rundir.py) that the commands use beside the recorders.
+__all__ = [
+    "BenchRecorder", "ContextRecorder", "check_run_dir", "claimed_run_dir", "device_label", "floor_meta", "meta_doc",
+    "prepare_run_dir", "run_meta", "unique_default_run_dir", "versions", "write_json",
+]  # fmt: skip
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def default_run_dir(kind: str = "bench") -> Path:
-    return Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}"
-
-
-def prepare_run_dir(path: str | Path) -> Path:
-    """Create `path` and prove it is writable, before any work is done; a clear error otherwise."""
-    p = Path(path).expanduser()
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise KVBenchError(
-            f"--out {p} is not a writable directory ({e.strerror}); choose another --out"
-        ) from None
-    return p
-
-
-# What a bench run writes into its folder; --force replaces exactly these.
-BENCH_FILES = ("summary.csv", "steps.csv", "meta.json", "latency.png", "speedup.png", "context.png")
-# Held (locked) in a run folder while a bench writes into it; removed when the run ends.
-RUN_LOCK = ".kvbench-run.lock"
-
-
-def unique_default_run_dir(kind: str = "bench") -> Path:
-    """results/<timestamp>-<kind>/, with -2, -3, ... appended if a run started in the same second."""
-    base = default_run_dir(kind)
-    p, n = base, 1
-    while p.exists():
-        n += 1
-        p = base.with_name(f"{base.name}-{n}")
-    return p
-
-
-def check_run_dir(path: str, force: bool) -> Path:
-    """Validate an --out folder without creating anything: not empty text, not a file, not an earlier run
-    (unless `force`), and inside a folder that can be written."""
-    if not str(path).strip():
-        raise KVBenchError(
-            "--out is empty; give a folder for the run (or leave --out out for results/<timestamp>-bench/)"
-        )
-    p = Path(path).expanduser()
-    if p.exists() and not p.is_dir():
-        raise KVBenchError(f"--out {p} exists and is not a folder; choose another --out")
-    if p.is_dir() and _locked_by_another(p):
-        raise KVBenchError(_in_use(p))
-    if p.is_dir() and any(p.iterdir()) and not force:
-        held = sorted(x.name for x in p.iterdir())
-        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
-        raise KVBenchError(
-            f"--out {p} already holds files ({shown}); choose a new folder, or add --force to replace its "
-            f"bench files ({', '.join(BENCH_FILES)})"
-        )
-    parent = p if p.exists() else next((a for a in p.absolute().parents if a.exists()), None)
-    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise KVBenchError(
-            f"--out {p} is not a writable directory ({parent} cannot be written); choose another --out"
-        )
-    return p
-
-
-def _in_use(p: Path) -> str:
-    return f"--out {p} is in use by another kvbench bench that is still running; wait for it, or choose another --out"
-
-
-def _lock(p: Path) -> int | None:
-    """Lock `p` for this run (an advisory lock the kernel drops when the process ends, however it ends); the open
-    lock file's descriptor. KVBenchError when another run holds it. Where there are no advisory locks (not POSIX),
-    None: the exclusive mkdir and the emptiness check in claimed_run_dir remain."""
-    try:
-        import fcntl
-    except ImportError:
-        return None
-    try:
-        fd = os.open(p / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise KVBenchError(
-            f"--out {p} is not a writable directory ({e.strerror}); choose another --out"
-        ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise KVBenchError(_in_use(p)) from None
-    return fd
-
-
-def _locked_by_another(p: Path) -> bool:
-    """Does a running bench hold `p`'s lock?"""
-    try:
-        import fcntl
-
-        fd = os.open(p / RUN_LOCK, os.O_RDONLY)
-    except (ImportError, OSError):
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-@contextmanager
-def claimed_run_dir(path: Path, force: bool):
-    """The (validated) run folder, created once all other validation has passed and held for this run alone until
-    the block ends. It is created exclusively and locked, so two benches given the same --out cannot both write
-    there: the second is refused (even with `force`) while the first runs. Without `force` it must still be empty
-    (another command may have filled it since validation); with `force`, the bench files of an earlier run are
-    removed first, so no file of that run survives next to the new one."""
-    p = Path(path).expanduser()
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            p.mkdir()
-            made = True
-        except FileExistsError:
-            made = False
-    except OSError as e:
-        raise KVBenchError(
-            f"--out {p} is not a writable directory ({e.strerror}); choose another --out"
-        ) from None
-    fd = _lock(p)
-    try:
-        held = [] if made or force else sorted(x.name for x in p.iterdir() if x.name != RUN_LOCK)
-        if held:
-            shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
-            raise KVBenchError(
-                f"--out {p} was written to while this run got ready (it now holds {shown}); choose a new folder, "
-                "or add --force to replace its bench files"
-            )
-        prepare_run_dir(p)
-        if force:
-            for name in BENCH_FILES:
-                (p / name).unlink(missing_ok=True)
-        yield p
-    finally:
-        if fd is not None:
-            with suppress(OSError):
-                (p / RUN_LOCK).unlink(missing_ok=True)
-            os.close(fd)
-
-
-@contextmanager
-def writing_into(folder: Path):
-    """A write into a run folder that fails becomes one line: the folder was removed while the run wrote into it,
-    or the file system refused (full, read-only)."""
-    try:
-        yield
-    except OSError as e:
-        if not folder.is_dir():
-            raise KVBenchError(f"the run folder disappeared: {folder}") from None
-        raise KVBenchError(f"cannot write into {folder} ({e.strerror or e})") from None
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with writing_into(path.parent):
-        with tmp.open("w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-
-
-def _cell(v: Any) -> Any:
-    """NaN -> empty cell; integral floats (byte counts) -> exact integers; other floats -> 7 significant digits."""
-    if isinstance(v, float):
-        if math.isnan(v):
-            return ""
-        return str(int(v)) if v.is_integer() and abs(v) < 2**63 else f"{v:.7g}"
-    return v
-
-
-def write_csv(path: Path, columns: list[str], rows: list[Any]) -> None:
-    """Rows are dataclasses or dicts; NaN is written as an empty cell. Atomic."""
-    import io
-
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(columns)
-    for r in rows:
-        d = asdict(r) if not isinstance(r, dict) else r
-        w.writerow([_cell(d.get(c, "")) for c in columns])
-    atomic_write_text(path, buf.getvalue())
-
-
-def write_json(path: Path, doc: Any) -> None:
-    atomic_write_text(path, json_text(doc) + "\n")
 
 
 def git_revision() -> dict[str, Any]:
@@ -237,12 +61,6 @@ def git_revision() -> dict[str, Any]:
 
 
 def versions() -> dict[str, str | None]:
-    import importlib.metadata as md
-
-    import torch
-
-    from kvbench import __version__
-
     out: dict[str, str | None] = {"python": platform.python_version(), "kvbench": __version__}
     for pkg in ("torch", "transformers", "numpy", "pandas", "matplotlib"):
         try:
@@ -313,9 +131,6 @@ def device_label(device) -> str:
 def run_meta(loaded, device, dtype, settings, config_path) -> dict[str, Any]:
     """The meta.json fields every run folder starts with: the run, the model, the device (status `running`).
     Also what `bench --baseline` checks against the baseline before the sweep."""
-    from kvbench.bench.sweep import settings_dict
-    from kvbench.devices import device_name, dtype_name
-
     return meta_doc(
         status="running",
         config_file=None if config_path is None else str(config_path),
@@ -339,8 +154,6 @@ class BenchRecorder:
 
     def _start(self, run_dir: Path, loaded, device, dtype, settings, config_path) -> None:
         """The fields every run folder shares: the run, the model, the device."""
-        from kvbench.devices import dtype_name
-
         self.run_dir = run_dir
         self.dtype = dtype_name(dtype)
         self.device_label = device_label(device)
@@ -352,9 +165,6 @@ class BenchRecorder:
     def __init__(
         self, run_dir: Path, loaded, device, dtype, settings, config_path, bandwidth=None, extra_meta=None
     ) -> None:
-        from kvbench.bench.backends import sdpa_settings
-        from kvbench.devices import cpu_peak_resettable
-
         self._start(run_dir, loaded, device, dtype, settings, config_path)
         self.meta.update(
             fill="prefill",
@@ -375,8 +185,6 @@ class BenchRecorder:
         write_json(self.run_dir / "meta.json", self.meta)
 
     def add(self, result) -> None:
-        from kvbench.bench.sweep import StepRow, SummaryRow, fill_relative
-
         self.summary.append(result.summary)
         self.steps.extend(result.steps)
         fill_relative(self.summary)
@@ -391,9 +199,7 @@ class BenchRecorder:
         write_csv(self.run_dir / "steps.csv", StepRow.columns(), self.steps)
 
     def frames(self):
-        import pandas as pd
-
-        from kvbench.bench.sweep import StepRow, SummaryRow
+        import pandas as pd  # with the plots: a command refused before any work does not load it
 
         summary = pd.DataFrame([asdict(r) for r in self.summary], columns=SummaryRow.columns())
         # column by column: a long sweep has millions of steps, and asdict per row would take a minute
@@ -403,7 +209,7 @@ class BenchRecorder:
     def finish(self, status: str, engines: dict | None = None) -> list[Path]:
         """Write the final meta.json and the plots from whatever completed; returns the files written. meta.json is
         written before the plots (so a kill while drawing still leaves the right status) and again after them."""
-        from kvbench.results.plots import write_plots
+        from kvbench.results import plots  # matplotlib, only when a run draws its plots
 
         if not self.summary:  # nothing completed: still leave valid (header-only) CSVs
             self.add_empty()
@@ -420,7 +226,7 @@ class BenchRecorder:
         write_json(self.run_dir / "meta.json", self.meta)
         summary, steps = self.frames()
         with writing_into(self.run_dir):
-            pngs = write_plots(self.run_dir, summary, steps, self.meta, self.plot_notes)
+            pngs = plots.write_plots(self.run_dir, summary, steps, self.meta, self.plot_notes)
         self._plotted(pngs)
         names = ["summary.csv", "steps.csv", "meta.json"]
         return [self.run_dir / n for n in names] + pngs
@@ -433,8 +239,6 @@ class BenchRecorder:
         write_json(self.run_dir / "meta.json", self.meta)
 
     def add_empty(self) -> None:
-        from kvbench.bench.sweep import StepRow, SummaryRow
-
         write_csv(self.run_dir / "summary.csv", SummaryRow.columns(), [])
         write_csv(self.run_dir / "steps.csv", StepRow.columns(), [])
 
@@ -452,8 +256,6 @@ class ContextRecorder(BenchRecorder):
     def __init__(
         self, run_dir: Path, loaded, device, dtype, settings, config_path, bandwidth, crossover
     ) -> None:
-        from kvbench.bench.context import FILL_NOTE
-
         self._start(run_dir, loaded, device, dtype, settings, config_path)
         self.meta.update(
             fill="random",
@@ -473,25 +275,20 @@ class ContextRecorder(BenchRecorder):
         write_json(self.run_dir / "meta.json", self.meta)
 
     def add(self, result) -> None:
-        from kvbench.bench.context import ContextRow, ContextStepRow
-
         self.summary.append(result.summary)
         self.steps.extend(result.steps)
         write_csv(self.run_dir / "summary.csv", ContextRow.columns(), self.summary)
         write_csv(self.run_dir / "steps.csv", ContextStepRow.columns(), self.steps)
 
     def add_empty(self) -> None:
-        from kvbench.bench.context import ContextRow, ContextStepRow
-
         write_csv(self.run_dir / "summary.csv", ContextRow.columns(), [])
         write_csv(self.run_dir / "steps.csv", ContextStepRow.columns(), [])
 
     def finish(self, status: str, engines: dict | None = None) -> list[Path]:
         """The final meta.json, then context.png from whatever completed, then meta.json again."""
-        import pandas as pd
+        import pandas as pd  # with the plots: a command refused before any work does not load it
 
-        from kvbench.bench.context import ContextRow
-        from kvbench.results.plots import write_context_plots
+        from kvbench.results import plots  # matplotlib, only when a run draws its plots
 
         if not self.summary:
             self.add_empty()
@@ -502,6 +299,6 @@ class ContextRecorder(BenchRecorder):
         write_json(self.run_dir / "meta.json", self.meta)
         summary = pd.DataFrame([asdict(r) for r in self.summary], columns=ContextRow.columns())
         with writing_into(self.run_dir):
-            pngs = write_context_plots(self.run_dir, summary, self.meta)
+            pngs = plots.write_context_plots(self.run_dir, summary, self.meta)
         self._plotted(pngs)
         return [self.run_dir / n for n in ("summary.csv", "steps.csv", "meta.json")] + pngs

@@ -11,6 +11,7 @@ same way.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import sys
@@ -184,10 +185,8 @@ def _wrong_width(path: Path, what: str, line: int, fields: int, header: int) -> 
 
 def _parse_plain(text: str, header: list[str], path: Path, what: str) -> pd.DataFrame | None:
     """A CSV without a single quote character (what bench writes): every line is its fields split at commas, so
-    the widths are checked line by line and pandas' C parser reads the cells (a million steps in a second). None
+    the widths are checked line by line and pandas' C parser reads the cells (no Python per cell). None
     where pandas reads it otherwise: the csv module's reading is then the one used."""
-    import io
-
     b = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)  # (bytes,)
     starts = np.concatenate(([0], np.flatnonzero(b == ord("\n")) + 1))  # (lines,) where each line starts
     ends = np.append(starts[1:] - 1, len(b))  # (lines,) its newline (or the end of the file)
@@ -214,8 +213,6 @@ def _parse_plain(text: str, header: list[str], path: Path, what: str) -> pd.Data
 
 def _parse_csv(text: str, path: Path, what: str) -> tuple[list[str], pd.DataFrame]:
     """Any CSV, quoted fields and all, with the csv module (strict: broken quoting is an error)."""
-    import io
-
     lines: list[int] = []
     rows = []
     reader = csv.reader(io.StringIO(text, newline=""), strict=True)

@@ -1,0 +1,216 @@
+"""The run folder: chosen, validated and claimed for one run, and written into atomically.
+
+A folder is checked before any work (`check_run_dir`: not a file, not an earlier run unless --force, writable),
+then created and locked for the run alone (`claimed_run_dir`). Every write goes to a temporary file in the same
+folder and is moved into place with `os.replace`, so a reader (or an interrupted run) only ever sees a complete
+file: the previous version or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import time
+from contextlib import contextmanager, suppress
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvbench.errors import KVBenchError
+from kvbench.jsonio import json_text
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no advisory locks (see _lock)
+    fcntl = None
+
+
+def default_run_dir(kind: str = "bench") -> Path:
+    return Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}"
+
+
+def prepare_run_dir(path: str | Path) -> Path:
+    """Create `path` and prove it is writable, before any work is done; a clear error otherwise."""
+    p = Path(path).expanduser()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise KVBenchError(
+            f"--out {p} is not a writable directory ({e.strerror}); choose another --out"
+        ) from None
+    return p
+
+
+# What a bench run writes into its folder; --force replaces exactly these.
+BENCH_FILES = ("summary.csv", "steps.csv", "meta.json", "latency.png", "speedup.png", "context.png")
+# Held (locked) in a run folder while a bench writes into it; removed when the run ends.
+RUN_LOCK = ".kvbench-run.lock"
+
+
+def unique_default_run_dir(kind: str = "bench") -> Path:
+    """results/<timestamp>-<kind>/, with -2, -3, ... appended if a run started in the same second."""
+    base = default_run_dir(kind)
+    p, n = base, 1
+    while p.exists():
+        n += 1
+        p = base.with_name(f"{base.name}-{n}")
+    return p
+
+
+def check_run_dir(path: str, force: bool) -> Path:
+    """Validate an --out folder without creating anything: not empty text, not a file, not an earlier run
+    (unless `force`), and inside a folder that can be written."""
+    if not str(path).strip():
+        raise KVBenchError(
+            "--out is empty; give a folder for the run (or leave --out out for results/<timestamp>-bench/)"
+        )
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise KVBenchError(f"--out {p} exists and is not a folder; choose another --out")
+    if p.is_dir() and _locked_by_another(p):
+        raise KVBenchError(_in_use(p))
+    if p.is_dir() and any(p.iterdir()) and not force:
+        held = sorted(x.name for x in p.iterdir())
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise KVBenchError(
+            f"--out {p} already holds files ({shown}); choose a new folder, or add --force to replace its "
+            f"bench files ({', '.join(BENCH_FILES)})"
+        )
+    parent = p if p.exists() else next((a for a in p.absolute().parents if a.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise KVBenchError(
+            f"--out {p} is not a writable directory ({parent} cannot be written); choose another --out"
+        )
+    return p
+
+
+def _in_use(p: Path) -> str:
+    return f"--out {p} is in use by another kvbench bench that is still running; wait for it, or choose another --out"
+
+
+def _lock(p: Path) -> int | None:
+    """Lock `p` for this run (an advisory lock the kernel drops when the process ends, however it ends); the open
+    lock file's descriptor. KVBenchError when another run holds it. Where there are no advisory locks (not POSIX),
+    None: the exclusive mkdir and the emptiness check in claimed_run_dir remain."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(p / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise KVBenchError(
+            f"--out {p} is not a writable directory ({e.strerror}); choose another --out"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise KVBenchError(_in_use(p)) from None
+    return fd
+
+
+def _locked_by_another(p: Path) -> bool:
+    """Does a running bench hold `p`'s lock?"""
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(p / RUN_LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+@contextmanager
+def claimed_run_dir(path: Path, force: bool):
+    """The (validated) run folder, created once all other validation has passed and held for this run alone until
+    the block ends. It is created exclusively and locked, so two benches given the same --out cannot both write
+    there: the second is refused (even with `force`) while the first runs. Without `force` it must still be empty
+    (another command may have filled it since validation); with `force`, the bench files of an earlier run are
+    removed first, so no file of that run survives next to the new one."""
+    p = Path(path).expanduser()
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            p.mkdir()
+            made = True
+        except FileExistsError:
+            made = False
+    except OSError as e:
+        raise KVBenchError(
+            f"--out {p} is not a writable directory ({e.strerror}); choose another --out"
+        ) from None
+    fd = _lock(p)
+    try:
+        held = [] if made or force else sorted(x.name for x in p.iterdir() if x.name != RUN_LOCK)
+        if held:
+            shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+            raise KVBenchError(
+                f"--out {p} was written to while this run got ready (it now holds {shown}); choose a new folder, "
+                "or add --force to replace its bench files"
+            )
+        prepare_run_dir(p)
+        if force:
+            for name in BENCH_FILES:
+                (p / name).unlink(missing_ok=True)
+        yield p
+    finally:
+        if fd is not None:
+            with suppress(OSError):
+                (p / RUN_LOCK).unlink(missing_ok=True)
+            os.close(fd)
+
+
+@contextmanager
+def writing_into(folder: Path):
+    """A write into a run folder that fails becomes one line: the folder was removed while the run wrote into it,
+    or the file system refused (full, read-only)."""
+    try:
+        yield
+    except OSError as e:
+        if not folder.is_dir():
+            raise KVBenchError(f"the run folder disappeared: {folder}") from None
+        raise KVBenchError(f"cannot write into {folder} ({e.strerror or e})") from None
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with writing_into(path.parent):
+        with tmp.open("w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def _cell(v: Any) -> Any:
+    """NaN -> empty cell; integral floats (byte counts) -> exact integers; other floats -> 7 significant digits."""
+    if isinstance(v, float):
+        if math.isnan(v):
+            return ""
+        return str(int(v)) if v.is_integer() and abs(v) < 2**63 else f"{v:.7g}"
+    return v
+
+
+def write_csv(path: Path, columns: list[str], rows: list[Any]) -> None:
+    """Rows are dataclasses or dicts; NaN is written as an empty cell. Atomic."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(columns)
+    for r in rows:
+        d = asdict(r) if not isinstance(r, dict) else r
+        w.writerow([_cell(d.get(c, "")) for c in columns])
+    atomic_write_text(path, buf.getvalue())
+
+
+def write_json(path: Path, doc: Any) -> None:
+    atomic_write_text(path, json_text(doc) + "\n")
