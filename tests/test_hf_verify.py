@@ -98,6 +98,9 @@ def invoke(*args: str):
     )
 
 
+LOOKUP_DEFECT = "generate(prompt_lookup_num_tokens=3) raised IndexError: index_copy_(): index"
+
+
 def _dynamic_reset_works() -> bool:
     """Some transformers releases (5.17 among them) reset a DynamicCache by zeroing its tensors and keeping their
     length, so a reused cache takes the next prompt as already cached: cache_state/dynamic fails there, rightly."""
@@ -131,6 +134,11 @@ def test_every_check_passes(reports, family):
         assert {x.name for x in rep.checks if x.cache == r.cache} == expected
         if r.name == "cache_state" and r.cache == "dynamic" and not _dynamic_reset_works():
             assert not r.passed and "raised" in r.detail, r
+            continue
+        if r.name == "rollback" and r.cache == "static" and LOOKUP_DEFECT in r.detail:
+            # transformers' own prompt-lookup decoding overruns the StaticCache generate allocates (reproduced in
+            # docs/verify.md); the rollback itself is exact
+            assert not r.passed and r.max_abs_diff <= 1e-5, r
             continue
         assert r.passed, r
         if HF_CACHES[r.cache].lossy is None and r.name in ("logits", "greedy"):
@@ -339,8 +347,10 @@ def test_remote_code_prints_go_to_stderr(hostile_toys):
 
 # --- sources -------------------------------------------------------------------------------------------------------
 def test_config_json_alone_gives_random_weights_and_layers(model_dirs):
+    # dynamic: on transformers 5.24 the static cache's rollback row fails on transformers' own prompt lookup
+    # (LOOKUP_DEFECT), which is not what this test is about
     r, out = invoke("verify", "--hf", str(model_dirs["llama"] / "config.json"), "--layers", "1",
-                    "--caches", "static", "--prompt-len", "8", "--new-tokens", "6", "--json")  # fmt: skip
+                    "--caches", "dynamic", "--prompt-len", "8", "--new-tokens", "6", "--json")  # fmt: skip
     assert r.exit_code == 0, out
     doc = json.loads(r.stdout)
     weights = doc["weights"]

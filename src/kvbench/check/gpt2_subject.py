@@ -161,6 +161,10 @@ class GPT2Subject:
     def open(self, batch: int, max_len: int) -> GPT2Session:
         return GPT2Session(self, fresh_caches(self.model.gpt, self.cache, batch, max_len, self.fault))
 
+    def generation_features(self, check: str) -> list:
+        """Generation features built on a lifecycle operation, as (name, run, reference); none yet here."""
+        return []
+
     def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
         layer = fresh_caches(self.model.gpt, self.cache, 1, 1, self.fault)[0]
         lacks = [m for m in members if m in missing_lifecycle(layer)]
@@ -185,6 +189,9 @@ class GPT2Session:
         past = self.caches[0].length
         pos = (past + torch.arange(x.size(1), device=device)).expand_as(x)  # (B, T)
         return self.gpt(x, pos, self.caches, mask_rule=self.rules.mask).float().cpu()  # (B, T, V)
+
+    def prepare_rollback(self) -> None:
+        """Nothing to prepare: every design can crop at any length."""
 
     def crop(self, length: int) -> None:
         for c in self.caches:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -112,6 +114,9 @@ class HFSubject:
     def open(self, batch: int, max_len: int) -> HFSession:
         return HFSession(self.model, self.spec.build(self.model.loaded.model, max_len))
 
+    def generation_features(self, check: str) -> list[tuple[str, Callable, Callable]]:
+        return generation_features(self, check)
+
     def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
         obj = self.spec.build(self.model.loaded.model, 8)
         lacks = [m for m in members if m in HF_MEMBER and not hasattr(obj, HF_MEMBER[m])]
@@ -136,10 +141,13 @@ class HFSession:
 
     def __init__(self, model: HFModel, cache, held: int = 0) -> None:
         self.model, self.cache, self.held = model, cache, held
-        if hasattr(cache, "layers"):
-            for layer in cache.layers:  # sliding-window layers keep what a rollback across the window needs
-                if hasattr(layer, "activate_past_recording"):
-                    layer.activate_past_recording()
+
+    def prepare_rollback(self) -> None:
+        """What transformers' own speculative decoding does before drafting: layers that can record their past
+        (sliding-window layers) keep what a rollback across the window needs."""
+        for layer in getattr(self.cache, "layers", []):
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
 
     @torch.no_grad()
     def forward(self, ids: list[list[int]]) -> torch.Tensor:
@@ -159,7 +167,7 @@ class HFSession:
             )
             raise Unsupported(
                 f"transformers declares this {type(self.cache).__name__} not croppable after {self.held} tokens "
-                f"(Cache.is_croppable False: {', '.join(layers)} evicted what a rollback would need)"
+                f"(Cache.is_croppable False: {', '.join(layers)} cannot restore what a rollback would need)"
             )
         crop_to(self.cache, length, self.held)
         self.held = length
@@ -169,3 +177,35 @@ class HFSession:
 
     def reorder(self, index: list[int]) -> None:
         self.cache.reorder_cache(torch.tensor(index, device=self.model.device))
+
+
+def _greedy(loaded: LoadedHF, prompt: list[int], new: int, **kwargs) -> list[int]:
+    return generate_run(loaded, [prompt], new, **kwargs).tokens[0]
+
+
+@torch.no_grad()
+def _beams(loaded: LoadedHF, prompt: list[int], new: int, **kwargs) -> list[int]:
+    ids = torch.tensor([prompt], device=next(loaded.model.parameters()).device)
+    out = loaded.model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+        do_sample=False, num_beams=3, pad_token_id=loaded.pad_token_id, **kwargs,
+    )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def generation_features(subject: HFSubject, check: str) -> list[tuple[str, Callable, Callable]]:
+    """transformers' generation features built on a lifecycle operation, each (name, run, reference): greedy
+    prompt-lookup and assisted decoding (drafts, then a crop) against plain greedy; beam search (reorder every
+    step) against beam search without a cache."""
+    loaded, kw = subject.model.loaded, generate_kwargs(subject.cache)
+    plain = partial(_greedy, loaded, **kw)
+    if check == "rollback":
+        return [
+            ("generate(prompt_lookup_num_tokens=3)", partial(_greedy, loaded, prompt_lookup_num_tokens=3, **kw), plain),
+            ("generate(assistant_model=the model itself)", partial(_greedy, loaded, assistant_model=loaded.model, **kw), plain),
+        ]  # fmt: skip
+    if check == "reorder":
+        return [
+            ("generate(num_beams=3)", partial(_beams, loaded, **kw), partial(_beams, loaded, use_cache=False))
+        ]
+    return []

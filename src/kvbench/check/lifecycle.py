@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.check.judge import CheckRow, allclose_err, first_off, not_finite, skipped
+from kvbench.check.judge import CheckRow, allclose_err, first_diff, first_off, not_finite, skipped
 from kvbench.check.subject import Session, Subject, Unsupported
+from kvbench.errors import one_line
 
 LIFECYCLE = ("rollback", "fork", "reorder", "chunked_prefill")
 NEEDS = {"rollback": ("crop",), "fork": ("fork",), "reorder": ("reorder",), "chunked_prefill": ()}
@@ -71,6 +72,7 @@ def _decode(session: Session, trace: Trace, history: list[int], first: int, n: i
 def rollback(s: Subject, prompts: list[list[int]], new: int) -> Trace:
     trace, (prompt, other) = Trace(), _longest(prompts, 2)
     session = s.open(1, len(prompt) + 3 * new + 8)
+    session.prepare_rollback()
     hist = []
     tok = _step(session, trace, [hist], [prompt])[0]
     tok = _decode(session, trace, hist, tok, max(2, new // 4))
@@ -114,7 +116,9 @@ def reorder(s: Subject, prompts: list[list[int]], new: int) -> Trace:
         toks = [toks[i] for i in index]
         for _ in range(max(1, new // 6)):
             # row 0 follows its greedy token, the others a token of the prompt: rows of one history diverge
-            toks = _step(session, trace, hists, [[t if r == 0 else beams[r][r]] for r, t in enumerate(toks)])
+            toks = _step(
+                session, trace, hists, [[t if r == 0 else beams[r][r % T]] for r, t in enumerate(toks)]
+            )
     return trace
 
 
@@ -173,4 +177,34 @@ def lifecycle_rows(s: Subject, name: str, prompts: list[list[int]], new: int) ->
         trace = SCENARIOS[name](s, prompts, new)
     except Unsupported as e:
         return [skipped(s.cache, str(e), name)]
-    return [judge(s, name, trace)]
+    return [with_features(s, name, judge(s, name, trace), _longest(prompts, 1)[0], new)]
+
+
+# What a library raises to decline a feature it does not offer for a cache (a note in the row, not a failure).
+DECLINED = (ValueError, NotImplementedError)
+
+
+def with_features(s: Subject, name: str, row: CheckRow, prompt: list[int], new: int) -> CheckRow:
+    """The row, with the subject's generation features built on this operation run and compared: equal tokens
+    pass; a feature the library declines for this cache is noted with its reason; any other difference or error
+    fails the row."""
+    for feature, run, reference in s.generation_features(name):
+        try:
+            got, want = run(prompt, new), reference(prompt, new)
+        except DECLINED as e:
+            row.detail += f"; {feature}: declined by the library ({one_line(e)})"
+            continue
+        except Exception as e:  # a crash inside the feature is a failure of this row, never a traceback
+            row.passed = False
+            row.detail += f"; {feature} raised {one_line(e)}"
+            continue
+        first = first_diff(want, got)
+        if first is None:
+            row.detail += f"; {feature}: all {len(got)} tokens as without it"
+        elif s.tol.lossy:  # a lossy cache may flip tokens: reported, not judged
+            agree = sum(a == b for a, b in zip(want, got, strict=False))
+            row.detail += f"; {feature}: {agree} of {len(got)} tokens as without it (lossy: reported, not judged)"
+        else:
+            row.passed = False
+            row.detail += f"; {feature}: token {first} differs ({got[first]} vs {want[first]})"
+    return row

@@ -5,6 +5,7 @@ transformers' caches (check/hf_subject.py) implement it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -65,6 +66,10 @@ class Session(Protocol):
         """Write (B, T) tokens after what the cache holds, every row the same count; (B, T, V) fp32 logits on the
         CPU."""
 
+    def prepare_rollback(self) -> None:
+        """Prepare a fresh cache for drafts that may be rolled back, as the library's own speculative decoding
+        does."""
+
     def crop(self, length: int) -> None:
         """Keep the first `length` columns (speculative decoding's rollback)."""
 
@@ -97,6 +102,10 @@ class Subject(Protocol):
 
     def open(self, batch: int, max_len: int) -> Session:
         """A fresh cache for `batch` rows of up to `max_len` tokens."""
+
+    def generation_features(self, check: str) -> list[tuple[str, Callable, Callable]]:
+        """The generation features built on `check`'s operation: (name, run, reference), each a function of
+        (prompt, new) returning N tokens that must be equal."""
 
     def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
         """Why the operations `members` cannot run on this cache (a skip row), or None."""

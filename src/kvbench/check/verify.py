@@ -13,6 +13,7 @@ from kvbench.check.suite import CHECKS, SHORT_TOKENS, prompts_note, run_checks, 
 from kvbench.devices import dtype_name
 from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPT
+from kvbench.validate import fits_context
 
 
 def random_prompts(vocab_size: int, prompt_len: int, batch: int, seed: int) -> list[list[int]]:
@@ -43,12 +44,10 @@ def run_verify(
     if reference not in ("hf", "none"):
         raise KVBenchError(f"--reference must be hf or none, got {reference!r}")
     lens = [len(p) for p in prompts]
-    ctx = model.config.block_size
-    if max(lens) + new_tokens > ctx:
-        raise KVBenchError(
-            f"longest prompt {max(lens)} (after padding) + new tokens {new_tokens} = {max(lens) + new_tokens} "
-            f"exceeds the model's context of {ctx}; lower --prompt-len or --new-tokens"
-        )
+    fits_context(
+        "longest prompt (after padding)", max(lens), new_tokens, model.config.block_size,
+        "lower --prompt-len or --new-tokens",
+    )  # fmt: skip
     target = GPT2Model(model, reference if "reference" in checks else "none", hf_dir)
     subjects = [GPT2Subject(target, c, fault, compile) for c in caches]
     rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row)

@@ -57,6 +57,7 @@ def break_(
 
     Runs correct and faulty code side by side on the same model and prompt. Exit 0 when every injected fault was
     detected by verify, 1 when any slipped through."""
+    from kvbench import validate
     from kvbench.caches import get_cache_spec
     from kvbench.check.breaking import break_fault, break_prompts
     from kvbench.check.faults import FAULTS, select_faults
@@ -69,11 +70,9 @@ def break_(
     loaded, dev, dt, hf_dir = load_for_checks(model, weights, device, dtype, seed)
     tok = _tokenizer(tokenizer)
     prompts = break_prompts(tok, loaded.config.vocab_size, prompt, batch, seed)
-    longest, ctx = max(map(len, prompts)), loaded.config.block_size
-    if longest + new_tokens > ctx:
-        raise KVBenchError(
-            f"longest batch prompt {longest} (after padding) + new tokens {new_tokens} exceeds the context of {ctx}"
-        )
+    longest = max(map(len, prompts))
+    validate.fits_context("longest batch prompt (after padding)", longest, new_tokens, loaded.config.block_size,
+                          "use fewer --new-tokens or a shorter --prompt")  # fmt: skip
     decode = tok.decode if tok is not None else None
     results = []
     for n in names:
