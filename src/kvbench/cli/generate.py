@@ -10,10 +10,13 @@ from kvbench.cli.app import app, handle_errors, load_for_cli
 from kvbench.cli.options import (
     CompileOpt,
     DeviceOpt,
+    DraftOpt,
+    DraftTokensOpt,
     GenerateCacheOpt,
     JsonOpt,
     MaxNewTokensOpt,
     ModelOpt,
+    NgramOpt,
     PromptArg,
     PromptsFileOpt,
     PromptsOpt,
@@ -70,6 +73,9 @@ class GenerateOptions:
     tokenizer: str | None
     compile: str
     json_out: bool
+    draft: str = "none"
+    draft_tokens: int | None = None  # None: not given (speculative.DEFAULT_DRAFT_TOKENS)
+    ngram: int | None = None  # None: not given (speculative.DEFAULT_NGRAM)
 
 
 @app.command()
@@ -90,13 +96,17 @@ def generate(
     seed: SeedOpt = 0,
     tokenizer: TokenizerOpt = None,
     compile: CompileOpt = "off",
+    draft: DraftOpt = "none",
+    draft_tokens: DraftTokensOpt = None,
+    ngram: NgramOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Generate text through any cache (and batches of prompts). Greedy by default; streams a single prompt."""
     opts = GenerateOptions(
         prompt=prompt, prompts=prompts, prompts_file=prompts_file, max_new_tokens=max_new_tokens, cache=cache,
         temperature=temperature, top_k=top_k, stop_at_eot=stop_at_eot, model=model, weights=weights, device=device,
-        dtype=dtype, seed=seed, tokenizer=tokenizer, compile=compile, json_out=json_out,
+        dtype=dtype, seed=seed, tokenizer=tokenizer, compile=compile, json_out=json_out, draft=draft,
+        draft_tokens=draft_tokens, ngram=ngram,
     )  # fmt: skip
     doc, streamed = run_generation(opts, prepare(opts))
     if json_out:
@@ -119,8 +129,8 @@ class Prepared:
 
 
 def prepare(o: GenerateOptions) -> Prepared:
-    """Every check that needs no weights (prompts, --max-new-tokens, cache, compile mode, sampler, tokenizer, the
-    model's context), then the model, then the prompts' token ids against its vocabulary."""
+    """Every check that needs no weights (prompts, --max-new-tokens, cache, compile mode, sampler, --draft, tokenizer,
+    the model's context), then the model, then the prompts' token ids against its vocabulary."""
     texts = read_prompts(o.prompt, o.prompts, o.prompts_file)
     from kvbench import validate
     from kvbench.caches import get_cache_spec
@@ -134,6 +144,7 @@ def prepare(o: GenerateOptions) -> Prepared:
     get_cache_spec(o.cache)
     check_compile(o.compile, caches=[o.cache])
     sampler = Sampler(temperature=o.temperature, top_k=o.top_k, seed=o.seed)
+    check_draft(o, len(texts))
     tok = load_tokenizer(o.tokenizer)
     ids = [tok.encode(t) for t in texts]
     for i, p in enumerate(ids):
@@ -152,29 +163,87 @@ def prepare(o: GenerateOptions) -> Prepared:
     return Prepared(texts, tok, ids, sampler, loaded, dev, dt)
 
 
+def check_draft(o: GenerateOptions, n_prompts: int) -> None:
+    """--draft and its settings: a known method; --draft-tokens and --ngram only with prompt-lookup; prompt-lookup
+    only where it runs (one prompt, greedy, eager, a cache that can crop)."""
+    from kvbench.decode import speculative
+
+    if o.draft not in speculative.DRAFTS:
+        raise KVBenchError(f"--draft {o.draft!r}: use none or prompt-lookup")
+    if o.draft == "none":
+        for flag, value in (("--draft-tokens", o.draft_tokens), ("--ngram", o.ngram)):
+            if value is not None:
+                raise KVBenchError(
+                    f"{flag} {value} has no effect without --draft prompt-lookup; add it or drop {flag}"
+                )
+        return
+    speculative.check_settings(*draft_settings(o))
+    speculative.check_draftable(o.cache, n_prompts, o.temperature, o.compile)
+
+
+def draft_settings(o: GenerateOptions) -> tuple[int, int]:
+    from kvbench.decode import speculative
+
+    return (
+        speculative.DEFAULT_DRAFT_TOKENS if o.draft_tokens is None else o.draft_tokens,
+        speculative.DEFAULT_NGRAM if o.ngram is None else o.ngram,
+    )
+
+
 def run_generation(o: GenerateOptions, p: Prepared) -> tuple[dict, bool]:
     """Generate, streaming a single prompt's completion unless --json; returns the JSON document and whether the
     completion was streamed."""
     from kvbench.decode.generate import generate as run_generate
+    from kvbench.decode.speculative import speculative_generate
 
     stream = TextStream(p.tok, p.texts[0]) if (len(p.texts) == 1 and not o.json_out) else None
-    result = run_generate(
-        p.loaded.model,
-        p.ids,
-        o.max_new_tokens,
-        cache=o.cache,
-        sampler=p.sampler,
-        stop_token=p.tok.eot_id if o.stop_at_eot else None,
-        on_token=stream.push if stream else None,
-        compile=o.compile,
-    )
+    stop_token = p.tok.eot_id if o.stop_at_eot else None
+    on_token = stream.push if stream else None
+    spec = None
+    if o.draft == "prompt-lookup":
+        k, n = draft_settings(o)
+        spec = speculative_generate(
+            p.loaded.model, p.ids, o.max_new_tokens, cache=o.cache, draft_tokens=k, ngram=n,
+            stop_token=stop_token, on_token=on_token,
+        )  # fmt: skip
+        result = spec.generation
+    else:
+        result = run_generate(
+            p.loaded.model,
+            p.ids,
+            o.max_new_tokens,
+            cache=o.cache,
+            sampler=p.sampler,
+            stop_token=stop_token,
+            on_token=on_token,
+            compile=o.compile,
+        )
     if stream:
         stream.close()
     doc = generation_report(
         p.texts, result, p.tok, p.loaded, p.device, p.dtype, p.sampler, tokenizer_source=p.tok.source
     )
     doc["settings"]["compile"] = o.compile
+    doc["settings"]["draft"] = o.draft
+    doc["draft"] = None if spec is None else draft_report(spec)
     return doc, stream is not None
+
+
+def draft_report(spec) -> dict:
+    """What the drafts of a prompt-lookup run did (speculative.SpeculativeResult)."""
+    import statistics
+
+    return {
+        "method": "prompt-lookup",
+        "draft_tokens": spec.draft_tokens,
+        "ngram": spec.ngram,
+        "forwards": spec.forwards,
+        "proposed": spec.proposed,
+        "accepted": spec.accepted,
+        "acceptance_rate": spec.acceptance_rate,
+        "tokens_per_forward": spec.generation.new_tokens / spec.forwards,
+        "forward_ms_median": statistics.median(spec.forward_s) * 1e3 if spec.forward_s else None,
+    }
 
 
 def generation_report(texts, result, tok, loaded, dev, dt, sampler, tokenizer_source) -> dict:
@@ -244,8 +313,9 @@ def render_generation(doc: dict, streamed: bool) -> None:
             out.rule(styled(f"sequence {i} ({c['prompt_tokens']} prompt tokens)", "dim"))
             out.print(styled(c["prompt"], "bold"), end="")
             out.print(c["text"], markup=False, highlight=False)
-    s, t, c = doc["settings"], doc["timings"], doc["cache"]
+    s, t, c, d = doc["settings"], doc["timings"], doc["cache"], doc.get("draft")
     tpot = t["tpot_ms_median"]
+    tpot_note = "decode steps only" if d is None else "each forward's time over the tokens it produced"
     rows = [
         [
             "model / weights",
@@ -261,12 +331,21 @@ def render_generation(doc: dict, streamed: bool) -> None:
             + (f", {console.fmt_bytes(c['bytes_copied'])} of history copied" if c["bytes_copied"] else ""),
         ],
         ["prefill (TTFT)", f"{t['ttft_ms']:.1f} ms for batch {s['batch']}"],
-        ["median time per output token", "-" if tpot is None else f"{tpot:.2f} ms (decode steps only)"],
+        ["median time per output token", "-" if tpot is None else f"{tpot:.2f} ms ({tpot_note})"],
         [
             "throughput",
             f"{t['tokens_per_s']:.1f} tokens/s incl. prefill ({t['generated_tokens']} tokens kept)",
         ],
     ]
+    if d is not None:
+        rate = "-" if d["acceptance_rate"] is None else f"{d['acceptance_rate']:.0%}"
+        rows.append(
+            [
+                "draft (prompt-lookup)",
+                f"{d['accepted']} of {d['proposed']} draft tokens accepted ({rate}); {d['forwards']} forwards for "
+                f"{t['generated_tokens']} tokens kept (K {d['draft_tokens']}, n-gram {d['ngram']})",
+            ]
+        )
     tbl = table("generate", ["", ""], rows, caption="timings are device-synchronised wall clock")
     tbl.show_header = False
     out.print(tbl)

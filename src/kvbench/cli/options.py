@@ -64,6 +64,27 @@ GenerateCacheOpt = Annotated[str, typer.Option("--cache", "-c", help="KV cache: 
 TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.")]
 TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Sample from the k most likely tokens.")]
 StopOpt = Annotated[bool, typer.Option("--stop/--no-stop", help="Stop a sequence at <|endoftext|>.")]
+DraftOpt = Annotated[
+    str,
+    typer.Option(
+        "--draft",
+        help="none, or prompt-lookup: speculative decoding that drafts tokens by copying what followed the last "
+        "n-gram earlier in the text and verifies them in one forward (one prompt, greedy; the same tokens).",
+    ),
+]
+DraftTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--draft-tokens", help="With --draft prompt-lookup: most draft tokens per forward (default: 4)."
+    ),
+]
+NgramOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--ngram",
+        help="With --draft prompt-lookup: longest suffix looked up, then shorter ones down to 1 (default: 3).",
+    ),
+]
 
 # --- bench: every option but --force and the --baseline pair is a BenchSettings field (None: not given) -----------
 BenchPromptLenOpt = Annotated[
