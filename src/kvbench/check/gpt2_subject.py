@@ -21,6 +21,7 @@ from kvbench.caches import get_cache_spec, make_caches, missing_lifecycle
 from kvbench.check.judge import tolerance
 from kvbench.check.subject import NoCache, Run
 from kvbench.decode.generate import EXACT, DecodeRules, GenerationResult, generate
+from kvbench.decode.speculative import speculative_generate
 from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPT
 from kvbench.model.weights import to_hf_model
@@ -161,9 +162,20 @@ class GPT2Subject:
     def open(self, batch: int, max_len: int) -> GPT2Session:
         return GPT2Session(self, fresh_caches(self.model.gpt, self.cache, batch, max_len, self.fault))
 
-    def generation_features(self, check: str) -> list:
-        """Generation features built on a lifecycle operation, as (name, run, reference); none yet here."""
-        return []
+    def generation_features(self, check: str) -> list[tuple[str, Callable, Callable]]:
+        """`rollback`: `generate --draft prompt-lookup` (drafts verified in one forward, the rest cropped) against
+        plain greedy through the same cache. Not with an injected fault, whose caches the feature does not use."""
+        if check != "rollback" or self.fault is not None:
+            return []
+        gpt = self.model.gpt
+
+        def drafted(prompt: list[int], new: int) -> list[int]:
+            return speculative_generate(gpt, [prompt], new, self.cache).generation.tokens[0]
+
+        def plain(prompt: list[int], new: int) -> list[int]:
+            return run(gpt, [prompt], new, self.cache).tokens[0]
+
+        return [("generate --draft prompt-lookup", drafted, plain)]
 
     def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
         layer = fresh_caches(self.model.gpt, self.cache, 1, 1, self.fault)[0]

@@ -203,7 +203,9 @@ def with_features(s: Subject, name: str, row: CheckRow, prompt: list[int], new: 
             row.detail += f"; {feature}: all {len(got)} tokens as without it"
         elif s.tol.lossy:  # a lossy cache may flip tokens: reported, not judged
             agree = sum(a == b for a, b in zip(want, got, strict=False))
-            row.detail += f"; {feature}: {agree} of {len(got)} tokens as without it (lossy: reported, not judged)"
+            row.detail += (
+                f"; {feature}: {agree} of {len(got)} tokens as without it (lossy: reported, not judged)"
+            )
         else:
             row.passed = False
             row.detail += f"; {feature}: token {first} differs ({got[first]} vs {want[first]})"

@@ -123,17 +123,30 @@ def lookup(text: list[int], ngram: int, k: int) -> list[int]:
     return []
 
 
+def _verify(model: GPT, caches: list, last: int, draft: list[int]) -> list[int]:
+    """One forward over the last produced token and the draft; the tokens kept: the longest draft prefix equal to
+    the model's greedy choices, then its own next choice. The rejected draft tokens are cropped from every cache."""
+    device = model.lm_head.weight.device
+    past = caches[0].length  # tokens cached: prompt + produced - 1 (the last produced is the next input)
+    ids = torch.tensor([[last, *draft]], device=device)  # (1, T), T = 1 + k
+    positions = past + torch.arange(ids.size(1), device=device)[None]  # (1, T)
+    logits = model(ids, positions, caches, None, last_only=not draft)[0]  # (T, V)
+    choices = logits.argmax(-1).tolist()  # the greedy choice after each prefix of the draft
+    n = 0
+    while n < len(draft) and draft[n] == choices[n]:
+        n += 1
+    if draft:
+        for c in caches:
+            c.crop(past + 1 + n)  # the last input and the n accepted draft tokens stay
+    return [*draft[:n], choices[n]]
+
+
 @torch.inference_mode()
 def speculative_generate(
-    model: GPT,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    cache: str = "dynamic",
-    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-    ngram: int = DEFAULT_NGRAM,
-    stop_token: int | None = None,
+    model: GPT, prompts: list[list[int]], max_new_tokens: int, cache: str = "dynamic",
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS, ngram: int = DEFAULT_NGRAM, stop_token: int | None = None,
     on_token: Callable[[list[int]], None] | None = None,
-) -> SpeculativeResult:
+) -> SpeculativeResult:  # fmt: skip
     """Greedy prompt-lookup decoding of one prompt through fresh caches of `cache` (module docstring).
     `on_token([id])` is called for each kept token in order, as plain `generate` calls it."""
     draft_tokens, ngram = check_settings(draft_tokens, ngram)
@@ -173,23 +186,13 @@ def speculative_generate(
     while not done:
         synchronize(device)
         t0 = time.perf_counter()
-        past = caches[0].length  # tokens cached: prompt + produced - 1 (the last produced is the next input)
         draft = lookup(text, ngram, min(draft_tokens, max_new_tokens - len(out) - 1))
-        ids = torch.tensor([[text[-1], *draft]], device=device)  # (1, T), T = 1 + k
-        positions = past + torch.arange(ids.size(1), device=device)[None]  # (1, T)
-        logits = model(ids, positions, caches, None, last_only=not draft)[0]  # (T, V)
-        choices = logits.argmax(-1).tolist()  # the greedy choice after each prefix of the draft
-        n = 0
-        while n < len(draft) and draft[n] == choices[n]:
-            n += 1
-        if draft:
-            for c in caches:
-                c.crop(past + 1 + n)  # the last input and the n accepted draft tokens stay
+        kept = _verify(model, caches, text[-1], draft)
         synchronize(device)
         dt = time.perf_counter() - t0
         forward_s.append(dt)
-        proposed, accepted = proposed + len(draft), accepted + n
-        keep([*draft[:n], choices[n]], dt)
+        proposed, accepted = proposed + len(draft), accepted + len(kept) - 1
+        keep(kept, dt)
     generation = _result(cache, batch, out, seconds, stop_token, caches, None)
     return SpeculativeResult(
         generation, draft_tokens, ngram, 1 + len(forward_s), proposed, accepted, forward_s
