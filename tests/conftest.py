@@ -1,6 +1,8 @@
 """Shared fixtures: tiny seeded GPT-2s on the CPU, a Hugging Face reference saved to tmp_path, the ranks file."""
 
 import os
+import sys
+import textwrap
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # a test never reaches the network
 os.environ.pop("KVBENCH_TOKENIZER", None)  # tests see the default tokenizer source unless they set it
@@ -60,3 +62,56 @@ def ranks_file() -> Path:
     from kvbench.resources import GPT2_RANKS
 
     return GPT2_RANKS
+
+
+@pytest.fixture
+def lifecycle_plugins(tmp_path, monkeypatch):
+    """Cache plugins for the lifecycle: the dynamic cache as a plugin, one whose crop truncates K but not V, and
+    one with no lifecycle operations (package lcplugins.caches)."""
+    pkg = tmp_path / "lcplugins"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "caches.py").write_text(
+        textwrap.dedent(
+            '''
+            """Lifecycle plugins for the tests."""
+            import torch
+            from kvbench.caches import LayerCache
+            from kvbench.caches.dynamic import DynamicCache
+
+            class Dynamic(DynamicCache):
+                """The dynamic cache as a plugin (its crop runs through CheckedCache)."""
+                def __init__(self, config, batch, max_len, dtype, device):
+                    super().__init__()
+
+            class CropKeysOnly(DynamicCache):
+                """A dynamic cache whose crop truncates K but not V."""
+                def __init__(self, config, batch, max_len, dtype, device):
+                    super().__init__()
+                def crop(self, length):
+                    self.k = self.k[:, :, :length]
+                    self.length = length
+
+            class AppendOnly(LayerCache):
+                """torch.cat append with no lifecycle operations."""
+                def __init__(self, config, batch, max_len, dtype, device):
+                    super().__init__()
+                    self.k = self.v = None
+                def update(self, k, v, positions):
+                    self.k = k if self.k is None else torch.cat([self.k, k], 2)
+                    self.v = v if self.v is None else torch.cat([self.v, v], 2)
+                    self.length = self.k.size(2)
+                    return self.k, self.v
+                def reset(self):
+                    super().reset()
+                    self.k = self.v = None
+                @property
+                def nbytes(self):
+                    return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+            '''
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "lcplugins.caches"
+    for name in [m for m in sys.modules if m.startswith("lcplugins")]:
+        del sys.modules[name]

@@ -8,8 +8,6 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import json
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -62,67 +60,21 @@ def test_lifecycle_faults_are_caught_by_their_check_and_dormant_in_generate(mode
 
 
 # --- plugins ------------------------------------------------------------------------------------------------------
-@pytest.fixture
-def plugins(tmp_path, monkeypatch):
-    pkg = tmp_path / "lcplugins"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "caches.py").write_text(
-        textwrap.dedent(
-            '''
-            """Lifecycle plugins for the tests."""
-            import torch
-            from kvbench.caches import LayerCache
-            from kvbench.caches.dynamic import DynamicCache
-
-            class CropKeysOnly(DynamicCache):
-                """A dynamic cache whose crop truncates K but not V."""
-                def __init__(self, config, batch, max_len, dtype, device):
-                    super().__init__()
-                def crop(self, length):
-                    self.k = self.k[:, :, :length]
-                    self.length = length
-
-            class AppendOnly(LayerCache):
-                """torch.cat append with no lifecycle operations."""
-                def __init__(self, config, batch, max_len, dtype, device):
-                    super().__init__()
-                    self.k = self.v = None
-                def update(self, k, v, positions):
-                    self.k = k if self.k is None else torch.cat([self.k, k], 2)
-                    self.v = v if self.v is None else torch.cat([self.v, v], 2)
-                    self.length = self.k.size(2)
-                    return self.k, self.v
-                def reset(self):
-                    super().reset()
-                    self.k = self.v = None
-                @property
-                def nbytes(self):
-                    return 0 if self.k is None else self.k.nbytes + self.v.nbytes
-            '''
-        )
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "lcplugins.caches"
-    for name in [m for m in sys.modules if m.startswith("lcplugins")]:
-        del sys.modules[name]
-
-
 def _verify(*args):
     r = CliRunner().invoke(app, ["verify", *args, *TINY, "-n", "8", "--reference", "none", "--json"])
     return r, {(c["name"], c["cache"]): c for c in json.loads(r.stdout)["checks"]}
 
 
-def test_a_plugin_with_a_broken_crop_fails_rollback_only(plugins):
-    ref = f"{plugins}:CropKeysOnly"
+def test_a_plugin_with_a_broken_crop_fails_rollback_only(lifecycle_plugins):
+    ref = f"{lifecycle_plugins}:CropKeysOnly"
     r, rows = _verify("--caches", ref)
     assert r.exit_code == 1, r.output
     failed = {name for (name, _), c in rows.items() if not c["passed"]}
     assert failed == {"rollback"}, rows
 
 
-def test_a_plugin_without_the_operations_skips_them_and_passes_the_rest(plugins):
-    ref = f"{plugins}:AppendOnly"
+def test_a_plugin_without_the_operations_skips_them_and_passes_the_rest(lifecycle_plugins):
+    ref = f"{lifecycle_plugins}:AppendOnly"
     r, rows = _verify("--caches", ref)
     assert r.exit_code == 0, r.output
     for name in ("rollback", "fork", "reorder"):

@@ -3,8 +3,6 @@ plain greedy decoding on every built-in cache that can crop, drafts proposed and
 the draft lookup itself, and the refusals (no cache, a cache without crop, batches, sampling, --compile)."""
 
 import json
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -76,51 +74,10 @@ def test_lookup_takes_the_most_recent_occurrence_read_with_its_period():
 
 
 # --- refusals -----------------------------------------------------------------------------------------------------
-@pytest.fixture
-def plugins(tmp_path, monkeypatch):
-    pkg = tmp_path / "draftplugins"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "caches.py").write_text(
-        textwrap.dedent(
-            '''
-            """Plugins for the draft tests."""
-            import torch
-            from kvbench.caches import LayerCache
-            from kvbench.caches.dynamic import DynamicCache
-
-            class Dynamic(DynamicCache):
-                """The dynamic cache as a plugin (its crop runs through CheckedCache)."""
-                def __init__(self, config, batch, max_len, dtype, device):
-                    super().__init__()
-
-            class AppendOnly(LayerCache):
-                """torch.cat append with no lifecycle operations."""
-                def __init__(self, config, batch, max_len, dtype, device):
-                    super().__init__()
-                    self.k = self.v = None
-                def update(self, k, v, positions):
-                    self.k = k if self.k is None else torch.cat([self.k, k], 2)
-                    self.v = v if self.v is None else torch.cat([self.v, v], 2)
-                    self.length = self.k.size(2)
-                    return self.k, self.v
-                def reset(self):
-                    super().reset()
-                    self.k = self.v = None
-                @property
-                def nbytes(self):
-                    return 0 if self.k is None else self.k.nbytes + self.v.nbytes
-            '''
-        )
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "draftplugins.caches"
-    for name in [m for m in sys.modules if m.startswith("draftplugins")]:
-        del sys.modules[name]
-
-
-def test_a_plugin_with_crop_runs_and_one_without_is_refused_before_any_forward(model, plugins, monkeypatch):
-    ref = f"{plugins}:Dynamic"
+def test_a_plugin_with_crop_runs_and_one_without_is_refused_before_any_forward(
+    model, lifecycle_plugins, monkeypatch
+):
+    ref = f"{lifecycle_plugins}:Dynamic"
     spec = speculative_generate(model, [REPETITIVE], 30, cache=ref)
     assert spec.generation.tokens == generate(model, [REPETITIVE], 30).tokens and spec.accepted > 0
 
@@ -128,8 +85,8 @@ def test_a_plugin_with_crop_runs_and_one_without_is_refused_before_any_forward(m
         raise AssertionError("a forward ran")
 
     monkeypatch.setattr(model, "forward", no_forward)
-    with pytest.raises(KVBenchError, match=r"cache 'draftplugins.caches:AppendOnly' does not implement crop"):
-        speculative_generate(model, [REPETITIVE], 30, cache=f"{plugins}:AppendOnly")
+    with pytest.raises(KVBenchError, match=r"cache 'lcplugins.caches:AppendOnly' does not implement crop"):
+        speculative_generate(model, [REPETITIVE], 30, cache=f"{lifecycle_plugins}:AppendOnly")
 
 
 def test_library_refusals(model):
@@ -204,6 +161,6 @@ def test_cli_draft_settings_without_draft_and_unknown_methods_are_refused():
     assert r.exit_code == 2 and "--draft 'medusa': use none or prompt-lookup" in r.output, r.output
 
 
-def test_cli_refuses_a_plugin_without_crop(plugins):
-    r = _run("hi", "--draft", "prompt-lookup", "--cache", f"{plugins}:AppendOnly")
+def test_cli_refuses_a_plugin_without_crop(lifecycle_plugins):
+    r = _run("hi", "--draft", "prompt-lookup", "--cache", f"{lifecycle_plugins}:AppendOnly")
     assert r.exit_code == 2 and "does not implement crop" in r.output, r.output
