@@ -33,6 +33,7 @@ from kvbench.bench.settings import (
     read_settings,
     settings_dict,
 )
+from kvbench.check.hf_subject import HFModel, cache_unsupported, forward_inputs
 from kvbench.check.judge import tolerance
 from kvbench.errors import KVBenchError
 from kvbench.hf.caches import HF_CACHES, TIMED, generate_kwargs, parse_bench_caches
@@ -87,10 +88,15 @@ class HFModelEngine:
     def __init__(self, loaded: LoadedHF) -> None:
         self.loaded = loaded
         self.configured: set[str] = set()  # the caches this engine has prepared (for describe)
+        self.no_caches = cache_unsupported(loaded)  # why transformers' caches do not apply, or None
+        self.model = HFModel(loaded)
 
-    @staticmethod
-    def supports(cache: str) -> bool:
-        return cache in TIMED
+    def supports(self, cache: str) -> bool:
+        return cache in TIMED and (cache == "none" or self.no_caches is None)
+
+    def unjudged(self, longest: int) -> str | None:
+        """Why a token flip in a run of `longest` tokens says nothing about the cache (verify's rule), or None."""
+        return self.model.unjudged(longest)
 
     def weight_bytes(self) -> int:
         return weight_bytes(self.loaded.model)
@@ -111,8 +117,9 @@ class HFModelEngine:
         last = (
             {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         )
-        with quiet_transformers():
-            out = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False, **last)
+        with quiet_transformers():  # positions as generate feeds them (check/hf_subject.forward_inputs)
+            out = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False, **last,
+                        **forward_inputs(model, x))  # fmt: skip
         return out.logits[:, -1].float().cpu()
 
     @staticmethod
@@ -190,11 +197,10 @@ def hf_bench_settings(config, overrides: dict) -> BenchSettings:
 def kv_bytes(shape: HFShape, tokens: int, element_size: int) -> int:
     """K and V of every layer for one sequence of `tokens` tokens; a sliding-window layer holds at most its window,
     a recurrent layer none (its fixed-size state is not a KV cache)."""
-    total = 0
-    for kind in shape.info.layer_types:
-        held = shape.info.kv_tokens(kind, tokens)
-        total += 2 * shape.info.n_kv_heads * shape.info.head_dim * held * element_size
-    return total
+    info = shape.info
+    widths = info.kv_widths or [info.n_kv_heads * info.head_dim] * len(info.layer_types)
+    held = [info.kv_tokens(kind, tokens) for kind in info.layer_types]
+    return sum(2 * w * h * element_size for w, h in zip(widths, held, strict=False))
 
 
 def check_sizes_hf(s: BenchSettings, shape: HFShape, dtype: torch.dtype, device: torch.device) -> None:
@@ -255,10 +261,11 @@ class HFBenchConfig:
     n_kv_head: int
     head_dim: int
     kv_layers: int  # the layers that cache K/V (a hybrid's attention layers; 0 for a recurrent model)
+    kv_elements: int  # K (or V) elements per token over those layers (HFModelInfo.kv_elements)
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         """K and V of every attention layer, for one token (sliding-window layers counted in full)."""
-        return 2 * self.kv_layers * self.n_kv_head * self.head_dim * element_size
+        return 2 * self.kv_elements * element_size
 
 
 @dataclass
@@ -291,6 +298,7 @@ def bench_view(loaded: LoadedHF) -> BenchLoaded:
         n_kv_head=info.n_kv_heads,
         head_dim=info.head_dim,
         kv_layers=info.kv_layers,
+        kv_elements=info.kv_elements,
     )
     head = loaded.model.get_output_embeddings()
     assert head is not None and hasattr(head, "weight"), (

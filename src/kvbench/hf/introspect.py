@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import transformers
@@ -20,6 +20,8 @@ from kvbench.memory.state import RECURRENT_TYPES
 
 # Config attributes that bound the sequence length, most common first (GPT-2's n_positions is mapped onto the
 # first by its config class).
+# Config attributes naming how many keys a sparse-attention indexer keeps per query.
+SPARSE_TOPK_KEYS = ("index_topk", "indexer_budget")
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
@@ -31,8 +33,8 @@ class HFModelInfo:
     model_type: str  # config.model_type
     n_layers: int  # decoder layers actually loaded
     n_heads: int  # query heads
-    n_kv_heads: int  # key/value heads (GQA: fewer than n_heads)
-    head_dim: int
+    n_kv_heads: int  # key/value heads (GQA: fewer than n_heads); layer 0's where they vary (kv_widths)
+    head_dim: int  # layer 0's where it varies
     hidden_size: int
     vocab_size: int
     context: int | None  # the configured maximum sequence length, if the config has one
@@ -43,6 +45,22 @@ class HFModelInfo:
     layer_types: list[str]
     attn_implementation: str  # eager, sdpa, ...
     transformers_version: str
+    # per layer: key/value heads x head_dim (transformers 5.x configs may set head_dim or the heads per layer)
+    kv_widths: list[int] = field(default_factory=list)
+    # a sparse-attention indexer (DeepSeek's DSA and kin): each query attends to the top `sparse_topk` keys only
+    sparse_topk: int | None = None
+
+    @property
+    def kv_elements(self) -> int:
+        """K or V elements one token adds over every layer that caches K/V."""
+        widths = self.kv_widths or [self.n_kv_heads * self.head_dim] * self.n_layers
+        return sum(w for t, w in zip(self.layer_types, widths, strict=False) if self.kv_tokens(t, 1))
+
+    @property
+    def head_dims(self) -> str:
+        """'head_dim 16' or, where layers differ, 'head_dim 16 / 32 by layer'."""
+        dims = sorted({w // max(self.n_kv_heads, 1) for w in self.kv_widths} or {self.head_dim})
+        return f"head_dim {' / '.join(map(str, dims))}" + (" by layer" if len(dims) > 1 else "")
 
     @property
     def windowed(self) -> bool:
@@ -118,11 +136,16 @@ def describe(model) -> HFModelInfo:
     """Read the facts the checks depend on from the loaded model (not from guesses about its family)."""
     cfg = model.config.get_text_config(decoder=True)
     n_layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
-    n_heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
-    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
-    head_dim = int(getattr(cfg, "head_dim", None) or (hidden // n_heads if n_heads else 0))
-    context = next((getattr(cfg, k) for k in CONTEXT_KEYS if isinstance(getattr(cfg, k, None), int)), None)
+    heads = [int(h or 0) for h in per_layer(cfg, "num_attention_heads", n_layers)]
+    kv = [int(k or h) for k, h in zip(per_layer(cfg, "num_key_value_heads", n_layers), heads, strict=True)]
+    dims = [
+        int(d or (hidden // h if h else 0))
+        for d, h in zip(per_layer(cfg, "head_dim", n_layers), heads, strict=True)
+    ]
+    n_heads, n_kv, head_dim = (heads or [0])[0], (kv or [0])[0], (dims or [0])[0]
+    # a length <= 0 means "no limit" (XLNet's max_position_embeddings is -1)
+    context = next((v for k in CONTEXT_KEYS if type(v := getattr(cfg, k, None)) is int and v > 0), None)
     try:
         layer_types = [_layer_type(layer) for layer in DynamicCache(config=cfg).layers]
     except Exception:  # a custom config DynamicCache cannot read: every layer is taken as full attention
@@ -146,7 +169,17 @@ def describe(model) -> HFModelInfo:
         layer_types=layer_types,
         attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "default"),
         transformers_version=transformers.__version__,
+        kv_widths=[k * d for k, d in zip(kv, dims, strict=True)],
+        sparse_topk=next((v for k in SPARSE_TOPK_KEYS if type(v := getattr(cfg, k, None)) is int), None),
     )
+
+
+def per_layer(cfg, name: str, n_layers: int) -> list:
+    """Config attribute `name` for each of `n_layers` layers (None where absent). A transformers 5.x config may hold
+    an attribute per layer (`per_layer_config`, e.g. Gemma 4's head_dim), and reading it globally then raises."""
+    if name in (getattr(cfg, "per_layer_attributes", None) or ()):
+        return [getattr(layer, name, None) for layer in cfg.per_layer_config][:n_layers]
+    return [getattr(cfg, name, None)] * n_layers
 
 
 def _layer_type(layer) -> str:

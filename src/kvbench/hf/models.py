@@ -55,7 +55,13 @@ WEIGHT_FILES = (
 )
 # "org/name" or "name": what the hub accepts as a model id (and what a path that does not exist may still be).
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-REMOTE_MODULES = "transformers_modules"  # where transformers imports a directory's own modelling code from
+REMOTE_MODULES = "transformers_modules"
+# Families whose generate feeds the model something other than the sequence so far: a cached step cannot be compared
+# with a forward over the prefix.
+NOT_A_PREFIX_FORWARD = {
+    "xlm": "appends a mask token to every input in generate (XLMWithLMHeadModel.prepare_inputs_for_generation), so "
+    "a decode step is not a forward over the prefix",
+}  # where transformers imports a directory's own modelling code from
 
 
 @dataclass
@@ -129,9 +135,12 @@ def _refuse_unloadable(doc: dict, where: str, trust_remote_code: bool) -> None:
         raise KVBenchError(
             f"{where}: {model_type} is an encoder-decoder model; --hf checks decoder-only causal LMs"
         )
+    if model_type in NOT_A_PREFIX_FORWARD:
+        raise KVBenchError(f"{where}: {model_type} {NOT_A_PREFIX_FORWARD[model_type]}; --hf cannot check it")
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not doc.get("is_decoder"):
         raise KVBenchError(
-            f"{where}: {model_type} is an encoder-only model (a masked LM); --hf checks decoder-only causal LMs"
+            f"{where}: {model_type} is an encoder-only model (a masked LM; its config has no is_decoder: true); "
+            "--hf checks decoder-only causal LMs"
         )
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise KVBenchError(
@@ -342,7 +351,7 @@ def run_bytes(info: HFModelInfo, batch: int, tokens: int, element_size: int) -> 
     """A rough allowance for running `batch` sequences of `tokens` tokens: K and V of every layer, twice (a cache and
     the copy a reset or a concatenation makes), the logits kept for comparison (fp32, on the device and on the CPU)
     and one eager attention's scores over the whole length."""
-    kv = 2 * info.kv_layers * info.n_kv_heads * info.head_dim * tokens * batch * element_size
+    kv = 2 * info.kv_elements * tokens * batch * element_size
     logits = 3 * batch * tokens * info.vocab_size * 4
     scores = batch * max(info.n_heads, 1) * tokens * tokens * 4
     return 2 * kv + logits + scores
