@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""`kvbench verify --hf` over every causal LM type in transformers, each as a tiny random config (kvbench.hf.tiny).
+
+    python scripts/zoo.py [--out results/zoo] [--types llama,gpt2] [--caches none,dynamic,static]
+                          [--new-tokens 100] [--timeout 300]
+
+For each type it writes OUT/configs/<type>/config.json, runs `kvbench verify --hf <it> --device cpu --json` in its
+own process (a crash, a hang or an exit inside transformers cannot stop the sweep) and appends one row to
+OUT/zoo.csv as it finishes: type, exit code, seconds, verdict, failing rows, skip reasons, the refusal line. A rerun
+keeps the rows already there and runs only the missing types (--fresh starts over). OUT/summary.md counts the
+verdicts: pass, pass with skips (grouped by reason), fail (the failing rows), refused (exit 2, its line), crashed
+(exit 70), timed out, and types whose default config transformers itself cannot build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+FIELDS = ("type", "exit", "seconds", "verdict", "failing", "skips", "error")
+VERDICTS = ("pass", "pass with skips", "fail", "refused", "crashed", "timed out", "no config")
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    from kvbench.hf.tiny import model_types, tiny_config
+
+    out = Path(args.out)
+    (out / "configs").mkdir(parents=True, exist_ok=True)
+    table = out / "zoo.csv"
+    done = {} if args.fresh or not table.exists() else {r["type"]: r for r in csv.DictReader(table.open())}
+    types = args.types.split(",") if args.types else model_types()
+    if not table.exists() or args.fresh:
+        with table.open("w", newline="") as f:
+            csv.DictWriter(f, FIELDS).writeheader()
+    for i, t in enumerate(types, 1):
+        if t in done:
+            continue
+        row = _run_type(t, tiny_config, out, args)
+        with table.open("a", newline="") as f:  # as it goes: an interrupted sweep keeps every finished type
+            csv.DictWriter(f, FIELDS).writerow(row)
+        done[t] = row
+        print(
+            f"[{i}/{len(types)}] {t}: {row['verdict']} ({row['seconds']} s) {row['failing'] or row['error']}"
+        )
+    rows = [done[t] for t in types if t in done]
+    (out / "summary.md").write_text(summary(rows, args))
+    print(f"wrote {table} and {out / 'summary.md'}")
+    return 0
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="results/zoo")
+    p.add_argument("--types", default=None, help="comma-separated model types (default: all)")
+    p.add_argument("--caches", default="none,dynamic,static")
+    p.add_argument("--new-tokens", type=int, default=100)
+    p.add_argument("--timeout", type=int, default=300, help="seconds per type")
+    p.add_argument("--fresh", action="store_true", help="start over instead of keeping finished types")
+    return p.parse_args(argv)
+
+
+def _run_type(t: str, tiny_config, out: Path, args) -> dict:
+    row = dict.fromkeys(FIELDS, "")
+    row["type"] = t
+    try:
+        config = tiny_config(t)
+    except Exception as e:  # transformers' own default config for this type does not build
+        row.update(exit="", seconds=0, verdict="no config", error=_line(f"{type(e).__name__}: {e}"))
+        return row
+    path = out / "configs" / t / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=1, default=str) + "\n")
+    cmd = [sys.executable, "-m", "kvbench", "verify", "--hf", str(path), "--device", "cpu", "--caches", args.caches,
+           "--new-tokens", str(args.new_tokens), "--json"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    except subprocess.TimeoutExpired:
+        row.update(exit="", seconds=args.timeout, verdict="timed out")
+        return row
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    row["exit"] = proc.returncode
+    return {**row, **_judged(proc)}
+
+
+def _judged(proc: subprocess.CompletedProcess) -> dict:
+    err = _line(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "").removeprefix("error: ")
+    if proc.returncode == 2:
+        return {"verdict": "refused", "error": err}
+    if proc.returncode not in (0, 1):
+        return {"verdict": "crashed", "error": err}
+    try:
+        report = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        return {"verdict": "crashed", "error": "stdout is not one JSON document: " + _line(proc.stdout[:200])}
+    rows = report["checks"]
+    failing = [f"{r['name']}/{r['cache']}" for r in rows if not r["passed"] and not r["skipped"]]
+    skips = sorted({_reason(r["detail"]) for r in rows if r["skipped"]})
+    verdict = "fail" if failing else ("pass with skips" if skips else "pass")
+    return {"verdict": verdict, "failing": " ".join(failing), "skips": " | ".join(skips)}
+
+
+def _reason(detail: str) -> str:
+    """A skip's reason without its measured figures, so equal reasons group."""
+    return detail.split("; measured:")[0].split(" after ")[0]
+
+
+def _line(text: str) -> str:
+    return " ".join(str(text).split())[:400]
+
+
+def summary(rows: list[dict], args) -> str:
+    counts = Counter(r["verdict"] for r in rows)
+    lines = [
+        "# `kvbench verify --hf` over transformers' causal-LM types",
+        "",
+        f"Command: `python scripts/zoo.py --caches {args.caches} --new-tokens {args.new_tokens}` "
+        f"({len(rows)} types, tiny random configs from kvbench.hf.tiny, CPU, fp32).",
+        "",
+        "| verdict | types |",
+        "|---|---|",
+        *[f"| {v} | {counts[v]} |" for v in VERDICTS if counts[v]],
+        "",
+    ]
+    reasons = Counter(s for r in rows for s in r["skips"].split(" | ") if s)
+    if reasons:
+        lines += ["## Skip reasons (rows, by types)", "", "| types | reason |", "|---|---|"]
+        lines += [f"| {n} | {reason} |" for reason, n in reasons.most_common()]
+        lines.append("")
+    for verdict, field in (("fail", "failing"), ("refused", "error"), ("crashed", "error"), ("no config", "error"),
+                           ("timed out", "error")):  # fmt: skip
+        chosen = [r for r in rows if r["verdict"] == verdict]
+        if chosen:
+            lines += [f"## {verdict}", "", "| type | " + field + " |", "|---|---|"]
+            lines += [f"| {r['type']} | {r[field]} |" for r in chosen]
+            lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
