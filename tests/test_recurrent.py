@@ -313,7 +313,7 @@ def test_verify_hf_skips_a_model_without_a_kv_cache(model_dirs):
         assert c["skipped"] and c["detail"] == "mamba keeps a recurrent state, no KV cache", c
     assert doc["hf"]["layers"] == ["recurrent", "recurrent"], doc["hf"]
     r = CliRunner().invoke(app, args)
-    assert r.exit_code == 0 and "NOTHING CHECKED: all 3 cache(s) skipped" in r.stdout, r.output
+    assert r.exit_code == 0 and "NOTHING CHECKED: all 3 row(s) skipped" in r.stdout, r.output
     assert "full attention" not in r.stdout and "no attention, so no KV cache" in r.stdout, r.stdout
 
 

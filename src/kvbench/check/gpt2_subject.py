@@ -123,6 +123,12 @@ class GPT2Model:
             self._ref[key] = hf_logits(self.hf, prompt, tokens)
         return self._ref[key]
 
+    def unjudged(self, longest: int) -> str | None:
+        return None  # dense attention: every difference is judged
+
+    def left_padding_note(self) -> str:
+        return "with no cache at all: suspect the padding mask or the position ids (our GPT-2 takes both)"
+
     def continuation(self, prompt: list[int], new: int) -> list[int]:
         """Tokens a cached run already produced for `prompt` (any tokens do), else a dynamic-cache run's."""
         seen = next((list(t) for p, t in self._full if p == tuple(prompt) and len(t) == new), None)

@@ -2,8 +2,9 @@
 
 The model is its own reference: transformers' no-cache path on the same model object, `generate(use_cache=False)`
 for greedy tokens and one forward with `use_cache=False` over a whole prefix for single steps, the inputs built as
-`generate` builds them (ids and an attention mask; the model derives its own positions). Every cached run goes
-through `generate` exactly as a user calls it, with the cache selected by name.
+`generate` builds them (`forward_inputs`: ids, an attention mask, and the position ids `generate` passes to a model
+whose forward takes them; a model that does not derives its own). Every cached run goes through `generate` exactly
+as a user calls it, with the cache selected by name.
 """
 
 from __future__ import annotations
@@ -42,12 +43,24 @@ def generate_run(loaded: LoadedHF, prompts: list[list[int]], new: int, **kwargs)
     return Run(out.sequences[:, T:].tolist(), logits, layers)
 
 
+def forward_inputs(model, ids: torch.Tensor, start: int = 0) -> dict:
+    """The inputs `generate` gives the model's forward for unpadded `ids` (B, T) written after `start` tokens:
+    position ids start..start+T-1 where the forward takes them (generate derives them from the attention mask; a
+    model's own default may differ: RoBERTa-family decoders count from padding_idx + 1), otherwise none."""
+    takes = "position_ids" in inspect.signature(model.forward).parameters
+    if not takes or model.config.is_encoder_decoder:
+        return {}
+    pos = torch.arange(start, start + ids.size(1), device=ids.device)
+    return {"position_ids": pos.unsqueeze(0).expand(ids.size(0), -1)}
+
+
 @torch.no_grad()
 def full_logits(loaded: LoadedHF, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """One no-cache forward over prompt + tokens[:-1]: (T + N - 1, V) fp32 on the CPU; row T-1+i predicts step i."""
     device = next(loaded.model.parameters()).device
     ids = torch.tensor([prompt + tokens[:-1]], device=device)  # (1, T + N - 1)
-    out = loaded.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    kw = forward_inputs(loaded.model, ids)
+    out = loaded.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **kw)
     return out.logits[0].float().cpu()
 
 
@@ -68,6 +81,28 @@ class HFModel:
         if key not in self._full:
             self._full[key] = full_logits(self.loaded, prompt, tokens)
         return self._full[key]
+
+    def unjudged(self, longest: int) -> str | None:
+        """Why a difference in a run of `longest` tokens says nothing about the cache, or None."""
+        k = self.loaded.info.sparse_topk
+        if k is None or longest <= k:
+            return None
+        return (
+            f"a sparse-attention indexer keeps the top {k} of up to {longest} keys per query, a discontinuous "
+            "choice: where index scores tie or nearly tie, a cache and the recomputation may keep different keys; "
+            f"runs of at most {k} tokens (--prompt-len + --new-tokens) are judged exactly"
+        )
+
+    def left_padding_note(self) -> str:
+        """What lets the pads change a padded row with no cache at all, read from the model."""
+        model, info = self.loaded.model, self.loaded.info
+        if info.recurrent:
+            lacks = "its recurrent state reads the pads (a state is not masked)"
+        elif "position_ids" not in inspect.signature(model.forward).parameters:
+            lacks = "its forward takes no position ids, so its positions count the pads"
+        else:
+            lacks = "it takes position ids and a padding mask, yet the pads reach the real tokens"
+        return f"with no cache at all: {info.model_type} does not support left-padded batches ({lacks})"
 
     def no_cache(self, prompt: list[int], new: int, cached: list[int]) -> NoCache:
         key = (tuple(prompt), new)
@@ -91,9 +126,10 @@ class HFSubject:
         self.cache_layers: list[str] | None = None  # what the first cached run built
 
     def unavailable(self) -> str | None:
+        why = cache_unsupported(self.model.loaded)  # the no-cache path too: it is only the caches' baseline
+        if why or not self.cached:
+            return why
         info = self.model.loaded.info
-        if not info.kv_layers:
-            return f"{info.model_type} keeps a recurrent state, no KV cache"
         return self.spec.unavailable(info, self.model.device) if self.spec.unavailable else None
 
     def generate(self, prompts: list[list[int]], new: int) -> Run:
@@ -121,6 +157,22 @@ class HFSubject:
         obj = self.spec.build(self.model.loaded.model, 8)
         lacks = [m for m in members if m in HF_MEMBER and not hasattr(obj, HF_MEMBER[m])]
         return f"{type(obj).__name__} has no {', '.join(HF_MEMBER[m] for m in lacks)}" if lacks else None
+
+
+def cache_unsupported(loaded: LoadedHF) -> str | None:
+    """Why transformers' Cache classes do not apply to this model at all, read from the model; None if they do."""
+    model, info = loaded.model, loaded.info
+    params = inspect.signature(model.forward).parameters
+    if not {"cache", "past_key_values"} & set(params):
+        return f"{info.architecture} has no KV cache: its forward takes no cache, every step recomputes the prefix"
+    if info.recurrent and not info.kv_layers:
+        return f"{info.model_type} keeps a recurrent state, no KV cache"
+    if not type(model)._supports_default_dynamic_cache():
+        return (
+            f"{info.architecture} keeps a cache of its own: transformers builds no DynamicCache or StaticCache for "
+            "it and ignores cache_implementation (GenerationMixin._supports_default_dynamic_cache() is False)"
+        )
+    return None
 
 
 # What transformers users call for each lifecycle operation (a fork is `copy.deepcopy`, which every cache takes).
@@ -153,7 +205,11 @@ class HFSession:
     def forward(self, ids: list[list[int]]) -> torch.Tensor:
         x = torch.tensor(ids, device=self.model.device)  # (B, T)
         pos = torch.arange(self.held, self.held + x.size(1), device=self.model.device)
-        kw = {cache_kwarg(): self.cache, "use_cache": True}
+        kw = {
+            cache_kwarg(): self.cache,
+            "use_cache": True,
+            **forward_inputs(self.model.loaded.model, x, self.held),
+        }
         if "cache_position" in inspect.signature(self.model.loaded.model.forward).parameters:
             kw["cache_position"] = pos
         out = self.model.loaded.model(input_ids=x, **kw)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvbench.check.causal import refuse_non_causal
 from kvbench.check.hf_subject import HFModel, HFSubject
 from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
 from kvbench.check.lifecycle import LIFECYCLE
@@ -41,10 +42,12 @@ def run_hf_verify(
         loaded.info, max(lens) + new_tokens, f"longest prompt {max(lens)} + new tokens {new_tokens}",
         "lower --prompt-len or --new-tokens",
     )  # fmt: skip
+    refuse_non_causal(loaded)
     target = HFModel(loaded)
     subjects = [HFSubject(target, c) for c in caches]
+    baseline = HFSubject(target, "none")  # what the model itself does without a cache (run_checks)
     with quiet_transformers():
-        rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row)
+        rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row, baseline)
     return VerifyReport(
         passed=all(r.passed for r in rows if not r.skipped), checks=rows, dtype=dtype_name(target.dtype),
         new_tokens=new_tokens, prompt_len=len(prompts[0]), batch_lens=lens,
@@ -81,7 +84,11 @@ def _notes(
 def _model_layers(info: HFModelInfo) -> str:
     """'2 full attention layers, 4 heads (2 key/value)'; a model with recurrent layers says so, and how many of its
     layers cache K/V (none: it has no KV cache, so the cache checks do not apply)."""
+    if not info.layer_types:
+        return "layers not described by its config (transformers' DynamicCache cannot read it)"
     heads = f"{info.n_heads} heads ({info.n_kv_heads} key/value)"
+    if "by layer" in info.head_dims:
+        heads += f", {info.head_dims}"
     if not info.recurrent:
         return f"{info.layers_summary()} attention layers, {heads}"
     if not info.kv_layers:

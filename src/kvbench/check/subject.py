@@ -55,6 +55,13 @@ class Model(Protocol):
     def reference_logits(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
         """The independent implementation's (T + N - 1, V) logits over the same tokens (reference_name set)."""
 
+    def unjudged(self, longest: int) -> str | None:
+        """Why a difference in a run of `longest` tokens (prompt + new) cannot be judged exact, or None: the model
+        makes a discontinuous choice over keys (a sparse top-k indexer), so rounding may change which it keeps."""
+
+    def left_padding_note(self) -> str:
+        """Why padded rows may differ on the no-cache path, in words (what the model lacks)."""
+
     def continuation(self, prompt: list[int], new: int) -> list[int]:
         """Any N tokens that follow `prompt` (the no-cache path is held to the reference over them)."""
 

@@ -134,7 +134,9 @@ def check_batched(s: Subject, prompts: list[list[int]], batch: Run, solo: list[R
             f"{lens[b]} (from step {rows[b].first_divergence})" for b in bad
         )
         if 0 not in bad:  # the longest prompt has no padding
-            what += "; only padded rows differ: suspect position ids or the padding mask"
+            what += "; only padded rows differ: " + (
+                "suspect position ids or the padding mask" if s.cached else s.model.left_padding_note()
+            )
     else:
         what += "".join(f"; length {lens[b]}{r.detail}" for b, r in enumerate(rows) if "near-tie" in r.detail)
         if s.tol.lossy:
@@ -228,10 +230,17 @@ def plan(s: Subject, checks: tuple[str, ...], prompts: list[list[int]], new: int
 def run_checks(
     subjects: list[Subject], prompts: list[list[int]], new_tokens: int, checks: tuple[str, ...],
     short_tokens: int = SHORT_TOKENS, on_row: Callable[[CheckRow], None] | None = None,
+    baseline: Subject | None = None,
 ) -> list[CheckRow]:  # fmt: skip
     """Every check in `checks` for every subject on `prompts` (prompts[0] is the single-prompt checks' prompt and
-    cache_state's first; prompts[1] its second; all of them form the batch), rows passed to `on_row` as they come."""
+    cache_state's first; prompts[1] its second; all of them form the batch), rows passed to `on_row` as they come.
+
+    The no-cache subjects run first. A check the no-cache path fails (a model that cannot take a left-padded batch
+    fails `batched` with no cache at all) is not judged for the caches: their rows for it are skipped, naming
+    the no-cache row. `baseline`, a no-cache subject not among `subjects`, runs for that purpose: only the rows it
+    fails are returned (the model's own defect, and the reason for the skips)."""
     rows: list[CheckRow] = []
+    model_fails: dict[str, str] = {}  # check -> the no-cache row's detail
 
     def add(row: CheckRow) -> None:
         rows.append(row)
@@ -239,15 +248,43 @@ def run_checks(
             on_row(row)
 
     short = min(short_tokens, new_tokens)
-    for s in subjects:
-        why = s.unavailable()
-        if why:
-            add(skipped(s.cache, why))
-            continue
-        for names, fn in plan(s, checks, prompts, new_tokens, short):
-            for row in _guarded(s, names, fn):
-                add(row)
+    if baseline is not None and not any(not s.cached for s in subjects):
+        for row in _subject_rows(baseline, checks, prompts, new_tokens, short, {}):
+            if _note_model_failure(row, model_fails):
+                add(row)  # the model's own failure is reported, as the reason the caches' rows skip
+    for s in sorted(subjects, key=lambda s: s.cached):  # stable: the no-cache path first
+        for row in _subject_rows(s, checks, prompts, new_tokens, short, model_fails):
+            if not s.cached:
+                _note_model_failure(row, model_fails)
+            add(row)
     return rows
+
+
+def _subject_rows(s: Subject, checks, prompts, new: int, short: int, model_fails: dict[str, str]):
+    why = s.unavailable()
+    if why:
+        yield skipped(s.cache, why)
+        return
+    unjudged = s.model.unjudged(max(map(len, prompts)) + new)
+    for names, fn in plan(s, checks, prompts, new, short):
+        if s.cached and all(n in model_fails for n in names):
+            for n in names:
+                yield skipped(s.cache, f"not judged: the model fails it without a cache (see {n}/none)", n)
+            continue
+        for row in _guarded(s, names, fn):
+            measured = row.max_abs_diff is not None or row.first_divergence is not None
+            if unjudged and not row.passed and measured:  # a difference, not a crash
+                err = f"max |dlogit| {row.max_abs_diff:.3g}; " if row.max_abs_diff is not None else ""
+                row = skipped(s.cache, f"not judged exact: {unjudged}; measured: {err}{row.detail}", row.name)
+            yield row
+
+
+def _note_model_failure(row: CheckRow, model_fails: dict[str, str]) -> bool:
+    """Record a check the no-cache path fails (the caches' rows for it then skip); True if it failed."""
+    failed = not row.passed and not row.skipped and row.name != "reference"
+    if failed:
+        model_fails[row.name] = row.detail
+    return failed
 
 
 def validate_run(prompts: list[list[int]], new_tokens: int) -> None:

@@ -117,6 +117,7 @@ def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: 
         hf_bench_settings,
         sweep_warnings_hf,
     )
+    from kvbench.check.causal import refuse_non_causal
     from kvbench.devices import resolve_device, resolve_dtype
     from kvbench.hf.models import load_hf
     from kvbench.results import report
@@ -133,8 +134,13 @@ def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: 
     longest = max(settings.prompt_len) + settings.new_tokens
     loaded = load_hf(source, dev, dt, settings.seed, layers, trust, run=(settings.batch, longest),
                      check=lambda shape: check_sizes_hf(settings, shape, dt, dev))  # fmt: skip
+    refuse_non_causal(loaded)  # token agreement against recomputation means nothing otherwise
     engines = {"hf": HFModelEngine(loaded)}
+    untimed = [c for c in settings.caches if not engines["hf"].supports(c)]
+    settings.caches = [c for c in settings.caches if c not in untimed]
     notes = sweep_warnings_hf(settings, dev)
+    if untimed:
+        notes.append(f"{', '.join(untimed)} not timed: {engines['hf'].no_caches}")
     return (
         settings,
         out_dir,

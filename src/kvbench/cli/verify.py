@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager, redirect_stdout
 from typing import Annotated
 
 import typer
@@ -59,24 +61,25 @@ def verify(
     its own no-cache path. Exit 0 when every check passes, 1 when any fails. In fp16/bf16 a token flip at a
     near-tie that the logit error explains is reported, not failed."""
     on_row = None if json_out else verify_row
-    if hf is not None:
-        from kvbench.cli.hf import refuse_gpt2_options, run_verify_hf
+    with _json_safe(json_out):
+        if hf is not None:
+            from kvbench.cli.hf import refuse_gpt2_options, run_verify_hf
 
-        refuse_gpt2_options(
-            **{
-                "--model": model,
-                "--weights": weights != "auto",
-                "--reference": reference != "hf",
-                "--compile": compile != "off",
-            }
-        )
-        report, meta = run_verify_hf(
-            hf, caches=caches, prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, device=device,
-            dtype=dtype, seed=seed, layers=layers, trust=trust_remote_code, on_row=on_row,
-        )  # fmt: skip
-    else:
-        report, meta = _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weights, device, dtype,
-                                    seed, on_row, trust_remote_code, layers, compile)  # fmt: skip
+            refuse_gpt2_options(
+                **{
+                    "--model": model,
+                    "--weights": weights != "auto",
+                    "--reference": reference != "hf",
+                    "--compile": compile != "off",
+                }
+            )
+            report, meta = run_verify_hf(
+                hf, caches=caches, prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, device=device,
+                dtype=dtype, seed=seed, layers=layers, trust=trust_remote_code, on_row=on_row,
+            )  # fmt: skip
+        else:
+            report, meta = _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weights, device, dtype,
+                                        seed, on_row, trust_remote_code, layers, compile)  # fmt: skip
     if json_out:
         from dataclasses import asdict
 
@@ -85,6 +88,21 @@ def verify(
         render_verify(report, meta)
     if not report.passed:
         raise typer.Exit(1)
+
+
+@contextmanager
+def _json_safe(json_out: bool):
+    """With --json, stdout carries one JSON document whatever happens: a model's own print() goes to stderr while
+    it runs, and a refusal (exit 2) still prints {"passed": false, "error": ...} before its line on stderr."""
+    if not json_out:
+        yield
+        return
+    try:
+        with redirect_stdout(sys.stderr):
+            yield
+    except KVBenchError as e:
+        console.print_json({"passed": False, "error": str(e), "exit_code": 2})
+        raise
 
 
 def _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weights, device, dtype, seed, on_row,
@@ -168,7 +186,7 @@ def render_verify(report, meta: dict) -> None:
         out.print(styled(f"- {n}", "dim"), soft_wrap=True)
     judged = [r for r in report.checks if not r.skipped]
     skipped = len(report.checks) - len(judged)
-    also = f" ({skipped} cache(s) skipped: see the rows)" if skipped else ""
+    also = f" ({skipped} row(s) skipped: see the rows)" if skipped else ""
     failed = [f"{r.name}/{r.cache}" for r in judged if not r.passed]
     if failed:
         out.print(
@@ -179,7 +197,7 @@ def render_verify(report, meta: dict) -> None:
         )
     elif not judged:  # nothing failed because nothing ran: say so, not PASSED
         out.print(
-            line(styled("NOTHING CHECKED", "bold yellow"), f": all {skipped} cache(s) skipped (see the rows)")
+            line(styled("NOTHING CHECKED", "bold yellow"), f": all {skipped} row(s) skipped (see the rows)")
         )
     else:
         out.print(line(styled("PASSED", "bold green"), f" all {len(judged)} checks{also}"))

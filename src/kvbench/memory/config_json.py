@@ -83,8 +83,22 @@ def read_config_json(path: Path) -> dict[str, Any]:
     return cfg
 
 
+# Sizes a config may give per layer, as a list of whole numbers (Gemma 3n's intermediate_size).
+_PER_LAYER_FIELDS = ("intermediate_size",)
+
+
 def _check_int(value: Any, key: str, path: Path) -> None:
-    lo, hi = _INT_FIELDS[key.rpartition(".")[2]]
+    field = key.rpartition(".")[2].split("[")[0]
+    lo, hi = _INT_FIELDS[field]
+    if (
+        isinstance(value, list)
+        and "[" not in key
+        and field in _PER_LAYER_FIELDS
+        and 0 < len(value) <= MAX_LAYERS
+    ):
+        for i, v in enumerate(value):
+            _check_int(v, f"{key}[{i}]", path)
+        return
     if isinstance(value, bool) or not isinstance(value, int):
         kind = "true/false" if isinstance(value, bool) else type(value).__name__
         raise KVBenchError(f"{path}: {key} = {json.dumps(value)} must be a whole number ({kind} given)")

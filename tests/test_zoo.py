@@ -1,0 +1,240 @@
+"""verify --hf across transformers' model zoo, a fast subset: one type for each way a model can differ from a plain
+decoder with transformers' caches (per-layer head_dim, positions of its own, no left padding, no KV cache, a cache of
+its own, a recurrent state, sparse top-k attention, not causal at all, not runnable alone), each from the tiny config
+`kvbench.hf.tiny` writes, checked against plain transformers where kvbench claims a defect. The whole zoo is
+`make zoo` (scripts/zoo.py)."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbench.check.hf_verify import run_hf_verify
+from kvbench.check.verify import random_prompts
+from kvbench.errors import KVBenchError
+from kvbench.hf.models import cache_kwarg, load_hf, run_bytes
+from kvbench.hf.tiny import model_types, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+SHORT = ("logits", "greedy", "batched", "cache_state")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def config_file(tmp_path: Path, model_type: str, as_decoder: bool = True) -> Path:
+    path = tmp_path / model_type / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(tiny_config(model_type, as_decoder=as_decoder), default=str))
+    return path
+
+
+def verify(tmp_path, model_type, caches=("none", "dynamic", "static"), checks=SHORT, prompt=10, new=8, **kw):
+    loaded = load_hf(str(config_file(tmp_path, model_type, **kw)), CPU, torch.float32, init_std=0.05)
+    prompts = random_prompts(loaded.info.vocab_size, prompt, 3, seed=0)
+    report = run_hf_verify(loaded, list(caches), prompts, new, checks=checks, short_tokens=min(new, 16))
+    return loaded, {(r.name, r.cache): r for r in report.checks}, report
+
+
+def test_every_causal_lm_type_has_a_tiny_config():
+    types = model_types()
+    assert len(types) > 150 and {"llama", "gpt2", "gemma4_text", "mamba"} <= set(types)
+    c = tiny_config("llama")
+    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]) == (
+        64, 2, 4, 2,
+    )  # fmt: skip
+    hybrid = tiny_config("gemma3_text")  # one layer of each kind survives the cut
+    assert sorted(set(hybrid["layer_types"])) == ["full_attention", "sliding_attention"]
+    assert tiny_config("bart")["is_decoder"] and not tiny_config("bart")["is_encoder_decoder"]
+    assert tiny_config("bart", as_decoder=False)["is_encoder_decoder"]
+
+
+def test_plain_decoder_passes_every_row(tmp_path):
+    _, rows, report = verify(tmp_path, "llama")
+    assert report.passed and not any(r.skipped for r in rows.values()), rows
+
+
+def test_per_layer_head_dim_is_read_per_layer(tmp_path):
+    """Gemma 4's full-attention layers have their own head_dim (config.per_layer_config): reading it globally
+    raises in transformers 5.x."""
+    loaded, rows, report = verify(tmp_path, "gemma4_text", caches=("dynamic",), checks=("logits", "greedy"))
+    assert report.passed, rows
+    info = loaded.info
+    cfg = loaded.model.config.get_text_config(decoder=True)
+    widths = [layer.num_key_value_heads * layer.head_dim for layer in cfg.per_layer_config]
+    assert info.kv_widths == widths and len(set(widths)) == 2
+    # the memory allowance counts each layer's own width: K and V of every layer, twice (see run_bytes)
+    plain = run_bytes(info, 1, 10, 4) - run_bytes(info, 1, 0, 4)
+    assert plain >= 2 * 2 * sum(widths) * 10 * 4
+    assert any("head_dim 16 / 32 by layer" in n for n in report.notes)
+
+
+def test_positions_are_fed_as_generate_feeds_them(tmp_path):
+    """RoBERTa-family decoders count positions from padding_idx + 1 by default, while generate passes 0, 1, ...:
+    the logits reference must feed what generate feeds (else every row fails at the scale of the logits)."""
+    loaded, rows, _ = verify(tmp_path, "roberta", caches=("dynamic",), checks=("logits",))
+    assert rows["logits", "dynamic"].passed, rows["logits", "dynamic"]
+    ids = torch.tensor([[10, 11, 12, 13]])
+    default = loaded.model(input_ids=ids).logits
+    zero_based = loaded.model(input_ids=ids, position_ids=torch.arange(4)[None]).logits
+    assert (default - zero_based).abs().max() > 0.05  # the two position conventions really differ
+
+
+def test_a_model_without_left_padding_skips_the_cache_rows(tmp_path):
+    _, rows, report = verify(tmp_path, "blenderbot", prompt=32, new=16)
+    none = rows["batched", "none"]
+    assert not none.passed and "blenderbot does not support left-padded batches" in none.detail
+    assert "takes no position ids" in none.detail
+    for cache in ("dynamic", "static"):
+        row = rows["batched", cache]
+        assert row.skipped and "see batched/none" in row.detail
+        assert rows["logits", cache].passed and rows["greedy", cache].passed
+    assert not report.passed  # the model's own defect fails the run, on its own row
+
+
+def test_the_no_cache_baseline_runs_even_when_none_is_not_asked(tmp_path):
+    _, rows, _ = verify(tmp_path, "blenderbot", caches=("dynamic",), checks=("batched",), prompt=32, new=16)
+    # the model's own failure is reported even so: it is why the cache's row is skipped
+    assert not rows["batched", "none"].passed and rows["batched", "dynamic"].skipped
+
+
+@pytest.mark.parametrize(
+    "model_type, reason",
+    [
+        ("openai-gpt", "has no KV cache: its forward takes no cache"),
+        ("minimax", "keeps a cache of its own"),
+        ("mamba", "keeps a recurrent state, no KV cache"),
+    ],
+)
+def test_models_that_do_not_use_transformers_caches_skip_with_the_reason(tmp_path, model_type, reason):
+    _, rows, report = verify(tmp_path, model_type, caches=("dynamic", "static"), checks=("logits",))
+    assert report.passed
+    for cache in ("dynamic", "static"):
+        assert rows["-", cache].skipped and reason in rows["-", cache].detail
+
+
+def test_sparse_top_k_attention_is_judged_exactly_within_top_k_and_explained_beyond(tmp_path):
+    """A DSA indexer keeps the top 8 keys: beyond 8 keys a tie may pick differently in the cache and in the
+    recomputation (not judged, with the measured figures); at most 8 keys it is dense, judged exactly."""
+    _, rows, report = verify(tmp_path, "axk2", caches=("dynamic", "static"), prompt=4, new=4)
+    assert report.passed and not any(r.skipped for r in rows.values()), rows
+    _, rows, _ = verify(tmp_path, "axk2", caches=("dynamic", "static"), prompt=16, new=16)
+    unjudged = [r for r in rows.values() if r.skipped]
+    assert all("top 8 of up to" in r.detail and "measured:" in r.detail for r in unjudged)
+    assert all(r.passed for r in rows.values())
+
+
+@pytest.mark.parametrize(
+    "model_type, as_decoder, message",
+    [
+        ("cpmant", True, "cpmant is not a causal decoder here"),
+        (
+            "bert-generation",
+            False,
+            "its config has is_decoder: false (is_decoder: true runs it as a decoder)",
+        ),
+        ("xlnet", True, "its config has attn_type: 'bi'"),
+        ("xlm", True, "appends a mask token to every input in generate"),
+        ("gemma4_assistant", True, "cannot run on its own: its forward over 12 tokens raised ValueError"),
+    ],
+)
+def test_what_is_not_a_causal_decoder_is_refused_in_one_line(tmp_path, model_type, as_decoder, message):
+    with pytest.raises(KVBenchError) as e:
+        verify(tmp_path, model_type, caches=("dynamic",), checks=("logits",), as_decoder=as_decoder)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_gpt_neo_static_defect_matches_plain_transformers(tmp_path):
+    """kvbench fails GPT-Neo's StaticCache and passes its DynamicCache; plain transformers, with no kvbench code,
+    shows the same: a static-cache prefill differs from the no-cache forward (its local-attention window is taken
+    from the end of the static buffer)."""
+    from transformers import StaticCache
+
+    loaded, rows, _ = verify(
+        tmp_path, "gpt_neo", caches=("dynamic", "static"), checks=("logits",), prompt=20, new=8
+    )
+    assert rows["logits", "dynamic"].passed and not rows["logits", "static"].passed
+    model = loaded.model
+    ids = torch.randint(10, 1000, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+        cache = StaticCache(config=model.config, max_cache_len=40)
+        static = model(input_ids=ids, use_cache=True, **{cache_kwarg(): cache}).logits
+    assert (plain - static).abs().max() > 1e-3
+
+
+def test_the_sweep_writes_rows_as_it_goes_and_resumes(tmp_path):
+    out = tmp_path / "zoo"
+    cmd = [sys.executable, str(ROOT / "scripts" / "zoo.py"), "--out", str(out), "--new-tokens", "4",
+           "--caches", "none,dynamic"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    first = subprocess.run(
+        [*cmd, "--types", "llama,xlm"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert first.returncode == 0, first.stderr
+    rows = (out / "zoo.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[1].startswith("llama,0,") and rows[2].startswith("xlm,2,")
+    summary = (out / "summary.md").read_text()
+    assert "| pass | 1 |" in summary and "| refused | 1 |" in summary and "appends a mask token" in summary
+    again = subprocess.run([*cmd, "--types", "llama,xlm,openai-gpt"], capture_output=True, text=True, env=env,
+                           timeout=300)  # fmt: skip
+    assert (
+        again.returncode == 0
+        and "llama" not in again.stdout
+        and "openai-gpt: pass with skips" in again.stdout
+    )
+    assert len((out / "zoo.csv").read_text().splitlines()) == 4
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "kvbench", *args], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+
+
+def test_json_stays_one_document_when_the_model_prints_or_is_refused(tmp_path, monkeypatch):
+    """Some models print() from their forward (Reformer warns about its inputs on stdout); a refusal has no report:
+    with --json stdout is one JSON document either way."""
+    from transformers import LlamaForCausalLM
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    forward = LlamaForCausalLM.forward
+
+    def chatty(self, *args, **kwargs):
+        print("Warning: a model that talks on stdout")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", chatty)
+    r = CliRunner().invoke(app, ["verify", "--hf", str(config_file(tmp_path, "llama")), "--device", "cpu",
+                                 "--caches", "dynamic", "--new-tokens", "4", "--json"])  # fmt: skip
+    assert r.exit_code in (0, 1) and json.loads(r.stdout)["checks"], r.output
+    assert "a model that talks on stdout" in r.stderr
+    refused = _cli("verify", "--hf", str(config_file(tmp_path, "xlm")), "--json")
+    assert refused.returncode == 2 and json.loads(refused.stdout)["error"].endswith("--hf cannot check it")
+    assert refused.stderr.count("\n") == 1 and "appends a mask token" in refused.stderr
+
+
+def test_bench_hf_times_only_what_the_model_has(tmp_path):
+    """bench --hf follows verify's rules: a model without a KV cache times `none` only, and says why."""
+    r = _cli("bench", "--hf", str(config_file(tmp_path, "openai-gpt")), "--device", "cpu", "--prompt-len", "8",
+             "--new-tokens", "4", "--repeats", "1", "--warmup", "0", "--caches", "none,dynamic,static",
+             "--out", str(tmp_path / "run"))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "dynamic, static not timed: OpenAIGPTLMHeadModel has no KV cache" in r.stderr
+    rows = (tmp_path / "run" / "summary.csv").read_text().splitlines()
+    assert len(rows) == 2 and ",none," in rows[1]
