@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbench-installed
 
-.PHONY: install test verify lint format demo bench-quick bench-gpu clean
+.PHONY: install test verify lint format demo bench-quick bench-gpu zoo clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ demo: $(STAMP)
 	$(BIN)/kvbench bench --prompt-len 256 --new-tokens 24 --caches none,dynamic,static --engine kvbench,hf \
 		--repeats 1 --warmup 1
 	$(BIN)/kvbench memory --model llama-3-8b --ctx 8k,128k
+
+# verify --hf on every causal-LM type transformers has, each as a tiny random config (about 35 minutes on a 2-core
+# CPU; rows land in results/zoo/zoo.csv as they finish, a rerun resumes): results/zoo/summary.md (docs/verify.md).
+zoo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python scripts/zoo.py --out results/zoo --new-tokens 32
 
 bench-quick: $(STAMP)
 	$(BIN)/kvbench bench --config configs/bench/quick.toml

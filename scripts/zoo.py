@@ -64,7 +64,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=100)
     p.add_argument("--timeout", type=int, default=300, help="seconds per type")
     p.add_argument("--fresh", action="store_true", help="start over instead of keeping finished types")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.new_tokens < 2 or args.timeout < 1:
+        p.error("--new-tokens must be >= 2 (a decode step) and --timeout >= 1 second")
+    return args
 
 
 def _run_type(t: str, tiny_config, out: Path, args) -> dict:

@@ -238,3 +238,17 @@ def test_bench_hf_times_only_what_the_model_has(tmp_path):
     assert "dynamic, static not timed: OpenAIGPTLMHeadModel has no KV cache" in r.stderr
     rows = (tmp_path / "run" / "summary.csv").read_text().splitlines()
     assert len(rows) == 2 and ",none," in rows[1]
+
+
+def test_memory_refuses_per_layer_head_dim_in_one_line_and_takes_per_layer_widths(tmp_path):
+    """The planner holds one head_dim for all layers: a config that sets it per layer is refused by name, never
+    planned with one layer's value; a per-layer list of MLP widths (Gemma 3n) is a valid config field."""
+    r = _cli("memory", "--config", str(config_file(tmp_path, "gemma4_text")), "--ctx", "1k")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "gemma4_text sets head_dim per layer (16, 32 across its 2 layers)" in r.stderr
+    from kvbench.memory.config_json import check_fields
+
+    check_fields({"intermediate_size": [128, 256]}, tmp_path)
+    for bad in ([128, "a"], [], [True]):
+        with pytest.raises(KVBenchError, match="intermediate_size"):
+            check_fields({"intermediate_size": bad}, tmp_path)

@@ -47,6 +47,8 @@ def refuse_non_causal(loaded) -> None:
             f"--hf {loaded.source}: {info.architecture} cannot run on its own: {what}"
         ) from None
     got, want = full[0, :PREFIX].float().cpu(), part.logits[0].float().cpu()
+    if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        return  # nothing to judge here: every check then fails on the non-finite logits, saying so
     tol = tolerance(next(model.parameters()).dtype)
     ok, err = allclose_err(got, want, tol.rtol, tol.atol)
     if ok:

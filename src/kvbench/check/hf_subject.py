@@ -101,7 +101,7 @@ class HFModel:
         elif "position_ids" not in inspect.signature(model.forward).parameters:
             lacks = "its forward takes no position ids, so its positions count the pads"
         else:
-            lacks = "it takes position ids and a padding mask, yet the pads reach the real tokens"
+            lacks = "it takes position ids and an attention mask, yet the pads change the real tokens' logits: suspect how it derives positions or applies the mask"
         return f"with no cache at all: {info.model_type} does not support left-padded batches ({lacks})"
 
     def no_cache(self, prompt: list[int], new: int, cached: list[int]) -> NoCache:

@@ -89,7 +89,13 @@ def _fields(config: Any) -> dict[str, Any]:
     if isinstance(config, dict):
         return dict(config)
     fields = config.to_dict()
+    per_layer = set(
+        getattr(config, "per_layer_attributes", None) or ()
+    )  # transformers 5.x heterogeneous configs
     for attr in _RESOLVED_ATTRS:
+        if attr in per_layer:
+            fields[attr] = _one_value(config, attr)
+            continue
         try:
             fields[attr] = getattr(config, attr)
         except AttributeError:
@@ -100,6 +106,19 @@ def _fields(config: Any) -> dict[str, Any]:
                 f"{type(e).__name__}: {' '.join(str(e).split())}"
             ) from None
     return fields
+
+
+def _one_value(config: Any, attr: str) -> Any:
+    """An attribute the config sets per layer, where every layer has the same value; one line otherwise: the planner
+    holds one value for every layer (verify --hf and bench --hf read such configs layer by layer)."""
+    values = [getattr(layer, attr, None) for layer in config.per_layer_config]
+    if len(set(map(repr, values))) == 1:
+        return values[0]
+    shown = ", ".join(f"{v}" for v in dict.fromkeys(values))
+    raise KVBenchError(
+        f"{config.model_type} sets {attr} per layer ({shown} across its {len(values)} layers); the planner holds one "
+        f"{attr} for every layer and cannot plan this model (verify --hf and bench --hf read it layer by layer)"
+    )
 
 
 def _vision(config: Any) -> tuple[int | None, str]:
