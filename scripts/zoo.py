@@ -51,6 +51,13 @@ def main(argv: list[str]) -> int:
             f"[{i}/{len(types)}] {t}: {row['verdict']} ({row['seconds']} s) {row['failing'] or row['error']}"
         )
     rows = [done[t] for t in types if t in done]
+    others = [r for t, r in done.items() if t not in types]  # kept from an earlier run of other types
+    tmp = table.with_suffix(".tmp")
+    with tmp.open("w", newline="") as f:  # in transformers' order at the end, a resumed run's rows included
+        w = csv.DictWriter(f, FIELDS)
+        w.writeheader()
+        w.writerows(rows + others)
+    tmp.replace(table)
     (out / "summary.md").write_text(summary(rows, args))
     print(f"wrote {table} and {out / 'summary.md'}")
     return 0

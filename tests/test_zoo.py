@@ -182,20 +182,18 @@ def test_the_sweep_writes_rows_as_it_goes_and_resumes(tmp_path):
            "--caches", "none,dynamic"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     first = subprocess.run(
-        [*cmd, "--types", "llama,xlm"], capture_output=True, text=True, env=env, timeout=300
+        [*cmd, "--types", "openai-gpt,xlm"], capture_output=True, text=True, env=env, timeout=300
     )
     assert first.returncode == 0, first.stderr
     rows = (out / "zoo.csv").read_text().splitlines()
-    assert len(rows) == 3 and rows[1].startswith("llama,0,") and rows[2].startswith("xlm,2,")
+    assert len(rows) == 3 and rows[1].startswith("openai-gpt,0,") and rows[2].startswith("xlm,2,"), rows
     summary = (out / "summary.md").read_text()
-    assert "| pass | 1 |" in summary and "| refused | 1 |" in summary and "appends a mask token" in summary
-    again = subprocess.run([*cmd, "--types", "llama,xlm,openai-gpt"], capture_output=True, text=True, env=env,
-                           timeout=300)  # fmt: skip
-    assert (
-        again.returncode == 0
-        and "llama" not in again.stdout
-        and "openai-gpt: pass with skips" in again.stdout
+    assert "| pass with skips | 1 |" in summary and "| refused | 1 |" in summary
+    assert "appends a mask token" in summary and "has no KV cache" in summary  # the refusal, the skip reason
+    again = subprocess.run(
+        [*cmd, "--types", "openai-gpt,xlm,cpmant"], capture_output=True, text=True, env=env, timeout=300
     )
+    assert again.returncode == 0 and "openai-gpt" not in again.stdout and "cpmant: refused" in again.stdout
     assert len((out / "zoo.csv").read_text().splitlines()) == 4
 
 
@@ -240,12 +238,28 @@ def test_bench_hf_times_only_what_the_model_has(tmp_path):
     assert len(rows) == 2 and ",none," in rows[1]
 
 
-def test_memory_refuses_per_layer_head_dim_in_one_line_and_takes_per_layer_widths(tmp_path):
-    """The planner holds one head_dim for all layers: a config that sets it per layer is refused by name, never
-    planned with one layer's value; a per-layer list of MLP widths (Gemma 3n) is a valid config field."""
-    r = _cli("memory", "--config", str(config_file(tmp_path, "gemma4_text")), "--ctx", "1k")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert "gemma4_text sets head_dim per layer (16, 32 across its 2 layers)" in r.stderr
+def test_memory_plans_per_layer_head_dim_as_transformers_allocates_it(tmp_path):
+    """Gemma 4 sets head_dim per layer: the planner counts each layer's own K/V shape, to the byte of transformers'
+    own StaticCache (--check), and the per-token figure is the sum over layers of 2 x kv_heads x head_dim x 2 B."""
+    from transformers import AutoConfig
+
+    path = config_file(tmp_path, "gemma4_text")
+    r = _cli("memory", "--config", str(path), "--ctx", "64,1k", "--check", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    cfg = AutoConfig.from_pretrained(path.parent)
+    want = sum(2 * layer.num_key_value_heads * layer.head_dim * 2 for layer in cfg.per_layer_config)
+    assert {layer.head_dim for layer in cfg.per_layer_config} == {16, 32}
+    plan = doc["plans"][0] if "plans" in doc else doc
+    assert plan["bytes_per_token"] == want, plan["bytes_per_token"]
+    assert "agrees to the byte" in json.dumps(doc) and "differs" not in json.dumps(doc).lower()
+    # an attribute the planner holds once for every layer, set per layer: refused by name
+    r = _cli("memory", "--config", str(config_file(tmp_path, "dots3_note_text")), "--ctx", "1k")
+    assert r.returncode == 2 and "sets kv_lora_rank per layer" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_a_per_layer_mlp_width_list_is_a_valid_config_field(tmp_path):
+    """Gemma 3n gives intermediate_size per layer, as a list of whole numbers."""
     from kvbench.memory.config_json import check_fields
 
     check_fields({"intermediate_size": [128, 256]}, tmp_path)

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvbench.errors import KVBenchError
 from kvbench.memory.formats import KVFormat, get_kv_format
-from kvbench.memory.formulas import layer_bytes_per_token
+from kvbench.memory.formulas import bytes_per_sequence, layer_bytes_per_token
 from kvbench.memory.resolve import Resolved, quiet_transformers
 from kvbench.memory.spec import ModelSpec
 from kvbench.memory.units import fmt_int
@@ -190,18 +190,17 @@ def _planner_side(
     spec: ModelSpec, fmt: KVFormat, ctx: int, batch: int
 ) -> dict[str, tuple[list[int], int, str]]:
     """kind -> (layer indices, bytes, what one layer holds) as the planner counts them."""
-    per_layer = layer_bytes_per_token(spec, fmt)
-    vectors, n = spec.layer_vectors()
     windowed = set(spec.sliding_layers)
     out: dict[str, tuple[list[int], int, str]] = {}
     for kind in ("full", spec.window_kind):
         layers = [i for i in range(spec.n_layers) if (i in windowed) == (kind != "full")]
         if layers:
             tokens = spec.tokens_held(layers[0], ctx)
+            vectors, n = spec.layer_vectors(layer=layers[0])
             what = f"latent {n}" if spec.is_mla else f"K and V {vectors // 2}x{n}"
             out[kind] = (
                 layers,
-                per_layer * tokens * batch * len(layers),
+                sum(layer_bytes_per_token(spec, fmt, None, i) for i in layers) * tokens * batch,
                 f"{what} x {fmt_int(tokens)} tokens",
             )
     return out
@@ -270,7 +269,7 @@ def _compare(spec: ModelSpec, fmt: KVFormat, ctx: int, batch: int, layers: list)
 
 
 def _unchecked(spec: ModelSpec, fmt: KVFormat, ctxs: list[int], batch: int, why: str) -> list[CacheCheck]:
-    total = {c: layer_bytes_per_token(spec, fmt) * spec.held(c) * batch for c in ctxs}
+    total = {c: bytes_per_sequence(spec, fmt, c) * batch for c in ctxs}
     how = f"not checkable: {why}"
     return [CacheCheck(spec.name, c, batch, fmt.name, False, how, total[c], None, None) for c in ctxs]
 

@@ -36,15 +36,29 @@ def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
     return 1
 
 
-def layer_bytes_per_token(spec: ModelSpec, fmt: KVFormat, kv_heads: int | None = None) -> int:
-    """Bytes one layer caches per token (kv_heads: the heads one GPU holds, default all)."""
-    vectors, n = spec.layer_vectors(kv_heads)
+def layer_bytes_per_token(
+    spec: ModelSpec, fmt: KVFormat, kv_heads: int | None = None, layer: int | None = None
+) -> int:
+    """Bytes one layer caches per token (kv_heads: the heads one GPU holds, default all; layer: that layer's own
+    shape where layers differ, spec.layer_kv; None: the model-wide shape)."""
+    vectors, n = spec.layer_vectors(kv_heads, layer)
     return vectors * fmt.vector_bytes(n)
+
+
+def token_bytes(spec: ModelSpec, fmt: KVFormat, kv_heads: int | None = None) -> int:
+    """Bytes one token adds to the cache over every layer."""
+    if not spec.layer_kv:
+        return layer_bytes_per_token(spec, fmt, kv_heads) * spec.n_layers
+    return sum(layer_bytes_per_token(spec, fmt, kv_heads, i) for i in range(spec.n_layers))
 
 
 def bytes_per_sequence(spec: ModelSpec, fmt: KVFormat, ctx: int, kv_heads: int | None = None) -> int:
     """Cache bytes of one sequence of ctx tokens: each layer holds ctx tokens, or its window."""
-    return layer_bytes_per_token(spec, fmt, kv_heads) * spec.held(ctx)
+    if not spec.layer_kv:
+        return layer_bytes_per_token(spec, fmt, kv_heads) * spec.held(ctx)
+    return sum(
+        layer_bytes_per_token(spec, fmt, kv_heads, i) * spec.tokens_held(i, ctx) for i in range(spec.n_layers)
+    )
 
 
 def state_element_bytes(fmt: KVFormat) -> int:
@@ -83,6 +97,8 @@ def per_token_working(spec: ModelSpec, fmt: KVFormat, kv_heads: int, total: int,
             f" = {fmt_int(total)} B = {fmt_bytes(total)}   [MLA: one latent per token per layer, no factor 2, "
             f"no KV heads]"
         )
+    if spec.layer_kv:
+        return _per_layer_working(spec, fmt, kv_heads, total, label)
     heads = f"{kv_heads} kv_heads" + (f" (of {spec.n_kv_heads})" if kv_heads != spec.n_kv_heads else "")
     if fmt.group_size:
         vec = f"{fmt.working(spec.head_dim)} per {spec.head_dim}-element head vector"
@@ -96,6 +112,17 @@ def per_token_working(spec: ModelSpec, fmt: KVFormat, kv_heads: int, total: int,
     )
 
 
+def _per_layer_working(spec: ModelSpec, fmt: KVFormat, kv_heads: int, total: int, label: str) -> str:
+    """The per-token formula of a model whose layers differ in K/V shape: one term per distinct shape."""
+    counts: dict[tuple[int, int], int] = {}
+    for i in range(spec.n_layers):
+        shape = spec.layer_shape(i, kv_heads)
+        counts[shape] = counts.get(shape, 0) + 1
+    size = lambda d: fmt.working(d) if fmt.group_size else f"{d} head_dim x {fmt.bits / 8:g} B"  # noqa: E731
+    terms = " + ".join(f"{n} layers x {h} kv_heads x {size(d)}" for (h, d), n in counts.items())
+    return f"{label}: 2 (K and V) x ({terms}) ({fmt.name}) = {fmt_int(total)} B = {fmt_bytes(total)}"
+
+
 def tp_working(spec: ModelSpec, fmt: KVFormat, tp: int, kvh: int, per_token: int) -> str:
     """How the per-token bytes divide over tp GPUs (MLA's latent does not)."""
     if spec.is_mla:
@@ -103,9 +130,7 @@ def tp_working(spec: ModelSpec, fmt: KVFormat, tp: int, kvh: int, per_token: int
             f"per GPU (tp {tp}): the MLA latent is shared by all heads, so tensor parallelism cannot split it; "
             f"every rank holds the whole {fmt_bytes(per_token)}/token"
         )
-    line = per_token_working(
-        spec, fmt, kvh, layer_bytes_per_token(spec, fmt, kvh) * spec.n_layers, f"per GPU (tp {tp})"
-    )
+    line = per_token_working(spec, fmt, kvh, token_bytes(spec, fmt, kvh), f"per GPU (tp {tp})")
     if kvh * tp > spec.n_kv_heads:
         return (
             line

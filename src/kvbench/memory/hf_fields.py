@@ -213,8 +213,11 @@ def spec_from_fields(cfg: dict[str, Any], src: Source) -> ModelSpec:
         hd = head_dim(cfg, hidden, n_heads, path)
     max_keys = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_sequence_length")
     max_ctx = cfg_int(cfg, max_keys, path, False)
-    # recurrent layers have parameters of their own kinds: counted on the meta device where transformers can
-    params = estimate_params(cfg, Shape(n_layers, n_heads, n_kv, hd, hidden)) if state is None else None
+    layer_kv = _layer_kv(cfg, n_layers, n_kv, hd, state, path) if n_attn else ()
+    # recurrent layers, and layers of different shapes, have parameters the dense estimate does not describe:
+    # counted on the meta device where transformers can
+    dense = state is None and not layer_kv
+    params = estimate_params(cfg, Shape(n_layers, n_heads, n_kv, hd, hidden)) if dense else None
     notes = [src.note] if src.note else []
     if not max_ctx and n_attn:
         notes.append("config.json gives no max_position_embeddings: beyond-context warnings are off")
@@ -241,4 +244,21 @@ def spec_from_fields(cfg: dict[str, Any], src: Source) -> ModelSpec:
         resolved_by=src.resolved_by,
         note="; ".join(notes),
         **_state_fields(state, n_layers),
+        layer_kv=layer_kv,
     )
+
+
+def _layer_kv(cfg: dict[str, Any], n_layers: int, n_kv: int, hd: int, state, path: Path) -> tuple:
+    """(key/value heads, head_dim) per layer where the config sets them per layer (resolve.py reads
+    per_layer_config into `<attr>_per_layer`); () when every layer has the same."""
+    kvs = cfg.get("num_key_value_heads_per_layer") or [n_kv] * n_layers
+    dims = cfg.get("head_dim_per_layer") or [hd] * n_layers
+    shapes = list(zip(kvs, dims, strict=False))
+    if len(set(shapes)) <= 1:
+        return ()
+    if state is not None or cfg.get("kv_lora_rank") is not None or len(shapes) != n_layers:
+        raise KVBenchError(f"{path}: per-layer key/value shapes on a hybrid or MLA model are not planned yet")
+    bad = [x for s in shapes for x in s if type(x) is not int or x <= 0]
+    if bad:
+        raise KVBenchError(f"{path}: per-layer key/value heads and head_dim must be positive whole numbers")
+    return tuple(shapes)

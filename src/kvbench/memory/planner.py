@@ -16,6 +16,7 @@ from kvbench.memory.formulas import (
     per_token_working,
     state_bytes,
     state_working,
+    token_bytes,
     tp_working,
 )
 from kvbench.memory.spec import GPUSpec, ModelSpec
@@ -226,16 +227,26 @@ def _seq_working(spec: ModelSpec, s: _Sizes, ctx: int, held: int) -> str:
     kv = _kv_working(spec, s, ctx, held)
     if not s.state:
         return kv
-    total = s.per_layer * held + s.state
+    total = bytes_per_sequence(spec, s.fmt, ctx) + s.state
     if not spec.kv_cache:
         return f"{fmt_tokens(ctx)}: recurrent state {fmt_int(s.state)} B = {fmt_bytes(total)} per sequence (no KV cache)"
     return f"{kv} + recurrent state {fmt_int(s.state)} B = {fmt_bytes(total)} per sequence"
 
 
 def _kv_working(spec: ModelSpec, s: _Sizes, ctx: int, held: int) -> str:
-    per_seq = s.per_layer * held
+    per_seq = bytes_per_sequence(spec, s.fmt, ctx)
+    if spec.layer_kv and held != ctx * spec.n_layers:
+        kinds = [("full", [i for i in range(spec.n_layers) if i not in spec.sliding_layers], ctx)]
+        kinds.append((spec.window_kind, list(spec.sliding_layers), min(ctx, spec.sliding_window or ctx)))
+        terms = " + ".join(
+            f"{len(ls)} {kind} layers ({fmt_int(sum(layer_bytes_per_token(spec, s.fmt, None, i) for i in ls))} "
+            f"B/token) x {fmt_int(n)} tokens"
+            for kind, ls, n in kinds
+            if ls
+        )
+        return f"{fmt_tokens(ctx)}: {terms} = {fmt_int(per_seq)} B = {fmt_bytes(per_seq)} per sequence"
     if held == ctx * spec.n_layers:
-        per_token = s.per_layer * spec.n_layers
+        per_token = token_bytes(spec, s.fmt)
         return (
             f"{fmt_tokens(ctx)}: {fmt_int(per_token)} B/token x {fmt_int(ctx)} tokens = {fmt_int(per_seq)} B = "
             f"{fmt_bytes(per_seq)} per sequence"
@@ -265,8 +276,8 @@ def _fit_working(row: PlanRow, budget: GPUBudget, ctx: int) -> str:
 
 def _row(spec: ModelSpec, s: _Sizes, ctx: int) -> PlanRow:
     held = spec.held(ctx)
-    per_seq = s.per_layer * held + s.state
-    per_seq_gpu = s.per_layer_gpu * held + s.state_gpu
+    per_seq = bytes_per_sequence(spec, s.fmt, ctx) + s.state
+    per_seq_gpu = bytes_per_sequence(spec, s.fmt, ctx, s.kv_heads_gpu) + s.state_gpu
     per_gpu = per_seq_gpu * s.batch
     row = PlanRow(
         ctx=ctx, batch=s.batch, tokens_held=held, bytes_per_seq=per_seq, bytes_batch=per_seq * s.batch,
@@ -312,8 +323,8 @@ def plan(
     """Bytes per token, per sequence, per batch and per GPU for `spec` at each context, with the working."""
     _check_request(contexts, batch)
     fmt, wbits, kvh = get_kv_format(kv_dtype), weight_bits(weights_dtype), kv_heads_per_gpu(spec, tp)
-    per_layer = layer_bytes_per_token(spec, fmt)
-    per_token = per_layer * spec.n_layers
+    per_layer = layer_bytes_per_token(spec, fmt)  # the model-wide shape's (per_token says all layers)
+    per_token = token_bytes(spec, fmt)
     state, state_gpu = state_bytes(spec, fmt), state_bytes(spec, fmt, tp)
     working = _kv_lines(spec, fmt, tp, kvh, per_token)
     if spec.state_layers:

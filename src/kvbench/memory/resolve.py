@@ -89,12 +89,12 @@ def _fields(config: Any) -> dict[str, Any]:
     if isinstance(config, dict):
         return dict(config)
     fields = config.to_dict()
-    per_layer = set(
-        getattr(config, "per_layer_attributes", None) or ()
-    )  # transformers 5.x heterogeneous configs
+    # transformers 5.x heterogeneous configs: every attribute a layer may override, read layer by layer
+    per_layer = sorted(getattr(config, "per_layer_attributes", None) or ())
+    for attr in per_layer:
+        _per_layer_values(config, attr, fields)
     for attr in _RESOLVED_ATTRS:
         if attr in per_layer:
-            fields[attr] = _one_value(config, attr)
             continue
         try:
             fields[attr] = getattr(config, attr)
@@ -108,16 +108,26 @@ def _fields(config: Any) -> dict[str, Any]:
     return fields
 
 
-def _one_value(config: Any, attr: str) -> Any:
-    """An attribute the config sets per layer, where every layer has the same value; one line otherwise: the planner
-    holds one value for every layer (verify --hf and bench --hf read such configs layer by layer)."""
+# Attributes a config may set per layer that the planner reads layer by layer (the K/V shape of each layer; the
+# parameters of such a model are counted on transformers' meta-device model).
+PER_LAYER_ATTRS = ("head_dim", "num_key_value_heads", "num_attention_heads")
+
+
+def _per_layer_values(config: Any, attr: str, fields: dict[str, Any]) -> None:
+    """An attribute the config sets per layer (transformers 5.x per_layer_config): one value where every layer has
+    the same, else the list as `<attr>_per_layer` beside layer 0's value; one line for any other attribute that
+    varies, which the planner holds once for every layer."""
     values = [getattr(layer, attr, None) for layer in config.per_layer_config]
+    fields[attr] = values[0]
     if len(set(map(repr, values))) == 1:
-        return values[0]
+        return
+    if attr in PER_LAYER_ATTRS:
+        fields[f"{attr}_per_layer"] = values
+        return
     shown = ", ".join(f"{v}" for v in dict.fromkeys(values))
     raise KVBenchError(
         f"{config.model_type} sets {attr} per layer ({shown} across its {len(values)} layers); the planner holds one "
-        f"{attr} for every layer and cannot plan this model (verify --hf and bench --hf read it layer by layer)"
+        f"{attr} for every layer (it plans head_dim and key/value heads per layer) and cannot plan this model yet"
     )
 
 
@@ -152,14 +162,14 @@ def _transformers_spec(config: Any, path: Path, raw: dict[str, Any]) -> Resolved
         note=vision_note,
     )
     spec = spec_from_fields(_fields(text), src)
-    if spec.state_layers and spec.params is None:
+    if (spec.state_layers or spec.layer_kv) and spec.params is None:
         spec = _counted_params(spec, text)
     return Resolved(spec, config, text)
 
 
 def _counted_params(spec: ModelSpec, text: Any) -> ModelSpec:
-    """A model with recurrent layers: its parameters counted on transformers' own model, built on the meta device
-    (no memory), since the dense-transformer estimate does not describe its layers."""
+    """A model with recurrent layers, or with layers of different shapes: its parameters counted on transformers'
+    own model, built on the meta device (no memory), since the dense-transformer estimate does not describe them."""
     # transformers (and torch) only on the --config path: the planner runs on the standard library
     import torch
     from transformers import AutoModelForCausalLM

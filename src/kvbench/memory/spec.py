@@ -47,6 +47,10 @@ class ModelSpec:
     state_layers: int = 0  # layers that keep a recurrent state (a hybrid's attention layers may keep one too)
     state_elements: int | None = None  # that state's elements per sequence, all layers (None: not sized)
     state_working: str = ""  # how state_elements was computed, with the config's numbers
+    # (key/value heads, head_dim) of each attention layer where the config sets them per layer (transformers 5.x
+    # per_layer_config: Gemma 4's full-attention layers have their own head_dim); empty: every layer has
+    # n_kv_heads x head_dim
+    layer_kv: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         assert self.n_layers >= 0 and self.hidden_size > 0, f"{self.name}: layers {self.n_layers}"
@@ -60,6 +64,9 @@ class ModelSpec:
             f"{self.name}: windowed layers without a window"
         )
         assert self.window_kind in WINDOW_KINDS, f"{self.name}: window kind {self.window_kind!r}"
+        assert not self.layer_kv or (len(self.layer_kv) == self.n_layers and not self.is_mla), (
+            f"{self.name}: per-layer K/V shapes for {len(self.layer_kv)} of {self.n_layers} layers"
+        )
 
     @property
     def is_mla(self) -> bool:
@@ -88,7 +95,18 @@ class ModelSpec:
             return "-"
         if self.is_mla:
             return f"latent {self.kv_lora_rank}+{self.qk_rope_head_dim}"
-        return f"{self.n_kv_heads}x{self.head_dim}"
+        shapes = dict.fromkeys(self.layer_kv or [(self.n_kv_heads, self.head_dim)])
+        return " / ".join(f"{h}x{d}" for h, d in shapes) + (" by layer" if len(shapes) > 1 else "")
+
+    def layer_shape(self, layer: int | None = None, kv_heads: int | None = None) -> tuple[int, int]:
+        """(key/value heads, head_dim) of layer `layer` (None: the model-wide values); `kv_heads`: the heads one
+        GPU holds of the model-wide n_kv_heads under tensor parallelism, scaled to this layer's heads."""
+        heads, dim = (
+            self.layer_kv[layer] if self.layer_kv and layer is not None else (self.n_kv_heads, self.head_dim)
+        )
+        if kv_heads is not None and kv_heads != self.n_kv_heads:
+            heads = max(1, heads * kv_heads // self.n_kv_heads)
+        return heads, dim
 
     @property
     def n_windowed(self) -> int:
@@ -103,11 +121,13 @@ class ModelSpec:
         """'sliding-window' or 'chunked-attention', for notes and captions."""
         return "sliding-window" if self.window_kind == "sliding" else "chunked-attention"
 
-    def layer_vectors(self, kv_heads: int | None = None) -> tuple[int, int]:
-        """(vectors, elements per vector) one layer caches per token: 2 x kv_heads of head_dim, or one MLA latent."""
+    def layer_vectors(self, kv_heads: int | None = None, layer: int | None = None) -> tuple[int, int]:
+        """(vectors, elements per vector) one layer caches per token: 2 x kv_heads of head_dim, or one MLA latent.
+        `layer`: that layer's own shape where they differ (layer_kv)."""
         if self.is_mla:
             return 1, self.kv_lora_rank + self.qk_rope_head_dim
-        return 2 * (self.n_kv_heads if kv_heads is None else kv_heads), self.head_dim
+        heads, dim = self.layer_shape(layer, kv_heads)
+        return 2 * heads, dim
 
     def tokens_held(self, layer: int, ctx: int) -> int:
         """Tokens layer `layer` must keep for a sequence of ctx tokens: all of them, or the window."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from kvbench.errors import KVBenchError
 from kvbench.memory.formats import get_kv_format
-from kvbench.memory.formulas import layer_bytes_per_token
+from kvbench.memory.formulas import layer_bytes_per_token, token_bytes
 from kvbench.memory.spec import ModelSpec
 from kvbench.memory.units import MAX_BATCH, MAX_TOKENS, fmt_bytes, fmt_int
 
@@ -57,10 +57,13 @@ def copy_traffic(spec: ModelSpec, n0: int, n1: int, batch: int = 1, kv_dtype: st
     """
     check_copy_range(n0, n1, batch)
     fmt = get_kv_format(kv_dtype)
-    per_layer = layer_bytes_per_token(spec, fmt)
-    per_token = per_layer * spec.n_layers
-    held = spec.n_full * _sum_held(n0, n1, None) + spec.n_windowed * _sum_held(n0, n1, spec.sliding_window)
-    exact = per_layer * held * batch
+    per_token = token_bytes(spec, fmt)
+    windowed = set(spec.sliding_layers)
+    exact = batch * sum(
+        layer_bytes_per_token(spec, fmt, None, i)
+        * _sum_held(n0, n1, spec.sliding_window if i in windowed else None)
+        for i in range(spec.n_layers)
+    )
     approx = per_token * (n1 * n1 - n0 * n0) // 2 * batch
     steps = (n1 - n0) * (n0 + n1 - 1) // 2
     b = f" x {batch} sequences" if batch > 1 else ""
