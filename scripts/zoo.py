@@ -33,10 +33,19 @@ def main(argv: list[str]) -> int:
     from kvbench.hf.tiny import model_types, tiny_config
 
     out = Path(args.out)
-    (out / "configs").mkdir(parents=True, exist_ok=True)
+    try:
+        (out / "configs").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _fail(f"--out {out}: {e.strerror or e}")
     table = out / "zoo.csv"
-    done = {} if args.fresh or not table.exists() else {r["type"]: r for r in csv.DictReader(table.open())}
-    types = args.types.split(",") if args.types else model_types()
+    done = {} if args.fresh or not table.exists() else _finished(table)
+    types = (
+        list(dict.fromkeys(t.strip() for t in args.types.split(",") if t.strip()))
+        if args.types
+        else model_types()
+    )
+    if not types:
+        _fail("--types names no model type")
     if not table.exists() or args.fresh:
         with table.open("w", newline="") as f:
             csv.DictWriter(f, FIELDS).writeheader()
@@ -61,6 +70,21 @@ def main(argv: list[str]) -> int:
     (out / "summary.md").write_text(summary(rows, args))
     print(f"wrote {table} and {out / 'summary.md'}")
     return 0
+
+
+def _fail(message: str) -> None:
+    """Bad input: one line on stderr, exit 2 (as argparse does)."""
+    print(f"zoo.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _finished(table: Path) -> dict[str, dict]:
+    """The rows of an earlier run, to resume from; one line when the file is not this script's table."""
+    with table.open(newline="") as f:
+        reader = csv.DictReader(f)
+        if tuple(reader.fieldnames or ()) != FIELDS:
+            _fail(f"{table} is not a zoo table (columns {', '.join(FIELDS)}); use --fresh")
+        return {r["type"]: r for r in reader}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -266,3 +266,23 @@ def test_a_per_layer_mlp_width_list_is_a_valid_config_field(tmp_path):
     for bad in ([128, "a"], [], [True]):
         with pytest.raises(KVBenchError, match="intermediate_size"):
             check_fields({"intermediate_size": bad}, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--new-tokens", "1"], "--new-tokens must be >= 2"),
+        (["--types", ",,"], "--types names no model type"),
+        (["--out", "FILE"], "Not a directory"),
+        (["--out", "BADTABLE"], "is not a zoo table"),
+    ],
+)
+def test_the_sweep_refuses_bad_input_in_one_line(tmp_path, args, message):
+    (tmp_path / "FILE").write_text("x")
+    (tmp_path / "BADTABLE").mkdir()
+    (tmp_path / "BADTABLE" / "zoo.csv").write_text("a,b\n1,2\n")
+    args = [str(tmp_path / a) if a in ("FILE", "BADTABLE") else a for a in args]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "zoo.py"), "--types", "xlm", *args],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert (tmp_path / "BADTABLE" / "zoo.csv").read_text() == "a,b\n1,2\n"  # nothing overwritten
