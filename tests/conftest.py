@@ -23,6 +23,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: stable and fast on a small, shared machine (modules that time or run many
+    small models use it: pytestmark = pytest.mark.usefixtures("one_thread"))."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_config() -> GPTConfig:
     return GPTConfig(**TINY)

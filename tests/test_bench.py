@@ -33,14 +33,7 @@ ISSUE_COLUMNS = (
 SWEEP_MODEL = dict(n_layer=2, n_head=4, n_embd=256, n_positions=512, vocab_size=2000)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared, oversubscribed 2-core machine torch's default of 2 spinning OpenMP threads
-    makes a step 10-100x slower and the timings erratic; one thread keeps these timing-based checks fast and stable."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

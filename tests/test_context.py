@@ -26,13 +26,7 @@ from kvbench.model.gpt2 import PRESETS
 BW = Bandwidth(read_gbps=20.0, copy_gbps=15.0, nbytes=1, device="cpu")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread, as in test_bench.py: stable and fast on a small, shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

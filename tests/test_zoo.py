@@ -27,12 +27,7 @@ CPU = torch.device("cpu")
 SHORT = ("logits", "greedy", "batched", "cache_state")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config_file(tmp_path: Path, model_type: str, as_decoder: bool = True) -> Path:
