@@ -46,10 +46,11 @@ demo: $(STAMP)
 		--repeats 1 --warmup 1
 	$(BIN)/kvbench memory --model llama-3-8b --ctx 8k,128k
 
-# verify --hf on every causal-LM type transformers has, each as a tiny random config (about 35 minutes on a 2-core
-# CPU; rows land in results/zoo/zoo.csv as they finish, a rerun resumes): results/zoo/summary.md (docs/verify.md).
+# verify --hf on every causal-LM type transformers has, each as a tiny random config (about 30 minutes on a 2-core
+# CPU), afresh: results/zoo/zoo.csv (a row per type as it finishes) and summary.md (docs/verify.md). An interrupted
+# sweep resumes with the same command without --fresh.
 zoo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python scripts/zoo.py --out results/zoo --new-tokens 32
+	HF_HUB_OFFLINE=1 $(BIN)/python scripts/zoo.py --out results/zoo --new-tokens 32 --fresh
 
 bench-quick: $(STAMP)
 	$(BIN)/kvbench bench --config configs/bench/quick.toml

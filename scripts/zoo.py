@@ -7,14 +7,15 @@
 For each type it writes OUT/configs/<type>/config.json, runs `kvbench verify --hf <it> --device cpu --json` in its
 own process (a crash, a hang or an exit inside transformers cannot stop the sweep) and appends one row to
 OUT/zoo.csv as it finishes: type, exit code, seconds, verdict, failing rows, skip reasons, the refusal line. A rerun
-keeps the rows already there and runs only the missing types (--fresh starts over). OUT/summary.md counts the
-verdicts: pass, pass with skips (grouped by reason), fail (the failing rows), refused (exit 2, its line), crashed
+keeps the rows already there and runs only the missing types, writing every type's config either way (--fresh
+starts over). OUT/summary.md counts the verdicts: pass, pass with skips (grouped by reason), fail (the failing rows), refused (exit 2, its line), crashed
 (exit 70), timed out, and types whose default config transformers itself cannot build.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -49,16 +50,25 @@ def main(argv: list[str]) -> int:
     if not table.exists() or args.fresh:
         with table.open("w", newline="") as f:
             csv.DictWriter(f, FIELDS).writeheader()
+    ran = 0
     for i, t in enumerate(types, 1):
-        if t in done:
+        if t in done:  # finished earlier: its config is written again (the reproducers read it), not rerun
+            with contextlib.suppress(Exception):  # a type whose default config does not build has none
+                _write_config(t, tiny_config, out)
             continue
         row = _run_type(t, tiny_config, out, args)
+        ran += 1
         with table.open("a", newline="") as f:  # as it goes: an interrupted sweep keeps every finished type
             csv.DictWriter(f, FIELDS).writerow(row)
         done[t] = row
         print(
             f"[{i}/{len(types)}] {t}: {row['verdict']} ({row['seconds']} s) {row['failing'] or row['error']}"
         )
+    if not ran:  # every type had a row: the table and its summary stay as they were made
+        print(
+            f"nothing to run: every type is in {table} (configs written to {out / 'configs'}; --fresh reruns)"
+        )
+        return 0
     rows = [done[t] for t in types if t in done]
     others = [r for t, r in done.items() if t not in types]  # kept from an earlier run of other types
     tmp = table.with_suffix(".tmp")
@@ -105,13 +115,10 @@ def _run_type(t: str, tiny_config, out: Path, args) -> dict:
     row = dict.fromkeys(FIELDS, "")
     row["type"] = t
     try:
-        config = tiny_config(t)
+        path = _write_config(t, tiny_config, out)
     except Exception as e:  # transformers' own default config for this type does not build
         row.update(exit="", seconds=0, verdict="no config", error=_line(f"{type(e).__name__}: {e}"))
         return row
-    path = out / "configs" / t / "config.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=1, default=str) + "\n")
     cmd = [sys.executable, "-m", "kvbench", "verify", "--hf", str(path), "--device", "cpu", "--caches", args.caches,
            "--new-tokens", str(args.new_tokens), "--json"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -124,6 +131,14 @@ def _run_type(t: str, tiny_config, out: Path, args) -> dict:
     row["seconds"] = round(time.perf_counter() - t0, 1)
     row["exit"] = proc.returncode
     return {**row, **_judged(proc)}
+
+
+def _write_config(t: str, tiny_config, out: Path) -> Path:
+    path = out / "configs" / t / "config.json"
+    config = tiny_config(t)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=1, default=str) + "\n")
+    return path
 
 
 def _judged(proc: subprocess.CompletedProcess) -> dict:
