@@ -35,7 +35,7 @@ format: $(STAMP)
 	$(BIN)/ruff format src tests
 	$(BIN)/ruff check --fix src tests
 
-# A short tour on the default device (about 1.5 minutes on a 2-core CPU once .venv exists): generate, verify, break, a small bench
+# A short tour on the default device (about 3 minutes on a 2-core CPU once .venv exists): generate, verify, break, a small bench
 # and the memory planner. Real GPT-2 when the hub (or its local cache) is reachable; clearly labelled random weights
 # otherwise. The bench lands in results/<timestamp>-bench/ (summary.csv, steps.csv, meta.json, two plots).
 demo: $(STAMP)
