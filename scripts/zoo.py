@@ -39,14 +39,9 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         _fail(f"--out {out}: {e.strerror or e}")
     table = out / "zoo.csv"
+    types = _types(args.types, model_types())
+    _same_options(out / "zoo.json", args)
     done = {} if args.fresh or not table.exists() else _finished(table)
-    types = (
-        list(dict.fromkeys(t.strip() for t in args.types.split(",") if t.strip()))
-        if args.types
-        else model_types()
-    )
-    if not types:
-        _fail("--types names no model type")
     if not table.exists() or args.fresh:
         with table.open("w", newline="") as f:
             csv.DictWriter(f, FIELDS).writeheader()
@@ -80,6 +75,42 @@ def main(argv: list[str]) -> int:
     (out / "summary.md").write_text(summary(rows, args))
     print(f"wrote {table} and {out / 'summary.md'}")
     return 0
+
+
+def _types(text: str | None, known: list[str]) -> list[str]:
+    """--types: model types transformers maps to a causal LM, each once; all of them when not given."""
+    if text is None:
+        return known
+    types = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    unknown = [t for t in types if t not in known]
+    if not types or unknown:
+        what = f"unknown model type(s) {', '.join(unknown[:3])}" if unknown else "no model type"
+        _fail(f"--types names {what}; the types are those of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+    return types
+
+
+def _same_options(path: Path, args) -> None:
+    """--caches checked as verify checks it, and a resumed table's settings kept: rows of two settings never mix."""
+    import torch
+
+    from kvbench.errors import KVBenchError
+    from kvbench.hf.caches import parse_verify_caches
+
+    try:
+        parse_verify_caches(args.caches, torch.device("cpu"))
+    except KVBenchError as e:
+        _fail(f"--caches: {e}")
+    options = {"caches": args.caches, "new_tokens": args.new_tokens}
+    if path.exists() and not args.fresh and (path.parent / "zoo.csv").exists():
+        try:
+            earlier = json.loads(path.read_text())
+        except (OSError, ValueError):
+            earlier = None
+        if earlier != options:
+            _fail(
+                f"{path.parent} was made with other settings ({path.name}: {earlier}); rerun with them, or --fresh"
+            )
+    path.write_text(json.dumps(options) + "\n")
 
 
 def _fail(message: str) -> None:
@@ -196,4 +227,11 @@ def summary(rows: list[dict], args) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # the rows of every finished type are already in zoo.csv
+        print(
+            "zoo.py: interrupted; every finished type's row is in its zoo.csv (rerun to resume)",
+            file=sys.stderr,
+        )
+        sys.exit(130)

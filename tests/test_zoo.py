@@ -270,14 +270,58 @@ def test_a_per_layer_mlp_width_list_is_a_valid_config_field(tmp_path):
         (["--types", ",,"], "--types names no model type"),
         (["--out", "FILE"], "Not a directory"),
         (["--out", "BADTABLE"], "is not a zoo table"),
+        (["--types", "LLAMA"], "unknown model type(s) LLAMA"),
+        (["--caches", "bogus"], "--caches: unknown cache 'bogus'"),
+        (["--out", "OTHER", "--new-tokens", "8"], "was made with other settings"),
     ],
 )
 def test_the_sweep_refuses_bad_input_in_one_line(tmp_path, args, message):
     (tmp_path / "FILE").write_text("x")
     (tmp_path / "BADTABLE").mkdir()
     (tmp_path / "BADTABLE" / "zoo.csv").write_text("a,b\n1,2\n")
-    args = [str(tmp_path / a) if a in ("FILE", "BADTABLE") else a for a in args]
+    (
+        tmp_path / "OTHER"
+    ).mkdir()  # a table made with --new-tokens 4: resuming it with 8 would mix two settings
+    (tmp_path / "OTHER" / "zoo.csv").write_text(",".join(("type", "exit", "seconds", "verdict", "failing", "skips",
+                                                          "error")) + "\n")  # fmt: skip
+    (tmp_path / "OTHER" / "zoo.json").write_text('{"caches": "none,dynamic,static", "new_tokens": 4}')
+    args = [str(tmp_path / a) if a in ("FILE", "BADTABLE", "OTHER") else a for a in args]
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "zoo.py"), "--types", "xlm", *args],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert (tmp_path / "BADTABLE" / "zoo.csv").read_text() == "a,b\n1,2\n"  # nothing overwritten
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            {"num_key_value_heads": 3},
+            "layer 1's 4 attention heads are not a multiple of its 3 key/value heads",
+        ),
+        ({"head_dim": 10**30}, "layer 1's head_dim = 1000000000000000000000000000000 must be a whole number"),
+        (
+            {"num_attention_heads": 3},
+            "layer 1's 3 attention heads are not a multiple of its 2 key/value heads",
+        ),
+    ],
+)
+def test_memory_holds_each_layer_to_the_bounds_of_the_whole_model(tmp_path, override, message):
+    """A value set for one layer gets the checks the same value set for the model gets: one line, exit 2."""
+    config = tiny_config("gemma4_text")
+    config["per_layer_config"] = {"01": {"head_dim": 32, **override}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config, default=str))
+    r = _cli("memory", "--config", str(path), "--ctx", "1k")
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_an_exception_whose_first_line_introduces_the_next_keeps_it():
+    from kvbench.errors import one_line
+
+    e = ValueError("Validation error for field 'index_topk':\n    TypeError: must be an int\nmore")
+    assert one_line(e) == "ValueError: Validation error for field 'index_topk': TypeError: must be an int"
+    assert (
+        one_line(ValueError("first\nsecond")) == "ValueError: first"
+        and one_line(ValueError()) == "ValueError"
+    )

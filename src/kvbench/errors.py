@@ -16,8 +16,10 @@ class CacheOverflowError(KVBenchError):
 
 
 def one_line(e: BaseException) -> str:
-    """An exception in one line for the user: 'ValueError: its first line', or the type alone when it says nothing."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    """An exception in one line for the user: 'ValueError: its first line', or the type alone when it says nothing.
+    A first line that only introduces what follows ('Validation error for field x:') keeps the next line."""
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else "")
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 

@@ -18,6 +18,7 @@ from kvbench.errors import KVBenchError
 from kvbench.memory.params import Shape, estimate_params
 from kvbench.memory.spec import ModelSpec
 from kvbench.memory.state import State, read_state
+from kvbench.memory.units import MAX_WIDTH
 
 # model_types that are not decoder-only LLMs; their config.json has layers and heads too, so refuse them by name.
 NOT_DECODERS = {
@@ -213,10 +214,10 @@ def spec_from_fields(cfg: dict[str, Any], src: Source) -> ModelSpec:
         hd = head_dim(cfg, hidden, n_heads, path)
     max_keys = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_sequence_length")
     max_ctx = cfg_int(cfg, max_keys, path, False)
-    layer_kv = _layer_kv(cfg, n_layers, n_kv, hd, state, path) if n_attn else ()
+    layer_kv = _layer_kv(cfg, n_layers, n_heads, n_kv, hd, state, path) if n_attn else ()
     # recurrent layers, and layers of different shapes, have parameters the dense estimate does not describe:
     # counted on the meta device where transformers can
-    dense = state is None and not layer_kv
+    dense = state is None and not any(f"{a}_per_layer" in cfg for a in PER_LAYER_KEYS)
     params = estimate_params(cfg, Shape(n_layers, n_heads, n_kv, hd, hidden)) if dense else None
     notes = [src.note] if src.note else []
     if not max_ctx and n_attn:
@@ -248,17 +249,35 @@ def spec_from_fields(cfg: dict[str, Any], src: Source) -> ModelSpec:
     )
 
 
-def _layer_kv(cfg: dict[str, Any], n_layers: int, n_kv: int, hd: int, state, path: Path) -> tuple:
+# What resolve.py passes as `<attr>_per_layer` (its PER_LAYER_ATTRS): a config that varies them per layer.
+PER_LAYER_KEYS = ("head_dim", "num_key_value_heads", "num_attention_heads")
+
+
+def _layer_kv(
+    cfg: dict[str, Any], n_layers: int, n_heads: int, n_kv: int, hd: int, state, path: Path
+) -> tuple:
     """(key/value heads, head_dim) per layer where the config sets them per layer (resolve.py reads
     per_layer_config into `<attr>_per_layer`); () when every layer has the same."""
+    if not any(f"{a}_per_layer" in cfg for a in PER_LAYER_KEYS):
+        return ()
+    heads = cfg.get("num_attention_heads_per_layer") or [n_heads] * n_layers
     kvs = cfg.get("num_key_value_heads_per_layer") or [n_kv] * n_layers
     dims = cfg.get("head_dim_per_layer") or [hd] * n_layers
-    shapes = list(zip(kvs, dims, strict=False))
+    if not (len(heads) == len(kvs) == len(dims) == n_layers):
+        raise KVBenchError(f"{path}: per-layer values for {len(dims)} layers, the model has {n_layers}")
+    for i, (h, k, d) in enumerate(zip(heads, kvs, dims, strict=True)):  # each layer held to the global bounds
+        for name, v in (("num_attention_heads", h), ("num_key_value_heads", k), ("head_dim", d)):
+            if type(v) is not int or not 1 <= v <= MAX_WIDTH:
+                raise KVBenchError(
+                    f"{path}: layer {i}'s {name} = {v!r} must be a whole number from 1 to {MAX_WIDTH:,}"
+                )
+        if h % k:
+            raise KVBenchError(
+                f"{path}: layer {i}'s {h} attention heads are not a multiple of its {k} key/value heads"
+            )
+    shapes = list(zip(kvs, dims, strict=True))
     if len(set(shapes)) <= 1:
         return ()
-    if state is not None or cfg.get("kv_lora_rank") is not None or len(shapes) != n_layers:
+    if state is not None or cfg.get("kv_lora_rank") is not None:
         raise KVBenchError(f"{path}: per-layer key/value shapes on a hybrid or MLA model are not planned yet")
-    bad = [x for s in shapes for x in s if type(x) is not int or x <= 0]
-    if bad:
-        raise KVBenchError(f"{path}: per-layer key/value heads and head_dim must be positive whole numbers")
     return tuple(shapes)
