@@ -249,7 +249,8 @@ def spec_from_fields(cfg: dict[str, Any], src: Source) -> ModelSpec:
     )
 
 
-# What resolve.py passes as `<attr>_per_layer` (its PER_LAYER_ATTRS): a config that varies them per layer.
+# Attributes a config may set per layer that the planner reads layer by layer (resolve.py passes each as
+# `<attr>_per_layer`); the parameters of such a model are counted on transformers' meta-device model.
 PER_LAYER_KEYS = ("head_dim", "num_key_value_heads", "num_attention_heads")
 
 

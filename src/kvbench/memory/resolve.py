@@ -19,7 +19,7 @@ from typing import Any
 
 from kvbench.errors import KVBenchError
 from kvbench.memory.config_json import read_config_json
-from kvbench.memory.hf_fields import Source, spec_from_fields
+from kvbench.memory.hf_fields import PER_LAYER_KEYS, Source, spec_from_fields
 from kvbench.memory.params import estimate_vision_params
 from kvbench.memory.spec import ModelSpec
 from kvbench.memory.units import fmt_params
@@ -108,11 +108,6 @@ def _fields(config: Any) -> dict[str, Any]:
     return fields
 
 
-# Attributes a config may set per layer that the planner reads layer by layer (the K/V shape of each layer; the
-# parameters of such a model are counted on transformers' meta-device model).
-PER_LAYER_ATTRS = ("head_dim", "num_key_value_heads", "num_attention_heads")
-
-
 def _per_layer_values(config: Any, attr: str, fields: dict[str, Any]) -> None:
     """An attribute the config sets per layer (transformers 5.x per_layer_config): one value where every layer has
     the same, else the list as `<attr>_per_layer` beside layer 0's value; one line for any other attribute that
@@ -121,7 +116,7 @@ def _per_layer_values(config: Any, attr: str, fields: dict[str, Any]) -> None:
     fields[attr] = values[0]
     if len(set(map(repr, values))) == 1:
         return
-    if attr in PER_LAYER_ATTRS:
+    if attr in PER_LAYER_KEYS:
         fields[f"{attr}_per_layer"] = values
         return
     shown = ", ".join(f"{v}" for v in dict.fromkeys(values))
