@@ -199,17 +199,20 @@ def test_floor_columns_are_present_and_consistent(tmp_path):
         assert row.loc["static", "step_bytes"] == b.total and row.loc["static", "floor_ms"] == pytest.approx(
             ms
         )
-        assert steps[f"kvbench static prompt {p}"]["slots"] == p + new // 2
-        assert steps[f"kvbench static-graph prompt {p}"]["slots"] == p + new  # its whole buffer
+        assert steps[f"kvbench static prompt {p} batch 1"]["slots"] == p + new // 2
+        assert steps[f"kvbench static-graph prompt {p} batch 1"]["slots"] == p + new  # its whole buffer
         # torch.cat re-reads and rewrites the history; the paged gather copies whole 16-token blocks
         assert (
             row.loc["dynamic", "step_bytes"] - row.loc["static", "step_bytes"]
             == 2 * (p + new // 2 - 1) * slot
         )
         assert row.loc["paged", "step_bytes"] > row.loc["static", "step_bytes"]
-        assert steps[f"hf dynamic prompt {p}"]["design"] == steps[f"kvbench dynamic prompt {p}"]["design"]
-    assert steps["hf static prompt 16"]["slots"] == 16 + new - 1  # max_cache_len = max_length - 1
-    assert steps["hf static prompt 8"]["slots"] == 16 + new - 1  # kept from the earlier, longer call
+        assert (
+            steps[f"hf dynamic prompt {p} batch 1"]["design"]
+            == steps[f"kvbench dynamic prompt {p} batch 1"]["design"]
+        )
+    assert steps["hf static prompt 16 batch 1"]["slots"] == 16 + new - 1  # max_cache_len = max_length - 1
+    assert steps["hf static prompt 8 batch 1"]["slots"] == 16 + new - 1  # kept from the earlier, longer call
 
 
 def test_json_output_is_one_document(tmp_path):

@@ -30,6 +30,7 @@ from kvbench.bench.settings import (
     BenchSettings,
     check_fits_context,
     check_settings,
+    oversized_batches,
     read_settings,
     settings_dict,
 )
@@ -203,22 +204,20 @@ def kv_bytes(shape: HFShape, tokens: int, element_size: int) -> int:
     return sum(2 * w * h * element_size for w, h in zip(widths, held, strict=False))
 
 
-def check_sizes_hf(s: BenchSettings, shape: HFShape, dtype: torch.dtype, device: torch.device) -> None:
+def check_sizes_hf(
+    s: BenchSettings, shape: HFShape, dtype: torch.dtype, device: torch.device
+) -> dict[int, str]:
     """Before any weight is loaded, as bench_settings.check_sizes does for GPT-2: every prompt length + new tokens
-    within the model's context, and the weights + the largest configuration's KV cache within the device."""
+    within the model's context, and the weights + the KV cache within the device. Returns the batch sizes
+    predicted not to fit (their rows are `oom`); refuses the sweep when none fits."""
     if shape.info.context is not None:
         check_fits_context(s, shape.info.context, shape.label)
     elem = torch.empty((), dtype=dtype).element_size()
-    longest = max(s.prompt_len) + s.new_tokens
-    kv, weights = s.batch * kv_bytes(shape, longest, elem), shape.parameters * elem
-    total = devices.device_memory_bytes(device)
-    if total is not None and weights + kv > total:
-        gib = 2**30
-        raise KVBenchError(
-            f"--batch {s.batch} x {longest} tokens needs a {kv / gib:.1f} GiB KV cache plus {weights / gib:.1f} GiB "
-            f"of weights ({shape.label}), more than the device's {total / gib:.1f} GiB; lower --batch, --prompt-len "
-            "or --new-tokens, or --layers"
-        )
+    per_sequence = kv_bytes(shape, max(s.prompt_len) + s.new_tokens, elem)
+    return oversized_batches(
+        s, shape.parameters * elem, per_sequence, devices.device_memory_bytes(device), f" ({shape.label})",
+        ", or --layers",
+    )  # fmt: skip
 
 
 def sweep_warnings_hf(s: BenchSettings, device: torch.device) -> list[str]:

@@ -37,7 +37,8 @@ class BenchSettings:
     new_tokens: int = 400  # generated tokens per run (the first from the prefill, the rest decode steps)
     caches: list[str] = field(default_factory=lambda: list(CACHES))  # every registered cache by default
     engine: list[str] = field(default_factory=lambda: ["kvbench", "hf"])  # hf-compiled on request
-    batch: int = 1  # sequences per run (same length, no padding)
+    # sequences per run (same length, no padding); several: a batch sweep (rows per batch size, batch.png)
+    batch: list[int] = field(default_factory=lambda: [1])
     repeats: int = 3  # timed runs per configuration
     warmup: int = 1  # runs before the timed ones, same shapes; the first of them is the reported cold run
     out: str | None = None  # run directory; None: results/<timestamp>-bench/
@@ -46,6 +47,8 @@ class BenchSettings:
     order: str = "sequential"  # sequential: each configuration's runs back to back; interleaved: in rounds
     # off | default | max: how static-graph's fixed-shape decode step runs (decode/fixed_step.py)
     compile: str = "off"
+    # one more warm run per configuration under torch.profiler: a trace in profile/, its top operators (profile.py)
+    profile: bool = False
 
 
 @dataclass
@@ -57,7 +60,7 @@ class BenchOverrides:
     new_tokens: int | None = None
     caches: str | None = None
     engine: str | None = None
-    batch: int | None = None
+    batch: str | None = None
     repeats: int | None = None
     warmup: int | None = None
     model: str | None = None
@@ -70,6 +73,7 @@ class BenchOverrides:
     fill: str | None = None
     order: str | None = None
     compile: str | None = None
+    profile: bool | None = None
 
     def given(self) -> dict:
         """The options that were given, by field name, in field order (the order `coerce` checks them in)."""
@@ -88,10 +92,12 @@ FILL_RANDOM_DEFAULTS = {
 
 
 SETTING_KEYS = tuple(f.name for f in fields(BenchSettings))
-INT_KEYS = ("new_tokens", "batch", "repeats", "warmup", "seed", "threads")
+BOOL_KEYS = ("profile",)
+INT_KEYS = ("new_tokens", "repeats", "warmup", "seed", "threads")
 K = 1024  # --prompt-len 4k = 4,096 tokens
 # Sane bounds checked before anything is loaded or allocated (sizes that depend on the model are checked against
 # its context and the device's memory in check_sizes).
+MAX_BATCH = 1 << 20  # sequences per run; a larger batch needs a device no one has for GPT-2
 LIMITS = {"repeats": (1, 10_000), "warmup": (0, 10_000), "threads": (1, 4096), "seed": (0, 2**64 - 1)}
 _INT_TEXT = re.compile(r"([+-]?\d+)([kK]?)")
 
@@ -127,13 +133,16 @@ def coerce(raw: dict, where: str) -> dict:
     for key, value in raw.items():
         if key not in SETTING_KEYS:
             raise KVBenchError(f"{where}: unknown key {key!r}; known keys: {', '.join(SETTING_KEYS)}")
-        if key == "prompt_len":
+        if key in ("prompt_len", "batch"):
             value = _as_list(key, value, where, integers=True)
         elif key in ("caches", "engine"):
             value = _as_list(key, value, where, integers=False)
         elif key in INT_KEYS:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise KVBenchError(f"{where}: {key} must be an integer, got {value!r}")
+        elif key in BOOL_KEYS:
+            if not isinstance(value, bool):
+                raise KVBenchError(f"{where}: {key} must be true or false, got {value!r}")
         elif not isinstance(value, str):
             raise KVBenchError(f"{where}: {key} must be a string, got {value!r}")
         out[key] = value
@@ -190,8 +199,13 @@ def check_settings(s: BenchSettings) -> None:
         value = getattr(s, key)
         if value is not None and not value.strip():
             raise KVBenchError(f"{_flag(key)} is empty; give a value or leave the option out")
-    if s.batch < 1:
-        raise KVBenchError(f"--batch must be >= 1, got {s.batch}")
+    if not s.batch:
+        raise KVBenchError("--batch is empty; give one or more batch sizes, e.g. 1,4,16")
+    if min(s.batch) < 1:
+        raise KVBenchError(f"--batch values must be >= 1, got {s.batch}")
+    if max(s.batch) > MAX_BATCH:
+        raise KVBenchError(f"--batch values must be at most {MAX_BATCH:,}, got {max(s.batch):,}")
+    s.batch = list(dict.fromkeys(s.batch))  # a size given twice runs once
     for key, (lo, hi) in LIMITS.items():
         value = getattr(s, key)
         if value is not None and not lo <= value <= hi:
@@ -248,6 +262,13 @@ def _check_random_fill(s: BenchSettings) -> None:
     if s.order != "sequential":
         raise KVBenchError(
             "--order interleaved applies to prefill sweeps; --fill random holds one cache at a time"
+        )
+    if s.profile:
+        raise KVBenchError("--profile traces prefill sweeps; it does not apply to --fill random")
+    if len(s.batch) > 1:
+        raise KVBenchError(
+            f"--fill random sweeps contexts at one batch size, got --batch {','.join(map(str, s.batch))}; "
+            "run one sweep per batch size, or sweep batch sizes with a prefill sweep"
         )
 
 
@@ -312,38 +333,66 @@ def _check_random_fill_memory(s: BenchSettings, cfg: GPTConfig, weights: int, kv
             f"KV cache {kv / gib:.1f} + one layer's temporaries {temporaries / gib:.1f}"
         )
         raise KVBenchError(
-            f"--fill random at {max(s.prompt_len):,} + {s.new_tokens} tokens x batch {s.batch} needs about "
+            f"--fill random at {max(s.prompt_len):,} + {s.new_tokens} tokens x batch {s.batch[0]} needs about "
             f"{need / gib:.1f} GiB ({parts}), more than the {free / gib:.1f} GiB available; "
             "lower --prompt-len or --batch"
         )
 
 
+def gpt2_parameters(cfg: GPTConfig) -> int:
+    """GPT-2's parameter count from its shape (wte, wpe, the blocks, ln_f; lm_head is tied to wte)."""
+    C = cfg.n_embd
+    return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * (12 * C * C + 13 * C) + 2 * C
+
+
+def sweep_kv_bytes(s: BenchSettings, kv_per_sequence: int, batch: int) -> int:
+    """The KV cache bytes the sweep holds at once at one batch size, from one sequence's at the longest prompt +
+    new tokens: that cache, or in interleaved order every configuration's of a prompt length (each holds its own
+    through the rounds)."""
+    kv = batch * kv_per_sequence
+    if s.order == "interleaved":
+        kv *= max(len(s.engine) * len([c for c in s.caches if c != "none"]), 1)
+    return kv
+
+
+def oversized_batches(
+    s: BenchSettings, weights: int, kv_per_sequence: int, total: int | None, what: str, fix: str = ""
+) -> dict[int, str]:
+    """The batch sizes whose weights + KV cache exceed the device's memory, each with the reason: their rows are
+    `oom` without being run (an allocation that large fails, or on a CPU swaps for minutes first). When even the
+    smallest batch does not fit, the sweep is refused: nothing would run."""
+    if total is None:
+        return {}
+    gib, longest, out = 2**30, max(s.prompt_len) + s.new_tokens, {}
+    for b in s.batch:
+        kv = sweep_kv_bytes(s, kv_per_sequence, b)
+        if weights + kv > total:
+            out[b] = (
+                f"batch {b} x {longest} tokens needs a {kv / gib:.1f} GiB KV cache plus {weights / gib:.1f} GiB "
+                f"of weights{what}, more than the device's {total / gib:.1f} GiB"
+            )
+    if len(out) == len(s.batch):
+        raise KVBenchError(f"--{out[min(s.batch)]}; lower --batch, --prompt-len or --new-tokens{fix}")
+    return out
+
+
 def check_sizes(
     s: BenchSettings, cfg: GPTConfig, dtype: torch.dtype, device: torch.device, weights_loaded: bool = False
-) -> None:
-    """Before anything is allocated: prompts fit the context, and weights + the largest KV cache fit the device.
+) -> dict[int, str]:
+    """Before anything is allocated: prompts fit the context, and weights + the KV cache fit the device. Returns
+    the batch sizes predicted not to fit (oversized_batches); refuses the sweep when none fits.
     weights_loaded: the model is already in memory (a random-fill sweep then compares only the cache with what is
     still available)."""
     check_compile(s.compile, device.type)
     check_fits_context(s, cfg.block_size, cfg.name)
     elem = torch.empty((), dtype=dtype).element_size()
-    C = cfg.n_embd
-    params = cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * (12 * C * C + 13 * C) + 2 * C
-    longest = max(s.prompt_len) + s.new_tokens
-    kv = s.batch * longest * cfg.kv_bytes_per_token(elem)
-    if s.order == "interleaved":  # every configuration of a prompt length holds its cache through the rounds
-        kv *= max(len(s.engine) * len([c for c in s.caches if c != "none"]), 1)
+    weights = gpt2_parameters(cfg) * elem
+    per_sequence = (max(s.prompt_len) + s.new_tokens) * cfg.kv_bytes_per_token(elem)
     if s.fill == "random":
-        _check_random_fill_memory(s, cfg, 0 if weights_loaded else params * elem, kv, device)
-        return
-    total = devices.device_memory_bytes(device)
-    if total is not None and params * elem + kv > total:
-        gib = 2**30
-        raise KVBenchError(
-            f"--batch {s.batch} x {longest} tokens needs a {kv / gib:.1f} GiB KV cache plus "
-            f"{params * elem / gib:.1f} GiB of weights, more than the device's {total / gib:.1f} GiB; "
-            "lower --batch, --prompt-len or --new-tokens"
-        )
+        kv = sweep_kv_bytes(s, per_sequence, s.batch[0])
+        _check_random_fill_memory(s, cfg, 0 if weights_loaded else weights, kv, device)
+        return {}
+    return oversized_batches(s, weights, per_sequence, devices.device_memory_bytes(device), "")
 
 
 def settings_dict(s: BenchSettings) -> dict:

@@ -25,6 +25,7 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
@@ -32,6 +33,7 @@ from kvbench.bench import floor
 from kvbench.bench.agreement import TokenCheck, check_tokens
 from kvbench.bench.backends import watch_sdpa
 from kvbench.bench.engines import ENGINES, HFEngine, KVBenchEngine, RunTiming, build_engines
+from kvbench.bench.profile import Profiled, profile_run
 from kvbench.bench.settings import (
     SETTING_KEYS,
     BenchSettings,
@@ -78,7 +80,9 @@ class SummaryRow:
     total_s: float  # median over timed repeats: the whole generation, prefill included
     total_s_min: float
     total_s_max: float
-    tokens_per_s: float  # batch x new_tokens / total_s
+    tokens_per_s: float  # batch x new_tokens / total_s: the whole generation, prefill included
+    # batch x decode steps / decode time (median over timed repeats): tokens/s across the batch, decode only
+    decode_tokens_per_s: float
     speedup_vs_none: float  # total_s of this engine family's `none` at the same prompt length / total_s
     # TPOT of the fastest transformers row (hf, hf-compiled) at this prompt / TPOT
     speedup_vs_fastest_hf: float
@@ -134,6 +138,7 @@ class ConfigResult:
     ttft_ms: list[float]  # per timed repeat
     floor_bytes: floor.StepBytes | None = None  # the median decode step's bytes by source; None: no floor
     bandwidth: floor.Bandwidth | None = None  # what floor_ms divides by (interleaved: pooled over the rounds)
+    profile: Profiled | None = None  # --profile: the trace of one more warm run and its top operators
 
 
 def seed_copy_estimate(bytes_per_token: int, n0: int, n1: int) -> float:
@@ -170,17 +175,19 @@ def family(engine: str) -> str:
 
 def fill_relative(rows: list[SummaryRow]) -> None:
     """Fill the columns that compare rows of one run: speedup over the family's `none`, and TPOT against the
-    fastest transformers row at the same prompt length. Recomputed from all rows, so sweep order does not matter."""
+    fastest transformers row, both at the same prompt length and batch size. Recomputed from all rows, so sweep
+    order does not matter."""
     ok = [r for r in rows if r.status == "ok"]
-    base = {(family(r.engine), r.prompt_len): r.total_s for r in ok if r.cache == "none"}
-    fastest_hf: dict[int, float] = {}
+    base = {(family(r.engine), r.prompt_len, r.batch): r.total_s for r in ok if r.cache == "none"}
+    fastest_hf: dict[tuple[int, int], float] = {}
     for r in ok:
         if family(r.engine) == "hf" and r.tpot_ms_median == r.tpot_ms_median:
-            fastest_hf[r.prompt_len] = min(fastest_hf.get(r.prompt_len, math.inf), r.tpot_ms_median)
+            at = (r.prompt_len, r.batch)
+            fastest_hf[at] = min(fastest_hf.get(at, math.inf), r.tpot_ms_median)
     for r in ok:
-        key = (family(r.engine), r.prompt_len)
+        key = (family(r.engine), r.prompt_len, r.batch)
         r.speedup_vs_none = base[key] / r.total_s if key in base else math.nan
-        hf = fastest_hf.get(r.prompt_len)
+        hf = fastest_hf.get((r.prompt_len, r.batch))
         r.speedup_vs_fastest_hf = hf / r.tpot_ms_median if hf is not None else math.nan
 
 
@@ -199,17 +206,18 @@ def failure_status(e: BaseException) -> str:
 ProgressFn = Callable[[int, int, str], None]  # (runs done, runs total, label of the run just finished)
 
 
-def plan(s: BenchSettings, engines: dict) -> list[tuple[int, str, str]]:
-    """(prompt_len, engine, cache) in run order: per prompt length (as given), the reference engine's `none` first
-    (every row's token reference: kvbench's, or with --hf the model's own), then per engine (as given) its `none`
-    before its caches (as given)."""
+def plan(s: BenchSettings, engines: dict) -> list[tuple[int, int, str, str]]:
+    """(prompt_len, batch, engine, cache) in run order: per prompt length and batch size (as given), the reference
+    engine's `none` first (every row's token reference: kvbench's, or with --hf the model's own), then per engine
+    (as given) its `none` before its caches (as given)."""
     order = sorted(s.caches, key=lambda c: c != "none")
     reference = next((e for e in s.engine if engines[e].token_reference), None)
     out = []
     for p in s.prompt_len:
-        todo = [(p, e, c) for e in s.engine for c in order if engines[e].supports(c)]
-        ref = (p, reference, "none")
-        out += ([ref] if ref in todo else []) + [x for x in todo if x != ref]
+        for b in s.batch:
+            todo = [(p, b, e, c) for e in s.engine for c in order if engines[e].supports(c)]
+            ref = (p, b, reference, "none")
+            out += ([ref] if ref in todo else []) + [x for x in todo if x != ref]
     return out
 
 
@@ -232,56 +240,70 @@ def run_sweep(
     on_progress: ProgressFn | None = None,
     engines: dict | None = None,
     bandwidth: floor.Bandwidth | None = None,
+    oversized: dict[int, str] | None = None,
+    profile_dir: Path | None = None,
 ) -> list[ConfigResult]:
     """Run every configuration of `s` on `model`; returns (and streams through `on_result`) one result each.
-    bandwidth: the device's, for every row's floor; measured here (once) when not given."""
+    bandwidth: the device's, for every row's floor; measured here (once) when not given. oversized: batch sizes
+    predicted not to fit the device (settings.check_sizes), each made an `oom` row with its reason, not run.
+    profile_dir: with s.profile, where each configuration's trace goes (bench/profile.py)."""
     device = model.lm_head.weight.device
     check_fits_context(s, model.config.block_size, model.config.name)
     if bandwidth is None:
         bandwidth = floor.measure_bandwidth(device)
     if engines is None:
         engines = build_engines(model, s.engine, s.compile)
+    oversized = oversized or {}
     configs = plan(s, engines)
     progress = _Progress(len(configs) * (s.warmup + s.repeats), on_progress)
-    bpt = model.config.kv_bytes_per_token(model.lm_head.weight.element_size()) * s.batch
+    per_token = model.config.kv_bytes_per_token(model.lm_head.weight.element_size())
     g = torch.Generator().manual_seed(s.seed)
-    prompts = {p: torch.randint(0, model.config.vocab_size, (s.batch, p), generator=g) for p in s.prompt_len}
-    refs: dict[int, list[list[int]]] = {}  # kvbench none's tokens per prompt length: the token reference
+    # one prompt per sequence of the largest batch that runs; a batch of b decodes its first b (the same text)
+    rows = max((b for b in s.batch if b not in oversized), default=1)
+    prompts = {p: torch.randint(0, model.config.vocab_size, (rows, p), generator=g) for p in s.prompt_len}
+    refs: dict[
+        tuple[int, int], list[list[int]]
+    ] = {}  # kvbench none's tokens per (prompt, batch): the reference
     results: list[ConfigResult] = []
 
     def emit(c: _Configuration, bw: floor.Bandwidth = bandwidth) -> None:
-        results.append(c.finish(refs, bpt, bw))
+        results.append(c.finish(refs, per_token * c.batch, bw, profile_dir if s.profile else None))
         fill_relative([r.summary for r in results])
         if on_result is not None:
             on_result(results[-1])
 
-    for prompt_len in s.prompt_len:
+    for p, b in dict.fromkeys((p, b) for p, b, _, _ in configs):
         group = [
-            _Configuration(model, engines[e], prompts[p].to(device), s, progress, dict(
-                engine=e, cache=c, prompt_len=p, new_tokens=s.new_tokens, batch=s.batch, dtype=dtype_name,
+            _Configuration(model, engines[e], prompts[p][:b].to(device), s, progress, dict(
+                engine=e, cache=c, prompt_len=p, new_tokens=s.new_tokens, batch=b, dtype=dtype_name,
                 device=device_label,
-            ))
-            for p, e, c in configs if p == prompt_len
+            ), oversized.get(b))
+            for p_, b_, e, c in configs if (p_, b_) == (p, b)
         ]  # fmt: skip
-        if s.order == "sequential":  # each configuration's runs back to back, its row written when they end
-            for c in group:
-                c.run(c.n_runs)
-                emit(c)
-            continue
-        # interleaved: cold and warm-up runs back to back, then the timed runs in rounds over the group, so a
-        # machine that slows down for a minute slows every row alike; the bandwidth is probed again each round
-        # (the floor then moves with the same drift); the rows are written after the last round
-        probes, rounds = [bandwidth], (group[0].n_runs - group[0].back_to_back) if group else 0
-        for c in group:
-            c.run(c.back_to_back)
-        for _ in range(rounds):
-            probes.append(floor.measure_bandwidth(device, probes[0].nbytes, repeats=3))
-            for c in group:
-                c.run(1)
-        pooled = floor.pooled(probes)
-        for c in group:
-            emit(c, pooled)
+        _run_group(group, s.order, bandwidth, device, emit)
     return results
+
+
+def _run_group(group: list[_Configuration], order: str, bandwidth, device, emit) -> None:
+    """The configurations of one prompt length and batch size, each row emitted when it is complete."""
+    if order == "sequential":  # each configuration's runs back to back, its row written when they end
+        for c in group:
+            c.run(c.n_runs)
+            emit(c)
+        return
+    # interleaved: cold and warm-up runs back to back, then the timed runs in rounds over the group, so a
+    # machine that slows down for a minute slows every row alike; the bandwidth is probed again each round
+    # (the floor then moves with the same drift); the rows are written after the last round
+    probes, rounds = [bandwidth], (group[0].n_runs - group[0].back_to_back) if group else 0
+    for c in group:
+        c.run(c.back_to_back)
+    for _ in range(rounds):
+        probes.append(floor.measure_bandwidth(device, probes[0].nbytes, repeats=3))
+        for c in group:
+            c.run(1)
+    pooled = floor.pooled(probes)
+    for c in group:
+        emit(c, pooled)
 
 
 class _Configuration:
@@ -289,14 +311,22 @@ class _Configuration:
     row. In interleaved order only the back-to-back runs (cold and warm-up) record peak memory: during the rounds
     the other configurations' caches are allocated too."""
 
-    def __init__(self, model, engine, ids, s, progress, common) -> None:
+    def __init__(self, model, engine, ids, s, progress, common, oversized: str | None = None) -> None:
         self.model, self.engine, self.ids, self.s = model, engine, ids, s
-        self.progress, self.common = progress, common
-        self.label = f"{common['engine']} {common['cache']} prompt {common['prompt_len']}"
+        self.progress, self.common, self.batch = progress, common, common["batch"]
+        self.label = f"{common['engine']} {common['cache']} prompt {common['prompt_len']}" + (
+            f" batch {self.batch}" if len(s.batch) > 1 else ""
+        )
         self.n_runs = s.warmup + s.repeats
         # runs made back to back (all of them in sequential order; cold and warm-ups, at least one, interleaved)
         self.back_to_back = self.n_runs if s.order == "sequential" else max(s.warmup, 1)
         self.conf, self.runs, self.peaks, self.failure, self.base = None, [], [], None, 0.0
+        self.oversized = (
+            oversized  # predicted not to fit the device: an `oom` row with this reason, never run
+        )
+        if oversized is not None:
+            self.failure = "oom"
+            progress.advance(self.n_runs, f"{self.label}: oom (predicted: not run)")
 
     def run(self, n: int) -> None:
         device, cache = self.ids.device, self.common["cache"]
@@ -311,7 +341,7 @@ class _Configuration:
             try:
                 if self.conf is None:  # allocated once, inside the try: a failure here is this row's
                     max_len = self.common["prompt_len"] + self.s.new_tokens
-                    self.conf = self.engine.configure(cache, self.s.batch, max_len)
+                    self.conf = self.engine.configure(cache, self.batch, max_len)
                 reset_peak_memory(device)
                 t = self.conf.run(self.ids, self.s.new_tokens)
                 if len(self.runs) < self.back_to_back:  # a CPU resident set can shrink below its baseline
@@ -327,15 +357,17 @@ class _Configuration:
                 torch.cuda.empty_cache()
             self.progress.advance(self.n_runs - len(self.runs), f"{self.label}: {self.failure}")
 
-    def finish(self, refs, bpt, bandwidth) -> ConfigResult:
+    def finish(self, refs, bpt, bandwidth, profile_dir: Path | None = None) -> ConfigResult:
         model, engine, ids, s, common = self.model, self.engine, self.ids, self.s, self.common
         cache, prompt_len, conf, runs = common["cache"], common["prompt_len"], self.conf, self.runs
         self.conf = None  # the row holds what it needs; the cache goes when this returns
         if self.failure is not None:
-            return ConfigResult(_nan_row(**common, status=self.failure), [], [])
+            note = f"not run: {self.oversized}" if self.oversized else ""
+            return ConfigResult(_nan_row(**common, status=self.failure, tokens_note=note), [], [])
+        key = (prompt_len, self.batch)
         if engine.token_reference and cache == "none":
-            refs.setdefault(prompt_len, runs[0].tokens)
-        tokens = _check_tokens(model, conf, engine, cache, ids, s, refs.get(prompt_len), runs)
+            refs.setdefault(key, runs[0].tokens)
+        tokens = _check_tokens(model, conf, engine, cache, ids, s, refs.get(key), runs)
         try:
             sdpa = watch_sdpa(lambda: conf.probe(ids), prefill_calls=model.config.n_layer)
         except Exception as e:  # a diagnosis, not a measurement: say it failed, keep the row
@@ -345,6 +377,9 @@ class _Configuration:
         )
         add_floor(result, model.config, model.lm_head.weight.dtype, bandwidth, runs[-1].cache_bytes)
         result.bandwidth = bandwidth
+        if profile_dir is not None:  # after every timed run: the profiler's overhead is in none of them
+            key = {k: common[k] for k in ("engine", "cache", "prompt_len", "batch")}
+            result.profile = profile_run(lambda: conf.run(ids, s.new_tokens), ids.device, profile_dir, key)
         return result
 
 
@@ -408,7 +443,7 @@ def _summarise(common, runs, s, peaks, weights, capture_s, tokens: TokenCheck, s
     total = statistics.median(totals)
     timed_peaks = peaks[s.warmup :] or peaks  # interleaved: only the back-to-back runs recorded peaks
     run_peak = max(p for p, _ in timed_peaks)
-    last, mib = timed[-1], 2**20
+    last, mib, batch = timed[-1], 2**20, common["batch"]
     row = SummaryRow(
         **common,
         status="ok",
@@ -421,7 +456,8 @@ def _summarise(common, runs, s, peaks, weights, capture_s, tokens: TokenCheck, s
         total_s=total,
         total_s_min=min(totals),
         total_s_max=max(totals),
-        tokens_per_s=s.batch * s.new_tokens / total,
+        tokens_per_s=batch * s.new_tokens / total,
+        decode_tokens_per_s=statistics.median(batch * len(t.step_s) / sum(t.step_s) for t in timed),
         speedup_vs_none=math.nan,  # filled by fill_relative
         speedup_vs_fastest_hf=math.nan,
         token_agreement=tokens.agreement,
@@ -449,7 +485,7 @@ def _summarise(common, runs, s, peaks, weights, capture_s, tokens: TokenCheck, s
         repeats=len(timed),
     )
     step_rows = [
-        StepRow(common["engine"], common["cache"], common["prompt_len"], s.batch, r + 1, j + 1, 1e3 * dt)
+        StepRow(common["engine"], common["cache"], common["prompt_len"], batch, r + 1, j + 1, 1e3 * dt)
         for r, t in enumerate(timed)
         for j, dt in enumerate(t.step_s)
     ]

@@ -19,7 +19,7 @@ import typer
 
 from kvbench import console
 from kvbench.cli.app import app, handle_errors, load_for_cli
-from kvbench.cli.bench_render import render_bench, render_context
+from kvbench.cli.bench_render import render_bench, render_context, render_profile
 from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
 from kvbench.cli.options import (
     BaselineOpt,
@@ -39,6 +39,7 @@ from kvbench.cli.options import (
     JsonOpt,
     ModelOpt,
     OrderOpt,
+    ProfileOpt,
     RepeatsOpt,
     SeedOpt,
     ThreadsOpt,
@@ -81,6 +82,7 @@ class Prepared:
     engines: dict
     notes: list[str]
     extra_meta: dict | None
+    oversized: dict[int, str]  # batch sizes predicted not to fit the device: `oom` rows, not run
 
 
 @app.command()
@@ -107,6 +109,7 @@ def bench(
     fill: FillOpt = None,
     order: OrderOpt = None,
     compile: BenchCompileOpt = None,
+    profile: ProfileOpt = None,
     json_out: JsonOpt = False,
     hf: HFOpt = None,
     trust_remote_code: TrustOpt = False,
@@ -122,7 +125,7 @@ def bench(
         overrides=BenchOverrides(
             prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
             warmup=warmup, model=model, weights=weights, device=device, dtype=dtype, seed=seed, threads=threads,
-            out=out, fill=fill, order=order, compile=compile,
+            out=out, fill=fill, order=order, compile=compile, profile=profile,
         ),
         config=config, force=force, baseline=baseline, allow_env_change=allow_env_change, json_out=json_out, hf=hf,
         trust_remote_code=trust_remote_code, layers=layers,
@@ -186,9 +189,9 @@ def _load_gpt2(settings: BenchSettings, out_dir: Path) -> Prepared:
     loaded, dev, dt = load_for_cli(
         settings.model, settings.weights, settings.device, settings.dtype, settings.seed
     )
-    B.check_sizes(settings, loaded.config, dt, dev)
+    oversized = B.check_sizes(settings, loaded.config, dt, dev)
     engines = B.build_engines(loaded.model, settings.engine, settings.compile)
-    return Prepared(settings, out_dir, loaded, dev, dt, engines, B.sweep_warnings(settings), None)
+    return Prepared(settings, out_dir, loaded, dev, dt, engines, B.sweep_warnings(settings), None, oversized)
 
 
 def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
@@ -202,13 +205,15 @@ def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
     planned = B.plan(p.settings, p.engines)
     extra_meta = {
         **(p.extra_meta or {}),
-        "configurations_planned": [{"engine": e, "cache": c, "prompt_len": n} for n, e, c in planned],
+        "configurations_planned": [
+            {"engine": e, "cache": c, "prompt_len": n, "batch": b} for n, b, e, c in planned
+        ],
     }
     if base_run is not None:  # the whole baseline check before the sweep: the same identity, rows in common
         from kvbench.results.compare import check_baseline
 
         meta = {**report.run_meta(p.loaded, p.device, p.dtype, p.settings, config_path), **extra_meta}
-        check_baseline(base_run, meta, [(e, c, n) for n, e, c in planned], opts.allow_env_change)
+        check_baseline(base_run, meta, [(e, c, n, b) for n, b, e, c in planned], opts.allow_env_change)
     bandwidth = measure_bandwidth(p.device)
     # only now: a rejected command leaves no folder behind
     with report.claimed_run_dir(p.out_dir, opts.force) as run_dir:
@@ -221,11 +226,12 @@ def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
             recorder,
             lambda progress: B.run_sweep(p.loaded.model, p.settings, recorder.dtype, recorder.device_label,
                                          on_result=recorder.add, on_progress=progress, engines=p.engines,
-                                         bandwidth=bandwidth),
+                                         bandwidth=bandwidth, oversized=p.oversized,
+                                         profile_dir=run_dir / "profile"),
             p.engines,
         )  # fmt: skip
         _show_bench(opts, recorder, run_dir, files)
-    _exit_if_failed(recorder.summary, lambda r: f"{r.engine} {r.cache} prompt {r.prompt_len}")
+    _exit_if_failed(recorder.summary, lambda r: f"{r.engine} {r.cache} prompt {r.prompt_len} batch {r.batch}")
 
 
 def _show_bench(opts: BenchOptions, recorder, run_dir, files: list[Path]) -> None:
@@ -234,6 +240,8 @@ def _show_bench(opts: BenchOptions, recorder, run_dir, files: list[Path]) -> Non
         print_bench_json(recorder, opts.baseline, run_dir, opts.allow_env_change)
         return
     render_bench(recorder.summary, recorder.meta, run_dir, files)
+    if recorder.profile_ops:
+        render_profile(recorder.profile_ops)
     if opts.baseline is not None:  # the bench table is out first, whatever the comparison says
         from kvbench.cli.compare import render_compare, run_compare
 
@@ -279,7 +287,7 @@ def random_fill_sweep(opts: BenchOptions, settings: BenchSettings, out_dir: Path
     B.check_sizes(settings, loaded.config, dt, dev, weights_loaded=True)  # the checkpoint's own shape
     bandwidth = measure_bandwidth(dev)
     elt = torch.empty((), dtype=dt).element_size()
-    crossover = floor.crossover_context(loaded.config, elt, settings.batch)
+    crossover = floor.crossover_context(loaded.config, elt, settings.batch[0])
     # only now: a rejected command leaves no folder behind
     with report.claimed_run_dir(out_dir, opts.force) as run_dir:
         recorder = report.ContextRecorder(
@@ -289,7 +297,7 @@ def random_fill_sweep(opts: BenchOptions, settings: BenchSettings, out_dir: Path
             recorder,
             lambda progress: run_context_sweep(
                 loaded.model, settings.caches, settings.prompt_len, settings.new_tokens, settings.repeats,
-                settings.warmup, settings.batch, bandwidth, recorder.dtype, recorder.device_label,
+                settings.warmup, settings.batch[0], bandwidth, recorder.dtype, recorder.device_label,
                 seed=settings.seed, on_result=recorder.add, on_progress=progress, compile=settings.compile,
             ),
         )  # fmt: skip

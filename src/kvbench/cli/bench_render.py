@@ -10,7 +10,7 @@ from rich.table import Table
 from kvbench import console
 from kvbench.console import cell, line, out, styled
 
-WIDE = 170  # bench tables' width in characters: a narrower console would squeeze the numbers into ellipses
+WIDE = 196  # bench tables' width in characters: a narrower console would squeeze the numbers into ellipses
 
 
 def _f(x: float, fmt: str) -> str:
@@ -75,8 +75,9 @@ def caption_text(meta: dict, rows: list = ()) -> str:
         "capture (capture ms, static-graph on CUDA) or compilation ("
         + ("static-compiled" if hf else "hf-compiled")
         + "); it depends on sweep order. "
+        "decode tok/s: tokens of all the batch's sequences per second of decode (prefill excluded). "
         "speedup: end to end vs the same family's `none` (hf-compiled vs hf none). vs hf: TPOT of the fastest "
-        "transformers row at that prompt / this TPOT. tokens: share of generated tokens equal to "
+        "transformers row at that prompt and batch / this TPOT. tokens: share of generated tokens equal to "
         + ("the model's own none's" if hf else "kvbench none's")
         + " (worst run; ~ all flips at near-ties, rounding; ! a real difference, see tokens_note in summary.csv). "
         "peak: this engine's weights (counted once) + the peak above what was in use before the configuration "
@@ -84,17 +85,30 @@ def caption_text(meta: dict, rows: list = ()) -> str:
     )
 
 
+def _oom_lines(rows: list) -> None:
+    """One line per reason the `oom` rows ran out of memory (or were predicted to), naming their configurations."""
+    reasons: dict[str, list[str]] = {}
+    for r in rows:
+        if r.status == "oom":
+            reasons.setdefault(r.tokens_note or "out of memory", []).append(f"{r.engine} {r.cache}")
+    for note, which in reasons.items():
+        out.print(styled(f"oom ({', '.join(dict.fromkeys(which))}): {note}", "red"))
+
+
 def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
-    cols = ["engine", "cache", "prompt", "TTFT ms", "TPOT ms", "p90", "floor ms", "x floor", "total s", "speedup",
-            "vs hf", "tokens", "peak MiB", "KV MiB", "copied", "capture ms", "cold TPOT"]  # fmt: skip
+    batches = list(dict.fromkeys(r.batch for r in rows))
+    swept = len(batches) > 1  # a batch sweep: a batch column, and decode tokens/s across the batch
+    cols = ["engine", "cache", "prompt", *(["batch"] if swept else []), "TTFT ms", "TPOT ms", "p90", "floor ms",
+            "x floor", "total s", "decode tok/s", "speedup", "vs hf", "tokens", "peak MiB", "KV MiB", "copied",
+            "capture ms", "cold TPOT"]  # fmt: skip
     body = []
     for r in rows:
         body.append(
             [
                 r.engine, r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status.split(':')[0]})", "red"),
-                r.prompt_len,
+                r.prompt_len, *([r.batch] if swept else []),
                 _f(r.ttft_ms, ".1f"), _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p90, ".2f"), _f(r.floor_ms, ".2f"),
-                _times(r.x_floor), _f(r.total_s, ".3f"),
+                _times(r.x_floor), _f(r.total_s, ".3f"), _f(r.decode_tokens_per_s, ",.0f"),
                 _times(r.speedup_vs_none), _times(r.speedup_vs_fastest_hf), _tokens_cell(r),
                 _f(r.peak_mem_mib, ".0f"), _f(r.kv_cache_mib, ".2f"),
                 "-" if r.bytes_copied != r.bytes_copied else console.fmt_bytes(int(r.bytes_copied)),
@@ -103,9 +117,9 @@ def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
         )  # fmt: skip
     title = f"bench: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}"
     if rows:
-        first = rows[0]
         title += (
-            f", {first.new_tokens} new tokens, batch {first.batch}, {max(r.repeats for r in rows)} repeats"
+            f", {rows[0].new_tokens} new tokens, batch {','.join(map(str, batches))}, "
+            f"{max(r.repeats for r in rows)} repeats"
         )
     tbl = Table(
         title=title,
@@ -122,11 +136,13 @@ def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
     # A narrow (or non-tty, 80-column) console would squeeze the numbers into ellipses: print at full width instead.
     wide = out if out.width >= WIDE else Console(highlight=False, width=WIDE)
     wide.print(tbl)
+    _oom_lines(rows)
     for r in rows:
+        where = f"{r.engine} {r.cache} prompt {r.prompt_len}" + (f" batch {r.batch}" if swept else "")
         if r.status.startswith("error"):
-            out.print(styled(f"{r.engine} {r.cache} prompt {r.prompt_len}: {r.status}", "red"))
+            out.print(styled(f"{where}: {r.status}", "red"))
         elif r.flips and r.near_tie_flips < r.flips:
-            out.print(styled(f"{r.engine} {r.cache} prompt {r.prompt_len}: tokens {r.tokens_note}", "red"))
+            out.print(styled(f"{where}: tokens {r.tokens_note}", "red"))
     observed = {f"{r.engine} {r.cache}": (r.sdpa_prefill, r.sdpa_decode) for r in rows if r.status == "ok"}
     kinds = sorted(set(observed.values()))
     if kinds:
@@ -188,3 +204,27 @@ def render_context(rows: list, meta: dict, run_dir, files: list) -> None:
         if r.status.startswith("error"):
             out.print(styled(f"{r.cache} context {r.context}: {r.status}", "red"))
     out.print(wrote_line(files, run_dir))
+
+
+def render_profile(ops: list, per_configuration: int = 3) -> None:
+    """--profile's table, once after the sweep: each configuration's top operators by self time (profile_ops.csv
+    holds the top 20 of each)."""
+    device = any(o.self_device_ms > 0 for o in ops)
+    tbl = Table(
+        title="profile: top operators by self time in one warm run of each configuration "
+        + ("(device time)" if device else "(CPU time)"),
+        title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+    )  # fmt: skip
+    for c in ("engine", "cache", "prompt", "batch", "operator", "calls", "self ms", "share"):
+        tbl.add_column(
+            c, no_wrap=c != "operator", justify="left" if c in ("engine", "cache", "operator") else "right"
+        )
+    shown: dict = {}
+    for o in ops:
+        key = (o.engine, o.cache, o.prompt_len, o.batch)
+        if shown.get(key, 0) >= per_configuration or o.op.startswith("(other"):
+            continue
+        shown[key] = shown.get(key, 0) + 1
+        ms = o.self_device_ms if device else o.self_cpu_ms
+        tbl.add_row(*[cell(x) for x in (*key, o.op, f"{o.calls:,}", f"{ms:,.1f}", f"{100 * o.share:.0f}%")])
+    out.print(tbl)

@@ -108,7 +108,7 @@ def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: 
     from the model's config with no weight loaded), then the model. Nothing is created on disk here.
 
     Returns (settings, run folder to create, the model as the sweep and the recorder read it, device, dtype,
-    engines, warnings, meta.json additions)."""
+    engines, warnings, meta.json additions, the batch sizes predicted not to fit with their reasons)."""
     from kvbench.bench.hf_sweep import (
         HFModelEngine,
         bench_meta,
@@ -131,9 +131,9 @@ def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: 
         import torch
 
         torch.set_num_threads(settings.threads)
-    longest = max(settings.prompt_len) + settings.new_tokens
-    loaded = load_hf(source, dev, dt, settings.seed, layers, trust, run=(settings.batch, longest),
-                     check=lambda shape: check_sizes_hf(settings, shape, dt, dev))  # fmt: skip
+    longest, oversized = max(settings.prompt_len) + settings.new_tokens, {}
+    loaded = load_hf(source, dev, dt, settings.seed, layers, trust, run=(min(settings.batch), longest),
+                     check=lambda shape: oversized.update(check_sizes_hf(settings, shape, dt, dev)))  # fmt: skip
     refuse_non_causal(loaded)  # token agreement against recomputation means nothing otherwise
     engines = {"hf": HFModelEngine(loaded)}
     untimed = [c for c in settings.caches if not engines["hf"].supports(c)]
@@ -150,4 +150,5 @@ def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: 
         engines,
         notes,
         bench_meta(loaded, settings, layers, trust),
+        oversized,
     )

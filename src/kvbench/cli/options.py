@@ -114,7 +114,14 @@ EngineOpt = Annotated[
         "torch.compile), comma-separated (default: kvbench,hf).",
     ),
 ]
-BenchBatchOpt = Annotated[int | None, typer.Option("--batch", help="Sequences per run (default: 1).")]
+BenchBatchOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--batch",
+        help="Sequences per run, comma-separated to sweep batch sizes (rows per size, batch.png), e.g. 1,4,16,64 "
+        "(default: 1).",
+    ),
+]
 RepeatsOpt = Annotated[
     int | None, typer.Option("--repeats", help="Timed runs per configuration (default: 3).")
 ]
@@ -293,5 +300,13 @@ CompareOutOpt = Annotated[
     str | None,
     typer.Option(
         "--out", "-o", help="Where compare.png and compare.json go (default: the CANDIDATE folder)."
+    ),
+]
+ProfileOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--profile/--no-profile",
+        help="One more warm run per configuration under torch.profiler, after the timed ones: a Chrome/Perfetto "
+        "trace in the run folder's profile/, its top operators by self time in profile_ops.csv and printed.",
     ),
 ]

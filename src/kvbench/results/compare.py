@@ -190,13 +190,14 @@ def unfinished(run: Run, role: str) -> str | None:
     planned = run.planned
     if planned is None:
         return f"the {role} run {how}: it may lack configurations ({len(run.summary)} in summary.csv)"
+    sm = run.summary
     done = set(
-        zip(run.summary["engine"], run.summary["cache"], run.summary["prompt_len"].astype(int), strict=True)
+        zip(sm["engine"], sm["cache"], sm["prompt_len"].astype(int), sm["batch"].astype(int), strict=True)
     )
     missing = [p for p in planned if p not in done]
     if not missing:
         return f"the {role} run {how}, after its last configuration"
-    shown = ", ".join(f"{e} {c} prompt {n}" for e, c, n in missing[:6])
+    shown = ", ".join(f"{e} {c} prompt {n}" + (f" batch {b}" if b != 1 else "") for e, c, n, b in missing[:6])
     more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
     return f"the {role} run {how}: {len(missing)} of its {len(planned)} configurations are missing ({shown}{more})"
 
@@ -304,14 +305,16 @@ def _nothing_in_common(
 
 
 def check_baseline(
-    base: Run, meta: dict, planned: list[tuple[str, str, int]], allow_env_change: bool
+    base: Run, meta: dict, planned: list[tuple[str, str, int, int]], allow_env_change: bool
 ) -> None:
     """`bench --baseline`, before the sweep: the run about to be made (its meta.json fields and the configurations
-    it plans, (engine, cache, prompt_len)) must be comparable with the baseline, or the command stops now rather
+    it plans, (engine, cache, prompt_len, batch)) must be comparable with the baseline, or the command stops now rather
     than after the work: the same identity (unless allowed), and at least one configuration in common."""
     check_environment(base.meta, meta, allow_env_change, command="kvbench bench")
     level = run_level(meta)
-    sweep = pd.DataFrame([{"engine": e, "cache": c, "prompt_len": p, **level} for e, c, p in planned])
+    sweep = pd.DataFrame(
+        [{**level, "engine": e, "cache": c, "prompt_len": p, "batch": b} for e, c, p, b in planned]
+    )
     if sweep.empty:
         return
     sweep["weights"] = sweep["weights"].astype(str)

@@ -222,20 +222,29 @@ def speedup_figure(summary: pd.DataFrame, meta: dict, path: Path) -> Path:
 def write_plots(
     run_dir: Path, summary: pd.DataFrame, steps: pd.DataFrame, meta: dict, not_drawn: list[str] | None = None
 ) -> list[Path]:
-    """Both figures into `run_dir`, or none when no configuration finished. latency.png is left out past
-    MAX_LATENCY_PANELS prompt lengths; the reason is appended to `not_drawn`."""
+    """The figures into `run_dir`, or none when no configuration finished. latency.png is left out past
+    MAX_LATENCY_PANELS prompt lengths; the reason is appended to `not_drawn`. A batch sweep adds batch.png and
+    draws the other two at its smallest batch size that ran."""
     if summary.empty or (summary["status"] != "ok").all():
         return []
     out = []
+    batches = sorted(summary.batch.unique())
+    if len(batches) > 1:
+        from kvbench.results.batch_plot import batch_figure
+
+        out.append(batch_figure(summary, meta, run_dir / "batch.png"))
+        first = min(summary[summary.status == "ok"].batch)
+        summary, steps = summary[summary.batch == first], steps[steps.batch == first]
+        meta = {**meta, "model": f"{meta.get('model', '?')}, batch {first}"}
     n = len(_prompt_lens(summary))
     if n <= MAX_LATENCY_PANELS:
-        out.append(latency_figure(summary, steps, meta, run_dir / "latency.png"))
+        out.insert(0, latency_figure(summary, steps, meta, run_dir / "latency.png"))
     elif not_drawn is not None:
         not_drawn.append(
             f"latency.png not drawn: {n} prompt lengths (it draws at most {MAX_LATENCY_PANELS}; speedup.png shows "
             "every one, and steps.csv holds every step)"
         )
-    out.append(speedup_figure(summary, meta, run_dir / "speedup.png"))
+    out.insert(1 if n <= MAX_LATENCY_PANELS else 0, speedup_figure(summary, meta, run_dir / "speedup.png"))
     return out
 
 

@@ -22,6 +22,7 @@ from kvbench import __version__
 from kvbench.bench import hugepages
 from kvbench.bench.backends import sdpa_settings
 from kvbench.bench.context import FILL_NOTE, ContextRow, ContextStepRow
+from kvbench.bench.profile import OpRow
 from kvbench.bench.sweep import StepRow, SummaryRow, fill_relative, settings_dict
 from kvbench.devices import cpu_peak_resettable, device_name, dtype_name
 from kvbench.results.rundir import (
@@ -166,6 +167,7 @@ class BenchRecorder:
         self, run_dir: Path, loaded, device, dtype, settings, config_path, bandwidth=None, extra_meta=None
     ) -> None:
         self._start(run_dir, loaded, device, dtype, settings, config_path)
+        self.profile_ops: list[OpRow] = []  # --profile: every configuration's top operators (profile_ops.csv)
         self.meta.update(
             fill="prefill",
             peak_memory_note=PEAK_NOTE[
@@ -190,13 +192,26 @@ class BenchRecorder:
         fill_relative(self.summary)
         r = result.summary
         if result.floor_bytes is not None and "floor" in self.meta:
-            key = f"{r.engine} {r.cache} prompt {r.prompt_len}"
+            key = f"{r.engine} {r.cache} prompt {r.prompt_len} batch {r.batch}"
             self.meta["floor"]["steps"][key] = result.floor_bytes.as_dict()
             if result.bandwidth is not None and result.bandwidth is not self.bandwidth:
                 rounds = self.meta["floor"].setdefault("by_prompt_len", {})  # interleaved: probed every round
-                rounds[str(r.prompt_len)] = result.bandwidth.as_dict()
+                swept = len(self.meta["settings"].get("batch", [])) > 1
+                rounds[f"{r.prompt_len} batch {r.batch}" if swept else str(r.prompt_len)] = (
+                    result.bandwidth.as_dict()
+                )
         write_csv(self.run_dir / "summary.csv", SummaryRow.columns(), self.summary)
         write_csv(self.run_dir / "steps.csv", StepRow.columns(), self.steps)
+        if result.profile is not None:
+            self._add_profile(r, result.profile)
+
+    def _add_profile(self, r, profiled) -> None:
+        """--profile: the configuration's trace listed in meta.json, its top operators added to profile_ops.csv."""
+        self.profile_ops.extend(profiled.ops)
+        key = f"{r.engine} {r.cache} prompt {r.prompt_len} batch {r.batch}"
+        self.meta.setdefault("profiles", {})[key] = str(profiled.trace.relative_to(self.run_dir))
+        write_csv(self.run_dir / "profile_ops.csv", OpRow.columns(), self.profile_ops)
+        write_json(self.run_dir / "meta.json", self.meta)
 
     def frames(self):
         import pandas as pd  # with the plots: a command refused before any work does not load it
@@ -228,7 +243,9 @@ class BenchRecorder:
         with writing_into(self.run_dir):
             pngs = plots.write_plots(self.run_dir, summary, steps, self.meta, self.plot_notes)
         self._plotted(pngs)
-        names = ["summary.csv", "steps.csv", "meta.json"]
+        names = ["summary.csv", "steps.csv", "meta.json"] + (
+            ["profile_ops.csv", "profile"] if self.profile_ops else []
+        )
         return [self.run_dir / n for n in names] + pngs
 
     def _plotted(self, pngs: list[Path]) -> None:

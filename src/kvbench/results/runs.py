@@ -107,11 +107,14 @@ class Run:
         return self.meta.get("status")
 
     @property
-    def planned(self) -> list[tuple[str, str, int]] | None:
-        """The configurations the sweep set out to run, (engine, cache, prompt_len); None where meta.json does not
-        say (runs from before kvbench recorded it)."""
+    def planned(self) -> list[tuple[str, str, int, int]] | None:
+        """The configurations the sweep set out to run, (engine, cache, prompt_len, batch); None where meta.json
+        does not say (runs from before kvbench recorded it). Runs from before batch sweeps ran one batch size."""
         rows = self.meta.get("configurations_planned")
-        return None if rows is None else [(r["engine"], r["cache"], r["prompt_len"]) for r in rows]
+        if rows is None:
+            return None
+        batch = run_level(self.meta)["batch"]
+        return [(r["engine"], r["cache"], r["prompt_len"], r.get("batch", batch)) for r in rows]
 
 
 def weights_kind(desc: object) -> str:
@@ -295,7 +298,12 @@ def _check_meta(meta: dict, where: str) -> None:
         if meta.get(key) is not None and not isinstance(meta[key], str):
             raise KVBenchError(f"{where}: {key} is {_shown(meta[key])}, not a name")
     _meta_number(meta, ("settings", "new_tokens"), WHOLE, where)
-    _meta_number(meta, ("settings", "batch"), WHOLE, where)
+    batch = _field(meta, ("settings", "batch"))
+    if isinstance(batch, list):  # a batch sweep: its sizes (older runs: one number)
+        for i, b in enumerate(batch):
+            _meta_number({"b": b}, ("b",), WHOLE, f"{where}: settings.batch[{i}]")
+    else:
+        _meta_number(meta, ("settings", "batch"), WHOLE, where)
     _meta_number(meta, ("floor", "bandwidth", "gbps"), BANDWIDTH_GBPS, where)
     planned = meta.get("configurations_planned")
     if planned is not None:
@@ -305,6 +313,7 @@ def _check_meta(meta: dict, where: str) -> None:
             and isinstance(r.get("cache"), str)
             and isinstance(r.get("prompt_len"), int)
             and not isinstance(r.get("prompt_len"), bool)
+            and (r.get("batch") is None or (isinstance(r["batch"], int) and not isinstance(r["batch"], bool)))
             for r in planned
         )
         if not fine:
@@ -322,8 +331,16 @@ def run_level(meta: dict) -> dict:
         "dtype": meta.get("dtype"),
         "device": meta.get("device"),
         "new_tokens": settings.get("new_tokens"),
-        "batch": settings.get("batch", 1),
+        # one batch size for the run (older runs, or a sweep of one); a batch sweep's rows each say theirs
+        "batch": _one(settings.get("batch", 1)),
     }
+
+
+def _one(value):
+    """A setting that may be a list: its only value, or None when it has several."""
+    if isinstance(value, list):
+        return value[0] if len(value) == 1 else None
+    return value
 
 
 def load_run(path: str | Path, role: str) -> Run:

@@ -1,0 +1,74 @@
+"""bench --profile: one more warm run per configuration under torch.profiler. The trace is real Chrome trace-event
+JSON, the operator counts are GPT-2's own (counted by hand from the architecture), meta.json lists every trace,
+and the option is refused where it does not apply."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from kvbench.bench import floor
+from kvbench.bench.profile import trace_name
+from kvbench.bench.settings import BenchOverrides, load_settings
+from kvbench.cli import app
+from kvbench.errors import KVBenchError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
+
+
+@pytest.fixture(autouse=True)
+def _small_probe(monkeypatch):
+    monkeypatch.setenv(floor.PROBE_ENV, str(16 << 20))
+
+
+def test_profile_writes_a_trace_per_configuration_and_gpt2s_operator_counts(tmp_path):
+    out, new = tmp_path / "run", 6
+    result = CliRunner().invoke(app, [
+        "bench", *TINY, "--prompt-len", "12", "--new-tokens", str(new), "--caches", "none,static",
+        "--engine", "kvbench", "--repeats", "1", "--warmup", "1", "--out", str(out), "--profile",
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "profile: top operators by self time" in result.output
+    meta = json.loads((out / "meta.json").read_text())
+    assert set(meta["profiles"]) == {"kvbench none prompt 12 batch 1", "kvbench static prompt 12 batch 1"}
+    for rel in meta["profiles"].values():
+        trace = json.loads((out / rel).read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert "aten::addmm" in names and "aten::scaled_dot_product_attention" in names
+    ops = pd.read_csv(out / "profile_ops.csv")
+    assert set(ops.cache) == {"none", "static"}
+    for _, g in ops.groupby("cache"):
+        assert g.share.sum() == pytest.approx(1.0, abs=1e-3)  # the top operators and the rest
+        assert (g.self_cpu_ms >= 0).all() and (g.self_device_ms == 0).all()  # a CPU run
+        calls = g.set_index("op").calls
+        # one forward per generated token (the prefill, then new - 1 decode steps); per forward, each of the
+        # 2 blocks runs 4 biased linears (c_attn, attn.c_proj, c_fc, mlp.c_proj) and lm_head one bias-free matmul
+        assert calls["aten::addmm"] == new * 2 * 4
+        assert calls["aten::mm"] == new
+    # the timed rows are not the profiled run: summary.csv holds the one timed repeat
+    s = pd.read_csv(out / "summary.csv")
+    assert (s.repeats == 1).all()
+
+
+def test_trace_names_are_safe_file_names():
+    assert (
+        trace_name("kvbench", "mycaches.x:Cache", 16, 4)
+        == "kvbench-mycaches.x-Cache-prompt16-batch4.trace.json"
+    )
+
+
+def test_profile_from_toml_and_where_it_does_not_apply(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text("profile = true\n")
+    assert load_settings(f, BenchOverrides()).profile is True
+    f.write_text('profile = "yes"\n')
+    with pytest.raises(KVBenchError, match="profile must be true or false"):
+        load_settings(f, BenchOverrides())
+    with pytest.raises(KVBenchError, match="--profile traces prefill sweeps"):
+        load_settings(None, BenchOverrides(profile=True, fill="random"))
