@@ -35,7 +35,7 @@ from kvbench.bench.settings import (
 )
 from kvbench.check.hf_subject import HFModel, cache_unsupported, forward_inputs
 from kvbench.check.judge import tolerance
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, NotEnoughMemoryError
 from kvbench.hf.caches import HF_CACHES, TIMED, generate_kwargs, parse_bench_caches
 from kvbench.hf.engine import compiled_decode, timed_generate
 from kvbench.hf.models import HFShape, LoadedHF, quiet_transformers
@@ -214,7 +214,7 @@ def check_sizes_hf(s: BenchSettings, shape: HFShape, dtype: torch.dtype, device:
     total = devices.device_memory_bytes(device)
     if total is not None and weights + kv > total:
         gib = 2**30
-        raise KVBenchError(
+        raise NotEnoughMemoryError(
             f"--batch {s.batch} x {longest} tokens needs a {kv / gib:.1f} GiB KV cache plus {weights / gib:.1f} GiB "
             f"of weights ({shape.label}), more than the device's {total / gib:.1f} GiB; lower --batch, --prompt-len "
             "or --new-tokens, or --layers"

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from kvbench import devices, files, validate
+from kvbench import devices, dtypes, files, validate
 from kvbench.bench.engines import ENGINES
 from kvbench.caches import CACHES, parse_cache_names
 from kvbench.decode.fixed_step import check_compile
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, NotEnoughMemoryError
 from kvbench.model.gpt2 import GPTConfig
 
 
@@ -190,6 +190,8 @@ def check_settings(s: BenchSettings) -> None:
         value = getattr(s, key)
         if value is not None and not value.strip():
             raise KVBenchError(f"{_flag(key)} is empty; give a value or leave the option out")
+    # any spelling (half, torch.bfloat16, ...) -> the canonical name, which settings.json records
+    s.dtype = dtypes.canonical(s.dtype, "--dtype", dtypes.FLOATS, extra=("auto",))
     if s.batch < 1:
         raise KVBenchError(f"--batch must be >= 1, got {s.batch}")
     for key, (lo, hi) in LIMITS.items():
@@ -311,7 +313,7 @@ def _check_random_fill_memory(s: BenchSettings, cfg: GPTConfig, weights: int, kv
         parts = (f"weights {weights / gib:.1f} + " if weights else "") + (
             f"KV cache {kv / gib:.1f} + one layer's temporaries {temporaries / gib:.1f}"
         )
-        raise KVBenchError(
+        raise NotEnoughMemoryError(
             f"--fill random at {max(s.prompt_len):,} + {s.new_tokens} tokens x batch {s.batch} needs about "
             f"{need / gib:.1f} GiB ({parts}), more than the {free / gib:.1f} GiB available; "
             "lower --prompt-len or --batch"
@@ -339,7 +341,7 @@ def check_sizes(
     total = devices.device_memory_bytes(device)
     if total is not None and params * elem + kv > total:
         gib = 2**30
-        raise KVBenchError(
+        raise NotEnoughMemoryError(
             f"--batch {s.batch} x {longest} tokens needs a {kv / gib:.1f} GiB KV cache plus "
             f"{params * elem / gib:.1f} GiB of weights, more than the device's {total / gib:.1f} GiB; "
             "lower --batch, --prompt-len or --new-tokens"
