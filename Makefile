@@ -39,7 +39,7 @@ format: $(STAMP)
 # and the memory planner. Real GPT-2 when the hub (or its local cache) is reachable; clearly labelled random weights
 # otherwise. The bench lands in results/<timestamp>-bench/ (summary.csv, steps.csv, meta.json, two plots).
 demo: $(STAMP)
-	$(BIN)/kvbench generate "The key to fast inference is" --max-new-tokens 40 --cache static
+	$(BIN)/kvbench generate "The key to fast inference is" --new-tokens 40 --cache static
 	$(BIN)/kvbench verify --caches dynamic,static,paged --new-tokens 40
 	$(BIN)/kvbench break position --new-tokens 24
 	$(BIN)/kvbench bench --prompt-len 256 --new-tokens 24 --caches none,dynamic,static --engine kvbench,hf \

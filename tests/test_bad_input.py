@@ -51,8 +51,8 @@ CASES = {
     "verify zero prompt": (["verify", "--prompt-len", "0"], "--prompt-len must be >= 3"),
     "verify batch of one": (["verify", "--batch", "1"], "--batch must be >= 2"),
     "verify one new token": (["verify", "--new-tokens", "1"], "--new-tokens must be >= 2"),
-    "generate zero tokens": (["generate", "hi", "-n", "0"], "--max-new-tokens must be >= 1"),
-    "generate negative tokens": (["generate", "hi", "-n", "-5"], "--max-new-tokens must be >= 1"),
+    "generate zero tokens": (["generate", "hi", "-n", "0"], "--new-tokens must be >= 1"),
+    "generate negative tokens": (["generate", "hi", "-n", "-5"], "--new-tokens must be >= 1"),
     "generate beyond context": (["generate", "hi", "-n", "99999999999999999999"], "exceeds the model's context"),
     "break beyond context": (["break", "all", "-n", "99999"], "exceeds the model's context"),
     "break batch of one": (["break", "all", "--batch", "1"], "--batch 1"),
@@ -134,7 +134,7 @@ def test_a_model_name_with_markup_in_an_error_is_literal():
 
 
 def test_cpu_allocation_failure_is_reported_like_out_of_memory(monkeypatch):
-    """An allocation the CPU cannot satisfy is one line and exit 2, as CUDA OOM is."""
+    """An allocation the CPU cannot satisfy is one line and exit 3 (out of memory), as CUDA OOM is."""
     import kvbench.decode.generate as gen
 
     def no_memory(*a, **k):
@@ -144,7 +144,7 @@ def test_cpu_allocation_failure_is_reported_like_out_of_memory(monkeypatch):
 
     monkeypatch.setattr(gen, "make_caches", no_memory)
     r = CliRunner().invoke(app, ["generate", "hi", "-n", "3", *TINY])
-    assert r.exit_code == 2 and r.stderr.strip().splitlines() == [
+    assert r.exit_code == 3 and r.stderr.strip().splitlines() == [
         "error: out of CPU memory (an allocation failed); lower --batch, the lengths or the model"
     ], r.output
 

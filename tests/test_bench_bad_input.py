@@ -90,7 +90,9 @@ CASES = [
     ("seed-beyond-64-bits", ["--seed", str(2**64)], "--seed must be between 0 and"),
     ("batch-not-a-number", ["--batch", "abc"], "Invalid value for '--batch'"),
     ("dtype-fp16-on-cpu", ["--dtype", "fp16"], "fp16 on the CPU"),
-    ("dtype-unknown", ["--dtype", "fp8"], "unknown dtype 'fp8'"),
+    ("dtype-unknown", ["--dtype", "fp8"], "unknown --dtype 'fp8'; use fp32 (float32, float), fp16"),
+    ("dtype-half-on-cpu", ["--dtype", "half"], "--dtype fp16 on the CPU"),
+    ("config-dtype-unknown", ["--config", _toml('dtype = "float64"\n')], "unknown --dtype 'float64'"),
     ("device-empty", ["--device", ""], "--device is empty"),
     ("model-unknown", ["--model", "gpt5"], "unknown model 'gpt5'"),
     (
@@ -148,8 +150,12 @@ def _materialise(args: list, tmp_path) -> list[str]:
     return [str(a(tmp_path)) if callable(a) else a for a in args]
 
 
-@pytest.mark.parametrize("args, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypatch, args, needle):
+# Sweeps too large for the machine: refused up front like bad input, with the out-of-memory exit code
+TOO_LARGE = {"batch-huge", "batch-beyond-memory", "fill-random-beyond-memory"}
+
+
+@pytest.mark.parametrize("case, args, needle", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypatch, case, args, needle):
     work = tmp_path / "cwd"
     work.mkdir()
     monkeypatch.chdir(work)  # the default run folder would be results/<timestamp>-bench/ here
@@ -157,7 +163,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypatch, 
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
     result = CliRunner().invoke(app, ["bench", *argv])
     shown = f"exit {result.exit_code}\nstdout: {result.stdout!r}\nstderr: {result.stderr!r}"
-    assert result.exit_code == 2, shown
+    assert result.exit_code == (3 if case in TOO_LARGE else 2), shown
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), shown
     assert needle in lines[0], shown

@@ -148,7 +148,7 @@ def test_every_batch_size_out_of_memory_is_refused_before_any_work(tmp_path):
         "bench", *TINY, "--prompt-len", "8", "--new-tokens", "4", "--batch", "1048576", "--caches", "static",
         "--engine", "kvbench", "--out", str(out),
     )  # fmt: skip
-    assert result.exit_code == 2 and "--batch 1048576 x 12 tokens needs a" in text, text
+    assert result.exit_code == 3 and "--batch 1048576 x 12 tokens needs a" in text, text
     assert not out.exists()
 
 

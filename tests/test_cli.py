@@ -116,7 +116,7 @@ BAD = {
     "empty prompt": (["generate", "   "], "prompt 1 is empty"),
     "no prompt": (["generate"], "no prompt given"),
     "fp16 cpu": (["generate", "hi", "--device", "cpu", "--dtype", "fp16"], "fp16 on the CPU"),
-    "bad dtype": (["generate", "hi", "--dtype", "fp8"], "unknown dtype 'fp8'"),
+    "bad dtype": (["generate", "hi", "--dtype", "fp8"], "unknown --dtype 'fp8'"),
     "bad top-k": (["generate", "hi", "--top-k", "0"], "--top-k must be >= 1"),
 }
 

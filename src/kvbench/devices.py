@@ -7,6 +7,7 @@ import platform
 
 import torch
 
+from kvbench.dtypes import canonical
 from kvbench.errors import KVBenchError
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -34,12 +35,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' -> fp16 on CUDA, fp32 elsewhere. fp16 on a CPU is refused: PyTorch has no fast CPU fp16 kernels."""
-    name = name.strip().lower()
+    """Any spelling of fp32, fp16 or bf16 (kvbench.dtypes: float16, half, torch.bfloat16, ...); 'auto' -> fp16 on
+    CUDA, fp32 elsewhere. fp16 on a CPU is refused: PyTorch has no fast CPU fp16 kernels."""
+    name = canonical(name, "--dtype", tuple(DTYPES), extra=("auto",))
     if name == "auto":
         return torch.float16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise KVBenchError(f"unknown dtype {name!r}; use {', '.join(DTYPES)} or auto")
     if name == "fp16" and device.type == "cpu":
         raise KVBenchError(
             "--dtype fp16 on the CPU: PyTorch's CPU fp16 kernels are very slow or missing; "

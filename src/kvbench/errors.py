@@ -1,7 +1,7 @@
 """The project's one exception type for bad user input and unmet preconditions.
 
 Library code raises `KVBenchError` with a message that names the bad value and the fix; the CLI turns it into a red
-one-line message on stderr and a non-zero exit. Internal invariants use `assert` instead. Other exceptions are read
+one-line message on stderr and exit 2 (3 for `NotEnoughMemoryError`, a run too large for the machine). Internal invariants use `assert` instead. Other exceptions are read
 here too: in one line (`one_line`), and whether they are an allocation failure (`is_out_of_memory`). Nothing here
 imports torch.
 """
@@ -9,6 +9,12 @@ imports torch.
 
 class KVBenchError(Exception):
     """Bad input or an unmet precondition, explained in one line for the user."""
+
+
+class NotEnoughMemoryError(KVBenchError):
+    """A run that does not fit the machine's memory: refused before allocating (what it needs against what the
+    device has), or an allocation that failed, explained. The CLI exits 3 for it, not 2: the command was right, the
+    machine is too small."""
 
 
 class CacheOverflowError(KVBenchError):

@@ -17,7 +17,7 @@ from kvbench import devices, memory
 from kvbench.caches import CACHES, CacheSpec, cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
 from kvbench.caches.paged import paged_memory_report
 from kvbench.devices import DTYPES, device_name, resolve_device
-from kvbench.errors import KVBenchError, is_out_of_memory
+from kvbench.errors import KVBenchError, NotEnoughMemoryError, is_out_of_memory
 from kvbench.model.gpt2 import PRESETS, GPTConfig
 from kvbench.validate import past_context
 
@@ -236,7 +236,7 @@ def _allocate_and_fill(name: str, cfg: GPTConfig, batch: int, ctx: int, dtype, d
     except Exception as e:
         if not is_out_of_memory(e):
             raise
-        raise KVBenchError(
+        raise NotEnoughMemoryError(
             f"--measure: the {name!r} cache for batch {batch} x {ctx} tokens ({memory.fmt_bytes(predicted)}) "
             f"does not fit on {dev}; lower --batch or --ctx"
         ) from None
@@ -296,7 +296,7 @@ def check_measure(
     )
     need = 2 * memory.bytes_per_sequence(spec, fmt, max(contexts)) * batch
     if room is not None and need > room:
-        raise KVBenchError(
+        raise NotEnoughMemoryError(
             f"--measure at batch {batch} x {max(contexts):,} tokens needs about {memory.fmt_bytes(need)} on {dev}, "
             f"which has {memory.fmt_bytes(room)} free; lower --batch or --ctx"
         )

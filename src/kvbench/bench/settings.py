@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from kvbench import devices, files, validate
+from kvbench import devices, dtypes, files, validate
 from kvbench.bench.engines import ENGINES
 from kvbench.caches import CACHES, parse_cache_names
 from kvbench.decode.fixed_step import check_compile
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, NotEnoughMemoryError
 from kvbench.model.gpt2 import GPTConfig
 
 
@@ -199,6 +199,8 @@ def check_settings(s: BenchSettings) -> None:
         value = getattr(s, key)
         if value is not None and not value.strip():
             raise KVBenchError(f"{_flag(key)} is empty; give a value or leave the option out")
+    # any spelling (half, torch.bfloat16, ...) -> the canonical name, which settings.json records
+    s.dtype = dtypes.canonical(s.dtype, "--dtype", dtypes.FLOATS, extra=("auto",))
     if not s.batch:
         raise KVBenchError("--batch is empty; give one or more batch sizes, e.g. 1,4,16")
     if min(s.batch) < 1:
@@ -332,7 +334,7 @@ def _check_random_fill_memory(s: BenchSettings, cfg: GPTConfig, weights: int, kv
         parts = (f"weights {weights / gib:.1f} + " if weights else "") + (
             f"KV cache {kv / gib:.1f} + one layer's temporaries {temporaries / gib:.1f}"
         )
-        raise KVBenchError(
+        raise NotEnoughMemoryError(
             f"--fill random at {max(s.prompt_len):,} + {s.new_tokens} tokens x batch {s.batch[0]} needs about "
             f"{need / gib:.1f} GiB ({parts}), more than the {free / gib:.1f} GiB available; "
             "lower --prompt-len or --batch"
@@ -372,7 +374,7 @@ def oversized_batches(
                 f"of weights{what}, more than the device's {total / gib:.1f} GiB"
             )
     if len(out) == len(s.batch):
-        raise KVBenchError(f"--{out[min(s.batch)]}; lower --batch, --prompt-len or --new-tokens{fix}")
+        raise NotEnoughMemoryError(f"--{out[min(s.batch)]}; lower --batch, --prompt-len or --new-tokens{fix}")
     return out
 
 

@@ -30,12 +30,16 @@ from kvbench.cli.options import (  # noqa: F401  (the options verify and break i
     WeightsOpt,
 )
 from kvbench.cli.options import dtype_opt as _dtype_opt  # noqa: F401
-from kvbench.errors import KVBenchError, one_line
+from kvbench.errors import KVBenchError, NotEnoughMemoryError, one_line
 from kvbench.validate import PROBE_ENV, probe_bytes_setting
 
 # The click that Typer runs on: vendored as typer._click in recent Typer, the click package before.
 click = getattr(typer_core, "_click", None) or __import__("click")
 
+BAD_INPUT = 2  # KVBenchError: a wrong command, a bad file or value
+OUT_OF_MEMORY = (
+    3  # NotEnoughMemoryError or an allocation failure: the command was right, the machine too small
+)
 # The exit status when the reader of stdout goes away early (`kvbench ... | head -1`): 128 + SIGPIPE, what a shell
 # reports for a program the signal stopped. The command ends quietly, with no verdict.
 STDOUT_CLOSED = 141
@@ -85,16 +89,19 @@ app = typer.Typer(
 
 def handle_errors(fn):
     """The one layer where errors become exit codes: KVBenchError -> red line + exit 2; running out of memory (CPU or
-    CUDA) -> red line + exit 2; Ctrl-C -> exit 130; stdout closed by its reader -> quiet exit 141; anything else ->
+    GPU: an allocation failure, or a NotEnoughMemoryError refusal up front) -> red line + exit 3; Ctrl-C -> exit 130; stdout closed by its reader -> quiet exit 141; anything else ->
     one line naming it as a kvbench bug, exit 70 (the traceback with --verbose)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except NotEnoughMemoryError as e:
+            console.error(str(e))
+            raise typer.Exit(OUT_OF_MEMORY) from None
         except KVBenchError as e:
             console.error(str(e))
-            raise typer.Exit(2) from None
+            raise typer.Exit(BAD_INPUT) from None
         except KeyboardInterrupt:
             console.error("interrupted")
             raise typer.Exit(130) from None
@@ -107,7 +114,7 @@ def handle_errors(fn):
             oom = out_of_memory(e)
             if oom:
                 console.error(oom)
-                raise typer.Exit(2) from None
+                raise typer.Exit(OUT_OF_MEMORY) from None
             if VERBOSE["on"]:
                 raise
             console.error(

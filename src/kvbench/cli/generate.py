@@ -13,8 +13,8 @@ from kvbench.cli.options import (
     DraftOpt,
     DraftTokensOpt,
     GenerateCacheOpt,
+    GenerateNewTokensOpt,
     JsonOpt,
-    MaxNewTokensOpt,
     ModelOpt,
     NgramOpt,
     PromptArg,
@@ -60,7 +60,7 @@ class GenerateOptions:
     prompt: str | None
     prompts: list[str] | None
     prompts_file: Path | None
-    max_new_tokens: int
+    new_tokens: int
     cache: str
     temperature: float
     top_k: int | None
@@ -84,7 +84,7 @@ def generate(
     prompt: PromptArg = None,
     prompts: PromptsOpt = None,
     prompts_file: PromptsFileOpt = None,
-    max_new_tokens: MaxNewTokensOpt = 64,
+    new_tokens: GenerateNewTokensOpt = 64,
     cache: GenerateCacheOpt = "dynamic",
     temperature: TemperatureOpt = 0.0,
     top_k: TopKOpt = None,
@@ -103,7 +103,7 @@ def generate(
 ) -> None:
     """Generate text through any cache (and batches of prompts). Greedy by default; streams a single prompt."""
     opts = GenerateOptions(
-        prompt=prompt, prompts=prompts, prompts_file=prompts_file, max_new_tokens=max_new_tokens, cache=cache,
+        prompt=prompt, prompts=prompts, prompts_file=prompts_file, new_tokens=new_tokens, cache=cache,
         temperature=temperature, top_k=top_k, stop_at_eot=stop_at_eot, model=model, weights=weights, device=device,
         dtype=dtype, seed=seed, tokenizer=tokenizer, compile=compile, json_out=json_out, draft=draft,
         draft_tokens=draft_tokens, ngram=ngram,
@@ -129,7 +129,7 @@ class Prepared:
 
 
 def prepare(o: GenerateOptions) -> Prepared:
-    """Every check that needs no weights (prompts, --max-new-tokens, cache, compile mode, sampler, --draft, tokenizer,
+    """Every check that needs no weights (prompts, --new-tokens, cache, compile mode, sampler, --draft, tokenizer,
     the model's context), then the model, then the prompts' token ids against its vocabulary."""
     texts = read_prompts(o.prompt, o.prompts, o.prompts_file)
     from kvbench import validate
@@ -139,7 +139,7 @@ def prepare(o: GenerateOptions) -> Prepared:
     from kvbench.model.tokenizer import load_tokenizer
     from kvbench.model.weights import peek_config
 
-    validate.integer("--max-new-tokens", o.max_new_tokens, 1)
+    validate.integer("--new-tokens", o.new_tokens, 1)
     validate.integer("the number of prompts", len(texts), 1, validate.MAX_BATCH)
     get_cache_spec(o.cache)
     check_compile(o.compile, caches=[o.cache])
@@ -152,8 +152,8 @@ def prepare(o: GenerateOptions) -> Prepared:
             raise KVBenchError(f"prompt {i + 1} encodes to zero tokens")
     cfg = peek_config(o.model, o.weights)
     longest = max(map(len, ids))
-    validate.fits_context("prompt length" if len(ids) == 1 else "longest prompt", longest, o.max_new_tokens,
-                          cfg.block_size, "use a shorter prompt or fewer --max-new-tokens")  # fmt: skip
+    validate.fits_context("prompt length" if len(ids) == 1 else "longest prompt", longest, o.new_tokens,
+                          cfg.block_size, "use a shorter prompt or fewer --new-tokens")  # fmt: skip
     loaded, dev, dt = load_for_cli(o.model, o.weights, o.device, o.dtype, o.seed)
     check_compile(o.compile, dev.type)
     vocab = loaded.config.vocab_size
@@ -203,7 +203,7 @@ def run_generation(o: GenerateOptions, p: Prepared) -> tuple[dict, bool]:
     if o.draft == "prompt-lookup":
         k, n = draft_settings(o)
         spec = speculative_generate(
-            p.loaded.model, p.ids, o.max_new_tokens, cache=o.cache, draft_tokens=k, ngram=n,
+            p.loaded.model, p.ids, o.new_tokens, cache=o.cache, draft_tokens=k, ngram=n,
             stop_token=stop_token, on_token=on_token,
         )  # fmt: skip
         result = spec.generation
@@ -211,7 +211,7 @@ def run_generation(o: GenerateOptions, p: Prepared) -> tuple[dict, bool]:
         result = run_generate(
             p.loaded.model,
             p.ids,
-            o.max_new_tokens,
+            o.new_tokens,
             cache=o.cache,
             sampler=p.sampler,
             stop_token=stop_token,

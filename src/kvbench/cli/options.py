@@ -4,6 +4,10 @@ A command's signature names an option by its alias and gives its default (`batch
 its short form and its help live here. An option with the same flag and help in several commands is one alias
 (ModelOpt, DeviceOpt, JsonOpt, ...). The `--hf` options are in cli/hf.py. Only typer is imported, so `kvbench --help`
 stays fast.
+
+A short option means one thing in every command: -m --model, -w --weights, -d --device, -o --out, -n --new-tokens,
+-c --cache, -p --prompt, -b --batch (memory), -t --temperature (generate), -f --format (compare). A new option
+takes no short form unless it is one of these long options.
 """
 
 from __future__ import annotations
@@ -44,9 +48,15 @@ COMPILE_HELP = (
 CompileOpt = Annotated[str, typer.Option("--compile", help=COMPILE_HELP)]
 
 
+DTYPE_HELP = (
+    "fp32 | fp16 | bf16 | auto (fp16 on CUDA, fp32 on CPU); torch's names work too: float32/float, float16/half, "
+    "bfloat16 (case-insensitive)."
+)
+
+
 def dtype_opt(default: str) -> object:
     """`--dtype` with its default inside the option (`dtype: str = dtype_opt("fp32")`)."""
-    return typer.Option(default, "--dtype", help="fp32 | fp16 | bf16 (auto: fp16 on CUDA, fp32 on CPU).")
+    return typer.Option(default, "--dtype", help=DTYPE_HELP)
 
 
 # --- generate --------------------------------------------------------------------------------------------------------
@@ -59,7 +69,10 @@ PromptsFileOpt = Annotated[
     Path | None,
     typer.Option("--prompts-file", help="One prompt per line, decoded together as a batch."),
 ]
-MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")]
+GenerateNewTokensOpt = Annotated[
+    int,
+    typer.Option("--new-tokens", "--max-new-tokens", "-n", help="Tokens to generate (at most, with --stop)."),
+]
 GenerateCacheOpt = Annotated[str, typer.Option("--cache", "-c", help="KV cache: none, dynamic, static, ...")]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.")]
 TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Sample from the k most likely tokens.")]
@@ -96,7 +109,7 @@ BenchPromptLenOpt = Annotated[
     ),
 ]
 BenchNewTokensOpt = Annotated[
-    int | None, typer.Option("--new-tokens", help="Tokens generated per run (default: 400).")
+    int | None, typer.Option("--new-tokens", "-n", help="Tokens generated per run (default: 400).")
 ]
 BenchCachesOpt = Annotated[
     str | None,
@@ -131,9 +144,7 @@ WarmupOpt = Annotated[
 ]
 BenchConfigOpt = Annotated[
     Path | None,
-    typer.Option(
-        "--config", "-c", help="A TOML sweep (configs/bench/) or a shipped one by name (seed, quick)."
-    ),
+    typer.Option("--config", help="A TOML sweep (configs/bench/) or a shipped one by name (seed, quick)."),
 ]
 BenchOutOpt = Annotated[
     str | None, typer.Option("--out", "-o", help="Run folder (default: results/<timestamp>-bench/).")
@@ -141,9 +152,7 @@ BenchOutOpt = Annotated[
 ForceOpt = Annotated[
     bool, typer.Option("--force", help="Replace the bench files of an earlier run in --out.")
 ]
-BenchDtypeOpt = Annotated[
-    str | None, typer.Option("--dtype", help="fp32 | fp16 | bf16 | auto (fp16 on CUDA, fp32 on CPU).")
-]
+BenchDtypeOpt = Annotated[str | None, typer.Option("--dtype", help=DTYPE_HELP)]
 ThreadsOpt = Annotated[
     int | None,
     typer.Option("--threads", help="torch CPU threads (default: torch's default: one per core)."),
@@ -205,10 +214,18 @@ CtxOpt = Annotated[
 MemoryBatchOpt = Annotated[int, typer.Option("--batch", "-b", help="Sequences held at once.")]
 KVDtypeOpt = Annotated[
     str,
-    typer.Option("--kv-dtype", help="fp32 | fp16 | bf16 | fp8 | int8 | int4 (int8/int4 add group scales)."),
+    typer.Option(
+        "--kv-dtype",
+        help="fp32 | fp16 | bf16 | fp8 | int8 | int4 (int8/int4 add group scales); also float32/float, "
+        "float16/half, bfloat16, fp8_e4m3/float8_e4m3fn (case-insensitive).",
+    ),
 ]
 WeightsDtypeOpt = Annotated[
-    str | None, typer.Option("--weights-dtype", help="fp32 | fp16 | bf16 (default) | fp8 | int8 | int4.")
+    str | None,
+    typer.Option(
+        "--weights-dtype",
+        help="fp32 | fp16 | bf16 (default) | fp8 | int8 | int4; torch's names work too (float16, bfloat16, ...).",
+    ),
 ]
 GPUOpt = Annotated[
     str | None,

@@ -30,7 +30,6 @@ CachesOpt = Annotated[
     str | None,
     typer.Option(
         "--caches",
-        "-c",
         help="Comma-separated caches to check (default: all). With --hf: none, dynamic, static, "
         "static-compiled, offloaded, offloaded_static, quantized-quanto, quantized-hqq, quantized-fp8.",
     ),

@@ -33,7 +33,7 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from kvbench import devices, files
-from kvbench.errors import KVBenchError, one_line
+from kvbench.errors import KVBenchError, NotEnoughMemoryError, one_line
 from kvbench.hf.introspect import HFModelInfo, cache_kwarg, describe, quiet_transformers, returned_cache
 from kvbench.memory.config_json import check_fields
 from kvbench.memory.units import fmt_bytes
@@ -388,7 +388,7 @@ def check_memory(source: str, shape: HFShape, device: torch.device, dtype: torch
         free = devices.available_memory_bytes(dev)
         if free is not None and need > free:
             what = "CPU memory" if dev.type == "cpu" else f"memory on {dev}"
-            raise KVBenchError(
+            raise NotEnoughMemoryError(
                 f"--hf {source}: {shape.label} needs about {fmt_bytes(need)} of {what}: {how}; {fmt_bytes(free)} is "
                 "available; use --layers N, a smaller model or fewer tokens"
             )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbench.errors import KVBenchError
+from kvbench.dtypes import canonical
 
 
 @dataclass(frozen=True)
@@ -66,14 +66,14 @@ WEIGHT_BITS: dict[str, int] = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "in
 
 
 def get_kv_format(name: str) -> KVFormat:
-    key = name.strip().lower()
-    if key not in KV_FORMATS:
-        raise KVBenchError(f"unknown --kv-dtype {name!r}; use one of {', '.join(KV_FORMATS)}")
-    return KV_FORMATS[key]
+    """Any spelling kvbench.dtypes accepts (float16, half, bfloat16, ...) -> its format."""
+    return KV_FORMATS[canonical(name, "--kv-dtype", tuple(KV_FORMATS))]
+
+
+def weight_dtype(name: str) -> str:
+    """The canonical name of a --weights-dtype spelling (kvbench.dtypes)."""
+    return canonical(name, "--weights-dtype", tuple(WEIGHT_BITS))
 
 
 def weight_bits(name: str) -> int:
-    key = name.strip().lower()
-    if key not in WEIGHT_BITS:
-        raise KVBenchError(f"unknown --weights-dtype {name!r}; use one of {', '.join(WEIGHT_BITS)}")
-    return WEIGHT_BITS[key]
+    return WEIGHT_BITS[weight_dtype(name)]

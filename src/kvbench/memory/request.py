@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvbench.errors import KVBenchError
 from kvbench.memory.check import check_format
-from kvbench.memory.formats import get_kv_format, weight_bits
+from kvbench.memory.formats import get_kv_format, weight_dtype
 from kvbench.memory.planner import DEFAULT_OVERHEAD, ModelPlan, plan
 from kvbench.memory.presets import get_gpu, get_model, load_presets
 from kvbench.memory.resolve import resolve_config
@@ -176,8 +176,7 @@ def parse_request(o: Options, extra: Callable[[str], ModelSpec | None] | None = 
     if contexts and len(contexts) > MAX_CONTEXTS:
         raise KVBenchError(f"--ctx lists {len(contexts):,} context lengths; give at most {MAX_CONTEXTS}")
     kv = get_kv_format(o.kv_dtype).name
-    weights_dtype = (o.weights_dtype or "bf16").strip().lower()
-    weight_bits(weights_dtype)
+    weights_dtype = weight_dtype(o.weights_dtype or "bf16")
     if o.check:
         check_format(kv)
     gpu, gpu_mem = _gpu(o)
