@@ -219,3 +219,26 @@ def test_compare_matches_a_batch_sweep_row_by_row(tmp_path):
     assert result.exit_code in (0, 1), text
     doc = json.loads(result.stdout)
     assert sorted((r["cache"], r["batch"]) for r in doc["rows"]) == [("static", 1), ("static", 3)]
+
+
+def test_a_plugin_cache_out_of_memory_is_an_oom_row_not_a_broken_plugin(tmp_path, monkeypatch):
+    """A plugin whose cache asks the CPU allocator for 2^50 bytes once the batch reaches 3 (torch refuses at once,
+    touching nothing): at batch 3 that is the machine running out, an `oom` row, and the sweep exits 0."""
+    (tmp_path / "hungry.py").write_text(
+        "import torch\n"
+        "from kvbench.caches.dynamic import DynamicCache\n\n"
+        "class Hungry(DynamicCache):\n"
+        "    def __init__(self, config, batch, max_len, dtype, device):\n"
+        "        super().__init__()\n"
+        "        if batch >= 3:\n"
+        "            self.spare = torch.empty(1 << 50, dtype=torch.uint8)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    result, text = invoke(
+        "bench", *TINY, "--prompt-len", "8", "--new-tokens", "4", "--batch", "1,3", "--caches", "hungry:Hungry",
+        "--engine", "kvbench", "--repeats", "1", "--warmup", "0", "--out", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, text
+    s = pd.read_csv(out / "summary.csv")
+    assert list(zip(s.batch, s.status, strict=True)) == [(1, "ok"), (3, "oom")]

@@ -1,7 +1,9 @@
 """Code kvbench runs but did not write (cache plugins, a model's own modelling code under --trust-remote-code),
 contained: whatever it raises, `sys.exit()` included, becomes one KVBenchError naming it and what it was doing, and
 whatever it prints goes to stderr, so stdout stays kvbench's own (one JSON document under --json). Ctrl-C still
-interrupts, and a KVBenchError it raises (a kvbench cache's own overflow error) passes through unchanged.
+interrupts, and a KVBenchError it raises (a kvbench cache's own overflow error) passes through unchanged, as does
+an allocation failure: running out of memory is the machine's answer, not a broken plugin (a bench row `oom`, exit 3
+elsewhere).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from kvbench.errors import KVBenchError, one_line
+from kvbench.errors import KVBenchError, is_out_of_memory, one_line
 
 
 class contained:
@@ -28,7 +30,7 @@ class contained:
 
     def __exit__(self, kind, e, tb) -> bool:
         sys.stdout = self.saved
-        if e is None or isinstance(e, KVBenchError | KeyboardInterrupt):
+        if e is None or isinstance(e, KVBenchError | KeyboardInterrupt) or is_out_of_memory(e):
             return False
         raise self.fail(e) from None
 
