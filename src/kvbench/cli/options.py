@@ -42,6 +42,14 @@ COMPILE_HELP = (
     "weights frozen into the step, GEMMs autotuned over Inductor's C++ templates). The first step compiles."
 )
 CompileOpt = Annotated[str, typer.Option("--compile", help=COMPILE_HELP)]
+JUnitXmlOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--junit-xml",
+        help="Also write the verdict as JUnit XML to this file (one test case per row), for CI test reports; "
+        "written when checks fail too, and as one error case when the run is refused.",
+    ),
+]
 
 
 def dtype_opt(default: str) -> object:
