@@ -182,6 +182,14 @@ OrderOpt = Annotated[
     ),
 ]
 BenchCompileOpt = Annotated[str | None, typer.Option("--compile", help=COMPILE_HELP + " Default: off.")]
+ExportOpt = Annotated[
+    tuple[str, Path] | None,
+    typer.Option(
+        "--export",
+        help="FORMAT FILE: when the sweep ends, also write its ok rows for a charting tool; FORMAT: "
+        "github-action-benchmark (customSmallerIsBetter: TPOT and TTFT medians in ms per row).",
+    ),
+]
 
 # --- memory: every option is a memory.Options field -----------------------------------------------------------------
 MemoryModelOpt = Annotated[
