@@ -54,10 +54,9 @@ def github_action_benchmark(rows: list) -> tuple[list[dict], list[str]]:
             continue
         extra = f"{r.device} {r.dtype}; {r.repeats} timed repeats; TPOT p90 {r.tpot_ms_p90:.4g} ms"
         for metric, value in (("TPOT", r.tpot_ms_median), ("TTFT", getattr(r, "ttft_ms", None))):
-            if _number(value) is not None:
-                entries.append(
-                    {"name": f"{_label(r)} {metric}", "unit": "ms", "value": _number(value), "extra": extra}
-                )
+            if _number(value) is not None:  # 4 significant digits: finer than any run-to-run noise
+                ms = float(f"{_number(value):.4g}")
+                entries.append({"name": f"{_label(r)} {metric}", "unit": "ms", "value": ms, "extra": extra})
     return entries, skipped
 
 
