@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvbench.results.schema import KINDS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -51,7 +53,7 @@ def test_the_wheel_ships_configs_and_ranks(installed):
     wheel, _, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
     for f in ("configs/models.toml", "configs/gpus.toml", "configs/bench/seed.toml", "configs/bench/quick.toml",
-              "data/gpt2.tiktoken", "data/README.md"):  # fmt: skip
+              "data/gpt2.tiktoken", "data/README.md", *(f"schemas/{k}.json" for k in KINDS)):  # fmt: skip
         assert f"kvbench/{f}" in names, f
 
 

@@ -7,6 +7,11 @@ import math
 import numbers
 from typing import Any
 
+# The version of every JSON document kvbench prints (--json) or writes (meta.json, compare.json), as each
+# document's `schema_version`; `kvbench schema KIND` prints the JSON Schema it follows. Raised when a key is
+# removed or renamed or its type changes; new keys are added without raising it (readers must allow unknown keys).
+SCHEMA_VERSION = 1
+
 
 def finite_or_null(doc: Any) -> Any:
     """`doc` with every NaN and infinity (Python or numpy) replaced by None, numpy integers made ints: JSON has no

@@ -34,6 +34,7 @@ from kvbench.cli.options import (
     BenchPromptLenOpt,
     DeviceOpt,
     EngineOpt,
+    ExportOpt,
     FillOpt,
     ForceOpt,
     JsonOpt,
@@ -67,6 +68,7 @@ class BenchOptions:
     hf: str | None
     trust_remote_code: bool
     layers: int | None
+    export: tuple | None = None  # --export (format, file), checked
 
 
 @dataclass
@@ -114,13 +116,16 @@ def bench(
     hf: HFOpt = None,
     trust_remote_code: TrustOpt = False,
     layers: LayersOpt = None,
+    export: ExportOpt = None,
 ) -> None:
     """Measure no cache vs each cache vs transformers: TTFT, TPOT, its bandwidth floor, memory, token agreement.
 
     With --hf SOURCE: transformers' own caches (none, dynamic, static, static-compiled) on any Hugging Face causal
     LM, in the same rows and files, its tokens checked against its own none."""
     from kvbench.bench.settings import BenchOverrides
+    from kvbench.results.export import check_export
 
+    export = check_export(export)  # a bad format or file is refused before the run starts
     opts = BenchOptions(
         overrides=BenchOverrides(
             prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
@@ -128,7 +133,7 @@ def bench(
             out=out, fill=fill, order=order, compile=compile, profile=profile,
         ),
         config=config, force=force, baseline=baseline, allow_env_change=allow_env_change, json_out=json_out, hf=hf,
-        trust_remote_code=trust_remote_code, layers=layers,
+        trust_remote_code=trust_remote_code, layers=layers, export=export,
     )  # fmt: skip
     base_run = _baseline_run(opts)
     if opts.hf is not None:
@@ -231,6 +236,7 @@ def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
             p.engines,
         )  # fmt: skip
         _show_bench(opts, recorder, run_dir, files)
+    export_rows(opts.export, recorder.summary)
     _exit_if_failed(recorder.summary, lambda r: f"{r.engine} {r.cache} prompt {r.prompt_len} batch {r.batch}")
 
 
@@ -305,7 +311,19 @@ def random_fill_sweep(opts: BenchOptions, settings: BenchSettings, out_dir: Path
         console.print_json(recorder.json_doc())
     else:
         render_context(recorder.summary, recorder.meta, run_dir, files)
+    export_rows(opts.export, recorder.summary)
     _exit_if_failed(recorder.summary, lambda r: f"{r.cache} context {r.context}")
+
+
+def export_rows(export, rows: list) -> None:
+    """--export: the finished sweep's ok rows, in the chosen format; a note names the file and the rows left out."""
+    if export is None:
+        return
+    from kvbench.results.export import write_export
+
+    path, n, skipped = write_export(export, rows)
+    left = f"; left out (not ok): {', '.join(skipped)}" if skipped else ""
+    console.note(f"--export {export[0]}: {n} entries written to {path}{left}")
 
 
 def _exit_if_failed(rows: list, label) -> None:

@@ -20,8 +20,10 @@ from kvbench.cli.app import (
     handle_errors,
     load_for_checks,
 )  # fmt: skip
+from kvbench.cli.options import JUnitXmlOpt
 from kvbench.console import line, out, styled, table
 from kvbench.errors import KVBenchError
+from kvbench.jsonio import SCHEMA_VERSION
 
 FaultArg = Annotated[str, typer.Argument(help="A fault name, or all.")]
 PromptOpt = Annotated[
@@ -51,12 +53,36 @@ def break_(
     name: FaultArg = "all", prompt: PromptOpt = None, new_tokens: NewTokensOpt = 40, batch: BatchOpt = 3,
     reference: ReferenceOpt = "hf", cache: CacheOpt = None, model: ModelOpt = None, weights: WeightsOpt = "auto",
     device: DeviceOpt = "auto", dtype: str = _dtype_opt("fp32"), seed: SeedOpt = 0, tokenizer: TokenizerOpt = None,
-    json_out: JsonOpt = False,
+    json_out: JsonOpt = False, junit_xml: JUnitXmlOpt = None,
 ) -> None:  # fmt: skip
     """Inject the classic KV-cache bugs and show verify catching each.
 
     Runs correct and faulty code side by side on the same model and prompt. Exit 0 when every injected fault was
     detected by verify, 1 when any slipped through."""
+    from kvbench.results import junit
+
+    clock = junit.RowClock()
+    with junit.errors_reported(junit_xml, "break", clock):
+        junit_path = junit.check_junit_path(junit_xml)
+        results, skipped, meta = _run_faults(name, prompt, new_tokens, batch, reference, cache, model, weights, device,
+                                             dtype, seed, tokenizer, json_out, clock)  # fmt: skip
+    if junit_path is not None:
+        junit.write_suite(junit_path, junit.break_suite(results, skipped, meta, clock.seconds, clock.total()))
+    if json_out:
+        from dataclasses import asdict
+
+        console.print_json({"schema_version": SCHEMA_VERSION, "all_detected": all(r.detected for r in results),
+                            **meta, "bugs": [asdict(r) for r in results]})  # fmt: skip
+    else:
+        render_break_summary(results)
+    if not all(r.detected for r in results):
+        raise typer.Exit(1)
+
+
+def _run_faults(name, prompt, new_tokens, batch, reference, cache, model, weights, device, dtype, seed, tokenizer,
+                json_out, on_fault):  # fmt: skip
+    """Each chosen fault against the correct path, each result passed to `on_fault` as it completes:
+    (results, [(fault, why skipped)], meta)."""
     from kvbench import validate
     from kvbench.caches import get_cache_spec
     from kvbench.check.breaking import break_fault, break_prompts
@@ -64,8 +90,9 @@ def break_(
 
     cache = get_cache_spec(cache).name if cache is not None else None
     names, skipped = select_faults(name, cache)
+    why = {n: f"the bug lives inside the {FAULTS[n].cache} cache, not in {cache}" for n in skipped}
     for n in skipped:
-        console.note(f"{n}: skipped (the bug lives inside the {FAULTS[n].cache} cache, not in {cache})")
+        console.note(f"{n}: skipped ({why[n]})")
     _check_options(new_tokens, batch, reference, seed, model, weights)
     loaded, dev, dt, hf_dir = load_for_checks(model, weights, device, dtype, seed)
     tok = _tokenizer(tokenizer)
@@ -77,18 +104,11 @@ def break_(
     results = []
     for n in names:
         results.append(break_fault(loaded.model, n, prompts, new_tokens, reference, hf_dir, decode, cache))
+        on_fault(results[-1])
         if not json_out:
             render_break(results[-1])
     meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev)}
-    if json_out:
-        from dataclasses import asdict
-
-        console.print_json({"all_detected": all(r.detected for r in results), **meta,
-                            "bugs": [asdict(r) for r in results]})  # fmt: skip
-    else:
-        render_break_summary(results)
-    if not all(r.detected for r in results):
-        raise typer.Exit(1)
+    return results, [(n, why[n]) for n in skipped], meta
 
 
 def _check_options(new_tokens: int, batch: int, reference: str, seed: int, model, weights) -> None:

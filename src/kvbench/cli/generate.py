@@ -30,6 +30,7 @@ from kvbench.cli.options import (
 )
 from kvbench.console import line, out, styled, table
 from kvbench.errors import KVBenchError
+from kvbench.jsonio import SCHEMA_VERSION
 
 
 def read_prompts(prompt: str | None, prompts: list[str] | None, prompts_file: Path | None) -> list[str]:
@@ -110,7 +111,7 @@ def generate(
     )  # fmt: skip
     doc, streamed = run_generation(opts, prepare(opts))
     if json_out:
-        console.print_json(doc)
+        console.print_json({"schema_version": SCHEMA_VERSION, **doc})
     else:
         render_generation(doc, streamed=streamed)
 

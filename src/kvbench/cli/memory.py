@@ -30,6 +30,7 @@ from kvbench.cli.options import (
     WeightsDtypeOpt,
 )
 from kvbench.console import line, out, styled, table
+from kvbench.jsonio import SCHEMA_VERSION
 
 
 @app.command()
@@ -85,6 +86,7 @@ def run_jobs(req, json_out: bool) -> dict:
     """The request's jobs in order (--measure, --copy-traffic, else the plans), each rendered as it completes unless
     `json_out`; returns the JSON document of them all."""
     doc: dict = {
+        "schema_version": SCHEMA_VERSION,
         "kv_dtype": req.kv_dtype,
         "weights_dtype": req.weights_dtype,
         "batch": req.batch,

@@ -46,6 +46,14 @@ COMPILE_HELP = (
     "weights frozen into the step, GEMMs autotuned over Inductor's C++ templates). The first step compiles."
 )
 CompileOpt = Annotated[str, typer.Option("--compile", help=COMPILE_HELP)]
+JUnitXmlOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--junit-xml",
+        help="Also write the verdict as JUnit XML to this file (one test case per row), for CI test reports; "
+        "written when checks fail too, and as one error case when the run is refused.",
+    ),
+]
 
 
 DTYPE_HELP = (
@@ -190,6 +198,14 @@ OrderOpt = Annotated[
     ),
 ]
 BenchCompileOpt = Annotated[str | None, typer.Option("--compile", help=COMPILE_HELP + " Default: off.")]
+ExportOpt = Annotated[
+    tuple[str, Path] | None,
+    typer.Option(
+        "--export",
+        help="FORMAT FILE: when the sweep ends, also write its ok rows for a charting tool; FORMAT: "
+        "github-action-benchmark (customSmallerIsBetter: TPOT and TTFT medians in ms per row).",
+    ),
+]
 
 # --- memory: every option is a memory.Options field -----------------------------------------------------------------
 MemoryModelOpt = Annotated[

@@ -23,8 +23,10 @@ from kvbench.cli.app import (
     load_for_checks,
 )  # fmt: skip
 from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
+from kvbench.cli.options import JUnitXmlOpt
 from kvbench.console import err, line, out, styled, table
 from kvbench.errors import KVBenchError
+from kvbench.jsonio import SCHEMA_VERSION
 
 CachesOpt = Annotated[
     str | None,
@@ -53,14 +55,18 @@ def verify(
     reference: ReferenceOpt = "hf", model: ModelOpt = None, weights: WeightsOpt = "auto", device: DeviceOpt = "auto",
     dtype: str = _dtype_opt("fp32"), seed: SeedOpt = 0, compile: CompileOpt = "off", json_out: JsonOpt = False,
     hf: HFOpt = None, trust_remote_code: TrustOpt = False, layers: LayersOpt = None,
+    junit_xml: JUnitXmlOpt = None,
 ) -> None:  # fmt: skip
     """Prove cached decoding equals full recomputation, for every cache, against Hugging Face.
 
     With --hf SOURCE: the same checks on any Hugging Face causal LM, for each of transformers' own caches, against
     its own no-cache path. Exit 0 when every check passes, 1 when any fails. In fp16/bf16 a token flip at a
     near-tie that the logit error explains is reported, not failed."""
-    on_row = None if json_out else verify_row
-    with _json_safe(json_out):
+    from kvbench.results import junit
+
+    clock = junit.RowClock(None if json_out else verify_row)
+    with _json_safe(json_out), junit.errors_reported(junit_xml, "verify", clock):
+        junit_path = junit.check_junit_path(junit_xml)
         if hf is not None:
             from kvbench.cli.hf import refuse_gpt2_options, run_verify_hf
 
@@ -74,15 +80,19 @@ def verify(
             )
             report, meta = run_verify_hf(
                 hf, caches=caches, prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, device=device,
-                dtype=dtype, seed=seed, layers=layers, trust=trust_remote_code, on_row=on_row,
+                dtype=dtype, seed=seed, layers=layers, trust=trust_remote_code, on_row=clock,
             )  # fmt: skip
         else:
             report, meta = _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weights, device, dtype,
-                                        seed, on_row, trust_remote_code, layers, compile)  # fmt: skip
+                                        seed, clock, trust_remote_code, layers, compile)  # fmt: skip
+    if junit_path is not None:
+        junit.write_suite(junit_path, junit.verify_suite(report, meta, clock.seconds, clock.total()))
     if json_out:
         from dataclasses import asdict
 
-        console.print_json({"passed": report.passed, **meta, **asdict(report)})
+        console.print_json(
+            {"schema_version": SCHEMA_VERSION, "passed": report.passed, **meta, **asdict(report)}
+        )
     else:
         render_verify(report, meta)
     if not report.passed:
@@ -100,7 +110,9 @@ def _json_safe(json_out: bool):
         with redirect_stdout(sys.stderr):
             yield
     except KVBenchError as e:
-        console.print_json({"passed": False, "error": str(e), "exit_code": 2})
+        console.print_json(
+            {"schema_version": SCHEMA_VERSION, "passed": False, "error": str(e), "exit_code": 2}
+        )
         raise
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.errors import KVBenchError
+from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.results.environment import (
     ContextField,
     EnvChange,
@@ -419,6 +420,7 @@ def json_doc(c: Comparison, fail_on: list[str], files: list[Path] | None = None)
     infinities into null."""
     regressions = c.regressions(fail_on)
     return {
+        "schema_version": SCHEMA_VERSION,
         "baseline": c.baseline,
         "candidate": c.candidate,
         "alpha": c.alpha,

@@ -25,6 +25,7 @@ from kvbench.bench.context import FILL_NOTE, ContextRow, ContextStepRow
 from kvbench.bench.profile import OpRow
 from kvbench.bench.sweep import StepRow, SummaryRow, fill_relative, settings_dict
 from kvbench.devices import cpu_peak_resettable, device_name, dtype_name
+from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.results.rundir import (
     check_run_dir,
     claimed_run_dir,
@@ -76,6 +77,7 @@ def versions() -> dict[str, str | None]:
 def meta_doc(**fields: Any) -> dict[str, Any]:
     """The common header of meta.json: command line, git revision, versions, host; plus the caller's fields."""
     return {
+        "schema_version": SCHEMA_VERSION,
         "command": shlex.join(["kvbench", *sys.argv[1:]]),  # as typed (argv[0] normalised to `kvbench`)
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git": git_revision(),
@@ -262,7 +264,12 @@ class BenchRecorder:
     def json_doc(self) -> dict:
         rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(r).items()}
                 for r in self.summary]  # fmt: skip
-        return {"run_dir": str(self.run_dir), "meta": self.meta, "summary": rows}
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "run_dir": str(self.run_dir),
+            "meta": self.meta,
+            "summary": rows,
+        }
 
 
 # --- bench --fill random: decode cost against context --------------------------------------------------------------

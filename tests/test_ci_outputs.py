@@ -1,0 +1,247 @@
+"""What CI systems and dashboards read: verify's and break's JUnit XML, the JSON Schemas every document follows
+(validated against the real documents the commands print and write), and bench's github-action-benchmark export."""
+
+import csv
+import json
+import shutil
+import textwrap
+import xml.etree.ElementTree as ET
+
+import jsonschema
+import pytest
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+from kvbench.jsonio import SCHEMA_VERSION
+from kvbench.results.schema import KINDS, load_schema
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
+VERIFY = ["verify", *TINY, "--prompt-len", "6", "--new-tokens", "4", "--reference", "none"]
+
+
+def invoke(args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def validate(kind: str, doc) -> None:
+    jsonschema.Draft202012Validator(load_schema(kind)).validate(doc)
+
+
+def cases(path):
+    """(testsuite element, {name: testcase element}) of a JUnit file, parsed back."""
+    root = ET.parse(path).getroot()
+    assert root.tag == "testsuites"
+    (suite,) = root.findall("testsuite")
+    return suite, {tc.get("name"): tc for tc in suite.findall("testcase")}
+
+
+# --- JUnit XML -------------------------------------------------------------------------------------------------------
+def test_verify_junit_matches_the_json_rows(tmp_path):
+    xml = tmp_path / "verify.xml"
+    r = invoke([*VERIFY, "--caches", "dynamic,static", "--json", "--junit-xml", xml])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    validate("verify", doc)
+    assert doc["schema_version"] == SCHEMA_VERSION
+    suite, by_name = cases(xml)
+    assert suite.get("name") == "kvbench verify"
+    assert int(suite.get("tests")) == len(doc["checks"]) == len(by_name)
+    assert suite.get("failures") == "0" and suite.get("errors") == "0"
+    assert int(suite.get("skipped")) == sum(c["skipped"] for c in doc["checks"])
+    for c in doc["checks"]:
+        tc = by_name[f"verify.{c['name']}.{c['cache']}"]
+        assert tc.get("classname") == f"verify.{c['name']}"
+        assert float(tc.get("time")) >= 0
+        assert (tc.find("skipped") is not None) == c["skipped"]
+        assert tc.find("failure") is None
+
+
+HOSTILE = 'boom <&> "quoted" ]]> \x1b[31mred\x00 \ud800 end'
+
+
+@pytest.fixture
+def raising_cache(tmp_path, monkeypatch):
+    """mycache.Raises: a dynamic cache that raises, with text XML 1.0 cannot hold as is, once it holds more than
+    the 4 tokens of the probe a plugin passes when it is loaded."""
+    (tmp_path / "mycache.py").write_text(
+        textwrap.dedent(
+            f"""
+            from kvbench.caches.dynamic import DynamicCache
+
+            class Raises(DynamicCache):
+                def __init__(self, config, batch, max_len, dtype, device):
+                    super().__init__()
+
+                def update(self, k, v, positions):
+                    out = super().update(k, v, positions)
+                    if self.length > 4:
+                        raise ValueError({HOSTILE!r})
+                    return out
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "mycache:Raises"
+
+
+def test_verify_junit_failures_carry_the_detail_and_always_parse(tmp_path, raising_cache):
+    xml = tmp_path / "out.xml"
+    r = invoke([*VERIFY, "--caches", f"dynamic,{raising_cache}", "--json", "--junit-xml", xml])
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.stdout)
+    validate("verify", doc)
+    failed = [c for c in doc["checks"] if not c["passed"] and not c["skipped"]]
+    assert failed and all(c["cache"] == raising_cache for c in failed)
+    suite, by_name = cases(xml)  # parses: the control characters and the lone surrogate were escaped
+    assert int(suite.get("failures")) == len(failed)
+    for c in failed:
+        f = by_name[f"verify.{c['name']}.{c['cache']}"].find("failure")
+        assert f is not None
+        assert 'boom <&> "quoted" ]]> \\x1b[31mred\\x00 \\ud800 end' in f.text
+        assert (
+            c["detail"].replace("\x1b", "\\x1b").replace("\x00", "\\x00").replace("\ud800", "\\ud800")
+            in f.text
+        )
+        assert f.get("message").startswith(f"{c['name']} on {c['cache']}: ")
+    assert by_name["verify.logits.dynamic"].find("failure") is None
+
+
+def test_verify_refusal_leaves_one_error_case(tmp_path):
+    xml = tmp_path / "refused.xml"
+    r = invoke([*VERIFY, "--batch", "1", "--junit-xml", xml])
+    assert r.exit_code == 2, r.output
+    suite, by_name = cases(xml)
+    assert (suite.get("tests"), suite.get("errors"), suite.get("failures")) == ("1", "1", "0")
+    err = by_name["verify.run"].find("error")
+    assert "--batch" in err.get("message") and err.get("message") in r.stderr.replace("\n", " ")
+
+
+def test_junit_path_refused_before_work(tmp_path):
+    r = invoke([*VERIFY, "--junit-xml", tmp_path])  # a folder
+    assert r.exit_code == 2 and "is a folder" in r.stderr, r.output
+    r = invoke([*VERIFY, "--junit-xml", tmp_path / "missing" / "v.xml"])
+    assert r.exit_code == 2 and "does not exist" in r.stderr, r.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_break_junit_one_case_per_fault(tmp_path):
+    xml = tmp_path / "break.xml"
+    r = invoke(["break", "all", *TINY, "-n", "4", "--reference", "none", "--cache", "dynamic", "--json",
+                "--junit-xml", xml])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    validate("break", doc)
+    suite, by_name = cases(xml)
+    assert suite.get("name") == "kvbench break" and suite.get("failures") == "0"
+    for b in doc["bugs"]:
+        tc = by_name[f"break.{b['name']}.{b['cache']}"]
+        assert b["detected"] and tc.find("failure") is None and tc.find("skipped") is None
+    skipped = [tc for tc in by_name.values() if tc.find("skipped") is not None]
+    assert len(by_name) == len(doc["bugs"]) + len(skipped) and skipped  # static-cache faults skip on dynamic
+    assert all("static" in tc.find("skipped").get("message") for tc in skipped)
+
+
+# --- schemas ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_schema_command_prints_a_valid_schema(kind):
+    r = invoke(["schema", kind])
+    assert r.exit_code == 0, r.output
+    schema = json.loads(r.stdout)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert schema == load_schema(kind)
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    top = schema["$defs"]["meta"] if kind == "bench" else schema
+    assert top["properties"]["schema_version"]["const"] == SCHEMA_VERSION  # the version the documents carry
+
+
+def test_schema_unknown_kind_is_one_line():
+    r = invoke(["schema", "nope"])
+    assert r.exit_code == 2
+    assert r.stderr.strip().count("\n") == 0 and "verify" in r.stderr
+
+
+def test_schemas_allow_new_keys_and_reject_missing_or_mistyped_ones():
+    doc = {"schema_version": SCHEMA_VERSION, "kv_dtype": "fp16", "weights_dtype": "bf16", "batch": 1, "tp": 1}
+    validate("memory", {**doc, "a_field_added_later": {"x": 1}})
+    for bad in (
+        {k: v for k, v in doc.items() if k != "batch"},
+        {**doc, "batch": "one"},
+        {**doc, "schema_version": 0},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            validate("memory", bad)
+
+
+def test_memory_json_follows_its_schema():
+    r = invoke(["memory", "-m", "llama-3-8b", "--ctx", "8k,32k", "--gpu", "h100", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    validate("memory", doc)
+    assert doc["schema_version"] == SCHEMA_VERSION
+
+
+# --- bench: meta.json, --json, compare, --export ---------------------------------------------------------------------
+BENCH = ["bench", *TINY, "--prompt-len", "6,8", "--new-tokens", "4", "--repeats", "2", "--warmup", "1",
+         "--caches", "none,dynamic", "--engine", "kvbench"]  # fmt: skip
+
+
+def test_bench_documents_and_export(tmp_path):
+    run, export = tmp_path / "run", tmp_path / "gab.json"
+    r = invoke([*BENCH, "--out", run, "--json", "--export", "github-action-benchmark", export])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    validate("bench", doc)
+    meta = json.loads((run / "meta.json").read_text())
+    validate("bench", meta)
+    assert doc["schema_version"] == meta["schema_version"] == SCHEMA_VERSION
+    with pytest.raises(jsonschema.ValidationError):  # the schema tells the two apart and checks each
+        validate("bench", {**doc, "summary": [{"cache": "none"}]})
+
+    rows = list(csv.DictReader((run / "summary.csv").open()))
+    entries = json.loads(export.read_text())
+    assert len(entries) == 2 * len(rows) == 8  # a TPOT and a TTFT entry per ok row
+    by_name = {e["name"]: e for e in entries}
+    for row in rows:
+        label = f"{row['engine']}/{row['cache']} prompt={row['prompt_len']} batch={row['batch']}"
+        for metric, col in (("TPOT", "tpot_ms_median"), ("TTFT", "ttft_ms")):
+            e = by_name[f"{label} {metric}"]
+            assert e["unit"] == "ms" and isinstance(e["value"], float)
+            assert e["value"] == pytest.approx(float(row[col]), rel=1e-3)
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    r = invoke(["compare", run, copy, "--format", "json"])
+    assert r.exit_code == 0, r.output
+    cmp = json.loads(r.stdout)
+    validate("compare", cmp)
+    assert cmp["schema_version"] == SCHEMA_VERSION and len(cmp["rows"]) == len(rows)
+
+
+def test_export_bad_format_refused_before_the_run(tmp_path):
+    run = tmp_path / "run"
+    r = invoke([*BENCH, "--out", run, "--export", "csv", tmp_path / "x.json"])
+    assert r.exit_code == 2, r.output
+    assert "--export 'csv'" in r.stderr and r.stderr.strip().count("\n") == 0
+    assert not run.exists()
+    r = invoke([*BENCH, "--out", run, "--export", "github-action-benchmark", tmp_path / "no" / "x.json"])
+    assert r.exit_code == 2 and "does not exist" in r.stderr, r.output
+    assert not run.exists()
+
+
+def test_export_leaves_out_rows_that_did_not_complete():
+    from types import SimpleNamespace
+
+    from kvbench.results.export import github_action_benchmark
+
+    def row(cache, status, tpot):
+        return SimpleNamespace(engine="kvbench", cache=cache, prompt_len=16, batch=4, status=status, device="cpu",
+                               dtype="fp32", repeats=3, tpot_ms_median=tpot, tpot_ms_p90=tpot, ttft_ms=float("nan"))  # fmt: skip
+
+    entries, skipped = github_action_benchmark(
+        [row("static", "ok", 1.23456), row("paged", "oom", float("nan"))]
+    )
+    assert entries == [{"name": "kvbench/static prompt=16 batch=4 TPOT", "unit": "ms", "value": 1.235,
+                        "extra": "cpu fp32; 3 timed repeats; TPOT p90 1.235 ms"}]  # fmt: skip
+    assert skipped == ["kvbench/paged prompt=16 batch=4 (oom)"]
