@@ -70,8 +70,11 @@ def _memory_panel(ax, chart: CapacityChart, colors: dict, styles: dict) -> None:
     for i, s in enumerate(x for x in chart.series if x.max_ctx):
         ax.plot([s.max_ctx], [chart.usable_gib], "o", color=colors[s.model], ms=6, mec="black", mew=0.6)
         ax.axvline(s.max_ctx, color=colors[s.model], lw=0.7, ls=":", alpha=0.8)
-        ax.annotate(f"{_short(s.max_ctx)} (batch {s.batch})", (s.max_ctx, chart.usable_gib), xytext=(4, -14 - 11 * (i % 4)),
-                    textcoords="offset points", fontsize=8, color=colors[s.model])  # fmt: skip
+        right = s.max_ctx > s.contexts[-1] ** 0.8 * s.contexts[0] ** 0.2  # the last fifth: label to the left
+        ax.annotate(f"{_short(s.max_ctx)} (batch {s.batch})", (s.max_ctx, chart.usable_gib),
+                    xytext=(-4 if right else 4, -14 - 11 * (i % 4)), ha="right" if right else "left",
+                    textcoords="offset points", fontsize=8, color=colors[s.model],
+                    bbox={"fc": "white", "ec": "none", "alpha": 0.85, "pad": 1})  # fmt: skip
     ax.set_ylim(0, top)
     ax.set_ylabel("GiB on one GPU: weights (shaded) + KV cache")
     ax.set_title("memory against context: o = longest context that fits", fontsize=10)
