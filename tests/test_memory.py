@@ -233,8 +233,11 @@ def test_toml_unknown_key_names_key_and_file(tmp_path):
     )
     with pytest.raises(KVBenchError, match=r"'kv_head'.*models\.toml"):
         mem.load_presets(bad)
-    bad.write_text('[t4]\nlabel = "T4"\nmemory = "16GiB"\nnominal = "16 GB"\nbandwidth = 1\n')
-    with pytest.raises(KVBenchError, match=r"'bandwidth'.*models\.toml"):
+    bad.write_text('[t4]\nlabel = "T4"\nmemory = "16GiB"\nnominal = "16 GB"\nbandwidth = "320GB/s"\n')
+    with pytest.raises(KVBenchError, match=r"bandwidth and bandwidth_source go together"):
+        mem.load_gpus(bad)
+    bad.write_text('[t4]\nlabel = "T4"\nmemory = "16GiB"\nnominal = "16 GB"\nclock = 1\n')
+    with pytest.raises(KVBenchError, match=r"'clock'.*models\.toml"):
         mem.load_gpus(bad)
 
 

@@ -122,7 +122,7 @@ CASES = [
     ("--ctx with a zero", ["-m", "llama-3-8b", "--ctx", "2m,0"], "context length '0' must be at least 1 token"),
     ("--batch 0", ["-m", "llama-3-8b", "--batch", "0"], "--batch 0 must be from 1"),
     ("--batch huge", ["-m", "llama-3-8b", "--batch", "99999999999"], "--batch 99999999999 must be from 1 to"),
-    ("--batch not a number", ["-m", "llama-3-8b", "--batch", "abc"], "Invalid value for '--batch'"),
+    ("--batch not a number", ["-m", "llama-3-8b", "--batch", "abc"], "cannot read --batch 'abc'"),
     ("--tp 0", ["-m", "llama-3-8b", "--tp", "0"], "--tp 0 must be at least 1"),
     ("--tp 3", ["-m", "llama-3-8b", "--tp", "3"], "not divisible by 3"),
     ("--kv-dtype empty", ["-m", "llama-3-8b", "--kv-dtype", ""], "unknown --kv-dtype ''"),

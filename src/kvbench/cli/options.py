@@ -210,12 +210,18 @@ ExportOpt = Annotated[
 # --- memory: every option is a memory.Options field -----------------------------------------------------------------
 MemoryModelOpt = Annotated[
     list[str] | None,
-    typer.Option("--model", "-m", help="Preset from configs/models.toml, e.g. llama-3-8b (repeatable)."),
+    typer.Option(
+        "--model",
+        "-m",
+        help="Preset from configs/models.toml (llama-3-8b), a local model directory or config.json, or a Hugging "
+        "Face hub id (org/name; fetches its config.json) (repeatable).",
+    ),
 ]
 MemoryConfigOpt = Annotated[
     Path | None,
     typer.Option(
-        "--config", help="Any Hugging Face config.json of a decoder LLM (resolved by transformers)."
+        "--config",
+        help="Any Hugging Face config.json of a decoder LLM (resolved by transformers); as --model PATH.",
     ),
 ]
 AllOpt = Annotated[bool, typer.Option("--all", help="One table for every preset.")]
@@ -227,7 +233,9 @@ CtxOpt = Annotated[
         "Default: the model's max context; 8k,128k with --all.",
     ),
 ]
-MemoryBatchOpt = Annotated[int, typer.Option("--batch", "-b", help="Sequences held at once.")]
+MemoryBatchOpt = Annotated[
+    str, typer.Option("--batch", "-b", help="Sequences held at once: one, or a list such as 1,16.")
+]
 KVDtypeOpt = Annotated[
     str,
     typer.Option(

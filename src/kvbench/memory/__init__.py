@@ -21,6 +21,10 @@ One job per module:
   params      parameter counts: dense, MoE, MLA, vision towers
   formulas    bytes per token, per sequence, per GPU, and their working
   planner     the plan across contexts and the GPU budget
+  bandwidth   memory bandwidth: gpus.toml's published figures and --bandwidth, read from text such as 3.35TB/s
+  decode_floor a step's bytes over the bandwidth: the floor per step and the tokens/s ceiling
+  capacity    the numbers behind --plot; capacity_plot draws them (matplotlib)
+  model_source --model as a preset, a local directory or config.json, or a hub id
   traffic     what a torch.cat cache copies while it grows
   check       the plan against transformers' own cache, allocated on the meta device
   request     one `kvbench memory` command line, checked and resolved before any work

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbench.errors import KVBenchError
+from kvbench.memory.bandwidth import PeakBandwidth
+from kvbench.memory.decode_floor import DecodeFloor, attach_floors
 from kvbench.memory.formats import KVFormat, get_kv_format, weight_bits
 from kvbench.memory.formulas import (
     bytes_per_sequence,
@@ -54,6 +56,7 @@ class PlanRow:
     max_ctx_unbounded: bool  # every layer is windowed and the windows fit: the cache stops growing
     max_ctx_at_limit: bool = False  # the search limit itself fits: the true maximum is max_ctx or more
     working: list[str] = field(default_factory=list)  # the arithmetic, one line per step
+    decode_floor: DecodeFloor | None = None  # the step's bytes over the bandwidth (None: no bandwidth given)
 
 
 @dataclass
@@ -89,6 +92,7 @@ class ModelPlan:
     kv_cache: bool = True  # False: no layer attends, so nothing grows per token (a recurrent model)
     # a recurrent state held per sequence at any context (included in the rows)
     state_bytes_per_sequence: int = 0
+    bandwidth: PeakBandwidth | None = None  # what the rows' decode floors divide by (None: no floor)
 
 
 def gpu_budget(
@@ -299,9 +303,10 @@ def _row(spec: ModelSpec, s: _Sizes, ctx: int) -> PlanRow:
     return row
 
 
-def _check_request(contexts: list[int], batch: int) -> None:
-    if not 1 <= batch <= MAX_BATCH:
-        raise KVBenchError(f"--batch {batch} must be from 1 to {fmt_int(MAX_BATCH)}")
+def _check_request(contexts: list[int], batches: list[int]) -> None:
+    for batch in batches:
+        if not 1 <= batch <= MAX_BATCH:
+            raise KVBenchError(f"--batch {batch} must be from 1 to {fmt_int(MAX_BATCH)}")
     if not contexts:
         raise KVBenchError("no context lengths given; use --ctx 8k,32k,128k")
     for c in contexts:
@@ -311,7 +316,7 @@ def _check_request(contexts: list[int], batch: int) -> None:
 def plan(
     spec: ModelSpec,
     contexts: list[int],
-    batch: int = 1,
+    batch: int | list[int] = 1,
     kv_dtype: str = "fp16",
     weights_dtype: str = "bf16",
     tp: int = 1,
@@ -319,9 +324,12 @@ def plan(
     gpu_mem: int | None = None,
     overhead: str = DEFAULT_OVERHEAD,
     gpu_mem_text: str = "",
+    bandwidth: PeakBandwidth | None = None,
 ) -> ModelPlan:
-    """Bytes per token, per sequence, per batch and per GPU for `spec` at each context, with the working."""
-    _check_request(contexts, batch)
+    """Bytes per token, per sequence, per batch and per GPU for `spec` at each context (a row per batch and context
+    when `batch` is a list), with the working; with `bandwidth`, each row's decode floor too."""
+    batches = [batch] if isinstance(batch, int) else list(batch)
+    _check_request(contexts, batches)
     fmt, wbits, kvh = get_kv_format(kv_dtype), weight_bits(weights_dtype), kv_heads_per_gpu(spec, tp)
     per_layer = layer_bytes_per_token(spec, fmt)  # the model-wide shape's (per_token says all layers)
     per_token = token_bytes(spec, fmt)
@@ -339,24 +347,27 @@ def plan(
     budget = gpu_budget(gpu, gpu_mem, overhead, 0 if weights is None else -(-weights // tp), gpu_mem_text)
     if budget is not None:
         working.append(f"GPU budget: {budget.working}")
-    sizes = _Sizes(
-        fmt, per_layer, layer_bytes_per_token(spec, fmt, kvh), kvh, batch, tp, budget, state, state_gpu
-    )
-    rows = [_row(spec, sizes, ctx) for ctx in contexts]
+    sizes = [
+        _Sizes(fmt, per_layer, layer_bytes_per_token(spec, fmt, kvh), kvh, b, tp, budget, state, state_gpu)
+        for b in batches
+    ]
+    rows = [_row(spec, s, ctx) for s in sizes for ctx in contexts]
     warnings = [
-        f"{spec.name}: {fmt_int(r.ctx)} tokens is beyond the {fmt_int(spec.max_context)} it was trained for "
+        f"{spec.name}: {fmt_int(ctx)} tokens is beyond the {fmt_int(spec.max_context)} it was trained for "
         f"(max_position_embeddings); computed anyway"
-        for r in rows
-        if r.beyond_max
+        for ctx in contexts
+        if past_context(ctx, spec.max_context)
     ]
     if budget is not None and budget.available <= 0:
         warnings.append(f"{spec.name}: {budget.working}: no room for any cache")
-    return ModelPlan(
+    p = ModelPlan(
         model=spec, kv_dtype=fmt.name, weights_dtype=weights_dtype, tp=tp, kv_heads_per_gpu=kvh,
         layer_bytes_per_token=per_layer, bytes_per_token=per_token, weights_bytes=weights, rows=rows, gpu=budget,
         working=working, warnings=warnings, notes=_notes(spec, fmt, per_token), kv_cache=spec.kv_cache,
         state_bytes_per_sequence=state,
     )  # fmt: skip
+    attach_floors(p, bandwidth)
+    return p
 
 
 def _kv_lines(spec: ModelSpec, fmt: KVFormat, tp: int, kvh: int, per_token: int) -> list[str]:

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvbench import files
 from kvbench.errors import KVBenchError
+from kvbench.memory.bandwidth import parse_bandwidth
 from kvbench.memory.spec import WINDOW_KINDS, GPUSpec, ModelSpec
 from kvbench.memory.units import MAX_LAYERS, MAX_TOKENS, MAX_WIDTH, parse_bytes
 from kvbench.resources import config_file
@@ -132,7 +133,9 @@ def load_gpus(path: Path | None = None) -> dict[str, GPUSpec]:
         where = f"[{name}] of {path}"
         if not isinstance(t, dict):
             raise KVBenchError(f"top-level key {name!r} in {path} must be a [table] describing one GPU")
-        _check_keys(t, ("label", "memory", "nominal"), ("aliases",), where)
+        _check_keys(t, ("label", "memory", "nominal"), ("aliases", "bandwidth", "bandwidth_source"), where)
+        if ("bandwidth" in t) != ("bandwidth_source" in t):
+            raise KVBenchError(f"{where}: bandwidth and bandwidth_source go together (cite the figure)")
         aliases = t.get("aliases", [])
         if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
             raise KVBenchError(f"aliases in {where} must be a list of strings")
@@ -142,6 +145,9 @@ def load_gpus(path: Path | None = None) -> dict[str, GPUSpec]:
             memory=parse_bytes(t["memory"], f"memory in {where}"),
             nominal=str(t["nominal"]),
             aliases=tuple(a.lower() for a in aliases),
+            bandwidth=parse_bandwidth(t["bandwidth"], f"bandwidth in {where}") if "bandwidth" in t else None,
+            bandwidth_text=str(t.get("bandwidth", "")),
+            bandwidth_source=str(t.get("bandwidth_source", "")),
         )
     return gpus
 

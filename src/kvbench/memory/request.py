@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.errors import KVBenchError
+from kvbench.memory.bandwidth import PeakBandwidth, parse_bandwidth
 from kvbench.memory.check import check_format
 from kvbench.memory.formats import get_kv_format, weight_dtype
+from kvbench.memory.model_source import is_local, looks_like_hub_id, resolve_hub, resolve_local
 from kvbench.memory.planner import DEFAULT_OVERHEAD, ModelPlan, plan
 from kvbench.memory.presets import get_gpu, get_model, load_presets
 from kvbench.memory.resolve import resolve_config
@@ -35,7 +37,7 @@ class Options:
     config: Path | None = None
     all_: bool = False
     ctx: str | None = None
-    batch: int = 1
+    batch: int | str = 1  # one batch, or a list such as "1,16"
     kv_dtype: str = "fp16"
     weights_dtype: str | None = None
     gpu: str | None = None
@@ -50,6 +52,8 @@ class Options:
     check: bool = False
     device: str | None = None
     caches: str | None = None  # --measure's caches as given; the command resolves them (plugins need torch)
+    bandwidth: str | None = None  # --bandwidth: memory bandwidth for the decode floor, e.g. 3.35TB/s
+    plot: Path | None = None  # --plot: the capacity chart's PNG
 
 
 @dataclass
@@ -58,7 +62,7 @@ class Request:
 
     specs: list[ModelSpec]  # the models, in the order given
     contexts: list[int] | None  # --ctx, or None for each model's own default
-    batch: int
+    batch: int  # the first (with --measure and --copy-traffic, the only) batch
     kv_dtype: str
     weights_dtype: str
     tp: int
@@ -75,6 +79,9 @@ class Request:
     device: str
     resolved: dict[str, object] = field(default_factory=dict)  # spec name -> resolve.Resolved (--config)
     cache_names: list[str] | None = None  # --measure: the caches to allocate (None: every registered one)
+    batches: list[int] = field(default_factory=list)  # --batch, every value (a plan has a row for each)
+    bandwidth: PeakBandwidth | None = None  # --bandwidth, else the --gpu's published figure (None: no floor)
+    plot: Path | None = None  # --plot: where the capacity chart goes
 
     @property
     def plans(self) -> bool:
@@ -96,6 +103,11 @@ _SCOPE = {
         "--weights-dtype sizes a plan's weights; --measure and --copy-traffic do not",
     ),
     "--check": ("plan", "--check checks a plan: use it without --measure and --copy-traffic"),
+    "--bandwidth": (
+        "plan",
+        "--bandwidth gives a plan its decode floor; --measure and --copy-traffic do not use it",
+    ),
+    "--plot": ("plan", "--plot draws a plan; --measure and --copy-traffic do not make one"),
 }
 
 
@@ -111,6 +123,7 @@ def _check_combinations(o: Options) -> None:
         "--from": o.from_ is not None, "--to": o.to is not None, "--lengths": o.lengths is not None,
         "--device": o.device is not None, "--gpu": o.gpu is not None, "--gpu-mem": o.gpu_mem is not None,
         "--tp": o.tp is not None, "--weights-dtype": o.weights_dtype is not None, "--check": o.check,
+        "--bandwidth": o.bandwidth is not None, "--plot": o.plot is not None,
     }  # fmt: skip
     for opt, on in given.items():
         scope, why = _SCOPE[opt]
@@ -122,6 +135,52 @@ def _check_combinations(o: Options) -> None:
         raise KVBenchError("--check builds each model on the meta device: name them with --model or --config")
     if o.measure and (o.all_ or o.config is not None or not o.model or len(o.model) != 1):
         raise KVBenchError("--measure takes one gpt2-family --model (gpt2, gpt2-medium, gpt2-large, gpt2-xl)")
+
+
+def _batches(o: Options) -> list[int]:
+    """--batch 16 or --batch 1,16: whole numbers of sequences, each from 1 to MAX_BATCH; a repeat is one."""
+    if isinstance(o.batch, int):
+        values = [o.batch]
+    else:
+        try:
+            values = [int(b) for b in str(o.batch).replace("_", "").split(",")]
+        except ValueError:
+            raise KVBenchError(
+                f"cannot read --batch {o.batch!r}: give whole numbers of sequences, e.g. --batch 1,16"
+            ) from None
+    for b in values:
+        if not 1 <= b <= MAX_BATCH:
+            raise KVBenchError(f"--batch {b} must be from 1 to {fmt_int(MAX_BATCH)}")
+    batches = list(dict.fromkeys(values))
+    if len(batches) > 1 and (o.measure or o.copy_traffic or o.all_):
+        raise KVBenchError("--measure, --copy-traffic and --all take one --batch; a list goes with --model")
+    return batches
+
+
+def _bandwidth(o: Options, gpu: GPUSpec | None) -> PeakBandwidth | None:
+    """--bandwidth (over the --gpu's own figure when both are given), else the GPU's published figure."""
+    if o.bandwidth is not None:
+        rate = parse_bandwidth(o.bandwidth)
+        return PeakBandwidth(
+            "custom", f"--bandwidth {o.bandwidth.strip()}", rate, o.bandwidth.strip(), "--bandwidth"
+        )
+    if gpu is not None and gpu.bandwidth is not None:
+        return PeakBandwidth(gpu.name, gpu.label, gpu.bandwidth, gpu.bandwidth_text, gpu.bandwidth_source)
+    return None
+
+
+def _plot_path(o: Options) -> Path | None:
+    if o.plot is None:
+        return None
+    if o.gpu is None and o.gpu_mem is None:
+        raise KVBenchError("--plot draws against a GPU's memory: give --gpu h100 or --gpu-mem 80GiB")
+    if o.all_:
+        raise KVBenchError("--plot draws the models named with --model (or --config), not --all")
+    if o.plot.suffix.lower() != ".png":
+        raise KVBenchError(f"--plot {o.plot} must name a .png file")
+    if not o.plot.parent.is_dir():
+        raise KVBenchError(f"--plot {o.plot}: no such directory {o.plot.parent}")
+    return o.plot
 
 
 def _gpu(o: Options) -> tuple[GPUSpec | None, int | None]:
@@ -149,10 +208,14 @@ def _specs(o: Options, extra: Callable[[str], ModelSpec | None] | None) -> tuple
     if o.all_:
         return list(presets.values()), {}
     specs = []
-    for name in dict.fromkeys(o.model or []):  # a model named twice is planned once
-        spec = extra(name) if extra and name.strip().lower() not in presets else None
-        specs.append(spec or get_model(name, presets))
     resolved = {}
+    for name in dict.fromkeys(o.model or []):  # a model named twice is planned once
+        key = name.strip().lower()
+        spec = extra(name) if extra and key not in presets else None
+        if spec is None and key not in presets and (is_local(name) or looks_like_hub_id(name)):
+            r = resolve_local(name) if is_local(name) else resolve_hub(name.strip())
+            spec, resolved[r.spec.name] = r.spec, r
+        specs.append(spec or get_model(name, presets))
     if o.config is not None:
         r = resolve_config(o.config)
         specs.append(r.spec)
@@ -168,8 +231,7 @@ def parse_request(o: Options, extra: Callable[[str], ModelSpec | None] | None = 
     `extra` names models beyond the presets (the command passes our own GPT-2 presets for --measure and
     --copy-traffic), so this module needs no torch."""
     _check_combinations(o)
-    if not 1 <= o.batch <= MAX_BATCH:
-        raise KVBenchError(f"--batch {o.batch} must be from 1 to {fmt_int(MAX_BATCH)}")
+    batches = _batches(o)
     if o.tp is not None and o.tp < 1:
         raise KVBenchError(f"--tp {o.tp} must be at least 1")
     contexts = list(dict.fromkeys(parse_ctx(o.ctx))) if o.ctx is not None else None  # a repeat is one row
@@ -180,21 +242,23 @@ def parse_request(o: Options, extra: Callable[[str], ModelSpec | None] | None = 
     if o.check:
         check_format(kv)
     gpu, gpu_mem = _gpu(o)
+    bandwidth, plot = _bandwidth(o, gpu), _plot_path(o)
     copy_range = (
         o.from_ if o.from_ is not None else DEFAULT_COPY_RANGE[0],
         o.to if o.to is not None else DEFAULT_COPY_RANGE[1],
     )
     if o.copy_traffic:
-        check_copy_range(*copy_range, o.batch)
+        check_copy_range(*copy_range, batches[0])
     lengths = _lengths(o, contexts)
     specs, resolved = _specs(o, extra if (o.measure or o.copy_traffic) else None)
     if o.caches is not None and not o.measure:
         raise KVBenchError("--caches goes with --measure (it names the caches to allocate)")
     return Request(
-        specs=specs, contexts=contexts, batch=o.batch, kv_dtype=kv, weights_dtype=weights_dtype, tp=o.tp or 1,
+        specs=specs, contexts=contexts, batch=batches[0], kv_dtype=kv, weights_dtype=weights_dtype, tp=o.tp or 1,
         gpu=gpu, gpu_mem=gpu_mem, gpu_mem_text=o.gpu_mem or "", overhead=o.overhead or DEFAULT_OVERHEAD,
         all_=o.all_, check=o.check, measure=o.measure, copy_traffic=o.copy_traffic, copy_range=copy_range,
-        lengths=lengths, device=o.device or "auto", resolved=resolved,
+        lengths=lengths, device=o.device or "auto", resolved=resolved, batches=batches, bandwidth=bandwidth,
+        plot=plot,
     )  # fmt: skip
 
 
@@ -216,8 +280,8 @@ def plan_request(req: Request) -> tuple[list[ModelPlan], list[str]]:
         try:
             plans.append(
                 plan(
-                    spec, contexts_for(req, spec), req.batch, req.kv_dtype, req.weights_dtype, req.tp, req.gpu,
-                    req.gpu_mem, req.overhead, req.gpu_mem_text,
+                    spec, contexts_for(req, spec), req.batches or req.batch, req.kv_dtype, req.weights_dtype,
+                    req.tp, req.gpu, req.gpu_mem, req.overhead, req.gpu_mem_text, req.bandwidth,
                 )
             )  # fmt: skip
         except KVBenchError as e:

@@ -150,3 +150,6 @@ class GPUSpec:
     memory: int  # bytes, as nvidia-smi reports memory.total
     nominal: str  # the marketing capacity, for reference
     aliases: tuple[str, ...] = ()  # other names accepted by --gpu
+    bandwidth: int | None = None  # published memory bandwidth, bytes/s (None: not listed)
+    bandwidth_text: str = ""  # as gpus.toml writes it, e.g. 3.35TB/s
+    bandwidth_source: str = ""  # the datasheet the figure is from

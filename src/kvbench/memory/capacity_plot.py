@@ -1,0 +1,129 @@
+"""`kvbench memory --plot FILE.png`: the capacity chart. Left, each model's memory on one GPU against context (log
+axis): its weights stacked below its KV cache, the GPU's memory and what is left after the allowance as lines, and
+a mark where each model stops fitting at each batch. Right, the most sequences that fit against context.
+matplotlib is imported here only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvbench.memory.capacity import CapacityChart, capacity_series
+from kvbench.memory.units import GiB, fmt_tokens
+
+STYLES = ["-", "--", ":", "-."]  # one per batch
+
+
+def _short(n: int) -> str:
+    """131072 -> '128k', 29043 -> '28.4k', 464692 -> '454k' (k = 1024 tokens, as --ctx reads them)."""
+    if n < 1024:
+        return str(n)
+    if n < 1024**2:
+        v = n / 1024
+        return f"{v:.3g}k" if v < 100 else f"{v:.0f}k"
+    return f"{n / 1024**2:.3g}m"
+
+
+def _why(model: str, chart: CapacityChart) -> str:
+    """A legend note for a model the chart shows no mark for."""
+    mine = [s for s in chart.series if s.model == model]
+    if mine[0].weights_gib >= chart.usable_gib:
+        return f" (weights {mine[0].weights_gib:.0f} GiB: no room)"
+    if all(s.max_ctx is None for s in mine):
+        return " (fits at any context)"
+    return ""
+
+
+def _log_context_axis(ax, grid: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ticks, t = [], 1024
+    while t < grid[0]:
+        t *= 2
+    while t <= grid[-1]:
+        ticks.append(t)
+        t *= 2
+    ticks = ticks[:: max(1, -(-len(ticks) // 9))]  # at most 9 labels
+    ax.set_xticks(ticks, [fmt_tokens(t) for t in ticks])
+    ax.set_xticks([], minor=True)
+    ax.set_xlim(grid[0], grid[-1])
+    ax.set_xlabel("context (tokens, log scale; k = 1024)")
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def _memory_panel(ax, chart: CapacityChart, colors: dict, styles: dict) -> None:
+    shaded = set()
+    for s in chart.series:
+        color, total = colors[s.model], [s.weights_gib + k for k in s.kv_gib]
+        if s.weights_gib >= chart.usable_gib:  # weights alone leave no room: the legend says so
+            continue
+        if s.model not in shaded:
+            shaded.add(s.model)
+            ax.fill_between(s.contexts, 0, s.weights_gib, color=color, alpha=0.18, lw=0)
+            ax.axhline(s.weights_gib, color=color, lw=0.8, alpha=0.6)
+        ax.plot(s.contexts, total, color=color, ls=styles[s.batch], lw=1.8)
+    ax.axhline(chart.memory_gib, color="black", lw=1.5)
+    ax.axhline(chart.usable_gib, color="black", lw=1, ls="--")
+    top = chart.memory_gib * 1.18
+    ax.text(chart.series[0].contexts[0], chart.memory_gib + top * 0.01, f" {chart.gpu}: {chart.memory_gib:.1f} GiB",
+            va="bottom", fontsize=8)  # fmt: skip
+    ax.text(chart.series[0].contexts[0], chart.usable_gib - top * 0.01, f" after allowance: {chart.usable_gib:.1f} GiB",
+            va="top", fontsize=8)  # fmt: skip
+    for i, s in enumerate(x for x in chart.series if x.max_ctx):
+        ax.plot([s.max_ctx], [chart.usable_gib], "o", color=colors[s.model], ms=6, mec="black", mew=0.6)
+        ax.axvline(s.max_ctx, color=colors[s.model], lw=0.7, ls=":", alpha=0.8)
+        right = s.max_ctx > s.contexts[-1] ** 0.8 * s.contexts[0] ** 0.2  # the last fifth: label to the left
+        ax.annotate(f"{_short(s.max_ctx)} (batch {s.batch})", (s.max_ctx, chart.usable_gib),
+                    xytext=(-4 if right else 4, -14 - 11 * (i % 4)), ha="right" if right else "left",
+                    textcoords="offset points", fontsize=8, color=colors[s.model],
+                    bbox={"fc": "white", "ec": "none", "alpha": 0.85, "pad": 1})  # fmt: skip
+    ax.set_ylim(0, top)
+    ax.set_ylabel("GiB on one GPU: weights (shaded) + KV cache")
+    ax.set_title("memory against context: o = longest context that fits", fontsize=10)
+
+
+def _batch_panel(ax, chart: CapacityChart, colors: dict, styles: dict) -> None:
+    drawn = set()
+    for s in chart.series:
+        if s.model in drawn:
+            continue
+        drawn.add(s.model)
+        pts = [(c, b) for c, b in zip(s.contexts, s.max_batch, strict=True) if b > 0]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), color=colors[s.model], lw=1.8)
+    for b, ls in styles.items():
+        ax.axhline(b, color="gray", lw=0.9, ls=ls)
+    for s in (x for x in chart.series if x.max_ctx):
+        ax.plot([s.max_ctx], [s.batch], "o", color=colors[s.model], ms=6, mec="black", mew=0.6)
+    ax.set_yscale("log", base=2)
+    ax.set_ylim(bottom=0.8)
+    ax.set_ylabel("max batch (sequences that fit beside the weights)")
+    ax.set_title("max batch against context (gray: the batch planned)", fontsize=10)
+
+
+def write_capacity_plot(plans: list, path: Path) -> CapacityChart:
+    """Draw the plans (each with a GPU budget) into `path` (a PNG) and return the numbers drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    gpu = plans[0].gpu
+    chart = CapacityChart(str(path), gpu.label, gpu.memory / GiB, (gpu.memory - gpu.overhead) / GiB,
+                          capacity_series(plans))  # fmt: skip
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {p.model.name: palette[i % len(palette)] for i, p in enumerate(plans)}
+    styles = {b: STYLES[i % len(STYLES)] for i, b in enumerate(dict.fromkeys(s.batch for s in chart.series))}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.6))
+    _memory_panel(left, chart, colors, styles)
+    _batch_panel(right, chart, colors, styles)
+    for ax in (left, right):
+        _log_context_axis(ax, chart.series[0].contexts)
+    handles = [Line2D([], [], color=c, lw=2, label=m + _why(m, chart)) for m, c in colors.items()]
+    handles += [Line2D([], [], color="gray", ls=ls, label=f"batch {b}") for b, ls in styles.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), frameon=False, fontsize=9)
+    kv = plans[0].kv_dtype
+    fig.suptitle(f"KV cache ({kv}) and weights ({plans[0].weights_dtype}) on {gpu.label}", fontsize=11)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.96))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return chart
