@@ -810,14 +810,19 @@ def test_plan_runs_the_token_reference_first_then_the_order_given():
     )
     engines = {name: B.ENGINES[name] for name in s.engine}  # supports() needs no instance
     assert B.plan(s, engines)[:7] == [
-        (64, "kvbench", "none"),  # every row's token reference
-        (64, "hf-compiled", "static"),
-        (64, "hf", "none"),
-        (64, "hf", "static"),
-        (64, "kvbench", "static-graph"),
-        (64, "kvbench", "static"),
-        (8, "kvbench", "none"),
+        (64, 1, "kvbench", "none"),  # every row's token reference
+        (64, 1, "hf-compiled", "static"),
+        (64, 1, "hf", "none"),
+        (64, 1, "hf", "static"),
+        (64, 1, "kvbench", "static-graph"),
+        (64, 1, "kvbench", "static"),
+        (8, 1, "kvbench", "none"),
     ]
+    s.prompt_len, s.batch = [8], [1, 4]  # a batch sweep: each batch size's reference first, as each prompt's
+    assert [(p, b, e, c) for p, b, e, c in B.plan(s, engines) if c != "static-graph"][:4] == [
+        (8, 1, "kvbench", "none"), (8, 1, "hf-compiled", "static"), (8, 1, "hf", "none"), (8, 1, "hf", "static")
+    ]  # fmt: skip
+    assert B.plan(s, engines)[6] == (8, 4, "kvbench", "none")
 
 
 def test_token_check_that_cannot_explain_a_flip_says_so():

@@ -228,7 +228,7 @@ def write_plots(
     if summary.empty or (summary["status"] != "ok").all():
         return []
     out = []
-    batches = sorted(summary.batch.unique())
+    batches = sorted(summary.batch.unique()) if "batch" in summary.columns else []
     if len(batches) > 1:
         from kvbench.results.batch_plot import batch_figure
 
