@@ -16,6 +16,7 @@ import torch
 
 from kvbench import devices, files, validate
 from kvbench.bench.engines import ENGINES
+from kvbench.bench.timing_stats import DEFAULT_PERCENTILES, parse_percentiles
 from kvbench.caches import CACHES, parse_cache_names
 from kvbench.decode.fixed_step import check_compile
 from kvbench.errors import KVBenchError
@@ -46,6 +47,8 @@ class BenchSettings:
     order: str = "sequential"  # sequential: each configuration's runs back to back; interleaved: in rounds
     # off | default | max: how static-graph's fixed-shape decode step runs (decode/fixed_step.py)
     compile: str = "off"
+    # TPOT percentiles in summary.csv (tpot_ms_pNN; 50 and 90 are always there as tpot_ms_median, tpot_ms_p90)
+    percentiles: list[float] = field(default_factory=lambda: list(DEFAULT_PERCENTILES))
 
 
 @dataclass
@@ -70,6 +73,7 @@ class BenchOverrides:
     fill: str | None = None
     order: str | None = None
     compile: str | None = None
+    percentiles: str | None = None
 
     def given(self) -> dict:
         """The options that were given, by field name, in field order (the order `coerce` checks them in)."""
@@ -131,6 +135,8 @@ def coerce(raw: dict, where: str) -> dict:
             value = _as_list(key, value, where, integers=True)
         elif key in ("caches", "engine"):
             value = _as_list(key, value, where, integers=False)
+        elif key == "percentiles":
+            value = parse_percentiles(value, f"{where}: percentiles")
         elif key in INT_KEYS:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise KVBenchError(f"{where}: {key} must be an integer, got {value!r}")

@@ -39,6 +39,7 @@ from kvbench.cli.options import (
     JsonOpt,
     ModelOpt,
     OrderOpt,
+    PercentilesOpt,
     RepeatsOpt,
     SeedOpt,
     ThreadsOpt,
@@ -111,6 +112,7 @@ def bench(
     hf: HFOpt = None,
     trust_remote_code: TrustOpt = False,
     layers: LayersOpt = None,
+    percentiles: PercentilesOpt = None,
 ) -> None:
     """Measure no cache vs each cache vs transformers: TTFT, TPOT, its bandwidth floor, memory, token agreement.
 
@@ -122,7 +124,7 @@ def bench(
         overrides=BenchOverrides(
             prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
             warmup=warmup, model=model, weights=weights, device=device, dtype=dtype, seed=seed, threads=threads,
-            out=out, fill=fill, order=order, compile=compile,
+            out=out, fill=fill, order=order, compile=compile, percentiles=percentiles,
         ),
         config=config, force=force, baseline=baseline, allow_env_change=allow_env_change, json_out=json_out, hf=hf,
         trust_remote_code=trust_remote_code, layers=layers,

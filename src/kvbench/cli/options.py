@@ -174,6 +174,14 @@ OrderOpt = Annotated[
     ),
 ]
 BenchCompileOpt = Annotated[str | None, typer.Option("--compile", help=COMPILE_HELP + " Default: off.")]
+PercentilesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--percentiles",
+        help="TPOT percentiles written to summary.csv as tpot_ms_pNN, comma-separated, each strictly between 0 "
+        "and 100 (default: 50,90,99; the median and p90 columns are always written).",
+    ),
+]
 
 # --- memory: every option is a memory.Options field -----------------------------------------------------------------
 MemoryModelOpt = Annotated[
@@ -276,7 +284,8 @@ ThresholdOpt = Annotated[
 FailOnOpt = Annotated[
     str | None,
     typer.Option(
-        "--fail-on", help="Exit 1 when any row regresses: slower, memory, or slower,memory (the CI gate)."
+        "--fail-on",
+        help="Exit 1 when any row regresses: slower (TPOT), slower-ttft, memory, comma-separated (the CI gate).",
     ),
 ]
 FormatOpt = Annotated[
