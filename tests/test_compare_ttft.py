@@ -6,6 +6,7 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -194,3 +195,21 @@ def test_bad_percentiles_stop_bench_before_any_work(tmp_path, value):
     assert r.exit_code == 2, text
     assert len(r.stderr.strip().splitlines()) == 1 and "percentiles" in r.stderr, text
     assert not (tmp_path / "run").exists()
+
+
+def test_percentiles_are_refused_with_random_fill(tmp_path):
+    r, text = invoke("bench", "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--fill", "random",
+                     "--prompt-len", "64", "--percentiles", "95", "--out", tmp_path / "run")  # fmt: skip
+    assert r.exit_code == 2, text
+    assert r.stderr.strip() == (
+        "error: --percentiles applies to prefill sweeps; --fill random writes its own tpot_ms_p10 and tpot_ms_p90"
+    )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pynvml") is not None, reason="nvidia-ml-py is installed here")
+def test_without_nvidia_ml_py_the_cuda_facts_are_null_with_the_reason():
+    from kvbench.results.host import cuda_facts
+
+    assert cuda_facts(torch.device("cuda")) == {
+        "processes": None, "clocks": None, "note": "nvidia-ml-py is not installed: not read"
+    }  # fmt: skip

@@ -255,6 +255,10 @@ def _check_random_fill(s: BenchSettings) -> None:
         raise KVBenchError(
             "--order interleaved applies to prefill sweeps; --fill random holds one cache at a time"
         )
+    if s.percentiles != list(DEFAULT_PERCENTILES):
+        raise KVBenchError(
+            "--percentiles applies to prefill sweeps; --fill random writes its own tpot_ms_p10 and tpot_ms_p90"
+        )
 
 
 def sweep_warnings(s: BenchSettings) -> list[str]:
