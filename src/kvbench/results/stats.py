@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -23,6 +24,8 @@ from scipy.stats import binom, bootstrap, mannwhitneyu
 # steps as for 10^4). Without the batching scipy holds every resample at once: 4.7 GiB and 31 s at 100,000 steps.
 RESAMPLE_UP_TO = 20_000
 BATCH_VALUES = 500_000
+# scipy 1.15 and later name bootstrap's generator `rng`; the older versions pyproject allows call it `random_state`
+_RNG = "rng" if "rng" in inspect.signature(bootstrap).parameters else "random_state"
 
 
 def bootstrap_medians(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
@@ -71,7 +74,7 @@ def median_ratio_ci(
             method="percentile",
             vectorized=True,
             paired=False,
-            rng=rng,
+            **{_RNG: rng},
         )
         lo, hi = res.confidence_interval
         return float(np.median(cand) / np.median(base)), float(lo), float(hi)
