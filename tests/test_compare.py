@@ -68,6 +68,13 @@ def scaled_copy(src: Path, dst: Path, factor: float, only: dict | None = None) -
     for col in ("ttft_ms", "tpot_ms_median", "tpot_ms_p90", "total_s"):
         summary.loc[mu, col] *= factor
     summary.loc[mu, "tokens_per_s"] /= factor
+    if (dst / "ttft.csv").is_file():  # the TTFT repeats, as the summary's ttft_ms
+        ttft = pd.read_csv(dst / "ttft.csv")
+        mt = pd.Series(True, index=ttft.index)
+        for k, v in (only or {}).items():
+            mt &= ttft[k] == v
+        ttft.loc[mt, "ttft_ms"] *= factor
+        ttft.to_csv(dst / "ttft.csv", index=False)
     steps.to_csv(dst / "steps.csv", index=False)
     summary.to_csv(dst / "summary.csv", index=False)
     return dst
@@ -220,12 +227,14 @@ def test_missing_optional_columns_read_as_unknown(base_run, tmp_path):
         columns=["ttft_ms", "tokens_per_s", "peak_mem_mib", "kv_cache_mib"]
     )
     s.to_csv(cand / "summary.csv", index=False)
+    (cand / "ttft.csv").unlink()  # a run from before ttft.csv: TTFT is unknown
     code, doc, text = compare_json(base_run, cand, "--fail-on", "slower,memory")
     assert code == 0, text
     row = doc["rows"][0]
     assert (
         row["ttft_ratio"] is None and row["peak_mem_delta_mib"] is None and row["kv_cache_delta_mib"] is None
     )
+    assert row["ttft_verdict"] == "no ttft.csv in the candidate" and row["ttft_p_value"] is None
 
 
 def test_unmatched_rows_are_listed_not_dropped(base_run, tmp_path):

@@ -16,6 +16,7 @@ import torch
 
 from kvbench import devices, dtypes, files, validate
 from kvbench.bench.engines import ENGINES
+from kvbench.bench.timing_stats import DEFAULT_PERCENTILES, parse_percentiles
 from kvbench.caches import CACHES, parse_cache_names
 from kvbench.decode.fixed_step import check_compile
 from kvbench.errors import KVBenchError, NotEnoughMemoryError
@@ -49,6 +50,8 @@ class BenchSettings:
     compile: str = "off"
     # one more warm run per configuration under torch.profiler: a trace in profile/, its top operators (profile.py)
     profile: bool = False
+    # TPOT percentiles in summary.csv (tpot_ms_pNN; 50 and 90 are always there as tpot_ms_median, tpot_ms_p90)
+    percentiles: list[float] = field(default_factory=lambda: list(DEFAULT_PERCENTILES))
 
 
 @dataclass
@@ -74,6 +77,7 @@ class BenchOverrides:
     order: str | None = None
     compile: str | None = None
     profile: bool | None = None
+    percentiles: str | None = None
 
     def given(self) -> dict:
         """The options that were given, by field name, in field order (the order `coerce` checks them in)."""
@@ -137,6 +141,8 @@ def coerce(raw: dict, where: str) -> dict:
             value = _as_list(key, value, where, integers=True)
         elif key in ("caches", "engine"):
             value = _as_list(key, value, where, integers=False)
+        elif key == "percentiles":
+            value = parse_percentiles(value, f"{where}: percentiles")
         elif key in INT_KEYS:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise KVBenchError(f"{where}: {key} must be an integer, got {value!r}")
@@ -271,6 +277,10 @@ def _check_random_fill(s: BenchSettings) -> None:
         raise KVBenchError(
             f"--fill random sweeps contexts at one batch size, got --batch {','.join(map(str, s.batch))}; "
             "run one sweep per batch size, or sweep batch sizes with a prefill sweep"
+        )
+    if s.percentiles != list(DEFAULT_PERCENTILES):
+        raise KVBenchError(
+            "--percentiles applies to prefill sweeps; --fill random writes its own tpot_ms_p10 and tpot_ms_p90"
         )
 
 

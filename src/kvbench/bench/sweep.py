@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -47,6 +47,7 @@ from kvbench.bench.settings import (
     sweep_model_config,
     sweep_warnings,
 )
+from kvbench.bench.timing_stats import TTFT_PERCENTILES, describe_ms, tpot_extra_columns
 from kvbench.devices import memory_in_use, memory_peak, reset_peak_memory
 from kvbench.errors import KVBenchError, is_out_of_memory
 from kvbench.model.gpt2 import GPTConfig
@@ -73,6 +74,14 @@ class SummaryRow:
     ttft_ms: float  # median over timed repeats: prefill + first token
     tpot_ms_median: float  # median decode-step latency, all steps of all timed repeats pooled
     tpot_ms_p90: float
+    ttft_ms_mean: float  # over the timed repeats (one TTFT each; ttft.csv); std: the sample's (ddof=1)
+    ttft_ms_std: float
+    ttft_ms_p10: float  # percentiles: numpy's default (linear interpolation)
+    ttft_ms_p50: float
+    ttft_ms_p90: float
+    ttft_ms_p99: float
+    tpot_ms_mean: float  # the pooled decode steps, as tpot_ms_median
+    tpot_ms_std: float
     floor_ms: float  # the bandwidth floor of the median decode step: step_bytes / measured read bandwidth (bench/floor.py)
     x_floor: float  # tpot_ms_median / floor_ms; empty for `none` (no cache: the floor does not apply)
     # bytes the median decode step moves: weights, K/V read and written, the design's copies
@@ -108,10 +117,20 @@ class SummaryRow:
     sdpa_prefill: str  # SDPA backend(s) the prefill's attention calls got
     sdpa_decode: str  # SDPA backend(s) the decode steps' attention calls got
     repeats: int  # timed repeats behind the medians
+    # tpot_ms_pNN for each --percentiles value beyond 50 and 90 (columns after tpot_ms_std)
+    tpot_ms_more: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def columns(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+    def columns(cls, percentiles: list[float] | tuple[float, ...] = ()) -> list[str]:
+        names = [f.name for f in fields(cls) if f.name != "tpot_ms_more"]
+        at = names.index("tpot_ms_std") + 1
+        return names[:at] + tpot_extra_columns(list(percentiles)) + names[at:]
+
+    def record(self) -> dict:
+        """The row as summary.csv holds it: the tpot_ms_more columns beside the others."""
+        d = asdict(self)
+        d.update(d.pop("tpot_ms_more"))
+        return d
 
 
 @dataclass
@@ -162,7 +181,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _nan_row(**kw) -> SummaryRow:
-    base = {f.name: math.nan for f in fields(SummaryRow)}
+    base = {f.name: math.nan for f in fields(SummaryRow) if f.name != "tpot_ms_more"}
     base.update(flips=0, near_tie_flips=0, tokens_note="", sdpa_prefill="", sdpa_decode="", repeats=0)
     base.update(kw)
     return SummaryRow(**base)
@@ -444,12 +463,18 @@ def _summarise(common, runs, s, peaks, weights, capture_s, tokens: TokenCheck, s
     timed_peaks = peaks[s.warmup :] or peaks  # interleaved: only the back-to-back runs recorded peaks
     run_peak = max(p for p, _ in timed_peaks)
     last, mib, batch = timed[-1], 2**20, common["batch"]
+    ttft = describe_ms([t.ttft_s for t in timed], TTFT_PERCENTILES)
+    tpot = describe_ms(steps, s.percentiles)
     row = SummaryRow(
         **common,
         status="ok",
         ttft_ms=1e3 * statistics.median(t.ttft_s for t in timed),
         tpot_ms_median=1e3 * _pct(steps, 0.5),
         tpot_ms_p90=1e3 * _pct(steps, 0.9),
+        **{f"ttft_ms_{k}": v for k, v in ttft.items()},
+        tpot_ms_mean=tpot["mean"],
+        tpot_ms_std=tpot["std"],
+        tpot_ms_more={c: tpot[c.removeprefix("tpot_ms_")] for c in tpot_extra_columns(s.percentiles)},
         floor_ms=math.nan,  # filled by add_floor
         x_floor=math.nan,
         step_bytes=math.nan,

@@ -40,6 +40,7 @@ from kvbench.cli.options import (
     JsonOpt,
     ModelOpt,
     OrderOpt,
+    PercentilesOpt,
     ProfileOpt,
     RepeatsOpt,
     SeedOpt,
@@ -117,6 +118,7 @@ def bench(
     trust_remote_code: TrustOpt = False,
     layers: LayersOpt = None,
     export: ExportOpt = None,
+    percentiles: PercentilesOpt = None,
 ) -> None:
     """Measure no cache vs each cache vs transformers: TTFT, TPOT, its bandwidth floor, memory, token agreement.
 
@@ -130,7 +132,7 @@ def bench(
         overrides=BenchOverrides(
             prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
             warmup=warmup, model=model, weights=weights, device=device, dtype=dtype, seed=seed, threads=threads,
-            out=out, fill=fill, order=order, compile=compile, profile=profile,
+            out=out, fill=fill, order=order, compile=compile, profile=profile, percentiles=percentiles,
         ),
         config=config, force=force, baseline=baseline, allow_env_change=allow_env_change, json_out=json_out, hf=hf,
         trust_remote_code=trust_remote_code, layers=layers, export=export,

@@ -41,7 +41,8 @@ def compare(
 ) -> None:
     """Compare two bench runs: TPOT ratio with a confidence interval and a verdict per row.
 
-    Rows are matched on engine, cache, model, weights, dtype, device, prompt length, new tokens and batch.
+    Rows are matched on engine, cache, model, weights, dtype, device, prompt length, new tokens and batch. TTFT is
+    tested the same way on its repeats (ttft.csv), with its own verdict.
     Exit 0; 1 with --fail-on when a row regresses; 2 on bad input."""
     from kvbench.results import compare as C
 
@@ -56,6 +57,8 @@ def compare(
     comparison, files = run_compare(
         baseline, candidate, alpha, C.parse_threshold(threshold), allow_env_change, out_dir
     )
+    for text in comparison.gate_warnings(gates):
+        console.warn(text)
     if fmt == "json":
         console.print_json(C.json_doc(comparison, gates, files))
     elif fmt == "md":
@@ -128,10 +131,17 @@ def warn_about(comparison) -> None:
         )
     for text in comparison.unfinished:
         console.warn(text)
+    for text in comparison.warnings:
+        console.warn(text)
 
 
 # --- rendering ---
 VERDICT_STYLE = {"slower": "bold red", "faster": "bold green", "no significant change": "dim"}
+
+
+def _ttft_verdict(r) -> str:
+    """The TTFT verdict: faster, slower, no significant change, inconclusive (n=3), no ttft.csv."""
+    return r.ttft.ttft_verdict if r.ttft is not None else "no ttft.csv"
 
 
 def _x(v: float, digits: int = 3) -> str:
@@ -171,7 +181,7 @@ def _cells(r) -> list[str]:
 
 
 def _after(r) -> list[str]:
-    return [_x(r.ttft_ratio, 2), _x(r.tokens_per_s_ratio, 2), _delta(r.peak_mem_delta_mib),
+    return [_x(r.ttft_ratio, 2), _ttft_verdict(r), _x(r.tokens_per_s_ratio, 2), _delta(r.peak_mem_delta_mib),
             _delta(r.kv_cache_delta_mib, ".3g")]  # fmt: skip
 
 
@@ -259,16 +269,17 @@ def _compare_table(c) -> Table:
     from kvbench.results.runs import printable
 
     level = f"{c.confidence:.0%}"
-    cols = ["engine", "cache", "prompt", "TPOT ms", "ratio", f"{level} CI", "p", "verdict", "TTFT", "tok/s",
-            "Δpeak MiB", "ΔKV MiB"]  # fmt: skip
+    cols = ["engine", "cache", "prompt", "TPOT ms", "ratio", f"{level} CI", "p", "verdict", "TTFT", "TTFT verdict",
+            "tok/s", "Δpeak MiB", "ΔKV MiB"]  # fmt: skip
     agree = _has_agreement(c)
     if agree:
         cols.append("agreement")
     caption = (
         f"TPOT: median decode step, baseline → candidate; ratio = candidate / baseline (> 1: slower), with its "
         f"{level} bootstrap interval. verdict: two-sided Mann-Whitney U on the pooled decode steps at alpha "
-        f"{c.alpha:g}, and a change of at least {c.threshold:.0%}. TTFT, tok/s: ratios of the summary medians "
-        "(tok/s > 1: faster). Δ: candidate - baseline."
+        f"{c.alpha:g}, and a change of at least {c.threshold:.0%}. TTFT: median ratio; its verdict: the same test "
+        "on the TTFT repeats (ttft.csv; inconclusive when so few repeats cannot reach alpha). tok/s: ratio of the "
+        "summary medians (> 1: faster). Δ: candidate - baseline."
     )
     tbl = Table(caption=caption, caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for i, name in enumerate(cols):
@@ -277,6 +288,7 @@ def _compare_table(c) -> Table:
         after: list = _after(r)
         if r.memory_regressed:
             after[-1] = styled(after[-1], "red")
+        after[1] = styled(after[1], VERDICT_STYLE.get(after[1], "yellow"))
         row = [
             printable(r.engine),
             printable(r.cache),
@@ -293,7 +305,7 @@ def markdown(c, fail_on: list[str]) -> str:
     """A Markdown report to paste into a pull request: the table, then the lines under it and the gate."""
     level = f"{c.confidence:.0%}"
     cols = ["engine", "cache", "prompt", "TPOT ms (base → cand)", "TPOT ratio", f"{level} CI", "p", "verdict",
-            "TTFT ratio", "tokens/s ratio", "Δ peak MiB", "Δ KV MiB"]  # fmt: skip
+            "TTFT ratio", "TTFT verdict", "tokens/s ratio", "Δ peak MiB", "Δ KV MiB"]  # fmt: skip
     agree = _has_agreement(c)
     if agree:
         cols.append("token agreement")
@@ -307,10 +319,11 @@ def markdown(c, fail_on: list[str]) -> str:
         f"**kvbench compare**: `{md(c.candidate)}` against the baseline `{md(c.baseline)}`",
         "",
         f"Decode-step TPOT, candidate / baseline (> 1: slower), {level} bootstrap intervals; verdict by "
-        f"Mann-Whitney U at alpha {c.alpha:g} and a change of at least {c.threshold:.0%}.",
+        f"Mann-Whitney U at alpha {c.alpha:g} and a change of at least {c.threshold:.0%}; TTFT verdict: the same test "
+        "on the TTFT repeats (ttft.csv).",
         "",
         "| " + " | ".join(cols) + " |",
-        "|" + "|".join("---" if i < 2 or i == 7 else "---:" for i in range(len(cols))) + "|",
+        "|" + "|".join("---" if i < 2 or i in (7, 9) else "---:" for i in range(len(cols))) + "|",
     ]
     for r in c.rows:
         verdict = f"**{r.verdict}**" if r.verdict != "no significant change" else r.verdict

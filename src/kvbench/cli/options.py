@@ -206,6 +206,14 @@ ExportOpt = Annotated[
         "github-action-benchmark (customSmallerIsBetter: TPOT and TTFT medians in ms per row).",
     ),
 ]
+PercentilesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--percentiles",
+        help="TPOT percentiles written to summary.csv as tpot_ms_pNN, comma-separated, each strictly between 0 "
+        "and 100 (default: 50,90,99; the median and p90 columns are always written).",
+    ),
+]
 
 # --- memory: every option is a memory.Options field -----------------------------------------------------------------
 MemoryModelOpt = Annotated[
@@ -324,7 +332,8 @@ ThresholdOpt = Annotated[
 FailOnOpt = Annotated[
     str | None,
     typer.Option(
-        "--fail-on", help="Exit 1 when any row regresses: slower, memory, or slower,memory (the CI gate)."
+        "--fail-on",
+        help="Exit 1 when any row regresses: slower (TPOT), slower-ttft, memory, comma-separated (the CI gate).",
     ),
 ]
 FormatOpt = Annotated[

@@ -21,8 +21,10 @@ dtype, library versions, threads, what was asked for) are refused; what was meas
 (environment.CONTEXT: huge pages actually given, read bandwidth) is shown side by side and warned about when it
 differs. Beyond that, compare runs made on the same, otherwise idle machine.
 
-TTFT, tokens/s, peak memory, KV bytes and (when both runs have the column) token agreement come from summary.csv.
-The statistics are in results/stats.py, the environment checks in results/environment.py.
+TTFT is compared the same way on its repeats (ttft.csv, one TTFT per timed repeat; results/ttft_compare.py), with its
+own verdict; a run without ttft.csv gets the ratio of the summary medians and the verdict `no ttft.csv`. Tokens/s,
+peak memory, KV bytes and (when both runs have the column) token agreement come from summary.csv. The statistics
+are in results/stats.py, the environment checks in results/environment.py, the load warning in results/host.py.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ from kvbench.results.environment import (
     describe_changes,
     describe_context,
 )
+from kvbench.results.host import load_warning
 from kvbench.results.runs import KEY, Run, load_run, row_label, run_level
 from kvbench.results.stats import mann_whitney_p, median_ratio_ci, repeat_spread, smallest_p, verdict
+from kvbench.results.ttft_compare import RunTTFTs, TTFTComparison, compare_ttft
 
 # Importable from here too: the environment checks' renderings (environment.py), beside the comparison.
 __all__ = [
@@ -53,6 +57,7 @@ __all__ = [
     "describe_context", "json_doc", "parse_fail_on", "parse_threshold", "unfinished",
 ]  # fmt: skip
 
+VERDICTS = ("slower", "faster", "no significant change")  # what a test can conclude (TPOT and TTFT alike)
 # Keys that --allow-env-change stops matching on when the two runs differ in them.
 RELAXABLE = ("dtype", "device")
 
@@ -60,6 +65,7 @@ RELAXABLE = ("dtype", "device")
 FAIL_ON = {
     "slower": "the row's verdict is slower",
     "memory": "the KV cache holds more bytes, or (CUDA) peak allocated memory grew by more than the threshold",
+    "slower-ttft": "the row's TTFT verdict is slower (Mann-Whitney U on the TTFT repeats, ttft.csv)",
 }
 
 
@@ -85,7 +91,9 @@ class RowComparison:
     ci_high: float
     p_value: float  # two-sided Mann-Whitney U on the two step samples
     verdict: str  # faster | slower | no significant change
-    ttft_ratio: float  # summary.csv medians; NaN where a run lacks the column
+    ttft_ratio: (
+        float  # median TTFT ratio (ttft.csv; without it summary.csv's ttft_ms), NaN where a run lacks both
+    )
     tokens_per_s_ratio: float  # > 1: the candidate is faster end to end
     peak_mem_delta_mib: float
     kv_cache_delta_mib: float
@@ -97,6 +105,7 @@ class RowComparison:
     # False: a run's repeats are further apart than the threshold (p understates uncertainty)
     steady: bool = True
     notes: list[str] = field(default_factory=list)
+    ttft: TTFTComparison | None = None  # the TTFT repeats compared (ttft_compare.py)
 
     @property
     def label(self) -> str:
@@ -130,6 +139,17 @@ class Comparison:
     candidate_git: dict | None
     context: list[ContextField] = field(default_factory=list)  # measured at run time, side by side
     unfinished: list[str] = field(default_factory=list)  # one line per run whose sweep did not finish
+    warnings: list[str] = field(default_factory=list)  # e.g. the runs started under loads a core apart
+
+    def gate_warnings(self, fail_on: list[str]) -> list[str]:
+        """A gate asked for that some rows cannot trip: slower-ttft where a row's TTFTs give no verdict."""
+        if "slower-ttft" not in fail_on:
+            return []
+        unjudged = [r for r in self.rows if r.ttft is None or r.ttft.ttft_verdict not in VERDICTS]
+        if not unjudged:
+            return []
+        why = "; ".join(sorted({r.ttft.ttft_verdict if r.ttft else "no ttft.csv" for r in unjudged}))
+        return [f"--fail-on slower-ttft cannot fail {len(unjudged)} of {len(self.rows)} row(s) ({why})"]
 
     def regressions(self, fail_on: list[str]) -> list[str]:
         """One line per regressed row, for the gates named in `fail_on` (keys of FAIL_ON)."""
@@ -138,6 +158,8 @@ class Comparison:
             if "slower" in fail_on and r.verdict == "slower":
                 unsteady = "" if r.steady else "; a run's repeats disagree: rerun before trusting this"
                 out.append(f"{r.label}: slower, TPOT ×{r.tpot_ratio:.3f} (p = {r.p_value:.2g}{unsteady})")
+            if "slower-ttft" in fail_on and r.ttft is not None and r.ttft.ttft_verdict == "slower":
+                out.append(f"{r.label}: slower TTFT ×{r.ttft_ratio:.3f} (p = {r.ttft.ttft_p_value:.2g})")
             if "memory" in fail_on and r.memory_regressed:
                 out.append(f"{r.label}: memory, {'; '.join(n for n in r.notes if n.startswith('memory'))}")
         return out
@@ -244,6 +266,7 @@ def compare_runs(
         candidate_git=cand.meta.get("git"),
         context=context_fields(base.meta, cand.meta, threshold),
         unfinished=[u for u in (unfinished(base, "baseline"), unfinished(cand, "candidate")) if u],
+        warnings=[w for w in (load_warning(base.meta, cand.meta),) if w],
     )
 
 
@@ -255,6 +278,7 @@ def _pair_rows(
     b_rows = {tuple(r[k] for k in match): r for _, r in base.summary.iterrows()}
     c_rows = {tuple(r[k] for k in match): r for _, r in cand.summary.iterrows()}
     b_steps, c_steps = _Steps(base), _Steps(cand)
+    b_ttft, c_ttft = RunTTFTs(base), RunTTFTs(cand)
     rows: list[RowComparison] = []
     unmatched: list[Unmatched] = []
 
@@ -280,6 +304,9 @@ def _pair_rows(
         row.repeat_spread_baseline, row.repeat_spread_candidate = repeat_spread(rb), repeat_spread(rc)
         # Repeats of one run further apart than the effect we look for: the machine changed speed within the run.
         row.steady = max(row.repeat_spread_baseline, row.repeat_spread_candidate) <= threshold
+        ratio, row.ttft = compare_ttft(b_ttft.of(b), c_ttft.of(c), alpha, threshold, n_boot, seed + i)
+        if ratio == ratio:  # the TTFT repeats' ratio where both runs have them (NaN: keep summary.csv's)
+            row.ttft_ratio = ratio
         rows.append(row)
     for key, c in c_rows.items():
         if key not in b_rows:
@@ -382,14 +409,15 @@ def _compare_row(b, c, xb, xc, alpha, threshold, n_boot, seed) -> RowComparison:
 
 # --- options and outputs ---------------------------------------------------------------------------------------------
 def parse_fail_on(text: str | None) -> list[str]:
-    """`slower`, `memory` or `slower,memory` -> the list of gates; None (not given) -> no gate. An empty value is
-    refused: a gate that quietly gates nothing would pass every build."""
+    """Comma-separated names of FAIL_ON (`slower`, `slower-ttft`, `memory`) -> the list of gates; None (not
+    given) -> no gate. An empty value is refused: a gate that quietly gates nothing would pass every build."""
     if text is None:
         return []
     names = [t.strip().lower() for t in text.split(",") if t.strip()]
     if not names:
         raise KVBenchError(
-            f"--fail-on {text!r} names no gate; give slower, memory or slower,memory (or leave --fail-on out)"
+            f"--fail-on {text!r} names no gate; give one or more of {', '.join(FAIL_ON)}, comma-separated (or leave "
+            "--fail-on out)"
         )
     bad = [n for n in names if n not in FAIL_ON]
     if bad:
@@ -415,6 +443,13 @@ def parse_threshold(text: str) -> float:
     return value
 
 
+def _row_doc(r: RowComparison) -> dict:
+    """A row as the JSON document holds it: its TTFT comparison's fields (ttft_verdict, ...) beside the others."""
+    doc = asdict(r)
+    ttft = doc.pop("ttft") or asdict(compare_ttft(None, None, 0.5, 0.0, 0, 0)[1])
+    return {**doc, **ttft}
+
+
 def json_doc(c: Comparison, fail_on: list[str], files: list[Path] | None = None) -> dict:
     """The whole comparison as one JSON-ready document; written with jsonio.json_text, which turns NaN and
     infinities into null."""
@@ -436,8 +471,9 @@ def json_doc(c: Comparison, fail_on: list[str], files: list[Path] | None = None)
             "context": [asdict(f) for f in c.context],
         },
         "unfinished": c.unfinished,
+        "warnings": c.warnings + c.gate_warnings(fail_on),
         "git": {"baseline": c.baseline_git, "candidate": c.candidate_git},
-        "rows": [asdict(r) for r in c.rows],
+        "rows": [_row_doc(r) for r in c.rows],
         "unmatched": [asdict(u) for u in c.unmatched],
         "files": [str(f) for f in files or []],
     }

@@ -12,7 +12,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from kvbench.bench.profile import OpRow
 from kvbench.bench.sweep import StepRow, SummaryRow, fill_relative, settings_dict
 from kvbench.devices import cpu_peak_resettable, device_name, dtype_name
 from kvbench.jsonio import SCHEMA_VERSION
+from kvbench.results.host import cpu_facts, cuda_facts, load_average
 from kvbench.results.rundir import (
     check_run_dir,
     claimed_run_dir,
@@ -82,7 +83,12 @@ def meta_doc(**fields: Any) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git": git_revision(),
         "versions": versions(),
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "huge_pages": hugepages.status()},
+        "host": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            **cpu_facts(),  # model, cores usable, load average at the start (results/host.py)
+            "huge_pages": hugepages.status(),
+        },
         # the KVBENCH_ environment variables set for the run (KVBENCH_PROBE_BYTES sizes the bandwidth probe)
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVBENCH_")},
         **fields,
@@ -132,9 +138,10 @@ def device_label(device) -> str:
 
 
 def run_meta(loaded, device, dtype, settings, config_path) -> dict[str, Any]:
-    """The meta.json fields every run folder starts with: the run, the model, the device (status `running`).
-    Also what `bench --baseline` checks against the baseline before the sweep."""
-    return meta_doc(
+    """The meta.json fields every run folder starts with: the run, the model, the device (status `running`), on
+    CUDA the device's other processes and clocks. Also what `bench --baseline` checks against the baseline before
+    the sweep."""
+    meta = meta_doc(
         status="running",
         config_file=None if config_path is None else str(config_path),
         settings=settings_dict(settings),
@@ -149,6 +156,25 @@ def run_meta(loaded, device, dtype, settings, config_path) -> dict[str, Any]:
         dtype=dtype_name(dtype),
         seed=settings.seed,
     )
+    if device.type == "cuda":
+        meta["host"]["cuda"] = cuda_facts(device)
+    return meta
+
+
+@dataclass
+class TTFTRow:
+    """One timed repeat's time to first token (prefill + first token), as ttft.csv holds it."""
+
+    engine: str
+    cache: str
+    prompt_len: int
+    batch: int
+    repeat: int  # 1..repeats (timed runs only), as in steps.csv
+    ttft_ms: float
+
+    @classmethod
+    def columns(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
 
 
 class BenchRecorder:
@@ -162,6 +188,8 @@ class BenchRecorder:
         self.device_label = device_label(device)
         self.summary: list = []
         self.steps: list = []
+        self.ttfts: list[TTFTRow] = []
+        self.percentiles = list(getattr(settings, "percentiles", ()))  # the tpot_ms_pNN columns (SummaryRow)
         self.plot_notes: list[str] = []  # plots not drawn, and why (finish)
         self.meta = run_meta(loaded, device, dtype, settings, config_path)
 
@@ -191,8 +219,11 @@ class BenchRecorder:
     def add(self, result) -> None:
         self.summary.append(result.summary)
         self.steps.extend(result.steps)
-        fill_relative(self.summary)
         r = result.summary
+        self.ttfts += [
+            TTFTRow(r.engine, r.cache, r.prompt_len, r.batch, i + 1, t) for i, t in enumerate(result.ttft_ms)
+        ]
+        fill_relative(self.summary)
         if result.floor_bytes is not None and "floor" in self.meta:
             key = f"{r.engine} {r.cache} prompt {r.prompt_len} batch {r.batch}"
             self.meta["floor"]["steps"][key] = result.floor_bytes.as_dict()
@@ -202,8 +233,7 @@ class BenchRecorder:
                 rounds[f"{r.prompt_len} batch {r.batch}" if swept else str(r.prompt_len)] = (
                     result.bandwidth.as_dict()
                 )
-        write_csv(self.run_dir / "summary.csv", SummaryRow.columns(), self.summary)
-        write_csv(self.run_dir / "steps.csv", StepRow.columns(), self.steps)
+        self._write_bench_csvs()
         if result.profile is not None:
             self._add_profile(r, result.profile)
 
@@ -215,10 +245,21 @@ class BenchRecorder:
         write_csv(self.run_dir / "profile_ops.csv", OpRow.columns(), self.profile_ops)
         write_json(self.run_dir / "meta.json", self.meta)
 
+    def _write_bench_csvs(self) -> None:
+        write_csv(
+            self.run_dir / "summary.csv",
+            SummaryRow.columns(self.percentiles),
+            [r.record() for r in self.summary],
+        )
+        write_csv(self.run_dir / "steps.csv", StepRow.columns(), self.steps)
+        write_csv(self.run_dir / "ttft.csv", TTFTRow.columns(), self.ttfts)
+
     def frames(self):
         import pandas as pd  # with the plots: a command refused before any work does not load it
 
-        summary = pd.DataFrame([asdict(r) for r in self.summary], columns=SummaryRow.columns())
+        summary = pd.DataFrame(
+            [r.record() for r in self.summary], columns=SummaryRow.columns(self.percentiles)
+        )
         # column by column: a long sweep has millions of steps, and asdict per row would take a minute
         steps = pd.DataFrame({c: [getattr(r, c) for r in self.steps] for c in StepRow.columns()})
         return summary, steps
@@ -228,12 +269,7 @@ class BenchRecorder:
         written before the plots (so a kill while drawing still leaves the right status) and again after them."""
         from kvbench.results import plots  # matplotlib, only when a run draws its plots
 
-        if not self.summary:  # nothing completed: still leave valid (header-only) CSVs
-            self.add_empty()
-        self.meta["status"] = status
-        self.meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        self.meta["configurations_completed"] = len(self.summary)
-        self.meta["configurations_failed"] = sum(r.status != "ok" for r in self.summary)
+        self._close(status)
         self.meta["engines"] = {name: e.describe() for name, e in (engines or {}).items()}
         self.meta["sdpa"]["observed"] = {
             f"{r.engine} {r.cache}": {"prefill": r.sdpa_prefill, "decode": r.sdpa_decode}
@@ -245,10 +281,21 @@ class BenchRecorder:
         with writing_into(self.run_dir):
             pngs = plots.write_plots(self.run_dir, summary, steps, self.meta, self.plot_notes)
         self._plotted(pngs)
-        names = ["summary.csv", "steps.csv", "meta.json"] + (
+        names = ["summary.csv", "steps.csv", "ttft.csv", "meta.json"] + (
             ["profile_ops.csv", "profile"] if self.profile_ops else []
         )
         return [self.run_dir / n for n in names] + pngs
+
+    def _close(self, status: str) -> None:
+        """The run's end in meta.json: its status, when, what completed, the load average now."""
+        if not self.summary:  # nothing completed: still leave valid (header-only) CSVs
+            self.add_empty()
+        self.meta["status"] = status
+        self.meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self.meta["configurations_completed"] = len(self.summary)
+        self.meta["configurations_failed"] = sum(r.status != "ok" for r in self.summary)
+        if isinstance(self.meta.get("host", {}).get("load_average"), dict):
+            self.meta["host"]["load_average"]["end"] = load_average()
 
     def _plotted(self, pngs: list[Path]) -> None:
         """meta.json again, now with the plots drawn (and those not drawn, with the reason)."""
@@ -258,11 +305,10 @@ class BenchRecorder:
         write_json(self.run_dir / "meta.json", self.meta)
 
     def add_empty(self) -> None:
-        write_csv(self.run_dir / "summary.csv", SummaryRow.columns(), [])
-        write_csv(self.run_dir / "steps.csv", StepRow.columns(), [])
+        self._write_bench_csvs()
 
     def json_doc(self) -> dict:
-        rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(r).items()}
+        rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.record().items()}
                 for r in self.summary]  # fmt: skip
         return {
             "schema_version": SCHEMA_VERSION,
@@ -314,12 +360,7 @@ class ContextRecorder(BenchRecorder):
 
         from kvbench.results import plots  # matplotlib, only when a run draws its plots
 
-        if not self.summary:
-            self.add_empty()
-        self.meta["status"] = status
-        self.meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        self.meta["configurations_completed"] = len(self.summary)
-        self.meta["configurations_failed"] = sum(r.status != "ok" for r in self.summary)
+        self._close(status)
         write_json(self.run_dir / "meta.json", self.meta)
         summary = pd.DataFrame([asdict(r) for r in self.summary], columns=ContextRow.columns())
         with writing_into(self.run_dir):

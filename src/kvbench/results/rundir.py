@@ -47,7 +47,15 @@ def prepare_run_dir(path: str | Path) -> Path:
 
 
 # What a bench run writes into its folder; --force replaces exactly these.
-BENCH_FILES = ("summary.csv", "steps.csv", "meta.json", "latency.png", "speedup.png", "context.png")
+BENCH_FILES = (
+    "summary.csv",
+    "steps.csv",
+    "ttft.csv",
+    "meta.json",
+    "latency.png",
+    "speedup.png",
+    "context.png",
+)
 # Held (locked) in a run folder while a bench writes into it; removed when the run ends.
 RUN_LOCK = ".kvbench-run.lock"
 

@@ -1,4 +1,5 @@
-"""Reading a bench run folder back: meta.json, summary.csv and steps.csv, checked, with every row's key filled in.
+"""Reading a bench run folder back: meta.json, summary.csv, steps.csv and (when the run wrote it) ttft.csv, checked,
+with every row's key filled in.
 
 A folder that is not a bench run, a corrupt or non-UTF-8 file, a column named twice, a cell that is not a number or
 holds one out of its range (an infinite or negative latency, a prompt length of 0): each is a KVBenchError naming
@@ -31,6 +32,7 @@ INT_KEYS = ("prompt_len", "new_tokens", "batch")
 # summary.csv must have these; the other KEY fields may come from meta.json (one value per run).
 SUMMARY_REQUIRED = ("engine", "cache", "prompt_len")
 STEPS_REQUIRED = ("engine", "cache", "prompt_len", "latency_ms")
+TTFT_REQUIRED = ("engine", "cache", "prompt_len", "ttft_ms")  # ttft.csv, one row per timed repeat
 
 
 # --- what a number in a run folder may be ----------------------------------------------------------------------------
@@ -81,6 +83,7 @@ NUMBERS = {
     "token_agreement": Number(0, 1),
 }
 BANDWIDTH_GBPS = Number(0, 1e6, above=True)  # meta.json floor.bandwidth.gbps
+LOAD = Number(0, 1e6)  # meta.json host.load_average.start.1m
 SUMMARY_NUMBERS = (
     "ttft_ms",
     "tpot_ms_median",
@@ -100,6 +103,7 @@ class Run:
     meta: dict
     summary: pd.DataFrame
     steps: pd.DataFrame
+    ttft: pd.DataFrame | None = None  # ttft.csv; None for runs from before kvbench wrote it
 
     @property
     def status(self) -> str | None:
@@ -305,6 +309,7 @@ def _check_meta(meta: dict, where: str) -> None:
     else:
         _meta_number(meta, ("settings", "batch"), WHOLE, where)
     _meta_number(meta, ("floor", "bandwidth", "gbps"), BANDWIDTH_GBPS, where)
+    _meta_number(meta, ("host", "load_average", "start", "1m"), LOAD, where)
     planned = meta.get("configurations_planned")
     if planned is not None:
         fine = isinstance(planned, list) and all(
@@ -387,13 +392,27 @@ def load_run(path: str | Path, role: str) -> Run:
     if no_latency.any():
         line = int(steps.attrs["lines"][np.flatnonzero(no_latency)[0]])
         raise KVBenchError(f"{what}: steps.csv line {line} has no latency_ms (a truncated file?)")
+    ttft = _read_ttft(p / "ttft.csv", role) if (p / "ttft.csv").is_file() else None
     dup = summary.duplicated(list(KEY))
     if dup.any():
         r = summary[dup].iloc[0]
         raise KVBenchError(
             f"{what}: summary.csv has two rows for {row_label(r)}; rows are matched on {', '.join(KEY)}"
         )
-    return Run(p, meta, summary, steps)
+    return Run(p, meta, summary, steps, ttft)
+
+
+def _read_ttft(path: Path, role: str) -> pd.DataFrame:
+    """ttft.csv, checked as steps.csv is: every TTFT a time in ms."""
+    ttft = _read_csv(path, role, TTFT_REQUIRED)
+    for col in (*INT_KEYS, "repeat", "ttft_ms"):
+        if col in ttft.columns:
+            _to_numbers(ttft, col, path, role)
+    missing = ttft["ttft_ms"].isna().to_numpy()
+    if missing.any():
+        line = int(ttft.attrs["lines"][np.flatnonzero(missing)[0]])
+        raise KVBenchError(f"{role} {path.parent}: ttft.csv line {line} has no ttft_ms (a truncated file?)")
+    return ttft
 
 
 def printable(text: object) -> str:
