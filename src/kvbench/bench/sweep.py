@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -33,7 +33,8 @@ from kvbench.bench import floor
 from kvbench.bench.agreement import TokenCheck, check_tokens
 from kvbench.bench.backends import watch_sdpa
 from kvbench.bench.engines import ENGINES, HFEngine, KVBenchEngine, RunTiming, build_engines
-from kvbench.bench.profile import Profiled, profile_run
+from kvbench.bench.profile import profile_run
+from kvbench.bench.rows import ConfigResult, StepRow, SummaryRow
 from kvbench.bench.settings import (
     SETTING_KEYS,
     BenchSettings,
@@ -54,110 +55,10 @@ from kvbench.model.gpt2 import GPTConfig
 
 # Settings and engines live in their own modules; these names stay importable from here.
 __all__ = [
-    "ENGINES", "SETTING_KEYS", "BenchSettings", "HFEngine", "KVBenchEngine", "RunTiming", "build_engines",
+    "ConfigResult", "StepRow", "SummaryRow", "ENGINES", "SETTING_KEYS", "BenchSettings", "HFEngine", "KVBenchEngine", "RunTiming", "build_engines",
     "check_fits_context", "check_settings", "check_sizes", "coerce", "load_settings", "resolve_config_path",
     "settings_dict", "sweep_model_config", "sweep_warnings",
 ]  # fmt: skip
-
-
-# --- rows --------------------------------------------------------------------------------------------------------
-@dataclass
-class SummaryRow:
-    engine: str
-    cache: str
-    prompt_len: int
-    new_tokens: int
-    batch: int
-    dtype: str
-    device: str
-    status: str  # ok | oom | error: <one line>
-    ttft_ms: float  # median over timed repeats: prefill + first token
-    tpot_ms_median: float  # median decode-step latency, all steps of all timed repeats pooled
-    tpot_ms_p90: float
-    ttft_ms_mean: float  # over the timed repeats (one TTFT each; ttft.csv); std: the sample's (ddof=1)
-    ttft_ms_std: float
-    ttft_ms_p10: float  # percentiles: numpy's default (linear interpolation)
-    ttft_ms_p50: float
-    ttft_ms_p90: float
-    ttft_ms_p99: float
-    tpot_ms_mean: float  # the pooled decode steps, as tpot_ms_median
-    tpot_ms_std: float
-    floor_ms: float  # the bandwidth floor of the median decode step: step_bytes / measured read bandwidth (bench/floor.py)
-    x_floor: float  # tpot_ms_median / floor_ms; empty for `none` (no cache: the floor does not apply)
-    # bytes the median decode step moves: weights, K/V read and written, the design's copies
-    step_bytes: float
-    total_s: float  # median over timed repeats: the whole generation, prefill included
-    total_s_min: float
-    total_s_max: float
-    tokens_per_s: float  # batch x new_tokens / total_s: the whole generation, prefill included
-    # batch x decode steps / decode time (median over timed repeats): tokens/s across the batch, decode only
-    decode_tokens_per_s: float
-    speedup_vs_none: float  # total_s of this engine family's `none` at the same prompt length / total_s
-    # TPOT of the fastest transformers row (hf, hf-compiled) at this prompt / TPOT
-    speedup_vs_fastest_hf: float
-    # fraction of generated tokens equal to kvbench `none`'s (worst run); bench/agreement.py
-    token_agreement: float
-    first_divergence: float  # first differing token index (empty when identical)
-    flips: int  # sequences whose tokens differ from the reference
-    near_tie_flips: int  # of those, flips at near-ties (rounding, judged as verify does)
-    tokens_note: str  # identical | the first flip and its explanation | why there is no reference
-    peak_mem_mib: float  # weights_mib + run_peak_mib
-    weights_mib: float  # the engine's weights, each storage once (hf and kvbench share the same tensors)
-    # peak during the runs above what was in use before the configuration (caches, activations)
-    run_peak_mib: float
-    peak_reserved_mib: float  # CUDA max_memory_reserved (the allocator's whole pool); NaN on the CPU
-    kv_cache_mib: float  # bytes the cache holds at the end of a run
-    bytes_copied: float  # history bytes copied by cache updates in one run (NaN where not counted)
-    # the seed's bytes/token x (n1^2 - n0^2)/2, n0 = prompt, n1 = prompt + new
-    bytes_copied_seed_estimate: float
-    cold_ttft_ms: float  # the first run of this configuration
-    cold_tpot_ms_median: float
-    cold_total_s: float
-    capture_ms: float  # CUDA-graph warm-up + capture, once per configuration, inside the cold run (NaN: none)
-    sdpa_prefill: str  # SDPA backend(s) the prefill's attention calls got
-    sdpa_decode: str  # SDPA backend(s) the decode steps' attention calls got
-    repeats: int  # timed repeats behind the medians
-    # tpot_ms_pNN for each --percentiles value beyond 50 and 90 (columns after tpot_ms_std)
-    tpot_ms_more: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def columns(cls, percentiles: list[float] | tuple[float, ...] = ()) -> list[str]:
-        names = [f.name for f in fields(cls) if f.name != "tpot_ms_more"]
-        at = names.index("tpot_ms_std") + 1
-        return names[:at] + tpot_extra_columns(list(percentiles)) + names[at:]
-
-    def record(self) -> dict:
-        """The row as summary.csv holds it: the tpot_ms_more columns beside the others."""
-        d = asdict(self)
-        d.update(d.pop("tpot_ms_more"))
-        return d
-
-
-@dataclass
-class StepRow:
-    engine: str
-    cache: str
-    prompt_len: int
-    batch: int
-    repeat: int  # 1..repeats (timed runs only)
-    step: int  # decode step 1..new_tokens-1 (token step+1; token 1 comes from the prefill)
-    latency_ms: float
-
-    @classmethod
-    def columns(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
-
-
-@dataclass
-class ConfigResult:
-    """One configuration finished: its summary row, its timed steps, and its TTFTs (for cumulative plots)."""
-
-    summary: SummaryRow
-    steps: list[StepRow]
-    ttft_ms: list[float]  # per timed repeat
-    floor_bytes: floor.StepBytes | None = None  # the median decode step's bytes by source; None: no floor
-    bandwidth: floor.Bandwidth | None = None  # what floor_ms divides by (interleaved: pooled over the rounds)
-    profile: Profiled | None = None  # --profile: the trace of one more warm run and its top operators
 
 
 def seed_copy_estimate(bytes_per_token: int, n0: int, n1: int) -> float:

@@ -95,26 +95,27 @@ def _oom_lines(rows: list) -> None:
         out.print(styled(f"oom ({', '.join(dict.fromkeys(which))}): {note}", "red"))
 
 
+def _bench_row(r, swept: bool) -> list:
+    """One row of the bench table; `swept`: a batch sweep, with the batch size after the prompt length."""
+    return [
+        r.engine, r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status.split(':')[0]})", "red"),
+        r.prompt_len, *([r.batch] if swept else []),
+        _f(r.ttft_ms, ".1f"), _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p90, ".2f"), _f(r.floor_ms, ".2f"),
+        _times(r.x_floor), _f(r.total_s, ".3f"), _f(r.decode_tokens_per_s, ",.0f"),
+        _times(r.speedup_vs_none), _times(r.speedup_vs_fastest_hf), _tokens_cell(r),
+        _f(r.peak_mem_mib, ".0f"), _f(r.kv_cache_mib, ".2f"),
+        "-" if r.bytes_copied != r.bytes_copied else console.fmt_bytes(int(r.bytes_copied)),
+        _f(r.capture_ms, ".1f"), _f(r.cold_tpot_ms_median, ".2f"),
+    ]  # fmt: skip
+
+
 def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
     batches = list(dict.fromkeys(r.batch for r in rows))
     swept = len(batches) > 1  # a batch sweep: a batch column, and decode tokens/s across the batch
     cols = ["engine", "cache", "prompt", *(["batch"] if swept else []), "TTFT ms", "TPOT ms", "p90", "floor ms",
             "x floor", "total s", "decode tok/s", "speedup", "vs hf", "tokens", "peak MiB", "KV MiB", "copied",
             "capture ms", "cold TPOT"]  # fmt: skip
-    body = []
-    for r in rows:
-        body.append(
-            [
-                r.engine, r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status.split(':')[0]})", "red"),
-                r.prompt_len, *([r.batch] if swept else []),
-                _f(r.ttft_ms, ".1f"), _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p90, ".2f"), _f(r.floor_ms, ".2f"),
-                _times(r.x_floor), _f(r.total_s, ".3f"), _f(r.decode_tokens_per_s, ",.0f"),
-                _times(r.speedup_vs_none), _times(r.speedup_vs_fastest_hf), _tokens_cell(r),
-                _f(r.peak_mem_mib, ".0f"), _f(r.kv_cache_mib, ".2f"),
-                "-" if r.bytes_copied != r.bytes_copied else console.fmt_bytes(int(r.bytes_copied)),
-                _f(r.capture_ms, ".1f"), _f(r.cold_tpot_ms_median, ".2f"),
-            ]
-        )  # fmt: skip
+    body = [_bench_row(r, swept) for r in rows]
     title = f"bench: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}"
     if rows:
         title += (
