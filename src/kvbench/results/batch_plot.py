@@ -112,8 +112,10 @@ def _batch_axis(ax, batches: list, cross: float | None) -> None:
     lo, hi = batches[0], batches[-1]
     if lo <= cross <= hi:
         ax.axvline(cross, color="grey", linestyle=":", linewidth=1.2)
-        ax.annotate(f"K/V = weights\nat batch {cross:,.0f}", xy=(cross, 0.03), xycoords=("data", "axes fraction"),
-                    ha="left", va="bottom", fontsize=8, color="dimgrey", xytext=(4, 0), textcoords="offset points")  # fmt: skip
+        right = math.log(cross / lo) > 0.5 * math.log(hi / lo) if hi > lo else False  # label on the roomier side
+        ax.annotate(f"K/V = weights\nat batch {cross:,.0f}", xy=(cross, 0.97), xycoords=("data", "axes fraction"),
+                    ha="right" if right else "left", va="top", fontsize=8, color="dimgrey",
+                    xytext=(-4 if right else 4, 0), textcoords="offset points")  # fmt: skip
     else:
         side = "beyond" if cross > hi else "below"
         ax.text(0.98, 0.03, f"K/V = weights at batch {cross:,.0f} ({side} the sweep)", transform=ax.transAxes,
