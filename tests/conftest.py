@@ -33,6 +33,15 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def small_probe(monkeypatch):
+    """Every bench sweep measures the device's bandwidth once, streaming a tensor past the last-level cache (~1 GiB
+    here); tests of a sweep's plumbing and arithmetic stream 16 MiB instead."""
+    from kvbench.bench import floor
+
+    monkeypatch.setenv(floor.PROBE_ENV, str(16 << 20))
+
+
 @pytest.fixture(scope="session")
 def tiny_config() -> GPTConfig:
     return GPTConfig(**TINY)

@@ -23,13 +23,8 @@ from kvbench.cli import app
 from kvbench.errors import KVBenchError
 from kvbench.results.batch_plot import crossover_batch
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "small_probe")
 TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
-
-
-@pytest.fixture(autouse=True)
-def _small_probe(monkeypatch):
-    monkeypatch.setenv(floor.PROBE_ENV, str(16 << 20))
 
 
 def invoke(*args: str):

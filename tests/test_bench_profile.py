@@ -12,19 +12,13 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvbench.bench import floor
 from kvbench.bench.profile import trace_name
 from kvbench.bench.settings import BenchOverrides, load_settings
 from kvbench.cli import app
 from kvbench.errors import KVBenchError
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "small_probe")
 TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
-
-
-@pytest.fixture(autouse=True)
-def _small_probe(monkeypatch):
-    monkeypatch.setenv(floor.PROBE_ENV, str(16 << 20))
 
 
 def test_profile_writes_a_trace_per_configuration_and_gpt2s_operator_counts(tmp_path):

@@ -675,7 +675,7 @@ def _bad_bench_hf(tmp_path: Path, llama: Path) -> dict[str, tuple[list[str], str
             "250 + 16 = 266",
         ),
         "beyond memory": (
-            ["--hf", src, "--batch", "10000000", "--prompt-len", "200", "--new-tokens", "16"],
+            ["--hf", src, "--batch", "1000000", "--prompt-len", "200", "--new-tokens", "16"],
             "more than the device's",
         ),
         "layers": (["--hf", src, "--layers", "3"], "--layers must be between 1 and 2"),

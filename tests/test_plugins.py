@@ -307,6 +307,7 @@ def test_hostile_plugin_is_contained_in_one_line(plugin_dir, command, ref, messa
     # no plugin text on stdout; verify --json answers the refusal with one JSON document naming it
     if command == "verify":
         assert json.loads(r.stdout) == {
+            "schema_version": 1,
             "passed": False,
             "error": lines[0].removeprefix("error: "),
             "exit_code": 2,

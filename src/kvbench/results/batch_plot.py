@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.results.plots import (
+from kvbench.results.plot_style import (
     ENGINE_STYLE,
     _colour,
     _label,
@@ -112,7 +112,9 @@ def _batch_axis(ax, batches: list, cross: float | None) -> None:
     lo, hi = batches[0], batches[-1]
     if lo <= cross <= hi:
         ax.axvline(cross, color="grey", linestyle=":", linewidth=1.2)
-        right = math.log(cross / lo) > 0.5 * math.log(hi / lo) if hi > lo else False  # label on the roomier side
+        right = (
+            math.log(cross / lo) > 0.5 * math.log(hi / lo) if hi > lo else False
+        )  # label on the roomier side
         ax.annotate(f"K/V = weights\nat batch {cross:,.0f}", xy=(cross, 0.97), xycoords=("data", "axes fraction"),
                     ha="right" if right else "left", va="top", fontsize=8, color="dimgrey",
                     xytext=(-4 if right else 4, 0), textcoords="offset points")  # fmt: skip

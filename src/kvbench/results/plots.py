@@ -1,8 +1,6 @@
-"""matplotlib (Agg) figures from bench rows: latency.png (the seed's two panels) and speedup.png; for a random-fill
-context sweep, context.png.
-
-Colour names the cache (in registry order, so a cache keeps its colour across figures and runs); line style names
-the engine (solid: kvbench, dashed: transformers, dash-dot: transformers compiled).
+"""matplotlib (Agg) figures from bench rows: latency.png (the seed's two panels) and speedup.png, batch.png for a batch
+sweep (results/batch_plot.py); for a random-fill context sweep, context.png; compare.png. Their shared look (colour
+per cache, line style per engine): results/plot_style.py.
 """
 
 from __future__ import annotations
@@ -18,69 +16,22 @@ import pandas as pd  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator  # noqa: E402
 
 from kvbench.caches import CACHES  # noqa: E402
+from kvbench.results.plot_style import (  # noqa: E402
+    _PLAIN,
+    ENGINE_STYLE,
+    _colour,
+    _label,
+    _maybe_log,
+    _series,
+    _shared_legend,
+    _title,
+)
 
-ENGINE_STYLE = {"kvbench": "-", "hf": "--", "hf-compiled": "-."}
-ENGINE_LABEL = {"kvbench": "kvbench", "hf": "transformers", "hf-compiled": "transformers compiled"}
-ENGINE_ORDER = list(ENGINE_STYLE)
 # latency.png draws two panels per prompt length (about 0.4 s each on a small CPU); past this many prompt lengths
 # it is not drawn (speedup.png still shows every one), so a long sweep, or one stopped by a signal, ends promptly.
 MAX_LATENCY_PANELS = 12
 # At most this many labelled ticks on a prompt-length or context axis; more are left to matplotlib's locator.
 MAX_TICKS = 16
-
-
-def _colour(cache: str) -> str:
-    names = list(CACHES)
-    i = names.index(cache) if cache in names else len(names)
-    return plt.get_cmap("tab10")(i % 10)
-
-
-def _label(engine: str, cache: str) -> str:
-    return f"{ENGINE_LABEL.get(engine, engine)}: {cache}"
-
-
-def _series(df: pd.DataFrame):
-    """(engine, cache) groups in a stable, readable order: engines as given, caches in registry order."""
-    names = list(CACHES)
-    keys = df[["engine", "cache"]].drop_duplicates().itertuples(index=False)
-    order = sorted(
-        keys,
-        key=lambda k: (
-            ENGINE_ORDER.index(k.engine) if k.engine in ENGINE_ORDER else 99,
-            names.index(k.cache) if k.cache in names else 99,
-        ),
-    )
-    return [(k.engine, k.cache) for k in order]
-
-
-_PLAIN = FuncFormatter(lambda x, _: f"{x:g}")
-
-
-def _maybe_log(ax, values, ratio: float = 20.0) -> None:
-    """Log y when the values span more than `ratio`, with plain numbers (not 10^k) on the ticks."""
-    v = [x for x in values if x > 0]
-    if v and max(v) / min(v) > ratio:
-        ax.set_yscale("log")
-        if max(v) / min(v) < 300:  # under 2.5 decades: label 1-2-5 steps, not only the powers of ten
-            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(_PLAIN)
-        ax.yaxis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
-
-
-def _shared_legend(fig, axes) -> None:
-    """One legend under the panels (every panel draws the same engine x cache lines), so none hides data."""
-    handles: dict = {}
-    for ax in axes:
-        for h, lab in zip(*ax.get_legend_handles_labels(), strict=False):
-            handles.setdefault(lab, h)
-    if handles:
-        fig.legend(
-            list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 5), fontsize=9
-        )
-
-
-def _title(meta: dict) -> str:
-    return f"{meta.get('model', '?')} ({meta.get('weights', '?')}) · {meta.get('device_name', '?')} · {meta.get('dtype', '?')}"
 
 
 def _prompt_lens(summary: pd.DataFrame) -> list:
