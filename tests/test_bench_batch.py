@@ -237,3 +237,26 @@ def test_a_plugin_cache_out_of_memory_is_an_oom_row_not_a_broken_plugin(tmp_path
     assert result.exit_code == 0, text
     s = pd.read_csv(out / "summary.csv")
     assert list(zip(s.batch, s.status, strict=True)) == [(1, "ok"), (3, "oom")]
+
+
+def test_compare_names_the_batch_of_every_row(tmp_path):
+    """Two batch sweeps: the table and the Markdown report have a batch column, labels say the batch, and the
+    header lists the sizes."""
+    runs = []
+    for name in ("base", "cand"):
+        out = tmp_path / name
+        result, text = invoke(
+            "bench", *TINY, "--prompt-len", "8", "--new-tokens", "4", "--batch", "1,3", "--caches", "static",
+            "--engine", "kvbench", "--repeats", "1", "--warmup", "0", "--out", str(out),
+        )  # fmt: skip
+        assert result.exit_code == 0, text
+        runs.append(out)
+    result, text = invoke("compare", str(runs[0]), str(runs[1]), "--format", "md")
+    assert result.exit_code == 0, text
+    header = next(line for line in result.stdout.splitlines() if line.startswith("| engine"))
+    assert header.split(" | ")[:4] == ["| engine", "cache", "prompt", "batch"]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| kvbench")]
+    assert [r.split(" | ")[3] for r in rows] == ["1", "3"]
+    result, text = invoke("compare", str(runs[0]), str(runs[1]))
+    assert result.exit_code == 0 and "batch 1,3;" in text, text
+    assert "kvbench static prompt 8 batch 3: too few decode steps" in " ".join(text.split())

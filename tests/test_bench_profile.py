@@ -10,6 +10,7 @@ import json
 
 import pandas as pd
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from kvbench.bench.profile import trace_name
@@ -66,3 +67,19 @@ def test_profile_from_toml_and_where_it_does_not_apply(tmp_path):
         load_settings(f, BenchOverrides())
     with pytest.raises(KVBenchError, match="--profile traces prefill sweeps"):
         load_settings(None, BenchOverrides(profile=True, fill="random"))
+
+
+def test_the_profiler_prints_nothing_of_its_own(capfd, tiny_model, tmp_path):
+    """torch's profiler backend writes a line at every start and stop to the process's stderr (fd 2) unless told
+    otherwise: a profiled run leaves stderr to kvbench."""
+    from kvbench.bench.engines import KVBenchEngine
+    from kvbench.bench.profile import profile_run
+
+    conf = KVBenchEngine(tiny_model).configure("static", 1, 12)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    key = {"engine": "kvbench", "cache": "static", "prompt_len": 8, "batch": 1}
+    capfd.readouterr()
+    profiled = profile_run(lambda: conf.run(ids, 4), ids.device, tmp_path, key)
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", err
+    assert profiled.trace.is_file() and profiled.ops

@@ -120,10 +120,15 @@ def test_verify_refusal_leaves_one_error_case(tmp_path):
 
 def test_junit_path_refused_before_work(tmp_path):
     r = invoke([*VERIFY, "--junit-xml", tmp_path])  # a folder
-    assert r.exit_code == 2 and "is a folder" in r.stderr, r.output
+    assert r.exit_code == 2 and "is a folder" in r.stderr and "kvbench-verify.xml" in r.stderr, r.output
     r = invoke([*VERIFY, "--junit-xml", tmp_path / "missing" / "v.xml"])
     assert r.exit_code == 2 and "does not exist" in r.stderr, r.output
     assert list(tmp_path.iterdir()) == []
+    # a folder nothing can be made in (permissions do not say it for root: /proc is read-only to everyone)
+    r = invoke([*VERIFY, "--junit-xml", "/proc/kvbench-verify.xml"])
+    assert r.exit_code == 2 and "/proc cannot be written" in r.stderr and "pass" not in r.stdout, r.output
+    r = invoke(["break", "position", *TINY, "--junit-xml", tmp_path])
+    assert r.exit_code == 2 and "kvbench-break.xml" in r.stderr, r.output
 
 
 def test_break_junit_one_case_per_fault(tmp_path):
@@ -228,6 +233,21 @@ def test_export_bad_format_refused_before_the_run(tmp_path):
     r = invoke([*BENCH, "--out", run, "--export", "github-action-benchmark", tmp_path / "no" / "x.json"])
     assert r.exit_code == 2 and "does not exist" in r.stderr, r.output
     assert not run.exists()
+
+
+def test_export_never_replaces_the_runs_own_files(tmp_path):
+    """FILE inside --out: refused when it is a file the run writes; any other name there is fine (the folder is
+    made when the run starts)."""
+    run = tmp_path / "run"
+    for own in ("summary.csv", "meta.json", "ttft.csv", "batch.png", "profile"):
+        r = invoke([*BENCH, "--out", run, "--export", "github-action-benchmark", run / own])
+        assert r.exit_code == 2 and f"that is the run's own {own}" in r.stderr, r.output
+        assert not run.exists()
+    r = invoke([*BENCH, "--out", run, "--export", "github-action-benchmark", run / "gab.json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((run / "gab.json").read_text()) and (run / "summary.csv").read_text().startswith(
+        "engine,"
+    )
 
 
 def test_export_leaves_out_rows_that_did_not_complete():

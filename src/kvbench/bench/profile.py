@@ -8,6 +8,7 @@ what the decode loop spends its time in, kernel by kernel on CUDA (self device t
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -54,6 +55,9 @@ def profile_run(run, device: torch.device, folder: Path, key: dict) -> Profiled:
     """Run `run()` (one whole generation) under torch.profiler; write its trace into `folder`; return it and the
     operators by self time. key: the configuration's engine, cache, prompt_len and batch."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    # Kineto, the profiler's backend, writes a line to stderr at every start and stop unless its log level is
+    # above 5; read when the profiler first starts, so set here (a level the user chose is kept)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     with profile(activities=activities) as prof:
         run()
     folder.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,7 @@ from kvbench.cli.options import (
 )
 from kvbench.console import err
 from kvbench.errors import KVBenchError
+from kvbench.results.export import check_export_target
 
 if TYPE_CHECKING:  # bench.settings imports torch, which the command loads only when it runs
     from kvbench.bench.settings import BenchOverrides, BenchSettings
@@ -171,6 +172,7 @@ def _prepare_hf(opts: BenchOptions) -> Prepared:
         *prepare_bench_hf(opts.hf, opts.config, given, opts.force, opts.layers, opts.trust_remote_code)
     )
     _check_baseline(opts.baseline, prepared.out_dir)
+    check_export_target(opts.export, prepared.out_dir)
     return prepared
 
 
@@ -185,6 +187,7 @@ def _gpt2_settings(opts: BenchOptions) -> tuple[BenchSettings, Path]:
             raise KVBenchError(f"{flag} applies to --hf models only")
     settings, out_dir = _validated(opts.config, opts.overrides, opts.force)
     _check_baseline(opts.baseline, out_dir)
+    check_export_target(opts.export, out_dir)
     return settings, out_dir
 
 

@@ -63,7 +63,7 @@ def break_(
 
     clock = junit.RowClock()
     with junit.errors_reported(junit_xml, "break", clock):
-        junit_path = junit.check_junit_path(junit_xml)
+        junit_path = junit.check_junit_path(junit_xml, "break")
         results, skipped, meta = _run_faults(name, prompt, new_tokens, batch, reference, cache, model, weights, device,
                                              dtype, seed, tokenizer, json_out, clock)  # fmt: skip
     if junit_path is not None:

@@ -188,7 +188,7 @@ def _after(r) -> list[str]:
 def _footer(c) -> list[tuple[str, str]]:
     """(kind, text) lines under the table: row notes, unsteady runs, rows not compared, environment changes."""
     from kvbench.results.compare import describe_changes, describe_context
-    from kvbench.results.runs import printable
+    from kvbench.results.runs import printable, row_label
 
     lines = [("note", f"{r.label}: {n}") for r in c.rows for n in r.notes]
     unsteady = [r for r in c.rows if not r.steady]
@@ -199,7 +199,7 @@ def _footer(c) -> list[tuple[str, str]]:
             f"{spread:.0%}): the machine changed speed during the run, so p understates the uncertainty there; "
             "rerun both on a quiet machine",
         ))  # fmt: skip
-    lines += [("not compared", printable(f"{u.engine} {u.cache} prompt {u.prompt_len} ({u.detail}): {u.reason}"))
+    lines += [("not compared", f"{row_label(u)} ({printable(u.detail)}): {printable(u.reason)}")
               for u in c.unmatched]  # fmt: skip
     if c.env_changes:
         lines.append(("environment changed (allowed)", describe_changes(c.env_changes)))
@@ -259,9 +259,14 @@ def _render_header(c) -> None:
     )
     out.print(
         f"{first.model} ({first.weights} weights), {first.dtype} on {first.device}, {first.new_tokens} new tokens, "
-        f"batch {first.batch}; git {_git(c.baseline_git)} -> {_git(c.candidate_git)}",
+        f"batch {','.join(map(str, _batches(c)))}; git {_git(c.baseline_git)} -> {_git(c.candidate_git)}",
         markup=False,
     )
+
+
+def _batches(c) -> list[int]:
+    """The batch sizes of the compared rows: a batch column when there are several."""
+    return sorted({int(r.batch) for r in c.rows})
 
 
 def _compare_table(c) -> Table:
@@ -269,8 +274,9 @@ def _compare_table(c) -> Table:
     from kvbench.results.runs import printable
 
     level = f"{c.confidence:.0%}"
-    cols = ["engine", "cache", "prompt", "TPOT ms", "ratio", f"{level} CI", "p", "verdict", "TTFT", "TTFT verdict",
-            "tok/s", "Δpeak MiB", "ΔKV MiB"]  # fmt: skip
+    swept = len(_batches(c)) > 1
+    cols = ["engine", "cache", "prompt", *(["batch"] if swept else []), "TPOT ms", "ratio", f"{level} CI", "p",
+            "verdict", "TTFT", "TTFT verdict", "tok/s", "Δpeak MiB", "ΔKV MiB"]  # fmt: skip
     agree = _has_agreement(c)
     if agree:
         cols.append("agreement")
@@ -293,6 +299,7 @@ def _compare_table(c) -> Table:
             printable(r.engine),
             printable(r.cache),
             r.prompt_len,
+            *([r.batch] if swept else []),
             *_cells(r),
             styled(_verdict(r), VERDICT_STYLE[r.verdict]),
             *after,
@@ -304,8 +311,10 @@ def _compare_table(c) -> Table:
 def markdown(c, fail_on: list[str]) -> str:
     """A Markdown report to paste into a pull request: the table, then the lines under it and the gate."""
     level = f"{c.confidence:.0%}"
-    cols = ["engine", "cache", "prompt", "TPOT ms (base → cand)", "TPOT ratio", f"{level} CI", "p", "verdict",
-            "TTFT ratio", "TTFT verdict", "tokens/s ratio", "Δ peak MiB", "Δ KV MiB"]  # fmt: skip
+    swept = len(_batches(c)) > 1
+    cols = ["engine", "cache", "prompt", *(["batch"] if swept else []), "TPOT ms (base → cand)", "TPOT ratio",
+            f"{level} CI", "p", "verdict", "TTFT ratio", "TTFT verdict", "tokens/s ratio", "Δ peak MiB",
+            "Δ KV MiB"]  # fmt: skip
     agree = _has_agreement(c)
     if agree:
         cols.append("token agreement")
@@ -323,15 +332,28 @@ def markdown(c, fail_on: list[str]) -> str:
         "on the TTFT repeats (ttft.csv).",
         "",
         "| " + " | ".join(cols) + " |",
-        "|" + "|".join("---" if i < 2 or i in (7, 9) else "---:" for i in range(len(cols))) + "|",
+        "|"
+        + "|".join(
+            "---" if i < 2 or cols[i] in ("verdict", "TTFT verdict") else "---:" for i in range(len(cols))
+        )
+        + "|",
     ]
     for r in c.rows:
         verdict = f"**{r.verdict}**" if r.verdict != "no significant change" else r.verdict
         verdict += "" if r.steady else " \\*"
-        cells = [md(r.engine), md(r.cache), str(r.prompt_len), *_cells(r), verdict, *_after(r)]
+        cells = [
+            md(r.engine),
+            md(r.cache),
+            str(r.prompt_len),
+            *([str(r.batch)] if swept else []),
+            *_cells(r),
+            verdict,
+            *_after(r),
+        ]
         lines.append("| " + " | ".join(cells + ([_agreement(r)] if agree else [])) + " |")
     lines.append("")
     lines += ["- " + ("\\*" if kind == "*" else f"{kind}:") + f" {md(text)}" for kind, text in _footer(c)]
+    lines += [f"- warning: {md(text)}" for text in c.warnings]  # on stderr too; a pasted report keeps them
     lines.append(f"- {_counts(c)}")
     if fail_on:
         regressions = c.regressions(fail_on)

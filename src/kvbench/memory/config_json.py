@@ -72,9 +72,10 @@ _BOOL_FIELDS = (
 _STR_FIELDS = ("model_type", "hidden_act", "hidden_activation", "activation_function", "_name_or_path")
 
 
-def read_config_json(path: Path) -> dict[str, Any]:
-    """The JSON object in `path`, or one line saying why it is not a config.json."""
-    where = f"--config {path}"
+def read_config_json(path: Path, flag: str = "--config") -> dict[str, Any]:
+    """The JSON object in `path`, or one line saying why it is not a config.json (naming the option, `flag`, that
+    gave it)."""
+    where = f"{flag} {path}"
     fix = "give the config.json file inside it" if path.is_dir() else "give a config.json file"
     cfg = files.load_json(path, where, MAX_CONFIG_BYTES, "a config.json", fix=fix)
     if not isinstance(cfg, dict):

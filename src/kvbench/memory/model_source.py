@@ -34,7 +34,7 @@ def resolve_local(name: str) -> Resolved:
         path = path / "config.json"
         if not path.is_file():
             raise KVBenchError(f"--model {name}: a directory without a config.json; not a Hugging Face model")
-    return resolve_config(path)
+    return resolve_config(path, "--model")
 
 
 def _hub_config(repo_id: str) -> Path:

@@ -200,10 +200,11 @@ def _fallback_spec(raw: dict[str, Any], path: Path, why: str) -> Resolved:
     return Resolved(spec_from_fields(fields, src), None, None, why_not=why)
 
 
-def resolve_config(path: str | Path) -> Resolved:
-    """Read, check and resolve a config.json: transformers' config class when it knows the type, else our reader."""
+def resolve_config(path: str | Path, flag: str = "--config") -> Resolved:
+    """Read, check and resolve a config.json: transformers' config class when it knows the type, else our reader.
+    flag: the option that named it, for the error lines."""
     path = Path(path)
-    raw = read_config_json(path)  # every field checked before transformers is imported
+    raw = read_config_json(path, flag)  # every field checked before transformers is imported
     config, why = _auto_config(raw, path)
     if config is None:
         return _fallback_spec(raw, path, why)

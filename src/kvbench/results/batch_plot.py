@@ -29,7 +29,7 @@ from kvbench.results.plot_style import (
 )
 
 MAX_ROWS = 6  # prompt lengths drawn (the longest ones past this), a row of three panels each
-CEILING = dict(color="black", linestyle="--", linewidth=1.2, alpha=0.7)
+CEILING = dict(color="black", linestyle="--", linewidth=1.2, alpha=0.7, marker="_", markersize=14)
 
 
 def crossover_batch(meta: dict, prompt_len: int) -> float | None:
@@ -51,7 +51,9 @@ def crossover_batch(meta: dict, prompt_len: int) -> float | None:
 
 def batch_figure(summary: pd.DataFrame, meta: dict, path: Path) -> Path:
     ok = summary[summary["status"] == "ok"].copy()
-    ok["per_seq"] = 1e3 / ok["tpot_ms_median"]
+    ok["per_seq"] = (
+        ok["decode_tokens_per_s"] / ok["batch"]
+    )  # the same statistic as across the batch, per sequence
     plens = sorted(ok.prompt_len.unique())[-MAX_ROWS:]
     batches = sorted(ok.batch.unique())  # the sizes that ran; those out of memory are named in the title
     n = max(len(plens), 1)
@@ -85,12 +87,14 @@ def _batch_row(axes, sub: pd.DataFrame, batches: list, cross: float | None, plen
     if not floor.empty:
         ax_all.plot(floor.index, ceiling_all, label="the floor: bandwidth ceiling, x floor = 1", **CEILING)
         ax_seq.plot(floor.index, ceiling_seq, **CEILING)
-        ax_x.axhline(1.0, **CEILING)
+        ax_x.axhline(1.0, **{k: v for k, v in CEILING.items() if k not in ("marker", "markersize")})
     else:
         ax_x.text(0.5, 0.5, "no floor for this model\n(bytes are counted for GPT-2)", ha="center",
                   va="center", transform=ax_x.transAxes, color="grey")  # fmt: skip
     ax_all.set(ylabel="decode tokens/s, all sequences together", title=f"Across the batch · prompt {plen}")
-    ax_seq.set(ylabel="decode tokens/s per sequence (1 / TPOT)", title=f"Per sequence · prompt {plen}")
+    ax_seq.set(
+        ylabel="decode tokens/s per sequence (the left / batch)", title=f"Per sequence · prompt {plen}"
+    )
     ax_x.set(ylabel="x floor (TPOT / floor)", title=f"Distance from the floor · prompt {plen}")
     for ax in axes:
         _batch_axis(ax, batches, cross)
@@ -120,5 +124,6 @@ def _batch_axis(ax, batches: list, cross: float | None) -> None:
                     xytext=(-4 if right else 4, 0), textcoords="offset points")  # fmt: skip
     else:
         side = "beyond" if cross > hi else "below"
-        ax.text(0.98, 0.03, f"K/V = weights at batch {cross:,.0f} ({side} the sweep)", transform=ax.transAxes,
-                ha="right", va="bottom", fontsize=8, color="dimgrey")  # fmt: skip
+        ax.set_xlabel(
+            f"batch size (sequences decoded together)\nK/V = weights at batch {cross:,.0f}, {side} the sweep"
+        )

@@ -121,6 +121,7 @@ class Unmatched:
     prompt_len: int
     detail: str  # the rest of its key, e.g. "gpt2-tiny random fp32 cpu, 41 new tokens, batch 1"
     reason: str  # e.g. "only in the baseline", "out of memory in the candidate"
+    batch: int = 1
 
 
 @dataclass
@@ -283,7 +284,9 @@ def _pair_rows(
     unmatched: list[Unmatched] = []
 
     def skip(r: pd.Series, reason: str) -> None:
-        unmatched.append(Unmatched(r["engine"], r["cache"], int(r["prompt_len"]), _detail(r), reason))
+        unmatched.append(
+            Unmatched(r["engine"], r["cache"], int(r["prompt_len"]), _detail(r), reason, int(r["batch"]))
+        )
 
     for i, (key, b) in enumerate(b_rows.items()):
         c = c_rows.get(key)
@@ -328,7 +331,7 @@ def _nothing_in_common(
     base: pd.DataFrame, cand: pd.DataFrame, match: list[str], unmatched: list[Unmatched]
 ) -> str:
     if any(u.reason.startswith(("status", "no decode")) for u in unmatched):
-        return f"no row could be compared: {'; '.join(f'{u.engine} {u.cache} prompt {u.prompt_len}: {u.reason}' for u in unmatched)}"
+        return f"no row could be compared: {'; '.join(f'{row_label(u)}: {u.reason}' for u in unmatched)}"
     return f"the runs have no rows in common{_differing(base, cand, match)}; rows are matched on {', '.join(match)}"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import json_text
-from kvbench.results.rundir import atomic_write_text
+from kvbench.results.rundir import BENCH_FILES, PROFILE_DIR, atomic_write_text
 
 FORMATS = ("github-action-benchmark",)
 
@@ -28,11 +28,25 @@ def check_export(export: tuple[str, Path] | None) -> tuple[str, Path] | None:
     p = Path(path).expanduser()
     if not str(path).strip() or p.is_dir():
         raise KVBenchError(f"--export {fmt} {str(path)!r}: give a file path, e.g. bench-output.json")
-    if not p.parent.is_dir():
+    return fmt, p
+
+
+def check_export_target(export: tuple[str, Path] | None, run_dir: Path) -> None:
+    """Once the run folder is known: the export goes into a folder that exists (or into the run folder, made when
+    the run starts), and is none of the files the run itself writes there."""
+    if export is None:
+        return
+    fmt, p = export
+    inside = p.absolute().parent == Path(run_dir).expanduser().absolute()
+    if inside and (p.name in BENCH_FILES or p.name in (PROFILE_DIR, "compare.json", "compare.png")):
+        raise KVBenchError(
+            f"--export {fmt} {p}: that is the run's own {p.name}; give the export another name, e.g. "
+            f"{p.parent / 'bench-output.json'}"
+        )
+    if not inside and not p.parent.is_dir():
         raise KVBenchError(
             f"--export {fmt} {p}: the folder {p.parent} does not exist; create it or choose another path"
         )
-    return fmt, p
 
 
 def _label(r) -> str:
@@ -52,10 +66,14 @@ def github_action_benchmark(rows: list) -> tuple[list[dict], list[str]]:
         if r.status != "ok":
             skipped.append(f"{_label(r)} ({r.status})")
             continue
-        extra = f"{r.device} {r.dtype}; {r.repeats} timed repeats; TPOT p90 {r.tpot_ms_p90:.4g} ms"
-        for metric, value in (("TPOT", r.tpot_ms_median), ("TTFT", getattr(r, "ttft_ms", None))):
+        where = f"{r.device} {r.dtype}; {r.repeats} timed repeats"
+        for metric, value, p90 in (
+            ("TPOT", r.tpot_ms_median, r.tpot_ms_p90),
+            ("TTFT", getattr(r, "ttft_ms", None), getattr(r, "ttft_ms_p90", None)),
+        ):
             if _number(value) is not None:  # 4 significant digits: finer than any run-to-run noise
                 ms = float(f"{_number(value):.4g}")
+                extra = where + (f"; {metric} p90 {p90:.4g} ms" if _number(p90) is not None else "")
                 entries.append({"name": f"{_label(r)} {metric}", "unit": "ms", "value": ms, "extra": extra})
     return entries, skipped
 

@@ -11,6 +11,7 @@ written as `\\xNN` / `\\uNNNN`, so the file always parses.
 from __future__ import annotations
 
 import re
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from contextlib import contextmanager, suppress
@@ -85,8 +86,8 @@ def write_suite(path: Path, suite: Suite) -> None:
     atomic_write_text(Path(path), suite_xml(suite))
 
 
-def check_junit_path(path: Path | None) -> Path | None:
-    """--junit-xml PATH checked before any work: not a folder, and in a folder that exists."""
+def check_junit_path(path: Path | None, command: str = "verify") -> Path | None:
+    """--junit-xml PATH checked before any work: not a folder, in a folder that exists and can be written."""
     if path is None:
         return None
     p = Path(path).expanduser()
@@ -94,12 +95,19 @@ def check_junit_path(path: Path | None) -> Path | None:
         raise JUnitPathError("--junit-xml is empty; give a file path for the JUnit XML report")
     if p.is_dir():
         raise JUnitPathError(
-            f"--junit-xml {p} is a folder; give a file path, e.g. {p / 'kvbench-verify.xml'}"
+            f"--junit-xml {p} is a folder; give a file path, e.g. {p / f'kvbench-{command}.xml'}"
         )
     if not p.parent.is_dir():
         raise JUnitPathError(
             f"--junit-xml {p}: the folder {p.parent} does not exist; create it or choose another path"
         )
+    try:  # a file can be made there (permissions alone do not say: root, read-only or virtual file systems)
+        with tempfile.NamedTemporaryFile(dir=p.parent, prefix=".kvbench-junit-"):
+            pass
+    except OSError as e:
+        raise JUnitPathError(
+            f"--junit-xml {p}: {p.parent} cannot be written ({e.strerror or e}); choose another path"
+        ) from None
     return p
 
 

@@ -55,7 +55,10 @@ BENCH_FILES = (
     "latency.png",
     "speedup.png",
     "context.png",
+    "batch.png",
+    "profile_ops.csv",
 )
+PROFILE_DIR = "profile"  # bench --profile's traces (*.trace.json); --force removes the traces, not the folder's other files
 # Held (locked) in a run folder while a bench writes into it; removed when the run ends.
 RUN_LOCK = ".kvbench-run.lock"
 
@@ -170,6 +173,8 @@ def claimed_run_dir(path: Path, force: bool):
         if force:
             for name in BENCH_FILES:
                 (p / name).unlink(missing_ok=True)
+            for trace in (p / PROFILE_DIR).glob("*.trace.json") if (p / PROFILE_DIR).is_dir() else ():
+                trace.unlink(missing_ok=True)
         yield p
     finally:
         if fd is not None:

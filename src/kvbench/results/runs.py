@@ -425,4 +425,8 @@ def printable(text: object) -> str:
 
 
 def row_label(r) -> str:
-    return printable(f"{r.engine} {r.cache} prompt {int(r.prompt_len)}")
+    """'<engine> <cache> prompt <n>', and ' batch <b>' past batch 1 (a batch sweep's rows differ by it)."""
+    batch = int(getattr(r, "batch", 1) or 1)
+    return printable(
+        f"{r.engine} {r.cache} prompt {int(r.prompt_len)}" + (f" batch {batch}" if batch != 1 else "")
+    )
