@@ -200,20 +200,40 @@ def test_crossover_batch_is_weights_over_one_sequences_kv(tiny_config):
     assert crossover_batch(meta, 32) is None and crossover_batch({}, 16) is None
 
 
-def test_compare_matches_a_batch_sweep_row_by_row(tmp_path):
+@pytest.fixture(scope="module")
+def two_sweeps(tmp_path_factory) -> list[Path]:
+    """Two batch sweeps of the same configurations (batch 1 and 3), a baseline and a candidate."""
     runs = []
     for name in ("base", "cand"):
-        out = tmp_path / name
+        out = tmp_path_factory.mktemp("sweeps") / name
         result, text = invoke(
             "bench", *TINY, "--prompt-len", "8", "--new-tokens", "4", "--batch", "1,3", "--caches", "static",
             "--engine", "kvbench", "--repeats", "1", "--warmup", "0", "--out", str(out),
         )  # fmt: skip
         assert result.exit_code == 0, text
         runs.append(out)
-    result, text = invoke("compare", str(runs[0]), str(runs[1]), "--format", "json")
+    return runs
+
+
+def test_compare_matches_a_batch_sweep_row_by_row(two_sweeps):
+    result, text = invoke("compare", str(two_sweeps[0]), str(two_sweeps[1]), "--format", "json")
     assert result.exit_code in (0, 1), text
     doc = json.loads(result.stdout)
     assert sorted((r["cache"], r["batch"]) for r in doc["rows"]) == [("static", 1), ("static", 3)]
+
+
+def test_compare_names_the_batch_of_every_row(two_sweeps):
+    """The table and the Markdown report have a batch column, labels say the batch, the header lists the sizes."""
+    base, cand = map(str, two_sweeps)
+    result, text = invoke("compare", base, cand, "--format", "md")
+    assert result.exit_code == 0, text
+    header = next(line for line in result.stdout.splitlines() if line.startswith("| engine"))
+    assert header.split(" | ")[:4] == ["| engine", "cache", "prompt", "batch"]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| kvbench")]
+    assert [r.split(" | ")[3] for r in rows] == ["1", "3"]
+    result, text = invoke("compare", base, cand)
+    assert result.exit_code == 0 and "batch 1,3;" in text, text
+    assert "kvbench static prompt 8 batch 3: too few decode steps" in " ".join(text.split())
 
 
 def test_a_plugin_cache_out_of_memory_is_an_oom_row_not_a_broken_plugin(tmp_path, monkeypatch):
@@ -237,26 +257,3 @@ def test_a_plugin_cache_out_of_memory_is_an_oom_row_not_a_broken_plugin(tmp_path
     assert result.exit_code == 0, text
     s = pd.read_csv(out / "summary.csv")
     assert list(zip(s.batch, s.status, strict=True)) == [(1, "ok"), (3, "oom")]
-
-
-def test_compare_names_the_batch_of_every_row(tmp_path):
-    """Two batch sweeps: the table and the Markdown report have a batch column, labels say the batch, and the
-    header lists the sizes."""
-    runs = []
-    for name in ("base", "cand"):
-        out = tmp_path / name
-        result, text = invoke(
-            "bench", *TINY, "--prompt-len", "8", "--new-tokens", "4", "--batch", "1,3", "--caches", "static",
-            "--engine", "kvbench", "--repeats", "1", "--warmup", "0", "--out", str(out),
-        )  # fmt: skip
-        assert result.exit_code == 0, text
-        runs.append(out)
-    result, text = invoke("compare", str(runs[0]), str(runs[1]), "--format", "md")
-    assert result.exit_code == 0, text
-    header = next(line for line in result.stdout.splitlines() if line.startswith("| engine"))
-    assert header.split(" | ")[:4] == ["| engine", "cache", "prompt", "batch"]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| kvbench")]
-    assert [r.split(" | ")[3] for r in rows] == ["1", "3"]
-    result, text = invoke("compare", str(runs[0]), str(runs[1]))
-    assert result.exit_code == 0 and "batch 1,3;" in text, text
-    assert "kvbench static prompt 8 batch 3: too few decode steps" in " ".join(text.split())
