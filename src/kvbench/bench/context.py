@@ -16,8 +16,6 @@ The median, 10th and 90th percentiles are over every timed step of every timed r
 
 from __future__ import annotations
 
-import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -28,6 +26,7 @@ from kvbench import validate
 from kvbench.bench import floor
 from kvbench.bench.engines import KVBenchEngine
 from kvbench.bench.sweep import failure_status
+from kvbench.bench.timing_stats import describe_ms
 from kvbench.caches import get_cache_spec, make_caches
 from kvbench.decode import fixed_step
 from kvbench.devices import synchronize
@@ -125,13 +124,6 @@ def time_decode(
         synchronize(device)
         out.append(time.perf_counter() - t0)
     return out
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    k = (len(s) - 1) * q  # linear interpolation, as numpy's default
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def median_step_bytes(model: GPT, cache: str, context: int, new_tokens: int, batch: int) -> floor.StepBytes:
@@ -244,11 +236,11 @@ def _row(
 ) -> ContextRow:
     """One (context, cache)'s summary row: percentiles over every timed step of every timed run (NaN: none)."""
     steps = [x for r in timed for x in r]
-    med = 1e3 * statistics.median(steps) if steps else math.nan
+    tpot = describe_ms(steps, (10.0, 50.0, 90.0))  # NaN when no step was timed
+    med = tpot["p50"]
     return ContextRow(
         cache=cache, context=context, **common, status=status, tpot_ms_median=med,
-        tpot_ms_p10=1e3 * _pct(steps, 0.1) if steps else math.nan,
-        tpot_ms_p90=1e3 * _pct(steps, 0.9) if steps else math.nan,
+        tpot_ms_p10=tpot["p10"], tpot_ms_p90=tpot["p90"],
         floor_ms=floor_ms, x_floor=med / floor_ms, step_bytes=b.total, kv_read_bytes=b.kv, weight_bytes=b.weights,
         design_bytes=b.design, kv_cache_mib=held / 2**20, repeats=len(timed),
     )  # fmt: skip

@@ -48,7 +48,7 @@ from kvbench.bench.settings import (
     sweep_model_config,
     sweep_warnings,
 )
-from kvbench.bench.timing_stats import TTFT_PERCENTILES, describe_ms, tpot_extra_columns
+from kvbench.bench.timing_stats import ALWAYS, TTFT_PERCENTILES, describe_ms, tpot_extra_columns
 from kvbench.devices import memory_in_use, memory_peak, reset_peak_memory
 from kvbench.errors import KVBenchError, is_out_of_memory
 from kvbench.model.gpt2 import GPTConfig
@@ -70,15 +70,6 @@ def exact_copy_bytes(bytes_per_token: int, n0: int, n1: int) -> int:
     """Exact torch.cat traffic growing from n0 to n1 cached tokens one at a time: each append re-copies the current
     length L for L = n0 .. n1-1, i.e. bytes/token x (n1 - n0)(n0 + n1 - 1)/2."""
     return bytes_per_token * (n1 - n0) * (n0 + n1 - 1) // 2
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    k = (len(s) - 1) * q  # linear interpolation, as numpy's default
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def _nan_row(**kw) -> SummaryRow:
@@ -365,13 +356,13 @@ def _summarise(common, runs, s, peaks, weights, capture_s, tokens: TokenCheck, s
     run_peak = max(p for p, _ in timed_peaks)
     last, mib, batch = timed[-1], 2**20, common["batch"]
     ttft = describe_ms([t.ttft_s for t in timed], TTFT_PERCENTILES)
-    tpot = describe_ms(steps, s.percentiles)
+    tpot = describe_ms(steps, sorted({*ALWAYS, *s.percentiles}))  # median and p90, and those asked for
     row = SummaryRow(
         **common,
         status="ok",
-        ttft_ms=1e3 * statistics.median(t.ttft_s for t in timed),
-        tpot_ms_median=1e3 * _pct(steps, 0.5),
-        tpot_ms_p90=1e3 * _pct(steps, 0.9),
+        ttft_ms=ttft["p50"],
+        tpot_ms_median=tpot["p50"],
+        tpot_ms_p90=tpot["p90"],
         **{f"ttft_ms_{k}": v for k, v in ttft.items()},
         tpot_ms_mean=tpot["mean"],
         tpot_ms_std=tpot["std"],
@@ -403,7 +394,7 @@ def _summarise(common, runs, s, peaks, weights, capture_s, tokens: TokenCheck, s
             else math.nan
         ),
         cold_ttft_ms=1e3 * cold.ttft_s,
-        cold_tpot_ms_median=1e3 * _pct(cold.step_s, 0.5),
+        cold_tpot_ms_median=describe_ms(cold.step_s, (50.0,))["p50"],
         cold_total_s=cold.total_s,
         capture_ms=math.nan if capture_s is None else 1e3 * capture_s,
         sdpa_prefill=sdpa["prefill"],

@@ -1,6 +1,6 @@
 """The numbers behind `kvbench memory --plot`: each model's cache against context on one GPU, where it stops fitting,
-and the most sequences that fit at each context. Computed from the plans' own shapes with the planner's formulas;
-the longest context that fits is found again here, on the drawn curve, so the chart shows what the table says."""
+and the most sequences that fit at each context. Computed from the plans' own shapes with the planner's formulas,
+and the longest context that fits with the planner's own search, so the chart shows what the table says."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kvbench.memory.formats import get_kv_format
 from kvbench.memory.formulas import bytes_per_sequence, state_bytes
+from kvbench.memory.planner import max_context
 from kvbench.memory.units import MAX_TOKENS, GiB
 
 POINTS = 64  # contexts drawn per curve, evenly spaced on the log axis
@@ -47,18 +48,14 @@ def seq_bytes_fn(plan):
     return lambda ctx: bytes_per_sequence(spec, fmt, ctx, plan.kv_heads_per_gpu) + state
 
 
-def longest_fitting(per_seq, batch: int, available: int) -> int | None:
-    """The longest context whose cache for `batch` sequences fits in `available` bytes: 0 when none does, None
-    when MAX_TOKENS still fits (the curve never crosses the line)."""
-    if available <= 0 or batch * per_seq(1) > available:
-        return 0
-    if batch * per_seq(MAX_TOKENS) <= available:
-        return None
-    lo, hi = 1, MAX_TOKENS
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if batch * per_seq(mid) <= available else (lo, mid)
-    return lo
+def longest_fitting(plan, batch: int, available: int) -> int | None:
+    """The longest context whose cache for `batch` sequences fits in `available` bytes, as the planner finds it
+    (planner.max_context): 0 when none does, None when the curve never crosses the line (MAX_TOKENS still fits)."""
+    spec, fmt = plan.model, get_kv_format(plan.kv_dtype)
+    ctx, how = max_context(
+        spec, fmt, plan.kv_heads_per_gpu, batch, available, state_bytes(spec, fmt, plan.tp)
+    )
+    return ctx if how == "found" else None
 
 
 def context_grid(plans: list, batches: list[int]) -> list[int]:
@@ -85,7 +82,7 @@ def capacity_series(plans: list) -> list[CapacitySeries]:
                 CapacitySeries(
                     model=p.model.name, batch=b, weights_gib=p.gpu.weights_per_gpu / GiB, contexts=grid,
                     kv_gib=[b * per_seq(c) / GiB for c in grid], max_batch=max_batch,
-                    max_ctx=longest_fitting(per_seq, b, available),
+                    max_ctx=longest_fitting(p, b, available),
                 )
             )  # fmt: skip
     return series
