@@ -45,7 +45,7 @@ def files(tmp_path_factory):
 
 CASES = {
     # sizes: checked against the model's limits and sane bounds before anything is allocated
-    "verify huge batch and prompt": (["verify", "--batch", "100000", "--prompt-len", "200000"], "--batch must be <= 4,096"),
+    "verify huge batch and prompt": (["verify", "--batch", "2000000", "--prompt-len", "200000"], "--batch must be <= 1,048,576"),
     "verify prompt beyond int64": (["verify", "--prompt-len", "99999999999999999999"], "exceeds the model's context"),
     "verify prompt beyond context": (["verify", "--prompt-len", "2000"], "exceeds the model's context of 1,024"),
     "verify zero prompt": (["verify", "--prompt-len", "0"], "--prompt-len must be >= 3"),

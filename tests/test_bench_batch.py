@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from kvbench.bench import floor
 from kvbench.bench import sweep as B
-from kvbench.bench.settings import BenchOverrides, load_settings
+from kvbench.bench.settings import load_settings
 from kvbench.cli import app
 from kvbench.errors import KVBenchError
 from kvbench.results.batch_plot import crossover_batch
@@ -153,18 +153,18 @@ def test_every_batch_size_out_of_memory_is_refused_before_any_work(tmp_path):
     [("4", [4]), ("1,4,4,16", [1, 4, 16]), (" 2 , 1 ", [2, 1]), ("1k", [1024])],
 )
 def test_batch_list_from_the_command_line(given, batch):
-    assert load_settings(None, BenchOverrides(batch=given)).batch == batch
+    assert load_settings(None, dict(batch=given)).batch == batch
 
 
 def test_batch_list_from_toml(tmp_path):
     f = tmp_path / "s.toml"
     f.write_text("batch = [1, 4, 16]\n")
-    assert load_settings(f, BenchOverrides()).batch == [1, 4, 16]
+    assert load_settings(f, {}).batch == [1, 4, 16]
     f.write_text("batch = 8\n")
-    assert load_settings(f, BenchOverrides()).batch == [8]
+    assert load_settings(f, {}).batch == [8]
     f.write_text('batch = ["x"]\n')
     with pytest.raises(KVBenchError, match="batch must be whole numbers"):
-        load_settings(f, BenchOverrides())
+        load_settings(f, {})
 
 
 @pytest.mark.parametrize(
@@ -179,12 +179,12 @@ def test_batch_list_from_toml(tmp_path):
 )
 def test_bad_batch_lists_are_one_line(given, message):
     with pytest.raises(KVBenchError, match=message):
-        load_settings(None, BenchOverrides(batch=given))
+        load_settings(None, dict(batch=given))
 
 
 def test_random_fill_takes_one_batch_size():
     with pytest.raises(KVBenchError, match="--fill random sweeps contexts at one batch size"):
-        load_settings(None, BenchOverrides(batch="1,4", fill="random"))
+        load_settings(None, dict(batch="1,4", fill="random"))
 
 
 # --- batch.png's crossover, compare -----------------------------------------------------------------------------------

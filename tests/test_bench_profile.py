@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from kvbench.bench.profile import trace_name
-from kvbench.bench.settings import BenchOverrides, load_settings
+from kvbench.bench.settings import load_settings
 from kvbench.cli import app
 from kvbench.errors import KVBenchError
 
@@ -61,12 +61,12 @@ def test_trace_names_are_safe_file_names():
 def test_profile_from_toml_and_where_it_does_not_apply(tmp_path):
     f = tmp_path / "s.toml"
     f.write_text("profile = true\n")
-    assert load_settings(f, BenchOverrides()).profile is True
+    assert load_settings(f, {}).profile is True
     f.write_text('profile = "yes"\n')
     with pytest.raises(KVBenchError, match="profile must be true or false"):
-        load_settings(f, BenchOverrides())
+        load_settings(f, {})
     with pytest.raises(KVBenchError, match="--profile traces prefill sweeps"):
-        load_settings(None, BenchOverrides(profile=True, fill="random"))
+        load_settings(None, dict(profile=True, fill="random"))
 
 
 def test_the_profiler_prints_nothing_of_its_own(capfd, tiny_model, tmp_path):

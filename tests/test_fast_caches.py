@@ -14,10 +14,11 @@ from kvbench.caches.paged import BlockAllocator, PagedCache, paged_memory_report
 from kvbench.caches.static import StaticCache
 from kvbench.caches.static_graph import StaticGraphCache
 from kvbench.check.faults import FAULTS
-from kvbench.decode.fixed_step import FixedShapeDecoder, check_compile, runner_for
+from kvbench.decode.fixed_step import FixedShapeDecoder, runner_for
 from kvbench.decode.generate import EXACT, generate
 from kvbench.errors import CacheOverflowError
 from kvbench.model.gpt2 import GPT, PRESETS, GPTConfig
+from kvbench.validate import compile_mode
 
 MASK_FAULT = FAULTS["mask"].rules  # the loop's rules with SDPA's causal flag left on in decode
 
@@ -334,7 +335,7 @@ def test_static_graph_cache_is_a_static_cache():
 # --- static-graph compiled on the CPU: --compile default and max ------------------------------------------------------
 @pytest.mark.parametrize("mode", ["off", "default", "max"])
 def test_compile_modes_are_accepted(mode):
-    assert check_compile(mode, "cpu") == mode and check_compile(mode) == mode
+    assert compile_mode(mode, "cpu") == mode and compile_mode(mode) == mode
 
 
 @pytest.mark.parametrize(
@@ -350,7 +351,7 @@ def test_compile_mode_refuses_unknown_values_and_max_off_the_cpu(text, device, m
     from kvbench.errors import KVBenchError
 
     with pytest.raises(KVBenchError, match=match):
-        check_compile(text, device)
+        compile_mode(text, device)
 
 
 def _small_model() -> GPT:

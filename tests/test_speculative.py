@@ -11,8 +11,7 @@ from typer.testing import CliRunner
 from kvbench.caches import CACHES
 from kvbench.cli import app
 from kvbench.decode.generate import generate
-from kvbench.decode.speculative import check_draftable, lookup, speculative_generate
-from kvbench.errors import KVBenchError
+from kvbench.decode.speculative import lookup, speculative_generate
 from kvbench.model.gpt2 import GPT, GPTConfig
 
 CROPPABLE = [c for c in CACHES if c != "none"]
@@ -73,31 +72,9 @@ def test_lookup_takes_the_most_recent_occurrence_read_with_its_period():
     assert lookup([1, 2, 3], 3, 4) == [] and lookup([4], 3, 4) == [] and lookup([1, 2, 1], 2, 0) == []
 
 
-# --- refusals -----------------------------------------------------------------------------------------------------
-def test_a_plugin_with_crop_runs_and_one_without_is_refused_before_any_forward(
-    model, lifecycle_plugins, monkeypatch
-):
-    ref = f"{lifecycle_plugins}:Dynamic"
-    spec = speculative_generate(model, [REPETITIVE], 30, cache=ref)
+def test_a_plugin_with_crop_runs(model, lifecycle_plugins):
+    spec = speculative_generate(model, [REPETITIVE], 30, cache=f"{lifecycle_plugins}:Dynamic")
     assert spec.generation.tokens == generate(model, [REPETITIVE], 30).tokens and spec.accepted > 0
-
-    def no_forward(*a, **k):
-        raise AssertionError("a forward ran")
-
-    monkeypatch.setattr(model, "forward", no_forward)
-    with pytest.raises(KVBenchError, match=r"cache 'lcplugins.caches:AppendOnly' does not implement crop"):
-        speculative_generate(model, [REPETITIVE], 30, cache=f"{lifecycle_plugins}:AppendOnly")
-
-
-def test_library_refusals(model):
-    with pytest.raises(KVBenchError, match="keeps none"):
-        speculative_generate(model, [REPETITIVE], 5, cache="none")
-    with pytest.raises(KVBenchError, match=r"one prompt greedily \(batch 1\); 2 prompts"):
-        speculative_generate(model, [REPETITIVE, REPETITIVE], 5)
-    with pytest.raises(KVBenchError, match="--temperature 0.7 samples"):
-        check_draftable("dynamic", temperature=0.7)
-    with pytest.raises(KVBenchError, match="--draft-tokens must be >= 1"):
-        speculative_generate(model, [REPETITIVE], 5, draft_tokens=0)
 
 
 # --- the CLI ------------------------------------------------------------------------------------------------------

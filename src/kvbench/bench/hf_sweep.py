@@ -24,19 +24,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench import devices
+from kvbench import devices, validate
 from kvbench.bench.engines import RunTiming, weight_bytes
 from kvbench.bench.settings import (
     BenchSettings,
     check_fits_context,
-    check_settings,
     oversized_batches,
     read_settings,
     settings_dict,
 )
 from kvbench.check.hf_subject import HFModel, cache_unsupported, forward_inputs
 from kvbench.check.judge import tolerance
-from kvbench.errors import KVBenchError
 from kvbench.hf.caches import HF_CACHES, TIMED, generate_kwargs, parse_bench_caches
 from kvbench.hf.engine import compiled_decode, timed_generate
 from kvbench.hf.models import HFShape, LoadedHF, quiet_transformers
@@ -141,56 +139,17 @@ class HFModelEngine:
 
 
 # --- settings and checks before any work ---------------------------------------------------------------------------
-def hf_bench_settings(config, overrides: dict) -> BenchSettings:
-    """bench's settings for --hf: the TOML file and the options as for GPT-2, checked by the same rules, with
-    transformers' cache names and the one engine. Keys that choose our GPT-2 are refused, naming where they came
-    from."""
-    raw = read_settings(config, overrides)
-
-    def from_file(key: str) -> bool:
-        return overrides.get(key) is None  # in raw, but not given as an option: the --config file set it
-
-    if raw.get("fill") == "random":  # checked first: it also brings its own defaults (engine kvbench, ...)
-        what = f"--config {config} sets fill = random" if from_file("fill") else "--fill random"
-        raise KVBenchError(
-            f"{what}: random-filled caches are timed on kvbench's own GPT-2 only; with --hf the engine is "
-            "transformers' generate, which fills its cache with a real prefill: use --fill prefill (the default)"
-        )
-    if raw.get("compile", "off") != "off":
-        what = (
-            f"--config {config} sets compile = {raw['compile']}"
-            if from_file("compile")
-            else f"--compile {raw['compile']}"
-        )
-        raise KVBenchError(
-            f"{what}: --compile runs kvbench's own fixed-shape decode step; with --hf transformers' generate runs "
-            "the model (its compiled static cache is --caches static-compiled)"
-        )
-    for key in ("model", "weights"):
-        if key in raw:
-            what, fix = (
-                (f"--config {config} sets {key}, which", f"remove {key} from it")
-                if from_file(key)
-                else (f"--{key}", f"drop --{key}")
-            )
-            raise KVBenchError(f"{what} chooses kvbench's own GPT-2; with --hf the model is SOURCE: {fix}")
-    engine = raw.pop("engine", None)
-    if engine is not None and list(dict.fromkeys(engine)) != ["hf"]:
-        names = ",".join(engine) or repr("")
-        what, fix = (
-            (f"--config {config} sets engine = {names}", "remove engine from it")
-            if from_file("engine")
-            else (f"--engine {names}", "drop --engine")
-        )
-        raise KVBenchError(
-            f"{what}: with --hf the one engine is transformers' generate on the model (hf; its compiled static cache "
-            f"is --caches static-compiled); {fix}"
-        )
+def hf_bench_settings(config, given: dict) -> BenchSettings:
+    """bench's settings for --hf: the TOML file and the options as for GPT-2, checked by the same rules
+    (validate.bench_hf_rules, then validate.bench_rules), with transformers' cache names and the one engine."""
+    raw = read_settings(config, given)
+    validate.bench_hf_rules(raw, given, config)
+    raw.pop("engine", None)
     caches = raw.pop("caches", None)
-    # check_settings knows our registry's cache and engine names only: it checks everything else here, and the
-    # caches are transformers' (parse_bench_caches)
+    # bench_rules knows our registry's cache and engine names only: it checks everything else here, and the caches
+    # are transformers' (parse_bench_caches)
     s = BenchSettings(**raw, caches=["none"], engine=["kvbench"])
-    check_settings(s)
+    validate.bench_rules(s)
     s.caches, s.engine = parse_bench_caches(caches), ["hf"]
     return s
 

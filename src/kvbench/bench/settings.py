@@ -9,100 +9,134 @@ configuration.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field, fields
+import typing
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-import torch
-
-from kvbench import devices, dtypes, files, validate
-from kvbench.bench.engines import ENGINES
-from kvbench.bench.timing_stats import DEFAULT_PERCENTILES, parse_percentiles
-from kvbench.caches import CACHES, parse_cache_names
-from kvbench.decode.fixed_step import check_compile
+from kvbench import files, validate
 from kvbench.errors import KVBenchError, NotEnoughMemoryError
-from kvbench.model.gpt2 import GPTConfig
+from kvbench.options import (
+    compile_option,
+    device_option,
+    dtype_option,
+    model_option,
+    option,
+    seed_option,
+    weights_option,
+)
+
+if typing.TYPE_CHECKING:
+    import torch
+
+    from kvbench.model.gpt2 import GPTConfig
+
+
+def _all_caches() -> list[str]:
+    from kvbench.caches import CACHES
+
+    return list(CACHES)
+
+
+def _default_percentiles() -> list[float]:
+    from kvbench.bench.timing_stats import DEFAULT_PERCENTILES
+
+    return list(DEFAULT_PERCENTILES)
 
 
 @dataclass
 class BenchSettings:
-    """One sweep. Every field can come from a TOML file in configs/bench/ and be overridden on the command line."""
+    """One sweep. Every field can come from a TOML file in configs/bench/ (its key is the field's name) and be
+    overridden on the command line (its option is declared on the field); validate.bench_rules checks them."""
 
-    # preset name or GPT-2 config.json; None: gpt2, or the checkpoint's own with --weights
-    model: str | None = None
-    weights: str = "auto"  # auto | hub | random | PATH
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # fp16 on CUDA, fp32 on the CPU
-    seed: int = 0  # random weights and the random prompt ids
-    # a short, a medium and a long prompt
-    prompt_len: list[int] = field(default_factory=lambda: [16, 128, 512])
-    new_tokens: int = 400  # generated tokens per run (the first from the prefill, the rest decode steps)
-    caches: list[str] = field(default_factory=lambda: list(CACHES))  # every registered cache by default
-    engine: list[str] = field(default_factory=lambda: ["kvbench", "hf"])  # hf-compiled on request
+    model: str | None = model_option()  # None: gpt2, or the checkpoint's own with --weights
+    weights: str = weights_option()
+    device: str = device_option()
+    dtype: str = dtype_option("auto")
+    seed: int = seed_option()  # random weights and the random prompt ids
+    prompt_len: list[int] = option(
+        "--prompt-len",
+        default_factory=lambda: [16, 128, 512],  # a short, a medium and a long prompt
+        cli_type=str,
+        help="Prompt lengths (with --fill random: contexts) to sweep, comma-separated; a k suffix is x1024, "
+        "e.g. 256,1k,4k,16k (default: 16,128,512).",
+    )
+    # generated tokens per run (the first from the prefill, the rest decode steps)
+    new_tokens: int = option(
+        "--new-tokens", "-n", default=400, help="Tokens generated per run (default: 400)."
+    )
+    caches: list[str] = option(
+        "--caches",
+        default_factory=_all_caches,
+        cli_type=str,
+        help="Comma-separated cache names, or 'all' (default: all registered). With --hf: none, dynamic, "
+        "static, static-compiled.",
+    )
+    engine: list[str] = option(
+        "--engine",
+        default_factory=lambda: ["kvbench", "hf"],
+        cli_type=str,
+        help="kvbench, hf (transformers' generate, eager), hf-compiled (its static cache with its default "
+        "torch.compile), comma-separated (default: kvbench,hf).",
+    )
     # sequences per run (same length, no padding); several: a batch sweep (rows per batch size, batch.png)
-    batch: list[int] = field(default_factory=lambda: [1])
-    repeats: int = 3  # timed runs per configuration
-    warmup: int = 1  # runs before the timed ones, same shapes; the first of them is the reported cold run
-    out: str | None = None  # run directory; None: results/<timestamp>-bench/
-    threads: int | None = None  # torch intra-op CPU threads; None: torch's default (one per core)
-    fill: str = "prefill"  # prefill: a real prefill fills the cache; random: random K/V, decode timed only
-    order: str = "sequential"  # sequential: each configuration's runs back to back; interleaved: in rounds
-    # off | default | max: how static-graph's fixed-shape decode step runs (decode/fixed_step.py)
-    compile: str = "off"
-    # one more warm run per configuration under torch.profiler: a trace in profile/, its top operators (profile.py)
-    profile: bool = False
-    # TPOT percentiles in summary.csv (tpot_ms_pNN; 50 and 90 are always there as tpot_ms_median, tpot_ms_p90)
-    percentiles: list[float] = field(default_factory=lambda: list(DEFAULT_PERCENTILES))
+    batch: list[int] = option(
+        "--batch",
+        default_factory=lambda: [1],
+        cli_type=str,
+        help="Sequences per run, comma-separated to sweep batch sizes (rows per size, batch.png), e.g. 1,4,16,64 "
+        "(default: 1).",
+    )
+    repeats: int = option("--repeats", default=3, help="Timed runs per configuration (default: 3).")
+    # the first warm-up is the reported cold run
+    warmup: int = option(
+        "--warmup", default=1, help="Runs before the timed ones; the first is reported as cold (default: 1)."
+    )
+    out: str | None = option(
+        "--out", "-o", default=None, help="Run folder (default: results/<timestamp>-bench/)."
+    )
+    threads: int | None = option(
+        "--threads", default=None, help="torch CPU threads (default: torch's default: one per core)."
+    )
+    fill: str = option(
+        "--fill",
+        default="prefill",
+        help="prefill (default): a real prefill fills the cache, TTFT and decode timed. random: caches filled "
+        "with random K/V to each --prompt-len without a prefill, only decode timed (long contexts: -m gpt2-long).",
+    )
+    order: str = option(
+        "--order",
+        default="sequential",
+        help="sequential (default): each configuration's runs back to back. interleaved: cold and warm-up runs "
+        "back to back, then the timed runs in rounds over every configuration of a prompt length, so drift on "
+        "a shared machine hits every row alike (rows are written when the prompt length's rounds end).",
+    )
+    compile: str = compile_option()  # how static-graph's fixed-shape decode step runs (decode/fixed_step.py)
+    profile: bool = option(
+        "--profile/--no-profile",
+        default=False,
+        help="One more warm run per configuration under torch.profiler, after the timed ones: a Chrome/Perfetto "
+        "trace in the run folder's profile/, its top operators by self time in profile_ops.csv and printed.",
+    )
+    # summary.csv's tpot_ms_pNN columns (50 and 90 are always there as tpot_ms_median, tpot_ms_p90)
+    percentiles: list[float] = option(
+        "--percentiles",
+        default_factory=_default_percentiles,
+        cli_type=str,
+        help="TPOT percentiles written to summary.csv as tpot_ms_pNN, comma-separated, each strictly between 0 "
+        "and 100 (default: 50,90,99; the median and p90 columns are always written).",
+    )
 
 
-@dataclass
-class BenchOverrides:
-    """The command line's values for BenchSettings' fields: None for an option left out (the TOML file or the
-    default decides). Lists are comma-separated text, checked by `coerce` as a TOML file's values are."""
-
-    prompt_len: str | None = None
-    new_tokens: int | None = None
-    caches: str | None = None
-    engine: str | None = None
-    batch: str | None = None
-    repeats: int | None = None
-    warmup: int | None = None
-    model: str | None = None
-    weights: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    seed: int | None = None
-    threads: int | None = None
-    out: str | None = None
-    fill: str | None = None
-    order: str | None = None
-    compile: str | None = None
-    profile: bool | None = None
-    percentiles: str | None = None
-
-    def given(self) -> dict:
-        """The options that were given, by field name, in field order (the order `coerce` checks them in)."""
-        return {k: v for k, v in asdict(self).items() if v is not None}
-
-
-FILLS = ("prefill", "random")
-ORDERS = ("sequential", "interleaved")
 # With --fill random a sweep times decode steps at long contexts (bench/context.py): no `none` (nothing to fill), only our
 # engine (transformers' generate cannot start from a filled cache), and a few dozen steps per context.
 FILL_RANDOM_DEFAULTS = {
-    "caches": lambda: [c for c in CACHES if c != "none"],
+    "caches": lambda: [c for c in _all_caches() if c != "none"],
     "engine": lambda: ["kvbench"],
     "new_tokens": lambda: 32,
 }
 
-
 SETTING_KEYS = tuple(f.name for f in fields(BenchSettings))
-BOOL_KEYS = ("profile",)
-INT_KEYS = ("new_tokens", "repeats", "warmup", "seed", "threads")
 K = 1024  # --prompt-len 4k = 4,096 tokens
-# Sane bounds checked before anything is loaded or allocated (sizes that depend on the model are checked against
-# its context and the device's memory in check_sizes).
-MAX_BATCH = 1 << 20  # sequences per run; a larger batch needs a device no one has for GPT-2
-LIMITS = {"repeats": (1, 10_000), "warmup": (0, 10_000), "threads": (1, 4096), "seed": (0, 2**64 - 1)}
 _INT_TEXT = re.compile(r"([+-]?\d+)([kK]?)")
 
 
@@ -131,22 +165,29 @@ def _as_list(key: str, value, where: str, integers: bool) -> list:
     return [v.strip() for v in value if v.strip()]
 
 
+_TYPES = typing.get_type_hints(BenchSettings)
+
+
 def coerce(raw: dict, where: str) -> dict:
-    """Validate keys and types of settings from a file or the command line; unknown keys are errors naming them."""
+    """Keys and types of settings from a file or the command line, read from BenchSettings' field types (lists
+    from comma-separated text too); unknown keys are errors naming them."""
+    from kvbench.bench.timing_stats import parse_percentiles
+
     out = {}
     for key, value in raw.items():
         if key not in SETTING_KEYS:
             raise KVBenchError(f"{where}: unknown key {key!r}; known keys: {', '.join(SETTING_KEYS)}")
-        if key in ("prompt_len", "batch"):
+        kind = _TYPES[key]
+        if kind == list[int]:
             value = _as_list(key, value, where, integers=True)
-        elif key in ("caches", "engine"):
+        elif kind == list[str]:
             value = _as_list(key, value, where, integers=False)
-        elif key == "percentiles":
-            value = parse_percentiles(value, f"{where}: percentiles")
-        elif key in INT_KEYS:
+        elif kind == list[float]:
+            value = parse_percentiles(value, f"{where}: {key}")
+        elif kind is int or kind == int | None:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise KVBenchError(f"{where}: {key} must be an integer, got {value!r}")
-        elif key in BOOL_KEYS:
+        elif kind is bool:
             if not isinstance(value, bool):
                 raise KVBenchError(f"{where}: {key} must be true or false, got {value!r}")
         elif not isinstance(value, str):
@@ -170,123 +211,33 @@ def resolve_config_path(path: str | Path) -> Path:
     )
 
 
-def load_settings(path: str | Path | None, overrides: BenchOverrides | dict) -> BenchSettings:
-    """Defaults < the TOML file at `path` < `overrides` (the command line: a BenchOverrides, or a dict of its keys;
-    None = not given)."""
-    s = BenchSettings(**read_settings(path, overrides))
-    check_settings(s)
+def load_settings(path: str | Path | None, given: dict) -> BenchSettings:
+    """Defaults < the TOML file at `path` < `given` (the options given on the command line, by field name; None
+    values are not given), checked (validate.bench_rules)."""
+    s = BenchSettings(**read_settings(path, given))
+    validate.bench_rules(s)
     return s
 
 
-def read_settings(path: str | Path | None, overrides: BenchOverrides | dict) -> dict:
-    """The keys the TOML file at `path` and then `overrides` give (no defaults), keys and types checked."""
+def read_settings(path: str | Path | None, given: dict) -> dict:
+    """The keys the TOML file at `path` and then `given` set (no defaults), keys and types checked."""
     merged: dict = {}
     if path is not None:
         p = resolve_config_path(path)
         data = files.load_toml(p, f"--config {p}", files.CONFIG_BYTES, "a sweep's TOML file")
         merged.update(coerce(data, str(p)))
-    if isinstance(overrides, BenchOverrides):
-        given = overrides.given()
-    else:
-        given = {k: v for k, v in overrides.items() if v is not None}
-    merged.update(coerce(given, "command line"))
+    merged.update(coerce({k: v for k, v in given.items() if v is not None}, "command line"))
     if merged.get("fill") == "random":
         merged.update({k: make() for k, make in FILL_RANDOM_DEFAULTS.items() if k not in merged})
     return merged
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def check_settings(s: BenchSettings) -> None:
-    """Everything that can be checked without the model: types done, now ranges, names, duplicates, emptiness."""
-    for key in ("model", "weights", "device", "dtype"):
-        value = getattr(s, key)
-        if value is not None and not value.strip():
-            raise KVBenchError(f"{_flag(key)} is empty; give a value or leave the option out")
-    # any spelling (half, torch.bfloat16, ...) -> the canonical name, which settings.json records
-    s.dtype = dtypes.canonical(s.dtype, "--dtype", dtypes.FLOATS, extra=("auto",))
-    if not s.batch:
-        raise KVBenchError("--batch is empty; give one or more batch sizes, e.g. 1,4,16")
-    if min(s.batch) < 1:
-        raise KVBenchError(f"--batch values must be >= 1, got {s.batch}")
-    if max(s.batch) > MAX_BATCH:
-        raise KVBenchError(f"--batch values must be at most {MAX_BATCH:,}, got {max(s.batch):,}")
-    s.batch = list(dict.fromkeys(s.batch))  # a size given twice runs once
-    for key, (lo, hi) in LIMITS.items():
-        value = getattr(s, key)
-        if value is not None and not lo <= value <= hi:
-            raise KVBenchError(f"{_flag(key)} must be between {lo} and {hi}, got {value}")
-    if s.new_tokens < 2:
-        raise KVBenchError(
-            f"--new-tokens must be >= 2 (one prefill token + decode steps), got {s.new_tokens}"
-        )
-    if not s.prompt_len:
-        raise KVBenchError("--prompt-len is empty; give one or more prompt lengths, e.g. 16,128,512")
-    if min(s.prompt_len) < 1:
-        raise KVBenchError(f"--prompt-len values must be >= 1, got {s.prompt_len}")
-    s.prompt_len = list(dict.fromkeys(s.prompt_len))  # a length given twice runs once
-    if not s.caches:
-        raise KVBenchError("--caches is empty; name one or more caches, or 'all'")
-    s.caches = parse_cache_names(",".join(s.caches))  # validated, each once
-    if not s.engine:
-        raise KVBenchError(f"--engine is empty; name one or more of {', '.join(ENGINES)}")
-    for e in s.engine:
-        if e not in ENGINES:
-            raise KVBenchError(f"unknown engine {e!r}; engines: {', '.join(ENGINES)}")
-    s.engine = list(dict.fromkeys(s.engine))
-    if s.fill not in FILLS:
-        raise KVBenchError(f"--fill {s.fill!r}: use prefill (a real prefill, the default) or random")
-    check_compile(s.compile, caches=s.caches if "kvbench" in s.engine else [])
-    if s.order not in ORDERS:
-        raise KVBenchError(
-            f"--order {s.order!r}: use sequential (each configuration's runs back to back, the default) or "
-            "interleaved (timed runs in rounds over the configurations of a prompt length)"
-        )
-    if s.fill == "random":
-        _check_random_fill(s)
-    for e in s.engine:
-        if not any(ENGINES[e].supports(c) for c in s.caches):
-            runs = [c for c in ("none", "dynamic", "static") if ENGINES[e].supports(c)]
-            raise KVBenchError(
-                f"engine {e} runs none of the caches asked for ({', '.join(s.caches)}): it runs "
-                f"{', '.join(runs)}; add one of them to --caches or drop {e} from --engine"
-            )
-
-
-def _check_random_fill(s: BenchSettings) -> None:
-    if "none" in s.caches:
-        raise KVBenchError(
-            "--fill random times decode steps over a filled cache, and `none` has no cache to fill; "
-            "drop none from --caches"
-        )
-    others = [e for e in s.engine if e != "kvbench"]
-    if others:
-        raise KVBenchError(
-            f"--fill random runs only --engine kvbench (transformers' generate cannot start from a cache filled "
-            f"without a prefill); drop {', '.join(others)}"
-        )
-    if s.order != "sequential":
-        raise KVBenchError(
-            "--order interleaved applies to prefill sweeps; --fill random holds one cache at a time"
-        )
-    if s.profile:
-        raise KVBenchError("--profile traces prefill sweeps; it does not apply to --fill random")
-    if len(s.batch) > 1:
-        raise KVBenchError(
-            f"--fill random sweeps contexts at one batch size, got --batch {','.join(map(str, s.batch))}; "
-            "run one sweep per batch size, or sweep batch sizes with a prefill sweep"
-        )
-    if s.percentiles != list(DEFAULT_PERCENTILES):
-        raise KVBenchError(
-            "--percentiles applies to prefill sweeps; --fill random writes its own tpot_ms_p10 and tpot_ms_p90"
-        )
-
-
 def sweep_warnings(s: BenchSettings) -> list[str]:
     """Things the sweep will quietly not do, said out loud: caches no selected engine runs, a missing reference."""
-    notes = []
+    from kvbench.bench.engines import ENGINES
+    from kvbench.caches import parse_cache_names
+
+    notes: list[str] = []
     if s.fill == "random":
         return notes  # every check of a random-fill sweep is an error above, and it has no token reference
     if set(s.caches) != set(parse_cache_names("all")):
@@ -336,6 +287,8 @@ def check_fits_context(s: BenchSettings, block_size: int | None, model_name: str
 def _check_random_fill_memory(s: BenchSettings, cfg: GPTConfig, weights: int, kv: int, device) -> None:
     """One configuration's cache is alive at a time; on top of it, one layer's K and V may exist up to four times
     over (torch.cat's new tensor, the paged gather, int8's dequantisation temporaries)."""
+    from kvbench import devices
+
     temporaries = 4 * kv // cfg.n_layer
     need = weights + kv + temporaries
     free = devices.available_memory_bytes(device)
@@ -395,9 +348,11 @@ def check_sizes(
     the batch sizes predicted not to fit (oversized_batches); refuses the sweep when none fits.
     weights_loaded: the model is already in memory (a random-fill sweep then compares only the cache with what is
     still available)."""
-    check_compile(s.compile, device.type)
+    from kvbench import devices
+
+    validate.compile_mode(s.compile, device.type)
     check_fits_context(s, cfg.block_size, cfg.name)
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     weights = gpt2_parameters(cfg) * elem
     per_sequence = (max(s.prompt_len) + s.new_tokens) * cfg.kv_bytes_per_token(elem)
     if s.fill == "random":

@@ -39,7 +39,6 @@ from kvbench.bench.settings import (
     SETTING_KEYS,
     BenchSettings,
     check_fits_context,
-    check_settings,
     check_sizes,
     coerce,
     load_settings,
@@ -56,7 +55,7 @@ from kvbench.model.gpt2 import GPTConfig
 # Settings and engines live in their own modules; these names stay importable from here.
 __all__ = [
     "ConfigResult", "StepRow", "SummaryRow", "ENGINES", "SETTING_KEYS", "BenchSettings", "HFEngine", "KVBenchEngine", "RunTiming", "build_engines",
-    "check_fits_context", "check_settings", "check_sizes", "coerce", "load_settings", "resolve_config_path",
+    "check_fits_context", "check_sizes", "coerce", "load_settings", "resolve_config_path",
     "settings_dict", "sweep_model_config", "sweep_warnings",
 ]  # fmt: skip
 

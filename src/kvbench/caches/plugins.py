@@ -312,6 +312,11 @@ class CheckedCache(LayerCache):
         return getattr(self.inner, attr)
 
 
+def probe_layer(spec: CacheSpec) -> LayerCache:
+    """One layer of the design on the probe's tiny CPU config: what it implements can be asked of it."""
+    return spec.factory(_PROBE, 1, 4, torch.float32, torch.device("cpu"))
+
+
 def probe(spec: CacheSpec) -> None:
     """Prefill 3 tokens and decode 1 on a tiny CPU config: catches a broken plugin before a long run starts.
     Shapes and members only: whether the values (and the write pointer) are right is what `verify` checks."""

@@ -19,10 +19,11 @@ from kvbench.check.causal import refuse_non_causal
 from kvbench.check.hf_subject import HFModel, HFSubject
 from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
 from kvbench.check.lifecycle import LIFECYCLE
-from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks, validate_run
+from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks
 from kvbench.devices import dtype_name
 from kvbench.hf.caches import HF_CACHES
-from kvbench.hf.models import HFModelInfo, LoadedHF, check_length, quiet_transformers
+from kvbench.hf.models import HFModelInfo, LoadedHF, quiet_transformers
+from kvbench.validate import past_context
 
 CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)
 
@@ -34,14 +35,11 @@ def run_hf_verify(
 ) -> VerifyReport:  # fmt: skip
     """Run `checks` for every cache in `caches` (names in HF_CACHES) on `prompts` (prompts[0] is the single-prompt
     checks' prompt; all of them form the batch; prompts[1] is cache_state's second prompt)."""
-    validate_run(prompts, new_tokens)
     lens = [len(p) for p in prompts]
     unknown = [c for c in caches if c not in HF_CACHES]
     assert not unknown, f"unknown caches {unknown}"
-    check_length(
-        loaded.info, max(lens) + new_tokens, f"longest prompt {max(lens)} + new tokens {new_tokens}",
-        "lower --prompt-len or --new-tokens",
-    )  # fmt: skip
+    # the caller's promise (cli/verify.py, on the model's meta-device build): the run fits the model's context
+    assert not past_context(max(lens) + new_tokens, loaded.info.context), (max(lens), new_tokens)
     refuse_non_causal(loaded)
     target = HFModel(loaded)
     subjects = [HFSubject(target, c) for c in caches]

@@ -247,6 +247,9 @@ def run_checks(
         if on_row is not None:
             on_row(row)
 
+    lens = [len(p) for p in prompts]
+    # the caller's promise (validate.verify_rules): a decode step, and prompts of different lengths for `batched`
+    assert new_tokens >= 2 and len(set(lens)) >= 2, f"{new_tokens} new tokens, prompt lengths {lens}"
     short = min(short_tokens, new_tokens)
     if baseline is not None and not any(not s.cached for s in subjects):
         for row in _subject_rows(baseline, checks, prompts, new_tokens, short, {}):
@@ -285,17 +288,6 @@ def _note_model_failure(row: CheckRow, model_fails: dict[str, str]) -> bool:
     if failed:
         model_fails[row.name] = row.detail
     return failed
-
-
-def validate_run(prompts: list[list[int]], new_tokens: int) -> None:
-    """What every check suite run needs: a decode step, and prompts of different lengths for `batched`."""
-    if new_tokens < 2:
-        raise KVBenchError(
-            f"--new-tokens must be >= 2 (the logits check needs a decode step), got {new_tokens}"
-        )
-    lens = [len(p) for p in prompts]
-    if len(prompts) < 2 or len(set(lens)) < 2:
-        raise KVBenchError(f"the batched check needs >= 2 prompts of different lengths, got lengths {lens}")
 
 
 def prompts_note(prompts: list[list[int]], new_tokens: int, short_tokens: int, has_ref: bool) -> str:

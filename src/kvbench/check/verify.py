@@ -9,24 +9,17 @@ import torch
 
 from kvbench.check.gpt2_subject import REFERENCE, GPT2Model, GPT2Subject, Injection
 from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
-from kvbench.check.suite import CHECKS, SHORT_TOKENS, prompts_note, run_checks, validate_run
+from kvbench.check.suite import CHECKS, SHORT_TOKENS, prompts_note, run_checks
 from kvbench.devices import dtype_name
-from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPT
-from kvbench.validate import fits_context
 
 
 def random_prompts(vocab_size: int, prompt_len: int, batch: int, seed: int) -> list[list[int]]:
     """`batch` seeded random prompts of distinct lengths prompt_len, ..., about prompt_len / batch (first is the
     longest: it doubles as the single-prompt checks' prompt)."""
-    if batch < 2:
-        raise KVBenchError(
-            f"--batch must be >= 2 for the batched check (a batch of one has no padding), got {batch}"
-        )
-    if prompt_len < batch:
-        raise KVBenchError(
-            f"--prompt-len {prompt_len} is too short for {batch} distinct prompt lengths; use --prompt-len >= {batch}"
-        )
+    assert 2 <= batch <= prompt_len, (
+        f"{batch} distinct prompt lengths up to {prompt_len} (validate.verify_rules)"
+    )
     g = torch.Generator().manual_seed(seed)
     lens = [-(-prompt_len * (batch - i) // batch) for i in range(batch)]  # ceil: distinct, longest first
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lens]
@@ -40,14 +33,12 @@ def run_verify(
     """Run `checks` for every cache in `caches` on `prompts` (prompts[0] is the single-prompt checks' prompt; all
     of them form the batch). `fault` injects a bug (faults.Fault) into every cached run. `compile`: how a fixed-shape
     decode step runs (fixed_step.COMPILE_MODES)."""
-    validate_run(prompts, new_tokens)
-    if reference not in ("hf", "none"):
-        raise KVBenchError(f"--reference must be hf or none, got {reference!r}")
     lens = [len(p) for p in prompts]
-    fits_context(
-        "longest prompt (after padding)", max(lens), new_tokens, model.config.block_size,
-        "lower --prompt-len or --new-tokens",
-    )  # fmt: skip
+    # the caller's promise (validate.verify_rules, validate.fits_context)
+    assert reference in ("hf", "none") and max(lens) + new_tokens <= model.config.block_size, (
+        reference,
+        lens,
+    )
     target = GPT2Model(model, reference if "reference" in checks else "none", hf_dir)
     subjects = [GPT2Subject(target, c, fault, compile) for c in caches]
     rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row)

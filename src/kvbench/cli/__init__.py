@@ -1,8 +1,9 @@
-"""The `kvbench` command line: the app (app.py), the options (options.py), one module per command.
+"""The `kvbench` command line: the app and its error boundary (app.py), one module per command.
 
-Commands gather their options into one settings object, call a library function that returns dataclasses, and
-render them; heavy imports (torch, transformers, matplotlib) happen inside the commands, so `kvbench --help` is
-instant and `main` can still ask for huge pages before torch loads.
+A command's options are the fields of its settings dataclass (declared with kvbench.options.option); the command
+receives that object, calls a library function that returns dataclasses, and renders them. Heavy imports (torch,
+transformers, matplotlib) happen inside the commands, so `kvbench --help` is instant and `main` can still ask for
+huge pages before torch loads.
 """
 
 from kvbench.bench import hugepages

@@ -1,48 +1,110 @@
-"""The Typer app, the one layer where errors become exit codes, and loading a model for a command.
+"""The Typer app: commands built from their settings dataclasses, and the one layer where errors become exit codes.
 
-Each command lives in its own module beside this one (generate, verify, break, bench, memory, compare), with its
-renderers; the options they share are declared in cli/options.py (and importable from here too). `kvbench.cli`
-imports the command modules so they register on `app`.
+A command is registered with `command(Settings, ...)`: its parameters are the fields of those dataclasses declared
+with `kvbench.options.option` (flags, help, defaults, types written once, on the field), and the function receives
+the filled dataclasses. `Given(Settings)` passes only the options given on the command line, as a dict, for a
+settings object whose other values come from a file (bench's TOML). Each command lives in its own module beside this
+one; `kvbench.cli` imports them so they register on `app`.
+
+Exit codes (`exit_code`, the one mapping): 0 success; 1 a verdict that failed (raised by the command as
+typer.Exit(1)); 2 bad input (KVBenchError, or a usage error Click found); 3 out of memory (NotEnoughMemoryError or
+an allocation failure); 70 a kvbench bug (anything else); 130 interrupted (Ctrl-C); 141 stdout closed by its reader.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import os
 import sys
+import typing
+from dataclasses import MISSING
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from typer import core as typer_core
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from kvbench import __version__, console
-from kvbench.bench import hugepages
-from kvbench.cli.options import (  # noqa: F401  (the options verify and break import from here)
-    COMPILE_HELP,
-    CompileOpt,
-    DeviceOpt,
-    JsonOpt,
-    ModelOpt,
-    SeedOpt,
-    TokenizerOpt,
-    WeightsOpt,
+from kvbench.errors import (
+    KVBenchError,
+    NotEnoughMemoryError,
+    is_out_of_host_memory,
+    is_out_of_memory,
+    one_line,
 )
-from kvbench.cli.options import dtype_opt as _dtype_opt  # noqa: F401
-from kvbench.errors import KVBenchError, NotEnoughMemoryError, one_line
-from kvbench.validate import PROBE_ENV, probe_bytes_setting
+from kvbench.jsonio import SCHEMA_VERSION
+from kvbench.options import flag_of
 
 # The click that Typer runs on: vendored as typer._click in recent Typer, the click package before.
 click = getattr(typer_core, "_click", None) or __import__("click")
 
+FAILED = 1  # a verdict that failed: a check, a fault not detected, a regression
 BAD_INPUT = 2  # KVBenchError: a wrong command, a bad file or value
-OUT_OF_MEMORY = (
-    3  # NotEnoughMemoryError or an allocation failure: the command was right, the machine too small
-)
-# The exit status when the reader of stdout goes away early (`kvbench ... | head -1`): 128 + SIGPIPE, what a shell
-# reports for a program the signal stopped. The command ends quietly, with no verdict.
+OUT_OF_MEMORY = 3  # the command was right, the machine too small
+BUG = 70  # anything else: a kvbench bug (EX_SOFTWARE)
+INTERRUPTED = 130  # 128 + SIGINT
+# The reader of stdout went away early (`kvbench ... | head -1`): 128 + SIGPIPE, what a shell reports for a program
+# the signal stopped. The command ends quietly, with no verdict.
 STDOUT_CLOSED = 141
+
+VERBOSE = {"on": False}  # set by the root --verbose flag
+
+
+def out_of_memory(e: BaseException) -> str | None:
+    """One line for an allocation failure, CPU or GPU (errors.is_out_of_memory); None if `e` is something else."""
+    if not is_out_of_memory(e):
+        return None
+    if is_out_of_host_memory(e):
+        return "out of CPU memory (an allocation failed); lower --batch, the lengths or the model"
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    return f"out of GPU memory: {first}; lower --batch, the lengths or the model"
+
+
+def exit_code(e: BaseException) -> tuple[int, str | None]:
+    """The exit status for an exception that ended a command, and its one line for stderr (None: say nothing)."""
+    if isinstance(e, NotEnoughMemoryError):
+        return OUT_OF_MEMORY, str(e)
+    if isinstance(e, KVBenchError):
+        return BAD_INPUT, str(e)
+    if isinstance(e, KeyboardInterrupt):
+        return INTERRUPTED, "interrupted"
+    if isinstance(e, BrokenPipeError):
+        return STDOUT_CLOSED, None
+    oom = out_of_memory(e)
+    if oom:
+        return OUT_OF_MEMORY, oom
+    return BUG, f"unexpected {one_line(e)} (a kvbench bug: please report it; --verbose shows the traceback)"
+
+
+class KVBenchCommand(TyperCommand):
+    """A command whose every exception becomes one line on stderr and its exit status (`exit_code`); under --json
+    stdout also gets the command's error document, so a script reading it always gets one."""
+
+    error_doc: dict | None = None  # the document's verdict keys for a refused run, e.g. {"passed": False}
+
+    def invoke(self, ctx):
+        try:
+            check_environment()
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+            raise
+        except BaseException as e:
+            if isinstance(e, SystemExit):
+                raise
+            code, message = exit_code(e)
+            if code == BUG and VERBOSE["on"]:
+                raise
+            if code == STDOUT_CLOSED:
+                console.stdout_closed()
+            elif self.error_doc is not None and ctx.params.get("json_out"):
+                console.print_json({"schema_version": SCHEMA_VERSION, **self.error_doc, "error": message,
+                                    "exit_code": code})  # fmt: skip
+            if message is not None:
+                console.error(message)
+            raise typer.Exit(code) from None
 
 
 class KVBenchGroup(TyperGroup):
@@ -70,10 +132,10 @@ class KVBenchGroup(TyperGroup):
         except click.exceptions.ClickException as e:
             where = f" (see: {e.ctx.command_path} --help)" if getattr(e, "ctx", None) is not None else ""
             console.error(e.format_message() + where)
-            sys.exit(2 if isinstance(e, click.exceptions.UsageError) else e.exit_code)
+            sys.exit(BAD_INPUT if isinstance(e, click.exceptions.UsageError) else e.exit_code)
         except (typer.Abort, getattr(click.exceptions, "Abort", typer.Abort)):  # where click has its own
             console.error("aborted")
-            sys.exit(130)
+            sys.exit(INTERRUPTED)
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
@@ -87,59 +149,78 @@ app = typer.Typer(
 )
 
 
-def handle_errors(fn):
-    """The one layer where errors become exit codes: KVBenchError -> red line + exit 2; running out of memory (CPU or
-    GPU: an allocation failure, or a NotEnoughMemoryError refusal up front) -> red line + exit 3; Ctrl-C -> exit 130; stdout closed by its reader -> quiet exit 141; anything else ->
-    one line naming it as a kvbench bug, exit 70 (the traceback with --verbose)."""
+# --- commands from settings dataclasses ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Given:
+    """A settings class whose options reach the command as {field: value} for those given on the command line."""
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except NotEnoughMemoryError as e:
-            console.error(str(e))
-            raise typer.Exit(OUT_OF_MEMORY) from None
-        except KVBenchError as e:
-            console.error(str(e))
-            raise typer.Exit(BAD_INPUT) from None
-        except KeyboardInterrupt:
-            console.error("interrupted")
-            raise typer.Exit(130) from None
-        except BrokenPipeError:
-            console.stdout_closed()
-            raise typer.Exit(STDOUT_CLOSED) from None
-        except (typer.Exit, typer.Abort):
-            raise
-        except Exception as e:
-            oom = out_of_memory(e)
-            if oom:
-                console.error(oom)
-                raise typer.Exit(OUT_OF_MEMORY) from None
-            if VERBOSE["on"]:
-                raise
-            console.error(
-                f"unexpected {one_line(e)} (a kvbench bug: please report it; --verbose shows the traceback)"
-            )
-            raise typer.Exit(70) from None
-
-    return wrapper
+    cls: type
 
 
-VERBOSE = {"on": False}  # set by the root --verbose flag
+def _parameters(source: type | Given) -> list[inspect.Parameter]:
+    """The Typer parameters of a settings dataclass's option fields, in field order."""
+    cls = source.cls if isinstance(source, Given) else source
+    hints = typing.get_type_hints(cls)
+    params = []
+    for f in dataclasses.fields(cls):
+        flag = flag_of(f)
+        if flag is None:
+            continue
+        kind = flag.cli_type if flag.cli_type is not None else hints[f.name]
+        if isinstance(source, Given):
+            kind, default = kind | None, None
+        elif f.default is not MISSING:
+            default = f.default
+        elif f.default_factory is not MISSING:
+            default = f.default_factory()
+        else:
+            default = inspect.Parameter.empty
+        info = (
+            typer.Argument(help=flag.help, show_default=default is not None)
+            if flag.argument
+            else typer.Option(*flag.decls, help=flag.help, rich_help_panel=flag.panel)
+        )
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                        annotation=Annotated[kind, info]))  # fmt: skip
+    return params
 
 
-def out_of_memory(e: BaseException) -> str | None:
-    """One line for an allocation failure, CPU or GPU (errors.is_out_of_memory); None if `e` is something else."""
-    from kvbench.errors import is_out_of_host_memory, is_out_of_memory
-
-    if not is_out_of_memory(e):
-        return None
-    if is_out_of_host_memory(e):
-        return "out of CPU memory (an allocation failed); lower --batch, the lengths or the model"
-    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    return f"out of GPU memory: {first}; lower --batch, the lengths or the model"
+def _build(source: type | Given, values: dict[str, Any]) -> Any:
+    """The settings object (or, for Given, the dict of given options) from the parsed command line."""
+    cls = source.cls if isinstance(source, Given) else source
+    mine = {f.name: values[f.name] for f in dataclasses.fields(cls) if flag_of(f) is not None}
+    if isinstance(source, Given):
+        return {k: v for k, v in mine.items() if v is not None}
+    return cls(**mine)
 
 
+def command(*sources: type | Given, name: str | None = None, error_doc: dict | None = None):
+    """Register the decorated function as a command taking one argument per source: its options are the option
+    fields of the sources, declared once there. `error_doc`: the verdict keys of the --json document printed when
+    the command is refused (the boundary adds schema_version, error and exit_code)."""
+
+    def register(fn):
+        params = [p for s in sources for p in _parameters(s)]
+        names = [p.name for p in params]
+        assert len(names) == len(set(names)), f"{fn.__name__}: an option declared twice in {names}"
+        # positional arguments first, in declaration order, as Click lists them
+        params.sort(key=lambda p: not isinstance(typing.get_args(p.annotation)[1], typer.models.ArgumentInfo))
+
+        @functools.wraps(fn)
+        def run(**values):
+            return fn(*(_build(s, values) for s in sources))
+
+        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        del run.__wrapped__  # Typer reads the signature above, not the function's own
+        cls = type(f"{fn.__name__}Command", (KVBenchCommand,), {"error_doc": error_doc})
+        app.command(name=name, cls=cls)(run)
+        return fn
+
+    return register
+
+
+# --- the root: --version, --verbose, the environment --------------------------------------------------------------
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"kvbench {__version__}")
@@ -158,20 +239,23 @@ def _root(
 ) -> None:
     """kvbench: generate, verify, break, bench and memory over one GPT-2 core."""
     VERBOSE["on"] = verbose
-    try:  # read again where they are used; checked here so a typo stops the run before it starts
-        probe_bytes_setting(os.environ.get(PROBE_ENV, ""))
-        hugepages.check()
-    except KVBenchError as e:
-        console.error(str(e))
-        raise typer.Exit(2) from None
     if not verbose:
         quiet_libraries()
+
+
+def check_environment() -> None:
+    """The environment variables kvbench reads, checked before a command starts, so a typo stops the run before
+    any work (each is read again where it is used)."""
+    from kvbench.bench import hugepages
+    from kvbench.validate import PROBE_ENV, probe_bytes_setting
+
+    probe_bytes_setting(os.environ.get(PROBE_ENV, ""))
+    hugepages.check()
 
 
 def quiet_libraries() -> None:
     """Keep transformers' and huggingface_hub's loading bars, advisories and warnings off the terminal: kvbench
     reports what matters itself. Environment variables the user set win."""
-    import sys
     import warnings
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -187,6 +271,7 @@ def quiet_libraries() -> None:
         hf_logging.disable_progress_bar()
 
 
+# --- loading our GPT-2 for a command -------------------------------------------------------------------------------
 def load_for_cli(model: str | None, weights: str, device: str, dtype: str, seed: int, init_std: float = 0.02):
     """Resolve device and dtype, load the model, and show the random-weights warning once. Shared by commands."""
     from kvbench.devices import resolve_device, resolve_dtype

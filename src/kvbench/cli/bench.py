@@ -11,66 +11,54 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
 
-from kvbench import console
-from kvbench.cli.app import app, handle_errors, load_for_cli
+from kvbench import console, options
+from kvbench.bench.settings import BenchSettings
+from kvbench.cli.app import Given, command, load_for_cli
 from kvbench.cli.bench_render import render_bench, render_context, render_profile
-from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
-from kvbench.cli.options import (
-    BaselineOpt,
-    BenchAllowEnvChangeOpt,
-    BenchBatchOpt,
-    BenchCachesOpt,
-    BenchCompileOpt,
-    BenchConfigOpt,
-    BenchDtypeOpt,
-    BenchNewTokensOpt,
-    BenchOutOpt,
-    BenchPromptLenOpt,
-    DeviceOpt,
-    EngineOpt,
-    ExportOpt,
-    FillOpt,
-    ForceOpt,
-    JsonOpt,
-    ModelOpt,
-    OrderOpt,
-    PercentilesOpt,
-    ProfileOpt,
-    RepeatsOpt,
-    SeedOpt,
-    ThreadsOpt,
-    WarmupOpt,
-    WeightsOpt,
-)
 from kvbench.console import err
 from kvbench.errors import KVBenchError
+from kvbench.options import option
 from kvbench.results.export import check_export_target
-
-if TYPE_CHECKING:  # bench.settings imports torch, which the command loads only when it runs
-    from kvbench.bench.settings import BenchOverrides, BenchSettings
 
 
 @dataclass
 class BenchOptions:
-    """One `kvbench bench` command line: the sweep's settings as given (`overrides`; the TOML file and the defaults
-    decide the rest), and the options that choose what happens around the sweep."""
+    """What happens around a `kvbench bench` sweep; the sweep's own options are BenchSettings' fields, and those
+    given on the command line are `given` (the TOML file and the defaults decide the rest)."""
 
-    overrides: BenchOverrides
-    config: Path | None
-    force: bool
-    baseline: Path | None
-    allow_env_change: bool
-    json_out: bool
-    hf: str | None
-    trust_remote_code: bool
-    layers: int | None
-    export: tuple | None = None  # --export (format, file), checked
+    config: Path | None = option(
+        "--config", default=None, help="A TOML sweep (configs/bench/) or a shipped one by name (seed, quick)."
+    )
+    force: bool = option("--force", default=False, help="Replace the bench files of an earlier run in --out.")
+    baseline: Path | None = option(
+        "--baseline",
+        default=None,
+        help="A previous run folder: compare this run against it when the sweep ends (as kvbench compare).",
+    )
+    allow_env_change: bool = option(
+        "--allow-env-change",
+        default=False,
+        help="With --baseline: compare even though the baseline ran on another device, dtype or library "
+        "versions (the changes are printed).",
+    )
+    export: tuple[str, Path] | None = option(
+        "--export",
+        default=None,
+        help="FORMAT FILE: when the sweep ends, also write its ok rows for a charting tool; FORMAT: "
+        "github-action-benchmark (customSmallerIsBetter: TPOT and TTFT medians in ms per row).",
+    )
+    json_out: bool = options.json_option()
+    hf: str | None = options.hf_option()
+    trust_remote_code: bool = options.trust_option()
+    layers: int | None = options.layers_option()
+    given: dict = field(
+        default_factory=dict
+    )  # BenchSettings' options given on the command line, by field name
 
 
 @dataclass
@@ -89,55 +77,16 @@ class Prepared:
     oversized: dict[int, str]  # batch sizes predicted not to fit the device: `oom` rows, not run
 
 
-@app.command()
-@handle_errors
-def bench(
-    prompt_len: BenchPromptLenOpt = None,
-    new_tokens: BenchNewTokensOpt = None,
-    caches: BenchCachesOpt = None,
-    engine: EngineOpt = None,
-    batch: BenchBatchOpt = None,
-    repeats: RepeatsOpt = None,
-    warmup: WarmupOpt = None,
-    config: BenchConfigOpt = None,
-    out: BenchOutOpt = None,
-    force: ForceOpt = False,
-    model: ModelOpt = None,
-    weights: WeightsOpt = None,
-    device: DeviceOpt = None,
-    dtype: BenchDtypeOpt = None,
-    seed: SeedOpt = None,
-    threads: ThreadsOpt = None,
-    baseline: BaselineOpt = None,
-    allow_env_change: BenchAllowEnvChangeOpt = False,
-    fill: FillOpt = None,
-    order: OrderOpt = None,
-    compile: BenchCompileOpt = None,
-    profile: ProfileOpt = None,
-    json_out: JsonOpt = False,
-    hf: HFOpt = None,
-    trust_remote_code: TrustOpt = False,
-    layers: LayersOpt = None,
-    export: ExportOpt = None,
-    percentiles: PercentilesOpt = None,
-) -> None:
+@command(Given(BenchSettings), BenchOptions)
+def bench(given: dict, opts: BenchOptions) -> None:
     """Measure no cache vs each cache vs transformers: TTFT, TPOT, its bandwidth floor, memory, token agreement.
 
     With --hf SOURCE: transformers' own caches (none, dynamic, static, static-compiled) on any Hugging Face causal
     LM, in the same rows and files, its tokens checked against its own none."""
-    from kvbench.bench.settings import BenchOverrides
     from kvbench.results.export import check_export
 
-    export = check_export(export)  # a bad format or file is refused before the run starts
-    opts = BenchOptions(
-        overrides=BenchOverrides(
-            prompt_len=prompt_len, new_tokens=new_tokens, caches=caches, engine=engine, batch=batch, repeats=repeats,
-            warmup=warmup, model=model, weights=weights, device=device, dtype=dtype, seed=seed, threads=threads,
-            out=out, fill=fill, order=order, compile=compile, profile=profile, percentiles=percentiles,
-        ),
-        config=config, force=force, baseline=baseline, allow_env_change=allow_env_change, json_out=json_out, hf=hf,
-        trust_remote_code=trust_remote_code, layers=layers, export=export,
-    )  # fmt: skip
+    opts.given = given
+    opts.export = check_export(opts.export)  # a bad format or file is refused before the run starts
     base_run = _baseline_run(opts)
     if opts.hf is not None:
         prefill_sweep(opts, _prepare_hf(opts), base_run)
@@ -166,10 +115,8 @@ def _prepare_hf(opts: BenchOptions) -> Prepared:
     """--hf: the same checks, folder, sweep and files as for our GPT-2; the model and its engine from cli/hf.py."""
     from kvbench.cli.hf import prepare_bench_hf
 
-    # prepare_bench_hf reads the options given as a mapping
-    given = opts.overrides.given()
     prepared = Prepared(
-        *prepare_bench_hf(opts.hf, opts.config, given, opts.force, opts.layers, opts.trust_remote_code)
+        *prepare_bench_hf(opts.hf, opts.config, opts.given, opts.force, opts.layers, opts.trust_remote_code)
     )
     _check_baseline(opts.baseline, prepared.out_dir)
     check_export_target(opts.export, prepared.out_dir)
@@ -179,13 +126,12 @@ def _prepare_hf(opts: BenchOptions) -> Prepared:
 def _gpt2_settings(opts: BenchOptions) -> tuple[BenchSettings, Path]:
     """Our GPT-2's sweep: the --hf options refused, then every check that needs no weights (_validated), and the
     baseline kept apart from --out. Returns (settings, the run folder to create)."""
-    for flag, given in (
-        ("--trust-remote-code", opts.trust_remote_code),
-        ("--layers", opts.layers is not None),
-    ):
-        if given:
-            raise KVBenchError(f"{flag} applies to --hf models only")
-    settings, out_dir = _validated(opts.config, opts.overrides, opts.force)
+    from kvbench import validate
+
+    validate.only_with_hf(
+        opts.hf, **{"--trust-remote-code": opts.trust_remote_code, "--layers": opts.layers is not None}
+    )
+    settings, out_dir = _validated(opts.config, opts.given, opts.force)
     _check_baseline(opts.baseline, out_dir)
     check_export_target(opts.export, out_dir)
     return settings, out_dir
@@ -384,14 +330,14 @@ def _check_baseline(baseline: Path | None, out_dir) -> None:
         )
 
 
-def _validated(config, overrides: BenchOverrides, force: bool):
+def _validated(config, given: dict, force: bool):
     """Every check that needs no weights, before anything is loaded, allocated or created on disk:
     (settings, the run folder to create)."""
     from kvbench.bench import sweep as B
     from kvbench.devices import resolve_device, resolve_dtype
     from kvbench.results import report
 
-    settings = B.load_settings(config, overrides)
+    settings = B.load_settings(config, given)
     default = str(report.unique_default_run_dir("bench"))
     out_dir = report.check_run_dir(settings.out if settings.out is not None else default, force)
     dev = resolve_device(settings.device)

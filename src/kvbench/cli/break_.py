@@ -2,59 +2,52 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from dataclasses import dataclass
+from pathlib import Path
 
 import typer
 from rich.text import Text
 
-from kvbench import console
-from kvbench.cli.app import (
-    DeviceOpt,
-    JsonOpt,
-    ModelOpt,
-    SeedOpt,
-    TokenizerOpt,
-    WeightsOpt,
-    _dtype_opt,
-    app,
-    handle_errors,
-    load_for_checks,
-)  # fmt: skip
-from kvbench.cli.options import JUnitXmlOpt
+from kvbench import console, options
+from kvbench.cli.app import command, load_for_checks
 from kvbench.console import line, out, styled, table
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
+from kvbench.options import option
 
-FaultArg = Annotated[str, typer.Argument(help="A fault name, or all.")]
-PromptOpt = Annotated[
-    str | None, typer.Option("--prompt", "-p", help="The prompt (default: a built-in one).")
-]
-NewTokensOpt = Annotated[int, typer.Option("--new-tokens", "-n", help="Tokens per run.")]
-BatchOpt = Annotated[
-    int, typer.Option("--batch", help="Prompts in the batch for `padding` and the batched check (>= 2).")
-]
-ReferenceOpt = Annotated[
-    str, typer.Option("--reference", help="hf: include the Hugging Face reference check; none: skip.")
-]
-CacheOpt = Annotated[
-    str | None,
-    typer.Option(
+
+@dataclass
+class BreakOptions:
+    """One `kvbench break` command line (validate.break_rules)."""
+
+    name: str = option(argument=True, default="all", help="A fault name, or all.")
+    prompt: str | None = option("--prompt", "-p", default=None, help="The prompt (default: a built-in one).")
+    new_tokens: int = option("--new-tokens", "-n", default=40, help="Tokens per run.")
+    batch: int = option(
+        "--batch", default=3, help="Prompts in the batch for `padding` and the batched check (>= 2)."
+    )
+    reference: str = option(
+        "--reference", default="hf", help="hf: include the Hugging Face reference check; none: skip."
+    )
+    cache: str | None = option(
         "--cache",
         "-c",
+        default=None,
         help="Run the faults on this cache (a name or a pkg.module:Class plugin); default: each fault's own. "
         "Faults that live inside one cache design (static-pointer) are skipped on others.",
-    ),
-]
+    )
+    model: str | None = options.model_option()
+    weights: str = options.weights_option()
+    device: str = options.device_option()
+    dtype: str = options.dtype_option("fp32")
+    seed: int = options.seed_option()
+    tokenizer: str | None = options.tokenizer_option()
+    json_out: bool = options.json_option()
+    junit_xml: Path | None = options.junit_option()
 
 
-@app.command(name="break")
-@handle_errors
-def break_(
-    name: FaultArg = "all", prompt: PromptOpt = None, new_tokens: NewTokensOpt = 40, batch: BatchOpt = 3,
-    reference: ReferenceOpt = "hf", cache: CacheOpt = None, model: ModelOpt = None, weights: WeightsOpt = "auto",
-    device: DeviceOpt = "auto", dtype: str = _dtype_opt("fp32"), seed: SeedOpt = 0, tokenizer: TokenizerOpt = None,
-    json_out: JsonOpt = False, junit_xml: JUnitXmlOpt = None,
-) -> None:  # fmt: skip
+@command(BreakOptions, name="break")
+def break_(o: BreakOptions) -> None:
     """Inject the classic KV-cache bugs and show verify catching each.
 
     Runs correct and faulty code side by side on the same model and prompt. Exit 0 when every injected fault was
@@ -62,13 +55,12 @@ def break_(
     from kvbench.results import junit
 
     clock = junit.RowClock()
-    with junit.errors_reported(junit_xml, "break", clock):
-        junit_path = junit.check_junit_path(junit_xml, "break")
-        results, skipped, meta = _run_faults(name, prompt, new_tokens, batch, reference, cache, model, weights, device,
-                                             dtype, seed, tokenizer, json_out, clock)  # fmt: skip
+    with junit.errors_reported(o.junit_xml, "break", clock):
+        junit_path = junit.check_junit_path(o.junit_xml, "break")
+        results, skipped, meta = _run_faults(o, clock)
     if junit_path is not None:
         junit.write_suite(junit_path, junit.break_suite(results, skipped, meta, clock.seconds, clock.total()))
-    if json_out:
+    if o.json_out:
         from dataclasses import asdict
 
         console.print_json({"schema_version": SCHEMA_VERSION, "all_detected": all(r.detected for r in results),
@@ -79,55 +71,39 @@ def break_(
         raise typer.Exit(1)
 
 
-def _run_faults(name, prompt, new_tokens, batch, reference, cache, model, weights, device, dtype, seed, tokenizer,
-                json_out, on_fault):  # fmt: skip
+def _run_faults(o: BreakOptions, on_fault):
     """Each chosen fault against the correct path, each result passed to `on_fault` as it completes:
     (results, [(fault, why skipped)], meta)."""
     from kvbench import validate
     from kvbench.caches import get_cache_spec
     from kvbench.check.breaking import break_fault, break_prompts
     from kvbench.check.faults import FAULTS, select_faults
+    from kvbench.model.weights import peek_config
 
-    cache = get_cache_spec(cache).name if cache is not None else None
-    names, skipped = select_faults(name, cache)
+    cache = get_cache_spec(o.cache).name if o.cache is not None else None
+    names, skipped = select_faults(o.name, cache)
     why = {n: f"the bug lives inside the {FAULTS[n].cache} cache, not in {cache}" for n in skipped}
     for n in skipped:
         console.note(f"{n}: skipped ({why[n]})")
-    _check_options(new_tokens, batch, reference, seed, model, weights)
-    loaded, dev, dt, hf_dir = load_for_checks(model, weights, device, dtype, seed)
-    tok = _tokenizer(tokenizer)
-    prompts = break_prompts(tok, loaded.config.vocab_size, prompt, batch, seed)
-    longest = max(map(len, prompts))
-    validate.fits_context("longest batch prompt (after padding)", longest, new_tokens, loaded.config.block_size,
-                          "use fewer --new-tokens or a shorter --prompt")  # fmt: skip
+    validate.break_rules(o)
+    cfg = peek_config(o.model, o.weights)
+    validate.fits_context("a one-token prompt", 1, o.new_tokens, cfg.block_size, "use fewer --new-tokens")
+    loaded, dev, dt, hf_dir = load_for_checks(o.model, o.weights, o.device, o.dtype, o.seed)
+    tok = _tokenizer(o.tokenizer)
+    prompts = break_prompts(tok, loaded.config.vocab_size, o.prompt, o.batch, o.seed)
+    validate.fits_context("longest batch prompt (after padding)", max(map(len, prompts)), o.new_tokens,
+                          loaded.config.block_size, "use fewer --new-tokens or a shorter --prompt")  # fmt: skip
     decode = tok.decode if tok is not None else None
     results = []
     for n in names:
-        results.append(break_fault(loaded.model, n, prompts, new_tokens, reference, hf_dir, decode, cache))
+        results.append(
+            break_fault(loaded.model, n, prompts, o.new_tokens, o.reference, hf_dir, decode, cache)
+        )
         on_fault(results[-1])
-        if not json_out:
+        if not o.json_out:
             render_break(results[-1])
     meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev)}
     return results, [(n, why[n]) for n in skipped], meta
-
-
-def _check_options(new_tokens: int, batch: int, reference: str, seed: int, model, weights) -> None:
-    from kvbench import validate
-    from kvbench.model.weights import peek_config
-
-    if new_tokens < 2:
-        raise KVBenchError(
-            f"--new-tokens must be >= 2 (a fault shows from the first decode step), got {new_tokens}"
-        )
-    if batch < 2:
-        why = "padding needs >= 2 prompts of different lengths: with one prompt nothing is padded, the bug is dormant"
-        raise KVBenchError(f"--batch {batch}: {why}; use --batch 2 or more")
-    if reference not in ("hf", "none"):
-        raise KVBenchError(f"--reference must be hf or none, got {reference!r}")
-    validate.integer("--batch", batch, 2, validate.MAX_BATCH)
-    validate.seed(seed)
-    cfg = peek_config(model, weights)
-    validate.fits_context("a one-token prompt", 1, new_tokens, cfg.block_size, "use fewer --new-tokens")
 
 
 def _tokenizer(name: str | None):

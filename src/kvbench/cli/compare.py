@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -10,35 +11,51 @@ from rich.console import Console
 from rich.table import Table
 
 from kvbench import console
-from kvbench.cli.app import app, handle_errors
-from kvbench.cli.options import (
-    AlphaOpt,
-    BaselineArg,
-    CandidateArg,
-    CompareAllowEnvChangeOpt,
-    CompareOutOpt,
-    FailOnOpt,
-    FormatOpt,
-    ThresholdOpt,
-)
+from kvbench.cli.app import command
 from kvbench.console import cell, line, out, styled
 from kvbench.errors import KVBenchError
+from kvbench.options import option
 
 FORMATS = ("table", "md", "json")
 
 
-@app.command()
-@handle_errors
-def compare(
-    baseline: BaselineArg,
-    candidate: CandidateArg,
-    alpha: AlphaOpt = 0.01,
-    threshold: ThresholdOpt = "5%",
-    fail_on: FailOnOpt = None,
-    fmt: FormatOpt = "table",
-    allow_env_change: CompareAllowEnvChangeOpt = False,
-    out_dir: CompareOutOpt = None,
-) -> None:
+@dataclass
+class CompareOptions:
+    """One `kvbench compare` command line."""
+
+    baseline: Path = option(argument=True, help="The reference run folder (written by kvbench bench).")
+    candidate: Path = option(argument=True, help="The run folder to judge against it.")
+    alpha: float = option(
+        "--alpha", default=0.01, help="Significance level of the Mann-Whitney U test on decode steps."
+    )
+    threshold: str = option(
+        "--threshold",
+        default="5%",
+        help="Minimum TPOT change that counts, e.g. 5% or 0.05 (smaller: no change).",
+    )
+    fail_on: str | None = option(
+        "--fail-on",
+        default=None,
+        help="Exit 1 when any row regresses: slower (TPOT), slower-ttft, memory, comma-separated (the CI gate).",
+    )
+    fmt: str = option(
+        "--format", "-f", default="table", help="table (Rich), md (Markdown for a pull request) or json."
+    )
+    allow_env_change: bool = option(
+        "--allow-env-change",
+        default=False,
+        help="Compare runs from different devices, dtypes or library versions (the changes are printed).",
+    )
+    out_dir: str | None = option(
+        "--out",
+        "-o",
+        default=None,
+        help="Where compare.png and compare.json go (default: the CANDIDATE folder).",
+    )
+
+
+@command(CompareOptions)
+def compare(o: CompareOptions) -> None:
     """Compare two bench runs: TPOT ratio with a confidence interval and a verdict per row.
 
     Rows are matched on engine, cache, model, weights, dtype, device, prompt length, new tokens and batch. TTFT is
@@ -46,22 +63,22 @@ def compare(
     Exit 0; 1 with --fail-on when a row regresses; 2 on bad input."""
     from kvbench.results import compare as C
 
-    if fmt not in FORMATS:
-        raise KVBenchError(f"--format {fmt!r}: choose table, md or json")
-    if out_dir is not None and not out_dir.strip():
+    if o.fmt not in FORMATS:
+        raise KVBenchError(f"--format {o.fmt!r}: choose table, md or json")
+    if o.out_dir is not None and not o.out_dir.strip():
         raise KVBenchError(
             "--out is empty; give a folder for compare.png and compare.json (or leave --out out for the candidate "
             "folder)"
         )
-    gates = C.parse_fail_on(fail_on)
+    gates = C.parse_fail_on(o.fail_on)
     comparison, files = run_compare(
-        baseline, candidate, alpha, C.parse_threshold(threshold), allow_env_change, out_dir
+        o.baseline, o.candidate, o.alpha, C.parse_threshold(o.threshold), o.allow_env_change, o.out_dir
     )
     for text in comparison.gate_warnings(gates):
         console.warn(text)
-    if fmt == "json":
+    if o.fmt == "json":
         console.print_json(C.json_doc(comparison, gates, files))
-    elif fmt == "md":
+    elif o.fmt == "md":
         typer.echo(markdown(comparison, gates), nl=False)
         console.note(f"wrote {', '.join(f.name for f in files)} in {files[0].parent}")
     else:

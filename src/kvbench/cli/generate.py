@@ -5,32 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench import console
-from kvbench.cli.app import app, handle_errors, load_for_cli
-from kvbench.cli.options import (
-    CompileOpt,
-    DeviceOpt,
-    DraftOpt,
-    DraftTokensOpt,
-    GenerateCacheOpt,
-    GenerateNewTokensOpt,
-    JsonOpt,
-    ModelOpt,
-    NgramOpt,
-    PromptArg,
-    PromptsFileOpt,
-    PromptsOpt,
-    SeedOpt,
-    StopOpt,
-    TemperatureOpt,
-    TokenizerOpt,
-    TopKOpt,
-    WeightsOpt,
-    dtype_opt,
-)
+from kvbench import console, options
+from kvbench.cli.app import command, load_for_cli
 from kvbench.console import line, out, styled, table
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
+from kvbench.options import option
 
 
 def read_prompts(prompt: str | None, prompts: list[str] | None, prompts_file: Path | None) -> list[str]:
@@ -56,61 +36,59 @@ def prompt_lines(path: Path) -> list[str]:
 
 @dataclass
 class GenerateOptions:
-    """One `kvbench generate` command line, as given."""
+    """One `kvbench generate` command line (validate.generate_rules)."""
 
-    prompt: str | None
-    prompts: list[str] | None
-    prompts_file: Path | None
-    new_tokens: int
-    cache: str
-    temperature: float
-    top_k: int | None
-    stop_at_eot: bool
-    model: str | None
-    weights: str
-    device: str
-    dtype: str
-    seed: int
-    tokenizer: str | None
-    compile: str
-    json_out: bool
-    draft: str = "none"
-    draft_tokens: int | None = None  # None: not given (speculative.DEFAULT_DRAFT_TOKENS)
-    ngram: int | None = None  # None: not given (speculative.DEFAULT_NGRAM)
+    prompt: str | None = option(
+        argument=True, default=None, help="The prompt (or use --prompt / --prompts-file)."
+    )
+    prompts: list[str] | None = option(
+        "--prompt", "-p", default=None, help="A prompt; repeat for a batch decoded together."
+    )
+    prompts_file: Path | None = option(
+        "--prompts-file", default=None, help="One prompt per line, decoded together as a batch."
+    )
+    new_tokens: int = option(
+        "--new-tokens",
+        "--max-new-tokens",
+        "-n",
+        default=64,
+        help="Tokens to generate (at most, with --stop).",
+    )
+    cache: str = option("--cache", "-c", default="dynamic", help="KV cache: none, dynamic, static, ...")
+    temperature: float = option("--temperature", "-t", default=0.0, help="0 = greedy.")
+    top_k: int | None = option("--top-k", default=None, help="Sample from the k most likely tokens.")
+    stop_at_eot: bool = option("--stop/--no-stop", default=True, help="Stop a sequence at <|endoftext|>.")
+    model: str | None = options.model_option()
+    weights: str = options.weights_option()
+    device: str = options.device_option()
+    dtype: str = options.dtype_option("auto")
+    seed: int = options.seed_option()
+    tokenizer: str | None = options.tokenizer_option()
+    compile: str = options.compile_option()
+    draft: str = option(
+        "--draft",
+        default="none",
+        help="none, or prompt-lookup: speculative decoding that drafts tokens by copying what followed the last "
+        "n-gram earlier in the text and verifies them in one forward (one prompt, greedy; the same tokens).",
+    )
+    draft_tokens: int | None = option(
+        "--draft-tokens",
+        default=None,
+        help="With --draft prompt-lookup: most draft tokens per forward (default: 4).",
+    )
+    ngram: int | None = option(
+        "--ngram",
+        default=None,
+        help="With --draft prompt-lookup: longest suffix looked up, then shorter ones down to 1 (default: 3).",
+    )
+    json_out: bool = options.json_option()
 
 
-@app.command()
-@handle_errors
-def generate(
-    prompt: PromptArg = None,
-    prompts: PromptsOpt = None,
-    prompts_file: PromptsFileOpt = None,
-    new_tokens: GenerateNewTokensOpt = 64,
-    cache: GenerateCacheOpt = "dynamic",
-    temperature: TemperatureOpt = 0.0,
-    top_k: TopKOpt = None,
-    stop_at_eot: StopOpt = True,
-    model: ModelOpt = None,
-    weights: WeightsOpt = "auto",
-    device: DeviceOpt = "auto",
-    dtype: str = dtype_opt("auto"),
-    seed: SeedOpt = 0,
-    tokenizer: TokenizerOpt = None,
-    compile: CompileOpt = "off",
-    draft: DraftOpt = "none",
-    draft_tokens: DraftTokensOpt = None,
-    ngram: NgramOpt = None,
-    json_out: JsonOpt = False,
-) -> None:
+@command(GenerateOptions)
+def generate(o: GenerateOptions) -> None:
     """Generate text through any cache (and batches of prompts). Greedy by default; streams a single prompt."""
-    opts = GenerateOptions(
-        prompt=prompt, prompts=prompts, prompts_file=prompts_file, new_tokens=new_tokens, cache=cache,
-        temperature=temperature, top_k=top_k, stop_at_eot=stop_at_eot, model=model, weights=weights, device=device,
-        dtype=dtype, seed=seed, tokenizer=tokenizer, compile=compile, json_out=json_out, draft=draft,
-        draft_tokens=draft_tokens, ngram=ngram,
-    )  # fmt: skip
-    doc, streamed = run_generation(opts, prepare(opts))
-    if json_out:
+    doc, streamed = run_generation(o, prepare(o))
+    if o.json_out:
         console.print_json({"schema_version": SCHEMA_VERSION, **doc})
     else:
         render_generation(doc, streamed=streamed)
@@ -130,22 +108,16 @@ class Prepared:
 
 
 def prepare(o: GenerateOptions) -> Prepared:
-    """Every check that needs no weights (prompts, --new-tokens, cache, compile mode, sampler, --draft, tokenizer,
-    the model's context), then the model, then the prompts' token ids against its vocabulary."""
+    """Every check that needs no weights (prompts, the options' rules, tokenizer, the model's context), then the
+    model, then the prompts' token ids against its vocabulary."""
     texts = read_prompts(o.prompt, o.prompts, o.prompts_file)
     from kvbench import validate
-    from kvbench.caches import get_cache_spec
-    from kvbench.decode.fixed_step import check_compile
     from kvbench.decode.generate import Sampler
     from kvbench.model.tokenizer import load_tokenizer
     from kvbench.model.weights import peek_config
 
-    validate.integer("--new-tokens", o.new_tokens, 1)
-    validate.integer("the number of prompts", len(texts), 1, validate.MAX_BATCH)
-    get_cache_spec(o.cache)
-    check_compile(o.compile, caches=[o.cache])
+    validate.generate_rules(o, len(texts))
     sampler = Sampler(temperature=o.temperature, top_k=o.top_k, seed=o.seed)
-    check_draft(o, len(texts))
     tok = load_tokenizer(o.tokenizer)
     ids = [tok.encode(t) for t in texts]
     for i, p in enumerate(ids):
@@ -156,30 +128,12 @@ def prepare(o: GenerateOptions) -> Prepared:
     validate.fits_context("prompt length" if len(ids) == 1 else "longest prompt", longest, o.new_tokens,
                           cfg.block_size, "use a shorter prompt or fewer --new-tokens")  # fmt: skip
     loaded, dev, dt = load_for_cli(o.model, o.weights, o.device, o.dtype, o.seed)
-    check_compile(o.compile, dev.type)
+    validate.compile_mode(o.compile, dev.type)
     vocab = loaded.config.vocab_size
     for i, p in enumerate(ids):
         if max(p) >= vocab:
             raise KVBenchError(f"prompt {i + 1} has token id {max(p)} >= the model's vocabulary of {vocab}")
     return Prepared(texts, tok, ids, sampler, loaded, dev, dt)
-
-
-def check_draft(o: GenerateOptions, n_prompts: int) -> None:
-    """--draft and its settings: a known method; --draft-tokens and --ngram only with prompt-lookup; prompt-lookup
-    only where it runs (one prompt, greedy, eager, a cache that can crop)."""
-    from kvbench.decode import speculative
-
-    if o.draft not in speculative.DRAFTS:
-        raise KVBenchError(f"--draft {o.draft!r}: use none or prompt-lookup")
-    if o.draft == "none":
-        for flag, value in (("--draft-tokens", o.draft_tokens), ("--ngram", o.ngram)):
-            if value is not None:
-                raise KVBenchError(
-                    f"{flag} {value} has no effect without --draft prompt-lookup; add it or drop {flag}"
-                )
-        return
-    speculative.check_settings(*draft_settings(o))
-    speculative.check_draftable(o.cache, n_prompts, o.temperature, o.compile)
 
 
 def draft_settings(o: GenerateOptions) -> tuple[int, int]:

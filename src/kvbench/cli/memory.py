@@ -3,14 +3,10 @@ measured against our caches. The command parses options, calls the planner, and 
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
-
-import typer
 from rich.text import Text
 
 from kvbench import console
-from kvbench.cli.app import app, handle_errors
+from kvbench.cli.app import command
 from kvbench.cli.memory_render import (
     render_all,
     render_checks,
@@ -19,83 +15,16 @@ from kvbench.cli.memory_render import (
     render_paged,
     render_plan,
 )
-from kvbench.cli.options import (
-    AllOpt,
-    CheckOpt,
-    CopyTrafficOpt,
-    CtxOpt,
-    FromOpt,
-    GPUMemOpt,
-    GPUOpt,
-    JsonOpt,
-    KVDtypeOpt,
-    LengthsOpt,
-    MeasureOpt,
-    MemoryBatchOpt,
-    MemoryCachesOpt,
-    MemoryConfigOpt,
-    MemoryDeviceOpt,
-    MemoryModelOpt,
-    OverheadOpt,
-    ToOpt,
-    TPOpt,
-    WeightsDtypeOpt,
-)
 from kvbench.console import out
 from kvbench.jsonio import SCHEMA_VERSION
-
-BandwidthOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--bandwidth",
-        help="Memory bandwidth for the decode floor, e.g. 3.35TB/s or 2TiB/s (TB = 10^12 B); overrides the --gpu's "
-        "listed figure, or alone names a custom device.",
-    ),
-]
-PlotOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--plot", help="Write the capacity chart (KV GiB and max batch against context) to FILE.png."
-    ),
-]
+from kvbench.memory.request import Options
 
 
-@app.command()
-@handle_errors
-def memory(
-    model: MemoryModelOpt = None,
-    config: MemoryConfigOpt = None,
-    all_: AllOpt = False,
-    ctx: CtxOpt = None,
-    batch: MemoryBatchOpt = "1",
-    kv_dtype: KVDtypeOpt = "fp16",
-    weights_dtype: WeightsDtypeOpt = None,
-    gpu: GPUOpt = None,
-    gpu_mem: GPUMemOpt = None,
-    overhead: OverheadOpt = None,
-    tp: TPOpt = None,
-    check: CheckOpt = False,
-    copy_traffic: CopyTrafficOpt = False,
-    from_: FromOpt = None,
-    to: ToOpt = None,
-    measure: MeasureOpt = False,
-    lengths: LengthsOpt = None,
-    caches: MemoryCachesOpt = None,
-    device: MemoryDeviceOpt = None,
-    json_out: JsonOpt = False,
-    bandwidth: BandwidthOpt = None,
-    plot: PlotOpt = None,
-) -> None:
+@command(Options)
+def memory(options: Options) -> None:
     """Plan KV-cache memory for real models (bytes/token, per sequence, fits on a GPU, decode floor)."""
-    from kvbench import memory as mem
-
-    options = mem.Options(
-        model=model, config=config, all_=all_, ctx=ctx, batch=batch, kv_dtype=kv_dtype, weights_dtype=weights_dtype,
-        gpu=gpu, gpu_mem=gpu_mem, overhead=overhead, tp=tp, copy_traffic=copy_traffic, from_=from_, to=to,
-        measure=measure, lengths=lengths, check=check, device=device, caches=caches, bandwidth=bandwidth, plot=plot,
-    )  # fmt: skip
-    doc = run_jobs(checked_request(options), json_out)
-    if json_out:
+    doc = run_jobs(checked_request(options), options.json_out)
+    if options.json_out:
         console.print_json(doc)
 
 

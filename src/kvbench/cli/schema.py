@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
+from dataclasses import dataclass
 
 from kvbench import console
-from kvbench.cli.app import app, handle_errors
-
-KindArg = Annotated[
-    str, typer.Argument(help="verify, break, bench (meta.json and bench --json), compare or memory.")
-]
+from kvbench.cli.app import command
+from kvbench.options import option
 
 
-@app.command()
-@handle_errors
-def schema(kind: KindArg) -> None:
+@dataclass
+class SchemaOptions:
+    kind: str = option(
+        argument=True, help="verify, break, bench (meta.json and bench --json), compare or memory."
+    )
+
+
+@command(SchemaOptions)
+def schema(o: SchemaOptions) -> None:
     """Print the JSON Schema (draft 2020-12) of a kvbench document, for validating it in CI or a dashboard.
 
     Every document carries `schema_version`; the schemas list the keys always present and allow others."""
     from kvbench.results.schema import load_schema
 
-    console.print_json(load_schema(kind))
+    console.print_json(load_schema(o.kind))

@@ -4,90 +4,70 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager, redirect_stdout
-from typing import Annotated
+from dataclasses import dataclass
+from pathlib import Path
 
 import typer
 from rich.text import Text
 
-from kvbench import console
-from kvbench.cli.app import (
-    CompileOpt,
-    DeviceOpt,
-    JsonOpt,
-    ModelOpt,
-    SeedOpt,
-    WeightsOpt,
-    _dtype_opt,
-    app,
-    handle_errors,
-    load_for_checks,
-)  # fmt: skip
-from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
-from kvbench.cli.options import JUnitXmlOpt
+from kvbench import console, options
+from kvbench.cli.app import command, load_for_checks
 from kvbench.console import err, line, out, styled, table
-from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
+from kvbench.options import option
 
-CachesOpt = Annotated[
-    str | None,
-    typer.Option(
+
+@dataclass
+class VerifyOptions:
+    """One `kvbench verify` command line (validate.verify_rules)."""
+
+    caches: str | None = option(
         "--caches",
+        default=None,
         help="Comma-separated caches to check (default: all). With --hf: none, dynamic, static, "
         "static-compiled, offloaded, offloaded_static, quantized-quanto, quantized-hqq, quantized-fp8.",
-    ),
-]
-PromptLenOpt = Annotated[int, typer.Option("--prompt-len", help="Tokens in the longest prompt.")]
-NewTokensOpt = Annotated[
-    int, typer.Option("--new-tokens", "-n", help="Greedy tokens for logits/greedy/reference.")
-]
-BatchOpt = Annotated[
-    int, typer.Option("--batch", help="Prompts of different lengths in the batched check (>= 2).")
-]
-ReferenceOpt = Annotated[
-    str, typer.Option("--reference", help="hf: also check against transformers' GPT2LMHeadModel; none: skip.")
-]
+    )
+    prompt_len: int = option("--prompt-len", default=32, help="Tokens in the longest prompt.")
+    new_tokens: int = option(
+        "--new-tokens", "-n", default=100, help="Greedy tokens for logits/greedy/reference."
+    )
+    batch: int = option(
+        "--batch", default=3, help="Prompts of different lengths in the batched check (>= 2)."
+    )
+    reference: str = option(
+        "--reference", default="hf", help="hf: also check against transformers' GPT2LMHeadModel; none: skip."
+    )
+    model: str | None = options.model_option()
+    weights: str = options.weights_option()
+    device: str = options.device_option()
+    dtype: str = options.dtype_option("fp32")
+    seed: int = options.seed_option()
+    compile: str = options.compile_option()
+    json_out: bool = options.json_option()
+    hf: str | None = options.hf_option()
+    trust_remote_code: bool = options.trust_option()
+    layers: int | None = options.layers_option()
+    junit_xml: Path | None = options.junit_option()
 
 
-@app.command()
-@handle_errors
-def verify(
-    caches: CachesOpt = None, prompt_len: PromptLenOpt = 32, new_tokens: NewTokensOpt = 100, batch: BatchOpt = 3,
-    reference: ReferenceOpt = "hf", model: ModelOpt = None, weights: WeightsOpt = "auto", device: DeviceOpt = "auto",
-    dtype: str = _dtype_opt("fp32"), seed: SeedOpt = 0, compile: CompileOpt = "off", json_out: JsonOpt = False,
-    hf: HFOpt = None, trust_remote_code: TrustOpt = False, layers: LayersOpt = None,
-    junit_xml: JUnitXmlOpt = None,
-) -> None:  # fmt: skip
+@command(VerifyOptions, error_doc={"passed": False})
+def verify(o: VerifyOptions) -> None:
     """Prove cached decoding equals full recomputation, for every cache, against Hugging Face.
 
     With --hf SOURCE: the same checks on any Hugging Face causal LM, for each of transformers' own caches, against
     its own no-cache path. Exit 0 when every check passes, 1 when any fails. In fp16/bf16 a token flip at a
     near-tie that the logit error explains is reported, not failed."""
+    from kvbench import validate
     from kvbench.results import junit
 
-    clock = junit.RowClock(None if json_out else verify_row)
-    with _json_safe(json_out), junit.errors_reported(junit_xml, "verify", clock):
-        junit_path = junit.check_junit_path(junit_xml)
-        if hf is not None:
-            from kvbench.cli.hf import refuse_gpt2_options, run_verify_hf
-
-            refuse_gpt2_options(
-                **{
-                    "--model": model,
-                    "--weights": weights != "auto",
-                    "--reference": reference != "hf",
-                    "--compile": compile != "off",
-                }
-            )
-            report, meta = run_verify_hf(
-                hf, caches=caches, prompt_len=prompt_len, new_tokens=new_tokens, batch=batch, device=device,
-                dtype=dtype, seed=seed, layers=layers, trust=trust_remote_code, on_row=clock,
-            )  # fmt: skip
-        else:
-            report, meta = _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weights, device, dtype,
-                                        seed, clock, trust_remote_code, layers, compile)  # fmt: skip
+    clock = junit.RowClock(None if o.json_out else verify_row)
+    with _json_safe(o.json_out), junit.errors_reported(o.junit_xml, "verify", clock):
+        junit_path = junit.check_junit_path(o.junit_xml)
+        validate.verify_rules(o)
+        report, meta = _verify_hf(o, clock) if o.hf is not None else _verify_gpt2(o, clock)
     if junit_path is not None:
         junit.write_suite(junit_path, junit.verify_suite(report, meta, clock.seconds, clock.total()))
-    if json_out:
+    if o.json_out:
         from dataclasses import asdict
 
         console.print_json(
@@ -102,55 +82,67 @@ def verify(
 @contextmanager
 def _json_safe(json_out: bool):
     """With --json, stdout carries one JSON document whatever happens: a model's own print() goes to stderr while
-    it runs, and a refusal (exit 2) still prints {"passed": false, "error": ...} before its line on stderr."""
+    it runs (a refusal's error document is printed by the CLI's error boundary)."""
     if not json_out:
         yield
         return
-    try:
-        with redirect_stdout(sys.stderr):
-            yield
-    except KVBenchError as e:
-        console.print_json(
-            {"schema_version": SCHEMA_VERSION, "passed": False, "error": str(e), "exit_code": 2}
-        )
-        raise
+    with redirect_stdout(sys.stderr):
+        yield
 
 
-def _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weights, device, dtype, seed, on_row,
-                 trust_remote_code, layers, compile):  # fmt: skip
+def _verify_gpt2(o: VerifyOptions, on_row):
     from kvbench import validate
     from kvbench.caches import parse_cache_names
     from kvbench.check.verify import random_prompts, run_verify
-    from kvbench.decode.fixed_step import check_compile
     from kvbench.model.weights import peek_config
 
-    for flag, value in (("--trust-remote-code", trust_remote_code), ("--layers", layers is not None)):
-        if value:
-            raise KVBenchError(f"{flag} applies to --hf models only")
-    names = parse_cache_names(caches)
-    check_compile(compile, caches=names)
-    if reference not in ("hf", "none"):
-        raise KVBenchError(f"--reference must be hf or none, got {reference!r}")
-    validate.integer("--new-tokens", new_tokens, 2, why="the logits check needs a decode step")
-    validate.integer(
-        "--batch", batch, 2, validate.MAX_BATCH, why="the batched check needs prompts of different lengths"
-    )
-    validate.integer(
-        "--prompt-len", prompt_len, batch, why=f"{batch} prompts of distinct lengths need that many tokens"
-    )
-    validate.seed(seed)
-    cfg = peek_config(model, weights)
+    names = parse_cache_names(o.caches)
+    validate.compile_mode(o.compile, caches=names)
+    cfg = peek_config(o.model, o.weights)
     validate.fits_context(
-        "--prompt-len", prompt_len, new_tokens, cfg.block_size, "lower --prompt-len or --new-tokens"
+        "--prompt-len", o.prompt_len, o.new_tokens, cfg.block_size, "lower --prompt-len or --new-tokens"
     )
-    loaded, dev, dt, hf_dir = load_for_checks(model, weights, device, dtype, seed)
-    check_compile(compile, dev.type)
-    prompts = random_prompts(loaded.config.vocab_size, prompt_len, batch, seed)
+    loaded, dev, dt, hf_dir = load_for_checks(o.model, o.weights, o.device, o.dtype, o.seed)
+    validate.compile_mode(o.compile, dev.type)
+    prompts = random_prompts(loaded.config.vocab_size, o.prompt_len, o.batch, o.seed)
     report = run_verify(
-        loaded.model, names, prompts, new_tokens, reference, hf_dir, on_row=on_row, compile=compile
+        loaded.model, names, prompts, o.new_tokens, o.reference, hf_dir, on_row=on_row, compile=o.compile
     )
     meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev), "dtype": report.dtype,
-            "compile": compile}  # fmt: skip
+            "compile": o.compile}  # fmt: skip
+    return report, meta
+
+
+def _verify_hf(o: VerifyOptions, on_row):
+    """`kvbench verify --hf`: load, run every check on every cache, return (report, meta) for the renderers."""
+    from kvbench.check.hf_verify import run_hf_verify
+    from kvbench.check.verify import random_prompts
+    from kvbench.cli.app import CHECK_INIT_STD
+    from kvbench.cli.hf import load_hf_for_cli
+    from kvbench.devices import resolve_device
+    from kvbench.hf.caches import HF_CACHES, parse_verify_caches
+    from kvbench.hf.models import check_length
+
+    names = parse_verify_caches(o.caches, resolve_device(o.device))
+
+    def fits(shape) -> None:  # on the meta-device build, before any weight is read
+        check_length(
+            shape.info, o.prompt_len + o.new_tokens, f"--prompt-len {o.prompt_len} + --new-tokens {o.new_tokens}",
+            "lower --prompt-len or --new-tokens",
+        )  # fmt: skip
+
+    loaded, dev, _ = load_hf_for_cli(o.hf, o.device, o.dtype, o.seed, o.layers, o.trust_remote_code,
+                                     init_std=CHECK_INIT_STD, run=(o.batch, o.prompt_len + o.new_tokens),
+                                     check=fits)  # fmt: skip
+    prompts = random_prompts(loaded.info.vocab_size, o.prompt_len, o.batch, o.seed)
+    report = run_hf_verify(loaded, names, prompts, o.new_tokens, on_row=on_row)
+    meta = {
+        "model": loaded.label,
+        "weights": loaded.weights,
+        "device": str(dev),
+        "dtype": report.dtype,
+        "hf": {**loaded.meta(), "caches": {n: HF_CACHES[n].summary for n in names}},
+    }
     return report, meta
 
 

@@ -38,9 +38,7 @@ import weakref
 
 import torch
 
-from kvbench.caches import get_cache_spec
 from kvbench.caches.static_graph import StaticGraphCache
-from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import EXACT_MASK, GPT, MaskRule
 
 COMPILE_MODES = ("off", "default", "max")  # the --compile choices
@@ -57,29 +55,6 @@ MAX_OPTIONS = {
     "max_autotune_report_choices_stats": False,
 }
 WARMUP_STEPS = 3  # eager runs on a side stream before capture (lazy inits, cuBLAS handles, compilation)
-
-
-def check_compile(mode: str, device_type: str | None = None, caches: list[str] | None = None) -> str:
-    """`--compile` for a step on `device_type`: one of COMPILE_MODES, max on the CPU only (not checked where the
-    device is not known yet: None); other than off, only where one of `caches` (when given) has a fixed-shape
-    step, since nothing else is compiled."""
-    if mode not in COMPILE_MODES:
-        raise KVBenchError(
-            f"--compile {mode!r}: use off (the eager step), default (torch.compile) or max (CPU: frozen weights, "
-            "autotuned C++ GEMMs)"
-        )
-    if caches is not None and mode != "off" and not any(get_cache_spec(c).fixed_step for c in caches):
-        runs = ", ".join(caches) or "none of kvbench's"
-        raise KVBenchError(
-            f"--compile {mode} compiles the fixed-shape decode step of static-graph; the caches run here ({runs}) "
-            "have none, so nothing would be compiled: add static-graph or drop --compile"
-        )
-    if mode == "max" and device_type not in (None, "cpu"):
-        raise KVBenchError(
-            f"--compile max compiles the CPU decode step (frozen weights, C++ GEMM templates); on {device_type} "
-            "use --compile default"
-        )
-    return mode
 
 
 class _SlotWriter:
@@ -214,7 +189,9 @@ class FixedShapeDecoder:
         assert not self.use_graph or device.type == "cuda", (
             f"CUDA graphs need a CUDA device, caches on {device}"
         )
-        self.compile_mode = check_compile(compile, device.type)  # one of COMPILE_MODES
+        # the caller's promise (validate.compile_mode): a known mode, max on the CPU only
+        assert compile in COMPILE_MODES and (compile != "max" or device.type == "cpu"), (compile, device.type)
+        self.compile_mode = compile
         self.compile = compile != "off"
         self.key = _model_key(model, mask_rule, frozen=compile == "max")
         self._step = _compiled(compile, model, self.key) if self.compile else fixed_decode_step

@@ -24,11 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench import validate
 from kvbench.caches import cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
 from kvbench.decode import fixed_step
 from kvbench.devices import synchronize
-from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import EXACT_MASK, GPT, MaskRule
 
 PAD_ID = 0  # the id written into padding slots: never attended to, so any id in every vocabulary works
@@ -41,15 +39,10 @@ class Sampler:
     seed: int = 0  # seeds the sampling generator (per generate call, so runs are reproducible)
 
     def __post_init__(self) -> None:
-        self.temperature = validate.real("--temperature", self.temperature, 0.0, 1e6)
-        if self.top_k is not None:
-            validate.integer("--top-k", self.top_k, 1)
-            if self.temperature == 0:
-                raise KVBenchError(
-                    f"--top-k {self.top_k} has no effect at --temperature 0 (greedy decoding takes the argmax); "
-                    "give --temperature > 0 to sample, or drop --top-k"
-                )
-        self.seed = validate.seed(self.seed)
+        assert self.temperature >= 0 and (self.top_k is None or self.top_k >= 1), (
+            self.temperature,
+            self.top_k,
+        )
 
     def __call__(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """logits (B, V) -> next ids (B, 1)."""
@@ -74,11 +67,7 @@ class Batch:
 
 
 def left_pad(prompts: list[list[int]], device: torch.device | str) -> Batch:
-    if not prompts:
-        raise KVBenchError("no prompts given")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise KVBenchError(f"prompt {i + 1} is empty (encodes to zero tokens); give at least one token")
+    assert prompts and all(prompts), "left_pad needs one or more non-empty prompts"
     lens = [len(p) for p in prompts]
     B, T = len(prompts), max(lens)
     ids = torch.full((B, T), PAD_ID, dtype=torch.long)
@@ -150,19 +139,6 @@ class GenerationResult:
         return self.ttft_s + sum(self.step_s)
 
 
-def check_fits(model: GPT, prompt_len: int, max_new_tokens: int) -> None:
-    """At least one new token, and prompt + new tokens within the model's context (validate.fits_context)."""
-    if max_new_tokens < 1:
-        raise KVBenchError(f"new tokens must be >= 1, got {max_new_tokens}")
-    validate.fits_context(
-        "prompt length",
-        prompt_len,
-        max_new_tokens,
-        model.config.block_size,
-        "use a shorter prompt or fewer new tokens",
-    )
-
-
 def _decoder(
     model: GPT,
     cache: str,
@@ -214,7 +190,10 @@ def generate(
     sampler = sampler or Sampler()
     device = model.lm_head.weight.device
     batch = rules.padding(prompts, device)
-    check_fits(model, batch.ids.size(1), max_new_tokens)
+    # the caller's promise (validate: new tokens, fits_context): learned positions stop at the context
+    assert 1 <= max_new_tokens and batch.ids.size(1) + max_new_tokens <= model.config.block_size, (
+        f"{batch.ids.size(1)} + {max_new_tokens} tokens past the context of {model.config.block_size}"
+    )
     caches, forward = _decoder(model, cache, caches, batch, max_new_tokens, rules, compile)
     generator = torch.Generator(device=device).manual_seed(sampler.seed) if sampler.temperature > 0 else None
     # what the next forward sees

@@ -31,19 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench import validate
-from kvbench.caches import get_cache_spec, make_caches, missing_lifecycle
-from kvbench.decode.generate import GenerationResult, Sampler, _result, check_fits, left_pad
+from kvbench.caches import make_caches
+from kvbench.decode.generate import GenerationResult, Sampler, _result, left_pad
 from kvbench.devices import synchronize
-from kvbench.errors import KVBenchError
-from kvbench.model.gpt2 import GPT, GPTConfig
+from kvbench.model.gpt2 import GPT
 
-DRAFTS = ("none", "prompt-lookup")  # the --draft choices
 DEFAULT_DRAFT_TOKENS = 4  # K: the most tokens one forward verifies besides the last accepted one
 DEFAULT_NGRAM = 3  # the longest suffix looked up (then shorter ones, down to 1)
-MAX_DRAFT_TOKENS = 64
-MAX_NGRAM = 16
-_PROBE = GPTConfig(block_size=8, vocab_size=8, n_layer=1, n_head=1, n_embd=4, name="draft-probe")
 
 
 @dataclass
@@ -65,44 +59,6 @@ class SpeculativeResult:
     @property
     def acceptance_rate(self) -> float | None:
         return self.accepted / self.proposed if self.proposed else None
-
-
-def check_settings(draft_tokens: int, ngram: int) -> tuple[int, int]:
-    return (
-        validate.integer("--draft-tokens", draft_tokens, 1, MAX_DRAFT_TOKENS),
-        validate.integer("--ngram", ngram, 1, MAX_NGRAM),
-    )
-
-
-def check_draftable(cache: str, n_prompts: int = 1, temperature: float = 0.0, compile: str = "off") -> None:
-    """What prompt-lookup decoding runs on, checked before any model work: one prompt, greedy, eager, and a cache
-    that can crop (a probe layer cache is built on a tiny CPU config to ask it)."""
-    what = "--draft prompt-lookup decodes one prompt greedily"
-    if n_prompts != 1:
-        raise KVBenchError(
-            f"{what} (batch 1); {n_prompts} prompts were given: give one prompt, or drop --draft"
-        )
-    if temperature > 0:
-        raise KVBenchError(
-            f"{what}; --temperature {temperature:g} samples: use --temperature 0, or drop --draft"
-        )
-    if compile != "off":
-        raise KVBenchError(
-            f"--compile {compile} compiles static-graph's fixed-shape decode step, which --draft does not run "
-            "(its forwards verify several tokens at once): drop --compile or --draft"
-        )
-    spec = get_cache_spec(cache)
-    if spec.factory is None:
-        raise KVBenchError(
-            f"--draft prompt-lookup needs a cache to crop rejected draft tokens from; --cache {cache} keeps none: "
-            "use --cache dynamic (or another cache that implements crop)"
-        )
-    probe = spec.factory(_PROBE, 1, 4, torch.float32, torch.device("cpu"))
-    if "crop" in missing_lifecycle(probe):
-        raise KVBenchError(
-            f"--draft prompt-lookup crops the cache after each verification; cache {cache!r} does not implement "
-            "crop: use a cache that does (every built-in one except none), or drop --draft"
-        )
 
 
 def lookup(text: list[int], ngram: int, k: int) -> list[int]:
@@ -148,13 +104,13 @@ def speculative_generate(
     on_token: Callable[[list[int]], None] | None = None,
 ) -> SpeculativeResult:  # fmt: skip
     """Greedy prompt-lookup decoding of one prompt through fresh caches of `cache` (module docstring).
-    `on_token([id])` is called for each kept token in order, as plain `generate` calls it."""
-    draft_tokens, ngram = check_settings(draft_tokens, ngram)
-    check_draftable(cache, len(prompts))
+    `on_token([id])` is called for each kept token in order, as plain `generate` calls it. The caller has checked
+    the settings (validate.draft_rules): one prompt, a cache that can crop, prompt + new tokens within the context."""
+    assert len(prompts) == 1 and draft_tokens >= 1 and ngram >= 1, (len(prompts), draft_tokens, ngram)
     device = model.lm_head.weight.device
     batch = left_pad(prompts, device)
     P = batch.ids.size(1)
-    check_fits(model, P, max_new_tokens)
+    assert 1 <= max_new_tokens and P + max_new_tokens <= model.config.block_size, (P, max_new_tokens)
     caches = make_caches(cache, model.config, 1, P + max_new_tokens, model.lm_head.weight.dtype, device)
     greedy = Sampler()
 

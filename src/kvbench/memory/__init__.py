@@ -50,9 +50,8 @@ from kvbench.memory.presets import GPUS_TOML, MODELS_TOML, get_gpu, get_model, l
 from kvbench.memory.request import DEFAULT_MEASURE_CTX, Options, Request, parse_request, plan_request
 from kvbench.memory.resolve import resolve_config
 from kvbench.memory.spec import GPUSpec, ModelSpec
-from kvbench.memory.traffic import CopyTraffic, check_copy_range, copy_traffic
+from kvbench.memory.traffic import CopyTraffic, copy_traffic
 from kvbench.memory.units import (
-    MAX_BATCH,
     MAX_TOKENS,
     GiB,
     KiB,
@@ -75,9 +74,9 @@ def spec_from_hf_config(path) -> ModelSpec:
 
 
 __all__ = [
-    "DEFAULT_MEASURE_CTX", "DEFAULT_OVERHEAD", "GPUS_TOML", "KV_FORMATS", "MAX_BATCH", "MAX_TOKENS", "MODELS_TOML",
+    "DEFAULT_MEASURE_CTX", "DEFAULT_OVERHEAD", "GPUS_TOML", "KV_FORMATS", "MAX_TOKENS", "MODELS_TOML",
     "WEIGHT_BITS", "CopyTraffic", "GPUBudget", "GPUSpec", "GiB", "KVFormat", "KiB", "MiB", "ModelPlan", "ModelSpec",
-    "Options", "PlanRow", "Request", "TiB", "bytes_per_sequence", "check_copy_range", "check_tokens",
+    "Options", "PlanRow", "Request", "TiB", "bytes_per_sequence", "check_tokens",
     "copy_traffic", "estimate_params", "estimate_vision_params", "fmt_bytes", "fmt_int", "fmt_params",
     "fmt_tokens", "get_gpu", "get_kv_format", "get_model", "gpu_budget", "kv_heads_per_gpu",
     "layer_bytes_per_token", "load_gpus", "load_presets", "max_context", "parse_bytes", "parse_ctx",

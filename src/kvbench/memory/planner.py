@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbench.errors import KVBenchError
 from kvbench.memory.bandwidth import PeakBandwidth
 from kvbench.memory.decode_floor import DecodeFloor, attach_floors
 from kvbench.memory.formats import KVFormat, get_kv_format, weight_bits
@@ -23,9 +22,7 @@ from kvbench.memory.formulas import (
 )
 from kvbench.memory.spec import GPUSpec, ModelSpec
 from kvbench.memory.units import (
-    MAX_BATCH,
     MAX_TOKENS,
-    check_tokens,
     fmt_bytes,
     fmt_int,
     fmt_params,
@@ -304,13 +301,9 @@ def _row(spec: ModelSpec, s: _Sizes, ctx: int) -> PlanRow:
 
 
 def _check_request(contexts: list[int], batches: list[int]) -> None:
-    for batch in batches:
-        if not 1 <= batch <= MAX_BATCH:
-            raise KVBenchError(f"--batch {batch} must be from 1 to {fmt_int(MAX_BATCH)}")
-    if not contexts:
-        raise KVBenchError("no context lengths given; use --ctx 8k,32k,128k")
-    for c in contexts:
-        check_tokens(c, f"context length {c}")
+    # the caller's promise (memory/request.py: parse_ctx, validate.memory_rules)
+    assert contexts and all(1 <= c <= MAX_TOKENS for c in contexts), contexts
+    assert all(b >= 1 for b in batches), batches
 
 
 def plan(

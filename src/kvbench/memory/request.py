@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbench import validate
 from kvbench.errors import KVBenchError
 from kvbench.memory.bandwidth import PeakBandwidth, parse_bandwidth
 from kvbench.memory.check import check_format
@@ -20,8 +21,8 @@ from kvbench.memory.planner import DEFAULT_OVERHEAD, ModelPlan, plan
 from kvbench.memory.presets import get_gpu, get_model, load_presets
 from kvbench.memory.resolve import resolve_config
 from kvbench.memory.spec import GPUSpec, ModelSpec
-from kvbench.memory.traffic import check_copy_range
-from kvbench.memory.units import MAX_BATCH, fmt_int, parse_bytes, parse_ctx, parse_overhead
+from kvbench.memory.units import parse_bytes, parse_ctx, parse_overhead
+from kvbench.options import option
 
 DEFAULT_COPY_RANGE = (128, 528)  # a 128-token prompt and 400 new tokens
 DEFAULT_MEASURE_CTX = 1024
@@ -31,29 +32,102 @@ MAX_CONTEXTS = 256  # rows of one table; each is a bisection for the longest con
 
 @dataclass
 class Options:
-    """The command line as given: None (or False) for an option the user did not pass."""
+    """The command line as given: None (or False) for an option the user did not pass (validate.memory_rules)."""
 
-    model: list[str] | None = None
-    config: Path | None = None
-    all_: bool = False
-    ctx: str | None = None
-    batch: int | str = 1  # one batch, or a list such as "1,16"
-    kv_dtype: str = "fp16"
-    weights_dtype: str | None = None
-    gpu: str | None = None
-    gpu_mem: str | None = None
-    overhead: str | None = None
-    tp: int | None = None
-    copy_traffic: bool = False
-    from_: int | None = None
-    to: int | None = None
-    measure: bool = False
-    lengths: str | None = None
-    check: bool = False
-    device: str | None = None
-    caches: str | None = None  # --measure's caches as given; the command resolves them (plugins need torch)
-    bandwidth: str | None = None  # --bandwidth: memory bandwidth for the decode floor, e.g. 3.35TB/s
-    plot: Path | None = None  # --plot: the capacity chart's PNG
+    model: list[str] | None = option(
+        "--model",
+        "-m",
+        default=None,
+        help="Preset from configs/models.toml (llama-3-8b), a local model directory or config.json, or a Hugging "
+        "Face hub id (org/name; fetches its config.json) (repeatable).",
+    )
+    config: Path | None = option(
+        "--config",
+        default=None,
+        help="Any Hugging Face config.json of a decoder LLM (resolved by transformers); as --model PATH.",
+    )
+    all_: bool = option("--all", default=False, help="One table for every preset.")
+    ctx: str | None = option(
+        "--ctx",
+        default=None,
+        help="Context lengths, e.g. 8k,32k,128k (k = 1024 tokens, m = 1024k). "
+        "Default: the model's max context; 8k,128k with --all.",
+    )
+    batch: str = option(
+        "--batch", "-b", default="1", help="Sequences held at once: one, or a list such as 1,16."
+    )
+    kv_dtype: str = option(
+        "--kv-dtype",
+        default="fp16",
+        help="fp32 | fp16 | bf16 | fp8 | int8 | int4 (int8/int4 add group scales); also float32/float, "
+        "float16/half, bfloat16, fp8_e4m3/float8_e4m3fn (case-insensitive).",
+    )
+    weights_dtype: str | None = option(
+        "--weights-dtype",
+        default=None,
+        help="fp32 | fp16 | bf16 (default) | fp8 | int8 | int4; torch's names work too (float16, bfloat16, ...).",
+    )
+    gpu: str | None = option(
+        "--gpu", default=None, help="GPU preset from configs/gpus.toml: t4, a100-80gb, h100, h200, ..."
+    )
+    gpu_mem: str | None = option(
+        "--gpu-mem", default=None, help="GPU memory instead of --gpu, e.g. 80GiB (GB = 10^9 B)."
+    )
+    overhead: str | None = option(
+        "--overhead",
+        default=None,
+        help="Allowance for activations, CUDA context, allocator: 10% (default) or 4GiB.",
+    )
+    tp: int | None = option("--tp", default=None, help="Tensor-parallel GPUs (KV heads split across them).")
+    check: bool = option(
+        "--check",
+        default=False,
+        help="Also allocate transformers' own cache for the model on the meta device and compare per layer kind.",
+    )
+    copy_traffic: bool = option(
+        "--copy-traffic", default=False, help="Bytes a torch.cat cache copies growing from --from to --to."
+    )
+    from_: int | None = option(
+        "--from", default=None, help="Tokens cached at the start (--copy-traffic; default 128)."
+    )
+    to: int | None = option(
+        "--to", default=None, help="Tokens cached at the end (--copy-traffic; default 528)."
+    )
+    measure: bool = option(
+        "--measure", default=False, help="gpt2 family: allocate every registered cache and compare bytes."
+    )
+    lengths: str | None = option(
+        "--lengths",
+        default=None,
+        help="With --measure: a batch of mixed sequence lengths, e.g. 37,130,260,528: the blocks a paged "
+        "cache holds vs a static cache's batch x max-length reservation (max length: --ctx, else the longest).",
+    )
+    caches: str | None = option(
+        "--caches",
+        default=None,
+        help="With --measure: the caches to allocate, comma-separated names or pkg.module:Class plugins "
+        "(default: all).",
+    )
+    device: str | None = option(
+        "--device",
+        "-d",
+        default=None,
+        help="Where --measure and the copy counter run: auto | cpu | cuda | cuda:N.",
+    )
+    json_out: bool = option(
+        "--json", default=False, help="Print one JSON document to stdout and nothing else."
+    )
+    bandwidth: str | None = option(
+        "--bandwidth",
+        default=None,
+        help="Memory bandwidth for the decode floor, e.g. 3.35TB/s or 2TiB/s (TB = 10^12 B); overrides the --gpu's "
+        "listed figure, or alone names a custom device.",
+    )
+    plot: Path | None = option(
+        "--plot",
+        default=None,
+        help="Write the capacity chart (KV GiB and max batch against context) to FILE.png.",
+    )
 
 
 @dataclass
@@ -89,72 +163,17 @@ class Request:
         return not (self.measure or self.copy_traffic)
 
 
-# option -> (the runs it belongs to, how to say so). A given option outside its run would be silently ignored.
-_SCOPE = {
-    "--from": ("copy", "--from and --to go with --copy-traffic"),
-    "--to": ("copy", "--from and --to go with --copy-traffic"),
-    "--lengths": ("measure", "--lengths goes with --measure (it fills a real paged cache)"),
-    "--device": ("measure copy", "--device goes with --measure or --copy-traffic (a plan allocates nothing)"),
-    "--gpu": ("plan", "--gpu sizes a plan; --measure and --copy-traffic do not use it"),
-    "--gpu-mem": ("plan", "--gpu-mem sizes a plan; --measure and --copy-traffic do not use it"),
-    "--tp": ("plan", "--tp splits a plan over GPUs; --measure and --copy-traffic do not use it"),
-    "--weights-dtype": (
-        "plan",
-        "--weights-dtype sizes a plan's weights; --measure and --copy-traffic do not",
-    ),
-    "--check": ("plan", "--check checks a plan: use it without --measure and --copy-traffic"),
-    "--bandwidth": (
-        "plan",
-        "--bandwidth gives a plan its decode floor; --measure and --copy-traffic do not use it",
-    ),
-    "--plot": ("plan", "--plot draws a plan; --measure and --copy-traffic do not make one"),
-}
-
-
-def _check_combinations(o: Options) -> None:
-    if o.all_ and (o.model or o.config is not None):
-        raise KVBenchError("use --all or --model/--config, not both")
-    if o.gpu is not None and o.gpu_mem is not None:
-        raise KVBenchError("use --gpu or --gpu-mem, not both")
-    runs = {"measure"} if o.measure else set()
-    runs |= {"copy"} if o.copy_traffic else set()
-    runs = runs or {"plan"}
-    given = {
-        "--from": o.from_ is not None, "--to": o.to is not None, "--lengths": o.lengths is not None,
-        "--device": o.device is not None, "--gpu": o.gpu is not None, "--gpu-mem": o.gpu_mem is not None,
-        "--tp": o.tp is not None, "--weights-dtype": o.weights_dtype is not None, "--check": o.check,
-        "--bandwidth": o.bandwidth is not None, "--plot": o.plot is not None,
-    }  # fmt: skip
-    for opt, on in given.items():
-        scope, why = _SCOPE[opt]
-        if on and not runs & set(scope.split()):
-            raise KVBenchError(why)
-    if o.overhead is not None and o.gpu is None and o.gpu_mem is None:
-        raise KVBenchError("--overhead goes with --gpu or --gpu-mem (it is set aside from the GPU's memory)")
-    if o.check and o.all_:
-        raise KVBenchError("--check builds each model on the meta device: name them with --model or --config")
-    if o.measure and (o.all_ or o.config is not None or not o.model or len(o.model) != 1):
-        raise KVBenchError("--measure takes one gpt2-family --model (gpt2, gpt2-medium, gpt2-large, gpt2-xl)")
-
-
 def _batches(o: Options) -> list[int]:
-    """--batch 16 or --batch 1,16: whole numbers of sequences, each from 1 to MAX_BATCH; a repeat is one."""
+    """--batch 16 or --batch 1,16: whole numbers of sequences (validate.memory_rules bounds them); a repeat is one."""
     if isinstance(o.batch, int):
-        values = [o.batch]
-    else:
-        try:
-            values = [int(b) for b in str(o.batch).replace("_", "").split(",")]
-        except ValueError:
-            raise KVBenchError(
-                f"cannot read --batch {o.batch!r}: give whole numbers of sequences, e.g. --batch 1,16"
-            ) from None
-    for b in values:
-        if not 1 <= b <= MAX_BATCH:
-            raise KVBenchError(f"--batch {b} must be from 1 to {fmt_int(MAX_BATCH)}")
-    batches = list(dict.fromkeys(values))
-    if len(batches) > 1 and (o.measure or o.copy_traffic or o.all_):
-        raise KVBenchError("--measure, --copy-traffic and --all take one --batch; a list goes with --model")
-    return batches
+        return [o.batch]
+    try:
+        values = [int(b) for b in str(o.batch).replace("_", "").split(",")]
+    except ValueError:
+        raise KVBenchError(
+            f"cannot read --batch {o.batch!r}: give whole numbers of sequences, e.g. --batch 1,16"
+        ) from None
+    return list(dict.fromkeys(values))
 
 
 def _bandwidth(o: Options, gpu: GPUSpec | None) -> PeakBandwidth | None:
@@ -172,10 +191,6 @@ def _bandwidth(o: Options, gpu: GPUSpec | None) -> PeakBandwidth | None:
 def _plot_path(o: Options) -> Path | None:
     if o.plot is None:
         return None
-    if o.gpu is None and o.gpu_mem is None:
-        raise KVBenchError("--plot draws against a GPU's memory: give --gpu h100 or --gpu-mem 80GiB")
-    if o.all_:
-        raise KVBenchError("--plot draws the models named with --model (or --config), not --all")
     if o.plot.suffix.lower() != ".png":
         raise KVBenchError(f"--plot {o.plot} must name a .png file")
     if not o.plot.parent.is_dir():
@@ -230,10 +245,8 @@ def parse_request(o: Options, extra: Callable[[str], ModelSpec | None] | None = 
 
     `extra` names models beyond the presets (the command passes our own GPT-2 presets for --measure and
     --copy-traffic), so this module needs no torch."""
-    _check_combinations(o)
     batches = _batches(o)
-    if o.tp is not None and o.tp < 1:
-        raise KVBenchError(f"--tp {o.tp} must be at least 1")
+    validate.memory_rules(o, batches)
     contexts = list(dict.fromkeys(parse_ctx(o.ctx))) if o.ctx is not None else None  # a repeat is one row
     if contexts and len(contexts) > MAX_CONTEXTS:
         raise KVBenchError(f"--ctx lists {len(contexts):,} context lengths; give at most {MAX_CONTEXTS}")
@@ -248,11 +261,9 @@ def parse_request(o: Options, extra: Callable[[str], ModelSpec | None] | None = 
         o.to if o.to is not None else DEFAULT_COPY_RANGE[1],
     )
     if o.copy_traffic:
-        check_copy_range(*copy_range, batches[0])
+        validate.copy_range_rules(*copy_range)
     lengths = _lengths(o, contexts)
     specs, resolved = _specs(o, extra if (o.measure or o.copy_traffic) else None)
-    if o.caches is not None and not o.measure:
-        raise KVBenchError("--caches goes with --measure (it names the caches to allocate)")
     return Request(
         specs=specs, contexts=contexts, batch=batches[0], kv_dtype=kv, weights_dtype=weights_dtype, tp=o.tp or 1,
         gpu=gpu, gpu_mem=gpu_mem, gpu_mem_text=o.gpu_mem or "", overhead=o.overhead or DEFAULT_OVERHEAD,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbench.errors import KVBenchError
 from kvbench.memory.formats import get_kv_format
 from kvbench.memory.formulas import layer_bytes_per_token, token_bytes
 from kvbench.memory.spec import ModelSpec
-from kvbench.memory.units import MAX_BATCH, MAX_TOKENS, fmt_bytes, fmt_int
+from kvbench.memory.units import fmt_bytes, fmt_int
 
 
 @dataclass
@@ -38,16 +37,6 @@ def _sum_held(n0: int, n1: int, window: int | None) -> int:
     return s(n0, cut) + window * (n1 - cut)
 
 
-def check_copy_range(n0: int, n1: int, batch: int) -> None:
-    """--from, --to and --batch of --copy-traffic, checked before any work."""
-    if n0 < 0 or n1 <= n0:
-        raise KVBenchError(f"--from {n0} --to {n1}: need 0 <= from < to")
-    if n1 > MAX_TOKENS:
-        raise KVBenchError(f"--to {n1} is more than {fmt_int(MAX_TOKENS)} tokens (2^40)")
-    if not 1 <= batch <= MAX_BATCH:
-        raise KVBenchError(f"--batch {batch} must be from 1 to {fmt_int(MAX_BATCH)}")
-
-
 def copy_traffic(spec: ModelSpec, n0: int, n1: int, batch: int = 1, kv_dtype: str = "fp16") -> CopyTraffic:
     """Closed form of what `torch.cat([k_past, k], dim=2)` copies growing the cache from n0 to n1 tokens.
 
@@ -55,7 +44,7 @@ def copy_traffic(spec: ModelSpec, n0: int, n1: int, batch: int = 1, kv_dtype: st
     bytes_per_token_per_layer x sum over layers of (n0 + ... + n1-1) = bytes/token x (n1 - n0)(n0 + n1 - 1) / 2;
     the seed rounds it to bytes/token x (n1^2 - n0^2) / 2.
     """
-    check_copy_range(n0, n1, batch)
+    assert 0 <= n0 < n1 and batch >= 1, (n0, n1, batch)  # validate.memory_rules
     fmt = get_kv_format(kv_dtype)
     per_token = token_bytes(spec, fmt)
     windowed = set(spec.sliding_layers)

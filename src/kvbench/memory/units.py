@@ -11,7 +11,6 @@ KiB, MiB, GiB, TiB, PiB, EiB = 2**10, 2**20, 2**30, 2**40, 2**50, 2**60
 # Sane upper bounds, checked before any arithmetic: far above any real model or deployment, low enough that a typo
 # (or a hostile config.json) is refused in one line instead of running for minutes.
 MAX_TOKENS = 2**40  # context lengths, windows, max_position_embeddings: about 10^12 tokens
-MAX_BATCH = 2**31  # sequences held at once
 MAX_LAYERS = 4096  # decoder layers (the largest public models have ~130)
 MAX_WIDTH = 2**20  # hidden size, heads, head_dim, MLP width, latent ranks
 MAX_VOCAB = 2**24  # vocabulary entries
