@@ -206,7 +206,7 @@ def _measure(
     out: list[list[float]] = []
     held, failure = 0, None
     try:
-        layers = make_caches(cache, model.config, batch, context + new_tokens, dt, dev)
+        layers = make_caches(cache, model.cache_config, batch, context + new_tokens, dt, dev)
         for _ in range(runs):
             for c in layers:
                 c.reset()

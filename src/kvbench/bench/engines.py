@@ -66,7 +66,7 @@ class _KVBenchConfiguration:
     def __init__(self, model, cache: str, batch: int, max_len: int, compile: str = "off") -> None:
         w = model.lm_head.weight
         self.model, self.cache, self.compile = model, cache, compile
-        self.caches = make_caches(cache, model.config, batch, max_len, w.dtype, w.device)
+        self.caches = make_caches(cache, model.cache_config, batch, max_len, w.dtype, w.device)
 
     def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False) -> RunTiming:
         prompts = ids.tolist()
@@ -94,7 +94,7 @@ class _KVBenchConfiguration:
         caches, so every attention call is visible to `backends.watch_sdpa`."""
         w = self.model.lm_head.weight
         B, T = ids.shape
-        caches = make_caches(self.cache, self.model.config, B, T + 2, w.dtype, w.device)
+        caches = make_caches(self.cache, self.model.cache_config, B, T + 2, w.dtype, w.device)
         if get_cache_spec(self.cache).fixed_step:
             caches[0].runner = FixedShapeDecoder(self.model, caches, graph=False)
         generate(self.model, ids.tolist(), 2, cache=self.cache, caches=caches)

@@ -44,10 +44,10 @@ def fresh_caches(
     w = model.lm_head.weight
     if fault is not None and fault.layer_cache is not None:
         return [
-            fault.layer_cache(model.config, batch, max_len, w.dtype, w.device)
+            fault.layer_cache(model.cache_config, batch, max_len, w.dtype, w.device)
             for _ in range(model.config.n_layer)
         ]
-    return make_caches(cache, model.config, batch, max_len, w.dtype, w.device)
+    return make_caches(cache, model.cache_config, batch, max_len, w.dtype, w.device)
 
 
 def run(
@@ -136,16 +136,20 @@ class GPT2Model:
 
 
 class GPT2Subject:
-    """Our GPT-2 with cache `cache`, optionally with a fault injected and a compiled fixed-shape step."""
+    """Our GPT-2 with cache `cache`, optionally with a fault injected and a compiled fixed-shape step. `runner`: the
+    model the cached runs go through when it is not the model under test itself (a tensor-parallel rank's shard,
+    held to the whole model in this process)."""
 
     # an invariant tripped inside a run (a model assert, a cache overflow): a failed row, not a traceback
     crashes = (KVBenchError, AssertionError, RuntimeError)
 
     def __init__(
-        self, model: GPT2Model, cache: str, fault: Injection | None = None, compile: str = "off"
-    ) -> None:
+        self, model: GPT2Model, cache: str, fault: Injection | None = None, compile: str = "off",
+        runner: GPT | None = None,
+    ) -> None:  # fmt: skip
         spec = get_cache_spec(cache)
         self.model, self.cache, self.fault, self.compile = model, cache, fault, compile
+        self.gpt = runner if runner is not None else model.gpt
         self.cached = spec.factory is not None
         lossy = None if spec.exact else (spec.logit_rtol, spec.logit_atol)
         own = dict(lossy=lossy, min_agreement=spec.min_greedy_agreement, source="its logit_atol, logit_rtol")
@@ -156,24 +160,24 @@ class GPT2Subject:
         return None
 
     def generate(self, prompts: list[list[int]], new: int) -> Run:
-        return as_run(run(self.model.gpt, prompts, new, self.cache, self.fault, compile=self.compile))
+        return as_run(run(self.gpt, prompts, new, self.cache, self.fault, compile=self.compile))
 
     def reused(self, prev: list[int], prompt: list[int], new: int) -> tuple[Run, str]:
-        gpt = self.model.gpt
+        gpt = self.gpt
         caches = fresh_caches(gpt, self.cache, 1, max(len(prev), len(prompt)) + new, self.fault)
         run(gpt, [prev], new, self.cache, self.fault, caches, self.compile)
         res = run(gpt, [prompt], new, self.cache, self.fault, caches, self.compile)  # generate resets them
         return as_run(res), "reused after another prompt"
 
     def open(self, batch: int, max_len: int) -> GPT2Session:
-        return GPT2Session(self, fresh_caches(self.model.gpt, self.cache, batch, max_len, self.fault))
+        return GPT2Session(self, fresh_caches(self.gpt, self.cache, batch, max_len, self.fault))
 
     def generation_features(self, check: str) -> list[tuple[str, Callable, Callable]]:
         """`rollback`: `generate --draft prompt-lookup` (drafts verified in one forward, the rest cropped) against
         plain greedy through the same cache. Not with an injected fault, whose caches the feature does not use."""
         if check != "rollback" or self.fault is not None:
             return []
-        gpt = self.model.gpt
+        gpt = self.gpt
 
         def drafted(prompt: list[int], new: int) -> list[int]:
             return speculative_generate(gpt, [prompt], new, self.cache).generation.tokens[0]
@@ -184,7 +188,7 @@ class GPT2Subject:
         return [("generate --draft prompt-lookup", drafted, plain)]
 
     def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
-        layer = fresh_caches(self.model.gpt, self.cache, 1, 1, self.fault)[0]
+        layer = fresh_caches(self.gpt, self.cache, 1, 1, self.fault)[0]
         lacks = [m for m in members if m in missing_lifecycle(layer)]
         name = type(getattr(layer, "inner", layer)).__name__
         return (
@@ -197,7 +201,7 @@ class GPT2Session:
 
     def __init__(self, subject: GPT2Subject, caches: list) -> None:
         self.subject, self.caches = subject, caches
-        self.gpt = subject.model.gpt
+        self.gpt = subject.gpt
         self.rules = subject.fault.rules if subject.fault is not None else EXACT
 
     @torch.inference_mode()

@@ -157,7 +157,7 @@ def _decoder(
     elif caches is None:
         B, T = batch.ids.shape
         caches = make_caches(
-            cache, model.config, B, T + max_new_tokens, model.lm_head.weight.dtype, batch.ids.device
+            cache, model.cache_config, B, T + max_new_tokens, model.lm_head.weight.dtype, batch.ids.device
         )
     else:
         rules.reuse(caches)

@@ -75,23 +75,23 @@ class Conv1D(nn.Module):
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        # the heads this module computes: all of them (a tensor-parallel shard holds a slice, model/tp.py)
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
         self.c_attn = Conv1D(cfg.n_embd, 3 * cfg.n_embd)  # fused Q, K, V
         self.c_proj = Conv1D(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache, mask: AttentionMask) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
-        q, k, v = (
-            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v)
-        )  # (B, H, T, Dh)
+        B, T, _ = x.shape
+        H, Dh = self.n_head, self.head_dim
+        q, k, v = self.c_attn(x).split(H * Dh, dim=2)  # each (B, T, H * Dh)
+        q, k, v = (t.view(B, T, H, Dh).transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
         if cache is not None:
             # The one line of cache code in attention: store this call's K/V, get back what to attend over.
             k, v = cache.update(k, v, positions)  # (B, H, S, Dh)
         attn_mask, is_causal = mask.for_keys(k.size(2))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)  # (B, H, T, Dh)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
-        return self.c_proj(y)
+        y = y.transpose(1, 2).contiguous().view(B, T, H * Dh)  # (B, T, H * Dh)
+        return self.c_proj(y)  # (B, T, C)
 
 
 class MLP(nn.Module):
@@ -193,6 +193,8 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        # the shape one layer's cache holds (make_caches): the model's own; a tensor-parallel shard's holds its heads
+        self.cache_config = cfg
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> GPT:
         """GPT-2 initialisation: N(0, std) weights, zero biases, unit LayerNorms; residual projections scaled by

@@ -1,0 +1,131 @@
+"""`kvbench verify --tp N`: every check of the suite on each rank's shard, held to the whole model in one process.
+
+Each rank builds the same model (same weights), keeps it whole as the model under test (its no-cache forward is the
+reference every check compares with) and runs its cached checks through its own shard (model/tp.py for our GPT-2,
+transformers' TP plan for --hf), so the suite's rows mean what they mean on one device, at the tensor-parallel
+tolerance (check/judge.py). One check exists only here:
+
+    rank_cache   the K and V each rank's cache holds, layer by layer, against its slice of the heads of the same
+                 cache design filled by the whole model over the same tokens (prefill, then one decode step per
+                 token): a head stored on the wrong rank fails here even where the tokens agree
+
+Rank 0 gathers every rank's rows and merges them: a row passes when it passes on every rank, and the detail of a
+rank that failed says which rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvbench.caches import LayerCache
+from kvbench.check.judge import CheckRow
+
+RANK_CACHE = "rank_cache"
+
+
+class Recording(LayerCache):
+    """A layer cache that remembers what its last update returned: the K and V attention read, (B, H, S, Dh)."""
+
+    def __init__(self, inner: LayerCache) -> None:  # noqa: D107  (no LayerCache counters of its own)
+        self.inner = inner
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k, v, positions):
+        self.k, self.v = self.inner.update(k, v, positions)
+        return self.k, self.v
+
+    @property
+    def length(self) -> int:  # type: ignore[override]
+        return self.inner.length
+
+    @property
+    def capacity(self) -> int | None:  # type: ignore[override]
+        return self.inner.capacity
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    @property
+    def bytes_copied(self) -> int:  # type: ignore[override]
+        return self.inner.bytes_copied
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+@torch.inference_mode()
+def filled(gpt, make_caches: Callable[[int], list], tokens: list[int], prompt_len: int, mask_rule) -> list[Recording]:
+    """Caches of one design filled by `gpt` over `tokens`: the first `prompt_len` in one prefill, then one decode
+    step per token, positions explicit; each layer's last returned K/V recorded."""
+    device = gpt.lm_head.weight.device
+    caches = [Recording(c) for c in make_caches(len(tokens))]
+    steps = [tokens[:prompt_len], *([t] for t in tokens[prompt_len:])]
+    past = 0
+    for step in steps:
+        ids = torch.tensor([step], device=device)  # (1, T)
+        pos = past + torch.arange(len(step), device=device)[None]  # (1, T)
+        gpt(ids, pos, caches, mask_rule=mask_rule)
+        past += len(step)
+    return caches
+
+
+def compare_slices(
+    cache: str, got: list[Recording], want: list[Recording], heads: range, rtol: float, atol: float, rank: int
+) -> CheckRow:
+    """Each layer's K and V on this rank against `heads` of the whole model's: the first layer, tensor, head and
+    slot outside (rtol, atol) of that head's scale, or a pass with the largest difference."""
+    what = f"rank {rank}'s cache (heads {heads.start}-{heads.stop - 1}) vs the one-process cache's slice"
+    worst = 0.0
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        L = w.length
+        if g.length != L:
+            return CheckRow(
+                name=RANK_CACHE, cache=cache, passed=False, tolerance=f"rtol {rtol:g}, atol {atol:g}",
+                detail=f"{what}: layer {i} holds {g.length} tokens, the one-process cache {L}",
+            )
+        for name, a, b in (("K", g.k, w.k), ("V", g.v, w.v)):
+            a = a[:, :, :L].float().cpu()  # (B, h, L, Dh)
+            b = b[:, heads.start : heads.stop, :L].float().cpu()  # (B, h, L, Dh)
+            diff = (a - b).abs()
+            bound = atol + rtol * b.abs().amax(dim=(-2, -1), keepdim=True)  # (B, h, 1, 1): each head's scale
+            bad = (diff > bound).nonzero()
+            if bad.numel():
+                _, h, t, _ = (int(x) for x in bad[0])
+                return CheckRow(
+                    name=RANK_CACHE, cache=cache, passed=False, max_abs_diff=float(diff.max()),
+                    tolerance=f"rtol {rtol:g}, atol {atol:g}",
+                    detail=f"{what}: layer {i} {name} differs first at head {heads.start + h} (this rank's {h}), "
+                    f"slot {t}: |delta| {float(diff[0, h, t].max()):.3g}",
+                )
+            worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+    return CheckRow(
+        name=RANK_CACHE, cache=cache, passed=True, max_abs_diff=worst, tolerance=f"rtol {rtol:g}, atol {atol:g}",
+        detail=f"{what}: equal",
+    )
+
+
+def merge(per_rank: list[list[CheckRow]]) -> list[CheckRow]:
+    """The ranks' rows as one report: row i of every rank is the same check on the same cache."""
+    merged = []
+    for rows in zip(*per_rank, strict=True):
+        first = rows[0]
+        failed = [(r, row) for r, row in enumerate(rows) if not row.passed]
+        diffs = [row.max_abs_diff for row in rows if row.max_abs_diff is not None]
+        steps = [row.first_divergence for row in rows if row.first_divergence is not None]
+        detail = first.detail
+        if failed and failed[0][0] != 0:
+            detail = "; ".join(f"rank {r}: {row.detail}" for r, row in failed)
+        elif len(failed) > 1:
+            detail += "".join(f"; rank {r}: {row.detail}" for r, row in failed[1:])
+        merged.append(
+            CheckRow(
+                name=first.name, cache=first.cache, passed=not failed, max_abs_diff=max(diffs) if diffs else None,
+                first_divergence=min(steps) if steps else None, tolerance=first.tolerance, detail=detail,
+                skipped=all(row.skipped for row in rows),
+            )
+        )
+    return merged
