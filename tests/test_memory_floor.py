@@ -11,8 +11,8 @@ import tomllib
 from typer.testing import CliRunner
 
 from kvbench.cli.app import app
-from kvbench.memory import GPUS_TOML, MODELS_TOML
-from kvbench.memory.bandwidth import parse_bandwidth
+from kvbench.memory.presets import GPUS_TOML, MODELS_TOML
+from kvbench.memory.spec import parse_bandwidth
 
 runner = CliRunner()
 

@@ -255,7 +255,7 @@ def test_memory_plans_per_layer_head_dim_as_transformers_allocates_it(tmp_path):
 
 def test_a_per_layer_mlp_width_list_is_a_valid_config_field(tmp_path):
     """Gemma 3n gives intermediate_size per layer, as a list of whole numbers."""
-    from kvbench.memory.config_json import check_fields
+    from kvbench.memory.config import check_fields
 
     check_fields({"intermediate_size": [128, 256]}, tmp_path)
     for bad in ([128, "a"], [], [True]):

@@ -13,7 +13,7 @@ from kvbench.console import line, out, styled, table
 
 
 def _mem_ctx(ctx: int, beyond: bool, windowed: bool) -> str:
-    from kvbench.memory import fmt_tokens
+    from kvbench.memory.units import fmt_tokens
 
     return fmt_tokens(ctx) + ("*" if windowed else "") + ("†" if beyond else "")
 
@@ -42,7 +42,7 @@ def _layers(m) -> str:
 
 
 def _cache_line(p):
-    from kvbench.memory import fmt_bytes
+    from kvbench.memory.units import fmt_bytes
 
     m = p.model
     state = (
@@ -63,7 +63,7 @@ def _cache_line(p):
 
 
 def _longest(r, m) -> str:
-    from kvbench.memory import MAX_TOKENS
+    from kvbench.memory.units import MAX_TOKENS
 
     if r.max_ctx_unbounded:
         return "unbounded (no KV cache)" if not m.kv_cache else "unbounded (all layers windowed)"
@@ -73,7 +73,7 @@ def _longest(r, m) -> str:
 
 
 def _plan_table(p):
-    from kvbench.memory import fmt_bytes
+    from kvbench.memory.units import fmt_bytes
 
     batches = list(dict.fromkeys(r.batch for r in p.rows))
     batch = batches[0] if batches else 1
@@ -110,7 +110,7 @@ def _plan_table(p):
 
 def render_plan(p) -> None:
     """One model: a header with the per-token working, a row per context, then each row's arithmetic and notes."""
-    from kvbench.memory import fmt_tokens
+    from kvbench.memory.units import fmt_tokens
 
     m = p.model
     max_ctx = "unknown" if m.max_context is None else fmt_tokens(m.max_context)
@@ -134,7 +134,7 @@ def render_plan(p) -> None:
 
 
 def _all_caption(plans: list, gpu) -> str:
-    from kvbench.memory import fmt_bytes
+    from kvbench.memory.units import fmt_bytes
 
     windowed = [
         f"{p.model.name} ({p.model.n_windowed} of {p.model.n_layers} layers at {p.model.sliding_window}"
@@ -167,7 +167,7 @@ def _all_caption(plans: list, gpu) -> str:
 
 def render_all(plans: list, batch: int, kv_dtype: str, weights_dtype: str) -> None:
     """Every preset in one table."""
-    from kvbench.memory import fmt_bytes, fmt_tokens
+    from kvbench.memory.units import fmt_bytes, fmt_tokens
 
     if not plans:
         return
@@ -201,7 +201,7 @@ def render_all(plans: list, batch: int, kv_dtype: str, weights_dtype: str) -> No
 
 def render_checks(checks: list) -> None:
     """--check: planner vs transformers' own cache per context and layer kind, each difference in one line."""
-    from kvbench.memory import fmt_bytes, fmt_tokens
+    from kvbench.memory.units import fmt_bytes, fmt_tokens
 
     c0 = checks[0]
     title = Text(f"check: {c0.model} against transformers' own cache")
@@ -239,7 +239,7 @@ def render_checks(checks: list) -> None:
 def render_copy_traffic(traffic: list) -> None:
     """What a torch.cat cache copies while growing: the closed form, the common (n1^2 - n0^2)/2 approximation, and
     our counter."""
-    from kvbench.memory import fmt_bytes
+    from kvbench.memory.units import fmt_bytes
 
     cols = ["model", "KV / token", "tokens", "copied (exact)", "seed's (n1²-n0²)/2", "dynamic cache counter"]
     rows = []
@@ -268,7 +268,7 @@ def render_copy_traffic(traffic: list) -> None:
 
 def render_measure(report) -> None:
     """Predicted vs measured bytes for every registered cache."""
-    from kvbench.memory import fmt_bytes
+    from kvbench.memory.units import fmt_bytes
 
     cuda = any(r.allocated_bytes is not None for r in report.rows)
     cols = ["cache", "predicted", "measured (nbytes)", "difference"]
@@ -294,7 +294,7 @@ def render_measure(report) -> None:
 
 def render_paged(r) -> None:
     """Paged vs static for a batch of mixed lengths: the waste paging removes."""
-    from kvbench.memory import fmt_bytes
+    from kvbench.memory.units import fmt_bytes
 
     rows = [
         ["needed (exactly the tokens held)", fmt_bytes(r.needed_bytes), "-"],

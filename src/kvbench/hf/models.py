@@ -35,7 +35,7 @@ from transformers.models.auto.modeling_auto import (
 from kvbench import devices, files
 from kvbench.errors import KVBenchError, NotEnoughMemoryError, one_line
 from kvbench.hf.introspect import HFModelInfo, cache_kwarg, describe, quiet_transformers, returned_cache
-from kvbench.memory.config_json import check_fields
+from kvbench.memory.config import check_fields
 from kvbench.memory.units import fmt_bytes
 from kvbench.model.weights import hub_reachable
 from kvbench.thirdparty import contained, did

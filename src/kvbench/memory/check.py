@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.errors import KVBenchError
-from kvbench.memory.formats import KVFormat, get_kv_format
+from kvbench.memory.config import Resolved, quiet_transformers
 from kvbench.memory.formulas import bytes_per_sequence, layer_bytes_per_token
-from kvbench.memory.resolve import Resolved, quiet_transformers
-from kvbench.memory.spec import ModelSpec
+from kvbench.memory.spec import KVFormat, ModelSpec, get_kv_format
 from kvbench.memory.units import fmt_int
 
 CHECK_FORMATS = (

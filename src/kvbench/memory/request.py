@@ -12,15 +12,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.errors import KVBenchError
-from kvbench.memory.bandwidth import PeakBandwidth, parse_bandwidth
 from kvbench.memory.check import check_format
-from kvbench.memory.formats import get_kv_format, weight_dtype
-from kvbench.memory.model_source import is_local, looks_like_hub_id, resolve_hub, resolve_local
+from kvbench.memory.config import is_local, looks_like_hub_id, resolve_config, resolve_hub, resolve_local
+from kvbench.memory.formulas import check_copy_range
 from kvbench.memory.planner import DEFAULT_OVERHEAD, ModelPlan, plan
 from kvbench.memory.presets import get_gpu, get_model, load_presets
-from kvbench.memory.resolve import resolve_config
-from kvbench.memory.spec import GPUSpec, ModelSpec
-from kvbench.memory.traffic import check_copy_range
+from kvbench.memory.spec import (
+    GPUSpec,
+    ModelSpec,
+    PeakBandwidth,
+    get_kv_format,
+    parse_bandwidth,
+    weight_dtype,
+)
 from kvbench.memory.units import MAX_BATCH, fmt_int, parse_bytes, parse_ctx, parse_overhead
 
 DEFAULT_COPY_RANGE = (128, 528)  # a 128-token prompt and 400 new tokens

@@ -1,4 +1,4 @@
-"""The planner's dataclasses as plain JSON values, for --json."""
+"""`kvbench memory --json`: the planner's dataclasses as plain JSON values."""
 
 from __future__ import annotations
 
