@@ -18,10 +18,11 @@ from typer.testing import CliRunner
 
 from kvbench.bench import floor
 from kvbench.bench import sweep as B
-from kvbench.bench.settings import BenchOverrides, load_settings
+from kvbench.bench.engines import KVBenchEngine
+from kvbench.bench.settings import BenchOverrides, BenchSettings, load_settings
 from kvbench.cli import app
 from kvbench.errors import KVBenchError
-from kvbench.results.batch_plot import crossover_batch
+from kvbench.results.plots import crossover_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread", "small_probe")
 TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
@@ -38,10 +39,8 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", head[16:24])
 
 
-def _settings(**kw) -> B.BenchSettings:
-    s = B.BenchSettings(
-        prompt_len=[6], new_tokens=5, caches=["none", "dynamic", "static"], engine=["kvbench"]
-    )
+def _settings(**kw) -> BenchSettings:
+    s = BenchSettings(prompt_len=[6], new_tokens=5, caches=["none", "dynamic", "static"], engine=["kvbench"])
     s.repeats, s.warmup = 2, 1
     for k, v in kw.items():
         setattr(s, k, v)
@@ -91,7 +90,7 @@ def test_a_batch_size_out_of_memory_is_a_row_and_the_sweep_goes_on(tiny_model):
     """torch's own OutOfMemoryError, raised when batch 3 allocates its cache: those rows are `oom`, batch 4 after
     them runs."""
 
-    class OOMAtThree(B.KVBenchEngine):
+    class OOMAtThree(KVBenchEngine):
         def configure(self, cache, batch, max_len):
             if batch == 3 and cache != "none":
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")

@@ -19,7 +19,8 @@ import torch
 from kvbench.check.hf_verify import run_hf_verify
 from kvbench.check.verify import random_prompts
 from kvbench.errors import KVBenchError
-from kvbench.hf.models import cache_kwarg, load_hf, run_bytes
+from kvbench.hf.introspect import cache_kwarg
+from kvbench.hf.models import load_hf, run_bytes
 from kvbench.hf.tiny import model_types, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

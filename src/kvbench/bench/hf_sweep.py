@@ -39,7 +39,8 @@ from kvbench.check.judge import tolerance
 from kvbench.errors import KVBenchError
 from kvbench.hf.caches import HF_CACHES, TIMED, generate_kwargs, parse_bench_caches
 from kvbench.hf.engine import compiled_decode, timed_generate
-from kvbench.hf.models import HFShape, LoadedHF, quiet_transformers
+from kvbench.hf.introspect import quiet_transformers
+from kvbench.hf.models import HFShape, LoadedHF
 
 TOKEN_REFERENCE = (
     "token_agreement: fraction of a row's generated tokens equal to those of the model's own none "

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench import devices
-from kvbench.caches import CACHES, CacheSpec, cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
+from kvbench.caches import CACHES, get_cache_spec, make_caches
+from kvbench.caches.base import CacheSpec, cache_bytes_copied, cache_nbytes
 from kvbench.caches.paged import paged_memory_report
 from kvbench.devices import DTYPES, device_name, resolve_device
 from kvbench.errors import KVBenchError, NotEnoughMemoryError, is_out_of_memory

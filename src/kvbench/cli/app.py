@@ -1,8 +1,8 @@
 """The Typer app, the one layer where errors become exit codes, and loading a model for a command.
 
 Each command lives in its own module beside this one (generate, verify, break, bench, memory, compare), with its
-renderers; the options they share are declared in cli/options.py (and importable from here too). `kvbench.cli`
-imports the command modules so they register on `app`.
+renderers; the options they share are declared in cli/options.py. `kvbench.cli` imports the command modules so they
+register on `app`.
 """
 
 from __future__ import annotations
@@ -19,17 +19,6 @@ from typer.core import TyperGroup
 
 from kvbench import __version__, console
 from kvbench.bench import hugepages
-from kvbench.cli.options import (  # noqa: F401  (the options verify and break import from here)
-    COMPILE_HELP,
-    CompileOpt,
-    DeviceOpt,
-    JsonOpt,
-    ModelOpt,
-    SeedOpt,
-    TokenizerOpt,
-    WeightsOpt,
-)
-from kvbench.cli.options import dtype_opt as _dtype_opt  # noqa: F401
 from kvbench.errors import KVBenchError, NotEnoughMemoryError, one_line
 from kvbench.validate import PROBE_ENV, probe_bytes_setting
 

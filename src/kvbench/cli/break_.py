@@ -8,19 +8,17 @@ import typer
 from rich.text import Text
 
 from kvbench import console
-from kvbench.cli.app import (
+from kvbench.cli.app import app, handle_errors, load_for_checks
+from kvbench.cli.options import (
     DeviceOpt,
     JsonOpt,
+    JUnitXmlOpt,
     ModelOpt,
     SeedOpt,
     TokenizerOpt,
     WeightsOpt,
-    _dtype_opt,
-    app,
-    handle_errors,
-    load_for_checks,
-)  # fmt: skip
-from kvbench.cli.options import JUnitXmlOpt
+    dtype_opt,
+)
 from kvbench.console import line, out, styled, table
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
@@ -52,7 +50,7 @@ CacheOpt = Annotated[
 def break_(
     name: FaultArg = "all", prompt: PromptOpt = None, new_tokens: NewTokensOpt = 40, batch: BatchOpt = 3,
     reference: ReferenceOpt = "hf", cache: CacheOpt = None, model: ModelOpt = None, weights: WeightsOpt = "auto",
-    device: DeviceOpt = "auto", dtype: str = _dtype_opt("fp32"), seed: SeedOpt = 0, tokenizer: TokenizerOpt = None,
+    device: DeviceOpt = "auto", dtype: str = dtype_opt("fp32"), seed: SeedOpt = 0, tokenizer: TokenizerOpt = None,
     json_out: JsonOpt = False, junit_xml: JUnitXmlOpt = None,
 ) -> None:  # fmt: skip
     """Inject the classic KV-cache bugs and show verify catching each.

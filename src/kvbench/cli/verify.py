@@ -10,20 +10,18 @@ import typer
 from rich.text import Text
 
 from kvbench import console
-from kvbench.cli.app import (
+from kvbench.cli.app import app, handle_errors, load_for_checks
+from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
+from kvbench.cli.options import (
     CompileOpt,
     DeviceOpt,
     JsonOpt,
+    JUnitXmlOpt,
     ModelOpt,
     SeedOpt,
     WeightsOpt,
-    _dtype_opt,
-    app,
-    handle_errors,
-    load_for_checks,
-)  # fmt: skip
-from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
-from kvbench.cli.options import JUnitXmlOpt
+    dtype_opt,
+)
 from kvbench.console import err, line, out, styled, table
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
@@ -53,7 +51,7 @@ ReferenceOpt = Annotated[
 def verify(
     caches: CachesOpt = None, prompt_len: PromptLenOpt = 32, new_tokens: NewTokensOpt = 100, batch: BatchOpt = 3,
     reference: ReferenceOpt = "hf", model: ModelOpt = None, weights: WeightsOpt = "auto", device: DeviceOpt = "auto",
-    dtype: str = _dtype_opt("fp32"), seed: SeedOpt = 0, compile: CompileOpt = "off", json_out: JsonOpt = False,
+    dtype: str = dtype_opt("fp32"), seed: SeedOpt = 0, compile: CompileOpt = "off", json_out: JsonOpt = False,
     hf: HFOpt = None, trust_remote_code: TrustOpt = False, layers: LayersOpt = None,
     junit_xml: JUnitXmlOpt = None,
 ) -> None:  # fmt: skip

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench import validate
-from kvbench.caches import cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
+from kvbench.caches import get_cache_spec, make_caches
+from kvbench.caches.base import cache_bytes_copied, cache_nbytes
 from kvbench.decode import fixed_step
 from kvbench.devices import synchronize
 from kvbench.errors import KVBenchError

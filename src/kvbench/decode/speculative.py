@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import validate
-from kvbench.caches import get_cache_spec, make_caches, missing_lifecycle
+from kvbench.caches import get_cache_spec, make_caches
+from kvbench.caches.plugins import missing_lifecycle
 from kvbench.decode.generate import GenerationResult, Sampler, _result, check_fits, left_pad
 from kvbench.devices import synchronize
 from kvbench.errors import KVBenchError

@@ -34,18 +34,12 @@ from transformers.models.auto.modeling_auto import (
 
 from kvbench import devices, files
 from kvbench.errors import KVBenchError, NotEnoughMemoryError, one_line
-from kvbench.hf.introspect import HFModelInfo, cache_kwarg, describe, quiet_transformers, returned_cache
+from kvbench.hf.introspect import HFModelInfo, describe, quiet_transformers
 from kvbench.memory.config import check_fields
 from kvbench.memory.units import fmt_bytes
 from kvbench.model.weights import hub_reachable
 from kvbench.thirdparty import contained, did
 from kvbench.validate import context_error, past_context
-
-# Importable from here too: what a loaded model is (introspect.py), beside loading it.
-__all__ = [
-    "HFModelInfo", "HFShape", "LoadedHF", "cache_kwarg", "check_length", "check_memory", "describe", "load_hf",
-    "peek_hf", "quiet_transformers", "refuse_incomplete", "returned_cache", "run_bytes",
-]  # fmt: skip
 
 WEIGHT_FILES = (
     "model.safetensors",
