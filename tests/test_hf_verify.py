@@ -551,9 +551,11 @@ def test_hf_model_beyond_memory_is_refused_before_allocating(tmp_path, model_dir
 def test_hf_memory_estimate_counts_the_device_and_the_host(model_dirs, monkeypatch):
     """On a GPU the weights and the allowance must fit the device's free memory, and a random init the host's."""
     import kvbench.devices as bs
-    from kvbench.hf.models import check_memory, peek_hf
+    from kvbench.hf.models import check_memory
 
-    shape = peek_hf(str(model_dirs["llama"]))
+    shapes = []  # the model built on the meta device, as load_hf hands it to its `check` before any allocation
+    load_hf(str(model_dirs["llama"]), CPU, torch.float32, check=shapes.append)
+    shape = shapes[0]
     free = {"cpu": 2**40, "cuda": 2**10}
     monkeypatch.setattr(bs, "available_memory_bytes", lambda device: free[device.type])
     with pytest.raises(KVBenchError, match=r"needs about .* of memory on cuda: .* parameters x 2 B \+ "):

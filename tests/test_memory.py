@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from kvbench.cli import app
 from kvbench.errors import KVBenchError
-from kvbench.memory.config import spec_from_hf_config
+from kvbench.memory.config import resolve_config
 from kvbench.memory.formulas import bytes_per_sequence, copy_traffic
 from kvbench.memory.planner import max_context, plan
 from kvbench.memory.presets import get_gpu, get_model, load_gpus, load_presets
@@ -264,7 +264,7 @@ def test_config_llama3_8b(tmp_path, presets):
         max_position_embeddings=8192,
         tie_word_embeddings=False,
     )
-    s = spec_from_hf_config(save(tmp_path, cfg, "llama"))
+    s = resolve_config(save(tmp_path, cfg, "llama")).spec
     assert (s.n_layers, s.n_kv_heads, s.head_dim, s.max_context) == (32, 8, 128, 8192)
     assert plan(s, [1]).bytes_per_token == 128 * KiB
     # embeddings + 32 x (q, k, v, o + SwiGLU MLP + 2 norms) + final norm: Llama-3-8B's 8,030,261,248 parameters
@@ -284,22 +284,22 @@ def test_config_gemma2(tmp_path):
         sliding_window=4096,
     )
     path = save(tmp_path, cfg, "gemma2")
-    s = spec_from_hf_config(path)
+    s = resolve_config(path).spec
     assert s.head_dim == 256 and s.sliding_window == 4096 and s.sliding_layers == tuple(range(0, 42, 2))
     # The hub's config.json for gemma-2-9b predates layer_types: even layers slide all the same.
     d = json.loads(path.read_text())
     del d["layer_types"]
     old = tmp_path / "gemma2-old.json"
     old.write_text(json.dumps(d))
-    assert spec_from_hf_config(old).sliding_layers == tuple(range(0, 42, 2))
+    assert resolve_config(old).spec.sliding_layers == tuple(range(0, 42, 2))
 
 
 def test_config_mistral_qwen_phi3(tmp_path):
     from transformers import MistralConfig, Phi3Config, Qwen2Config
 
-    s = spec_from_hf_config(save(tmp_path, MistralConfig(sliding_window=4096), "mistral"))
+    s = resolve_config(save(tmp_path, MistralConfig(sliding_window=4096), "mistral")).spec
     assert s.sliding_window == 4096 and len(s.sliding_layers) == s.n_layers == 32 and s.n_kv_heads == 8
-    s = spec_from_hf_config(save(tmp_path, MistralConfig(sliding_window=None), "mistral3"))
+    s = resolve_config(save(tmp_path, MistralConfig(sliding_window=None), "mistral3")).spec
     assert not s.sliding_layers
     q = Qwen2Config(
         hidden_size=3584,
@@ -308,7 +308,7 @@ def test_config_mistral_qwen_phi3(tmp_path):
         num_key_value_heads=4,
         use_sliding_window=False,
     )
-    s = spec_from_hf_config(save(tmp_path, q, "qwen"))
+    s = resolve_config(save(tmp_path, q, "qwen")).spec
     assert (s.n_kv_heads, s.head_dim, s.sliding_layers) == (4, 128, ())
     # Qwen's hub config.json: sliding_window set, use_sliding_window false, no layer_types -> no window.
     hub = tmp_path / "qwen-hub.json"
@@ -327,18 +327,18 @@ def test_config_mistral_qwen_phi3(tmp_path):
             )
         )
     )
-    assert not spec_from_hf_config(hub).sliding_layers
-    s = spec_from_hf_config(save(tmp_path, Phi3Config(sliding_window=2047), "phi3"))
+    assert not resolve_config(hub).spec.sliding_layers
+    s = resolve_config(save(tmp_path, Phi3Config(sliding_window=2047), "phi3")).spec
     assert (s.n_kv_heads, s.head_dim, s.sliding_window, len(s.sliding_layers)) == (32, 96, 2047, 32)
 
 
 def test_config_deepseek_v3_and_falcon(tmp_path):
     from transformers import DeepseekV3Config, FalconConfig
 
-    s = spec_from_hf_config(save(tmp_path, DeepseekV3Config(), "dsv3"))
+    s = resolve_config(save(tmp_path, DeepseekV3Config(), "dsv3")).spec
     assert s.is_mla and (s.kv_lora_rank, s.qk_rope_head_dim, s.n_layers) == (512, 64, 61)
     assert plan(s, [1]).bytes_per_token == (512 + 64) * 61 * 2
-    s = spec_from_hf_config(save(tmp_path, FalconConfig(), "falcon"))  # multi_query, 71 heads of 64
+    s = resolve_config(save(tmp_path, FalconConfig(), "falcon")).spec  # multi_query, 71 heads of 64
     assert (s.n_heads, s.n_kv_heads, s.head_dim) == (71, 1, 64)
     assert plan(s, [1]).bytes_per_token == 8 * KiB
 
@@ -347,9 +347,9 @@ def test_config_rejects_what_it_cannot_interpret(tmp_path):
     from transformers import BertConfig, T5Config
 
     with pytest.raises(KVBenchError, match="bert"):
-        spec_from_hf_config(save(tmp_path, BertConfig(), "bert"))
+        resolve_config(save(tmp_path, BertConfig(), "bert"))
     with pytest.raises(KVBenchError, match="is_encoder_decoder"):
-        spec_from_hf_config(save(tmp_path, T5Config(), "t5"))
+        resolve_config(save(tmp_path, T5Config(), "t5"))
     cases = {
         "no-layers.json": (
             {"model_type": "x", "num_attention_heads": 8, "hidden_size": 64},
@@ -384,11 +384,11 @@ def test_config_rejects_what_it_cannot_interpret(tmp_path):
         p = tmp_path / fname
         p.write_text(json.dumps(cfg))
         with pytest.raises(KVBenchError, match=field):
-            spec_from_hf_config(p)
+            resolve_config(p)
     bad = tmp_path / "not.json"
     bad.write_text("{nope")
     with pytest.raises(KVBenchError, match="is not valid JSON"):
-        spec_from_hf_config(bad)
+        resolve_config(bad)
 
 
 # --- torch.cat copy traffic ---------------------------------------------------------------------------------------

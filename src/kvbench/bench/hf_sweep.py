@@ -14,7 +14,7 @@ GPT-2 bench's; what differs lives here:
   within verify's tolerance for a cache against its own no-cache path (TOLERANCES: same model, same code, only the
   cache differs).
 - Settings: bench's keys, file and checks, with transformers' cache names (hf/caches.py, those it times) and the one engine; the
-  model's context and the device's memory are checked from its config (`peek_hf`: no weight read) before any work.
+  model's context and the device's memory are checked on its meta-device build (load_hf's `check`) before any weight is read.
 """
 
 from __future__ import annotations

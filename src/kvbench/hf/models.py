@@ -327,13 +327,6 @@ class HFShape:
         return _label(self.info, self.layers_of)
 
 
-def peek_hf(source: str, layers: int | None = None, trust_remote_code: bool = False) -> HFShape:
-    """SOURCE resolved and checked exactly as load_hf does, and the model built on the meta device (no memory, no
-    init, no weights read), so its context, layers and parameter count are known before anything is loaded."""
-    with quiet_transformers():
-        return _meta_shape(_resolve(source, layers, trust_remote_code), source)
-
-
 def _meta_shape(r: _Resolved, source: str) -> HFShape:
     with torch.device("meta"):
         model = _call(lambda: AutoModelForCausalLM.from_config(r.config, **r.kwargs), source)

@@ -360,11 +360,6 @@ def resolve_config(path: str | Path, flag: str = "--config") -> Resolved:
     return _transformers_spec(config, path, raw)
 
 
-def spec_from_hf_config(path: str | Path) -> ModelSpec:
-    """Any Hugging Face config.json as a ModelSpec, or one line naming the field it cannot interpret."""
-    return resolve_config(path).spec
-
-
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name
 
 
