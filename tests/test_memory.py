@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
+from kvbench.cli.memory_working import plan_lines, plan_warnings, row_lines
 from kvbench.errors import KVBenchError
 from kvbench.memory.config import resolve_config
 from kvbench.memory.formulas import bytes_per_sequence, copy_traffic
@@ -67,7 +68,7 @@ def test_seed_llama3_8b_contexts_and_batch(presets):
     assert fmt_bytes(at128k.bytes_per_seq) == "16 GiB" and fmt_bytes(p.bytes_per_token) == "128 KiB"
     assert (
         "2 (K and V) x 32 layers x 8 kv_heads x 128 head_dim x 2 B (fp16) = 131,072 B = 128 KiB"
-        in p.working[0]
+        in plan_lines(p)[0]
     )
 
 
@@ -158,7 +159,7 @@ def test_tp_splits_then_replicates_kv_heads(presets, tp, heads_per_gpu):
     assert p.kv_heads_per_gpu == heads_per_gpu
     assert p.rows[0].bytes_per_gpu == 2 * 32 * heads_per_gpu * 128 * 2 * 1024
     if tp > 8:
-        assert any("replicated" in w for w in p.working)
+        assert any("replicated" in w for w in plan_lines(p))
 
 
 def test_tp_errors_and_mla(presets):
@@ -168,7 +169,7 @@ def test_tp_errors_and_mla(presets):
         plan(presets["falcon-7b"], [1], tp=2)
     p = plan(presets["deepseek-v3"], [1000], tp=8)  # the latent is shared by all heads: every rank holds it
     assert p.rows[0].bytes_per_gpu == (512 + 64) * 61 * 2 * 1000
-    assert any("cannot split" in w for w in p.working)
+    assert any("cannot split" in w for w in plan_lines(p))
 
 
 # --- GPU fits -----------------------------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def test_fit_with_gpu_mem_and_unbounded_window(presets):
     assert p.rows[0].max_ctx_unbounded  # every layer windowed: the cache stops at 4096 tokens
     p = plan(presets["llama-3-70b"], [8192], gpu_mem=parse_bytes("80GiB"))
     assert p.rows[0].max_batch == 0 and not p.rows[0].fits  # 131 GiB of weights
-    assert any("no room" in w for w in p.warnings)
+    assert any("no room" in w for w in plan_warnings(p))
 
 
 def test_unknown_gpu_and_model_list_close_matches(presets):
@@ -554,9 +555,10 @@ def test_a_billion_layers_is_arithmetic_not_a_loop():
 def test_chunked_window_kind_in_presets(presets, tmp_path):
     scout = presets["llama-4-scout-17b-16e"]
     assert scout.window_kind == "chunked" and scout.n_windowed == 36 and scout.n_full == 12
-    row = plan(scout, [131072]).rows[0]
+    p = plan(scout, [131072])
+    row = p.rows[0]
     assert row.bytes_per_seq == 2 * 8 * 128 * 2 * (12 * 131072 + 36 * 8192)
-    assert "chunked" in row.working[0]
+    assert "chunked" in row_lines(p, row)[0]
     bad = tmp_path / "models.toml"
     bad.write_text(
         '[m]\nsource = "a/b"\nfamily = "llama"\nlayers = 2\nheads = 2\nkv_heads = 2\nhead_dim = 8\n'

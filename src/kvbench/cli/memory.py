@@ -169,7 +169,7 @@ def _measure(req, doc: dict, json_out: bool) -> None:
 def _copy_traffic(req, doc: dict, json_out: bool) -> None:
     """The closed form of what torch.cat copies, and our dynamic cache's own counter where it can run."""
     from kvbench.bench.measure_memory import count_copy_traffic
-    from kvbench.cli.memory_working import to_jsonable
+    from kvbench.cli.memory_working import copy_traffic_json
     from kvbench.memory.formulas import copy_traffic
 
     (n0, n1), traffic = req.copy_range, []
@@ -179,14 +179,14 @@ def _copy_traffic(req, doc: dict, json_out: bool) -> None:
             spec.name, n0, n1, req.batch, req.kv_dtype, req.device
         )
         traffic.append((spec.name, t))
-    doc["copy_traffic"] = [dict(model=n, **to_jsonable(t)) for n, t in traffic]
+    doc["copy_traffic"] = [dict(model=n, **copy_traffic_json(t)) for n, t in traffic]
     if not json_out:
         render_copy_traffic(traffic)
 
 
 def _plans(req, doc: dict, json_out: bool) -> None:
     """The plan for every model, and with --check transformers' own cache beside it."""
-    from kvbench.cli.memory_working import to_jsonable
+    from kvbench.cli.memory_working import plan_json, plan_warnings, to_jsonable
     from kvbench.memory.request import plan_request
 
     plans, left_out = plan_request(req)
@@ -194,9 +194,9 @@ def _plans(req, doc: dict, json_out: bool) -> None:
     for w in left_out:
         console.warn(w)
     if not req.all_:  # --all marks beyond-context cells with a dagger instead of a line each
-        for w in (w for p in plans for w in p.warnings):
+        for w in (w for p in plans for w in plan_warnings(p)):
             console.warn(w)
-    doc["plans"] = to_jsonable(plans)
+    doc["plans"] = [plan_json(p) for p in plans]
     if req.bandwidth is not None:
         doc["bandwidth"] = to_jsonable(req.bandwidth)
     if req.check:

@@ -1,5 +1,6 @@
 """How `kvbench memory` lays out what the planner returns: the plan tables with their working, --all, --check,
---copy-traffic and --measure. The planner's dataclasses carry the arithmetic; these functions only render it."""
+--copy-traffic and --measure. The planner's dataclasses carry the numbers and cli/memory_working.py writes their
+arithmetic out; these functions only lay it out."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from rich.text import Text
 from kvbench.console import line, out, styled, table
 
 # --- rendering ---
-# The planner returns dataclasses with their working; these functions only lay them out. Names, paths and config
-# fields are user text: they go into Text (literal), never into markup.
+# The planner returns dataclasses of numbers and memory_working writes out their arithmetic; these functions lay both
+# out. Names, paths and config fields are user text: they go into Text (literal), never into markup.
 
 
 def _mem_ctx(ctx: int, beyond: bool, windowed: bool) -> str:
@@ -110,6 +111,7 @@ def _plan_table(p):
 
 def render_plan(p) -> None:
     """One model: a header with the per-token working, a row per context, then each row's arithmetic and notes."""
+    from kvbench.cli.memory_working import gpu_line, plan_lines, row_lines
     from kvbench.memory.units import fmt_tokens
 
     m = p.model
@@ -118,17 +120,17 @@ def render_plan(p) -> None:
     source = ("  ", styled(m.source, "dim")) if m.source != m.name else ()
     out.print(line(styled(m.name, "bold"), *source, head), soft_wrap=True)
     out.print(_cache_line(p), soft_wrap=True)
-    _working(p.working)
+    _working(plan_lines(p))
     out.print(_plan_table(p))
     if any(r.windowed for r in p.rows):
         out.print(styled(f"* {m.window_label} layers capped at {m.sliding_window:,} tokens", "dim"))
     if any(r.beyond_max for r in p.rows):
         out.print(styled("† beyond the context the model was trained for (computed anyway)", "dim"))
     if p.gpu is not None:
-        out.print(Text(f"GPU: {p.gpu.label}: {p.gpu.working}"), soft_wrap=True)
+        out.print(Text(f"GPU: {p.gpu.label}: {gpu_line(p.gpu)}"), soft_wrap=True)
     out.print(styled("working:", "dim"))
     for r in p.rows:
-        _working(r.working)
+        _working(row_lines(p, r))
     for n in p.notes:
         out.print(line(styled("note:", "dim"), " ", n), soft_wrap=True)
 
@@ -230,7 +232,9 @@ def render_checks(checks: list) -> None:
                          k.transformers_layer_shape, result])  # fmt: skip
     out.print(table(title, cols, rows, caption=c0.how))
     if c0.transformers_params is not None and c0.planner_params is not None:
-        out.print(Text(f"  parameters: {c0.params_working}"), soft_wrap=True)
+        from kvbench.cli.memory_working import params_line
+
+        out.print(Text(f"  parameters: {params_line(c0)}"), soft_wrap=True)
     verdict = all(c.agrees for c in checks)
     out.print(styled("the plan agrees with transformers to the byte" if verdict else "the plan and transformers differ "
                      "where the result column says why", "bold green" if verdict else "bold yellow"))  # fmt: skip
@@ -263,7 +267,9 @@ def render_copy_traffic(traffic: list) -> None:
         )
     out.print(table("History copied by torch.cat while decoding", cols, rows))
     if len(traffic) == 1:
-        _working(traffic[0][1].working)
+        from kvbench.cli.memory_working import copy_traffic_lines
+
+        _working(copy_traffic_lines(traffic[0][1]))
 
 
 def render_measure(report) -> None:

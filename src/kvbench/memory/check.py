@@ -64,16 +64,6 @@ class CacheCheck:
     # numel() of the meta-device language model built from the same file
     transformers_params: int | None = None
 
-    @property
-    def params_working(self) -> str:
-        if self.planner_params is None or self.transformers_params is None:
-            return ""
-        diff = self.planner_params / self.transformers_params - 1
-        return (
-            f"planner ~{fmt_int(self.planner_params)}, transformers' model {fmt_int(self.transformers_params)} "
-            f"(numel on the meta device): {diff:+.2%}"
-        )
-
 
 def check_work(spec: ModelSpec, layers: int, contexts: int) -> None:
     """Refuse a check that would run for minutes: each context is one decode step through every layer of the meta

@@ -12,11 +12,11 @@ common (n1^2 - n0^2) / 2 approximation of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvbench.errors import KVBenchError
 from kvbench.memory.spec import KVFormat, ModelSpec, get_kv_format
-from kvbench.memory.units import MAX_BATCH, MAX_TOKENS, fmt_bytes, fmt_int
+from kvbench.memory.units import MAX_BATCH, MAX_TOKENS, fmt_int
 
 
 def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
@@ -78,69 +78,17 @@ def state_bytes(spec: ModelSpec, fmt: KVFormat, tp: int = 1) -> int:
     return -(-spec.state_elements * state_element_bytes(fmt) // tp)
 
 
-def state_working(spec: ModelSpec, fmt: KVFormat) -> str:
-    """The recurrent state's bytes per sequence, as arithmetic."""
-    if spec.state_elements is None:
-        return f"recurrent state: {spec.state_working} (not counted below)"
-    b = state_element_bytes(fmt)
-    total = spec.state_elements * b
-    held = fmt.name if b * 8 == fmt.bits else f"16-bit: --kv-dtype {fmt.name} applies to K/V only"
-    return (
-        f"recurrent state: {spec.state_working} x {b} B ({held}) = {fmt_int(total)} B = {fmt_bytes(total)} per "
-        "sequence, the same at any context"
-    )
-
-
-def per_token_working(spec: ModelSpec, fmt: KVFormat, kv_heads: int, total: int, label: str) -> str:
-    """The per-token formula with this model's numbers, one line."""
-    if spec.is_mla:
-        n = spec.kv_lora_rank + spec.qk_rope_head_dim
-        return (
-            f"{label}: ({spec.kv_lora_rank} kv_lora_rank + {spec.qk_rope_head_dim} qk_rope_head_dim) x "
-            f"{spec.n_layers} layers x {fmt.working(n) if fmt.group_size else f'{fmt.bits / 8:g} B'} ({fmt.name})"
-            f" = {fmt_int(total)} B = {fmt_bytes(total)}   [MLA: one latent per token per layer, no factor 2, "
-            f"no KV heads]"
-        )
-    if spec.layer_kv:
-        return _per_layer_working(spec, fmt, kv_heads, total, label)
-    heads = f"{kv_heads} kv_heads" + (f" (of {spec.n_kv_heads})" if kv_heads != spec.n_kv_heads else "")
-    if fmt.group_size:
-        vec = f"{fmt.working(spec.head_dim)} per {spec.head_dim}-element head vector"
-        return (
-            f"{label}: 2 (K and V) x {spec.n_layers} layers x {heads} x {vec} ({fmt.name}) = "
-            f"{fmt_int(total)} B = {fmt_bytes(total)}"
-        )
-    return (
-        f"{label}: 2 (K and V) x {spec.n_layers} layers x {heads} x {spec.head_dim} head_dim x "
-        f"{fmt.bits / 8:g} B ({fmt.name}) = {fmt_int(total)} B = {fmt_bytes(total)}"
-    )
-
-
-def _per_layer_working(spec: ModelSpec, fmt: KVFormat, kv_heads: int, total: int, label: str) -> str:
-    """The per-token formula of a model whose layers differ in K/V shape: one term per distinct shape."""
-    counts: dict[tuple[int, int], int] = {}
-    for i in range(spec.n_layers):
-        shape = spec.layer_shape(i, kv_heads)
-        counts[shape] = counts.get(shape, 0) + 1
-    size = lambda d: fmt.working(d) if fmt.group_size else f"{d} head_dim x {fmt.bits / 8:g} B"  # noqa: E731
-    terms = " + ".join(f"{n} layers x {h} kv_heads x {size(d)}" for (h, d), n in counts.items())
-    return f"{label}: 2 (K and V) x ({terms}) ({fmt.name}) = {fmt_int(total)} B = {fmt_bytes(total)}"
-
-
-def tp_working(spec: ModelSpec, fmt: KVFormat, tp: int, kvh: int, per_token: int) -> str:
-    """How the per-token bytes divide over tp GPUs (MLA's latent does not)."""
-    if spec.is_mla:
-        return (
-            f"per GPU (tp {tp}): the MLA latent is shared by all heads, so tensor parallelism cannot split it; "
-            f"every rank holds the whole {fmt_bytes(per_token)}/token"
-        )
-    line = per_token_working(spec, fmt, kvh, token_bytes(spec, fmt, kvh), f"per GPU (tp {tp})")
-    if kvh * tp > spec.n_kv_heads:
-        return (
-            line
-            + f"   [{spec.n_kv_heads} KV heads < tp {tp}: each head replicated on {tp // spec.n_kv_heads} GPUs]"
-        )
-    return line + f"   [{spec.n_kv_heads} KV heads / tp {tp}]"
+def kind_bytes_per_token(spec: ModelSpec, fmt: KVFormat) -> dict[str, int]:
+    """Bytes one token adds over the full-attention layers ("full") and over the windowed ones (their window kind):
+    the two terms of a sequence's bytes, since a full layer holds every token and a windowed one at most its window.
+    A model without attention layers has neither."""
+    windowed = set(spec.sliding_layers)
+    out: dict[str, int] = {}
+    for kind in ("full", spec.window_kind):
+        layers = [i for i in range(spec.n_layers) if (i in windowed) == (kind != "full")]
+        if layers:
+            out[kind] = sum(layer_bytes_per_token(spec, fmt, None, i) for i in layers)
+    return out
 
 
 @dataclass
@@ -155,7 +103,10 @@ class CopyTraffic:
     seed_approx_bytes: int  # the approximation bytes/token x (n1^2 - n0^2) / 2 x batch
     measured_bytes: int | None = None  # the `dynamic` cache's own bytes_copied counter, when it was run
     counter_note: str = ""  # where the counter ran, or why it did not
-    working: list[str] = field(default_factory=list)  # the arithmetic
+    history_tokens: int = (
+        0  # n0 + (n0+1) + ... + (n1-1) = (n1 - n0)(n0 + n1 - 1) / 2: history re-copied, per layer
+    )
+    windowed: bool = False  # windowed layers re-copy at most their window, so exact_bytes is below the sum's
 
 
 def _sum_held(n0: int, n1: int, window: int | None) -> int:
@@ -197,14 +148,7 @@ def copy_traffic(spec: ModelSpec, n0: int, n1: int, batch: int = 1, kv_dtype: st
         for i in range(spec.n_layers)
     )
     approx = per_token * (n1 * n1 - n0 * n0) // 2 * batch
-    steps = (n1 - n0) * (n0 + n1 - 1) // 2
-    b = f" x {batch} sequences" if batch > 1 else ""
-    working = [
-        f"step t copies the t cached tokens of K and V in every layer; t = {n0} .. {n1 - 1}",
-        f"exact: {fmt_int(per_token)} B/token x ({n1} - {n0})({n0} + {n1} - 1)/2 = {fmt_int(per_token)} x "
-        f"{fmt_int(steps)}{b} = {fmt_int(exact)} B = {fmt_bytes(exact)}"
-        + ("   [windowed layers capped at the window]" if spec.sliding_layers else ""),
-        f"seed's approximation: {fmt_int(per_token)} B/token x ({n1}^2 - {n0}^2)/2{b} = {fmt_int(approx)} B = "
-        f"{fmt_bytes(approx)}",
-    ]
-    return CopyTraffic(n0, n1, batch, per_token, exact, approx, working=working)
+    history = (n1 - n0) * (n0 + n1 - 1) // 2
+    return CopyTraffic(
+        n0, n1, batch, per_token, exact, approx, history_tokens=history, windowed=bool(spec.sliding_layers)
+    )

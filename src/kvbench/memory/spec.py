@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from kvbench.dtypes import canonical
 from kvbench.errors import KVBenchError
-from kvbench.memory.units import fmt_int
 
 WINDOW_KINDS = ("sliding", "chunked")  # how a capped layer attends: the last w tokens, or its w-token chunk
 
@@ -183,14 +182,6 @@ class KVFormat:
         groups = 0 if self.group_size is None else -(-n // self.group_size)
         return data + groups * self.meta_bytes
 
-    def working(self, n: int) -> str:
-        """The bytes of one n-element vector, as arithmetic."""
-        if self.group_size is None:
-            b = self.bits / 8
-            return f"{n} x {b:g} B"
-        groups = -(-n // self.group_size)
-        return f"({n} x {self.bits}/8 B + ceil({n}/{self.group_size}) = {groups} groups x {self.meta_bytes} B scales)"
-
 
 KV_FORMATS: dict[str, KVFormat] = {
     "fp32": KVFormat("fp32", 32, None, 0, "4 B per element, no scales"),
@@ -283,9 +274,3 @@ def fmt_rate(bytes_per_s: float) -> str:
         if bytes_per_s >= size:
             return f"{bytes_per_s / size:.4g} {unit}"
     return f"{bytes_per_s:.0f} B/s"
-
-
-def rate_working(bw: PeakBandwidth) -> str:
-    """'3.35 TB/s (3,350,000,000,000 B/s, NVIDIA H100 80GB: <source>)'."""
-    where = bw.label if bw.source == "--bandwidth" else f"{bw.label}, {bw.source}"
-    return f"{fmt_rate(bw.bytes_per_s)} ({fmt_int(bw.bytes_per_s)} B/s; {where})"
