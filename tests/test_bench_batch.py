@@ -20,6 +20,7 @@ from kvbench.bench import floor
 from kvbench.bench import sweep as B
 from kvbench.bench.engines import KVBenchEngine
 from kvbench.bench.settings import BenchOverrides, BenchSettings, load_settings
+from kvbench.caches import CACHES
 from kvbench.cli import app
 from kvbench.errors import KVBenchError
 from kvbench.results.plots import crossover_batch
@@ -197,6 +198,13 @@ def test_crossover_batch_is_weights_over_one_sequences_kv(tiny_config):
     meta = {"floor": {"steps": {"kvbench dynamic prompt 16 batch 1": b.as_dict()}}}
     assert crossover_batch(meta, 16) == pytest.approx(weights / kv_one)
     assert crossover_batch(meta, 32) is None and crossover_batch({}, 16) is None
+    # a design that reads its whole buffer (static-graph's 64 slots) does not price one sequence's K/V at 20 tokens
+    whole = floor.step_bytes(tiny_config, torch.float32, 1, 20, 64, CACHES["static-graph"].traffic)
+    assert whole.slots == 64 and whole.context == 20
+    steps = {"kvbench static-graph prompt 16 batch 1": whole.as_dict()}
+    assert crossover_batch({"floor": {"steps": steps}}, 16) is None
+    steps["kvbench dynamic prompt 16 batch 1"] = b.as_dict()
+    assert crossover_batch({"floor": {"steps": steps}}, 16) == pytest.approx(weights / kv_one)
 
 
 @pytest.fixture(scope="module")

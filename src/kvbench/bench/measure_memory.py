@@ -20,7 +20,7 @@ from kvbench.caches.paged import paged_memory_report
 from kvbench.devices import DTYPES, device_name, resolve_device
 from kvbench.errors import KVBenchError, NotEnoughMemoryError, is_out_of_memory
 from kvbench.memory.formulas import bytes_per_sequence, copy_traffic, layer_bytes_per_token
-from kvbench.memory.spec import KV_FORMATS, KVFormat, ModelSpec, get_kv_format
+from kvbench.memory.spec import KVFormat, ModelSpec, get_kv_format
 from kvbench.memory.units import GiB, fmt_bytes, fmt_int
 from kvbench.model.gpt2 import PRESETS, GPTConfig
 from kvbench.validate import past_context
@@ -108,6 +108,13 @@ def _fill(caches, cfg: GPTConfig, batch: int, n0: int, n1: int, dtype, device) -
             c.update(k, v, pos)
 
 
+def planner_format(design: CacheSpec, fmt: KVFormat) -> KVFormat:
+    """The planner's storage format that models `design`: the one of the element type the design stores K and V in
+    (int8: the planner's int8, whose fp16 scale per 64 elements is an int8 cache's scale per head of GPT-2), else
+    `fmt`, the --kv-dtype asked for."""
+    return get_kv_format(design.storage_dtype) if design.storage_dtype else fmt
+
+
 def _explain(
     design: CacheSpec,
     no_cache: bool,
@@ -123,8 +130,8 @@ def _explain(
     what = design.memory_note or design.summary
     if no_cache:
         return what
-    if design.planner_format:
-        q = KV_FORMATS[design.planner_format]
+    if design.storage_dtype:
+        q = planner_format(design, fmt)
         head = (
             f"equals the planner's --kv-dtype {q.name} figure to the byte ({q.note})"
             if diff == 0
@@ -204,13 +211,13 @@ def _measure_one(
     cspec = get_cache_spec(cname)
     caches, allocated, peak_extra = _allocate_and_fill(cname, cfg, batch, ctx, dtype, dev, predicted)
     measured = cache_nbytes(caches)
-    pformat = cspec.planner_format or fmt.name
-    expected = 0 if caches is None else bytes_per_sequence(spec, KV_FORMATS[pformat], ctx) * batch
+    pformat = planner_format(cspec, fmt)
+    expected = 0 if caches is None else bytes_per_sequence(spec, pformat, ctx) * batch
     diff = measured - expected
     return MeasureRow(
         cache=cname,
         summary=cspec.summary,
-        planner_format=pformat,
+        planner_format=pformat.name,
         predicted_bytes=expected,
         measured_bytes=measured,
         allocated_bytes=allocated,

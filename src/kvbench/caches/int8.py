@@ -120,5 +120,5 @@ SPEC = CacheSpec(
         write=lambda slot, q8: q8,
     ),
     memory_note="int8 values plus one scale per token per head (fp16 scales for an fp16 model, fp32 otherwise)",
-    planner_format="int8",
+    storage_dtype="int8",
 )

@@ -446,8 +446,9 @@ def crossover_batch(meta: dict, prompt_len: int) -> float | None:
     best = None
     for key, b in steps.items():
         parts = key.split()
-        # "<engine> <cache> prompt <n> batch <b>"; the plain designs read exactly the slots that hold tokens
-        if len(parts) != 6 or parts[3] != str(prompt_len) or parts[1] not in ("dynamic", "static", "paged"):
+        # "<engine> <cache> prompt <n> batch <b>"; only a step that reads exactly the slots holding tokens (not a
+        # whole buffer) prices one sequence's K/V at its context
+        if len(parts) != 6 or parts[3] != str(prompt_len) or b.get("slots") != b.get("context"):
             continue
         batch = int(parts[5])
         if b.get("kv", 0) > 0 and (best is None or batch < best[0]):
