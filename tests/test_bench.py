@@ -15,6 +15,8 @@ import torch
 from typer.testing import CliRunner
 
 from kvbench.bench import sweep as B
+from kvbench.bench.engines import ENGINES, KVBenchEngine
+from kvbench.bench.settings import BenchSettings, check_sizes, load_settings, sweep_model_config
 from kvbench.caches import CACHES
 from kvbench.caches.dynamic import DynamicCache
 from kvbench.cli import app
@@ -71,10 +73,10 @@ def test_dynamic_cache_copy_traffic_matches_closed_form_exactly():
     n1 = n0 + new - 1  # the last token is sampled, never fed back, so the cache ends one short
     bpt = cfg.kv_bytes_per_token(4) * B_
     expected = sum(bpt * L for L in range(n0, n1))  # each append re-copies the L tokens already cached
-    assert r.bytes_copied == expected == B.exact_copy_bytes(bpt, n0, n1)
+    assert r.bytes_copied == expected
     assert r.cache_bytes == bpt * n1
     # The seed's (n1^2 - n0^2)/2 overestimates by exactly bytes/token x (n1 - n0)/2.
-    assert B.seed_copy_estimate(bpt, n0, n1) - B.exact_copy_bytes(bpt, n0, n1) == bpt * (n1 - n0) / 2
+    assert B.seed_copy_estimate(bpt, n0, n1) - expected == bpt * (n1 - n0) / 2
 
 
 def test_copy_traffic_on_raw_tensors():
@@ -84,7 +86,7 @@ def test_copy_traffic_on_raw_tensors():
     for _ in range(3):
         c.update(k[:, :, :1], k[:, :, :1], None)
     per_token = 2 * 2 * 4 * 4  # K and V, 2 heads x 4 dims x 4 bytes
-    assert c.bytes_copied == B.exact_copy_bytes(per_token, 5, 8) == per_token * (5 + 6 + 7)
+    assert c.bytes_copied == per_token * (5 + 6 + 7)
 
 
 # --- the whole sweep through the CLI ------------------------------------------------------------------------------
@@ -135,7 +137,9 @@ def test_cli_sweep_writes_all_files_with_sane_values(tmp_path, sweep_model):
         assert ours.loc[("none", p), "kv_cache_mib"] == 0
         assert ours.loc[("dynamic", p), "kv_cache_mib"] == pytest.approx(bpt * n1 / 2**20, rel=1e-5)
         assert ours.loc[("static", p), "kv_cache_mib"] == pytest.approx(bpt * (p + new) / 2**20, rel=1e-5)
-        assert ours.loc[("dynamic", p), "bytes_copied"] == B.exact_copy_bytes(bpt, p, n1)
+        assert ours.loc[("dynamic", p), "bytes_copied"] == sum(
+            bpt * L for L in range(p, n1)
+        )  # each append re-copies
         assert ours.loc[("static", p), "bytes_copied"] == 0
         assert ours.loc[("dynamic", p), "bytes_copied_seed_estimate"] == B.seed_copy_estimate(bpt, p, p + new)
     assert s[s.engine == "hf"].bytes_copied.isna().all()  # not counted for transformers' caches
@@ -272,7 +276,7 @@ def test_ctrl_c_keeps_completed_rows_and_exits_130(tmp_path, monkeypatch):
 def test_out_of_memory_marks_the_row_and_the_sweep_goes_on(tiny_model, error):
     """CUDA OOM and a CPU allocation failure are both an `oom` row, raised while allocating the caches or mid-run."""
 
-    class OOMOnDynamic(B.KVBenchEngine):
+    class OOMOnDynamic(KVBenchEngine):
         def configure(self, cache, batch, max_len):
             if cache == "dynamic":
                 raise error
@@ -289,7 +293,7 @@ def test_out_of_memory_marks_the_row_and_the_sweep_goes_on(tiny_model, error):
                 conf.run = run
             return conf
 
-    s = B.BenchSettings(
+    s = BenchSettings(
         prompt_len=[4, 6], new_tokens=3, caches=["none", "dynamic", "static"], engine=["kvbench"]
     )
     s.repeats, s.warmup = 1, 1
@@ -333,7 +337,7 @@ def test_unknown_config_key_names_key_and_file(tmp_path):
 
 @pytest.mark.parametrize("name", ["seed.toml", "quick.toml"])
 def test_shipped_configs_load(name):
-    s = B.load_settings(ROOT / "configs" / "bench" / name, {})
+    s = load_settings(ROOT / "configs" / "bench" / name, {})
     assert s.caches == list(CACHES)  # every registered cache
     assert s.engine == ["kvbench", "hf"]
     if name == "seed.toml":
@@ -343,7 +347,7 @@ def test_shipped_configs_load(name):
 @pytest.mark.parametrize("name", ["seed", "quick"])
 def test_bench_config_by_name(name):
     """`--config seed` finds the sweep shipped in the package, the same file as configs/bench/seed.toml."""
-    assert B.load_settings(name, {}) == B.load_settings(ROOT / "configs" / "bench" / f"{name}.toml", {})
+    assert load_settings(name, {}) == load_settings(ROOT / "configs" / "bench" / f"{name}.toml", {})
 
 
 # --- transformers' engine ----------------------------------------------------------------------------------------
@@ -395,7 +399,7 @@ def test_static_graph_captures_once_per_configuration_and_reuses_its_caches(tiny
 
     monkeypatch.setattr(static_graph.FixedShapeDecoder, "__init__", init)
     monkeypatch.setattr(static_graph.FixedShapeDecoder, "_capture", capture)
-    s = B.BenchSettings(prompt_len=[5, 9], new_tokens=7, caches=["none", "static-graph"], engine=["kvbench"])
+    s = BenchSettings(prompt_len=[5, 9], new_tokens=7, caches=["none", "static-graph"], engine=["kvbench"])
     s.warmup, s.repeats = 2, 3
     rows = [r.summary for r in B.run_sweep(tiny_model, s, "fp32", "cpu")]
     assert len(built) == 2, "one runner (one capture) per static-graph configuration"
@@ -422,9 +426,7 @@ def test_caches_are_allocated_once_per_configuration(tiny_model, monkeypatch):
         return caches
 
     monkeypatch.setattr(engines, "make_caches", counting)
-    s = B.BenchSettings(
-        prompt_len=[6], new_tokens=5, caches=["dynamic", "static", "paged"], engine=["kvbench"]
-    )
+    s = BenchSettings(prompt_len=[6], new_tokens=5, caches=["dynamic", "static", "paged"], engine=["kvbench"])
     s.warmup, s.repeats = 1, 4
     B.run_sweep(tiny_model, s, "fp32", "cpu")
     # per cache: one allocation for its five runs, one small one for the SDPA probe
@@ -434,9 +436,7 @@ def test_caches_are_allocated_once_per_configuration(tiny_model, monkeypatch):
 def test_interleaved_order_runs_the_timed_repeats_in_rounds(tiny_model):
     """--order interleaved: per prompt length, each configuration's cold and warm-up runs back to back, then one timed
     run of each configuration per round; the rows are those of a sequential sweep (same tokens, every column)."""
-    s = B.BenchSettings(
-        prompt_len=[5, 9], new_tokens=4, caches=["none", "static", "paged"], engine=["kvbench"]
-    )
+    s = BenchSettings(prompt_len=[5, 9], new_tokens=4, caches=["none", "static", "paged"], engine=["kvbench"])
     s.warmup, s.repeats, s.order = 2, 3, "interleaved"
     labels = []
     rows = B.run_sweep(
@@ -520,7 +520,7 @@ def test_interleaved_order_keeps_going_past_a_failing_configuration(tiny_model):
                 conf.run = run
             return conf
 
-    s = B.BenchSettings(prompt_len=[6], new_tokens=3, caches=["none", "paged", "static"], engine=["kvbench"])
+    s = BenchSettings(prompt_len=[6], new_tokens=3, caches=["none", "paged", "static"], engine=["kvbench"])
     s.warmup, s.repeats, s.order = 1, 4, "interleaved"
     rows = {r.summary.cache: r.summary for r in B.run_sweep(
         tiny_model, s, "fp32", "cpu", engines={"kvbench": FailsOnThirdPagedRun(tiny_model)})}  # fmt: skip
@@ -599,7 +599,7 @@ def test_a_wrong_cache_is_caught_by_token_agreement(tiny_model, monkeypatch):
         lambda c, b, n, dt, dev: ForgetsTheFirstToken(b, c.n_head, n, c.head_dim, dt, dev),
     )
     monkeypatch.setitem(CACHES, "forgetful", spec)
-    s = B.BenchSettings(
+    s = BenchSettings(
         prompt_len=[6], new_tokens=24, caches=["none", "static", "forgetful"], engine=["kvbench", "hf"]
     )
     s.warmup, s.repeats = 0, 1
@@ -629,7 +629,7 @@ def test_hf_engine_shares_our_weights(tiny_model):
 def test_peak_memory_counts_the_engine_weights_once_and_the_run_above_its_baseline(tiny_model):
     from kvbench.devices import cpu_peak_resettable
 
-    s = B.BenchSettings(prompt_len=[8], new_tokens=4, caches=["none", "static"], engine=["kvbench", "hf"])
+    s = BenchSettings(prompt_len=[8], new_tokens=4, caches=["none", "static"], engine=["kvbench", "hf"])
     s.warmup, s.repeats = 0, 2
     rows = [r.summary for r in B.run_sweep(tiny_model, s, "fp32", "cpu")]
     weights = sum(p.numel() for p in tiny_model.parameters()) * 4 / 2**20
@@ -694,10 +694,10 @@ def test_weights_folder_without_model_takes_the_checkpoints_shape(tmp_path, hf_d
 def test_device_cpu_alone_with_the_seed_config_picks_fp32():
     from kvbench.devices import resolve_device, resolve_dtype
 
-    s = B.load_settings("seed", {"device": "cpu"})
+    s = load_settings("seed", {"device": "cpu"})
     dev = resolve_device(s.device)
     assert resolve_dtype(s.dtype, dev) == torch.float32
-    B.check_sizes(s, B.sweep_model_config(s), torch.float32, dev)  # gpt2, 512 + 400 tokens: fits
+    check_sizes(s, sweep_model_config(s), torch.float32, dev)  # gpt2, 512 + 400 tokens: fits
 
 
 def _interrupt_on_call(monkeypatch, n: int, action):
@@ -805,10 +805,10 @@ def test_a_plugin_that_raises_mid_sweep_keeps_every_other_row(tmp_path, monkeypa
 
 
 def test_plan_runs_the_token_reference_first_then_the_order_given():
-    s = B.BenchSettings(
+    s = BenchSettings(
         prompt_len=[64, 8], caches=["static-graph", "none", "static"], engine=["hf-compiled", "hf", "kvbench"]
     )
-    engines = {name: B.ENGINES[name] for name in s.engine}  # supports() needs no instance
+    engines = {name: ENGINES[name] for name in s.engine}  # supports() needs no instance
     assert B.plan(s, engines)[:7] == [
         (64, 1, "kvbench", "none"),  # every row's token reference
         (64, 1, "hf-compiled", "static"),

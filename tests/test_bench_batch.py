@@ -18,10 +18,12 @@ from typer.testing import CliRunner
 
 from kvbench.bench import floor
 from kvbench.bench import sweep as B
-from kvbench.bench.settings import load_settings
+from kvbench.bench.engines import KVBenchEngine
+from kvbench.bench.settings import BenchSettings, load_settings
+from kvbench.caches import CACHES
 from kvbench.cli import app
 from kvbench.errors import KVBenchError
-from kvbench.results.batch_plot import crossover_batch
+from kvbench.results.plots import crossover_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread", "small_probe")
 TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
@@ -38,10 +40,8 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", head[16:24])
 
 
-def _settings(**kw) -> B.BenchSettings:
-    s = B.BenchSettings(
-        prompt_len=[6], new_tokens=5, caches=["none", "dynamic", "static"], engine=["kvbench"]
-    )
+def _settings(**kw) -> BenchSettings:
+    s = BenchSettings(prompt_len=[6], new_tokens=5, caches=["none", "dynamic", "static"], engine=["kvbench"])
     s.repeats, s.warmup = 2, 1
     for k, v in kw.items():
         setattr(s, k, v)
@@ -91,7 +91,7 @@ def test_a_batch_size_out_of_memory_is_a_row_and_the_sweep_goes_on(tiny_model):
     """torch's own OutOfMemoryError, raised when batch 3 allocates its cache: those rows are `oom`, batch 4 after
     them runs."""
 
-    class OOMAtThree(B.KVBenchEngine):
+    class OOMAtThree(KVBenchEngine):
         def configure(self, cache, batch, max_len):
             if batch == 3 and cache != "none":
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
@@ -198,6 +198,13 @@ def test_crossover_batch_is_weights_over_one_sequences_kv(tiny_config):
     meta = {"floor": {"steps": {"kvbench dynamic prompt 16 batch 1": b.as_dict()}}}
     assert crossover_batch(meta, 16) == pytest.approx(weights / kv_one)
     assert crossover_batch(meta, 32) is None and crossover_batch({}, 16) is None
+    # a design that reads its whole buffer (static-graph's 64 slots) does not price one sequence's K/V at 20 tokens
+    whole = floor.step_bytes(tiny_config, torch.float32, 1, 20, 64, CACHES["static-graph"].traffic)
+    assert whole.slots == 64 and whole.context == 20
+    steps = {"kvbench static-graph prompt 16 batch 1": whole.as_dict()}
+    assert crossover_batch({"floor": {"steps": steps}}, 16) is None
+    steps["kvbench dynamic prompt 16 batch 1"] = b.as_dict()
+    assert crossover_batch({"floor": {"steps": steps}}, 16) == pytest.approx(weights / kv_one)
 
 
 @pytest.fixture(scope="module")

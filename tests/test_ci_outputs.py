@@ -12,8 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
-from kvbench.jsonio import SCHEMA_VERSION
-from kvbench.results.schema import KINDS, load_schema
+from kvbench.jsonio import KINDS, SCHEMA_VERSION, load_schema
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -253,7 +252,7 @@ def test_export_never_replaces_the_runs_own_files(tmp_path):
 def test_export_leaves_out_rows_that_did_not_complete():
     from types import SimpleNamespace
 
-    from kvbench.results.export import github_action_benchmark
+    from kvbench.results.rundir import github_action_benchmark
 
     def row(cache, status, tpot):
         return SimpleNamespace(engine="kvbench", cache=cache, prompt_len=16, batch=4, status=status, device="cpu",

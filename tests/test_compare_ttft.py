@@ -208,7 +208,7 @@ def test_percentiles_are_refused_with_random_fill(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("pynvml") is not None, reason="nvidia-ml-py is installed here")
 def test_without_nvidia_ml_py_the_cuda_facts_are_null_with_the_reason():
-    from kvbench.results.host import cuda_facts
+    from kvbench.results.environment import cuda_facts
 
     assert cuda_facts(torch.device("cuda")) == {
         "processes": None, "clocks": None, "note": "nvidia-ml-py is not installed: not read"

@@ -190,9 +190,12 @@ def test_logits_check_is_held_to_1e5(reports):
 def test_low_precision_near_tie_is_reported_not_failed():
     want_rows = torch.tensor([[2.0, 1.0, 0.0], [1.00, 0.99, 0.0]])
     got_rows = torch.tensor([[2.0, 1.0, 0.0], [0.98, 1.00, 0.0]])  # step 1 flips: gap 0.01, error 0.02
-    row = compare_tokens("greedy", "dynamic", torch.bfloat16, [0, 0], [0, 1], want_rows, got_rows, "x")
+    rows = dict(
+        name="greedy", cache="dynamic", want=[0, 0], got=[0, 1], want_rows=want_rows, got_rows=got_rows
+    )
+    row = compare_tokens(**rows, dtype=torch.bfloat16, what="x")
     assert row.passed and "near-tie" in row.detail and row.first_divergence == 1, row
-    row = compare_tokens("greedy", "dynamic", torch.float32, [0, 0], [0, 1], want_rows, got_rows, "x")
+    row = compare_tokens(**rows, dtype=torch.float32, what="x")
     assert not row.passed, row
 
 
@@ -548,9 +551,11 @@ def test_hf_model_beyond_memory_is_refused_before_allocating(tmp_path, model_dir
 def test_hf_memory_estimate_counts_the_device_and_the_host(model_dirs, monkeypatch):
     """On a GPU the weights and the allowance must fit the device's free memory, and a random init the host's."""
     import kvbench.devices as bs
-    from kvbench.hf.models import check_memory, peek_hf
+    from kvbench.hf.models import check_memory
 
-    shape = peek_hf(str(model_dirs["llama"]))
+    shapes = []  # the model built on the meta device, as load_hf hands it to its `check` before any allocation
+    load_hf(str(model_dirs["llama"]), CPU, torch.float32, check=shapes.append)
+    shape = shapes[0]
     free = {"cpu": 2**40, "cuda": 2**10}
     monkeypatch.setattr(bs, "available_memory_bytes", lambda device: free[device.type])
     with pytest.raises(KVBenchError, match=r"needs about .* of memory on cuda: .* parameters x 2 B \+ "):

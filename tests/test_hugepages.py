@@ -69,7 +69,7 @@ def test_system_mode_without_thp_is_none(tmp_path):
     assert hugepages.system_mode(tmp_path / "absent") is None
 
 
-def test_huge_kib_is_read_from_the_mapping_that_holds_the_address(tmp_path):
+def test_the_mapping_that_holds_the_address_is_read(tmp_path):
     smaps = tmp_path / "smaps"
     smaps.write_text(
         "7f0000000000-7f0000400000 rw-p 00000000 00:00 0 \n"
@@ -81,10 +81,10 @@ def test_huge_kib_is_read_from_the_mapping_that_holds_the_address(tmp_path):
         "AnonHugePages:         0 kB\n"
         "VmFlags: rd wr mr mw me ac\n"
     )
-    assert hugepages._huge_kib_at(0x7F0000000010, smaps) == 2048
-    assert hugepages._huge_kib_at(0x7F0000400010, smaps) == 0
-    assert hugepages._huge_kib_at(0x10, smaps) is None
-    assert hugepages._huge_kib_at(0x10, tmp_path / "absent") is None
+    assert hugepages._mapping_at(0x7F0000000010, smaps)["AnonHugePages"] == "2048 kB"
+    assert hugepages._mapping_at(0x7F0000400010, smaps)["AnonHugePages"] == "0 kB"
+    assert hugepages._mapping_at(0x10, smaps) is None
+    assert hugepages._mapping_at(0x10, tmp_path / "absent") is None
     assert "hg" in hugepages._mapping_at(0x7F0000000010, smaps)["VmFlags"].split()
     assert "hg" not in hugepages._mapping_at(0x7F0000400010, smaps)["VmFlags"].split()
 

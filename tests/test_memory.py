@@ -9,23 +9,31 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # a test never reaches the network
 
 import pytest
 from typer.testing import CliRunner
 
-from kvbench import memory as mem
 from kvbench.cli import app
+from kvbench.cli.memory_working import plan_lines, plan_warnings, row_lines
 from kvbench.errors import KVBenchError
+from kvbench.memory.config import resolve_config
+from kvbench.memory.formulas import bytes_per_sequence, copy_traffic
+from kvbench.memory.planner import max_context, plan
+from kvbench.memory.presets import get_gpu, get_model, load_gpus, load_presets
+from kvbench.memory.spec import KV_FORMATS, ModelSpec
+from kvbench.memory.units import MAX_TOKENS, fmt_bytes, parse_bytes, parse_ctx
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
+ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
 def presets():
-    return mem.load_presets()
+    return load_presets()
 
 
 def run(*args):
@@ -33,7 +41,7 @@ def run(*args):
 
 
 def per_seq(presets, name, ctx, **kw):
-    return mem.plan(presets[name], [ctx], **kw).rows[0]
+    return plan(presets[name], [ctx], **kw).rows[0]
 
 
 # --- the seed's table ---------------------------------------------------------------------------------------------
@@ -47,25 +55,25 @@ def per_seq(presets, name, ctx, **kw):
     ],
 )
 def test_seed_bytes_per_token(presets, name, layers, kv_heads, head_dim, kib):
-    p = mem.plan(presets[name], [1])
+    p = plan(presets[name], [1])
     assert p.bytes_per_token == 2 * layers * kv_heads * head_dim * 2 == kib * KiB
 
 
 def test_seed_llama3_8b_contexts_and_batch(presets):
-    p = mem.plan(presets["llama-3-8b"], [8 * 1024, 128 * 1024], batch=32)
+    p = plan(presets["llama-3-8b"], [8 * 1024, 128 * 1024], batch=32)
     at8k, at128k = p.rows
     assert at8k.bytes_per_seq == 1 * GiB  # 128 KiB x 8192
     assert at128k.bytes_per_seq == 16 * GiB  # 128 KiB x 131072
     assert at128k.bytes_batch == 512 * GiB  # x 32 sequences
-    assert mem.fmt_bytes(at128k.bytes_per_seq) == "16 GiB" and mem.fmt_bytes(p.bytes_per_token) == "128 KiB"
+    assert fmt_bytes(at128k.bytes_per_seq) == "16 GiB" and fmt_bytes(p.bytes_per_token) == "128 KiB"
     assert (
         "2 (K and V) x 32 layers x 8 kv_heads x 128 head_dim x 2 B (fp16) = 131,072 B = 128 KiB"
-        in p.working[0]
+        in plan_lines(p)[0]
     )
 
 
 def test_seed_llama3_70b_contexts(presets):
-    rows = mem.plan(presets["llama-3-70b"], [8 * 1024, 128 * 1024]).rows
+    rows = plan(presets["llama-3-70b"], [8 * 1024, 128 * 1024]).rows
     assert [r.bytes_per_seq for r in rows] == [int(2.5 * GiB), 40 * GiB]
 
 
@@ -88,19 +96,19 @@ def test_gemma2_9b_head_dim_and_sliding_layers(presets):
 
 def test_llama3_8b_uses_kv_heads_not_query_heads(presets):
     wrong = 2 * 32 * 32 * 128 * 2  # what ignoring GQA would give: 512 KiB
-    assert mem.plan(presets["llama-3-8b"], [1]).bytes_per_token * 4 == wrong
+    assert plan(presets["llama-3-8b"], [1]).bytes_per_token * 4 == wrong
 
 
 def test_deepseek_v3_mla_latent(presets):
-    p = mem.plan(presets["deepseek-v3"], [1024])
+    p = plan(presets["deepseek-v3"], [1024])
     assert p.bytes_per_token == (512 + 64) * 61 * 2  # one latent per token per layer, no factor 2, no heads
     assert p.rows[0].bytes_per_seq == (512 + 64) * 61 * 2 * 1024
-    assert mem.plan(presets["deepseek-v2"], [1]).bytes_per_token == (512 + 64) * 60 * 2
+    assert plan(presets["deepseek-v2"], [1]).bytes_per_token == (512 + 64) * 60 * 2
 
 
 def test_falcon_7b_multi_query(presets):
     assert presets["falcon-7b"].n_kv_heads == 1
-    assert mem.plan(presets["falcon-7b"], [1]).bytes_per_token == 2 * 32 * 1 * 64 * 2 == 8 * KiB
+    assert plan(presets["falcon-7b"], [1]).bytes_per_token == 2 * 32 * 1 * 64 * 2 == 8 * KiB
 
 
 def test_mistral_versions_and_phi3_window(presets):
@@ -131,51 +139,47 @@ def test_gpt2_presets_match_the_model(presets):
             c.head_dim,
             c.block_size,
         )
-        assert mem.plan(s, [1]).bytes_per_token == c.kv_bytes_per_token(2)
+        assert plan(s, [1]).bytes_per_token == c.kv_bytes_per_token(2)
 
 
 # --- quantized caches ---------------------------------------------------------------------------------------------
 def test_quantized_cache_scale_overhead(presets):
     s = presets["llama-3-8b"]
     vectors = 2 * 32 * 8  # K and V, 32 layers, 8 KV heads: 128-element vectors
-    assert mem.plan(s, [1], kv_dtype="fp8").bytes_per_token == vectors * 128
-    assert mem.plan(s, [1], kv_dtype="int8").bytes_per_token == vectors * (
-        128 + 2 * 2
-    )  # 2 groups, fp16 scale
-    assert mem.plan(s, [1], kv_dtype="int4").bytes_per_token == vectors * (64 + 2 * 4)  # scale + zero point
-    assert mem.plan(s, [1], kv_dtype="fp32").bytes_per_token == vectors * 128 * 4
+    assert plan(s, [1], kv_dtype="fp8").bytes_per_token == vectors * 128
+    assert plan(s, [1], kv_dtype="int8").bytes_per_token == vectors * (128 + 2 * 2)  # 2 groups, fp16 scale
+    assert plan(s, [1], kv_dtype="int4").bytes_per_token == vectors * (64 + 2 * 4)  # scale + zero point
+    assert plan(s, [1], kv_dtype="fp32").bytes_per_token == vectors * 128 * 4
 
 
 # --- tensor parallelism -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tp, heads_per_gpu", [(1, 8), (2, 4), (4, 2), (8, 1), (16, 1), (32, 1)])
 def test_tp_splits_then_replicates_kv_heads(presets, tp, heads_per_gpu):
-    p = mem.plan(presets["llama-3-8b"], [1024], tp=tp)
+    p = plan(presets["llama-3-8b"], [1024], tp=tp)
     assert p.kv_heads_per_gpu == heads_per_gpu
     assert p.rows[0].bytes_per_gpu == 2 * 32 * heads_per_gpu * 128 * 2 * 1024
     if tp > 8:
-        assert any("replicated" in w for w in p.working)
+        assert any("replicated" in w for w in plan_lines(p))
 
 
 def test_tp_errors_and_mla(presets):
     with pytest.raises(KVBenchError, match="not divisible by 3"):
-        mem.plan(presets["llama-3-8b"], [1], tp=3)
+        plan(presets["llama-3-8b"], [1], tp=3)
     with pytest.raises(KVBenchError, match="71 attention heads"):
-        mem.plan(presets["falcon-7b"], [1], tp=2)
-    p = mem.plan(
-        presets["deepseek-v3"], [1000], tp=8
-    )  # the latent is shared by all heads: every rank holds it
+        plan(presets["falcon-7b"], [1], tp=2)
+    p = plan(presets["deepseek-v3"], [1000], tp=8)  # the latent is shared by all heads: every rank holds it
     assert p.rows[0].bytes_per_gpu == (512 + 64) * 61 * 2 * 1000
-    assert any("cannot split" in w for w in p.working)
+    assert any("cannot split" in w for w in plan_lines(p))
 
 
 # --- GPU fits -----------------------------------------------------------------------------------------------------
 def test_fit_on_h100(presets):
-    gpu = mem.get_gpu("h100")
+    gpu = get_gpu("h100")
     memory = 81559 * MiB
     assert gpu.memory == memory
     weights = 8_030_261_248 * 2
     available = memory - int(memory * 0.10) - weights
-    p = mem.plan(presets["llama-3-8b"], [8192, 131072], batch=4, gpu=gpu)
+    p = plan(presets["llama-3-8b"], [8192, 131072], batch=4, gpu=gpu)
     at8k, at128k = p.rows
     assert p.gpu.available == available
     assert at8k.max_batch == available // GiB and at8k.fits
@@ -185,41 +189,41 @@ def test_fit_on_h100(presets):
 
 
 def test_fit_with_gpu_mem_and_unbounded_window(presets):
-    p = mem.plan(presets["mistral-7b-v0.1"], [32768], gpu_mem=mem.parse_bytes("80GiB"), overhead="0%")
+    p = plan(presets["mistral-7b-v0.1"], [32768], gpu_mem=parse_bytes("80GiB"), overhead="0%")
     assert p.rows[0].max_ctx_unbounded  # every layer windowed: the cache stops at 4096 tokens
-    p = mem.plan(presets["llama-3-70b"], [8192], gpu_mem=mem.parse_bytes("80GiB"))
+    p = plan(presets["llama-3-70b"], [8192], gpu_mem=parse_bytes("80GiB"))
     assert p.rows[0].max_batch == 0 and not p.rows[0].fits  # 131 GiB of weights
-    assert any("no room" in w for w in p.warnings)
+    assert any("no room" in w for w in plan_warnings(p))
 
 
 def test_unknown_gpu_and_model_list_close_matches(presets):
     with pytest.raises(KVBenchError, match="h100"):
-        mem.get_gpu("h1000")
+        get_gpu("h1000")
     with pytest.raises(KVBenchError, match="mistral-7b-v0.1"):
-        mem.get_model("mistral-7b", presets)
+        get_model("mistral-7b", presets)
 
 
 # --- parsing ------------------------------------------------------------------------------------------------------
 def test_parse_ctx():
-    assert mem.parse_ctx("8k,32k,128k") == [8192, 32768, 131072]
-    assert mem.parse_ctx("4096, 1m") == [4096, 1024 * 1024]
-    assert mem.parse_ctx("1.5k") == [1536]
+    assert parse_ctx("8k,32k,128k") == [8192, 32768, 131072]
+    assert parse_ctx("4096, 1m") == [4096, 1024 * 1024]
+    assert parse_ctx("1.5k") == [1536]
     for bad in ("0", "12q", "", "-5", "1.3k", "8k,,"):
         with pytest.raises(KVBenchError):
-            mem.parse_ctx(bad)
+            parse_ctx(bad)
 
 
 def test_parse_bytes():
-    assert mem.parse_bytes("80GiB") == 80 * GiB
-    assert mem.parse_bytes("80GB") == 80 * 10**9
-    assert mem.parse_bytes("15360MiB") == 15 * GiB
+    assert parse_bytes("80GiB") == 80 * GiB
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("15360MiB") == 15 * GiB
     for bad in ("80XB", "lots", "0GiB"):
         with pytest.raises(KVBenchError):
-            mem.parse_bytes(bad)
+            parse_bytes(bad)
 
 
 def test_beyond_trained_context_warns_and_computes(presets):
-    p = mem.plan(presets["llama-3-8b"], [8192, 8193])
+    p = plan(presets["llama-3-8b"], [8192, 8193])
     assert [r.beyond_max for r in p.rows] == [False, True]
     assert p.rows[1].bytes_per_seq == 128 * KiB * 8193
     assert len(p.warnings) == 1 and "beyond the 8,192" in p.warnings[0]
@@ -232,13 +236,13 @@ def test_toml_unknown_key_names_key_and_file(tmp_path):
         "hidden = 16\nmax_context = 64\nparams = 10\nkv_head = 2\n"
     )
     with pytest.raises(KVBenchError, match=r"'kv_head'.*models\.toml"):
-        mem.load_presets(bad)
+        load_presets(bad)
     bad.write_text('[t4]\nlabel = "T4"\nmemory = "16GiB"\nnominal = "16 GB"\nbandwidth = "320GB/s"\n')
     with pytest.raises(KVBenchError, match=r"bandwidth and bandwidth_source go together"):
-        mem.load_gpus(bad)
+        load_gpus(bad)
     bad.write_text('[t4]\nlabel = "T4"\nmemory = "16GiB"\nnominal = "16 GB"\nclock = 1\n')
     with pytest.raises(KVBenchError, match=r"'clock'.*models\.toml"):
-        mem.load_gpus(bad)
+        load_gpus(bad)
 
 
 # --- config.json written by transformers ----------------------------------------------------------------------------
@@ -261,9 +265,9 @@ def test_config_llama3_8b(tmp_path, presets):
         max_position_embeddings=8192,
         tie_word_embeddings=False,
     )
-    s = mem.spec_from_hf_config(save(tmp_path, cfg, "llama"))
+    s = resolve_config(save(tmp_path, cfg, "llama")).spec
     assert (s.n_layers, s.n_kv_heads, s.head_dim, s.max_context) == (32, 8, 128, 8192)
-    assert mem.plan(s, [1]).bytes_per_token == 128 * KiB
+    assert plan(s, [1]).bytes_per_token == 128 * KiB
     # embeddings + 32 x (q, k, v, o + SwiGLU MLP + 2 norms) + final norm: Llama-3-8B's 8,030,261,248 parameters
     layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
     assert s.params == 32 * layer + 2 * 128256 * 4096 + 4096 == presets["llama-3-8b"].params
@@ -281,22 +285,22 @@ def test_config_gemma2(tmp_path):
         sliding_window=4096,
     )
     path = save(tmp_path, cfg, "gemma2")
-    s = mem.spec_from_hf_config(path)
+    s = resolve_config(path).spec
     assert s.head_dim == 256 and s.sliding_window == 4096 and s.sliding_layers == tuple(range(0, 42, 2))
     # The hub's config.json for gemma-2-9b predates layer_types: even layers slide all the same.
     d = json.loads(path.read_text())
     del d["layer_types"]
     old = tmp_path / "gemma2-old.json"
     old.write_text(json.dumps(d))
-    assert mem.spec_from_hf_config(old).sliding_layers == tuple(range(0, 42, 2))
+    assert resolve_config(old).spec.sliding_layers == tuple(range(0, 42, 2))
 
 
 def test_config_mistral_qwen_phi3(tmp_path):
     from transformers import MistralConfig, Phi3Config, Qwen2Config
 
-    s = mem.spec_from_hf_config(save(tmp_path, MistralConfig(sliding_window=4096), "mistral"))
+    s = resolve_config(save(tmp_path, MistralConfig(sliding_window=4096), "mistral")).spec
     assert s.sliding_window == 4096 and len(s.sliding_layers) == s.n_layers == 32 and s.n_kv_heads == 8
-    s = mem.spec_from_hf_config(save(tmp_path, MistralConfig(sliding_window=None), "mistral3"))
+    s = resolve_config(save(tmp_path, MistralConfig(sliding_window=None), "mistral3")).spec
     assert not s.sliding_layers
     q = Qwen2Config(
         hidden_size=3584,
@@ -305,7 +309,7 @@ def test_config_mistral_qwen_phi3(tmp_path):
         num_key_value_heads=4,
         use_sliding_window=False,
     )
-    s = mem.spec_from_hf_config(save(tmp_path, q, "qwen"))
+    s = resolve_config(save(tmp_path, q, "qwen")).spec
     assert (s.n_kv_heads, s.head_dim, s.sliding_layers) == (4, 128, ())
     # Qwen's hub config.json: sliding_window set, use_sliding_window false, no layer_types -> no window.
     hub = tmp_path / "qwen-hub.json"
@@ -324,29 +328,29 @@ def test_config_mistral_qwen_phi3(tmp_path):
             )
         )
     )
-    assert not mem.spec_from_hf_config(hub).sliding_layers
-    s = mem.spec_from_hf_config(save(tmp_path, Phi3Config(sliding_window=2047), "phi3"))
+    assert not resolve_config(hub).spec.sliding_layers
+    s = resolve_config(save(tmp_path, Phi3Config(sliding_window=2047), "phi3")).spec
     assert (s.n_kv_heads, s.head_dim, s.sliding_window, len(s.sliding_layers)) == (32, 96, 2047, 32)
 
 
 def test_config_deepseek_v3_and_falcon(tmp_path):
     from transformers import DeepseekV3Config, FalconConfig
 
-    s = mem.spec_from_hf_config(save(tmp_path, DeepseekV3Config(), "dsv3"))
+    s = resolve_config(save(tmp_path, DeepseekV3Config(), "dsv3")).spec
     assert s.is_mla and (s.kv_lora_rank, s.qk_rope_head_dim, s.n_layers) == (512, 64, 61)
-    assert mem.plan(s, [1]).bytes_per_token == (512 + 64) * 61 * 2
-    s = mem.spec_from_hf_config(save(tmp_path, FalconConfig(), "falcon"))  # multi_query, 71 heads of 64
+    assert plan(s, [1]).bytes_per_token == (512 + 64) * 61 * 2
+    s = resolve_config(save(tmp_path, FalconConfig(), "falcon")).spec  # multi_query, 71 heads of 64
     assert (s.n_heads, s.n_kv_heads, s.head_dim) == (71, 1, 64)
-    assert mem.plan(s, [1]).bytes_per_token == 8 * KiB
+    assert plan(s, [1]).bytes_per_token == 8 * KiB
 
 
 def test_config_rejects_what_it_cannot_interpret(tmp_path):
     from transformers import BertConfig, T5Config
 
     with pytest.raises(KVBenchError, match="bert"):
-        mem.spec_from_hf_config(save(tmp_path, BertConfig(), "bert"))
+        resolve_config(save(tmp_path, BertConfig(), "bert"))
     with pytest.raises(KVBenchError, match="is_encoder_decoder"):
-        mem.spec_from_hf_config(save(tmp_path, T5Config(), "t5"))
+        resolve_config(save(tmp_path, T5Config(), "t5"))
     cases = {
         "no-layers.json": (
             {"model_type": "x", "num_attention_heads": 8, "hidden_size": 64},
@@ -381,16 +385,16 @@ def test_config_rejects_what_it_cannot_interpret(tmp_path):
         p = tmp_path / fname
         p.write_text(json.dumps(cfg))
         with pytest.raises(KVBenchError, match=field):
-            mem.spec_from_hf_config(p)
+            resolve_config(p)
     bad = tmp_path / "not.json"
     bad.write_text("{nope")
     with pytest.raises(KVBenchError, match="is not valid JSON"):
-        mem.spec_from_hf_config(bad)
+        resolve_config(bad)
 
 
 # --- torch.cat copy traffic ---------------------------------------------------------------------------------------
 def test_copy_traffic_seed_example(presets):
-    t = mem.copy_traffic(presets["gpt2"], 128, 528)
+    t = copy_traffic(presets["gpt2"], 128, 528)
     per_token = 2 * 12 * 12 * 64 * 2
     assert t.exact_bytes == per_token * sum(range(128, 528))
     assert t.seed_approx_bytes == per_token * (528**2 - 128**2) // 2
@@ -405,7 +409,7 @@ def test_copy_traffic_counter_equals_closed_form():
         counted, where = count_copy_traffic(name, n0, n1, batch, "fp32", "cpu")
         cfg = PRESETS[name]
         assert counted == 2 * cfg.n_layer * cfg.n_head * cfg.head_dim * 4 * sum(range(n0, n1)) * batch
-        assert counted == mem.copy_traffic(spec_from_gpt_config(cfg), n0, n1, batch, "fp32").exact_bytes
+        assert counted == copy_traffic(spec_from_gpt_config(cfg), n0, n1, batch, "fp32").exact_bytes
 
 
 # --- --measure on the CPU -----------------------------------------------------------------------------------------
@@ -513,39 +517,48 @@ def test_cli_bad_input_one_line_error(args, message):
 
 
 def test_planner_imports_no_torch():
-    """Presets, plans and command-line parsing stay standard-library only: torch and transformers are imported
-    only to resolve a config.json or to --check."""
+    """Every module of the planner imports, and presets, plans and command-line parsing run, on the standard
+    library: torch and transformers are imported only to resolve a config.json or to --check, matplotlib only to
+    draw --plot."""
+    modules = sorted(
+        p.stem for p in (ROOT / "src" / "kvbench" / "memory").glob("*.py") if p.stem != "__init__"
+    )
     code = (
-        "import sys, kvbench.memory as m; m.load_presets(); m.load_gpus(); "
-        "r = m.parse_request(m.Options(model=['llama-3-8b', 'gemma-3-4b'], ctx='8k,128k', gpu='h100')); "
-        "m.plan_request(r); m.copy_traffic(m.get_model('gpt2'), 128, 528); "
-        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)"
+        f"import sys, importlib; [importlib.import_module('kvbench.memory.' + m) for m in {modules!r}]; "
+        "from kvbench.memory.presets import load_presets, load_gpus, get_model; "
+        "from kvbench.memory.request import Options, parse_request, plan_request; "
+        "from kvbench.memory.formulas import copy_traffic; load_presets(); load_gpus(); "
+        "r = parse_request(Options(model=['llama-3-8b', 'gemma-3-4b'], ctx='8k,128k', gpu='h100')); "
+        "plan_request(r); copy_traffic(get_model('gpt2'), 128, 528); "
+        "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'matplotlib')]; "
+        "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_max_context_search_says_how_it_ended(presets):
     """Found by bisection; unbounded only when every layer is windowed; at the search limit otherwise."""
-    fmt, llama = mem.KV_FORMATS["fp16"], presets["llama-3-8b"]
-    assert mem.max_context(llama, fmt, 8, 1, 128 * KiB * 1000) == (1000, "found")
-    assert mem.max_context(llama, fmt, 8, 1, 128 * KiB * 2**41) == (mem.MAX_TOKENS, "limit")
-    assert mem.max_context(presets["mistral-7b-v0.1"], fmt, 8, 1, 1 * GiB) == (None, "unbounded")
-    assert mem.max_context(llama, fmt, 8, 1, 0) == (0, "found")
+    fmt, llama = KV_FORMATS["fp16"], presets["llama-3-8b"]
+    assert max_context(llama, fmt, 8, 1, 128 * KiB * 1000) == (1000, "found")
+    assert max_context(llama, fmt, 8, 1, 128 * KiB * 2**41) == (MAX_TOKENS, "limit")
+    assert max_context(presets["mistral-7b-v0.1"], fmt, 8, 1, 1 * GiB) == (None, "unbounded")
+    assert max_context(llama, fmt, 8, 1, 0) == (0, "found")
 
 
 def test_a_billion_layers_is_arithmetic_not_a_loop():
     """Per-sequence bytes count full and windowed layers; no loop over layers (a hostile config cannot stall it)."""
-    spec = mem.ModelSpec(name="x", source="x", family="x", n_layers=10**9, n_heads=8, n_kv_heads=8, head_dim=64,
+    spec = ModelSpec(name="x", source="x", family="x", n_layers=10**9, n_heads=8, n_kv_heads=8, head_dim=64,
                          hidden_size=512, max_context=None, params=None)  # fmt: skip
-    assert mem.bytes_per_sequence(spec, mem.KV_FORMATS["fp16"], 2**40) == 2 * 8 * 64 * 2 * 10**9 * 2**40
+    assert bytes_per_sequence(spec, KV_FORMATS["fp16"], 2**40) == 2 * 8 * 64 * 2 * 10**9 * 2**40
 
 
 def test_chunked_window_kind_in_presets(presets, tmp_path):
     scout = presets["llama-4-scout-17b-16e"]
     assert scout.window_kind == "chunked" and scout.n_windowed == 36 and scout.n_full == 12
-    row = mem.plan(scout, [131072]).rows[0]
+    p = plan(scout, [131072])
+    row = p.rows[0]
     assert row.bytes_per_seq == 2 * 8 * 128 * 2 * (12 * 131072 + 36 * 8192)
-    assert "chunked" in row.working[0]
+    assert "chunked" in row_lines(p, row)[0]
     bad = tmp_path / "models.toml"
     bad.write_text(
         '[m]\nsource = "a/b"\nfamily = "llama"\nlayers = 2\nheads = 2\nkv_heads = 2\nhead_dim = 8\n'
@@ -553,7 +566,7 @@ def test_chunked_window_kind_in_presets(presets, tmp_path):
         'window_kind = "dilated"\n'
     )
     with pytest.raises(KVBenchError, match="window_kind = 'dilated'"):
-        mem.load_presets(bad)
+        load_presets(bad)
 
 
 def test_copy_traffic_counter_says_why_it_did_not_run(presets):

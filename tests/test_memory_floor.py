@@ -11,8 +11,8 @@ import tomllib
 from typer.testing import CliRunner
 
 from kvbench.cli.app import app
-from kvbench.memory import GPUS_TOML, MODELS_TOML
-from kvbench.memory.bandwidth import parse_bandwidth
+from kvbench.memory.presets import GPUS_TOML, MODELS_TOML
+from kvbench.memory.spec import parse_bandwidth
 
 runner = CliRunner()
 
@@ -107,6 +107,35 @@ def test_table_shows_floor_and_working():
     assert r.exit_code == 0, r.output
     assert "decode floor / step" in r.stdout and "tokens/s (batch)" in r.stdout
     assert "decode floor at 8k x 16: (weights 16,060,522,496 B + K/V read 17,179,869,184 B" in r.stdout
+
+
+def test_json_working_is_the_text_the_table_prints():
+    """--json carries the working under `working` (the plan's, its GPU budget's, each row's and each row's decode
+    floor's): the same lines the terminal prints under the table, from the same numbers."""
+    args = [
+        "-m",
+        "llama-3-8b",
+        "--gpu",
+        "h100",
+        "--ctx",
+        "8k,1m",
+        "--batch",
+        "1,16",
+        "--tp",
+        "2",
+        "--overhead",
+        "5%",
+    ]
+    r = runner.invoke(app, ["memory", *args], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    p = run_json(*args)["plans"][0]
+    lines = [*p["working"], p["gpu"]["working"]]
+    for row in p["rows"]:
+        lines += [*row["working"], row["decode_floor"]["working"]]
+    # the plan: per token, per GPU, weights, GPU budget, floor; a row: per sequence, (batch), per GPU, fits, floor
+    assert len(p["working"]) == 5 and [len(row["working"]) for row in p["rows"]] == [4, 4, 5, 5]
+    for line in lines:
+        assert line.strip() in r.stdout, line
 
 
 def test_model_as_directory_config_path_and_offline_hub_id(tmp_path, monkeypatch):

@@ -21,8 +21,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvbench import memory as mem
 from kvbench.cli import app
+from kvbench.cli.memory_working import plan_lines
+from kvbench.memory.config import resolve_config
+from kvbench.memory.formulas import layer_bytes_per_token
+from kvbench.memory.planner import plan
+from kvbench.memory.presets import get_model, load_presets
+from kvbench.memory.spec import KV_FORMATS
 
 CONTEXTS = (4096, 131072)
 pytestmark = pytest.mark.slow  # builds ~30 models on the meta device: about a minute on two cores
@@ -209,11 +214,11 @@ def reference(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def presets():
-    return mem.load_presets()
+    return load_presets()
 
 
 def planned(spec, ctx: int) -> int:
-    return mem.plan(spec, [ctx]).rows[0].bytes_per_seq
+    return plan(spec, [ctx]).rows[0].bytes_per_seq
 
 
 # --- every preset -------------------------------------------------------------------------------------------------
@@ -243,7 +248,7 @@ def test_preset_against_transformers(presets, name):
 def test_config_json_against_transformers(presets, name):
     """The config.json as published, resolved by the planner: same bytes as transformers' StaticCache (and as the
     preset), parameters within 2% of the meta model's numel(), the context transformers would use."""
-    ref, spec = reference(name), mem.spec_from_hf_config(config_file(name))
+    ref, spec = reference(name), resolve_config(config_file(name)).spec
     assert spec.resolved_by.startswith("transformers")
     for ctx in CONTEXTS:
         expected = ref["bytes"][ctx] // (16 if name == "falcon-40b" else 1)
@@ -259,18 +264,16 @@ def test_sliding_window_without_pattern_is_not_every_layer():
     """Gemma 3 leaves its 5:1 pattern out, Qwen2 its use_sliding_window: treating every layer as windowed would
     undercount 20x and 32x at 128k."""
     for name, window in (("gemma-3-4b", 1024), ("qwen2-window-unset", 4096)):
-        spec = mem.spec_from_hf_config(config_file(name))
-        every_layer_windowed = (
-            mem.layer_bytes_per_token(spec, mem.KV_FORMATS["fp16"]) * spec.n_layers * window
-        )
+        spec = resolve_config(config_file(name)).spec
+        every_layer_windowed = layer_bytes_per_token(spec, KV_FORMATS["fp16"]) * spec.n_layers * window
         assert planned(spec, 131072) == reference(name)["bytes"][131072] > 15 * every_layer_windowed
 
 
 def test_minimal_text_config_gets_class_defaults():
     """gemma-3-4b's text_config has no heads, llava-1.5's no layers: the class defaults fill them in."""
-    g = mem.spec_from_hf_config(config_file("gemma-3-4b"))
+    g = resolve_config(config_file("gemma-3-4b")).spec
     assert (g.n_heads, g.n_kv_heads, g.head_dim, g.wrapper) == (8, 4, 256, "gemma3")
-    llava = mem.spec_from_hf_config(config_file("llava-1.5-7b"))
+    llava = resolve_config(config_file("llava-1.5-7b")).spec
     assert (llava.n_layers, llava.hidden_size, llava.wrapper, llava.source) == (
         32,
         4096,
@@ -284,19 +287,19 @@ def test_vision_tower_is_stated_not_counted():
     from transformers import AutoConfig, AutoModel
 
     for name in ("gemma-3-4b", "llava-1.5-7b"):
-        spec = mem.spec_from_hf_config(config_file(name))
+        spec = resolve_config(config_file(name)).spec
         with torch.device("meta"):
             tower = AutoModel.from_config(AutoConfig.from_pretrained(str(config_file(name))).vision_config)
         numel = sum(p.numel() for p in tower.parameters())
         assert abs(spec.vision_params / numel - 1) < 0.02
-        assert "vision tower" in mem.plan(spec, [4096]).working[-1]
+        assert "vision tower" in plan_lines(plan(spec, [4096]))[-1]
 
 
 def test_llama4_chunked_layers():
     """Llama 4's local layers attend within 8,192-token chunks: full attention everywhere would be 3.4x."""
-    spec = mem.spec_from_hf_config(config_file("llama-4-scout-17b-16e"))
+    spec = resolve_config(config_file("llama-4-scout-17b-16e")).spec
     assert spec.window_kind == "chunked" and spec.n_windowed == 36 and spec.sliding_window == 8192
-    full = mem.layer_bytes_per_token(spec, mem.KV_FORMATS["fp16"]) * spec.n_layers * 131072
+    full = layer_bytes_per_token(spec, KV_FORMATS["fp16"]) * spec.n_layers * 131072
     assert 3.3 < full / reference("llama-4-scout-17b-16e")["bytes"][131072] < 3.5
 
 
@@ -308,15 +311,15 @@ def test_falcon_7b_context_from_the_class_default():
 
 
 def test_mla_note_says_transformers_caches_the_latent(presets):
-    notes = " ".join(mem.plan(presets["deepseek-v3"], [4096]).notes)
+    notes = " ".join(plan(presets["deepseek-v3"], [4096]).notes)
     assert "transformers 5.x" in notes and "eager attention caches it" not in notes
-    spec = mem.spec_from_hf_config(config_file("deepseek-v3"))
+    spec = resolve_config(config_file("deepseek-v3")).spec
     assert planned(spec, 4096) == reference("deepseek-v3")["bytes"][4096] == (512 + 64) * 61 * 2 * 4096
 
 
 def test_missing_tie_and_activation_take_the_class_defaults():
     """LLaVA-NeXT + Mistral: untied embeddings and a gated MLP, not tied and two matrices (5.2B against 7.2B)."""
-    spec = mem.spec_from_hf_config(config_file("llava-next-mistral-7b"))
+    spec = resolve_config(config_file("llava-next-mistral-7b")).spec
     assert abs(spec.params / reference("llava-next-mistral-7b")["numel"] - 1) < 0.02
 
 
@@ -324,7 +327,7 @@ def test_model_type_transformers_lacks_falls_back_with_a_note(tmp_path):
     cfg = {**PUBLIC["llama-3-8b"], "model_type": "not_in_transformers"}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    spec = mem.spec_from_hf_config(path)
+    spec = resolve_config(path).spec
     assert spec.resolved_by == "kvbench's own reader" and "no model_type 'not_in_transformers'" in spec.note
     assert (
         planned(spec, 4096) == reference("llama-3-8b")["bytes"][4096]
@@ -357,7 +360,7 @@ def test_check_preset_agrees_per_layer_kind():
     assert [c["ctx"] for c in checks] == list(CONTEXTS)
     for c in checks:
         assert c["agrees"] and c["transformers_bytes"] == reference(name)["bytes"][c["ctx"]]
-        assert sum(k["planner_layers"] for k in c["kinds"]) == mem.get_model(name).n_layers
+        assert sum(k["planner_layers"] for k in c["kinds"]) == get_model(name).n_layers
 
 
 def test_check_human_output_one_line_per_difference():

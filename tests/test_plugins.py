@@ -182,6 +182,9 @@ HOSTILE = textwrap.dedent(
     class ExactYes(GrowingCache):
         exact = "yes"
 
+    WeirdStorage = CacheSpec("weird", "stores K and V in a type kvbench does not know", GrowingCache,
+                             storage_dtype="int3")
+
     class ExitUpdate(GrowingCache):
         def update(self, k, v, positions):
             sys.exit(0)
@@ -276,6 +279,10 @@ HOSTILE_CASES = [
     ("mycaches.hostile:NanTolerance", "logit_rtol must be a finite number >= 0, got nan"),
     ("mycaches.hostile:AgreementBelowZero", "min_greedy_agreement must be a fraction from 0 to 1, got -5"),
     ("mycaches.hostile:ExactYes", "exact must be True or False, got 'yes'"),
+    (
+        "mycaches.hostile:WeirdStorage",
+        "storage_dtype must be None or one of fp32, fp16, bf16, fp8, int8, int4, got 'int3'",
+    ),
     ("mycaches.hostile:ExitUpdate", "broke the cache contract: update called sys.exit(0)"),
     ("mycaches.hostile:ExitReset", "broke the cache contract: reset called sys.exit(1)"),
     ("mycaches.hostile:ExitLength", "broke the cache contract: reading length called sys.exit(0)"),

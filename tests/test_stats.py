@@ -11,9 +11,9 @@ from scipy.stats import mannwhitneyu
 
 from kvbench.bench import timing_stats as T
 from kvbench.errors import KVBenchError
-from kvbench.results import host
 from kvbench.results import stats as S
-from kvbench.results.ttft_compare import compare_ttft
+from kvbench.results.environment import load_warning
+from kvbench.results.stats import compare_ttft
 
 
 def numpy_resampled_ci(base, cand, level, n_boot, seed):
@@ -104,9 +104,9 @@ def _meta(load):
 
 
 def test_load_warning_when_starts_differ_by_more_than_a_core():
-    assert host.load_warning(_meta(0.5), _meta(1.4)) is None
-    text = host.load_warning(_meta(0.5), _meta(1.6))
+    assert load_warning(_meta(0.5), _meta(1.4)) is None
+    text = load_warning(_meta(0.5), _meta(1.6))
     assert text is not None and "0.50" in text and "1.60" in text
-    assert host.load_warning(_meta(3.0), _meta(1.9)) is not None
-    assert host.load_warning({}, _meta(9.0)) is None  # a run from before the field: no warning
-    assert host.load_warning({"host": {"load_average": None}}, _meta(9.0)) is None
+    assert load_warning(_meta(3.0), _meta(1.9)) is not None
+    assert load_warning({}, _meta(9.0)) is None  # a run from before the field: no warning
+    assert load_warning({"host": {"load_average": None}}, _meta(9.0)) is None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.results.schema import KINDS
+from kvbench.jsonio import KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 

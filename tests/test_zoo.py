@@ -19,7 +19,8 @@ import torch
 from kvbench.check.hf_verify import run_hf_verify
 from kvbench.check.verify import random_prompts
 from kvbench.errors import KVBenchError
-from kvbench.hf.models import cache_kwarg, load_hf, run_bytes
+from kvbench.hf.introspect import cache_kwarg
+from kvbench.hf.models import load_hf, run_bytes
 from kvbench.hf.tiny import model_types, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,7 +256,7 @@ def test_memory_plans_per_layer_head_dim_as_transformers_allocates_it(tmp_path):
 
 def test_a_per_layer_mlp_width_list_is_a_valid_config_field(tmp_path):
     """Gemma 3n gives intermediate_size per layer, as a list of whole numbers."""
-    from kvbench.memory.config_json import check_fields
+    from kvbench.memory.config import check_fields
 
     check_fields({"intermediate_size": [128, 256]}, tmp_path)
     for bad in ([128, "a"], [], [True]):

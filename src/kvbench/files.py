@@ -110,16 +110,6 @@ def check_file(path: str | os.PathLike, label: str, fix: str = "") -> Path:
     return p
 
 
-def check_directory(path: str | os.PathLike, label: str, fix: str = "") -> Path:
-    """`path` exists and is a directory (following links)."""
-    p = Path(path)
-    mode = _stat(p, label).st_mode
-    if not stat.S_ISDIR(mode):
-        what = "a regular file" if stat.S_ISREG(mode) else _kind(mode)
-        raise KVBenchError(f"{label} is not a directory ({what})" + (f"; {fix}" if fix else ""))
-    return p
-
-
 def read_bytes(
     path: str | os.PathLike, label: str, max_bytes: int, noun: str = "a file", fix: str = ""
 ) -> bytes:

@@ -14,7 +14,7 @@ GPT-2 bench's; what differs lives here:
   within verify's tolerance for a cache against its own no-cache path (TOLERANCES: same model, same code, only the
   cache differs).
 - Settings: bench's keys, file and checks, with transformers' cache names (hf/caches.py, those it times) and the one engine; the
-  model's context and the device's memory are checked from its config (`peek_hf`: no weight read) before any work.
+  model's context and the device's memory are checked on its meta-device build (load_hf's `check`) before any weight is read.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from kvbench.check.hf_subject import HFModel, cache_unsupported, forward_inputs
 from kvbench.check.judge import tolerance
 from kvbench.hf.caches import HF_CACHES, TIMED, generate_kwargs, parse_bench_caches
 from kvbench.hf.engine import compiled_decode, timed_generate
-from kvbench.hf.models import HFShape, LoadedHF, quiet_transformers
+from kvbench.hf.introspect import quiet_transformers
+from kvbench.hf.models import HFShape, LoadedHF
 
 TOKEN_REFERENCE = (
     "token_agreement: fraction of a row's generated tokens equal to those of the model's own none "

@@ -73,14 +73,6 @@ def _mapping_at(address: int, smaps: Path = Path("/proc/self/smaps")) -> dict[st
     return fields
 
 
-def _huge_kib_at(address: int, smaps: Path = Path("/proc/self/smaps")) -> int | None:
-    """AnonHugePages (KiB) of the mapping that holds `address`; None when /proc cannot say."""
-    fields = _mapping_at(address, smaps)
-    if fields is None or "AnonHugePages" not in fields:
-        return None
-    return int(fields["AnonHugePages"].split()[0])
-
-
 def _probe() -> tuple[bool | None, bool | None]:
     """(advised, in_use) for a fresh PROBE_BYTES tensor: did the allocator ask for huge pages on it (madvise, the
     smaps flag "hg": what the software chose), and did the kernel back it with them (what the machine could give:

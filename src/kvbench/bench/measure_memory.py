@@ -1,6 +1,6 @@
 """`kvbench memory --measure`: allocate our real caches on a device and hold them against the planner's prediction.
 
-The planner (`memory.py`) predicts bytes with arithmetic; this module builds every cache in the registry for the same
+The planner (`kvbench.memory`) predicts bytes with arithmetic; this module builds every cache in the registry for the same
 model, batch and context, fills it, and reads back the bytes of tensor storage each one holds (`nbytes`). The static
 cache must agree to the byte; the others are explained (a growing cache holds exactly what it was given but copies
 its history to grow; a cache added later reports its own difference). It also runs the `dynamic` cache's own copy
@@ -13,16 +13,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench import devices, memory
-from kvbench.caches import CACHES, CacheSpec, cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
+from kvbench import devices
+from kvbench.caches import CACHES, get_cache_spec, make_caches
+from kvbench.caches.base import CacheSpec, cache_bytes_copied, cache_nbytes
 from kvbench.caches.paged import paged_memory_report
 from kvbench.devices import DTYPES, device_name, resolve_device
 from kvbench.errors import KVBenchError, NotEnoughMemoryError, is_out_of_memory
+from kvbench.memory.formulas import bytes_per_sequence, copy_traffic, layer_bytes_per_token
+from kvbench.memory.spec import KVFormat, ModelSpec, get_kv_format
+from kvbench.memory.units import GiB, fmt_bytes, fmt_int
 from kvbench.model.gpt2 import PRESETS, GPTConfig
 from kvbench.validate import past_context
 
 # Counting the dynamic cache's copies re-runs every torch.cat; above this many bytes copied it is not worth the wait.
-MAX_COUNTED_COPY_BYTES = 8 * memory.GiB
+MAX_COUNTED_COPY_BYTES = 8 * GiB
 # --lengths fills a paged cache one token at a time, one update per token: at most this many tokens in all.
 MAX_PAGED_TOKENS = 2**16
 
@@ -58,9 +62,9 @@ class MeasureReport:
     warnings: list[str] = field(default_factory=list)  # e.g. a context beyond the model's trained maximum
 
 
-def spec_from_gpt_config(cfg: GPTConfig) -> memory.ModelSpec:
+def spec_from_gpt_config(cfg: GPTConfig) -> ModelSpec:
     """Our GPT-2's shape as the planner sees it (MHA: one K/V head per query head)."""
-    return memory.ModelSpec(
+    return ModelSpec(
         name=cfg.name,
         source="kvbench.model.gpt2.PRESETS",
         family="gpt2",
@@ -104,6 +108,13 @@ def _fill(caches, cfg: GPTConfig, batch: int, n0: int, n1: int, dtype, device) -
             c.update(k, v, pos)
 
 
+def planner_format(design: CacheSpec, fmt: KVFormat) -> KVFormat:
+    """The planner's storage format that models `design`: the one of the element type the design stores K and V in
+    (int8: the planner's int8, whose fp16 scale per 64 elements is an int8 cache's scale per head of GPT-2), else
+    `fmt`, the --kv-dtype asked for."""
+    return get_kv_format(design.storage_dtype) if design.storage_dtype else fmt
+
+
 def _explain(
     design: CacheSpec,
     no_cache: bool,
@@ -111,16 +122,16 @@ def _explain(
     expected: int,
     measured: int,
     plain: int,
-    spec: memory.ModelSpec,
-    fmt: memory.KVFormat,
+    spec: ModelSpec,
+    fmt: KVFormat,
     batch: int,
 ) -> str:
     """Why a cache's measured bytes are what they are, in one line."""
     what = design.memory_note or design.summary
     if no_cache:
         return what
-    if design.planner_format:
-        q = memory.KV_FORMATS[design.planner_format]
+    if design.storage_dtype:
+        q = planner_format(design, fmt)
         head = (
             f"equals the planner's --kv-dtype {q.name} figure to the byte ({q.note})"
             if diff == 0
@@ -129,7 +140,7 @@ def _explain(
         return f"{head}; {measured / plain:.3f} of the {fmt.name} cache; {what}"
     if diff == 0:
         return f"equals the prediction to the byte; {what}"
-    slot = memory.layer_bytes_per_token(spec, fmt) * spec.n_layers * batch
+    slot = layer_bytes_per_token(spec, fmt) * spec.n_layers * batch
     extra = f" = {diff // slot:,} extra token slots per sequence" if diff > 0 and diff % slot == 0 else ""
     return f"{diff:+,} B ({100 * diff / expected:+.2f}%){extra}: {what}"
 
@@ -150,12 +161,12 @@ def measure_caches(
     dtype = _torch_dtype(kv_dtype)
     dev = resolve_device(device)
     spec = spec_from_gpt_config(cfg)
-    fmt = memory.get_kv_format(kv_dtype)
-    predicted = memory.bytes_per_sequence(spec, fmt, ctx) * batch
+    fmt = get_kv_format(kv_dtype)
+    predicted = bytes_per_sequence(spec, fmt, ctx) * batch
     el = torch.tensor([], dtype=dtype).element_size()
     working = [
         f"predicted: 2 (K and V) x {cfg.n_layer} layers x batch {batch} x {cfg.n_head} heads x {ctx} tokens x "
-        f"{cfg.head_dim} head_dim x {el} B ({kv_dtype}) = {memory.fmt_int(predicted)} B = {memory.fmt_bytes(predicted)}",
+        f"{cfg.head_dim} head_dim x {el} B ({kv_dtype}) = {fmt_int(predicted)} B = {fmt_bytes(predicted)}",
         "measured: sum over layers of each cache's nbytes (bytes of K/V tensor storage it holds) after "
         f"prefilling {ctx - 1} tokens and decoding 1"
         if ctx > 1
@@ -187,8 +198,8 @@ def measure_caches(
 def _measure_one(
     cname: str,
     cfg: GPTConfig,
-    spec: memory.ModelSpec,
-    fmt: memory.KVFormat,
+    spec: ModelSpec,
+    fmt: KVFormat,
     batch: int,
     ctx: int,
     dtype: torch.dtype,
@@ -200,15 +211,13 @@ def _measure_one(
     cspec = get_cache_spec(cname)
     caches, allocated, peak_extra = _allocate_and_fill(cname, cfg, batch, ctx, dtype, dev, predicted)
     measured = cache_nbytes(caches)
-    pformat = cspec.planner_format or fmt.name
-    expected = (
-        0 if caches is None else memory.bytes_per_sequence(spec, memory.KV_FORMATS[pformat], ctx) * batch
-    )
+    pformat = planner_format(cspec, fmt)
+    expected = 0 if caches is None else bytes_per_sequence(spec, pformat, ctx) * batch
     diff = measured - expected
     return MeasureRow(
         cache=cname,
         summary=cspec.summary,
-        planner_format=pformat,
+        planner_format=pformat.name,
         predicted_bytes=expected,
         measured_bytes=measured,
         allocated_bytes=allocated,
@@ -237,7 +246,7 @@ def _allocate_and_fill(name: str, cfg: GPTConfig, batch: int, ctx: int, dtype, d
         if not is_out_of_memory(e):
             raise
         raise NotEnoughMemoryError(
-            f"--measure: the {name!r} cache for batch {batch} x {ctx} tokens ({memory.fmt_bytes(predicted)}) "
+            f"--measure: the {name!r} cache for batch {batch} x {ctx} tokens ({fmt_bytes(predicted)}) "
             f"does not fit on {dev}; lower --batch or --ctx"
         ) from None
     if not cuda:
@@ -263,11 +272,11 @@ def count_copy_traffic(
     if kv_dtype not in DTYPES:
         return None, f"no counter: the dynamic cache stores {', '.join(DTYPES)}, not {kv_dtype}"
     cfg = PRESETS[name]
-    total = memory.copy_traffic(spec_from_gpt_config(cfg), n0, n1, batch, kv_dtype).exact_bytes
+    total = copy_traffic(spec_from_gpt_config(cfg), n0, n1, batch, kv_dtype).exact_bytes
     if total > MAX_COUNTED_COPY_BYTES:
         return None, (
-            f"counter skipped: it would copy {memory.fmt_bytes(total)} "
-            f"(over {memory.fmt_bytes(MAX_COUNTED_COPY_BYTES)}); the closed form stands alone"
+            f"counter skipped: it would copy {fmt_bytes(total)} "
+            f"(over {fmt_bytes(MAX_COUNTED_COPY_BYTES)}); the closed form stands alone"
         )
     dtype = DTYPES[kv_dtype]
     dev = resolve_device(device)
@@ -291,14 +300,14 @@ def check_measure(
     _torch_dtype(kv_dtype)
     spec, fmt, room = (
         spec_from_gpt_config(cfg),
-        memory.get_kv_format(kv_dtype),
+        get_kv_format(kv_dtype),
         devices.available_memory_bytes(dev),
     )
-    need = 2 * memory.bytes_per_sequence(spec, fmt, max(contexts)) * batch
+    need = 2 * bytes_per_sequence(spec, fmt, max(contexts)) * batch
     if room is not None and need > room:
         raise NotEnoughMemoryError(
-            f"--measure at batch {batch} x {max(contexts):,} tokens needs about {memory.fmt_bytes(need)} on {dev}, "
-            f"which has {memory.fmt_bytes(room)} free; lower --batch or --ctx"
+            f"--measure at batch {batch} x {max(contexts):,} tokens needs about {fmt_bytes(need)} on {dev}, "
+            f"which has {fmt_bytes(room)} free; lower --batch or --ctx"
         )
     if lengths is None:
         return
@@ -307,12 +316,10 @@ def check_measure(
             f"--lengths adds up to {sum(lengths):,} tokens; the paged cache is filled one token at a time, so keep "
             f"the total at or under {MAX_PAGED_TOKENS:,}"
         )
-    one_layer = (
-        memory.bytes_per_sequence(spec, fmt, paged_max_len or max(lengths)) * len(lengths) // cfg.n_layer
-    )
+    one_layer = bytes_per_sequence(spec, fmt, paged_max_len or max(lengths)) * len(lengths) // cfg.n_layer
     if room is not None and one_layer > room:
         raise KVBenchError(
-            f"--lengths needs {memory.fmt_bytes(one_layer)} of paged blocks; the host has {memory.fmt_bytes(room)} free"
+            f"--lengths needs {fmt_bytes(one_layer)} of paged blocks; the host has {fmt_bytes(room)} free"
         )
 
 

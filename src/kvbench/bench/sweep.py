@@ -32,43 +32,22 @@ import torch
 from kvbench.bench import floor
 from kvbench.bench.agreement import TokenCheck, check_tokens
 from kvbench.bench.backends import watch_sdpa
-from kvbench.bench.engines import ENGINES, HFEngine, KVBenchEngine, RunTiming, build_engines
+from kvbench.bench.engines import ENGINES, build_engines
 from kvbench.bench.profile import profile_run
 from kvbench.bench.rows import ConfigResult, StepRow, SummaryRow
 from kvbench.bench.settings import (
-    SETTING_KEYS,
     BenchSettings,
     check_fits_context,
-    check_sizes,
-    coerce,
-    load_settings,
-    resolve_config_path,
-    settings_dict,
-    sweep_model_config,
-    sweep_warnings,
 )
 from kvbench.bench.timing_stats import ALWAYS, TTFT_PERCENTILES, describe_ms, tpot_extra_columns
 from kvbench.devices import memory_in_use, memory_peak, reset_peak_memory
 from kvbench.errors import KVBenchError, is_out_of_memory
 from kvbench.model.gpt2 import GPTConfig
 
-# Settings and engines live in their own modules; these names stay importable from here.
-__all__ = [
-    "ConfigResult", "StepRow", "SummaryRow", "ENGINES", "SETTING_KEYS", "BenchSettings", "HFEngine", "KVBenchEngine", "RunTiming", "build_engines",
-    "check_fits_context", "check_sizes", "coerce", "load_settings", "resolve_config_path",
-    "settings_dict", "sweep_model_config", "sweep_warnings",
-]  # fmt: skip
-
 
 def seed_copy_estimate(bytes_per_token: int, n0: int, n1: int) -> float:
     """The seed's estimate of torch.cat traffic growing a cache from n0 to n1 tokens: bytes/token x (n1^2 - n0^2)/2."""
     return bytes_per_token * (n1 * n1 - n0 * n0) / 2
-
-
-def exact_copy_bytes(bytes_per_token: int, n0: int, n1: int) -> int:
-    """Exact torch.cat traffic growing from n0 to n1 cached tokens one at a time: each append re-copies the current
-    length L for L = n0 .. n1-1, i.e. bytes/token x (n1 - n0)(n0 + n1 - 1)/2."""
-    return bytes_per_token * (n1 - n0) * (n0 + n1 - 1) // 2
 
 
 def _nan_row(**kw) -> SummaryRow:

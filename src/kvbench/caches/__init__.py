@@ -17,13 +17,14 @@ from __future__ import annotations
 import torch
 
 from kvbench.caches import dynamic, int8, paged, plugins, static, static_graph
-from kvbench.caches.base import CacheSpec, LayerCache, Traffic, cache_bytes_copied, cache_nbytes
+from kvbench.caches.base import CacheSpec, LayerCache, Traffic
 from kvbench.caches.plugins import missing_lifecycle
 from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPTConfig
 
-__all__ = ["CACHES", "CacheSpec", "LayerCache", "Traffic", "cache_bytes_copied", "cache_nbytes", "get_cache_spec",
-           "make_caches", "missing_lifecycle", "parse_cache_names"]  # fmt: skip
+# The registry, and what a plugin imports from here (docs/caches.md): the contract, a design's facts, the lifecycle probe.
+__all__ = ["CACHES", "CacheSpec", "LayerCache", "Traffic", "get_cache_spec", "make_caches", "missing_lifecycle",
+           "parse_cache_names"]  # fmt: skip
 
 NONE = CacheSpec(
     "none",

@@ -171,8 +171,8 @@ class CacheSpec:
     traffic: Traffic | None = None
     # What the memory measurement says of its footprint beyond the bytes (kvbench memory --measure).
     memory_note: str = ""
-    # The planner's storage format (memory.KV_FORMATS) that models it, when it is not the model's dtype.
-    planner_format: str | None = None
+    # The element type it stores K and V in (a kvbench.dtypes name: int8), when it is not the model's dtype.
+    storage_dtype: str | None = None
     # Its decode step runs as one fixed-shape function over StaticGraphCache buffers (decode/fixed_step.py), which can be
     # compiled (--compile) and, on CUDA, captured as a CUDA graph; the layer caches must be StaticGraphCache.
     fixed_step: bool = False

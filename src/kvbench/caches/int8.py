@@ -120,12 +120,5 @@ SPEC = CacheSpec(
         write=lambda slot, q8: q8,
     ),
     memory_note="int8 values plus one scale per token per head (fp16 scales for an fp16 model, fp32 otherwise)",
-    planner_format="int8",
+    storage_dtype="int8",
 )
-
-
-def memory_ratio(head_dim: int, dtype: torch.dtype) -> float:
-    """int8 cache bytes / a `dtype` cache's bytes, scales included: (Dh + scale bytes) / (Dh * element size)."""
-    elt = torch.empty(0, dtype=dtype).element_size()
-    scale_bytes = torch.empty(0, dtype=scale_dtype_for(dtype)).element_size()
-    return (head_dim + scale_bytes) / (head_dim * elt)

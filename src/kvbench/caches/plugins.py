@@ -30,6 +30,7 @@ from importlib import metadata
 import torch
 
 from kvbench.caches.base import LIFECYCLE, CacheSpec, LayerCache, Traffic
+from kvbench.dtypes import SPELLINGS
 from kvbench.errors import KVBenchError, one_line
 from kvbench.model.gpt2 import GPTConfig
 from kvbench.thirdparty import contained, did
@@ -126,6 +127,8 @@ def _check_stated(spec: CacheSpec, name: str) -> None:
         raise bad("min_greedy_agreement", v, "a fraction from 0 to 1")
     if spec.traffic is not None and not isinstance(spec.traffic, Traffic):
         raise bad("traffic", spec.traffic, "a kvbench.caches.Traffic or None")
+    if spec.storage_dtype is not None and spec.storage_dtype not in SPELLINGS:
+        raise bad("storage_dtype", spec.storage_dtype, f"None or one of {', '.join(SPELLINGS)}")
 
 
 def _inherited(cls: type, field: str) -> bool:

@@ -17,7 +17,8 @@ from typing import Protocol
 import torch
 from transformers import GPT2LMHeadModel
 
-from kvbench.caches import get_cache_spec, make_caches, missing_lifecycle
+from kvbench.caches import get_cache_spec, make_caches
+from kvbench.caches.plugins import missing_lifecycle
 from kvbench.check.judge import tolerance
 from kvbench.check.subject import NoCache, Run
 from kvbench.decode.generate import EXACT, DecodeRules, GenerationResult, generate

@@ -19,7 +19,8 @@ import torch
 from kvbench.check.judge import tolerance
 from kvbench.check.subject import NoCache, Run, Unsupported
 from kvbench.hf.caches import HF_CACHES, generate_kwargs, reuse_kwargs
-from kvbench.hf.models import LoadedHF, cache_kwarg, returned_cache
+from kvbench.hf.introspect import cache_kwarg, returned_cache
+from kvbench.hf.models import LoadedHF
 
 NO_CACHE_SOURCE = "generate(use_cache=False)"
 

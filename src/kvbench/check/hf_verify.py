@@ -22,7 +22,8 @@ from kvbench.check.lifecycle import LIFECYCLE
 from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks
 from kvbench.devices import dtype_name
 from kvbench.hf.caches import HF_CACHES
-from kvbench.hf.models import HFModelInfo, LoadedHF, quiet_transformers
+from kvbench.hf.introspect import HFModelInfo, quiet_transformers
+from kvbench.hf.models import LoadedHF
 from kvbench.validate import past_context
 
 CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)

@@ -40,12 +40,14 @@ LOW_PRECISION_NOTE = (
 )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CheckRow:
     name: str  # the check
     cache: str  # the cache checked, as named on the command line
     passed: bool
-    max_abs_diff: float | None  # largest |logit difference| compared (None when no logits were compared)
+    max_abs_diff: float | None = (
+        None  # largest |logit difference| compared (None when no logits were compared)
+    )
     first_divergence: int | None = None  # first generated step whose token differs (0 = the prefill's token)
     tolerance: str = ""  # the criterion applied, in words
     detail: str = ""  # what was compared, and why it passed or failed
@@ -65,7 +67,7 @@ class VerifyReport:
 
 
 def skipped(cache: str, why: str, name: str = "-") -> CheckRow:
-    return CheckRow(name, cache, True, None, None, "skipped", why, skipped=True)
+    return CheckRow(name=name, cache=cache, passed=True, tolerance="skipped", detail=why, skipped=True)
 
 
 @dataclass(frozen=True)
@@ -138,61 +140,71 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 def compare_tokens(
-    name: str, cache: str, dtype: torch.dtype, want: list[int], got: list[int], ref_rows: torch.Tensor,
-    got_rows: torch.Tensor, what: str, tol: Tolerance | None = None, ref_where: str = NO_CACHE,
+    *, name: str, cache: str, dtype: torch.dtype, want: list[int], got: list[int], want_rows: torch.Tensor,
+    got_rows: torch.Tensor, what: str, tol: Tolerance | None = None, want_where: str = NO_CACHE,
     got_where: str = CACHED,
 ) -> CheckRow:  # fmt: skip
     """Tokens `got` against `want`, with the (N, V) logit rows each was chosen from: exact (near-ties allowed in
-    low precision), or a lossy path's token agreement."""
-    bad = not_finite([(ref_where, ref_rows), (got_where, got_rows)])
+    low precision), or a lossy path's token agreement. `want_where` and `got_where` name the two runs when their
+    logits are not finite."""
+    bad = not_finite([(want_where, want_rows), (got_where, got_rows)])
     if bad:
-        return CheckRow(name, cache, False, None, None, "finite logits", f"{what}{'; ' if what else ''}{bad}")
+        return CheckRow(
+            name=name, cache=cache, passed=False, tolerance="finite logits",
+            detail=f"{what}{'; ' if what else ''}{bad}",
+        )  # fmt: skip
     n = min(len(want), len(got))
     first = first_diff(want, got)
     upto = n if first is None else first + 1  # inputs are identical up to and including the divergent step
-    err = float((ref_rows[:upto] - got_rows[:upto]).abs().max())
+    err = float((want_rows[:upto] - got_rows[:upto]).abs().max())
     if tol is not None and tol.lossy and tol.min_agreement is not None:
         agree = sum(w == g for w, g in zip(want, got, strict=False)) / max(n, 1)
-        ok = agree >= tol.min_agreement
-        words = f"lossy: agree >= {tol.min_agreement:.0%} (its min_greedy_agreement)"
-        return CheckRow(name, cache, ok, err, first, words, f"{what}; {agree:.0%} of {n} tokens agree")
-    return token_verdict(name, cache, dtype, want, got, ref_rows, got_rows, first, err, n, what)
-
-
-def token_verdict(
-    name: str, cache: str, dtype: torch.dtype, want: list[int], got: list[int], ref_rows: torch.Tensor,
-    got_rows: torch.Tensor, first: int | None, err: float, n: int, what: str,
-) -> CheckRow:  # fmt: skip
-    """An exact path's token check: identical tokens pass; in fp16/bf16 a flip the logit error explains (a near-tie)
-    passes and says so; any other difference fails, naming the step, the tokens, the gap and the error."""
-    if first is None:
-        return CheckRow(name, cache, True, err, None, "identical tokens", f"{what}: all {n} identical")
-    tie, gap, step_err = near_tie(ref_rows[first], got_rows[first])
-    if dtype != torch.float32 and tie:
         return CheckRow(
-            name, cache, True, err, first, "identical tokens (near-tie flips allowed)",
-            f"{what}; step {first} flipped at a near-tie: top-2 gap {gap:.3g} <= 2 x logit error {step_err:.3g} "
-            "(rounding, not a cache bug)",
+            name=name, cache=cache, passed=agree >= tol.min_agreement, max_abs_diff=err, first_divergence=first,
+            tolerance=f"lossy: agree >= {tol.min_agreement:.0%} (its min_greedy_agreement)",
+            detail=f"{what}; {agree:.0%} of {n} tokens agree",
         )  # fmt: skip
-    return CheckRow(
-        name, cache, False, err, first, "identical tokens",
+    row = CheckRow(name=name, cache=cache, passed=True, max_abs_diff=err, tolerance="identical tokens")
+    if first is None:
+        row.detail = f"{what}: all {n} identical"
+        return row
+    return _token_flip(row, dtype, want, got, want_rows[first], got_rows[first], first, what)
+
+
+def _token_flip(
+    row: CheckRow, dtype: torch.dtype, want: list[int], got: list[int], want_row: torch.Tensor,
+    got_row: torch.Tensor, first: int, what: str,
+) -> CheckRow:  # fmt: skip
+    """An exact path whose tokens differ from step `first`: in fp16/bf16 a flip the logit error explains (a
+    near-tie) passes and says so; any other difference fails, naming the step, the tokens, the gap and the error."""
+    row.first_divergence = first
+    tie, gap, step_err = near_tie(want_row, got_row)
+    if dtype != torch.float32 and tie:
+        row.tolerance = "identical tokens (near-tie flips allowed)"
+        row.detail = (
+            f"{what}; step {first} flipped at a near-tie: top-2 gap {gap:.3g} <= 2 x logit error {step_err:.3g} "
+            "(rounding, not a cache bug)"
+        )
+        return row
+    row.passed = False
+    row.detail = (
         f"{what}; token {first} differs ({want[first]} vs {got[first]}), top-2 gap {gap:.3g}, "
-        f"logit error {step_err:.3g}",
-    )  # fmt: skip
+        f"logit error {step_err:.3g}"
+    )
+    return row
 
 
 def bounded(
-    name: str, cache: str, tol: Tolerance, got_rows: torch.Tensor, ref_rows: torch.Tensor, what: str
+    *, name: str, cache: str, tol: Tolerance, got_rows: torch.Tensor, want_rows: torch.Tensor, what: str
 ) -> tuple[CheckRow, float]:
     """A lossy path: every step's logits within its bound of the no-cache forward over the same tokens.
     Returns the row and the worst step's error as a fraction of that step's largest logit."""
-    broken = not_finite([(NO_CACHE, ref_rows), (CACHED, got_rows)])
+    row = CheckRow(name=name, cache=cache, passed=False, tolerance=tol.words)
+    broken = not_finite([(NO_CACHE, want_rows), (CACHED, got_rows)])
     if broken:
-        return CheckRow(
-            name, cache, False, None, None, tol.words, f"{what}{'; ' if what else ''}{broken}"
-        ), 0.0
-    ok, err = allclose_err(got_rows, ref_rows, tol.rtol, tol.atol)
-    rel = float(((got_rows - ref_rows).abs().amax(-1) / ref_rows.abs().amax(-1)).max())
-    return CheckRow(
-        name, cache, ok, err, None, tol.words, f"{what}; worst step {rel:.1%} of its row scale"
-    ), rel
+        row.detail = f"{what}{'; ' if what else ''}{broken}"
+        return row, 0.0
+    row.passed, row.max_abs_diff = allclose_err(got_rows, want_rows, tol.rtol, tol.atol)
+    rel = float(((got_rows - want_rows).abs().amax(-1) / want_rows.abs().amax(-1)).max())
+    row.detail = f"{what}; worst step {rel:.1%} of its row scale"
+    return row, rel

@@ -159,14 +159,16 @@ def judge(s: Subject, name: str, trace: Trace) -> CheckRow:
     )
     what = f"{len(trace.rows)} logit rows vs a no-cache forward over each row's sequence"
     if bad:
-        return CheckRow(name, s.cache, False, None, None, s.tol.words, f"{what}; {bad}")
+        return CheckRow(
+            name=name, cache=s.cache, passed=False, tolerance=s.tol.words, detail=f"{what}; {bad}"
+        )
     ok, err = allclose_err(got, want, s.tol.rtol, s.tol.atol)
     if not ok:
         r = first_off(got, want, s.tol)
         what += f"; first off at row {r} (a sequence of {len(trace.seqs[r])} tokens)"
     flips = int((got.argmax(-1) != want.argmax(-1)).sum())
     what += f"; {flips} of {len(trace.rows)} greedy choices differ" if flips else ""
-    return CheckRow(name, s.cache, ok, err, None, s.tol.words, what)
+    return CheckRow(name=name, cache=s.cache, passed=ok, max_abs_diff=err, tolerance=s.tol.words, detail=what)
 
 
 def lifecycle_rows(s: Subject, name: str, prompts: list[list[int]], new: int) -> list[CheckRow]:

@@ -43,19 +43,14 @@ def check_logits(s: Subject, prompt: list[int], res: Run) -> CheckRow:
     got, want = res.logits[0, 1:], s.model.full_logits(prompt, res.tokens[0])[T:]  # (N - 1, V) each
     bad = not_finite([(NO_CACHE, want), (CACHED, got)])
     if bad:
-        return CheckRow("logits", s.cache, False, None, None, s.tol.words, bad)
+        return CheckRow(name="logits", cache=s.cache, passed=False, tolerance=s.tol.words, detail=bad)
     ok, err = allclose_err(got, want, s.tol.rtol, s.tol.atol)
     first = None if ok else first_off(got, want, s.tol) + 1
     what = f"decode steps 1..{got.size(0)} vs a full forward over the same prefix"
     return CheckRow(
-        "logits",
-        s.cache,
-        ok,
-        err,
-        None,
-        s.tol.words,
-        what + (f"; first off at step {first}" if first else ""),
-    )
+        name="logits", cache=s.cache, passed=ok, max_abs_diff=err, tolerance=s.tol.words,
+        detail=what + (f"; first off at step {first}" if first else ""),
+    )  # fmt: skip
 
 
 def check_greedy(s: Subject, prompt: list[int], res: Run) -> CheckRow:
@@ -67,10 +62,13 @@ def check_greedy(s: Subject, prompt: list[int], res: Run) -> CheckRow:
         forced = s.model.full_logits(prompt, got)[len(prompt) - 1 :]  # (N, V): no cache, on its own tokens
         agree = sum(a == b for a, b in zip(ref.tokens, got, strict=True))
         what = f"{n} steps vs no cache on the same tokens; {agree} of {n} tokens as {ref.source}"
-        return bounded("greedy", s.cache, s.tol, res.logits[0], forced, what)[0]
+        return bounded(
+            name="greedy", cache=s.cache, tol=s.tol, got_rows=res.logits[0], want_rows=forced, what=what
+        )[0]
     return compare_tokens(
-        "greedy", s.cache, s.model.dtype, ref.tokens, got, ref.rows, res.logits[0], ref.words, s.tol
-    )
+        name="greedy", cache=s.cache, dtype=s.model.dtype, want=ref.tokens, got=got, want_rows=ref.rows,
+        got_rows=res.logits[0], what=ref.words, tol=s.tol,
+    )  # fmt: skip
 
 
 def check_reference(s: Subject, prompt: list[int], res: Run | None, new: int = 0) -> CheckRow:
@@ -84,14 +82,16 @@ def check_reference(s: Subject, prompt: list[int], res: Run | None, new: int = 0
     where = f"{s.model.reference_name}'s reference (ours are finite)"
     bad = not_finite([(NO_CACHE, ours_full), (CACHED, ours), (where, theirs)])
     if bad:
-        return CheckRow("reference", s.cache, False, None, None, tol.words, bad)
+        return CheckRow(name="reference", cache=s.cache, passed=False, tolerance=tol.words, detail=bad)
     if res is None:
         ok, err = allclose_err(ours_full, theirs, tol.rtol, tol.atol)
         what = f"no-cache logits at all {ours_full.size(0)} positions vs HF"
     else:
         ok, err = allclose_err(ours, theirs[T - 1 :], tol.rtol, tol.atol)
         what = f"prefill + {ours.size(0) - 1} decode steps vs HF"
-    return CheckRow("reference", s.cache, ok, err, None, tol.words, what)
+    return CheckRow(
+        name="reference", cache=s.cache, passed=ok, max_abs_diff=err, tolerance=tol.words, detail=what
+    )
 
 
 def check_batched(s: Subject, prompts: list[list[int]], batch: Run, solo: list[Run]) -> CheckRow:
@@ -109,21 +109,21 @@ def check_batched(s: Subject, prompts: list[list[int]], batch: Run, solo: list[R
     )
     broken = not_finite([*runs, ("the padded batch", batch.logits)])
     if broken:
-        return CheckRow("batched", s.cache, False, None, None, "finite logits",
-                        f"{what}; {broken}{'' if s.cached else MODEL_ITSELF}")  # fmt: skip
+        return CheckRow(name="batched", cache=s.cache, passed=False, tolerance="finite logits",
+                        detail=f"{what}; {broken}{'' if s.cached else MODEL_ITSELF}")  # fmt: skip
     if by_bound:
         return _batched_by_bound(s, prompts, batch, what)
     rows = [
         compare_tokens(
-            "batched",
-            s.cache,
-            s.model.dtype,
-            r.tokens[0],
-            batch.tokens[b],
-            r.logits[0],
-            batch.logits[b],
-            "",
-            s.tol,
+            name="batched",
+            cache=s.cache,
+            dtype=s.model.dtype,
+            want=r.tokens[0],
+            got=batch.tokens[b],
+            want_rows=r.logits[0],
+            got_rows=batch.logits[b],
+            what="",
+            tol=s.tol,
         )  # fmt: skip
         for b, r in enumerate(solo)
     ]
@@ -145,31 +145,40 @@ def check_batched(s: Subject, prompts: list[list[int]], batch: Run, solo: list[R
             what += f"; worst row: {agree:.0%} of {n} tokens agree"
     err = max(r.max_abs_diff for r in rows)
     return CheckRow(
-        "batched", s.cache, not bad, err, min(firsts) if firsts else None, rows[0].tolerance, what
-    )
+        name="batched", cache=s.cache, passed=not bad, max_abs_diff=err, first_divergence=min(firsts, default=None),
+        tolerance=rows[0].tolerance, detail=what,
+    )  # fmt: skip
 
 
 def _batched_by_bound(s: Subject, prompts: list[list[int]], batch: Run, what: str) -> CheckRow:
     rows = [
         bounded(
-            "batched",
-            s.cache,
-            s.tol,
-            batch.logits[b],
-            s.model.full_logits(p, batch.tokens[b])[len(p) - 1 :],
-            "",
-        )
+            name="batched",
+            cache=s.cache,
+            tol=s.tol,
+            got_rows=batch.logits[b],
+            want_rows=s.model.full_logits(p, batch.tokens[b])[len(p) - 1 :],
+            what="",
+        )  # fmt: skip
         for b, p in enumerate(prompts)
     ]
     unjudged = next((r for r, _ in rows if r.max_abs_diff is None), None)  # a reference that is not finite
     if unjudged is not None:
-        return CheckRow("batched", s.cache, False, None, None, unjudged.tolerance, what + unjudged.detail)
+        return CheckRow(
+            name="batched",
+            cache=s.cache,
+            passed=False,
+            tolerance=unjudged.tolerance,
+            detail=what + unjudged.detail,
+        )
     bad = [len(prompts[b]) for b, (r, _) in enumerate(rows) if not r.passed]
     what = what.replace("vs alone", "vs no cache alone on the same tokens")
     what += f"; beyond the bound for length {', '.join(map(str, bad))}" if bad else ""
     what += f"; worst step {max(rel for _, rel in rows):.1%} of its row scale"
     err = max(r.max_abs_diff for r, _ in rows)
-    return CheckRow("batched", s.cache, not bad, err, None, s.tol.words, what)
+    return CheckRow(
+        name="batched", cache=s.cache, passed=not bad, max_abs_diff=err, tolerance=s.tol.words, detail=what
+    )
 
 
 def check_cache_state(s: Subject, prev: list[int], prompt: list[int], fresh: Run, new: int) -> CheckRow:
@@ -178,10 +187,17 @@ def check_cache_state(s: Subject, prev: list[int], prompt: list[int], fresh: Run
     try:
         reused, words = s.reused(prev, prompt, new)
     except KVBenchError as e:  # e.g. a static cache that overflows because it was never reset
-        return CheckRow("cache_state", s.cache, False, None, None, "identical tokens", f"reuse raised: {e}")
+        return CheckRow(
+            name="cache_state",
+            cache=s.cache,
+            passed=False,
+            tolerance="identical tokens",
+            detail=f"reuse raised: {e}",
+        )
     return compare_tokens(
-        "cache_state", s.cache, s.model.dtype, fresh.tokens[0], reused.tokens[0], fresh.logits[0],
-        reused.logits[0], f"{words} vs fresh, {new} tokens", s.tol, "a fresh cache", "the reused cache",
+        name="cache_state", cache=s.cache, dtype=s.model.dtype, want=fresh.tokens[0], got=reused.tokens[0],
+        want_rows=fresh.logits[0], got_rows=reused.logits[0], what=f"{words} vs fresh, {new} tokens", tol=s.tol,
+        want_where="a fresh cache", got_where="the reused cache",
     )  # fmt: skip
 
 
@@ -191,7 +207,10 @@ def _guarded(s: Subject, names: list[str], fn: Callable[[], list[CheckRow]]) -> 
         return fn()
     except s.crashes as e:
         why = f"the run raised {one_line(e)}"
-        return [CheckRow(n, s.cache, False, None, None, "runs without error", why) for n in names]
+        return [
+            CheckRow(name=n, cache=s.cache, passed=False, tolerance="runs without error", detail=why)
+            for n in names
+        ]
 
 
 def plan(s: Subject, checks: tuple[str, ...], prompts: list[list[int]], new: int, short: int) -> list[tuple]:

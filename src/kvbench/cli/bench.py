@@ -23,7 +23,7 @@ from kvbench.cli.bench_render import render_bench, render_context, render_profil
 from kvbench.console import err
 from kvbench.errors import KVBenchError
 from kvbench.options import option
-from kvbench.results.export import check_export_target
+from kvbench.results.rundir import check_export_target
 
 
 @dataclass
@@ -83,7 +83,7 @@ def bench(given: dict, opts: BenchOptions) -> None:
 
     With --hf SOURCE: transformers' own caches (none, dynamic, static, static-compiled) on any Hugging Face causal
     LM, in the same rows and files, its tokens checked against its own none."""
-    from kvbench.results.export import check_export
+    from kvbench.results.rundir import check_export
 
     opts.given = given
     opts.export = check_export(opts.export)  # a bad format or file is refused before the run starts
@@ -140,24 +140,27 @@ def _gpt2_settings(opts: BenchOptions) -> tuple[BenchSettings, Path]:
 def _load_gpt2(settings: BenchSettings, out_dir: Path) -> Prepared:
     """Load our GPT-2, check the sweep against the checkpoint's own shape (when --weights is a folder), build the
     engines."""
-    from kvbench.bench import sweep as B
+    from kvbench.bench.engines import build_engines
+    from kvbench.bench.settings import check_sizes, sweep_warnings
 
     loaded, dev, dt = load_for_cli(
         settings.model, settings.weights, settings.device, settings.dtype, settings.seed
     )
-    oversized = B.check_sizes(settings, loaded.config, dt, dev)
-    engines = B.build_engines(loaded.model, settings.engine, settings.compile)
-    return Prepared(settings, out_dir, loaded, dev, dt, engines, B.sweep_warnings(settings), None, oversized)
+    oversized = check_sizes(settings, loaded.config, dt, dev)
+    engines = build_engines(loaded.model, settings.engine, settings.compile)
+    return Prepared(settings, out_dir, loaded, dev, dt, engines, sweep_warnings(settings), None, oversized)
 
 
 def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
     """Plan, check the baseline against the plan, measure the bandwidth, then claim the run folder and run the sweep,
     writing rows as they complete; exit 1 when a configuration failed."""
     from kvbench.bench import sweep as B
+    from kvbench.bench.settings import resolve_config_path
     from kvbench.results import report
+    from kvbench.results.rundir import claimed_run_dir
 
     # a config given by name (seed) is recorded as the shipped file it stands for
-    config_path = None if opts.config is None else B.resolve_config_path(opts.config)
+    config_path = None if opts.config is None else resolve_config_path(opts.config)
     planned = B.plan(p.settings, p.engines)
     extra_meta = {
         **(p.extra_meta or {}),
@@ -172,7 +175,7 @@ def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
         check_baseline(base_run, meta, [(e, c, n, b) for n, b, e, c in planned], opts.allow_env_change)
     bandwidth = measure_bandwidth(p.device)
     # only now: a rejected command leaves no folder behind
-    with report.claimed_run_dir(p.out_dir, opts.force) as run_dir:
+    with claimed_run_dir(p.out_dir, opts.force) as run_dir:
         for note in p.notes:  # after every error that could still stop the command
             console.warn(note)
         recorder = report.BenchRecorder(
@@ -231,22 +234,23 @@ def random_fill_sweep(opts: BenchOptions, settings: BenchSettings, out_dir: Path
     import torch
 
     from kvbench.bench import floor
-    from kvbench.bench import sweep as B
     from kvbench.bench.context import run_context_sweep
+    from kvbench.bench.settings import check_sizes, resolve_config_path
     from kvbench.results import report
+    from kvbench.results.rundir import claimed_run_dir
 
     if opts.baseline is not None:
         raise KVBenchError("--baseline compares prefill sweeps; it does not apply to --fill random")
-    config_path = None if opts.config is None else B.resolve_config_path(opts.config)
+    config_path = None if opts.config is None else resolve_config_path(opts.config)
     loaded, dev, dt = load_for_cli(
         settings.model, settings.weights, settings.device, settings.dtype, settings.seed
     )
-    B.check_sizes(settings, loaded.config, dt, dev, weights_loaded=True)  # the checkpoint's own shape
+    check_sizes(settings, loaded.config, dt, dev, weights_loaded=True)  # the checkpoint's own shape
     bandwidth = measure_bandwidth(dev)
     elt = torch.empty((), dtype=dt).element_size()
     crossover = floor.crossover_context(loaded.config, elt, settings.batch[0])
     # only now: a rejected command leaves no folder behind
-    with report.claimed_run_dir(out_dir, opts.force) as run_dir:
+    with claimed_run_dir(out_dir, opts.force) as run_dir:
         recorder = report.ContextRecorder(
             run_dir, loaded, dev, dt, settings, config_path, bandwidth, crossover
         )
@@ -270,7 +274,7 @@ def export_rows(export, rows: list) -> None:
     """--export: the finished sweep's ok rows, in the chosen format; a note names the file and the rows left out."""
     if export is None:
         return
-    from kvbench.results.export import write_export
+    from kvbench.results.rundir import write_export
 
     path, n, skipped = write_export(export, rows)
     left = f"; left out (not ok): {', '.join(skipped)}" if skipped else ""
@@ -333,16 +337,16 @@ def _check_baseline(baseline: Path | None, out_dir) -> None:
 def _validated(config, given: dict, force: bool):
     """Every check that needs no weights, before anything is loaded, allocated or created on disk:
     (settings, the run folder to create)."""
-    from kvbench.bench import sweep as B
+    from kvbench.bench.settings import check_sizes, load_settings, sweep_model_config
     from kvbench.devices import resolve_device, resolve_dtype
-    from kvbench.results import report
+    from kvbench.results.rundir import check_run_dir, unique_default_run_dir
 
-    settings = B.load_settings(config, given)
-    default = str(report.unique_default_run_dir("bench"))
-    out_dir = report.check_run_dir(settings.out if settings.out is not None else default, force)
+    settings = load_settings(config, given)
+    default = str(unique_default_run_dir("bench"))
+    out_dir = check_run_dir(settings.out if settings.out is not None else default, force)
     dev = resolve_device(settings.device)
     dt = resolve_dtype(settings.dtype, dev)
-    B.check_sizes(settings, B.sweep_model_config(settings), dt, dev)
+    check_sizes(settings, sweep_model_config(settings), dt, dev)
     if settings.threads is not None:
         import torch
 

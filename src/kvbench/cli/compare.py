@@ -100,16 +100,16 @@ def run_compare(
     from pathlib import Path
 
     from kvbench.results import compare as C
-    from kvbench.results import report
     from kvbench.results.plots import compare_figure
+    from kvbench.results.rundir import prepare_run_dir, write_json
 
     _keep_other_comparison(Path(out_dir or candidate) / "compare.json", baseline)
     comparison = C.compare_runs(baseline, candidate, alpha, threshold, allow_env_change)
     warn_about(comparison)
-    where = report.prepare_run_dir(out_dir or comparison.candidate)
+    where = prepare_run_dir(out_dir or comparison.candidate)
     png, js = where / "compare.png", where / "compare.json"
     compare_figure(comparison, png)
-    report.write_json(js, C.json_doc(comparison, [], [png, js]))
+    write_json(js, C.json_doc(comparison, [], [png, js]))
     return comparison, [png, js]
 
 
@@ -134,16 +134,16 @@ def _keep_other_comparison(js, baseline) -> None:
 def warn_about(comparison) -> None:
     """One warning line each: an allowed environment change, rows matched without a key, a measured condition that
     changed between the runs, a run whose sweep did not finish."""
-    from kvbench.results import compare as C
+    from kvbench.results.environment import describe_changes, describe_context
 
     if comparison.env_changes:
-        console.warn(f"comparing across an environment change: {C.describe_changes(comparison.env_changes)}")
+        console.warn(f"comparing across an environment change: {describe_changes(comparison.env_changes)}")
     if comparison.relaxed_keys:
         console.warn(f"rows matched without {' and '.join(comparison.relaxed_keys)} (the runs differ in it)")
     changed = [f for f in comparison.context if f.differs]
     if changed:
         console.warn(
-            f"the machine measured differently in the two runs ({C.describe_context(changed)}); timings may differ "
+            f"the machine measured differently in the two runs ({describe_context(changed)}); timings may differ "
             "for that reason too"
         )
     for text in comparison.unfinished:
@@ -204,7 +204,7 @@ def _after(r) -> list[str]:
 
 def _footer(c) -> list[tuple[str, str]]:
     """(kind, text) lines under the table: row notes, unsteady runs, rows not compared, environment changes."""
-    from kvbench.results.compare import describe_changes, describe_context
+    from kvbench.results.environment import describe_changes, describe_context
     from kvbench.results.runs import printable, row_label
 
     lines = [("note", f"{r.label}: {n}") for r in c.rows for n in r.notes]

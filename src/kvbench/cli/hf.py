@@ -36,11 +36,11 @@ def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: 
     from kvbench.check.causal import refuse_non_causal
     from kvbench.devices import resolve_device, resolve_dtype
     from kvbench.hf.models import load_hf
-    from kvbench.results import report
+    from kvbench.results.rundir import check_run_dir, unique_default_run_dir
 
     settings = hf_bench_settings(config, overrides)
-    default = str(report.unique_default_run_dir("bench"))
-    out_dir = report.check_run_dir(settings.out if settings.out is not None else default, force)
+    default = str(unique_default_run_dir("bench"))
+    out_dir = check_run_dir(settings.out if settings.out is not None else default, force)
     dev = resolve_device(settings.device)
     dt = resolve_dtype(settings.dtype, dev)
     if settings.threads is not None:

@@ -30,9 +30,9 @@ def memory(options: Options) -> None:
 
 def checked_request(options):
     """Every option and model checked and --measure's caches resolved (plugins loaded and probed): no work yet."""
-    from kvbench import memory as mem
+    from kvbench.memory.request import parse_request
 
-    req = mem.parse_request(options, extra=_gpt2_spec)
+    req = parse_request(options, extra=_gpt2_spec)
     if req.measure:
         from kvbench.caches import parse_cache_names
 
@@ -71,19 +71,20 @@ def _gpt2_spec(name: str):
 
 def _measure(req, doc: dict, json_out: bool) -> None:
     """Allocate every registered cache (and, with --lengths, a paged cache of mixed lengths) and compare."""
-    from kvbench import memory as mem
     from kvbench.bench.measure_memory import check_measure, measure_caches, paged_waste
+    from kvbench.cli.memory_working import to_jsonable
+    from kvbench.memory.request import DEFAULT_MEASURE_CTX
 
-    name, contexts = req.specs[0].name, req.contexts or [mem.DEFAULT_MEASURE_CTX]
+    name, contexts = req.specs[0].name, req.contexts or [DEFAULT_MEASURE_CTX]
     max_len = max(req.contexts) if req.contexts else None
     check_measure(name, req.batch, contexts, req.kv_dtype, req.device, req.lengths, max_len)
     reports = [
         measure_caches(name, req.batch, c, req.kv_dtype, req.device, req.cache_names) for c in contexts
     ]
     paged = paged_waste(name, req.lengths, max_len, req.kv_dtype) if req.lengths else None
-    doc["measure"] = mem.to_jsonable(reports)
+    doc["measure"] = to_jsonable(reports)
     if paged is not None:
-        doc["paged"] = {**mem.to_jsonable(paged), "static_waste": paged.static_waste,
+        doc["paged"] = {**to_jsonable(paged), "static_waste": paged.static_waste,
                         "paged_waste": paged.paged_waste, "saving": paged.saving}  # fmt: skip
     for w in (w for r in reports for w in r.warnings):
         console.warn(w)
@@ -96,41 +97,43 @@ def _measure(req, doc: dict, json_out: bool) -> None:
 
 def _copy_traffic(req, doc: dict, json_out: bool) -> None:
     """The closed form of what torch.cat copies, and our dynamic cache's own counter where it can run."""
-    from kvbench import memory as mem
     from kvbench.bench.measure_memory import count_copy_traffic
+    from kvbench.cli.memory_working import copy_traffic_json
+    from kvbench.memory.formulas import copy_traffic
 
     (n0, n1), traffic = req.copy_range, []
     for spec in req.specs:
-        t = mem.copy_traffic(spec, n0, n1, req.batch, req.kv_dtype)
+        t = copy_traffic(spec, n0, n1, req.batch, req.kv_dtype)
         t.measured_bytes, t.counter_note = count_copy_traffic(
             spec.name, n0, n1, req.batch, req.kv_dtype, req.device
         )
         traffic.append((spec.name, t))
-    doc["copy_traffic"] = [dict(model=n, **mem.to_jsonable(t)) for n, t in traffic]
+    doc["copy_traffic"] = [dict(model=n, **copy_traffic_json(t)) for n, t in traffic]
     if not json_out:
         render_copy_traffic(traffic)
 
 
 def _plans(req, doc: dict, json_out: bool) -> None:
     """The plan for every model, and with --check transformers' own cache beside it."""
-    from kvbench import memory as mem
+    from kvbench.cli.memory_working import plan_json, plan_warnings, to_jsonable
+    from kvbench.memory.request import plan_request
 
-    plans, left_out = mem.plan_request(req)
+    plans, left_out = plan_request(req)
     checks = _checks(req, plans) if req.check else []
     for w in left_out:
         console.warn(w)
     if not req.all_:  # --all marks beyond-context cells with a dagger instead of a line each
-        for w in (w for p in plans for w in p.warnings):
+        for w in (w for p in plans for w in plan_warnings(p)):
             console.warn(w)
-    doc["plans"] = mem.to_jsonable(plans)
+    doc["plans"] = [plan_json(p) for p in plans]
     if req.bandwidth is not None:
-        doc["bandwidth"] = mem.to_jsonable(req.bandwidth)
+        doc["bandwidth"] = to_jsonable(req.bandwidth)
     if req.check:
-        doc["check"] = mem.to_jsonable(checks)
+        doc["check"] = to_jsonable(checks)
     if req.plot is not None:
-        from kvbench.memory.capacity_plot import write_capacity_plot
+        from kvbench.memory.plot import write_capacity_plot
 
-        doc["plot"] = mem.to_jsonable(write_capacity_plot(plans, req.plot))
+        doc["plot"] = to_jsonable(write_capacity_plot(plans, req.plot))
     if json_out:
         return
     if req.all_:

@@ -1,5 +1,6 @@
 """How `kvbench memory` lays out what the planner returns: the plan tables with their working, --all, --check,
---copy-traffic and --measure. The planner's dataclasses carry the arithmetic; these functions only render it."""
+--copy-traffic and --measure. The planner's dataclasses carry the numbers and cli/memory_working.py writes their
+arithmetic out; these functions only lay it out."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from rich.text import Text
 from kvbench.console import line, out, styled, table
 
 # --- rendering ---
-# The planner returns dataclasses with their working; these functions only lay them out. Names, paths and config
-# fields are user text: they go into Text (literal), never into markup.
+# The planner returns dataclasses of numbers and memory_working writes out their arithmetic; these functions lay both
+# out. Names, paths and config fields are user text: they go into Text (literal), never into markup.
 
 
 def _mem_ctx(ctx: int, beyond: bool, windowed: bool) -> str:
-    from kvbench.memory import fmt_tokens
+    from kvbench.memory.units import fmt_tokens
 
     return fmt_tokens(ctx) + ("*" if windowed else "") + ("†" if beyond else "")
 
@@ -42,7 +43,7 @@ def _layers(m) -> str:
 
 
 def _cache_line(p):
-    from kvbench.memory import fmt_bytes
+    from kvbench.memory.units import fmt_bytes
 
     m = p.model
     state = (
@@ -63,7 +64,7 @@ def _cache_line(p):
 
 
 def _longest(r, m) -> str:
-    from kvbench.memory import MAX_TOKENS
+    from kvbench.memory.units import MAX_TOKENS
 
     if r.max_ctx_unbounded:
         return "unbounded (no KV cache)" if not m.kv_cache else "unbounded (all layers windowed)"
@@ -73,7 +74,7 @@ def _longest(r, m) -> str:
 
 
 def _plan_table(p):
-    from kvbench.memory import fmt_bytes
+    from kvbench.memory.units import fmt_bytes
 
     batches = list(dict.fromkeys(r.batch for r in p.rows))
     batch = batches[0] if batches else 1
@@ -110,7 +111,8 @@ def _plan_table(p):
 
 def render_plan(p) -> None:
     """One model: a header with the per-token working, a row per context, then each row's arithmetic and notes."""
-    from kvbench.memory import fmt_tokens
+    from kvbench.cli.memory_working import gpu_line, plan_lines, row_lines
+    from kvbench.memory.units import fmt_tokens
 
     m = p.model
     max_ctx = "unknown" if m.max_context is None else fmt_tokens(m.max_context)
@@ -118,23 +120,23 @@ def render_plan(p) -> None:
     source = ("  ", styled(m.source, "dim")) if m.source != m.name else ()
     out.print(line(styled(m.name, "bold"), *source, head), soft_wrap=True)
     out.print(_cache_line(p), soft_wrap=True)
-    _working(p.working)
+    _working(plan_lines(p))
     out.print(_plan_table(p))
     if any(r.windowed for r in p.rows):
         out.print(styled(f"* {m.window_label} layers capped at {m.sliding_window:,} tokens", "dim"))
     if any(r.beyond_max for r in p.rows):
         out.print(styled("† beyond the context the model was trained for (computed anyway)", "dim"))
     if p.gpu is not None:
-        out.print(Text(f"GPU: {p.gpu.label}: {p.gpu.working}"), soft_wrap=True)
+        out.print(Text(f"GPU: {p.gpu.label}: {gpu_line(p.gpu)}"), soft_wrap=True)
     out.print(styled("working:", "dim"))
     for r in p.rows:
-        _working(r.working)
+        _working(row_lines(p, r))
     for n in p.notes:
         out.print(line(styled("note:", "dim"), " ", n), soft_wrap=True)
 
 
 def _all_caption(plans: list, gpu) -> str:
-    from kvbench.memory import fmt_bytes
+    from kvbench.memory.units import fmt_bytes
 
     windowed = [
         f"{p.model.name} ({p.model.n_windowed} of {p.model.n_layers} layers at {p.model.sliding_window}"
@@ -167,7 +169,7 @@ def _all_caption(plans: list, gpu) -> str:
 
 def render_all(plans: list, batch: int, kv_dtype: str, weights_dtype: str) -> None:
     """Every preset in one table."""
-    from kvbench.memory import fmt_bytes, fmt_tokens
+    from kvbench.memory.units import fmt_bytes, fmt_tokens
 
     if not plans:
         return
@@ -201,7 +203,7 @@ def render_all(plans: list, batch: int, kv_dtype: str, weights_dtype: str) -> No
 
 def render_checks(checks: list) -> None:
     """--check: planner vs transformers' own cache per context and layer kind, each difference in one line."""
-    from kvbench.memory import fmt_bytes, fmt_tokens
+    from kvbench.memory.units import fmt_bytes, fmt_tokens
 
     c0 = checks[0]
     title = Text(f"check: {c0.model} against transformers' own cache")
@@ -230,7 +232,9 @@ def render_checks(checks: list) -> None:
                          k.transformers_layer_shape, result])  # fmt: skip
     out.print(table(title, cols, rows, caption=c0.how))
     if c0.transformers_params is not None and c0.planner_params is not None:
-        out.print(Text(f"  parameters: {c0.params_working}"), soft_wrap=True)
+        from kvbench.cli.memory_working import params_line
+
+        out.print(Text(f"  parameters: {params_line(c0)}"), soft_wrap=True)
     verdict = all(c.agrees for c in checks)
     out.print(styled("the plan agrees with transformers to the byte" if verdict else "the plan and transformers differ "
                      "where the result column says why", "bold green" if verdict else "bold yellow"))  # fmt: skip
@@ -239,7 +243,7 @@ def render_checks(checks: list) -> None:
 def render_copy_traffic(traffic: list) -> None:
     """What a torch.cat cache copies while growing: the closed form, the common (n1^2 - n0^2)/2 approximation, and
     our counter."""
-    from kvbench.memory import fmt_bytes
+    from kvbench.memory.units import fmt_bytes
 
     cols = ["model", "KV / token", "tokens", "copied (exact)", "seed's (n1²-n0²)/2", "dynamic cache counter"]
     rows = []
@@ -263,12 +267,14 @@ def render_copy_traffic(traffic: list) -> None:
         )
     out.print(table("History copied by torch.cat while decoding", cols, rows))
     if len(traffic) == 1:
-        _working(traffic[0][1].working)
+        from kvbench.cli.memory_working import copy_traffic_lines
+
+        _working(copy_traffic_lines(traffic[0][1]))
 
 
 def render_measure(report) -> None:
     """Predicted vs measured bytes for every registered cache."""
-    from kvbench.memory import fmt_bytes
+    from kvbench.memory.units import fmt_bytes
 
     cuda = any(r.allocated_bytes is not None for r in report.rows)
     cols = ["cache", "predicted", "measured (nbytes)", "difference"]
@@ -294,7 +300,7 @@ def render_measure(report) -> None:
 
 def render_paged(r) -> None:
     """Paged vs static for a batch of mixed lengths: the waste paging removes."""
-    from kvbench.memory import fmt_bytes
+    from kvbench.memory.units import fmt_bytes
 
     rows = [
         ["needed (exactly the tokens held)", fmt_bytes(r.needed_bytes), "-"],

@@ -21,6 +21,6 @@ def schema(o: SchemaOptions) -> None:
     """Print the JSON Schema (draft 2020-12) of a kvbench document, for validating it in CI or a dashboard.
 
     Every document carries `schema_version`; the schemas list the keys always present and allow others."""
-    from kvbench.results.schema import load_schema
+    from kvbench.jsonio import load_schema
 
     console.print_json(load_schema(o.kind))

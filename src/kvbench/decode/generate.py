@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench.caches import cache_bytes_copied, cache_nbytes, get_cache_spec, make_caches
+from kvbench.caches import get_cache_spec, make_caches
+from kvbench.caches.base import cache_bytes_copied, cache_nbytes
 from kvbench.decode import fixed_step
 from kvbench.devices import synchronize
 from kvbench.model.gpt2 import EXACT_MASK, GPT, MaskRule

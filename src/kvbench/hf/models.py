@@ -34,18 +34,12 @@ from transformers.models.auto.modeling_auto import (
 
 from kvbench import devices, files
 from kvbench.errors import KVBenchError, NotEnoughMemoryError, one_line
-from kvbench.hf.introspect import HFModelInfo, cache_kwarg, describe, quiet_transformers, returned_cache
-from kvbench.memory.config_json import check_fields
+from kvbench.hf.introspect import HFModelInfo, describe, quiet_transformers
+from kvbench.memory.config import check_fields
 from kvbench.memory.units import fmt_bytes
 from kvbench.model.weights import hub_reachable
 from kvbench.thirdparty import contained, did
 from kvbench.validate import context_error, past_context
-
-# Importable from here too: what a loaded model is (introspect.py), beside loading it.
-__all__ = [
-    "HFModelInfo", "HFShape", "LoadedHF", "cache_kwarg", "check_length", "check_memory", "describe", "load_hf",
-    "peek_hf", "quiet_transformers", "refuse_incomplete", "returned_cache", "run_bytes",
-]  # fmt: skip
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -331,13 +325,6 @@ class HFShape:
     @property
     def label(self) -> str:
         return _label(self.info, self.layers_of)
-
-
-def peek_hf(source: str, layers: int | None = None, trust_remote_code: bool = False) -> HFShape:
-    """SOURCE resolved and checked exactly as load_hf does, and the model built on the meta device (no memory, no
-    init, no weights read), so its context, layers and parameter count are known before anything is loaded."""
-    with quiet_transformers():
-        return _meta_shape(_resolve(source, layers, trust_remote_code), source)
 
 
 def _meta_shape(r: _Resolved, source: str) -> HFShape:

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.errors import KVBenchError
-from kvbench.memory.formats import KVFormat, get_kv_format
+from kvbench.memory.config import Resolved, quiet_transformers
 from kvbench.memory.formulas import bytes_per_sequence, layer_bytes_per_token
-from kvbench.memory.resolve import Resolved, quiet_transformers
-from kvbench.memory.spec import ModelSpec
+from kvbench.memory.spec import KVFormat, ModelSpec, get_kv_format
 from kvbench.memory.units import fmt_int
 
 CHECK_FORMATS = (
@@ -64,16 +63,6 @@ class CacheCheck:
     planner_params: int | None = None  # the planner's parameter estimate (a config.json's)
     # numel() of the meta-device language model built from the same file
     transformers_params: int | None = None
-
-    @property
-    def params_working(self) -> str:
-        if self.planner_params is None or self.transformers_params is None:
-            return ""
-        diff = self.planner_params / self.transformers_params - 1
-        return (
-            f"planner ~{fmt_int(self.planner_params)}, transformers' model {fmt_int(self.transformers_params)} "
-            f"(numel on the meta device): {diff:+.2%}"
-        )
 
 
 def check_work(spec: ModelSpec, layers: int, contexts: int) -> None:

@@ -1,18 +1,21 @@
-"""The cache arithmetic: bytes per token per layer, per sequence, per GPU under tensor parallelism, and its working.
+"""The cache arithmetic: bytes per token per layer, per sequence, per GPU under tensor parallelism, and what a
+torch.cat cache copies while a sequence grows.
 
     bytes/token = 2 (K and V) x layers x kv_heads x head_dim x bytes(dtype)          (MHA, GQA, MQA)
     bytes/token = (kv_lora_rank + qk_rope_head_dim) x layers x bytes(dtype)          (MLA: one latent, no K/V per head)
 
 A sequence of n tokens holds n tokens in a full-attention layer and min(n, window) in a sliding-window or chunked
-layer, so per-sequence bytes add the two kinds of layer. Quantized formats add their per-group scales.
+layer, so per-sequence bytes add the two kinds of layer. Quantized formats add their per-group scales. Growing a
+torch.cat cache from n0 to n1 tokens copies its whole history at every step: the closed form of that sum, and the
+common (n1^2 - n0^2) / 2 approximation of it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvbench.errors import KVBenchError
-from kvbench.memory.formats import KVFormat
-from kvbench.memory.spec import ModelSpec
-from kvbench.memory.units import fmt_bytes, fmt_int
+from kvbench.memory.spec import KVFormat, ModelSpec, get_kv_format
 
 
 def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
@@ -74,66 +77,67 @@ def state_bytes(spec: ModelSpec, fmt: KVFormat, tp: int = 1) -> int:
     return -(-spec.state_elements * state_element_bytes(fmt) // tp)
 
 
-def state_working(spec: ModelSpec, fmt: KVFormat) -> str:
-    """The recurrent state's bytes per sequence, as arithmetic."""
-    if spec.state_elements is None:
-        return f"recurrent state: {spec.state_working} (not counted below)"
-    b = state_element_bytes(fmt)
-    total = spec.state_elements * b
-    held = fmt.name if b * 8 == fmt.bits else f"16-bit: --kv-dtype {fmt.name} applies to K/V only"
-    return (
-        f"recurrent state: {spec.state_working} x {b} B ({held}) = {fmt_int(total)} B = {fmt_bytes(total)} per "
-        "sequence, the same at any context"
+def kind_bytes_per_token(spec: ModelSpec, fmt: KVFormat) -> dict[str, int]:
+    """Bytes one token adds over the full-attention layers ("full") and over the windowed ones (their window kind):
+    the two terms of a sequence's bytes, since a full layer holds every token and a windowed one at most its window.
+    A model without attention layers has neither."""
+    windowed = set(spec.sliding_layers)
+    out: dict[str, int] = {}
+    for kind in ("full", spec.window_kind):
+        layers = [i for i in range(spec.n_layers) if (i in windowed) == (kind != "full")]
+        if layers:
+            out[kind] = sum(layer_bytes_per_token(spec, fmt, None, i) for i in layers)
+    return out
+
+
+@dataclass
+class CopyTraffic:
+    """The bytes a torch.cat cache copies while a sequence grows from n0 to n1 tokens, one token per step."""
+
+    n0: int  # tokens in the cache after prefill
+    n1: int  # tokens at the end
+    batch: int  # sequences
+    bytes_per_token: int  # cache bytes per token over all layers
+    exact_bytes: int  # bytes/token x (n0 + (n0+1) + ... + (n1-1)) x batch (windowed layers capped)
+    seed_approx_bytes: int  # the approximation bytes/token x (n1^2 - n0^2) / 2 x batch
+    measured_bytes: int | None = None  # the `dynamic` cache's own bytes_copied counter, when it was run
+    counter_note: str = ""  # where the counter ran, or why it did not
+    history_tokens: int = (
+        0  # n0 + (n0+1) + ... + (n1-1) = (n1 - n0)(n0 + n1 - 1) / 2: history re-copied, per layer
     )
+    windowed: bool = False  # windowed layers re-copy at most their window, so exact_bytes is below the sum's
 
 
-def per_token_working(spec: ModelSpec, fmt: KVFormat, kv_heads: int, total: int, label: str) -> str:
-    """The per-token formula with this model's numbers, one line."""
-    if spec.is_mla:
-        n = spec.kv_lora_rank + spec.qk_rope_head_dim
-        return (
-            f"{label}: ({spec.kv_lora_rank} kv_lora_rank + {spec.qk_rope_head_dim} qk_rope_head_dim) x "
-            f"{spec.n_layers} layers x {fmt.working(n) if fmt.group_size else f'{fmt.bits / 8:g} B'} ({fmt.name})"
-            f" = {fmt_int(total)} B = {fmt_bytes(total)}   [MLA: one latent per token per layer, no factor 2, "
-            f"no KV heads]"
-        )
-    if spec.layer_kv:
-        return _per_layer_working(spec, fmt, kv_heads, total, label)
-    heads = f"{kv_heads} kv_heads" + (f" (of {spec.n_kv_heads})" if kv_heads != spec.n_kv_heads else "")
-    if fmt.group_size:
-        vec = f"{fmt.working(spec.head_dim)} per {spec.head_dim}-element head vector"
-        return (
-            f"{label}: 2 (K and V) x {spec.n_layers} layers x {heads} x {vec} ({fmt.name}) = "
-            f"{fmt_int(total)} B = {fmt_bytes(total)}"
-        )
-    return (
-        f"{label}: 2 (K and V) x {spec.n_layers} layers x {heads} x {spec.head_dim} head_dim x "
-        f"{fmt.bits / 8:g} B ({fmt.name}) = {fmt_int(total)} B = {fmt_bytes(total)}"
+def _sum_held(n0: int, n1: int, window: int | None) -> int:
+    """sum over t = n0 .. n1-1 of min(t, window): the history tokens re-copied, step by step."""
+
+    def s(a: int, b: int) -> int:  # a + (a+1) + ... + (b-1)
+        return (b - a) * (a + b - 1) // 2 if b > a else 0
+
+    if window is None or window >= n1:
+        return s(n0, n1)
+    cut = max(n0, window)
+    return s(n0, cut) + window * (n1 - cut)
+
+
+def copy_traffic(spec: ModelSpec, n0: int, n1: int, batch: int = 1, kv_dtype: str = "fp16") -> CopyTraffic:
+    """Closed form of what `torch.cat([k_past, k], dim=2)` copies growing the cache from n0 to n1 tokens.
+
+    Step t (t tokens cached) copies all t tokens of K and V history in every layer into a new tensor, so the total is
+    bytes_per_token_per_layer x sum over layers of (n0 + ... + n1-1) = bytes/token x (n1 - n0)(n0 + n1 - 1) / 2;
+    the seed rounds it to bytes/token x (n1^2 - n0^2) / 2.
+    """
+    assert 0 <= n0 < n1 and batch >= 1, (n0, n1, batch)  # validate.memory_rules, validate.copy_range_rules
+    fmt = get_kv_format(kv_dtype)
+    per_token = token_bytes(spec, fmt)
+    windowed = set(spec.sliding_layers)
+    exact = batch * sum(
+        layer_bytes_per_token(spec, fmt, None, i)
+        * _sum_held(n0, n1, spec.sliding_window if i in windowed else None)
+        for i in range(spec.n_layers)
     )
-
-
-def _per_layer_working(spec: ModelSpec, fmt: KVFormat, kv_heads: int, total: int, label: str) -> str:
-    """The per-token formula of a model whose layers differ in K/V shape: one term per distinct shape."""
-    counts: dict[tuple[int, int], int] = {}
-    for i in range(spec.n_layers):
-        shape = spec.layer_shape(i, kv_heads)
-        counts[shape] = counts.get(shape, 0) + 1
-    size = lambda d: fmt.working(d) if fmt.group_size else f"{d} head_dim x {fmt.bits / 8:g} B"  # noqa: E731
-    terms = " + ".join(f"{n} layers x {h} kv_heads x {size(d)}" for (h, d), n in counts.items())
-    return f"{label}: 2 (K and V) x ({terms}) ({fmt.name}) = {fmt_int(total)} B = {fmt_bytes(total)}"
-
-
-def tp_working(spec: ModelSpec, fmt: KVFormat, tp: int, kvh: int, per_token: int) -> str:
-    """How the per-token bytes divide over tp GPUs (MLA's latent does not)."""
-    if spec.is_mla:
-        return (
-            f"per GPU (tp {tp}): the MLA latent is shared by all heads, so tensor parallelism cannot split it; "
-            f"every rank holds the whole {fmt_bytes(per_token)}/token"
-        )
-    line = per_token_working(spec, fmt, kvh, token_bytes(spec, fmt, kvh), f"per GPU (tp {tp})")
-    if kvh * tp > spec.n_kv_heads:
-        return (
-            line
-            + f"   [{spec.n_kv_heads} KV heads < tp {tp}: each head replicated on {tp // spec.n_kv_heads} GPUs]"
-        )
-    return line + f"   [{spec.n_kv_heads} KV heads / tp {tp}]"
+    approx = per_token * (n1 * n1 - n0 * n0) // 2 * batch
+    history = (n1 - n0) * (n0 + n1 - 1) // 2
+    return CopyTraffic(
+        n0, n1, batch, per_token, exact, approx, history_tokens=history, windowed=bool(spec.sliding_layers)
+    )

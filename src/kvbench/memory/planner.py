@@ -1,38 +1,57 @@
-"""The plan: one model's cache at each context, per sequence, per batch, per GPU, and what fits next to the weights.
+"""The plan: one model's cache at each context, per sequence, per batch, per GPU, what fits next to the weights, and
+the decode floor those bytes put under a step.
 
-Every figure comes with its working (one line per step), so a reader can check the arithmetic by hand.
+Every figure is a number in a dataclass, with the terms it was computed from beside it (bytes per token on one GPU,
+per layer kind, per recurrent-state element, ...): the working shown under a plan, the arithmetic a reader checks by
+hand, is built from these numbers where the plan is rendered.
+
+The decode floor: a decode step reads every weight once and the K/V of every sequence at its context, and writes
+this token's K/V; with little arithmetic per byte, it cannot run faster than
+
+    floor = (weights + K/V read + K/V write) / bandwidth        per GPU, every GPU in parallel under tensor parallel
+
+so `batch / floor` is a ceiling on tokens per second for the batch (and `1 / floor` per sequence). The terms match
+the ones `kvbench bench` calls step bytes (bench/floor.py): K/V read is the cache at `ctx` tokens (this step's
+token included), the write is one more token's K/V. Not counted: activations, logits, the design's own extra
+traffic (copies, dequantisation), tensor-parallel communication, and the re-write of a recurrent state (it is read
+once, as part of the cache). Weights are all the parameters, once: a step reads only its batch's rows of an input
+embedding table (bench counts those rows), and an MoE step reads only the experts its tokens route to.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbench.memory.bandwidth import PeakBandwidth
-from kvbench.memory.decode_floor import DecodeFloor, attach_floors
-from kvbench.memory.formats import KVFormat, get_kv_format, weight_bits
 from kvbench.memory.formulas import (
     bytes_per_sequence,
+    kind_bytes_per_token,
     kv_heads_per_gpu,
     layer_bytes_per_token,
-    per_token_working,
     state_bytes,
-    state_working,
+    state_element_bytes,
     token_bytes,
-    tp_working,
 )
-from kvbench.memory.spec import GPUSpec, ModelSpec
-from kvbench.memory.units import (
-    MAX_TOKENS,
-    fmt_bytes,
-    fmt_int,
-    fmt_params,
-    fmt_tokens,
-    parse_overhead,
-)
+from kvbench.memory.spec import GPUSpec, KVFormat, ModelSpec, PeakBandwidth, get_kv_format, weight_bits
+from kvbench.memory.units import MAX_TOKENS, fmt_bytes, fmt_int, parse_overhead
 from kvbench.validate import past_context
 
 # reserve for activations, CUDA context and allocator slack (vLLM's default leaves 10%)
 DEFAULT_OVERHEAD = "10%"
+
+
+@dataclass
+class DecodeFloor:
+    """One context and batch: the bytes a decode step moves on one GPU, and the time and rate they allow."""
+
+    weights_bytes: int  # weights on one GPU, each read once per step
+    kv_read_bytes: int  # the cache of every sequence at ctx on one GPU (K/V, and any recurrent state)
+    kv_write_bytes: int  # this step's token: its K/V for every sequence on one GPU
+    step_bytes: int  # weights + kv_read + kv_write
+    bandwidth: int  # bytes/s divided by
+    floor_ms: float  # step_bytes / bandwidth, in milliseconds: no step is faster
+    tokens_per_s_per_sequence: float  # 1 / floor: each sequence gains one token per step
+    tokens_per_s: float  # batch / floor: the whole batch's tokens per second (aggregate)
+    kv_write_bytes_per_sequence: int = 0  # one sequence's share of kv_write_bytes: one token's K/V on one GPU
 
 
 @dataclass
@@ -52,8 +71,8 @@ class PlanRow:
     max_ctx: int | None  # longest context at `batch` that fits (None: no GPU, or unbounded)
     max_ctx_unbounded: bool  # every layer is windowed and the windows fit: the cache stops growing
     max_ctx_at_limit: bool = False  # the search limit itself fits: the true maximum is max_ctx or more
-    working: list[str] = field(default_factory=list)  # the arithmetic, one line per step
     decode_floor: DecodeFloor | None = None  # the step's bytes over the bandwidth (None: no bandwidth given)
+    kv_bytes_per_seq: int = 0  # bytes_per_seq without the recurrent state: one sequence's K/V
 
 
 @dataclass
@@ -66,12 +85,12 @@ class GPUBudget:
     overhead: int  # bytes set aside for activations, CUDA context and allocator slack
     weights_per_gpu: int  # bytes of weights on each GPU
     available: int  # memory - overhead - weights: what the cache may use (negative: weights alone do not fit)
-    working: str  # the arithmetic
+    overhead_text: str = ""  # --overhead as given: a share of the memory (10%) or a size (4GiB)
 
 
 @dataclass
 class ModelPlan:
-    """One model's cache across contexts, with the working."""
+    """One model's cache across contexts, and the terms its numbers were computed from."""
 
     model: ModelSpec  # the shape used
     kv_dtype: str  # storage format of the cache
@@ -83,13 +102,18 @@ class ModelPlan:
     weights_bytes: int | None  # params x bytes(weights dtype), whole model
     rows: list[PlanRow]  # one per context
     gpu: GPUBudget | None  # the budget, when a GPU was given
-    working: list[str]  # how bytes_per_token and the weights were computed
     warnings: list[str]  # beyond-trained-context and similar, one line each
     notes: list[str]  # facts about the model the numbers depend on (windows, MLA, quantization overhead)
     kv_cache: bool = True  # False: no layer attends, so nothing grows per token (a recurrent model)
     # a recurrent state held per sequence at any context (included in the rows)
     state_bytes_per_sequence: int = 0
     bandwidth: PeakBandwidth | None = None  # what the rows' decode floors divide by (None: no floor)
+    bytes_per_token_per_gpu: int = 0  # bytes_per_token on one GPU under tensor parallelism
+    # bytes_per_token split into the full-attention layers ("full") and the windowed ones (their window kind)
+    bytes_per_token_by_kind: dict[str, int] = field(default_factory=dict)
+    state_element_bytes: int = 0  # bytes of one recurrent-state element
+    state_bytes_per_gpu: int = 0  # state_bytes_per_sequence split evenly over the tp GPUs
+    weights_bytes_per_gpu: int | None = None  # weights_bytes split evenly over the tp GPUs
 
 
 def gpu_budget(
@@ -99,23 +123,12 @@ def gpu_budget(
     if gpu is None and gpu_mem is None:
         return None
     memory = gpu.memory if gpu else gpu_mem
-    reserve, how = parse_overhead(overhead, memory)
-    available = memory - reserve - weights_per_gpu
+    reserve, _ = parse_overhead(overhead, memory)
     label = f"{gpu.label} ({gpu.nominal})" if gpu else f"--gpu-mem {gpu_mem_text or fmt_bytes(memory)}"
     return GPUBudget(
-        name=gpu.name if gpu else "custom",
-        label=label,
-        memory=memory,
-        overhead=reserve,
-        weights_per_gpu=weights_per_gpu,
-        available=available,
-        working=(
-            f"{fmt_bytes(memory)} ({fmt_int(memory)} B) - allowance {how} for activations, CUDA context and "
-            f"allocator slack - weights {fmt_bytes(weights_per_gpu)} per GPU = {fmt_bytes(available)} for the cache"
-            if available >= 0
-            else f"weights {fmt_bytes(weights_per_gpu)} per GPU + allowance {how} exceed {fmt_bytes(memory)}"
-        ),
-    )
+        name=gpu.name if gpu else "custom", label=label, memory=memory, overhead=reserve,
+        weights_per_gpu=weights_per_gpu, available=memory - reserve - weights_per_gpu, overhead_text=overhead,
+    )  # fmt: skip
 
 
 def max_context(
@@ -140,21 +153,6 @@ def max_context(
         else:
             hi = mid
     return lo, "found"
-
-
-def _weights_working(spec: ModelSpec, weights: int, wbits: int, weights_dtype: str, tp: int) -> str:
-    approx = "~" if spec.params_estimated else ""
-    line = f"weights: {approx}{fmt_int(spec.params)} params x {wbits / 8:g} B ({weights_dtype}) = {fmt_bytes(weights)}"
-    if tp > 1:
-        line += f", {fmt_bytes(-(-weights // tp))} per GPU at tp {tp}"
-    if spec.wrapper:
-        vision = f" (~{fmt_params(spec.vision_params)})" if spec.vision_params else ""
-        line += f"  [language model only: the {spec.wrapper} vision tower{vision} is not counted]"
-    if approx:
-        line += (
-            "  [estimated from config.json: embeddings, attention, MLP with every expert, norms; no biases]"
-        )
-    return line
 
 
 def _window_note(spec: ModelSpec) -> str:
@@ -214,89 +212,31 @@ class _Sizes:
     """What every row of one plan shares."""
 
     fmt: KVFormat
-    per_layer: int  # bytes per token per layer, whole model
-    per_layer_gpu: int  # the same on one GPU under tp
     kv_heads_gpu: int
     batch: int
-    tp: int
     budget: GPUBudget | None
     state: int = 0  # recurrent state bytes per sequence
     state_gpu: int = 0  # the same on one GPU under tp
 
 
-def _seq_working(spec: ModelSpec, s: _Sizes, ctx: int, held: int) -> str:
-    kv = _kv_working(spec, s, ctx, held)
-    if not s.state:
-        return kv
-    total = bytes_per_sequence(spec, s.fmt, ctx) + s.state
-    if not spec.kv_cache:
-        return f"{fmt_tokens(ctx)}: recurrent state {fmt_int(s.state)} B = {fmt_bytes(total)} per sequence (no KV cache)"
-    return f"{kv} + recurrent state {fmt_int(s.state)} B = {fmt_bytes(total)} per sequence"
-
-
-def _kv_working(spec: ModelSpec, s: _Sizes, ctx: int, held: int) -> str:
-    per_seq = bytes_per_sequence(spec, s.fmt, ctx)
-    if spec.layer_kv and held != ctx * spec.n_layers:
-        kinds = [("full", [i for i in range(spec.n_layers) if i not in spec.sliding_layers], ctx)]
-        kinds.append((spec.window_kind, list(spec.sliding_layers), min(ctx, spec.sliding_window or ctx)))
-        terms = " + ".join(
-            f"{len(ls)} {kind} layers ({fmt_int(sum(layer_bytes_per_token(spec, s.fmt, None, i) for i in ls))} "
-            f"B/token) x {fmt_int(n)} tokens"
-            for kind, ls, n in kinds
-            if ls
-        )
-        return f"{fmt_tokens(ctx)}: {terms} = {fmt_int(per_seq)} B = {fmt_bytes(per_seq)} per sequence"
-    if held == ctx * spec.n_layers:
-        per_token = token_bytes(spec, s.fmt)
-        return (
-            f"{fmt_tokens(ctx)}: {fmt_int(per_token)} B/token x {fmt_int(ctx)} tokens = {fmt_int(per_seq)} B = "
-            f"{fmt_bytes(per_seq)} per sequence"
-        )
-    kind = "sliding" if spec.window_kind == "sliding" else "chunked"
-    return (
-        f"{fmt_tokens(ctx)}: {spec.n_full} full layers x {fmt_int(ctx)} tokens + {spec.n_windowed} {kind} layers x "
-        f"min({fmt_int(ctx)}, {fmt_int(spec.sliding_window)}) tokens = {fmt_int(held)} layer-tokens x "
-        f"{fmt_int(s.per_layer)} B = {fmt_int(per_seq)} B = {fmt_bytes(per_seq)} per sequence"
-    )
-
-
-def _fit_working(row: PlanRow, budget: GPUBudget, ctx: int) -> str:
-    if row.max_ctx_unbounded:
-        longest = (
-            "unbounded context (" + ("no KV cache" if row.tokens_held == 0 else "every layer windowed") + ")"
-        )
-    elif row.max_ctx_at_limit:
-        longest = f"max context >= {fmt_int(row.max_ctx)} (searched up to {fmt_int(MAX_TOKENS)})"
-    else:
-        longest = f"max context {fmt_int(row.max_ctx)}"
-    return (
-        f"  fits: {fmt_bytes(row.bytes_per_gpu)} {'<=' if row.fits else '>'} {fmt_bytes(max(budget.available, 0))} "
-        f"available; max batch {row.max_batch} at {fmt_tokens(ctx)}; {longest} at batch {row.batch}"
-    )
-
-
 def _row(spec: ModelSpec, s: _Sizes, ctx: int) -> PlanRow:
     held = spec.held(ctx)
-    per_seq = bytes_per_sequence(spec, s.fmt, ctx) + s.state
+    kv_per_seq = bytes_per_sequence(spec, s.fmt, ctx)
+    per_seq = kv_per_seq + s.state
     per_seq_gpu = bytes_per_sequence(spec, s.fmt, ctx, s.kv_heads_gpu) + s.state_gpu
     per_gpu = per_seq_gpu * s.batch
     row = PlanRow(
         ctx=ctx, batch=s.batch, tokens_held=held, bytes_per_seq=per_seq, bytes_batch=per_seq * s.batch,
         bytes_per_gpu=per_gpu, beyond_max=past_context(ctx, spec.max_context),
         windowed=held < ctx * spec.n_layers, fits=None, max_batch=None, max_ctx=None, max_ctx_unbounded=False,
-        working=[_seq_working(spec, s, ctx, held)],
+        kv_bytes_per_seq=kv_per_seq,
     )  # fmt: skip
-    if s.batch > 1:
-        row.working.append(f"  x {s.batch} sequences = {fmt_bytes(per_seq * s.batch)}")
-    if s.tp > 1:
-        row.working.append(f"  per GPU at tp {s.tp}: {fmt_bytes(per_gpu)}")
     if s.budget is not None:
         available = s.budget.available
         row.fits = available >= per_gpu
         row.max_batch = (available // per_seq_gpu if per_seq_gpu else None) if available > 0 else 0
         row.max_ctx, how = max_context(spec, s.fmt, s.kv_heads_gpu, s.batch, available, s.state_gpu)
         row.max_ctx_unbounded, row.max_ctx_at_limit = how == "unbounded", how == "limit"
-        row.working.append(_fit_working(row, s.budget, ctx))
     return row
 
 
@@ -320,59 +260,61 @@ def plan(
     bandwidth: PeakBandwidth | None = None,
 ) -> ModelPlan:
     """Bytes per token, per sequence, per batch and per GPU for `spec` at each context (a row per batch and context
-    when `batch` is a list), with the working; with `bandwidth`, each row's decode floor too."""
+    when `batch` is a list), with the terms they come from; with `bandwidth`, each row's decode floor too."""
     batches = [batch] if isinstance(batch, int) else list(batch)
     _check_request(contexts, batches)
     fmt, wbits, kvh = get_kv_format(kv_dtype), weight_bits(weights_dtype), kv_heads_per_gpu(spec, tp)
-    per_layer = layer_bytes_per_token(spec, fmt)  # the model-wide shape's (per_token says all layers)
     per_token = token_bytes(spec, fmt)
     state, state_gpu = state_bytes(spec, fmt), state_bytes(spec, fmt, tp)
-    working = _kv_lines(spec, fmt, tp, kvh, per_token)
-    if spec.state_layers:
-        working.append(state_working(spec, fmt))
-        if tp > 1 and state:
-            working.append(
-                f"per GPU (tp {tp}): the recurrent state split evenly = {fmt_bytes(state_gpu)} per sequence"
-            )
     weights = None if spec.params is None else -(-spec.params * wbits // 8)
-    if weights is not None:
-        working.append(_weights_working(spec, weights, wbits, weights_dtype, tp))
-    budget = gpu_budget(gpu, gpu_mem, overhead, 0 if weights is None else -(-weights // tp), gpu_mem_text)
-    if budget is not None:
-        working.append(f"GPU budget: {budget.working}")
-    sizes = [
-        _Sizes(fmt, per_layer, layer_bytes_per_token(spec, fmt, kvh), kvh, b, tp, budget, state, state_gpu)
-        for b in batches
+    weights_gpu = None if weights is None else -(-weights // tp)
+    budget = gpu_budget(gpu, gpu_mem, overhead, weights_gpu or 0, gpu_mem_text)
+    rows = [
+        _row(spec, _Sizes(fmt, kvh, b, budget, state, state_gpu), ctx) for b in batches for ctx in contexts
     ]
-    rows = [_row(spec, s, ctx) for s in sizes for ctx in contexts]
     warnings = [
         f"{spec.name}: {fmt_int(ctx)} tokens is beyond the {fmt_int(spec.max_context)} it was trained for "
         f"(max_position_embeddings); computed anyway"
         for ctx in contexts
         if past_context(ctx, spec.max_context)
     ]
-    if budget is not None and budget.available <= 0:
-        warnings.append(f"{spec.name}: {budget.working}: no room for any cache")
     p = ModelPlan(
         model=spec, kv_dtype=fmt.name, weights_dtype=weights_dtype, tp=tp, kv_heads_per_gpu=kvh,
-        layer_bytes_per_token=per_layer, bytes_per_token=per_token, weights_bytes=weights, rows=rows, gpu=budget,
-        working=working, warnings=warnings, notes=_notes(spec, fmt, per_token), kv_cache=spec.kv_cache,
-        state_bytes_per_sequence=state,
+        layer_bytes_per_token=layer_bytes_per_token(spec, fmt),  # the model-wide shape's (per_token: all layers)
+        bytes_per_token=per_token, weights_bytes=weights, rows=rows, gpu=budget, warnings=warnings,
+        notes=_notes(spec, fmt, per_token), kv_cache=spec.kv_cache, state_bytes_per_sequence=state,
+        bytes_per_token_per_gpu=token_bytes(spec, fmt, kvh), bytes_per_token_by_kind=kind_bytes_per_token(spec, fmt),
+        state_element_bytes=0 if spec.state_elements is None else state_element_bytes(fmt),
+        state_bytes_per_gpu=state_gpu, weights_bytes_per_gpu=weights_gpu,
     )  # fmt: skip
     attach_floors(p, bandwidth)
     return p
 
 
-def _kv_lines(spec: ModelSpec, fmt: KVFormat, tp: int, kvh: int, per_token: int) -> list[str]:
-    """The per-token working: every layer, a hybrid's attention layers only, or no KV cache at all."""
-    if not spec.kv_cache:
-        return [
-            f"per token: no KV cache: no layer of this {spec.family} model attends; each keeps a fixed-size state"
-        ]
-    line = per_token_working(spec, fmt, spec.n_kv_heads, per_token, "per token")
-    if spec.model_layers is not None:
-        line += (
-            f"   [the {spec.n_layers} attention layers of {spec.model_layers}; {spec.state_layers} layers keep a "
-            "recurrent state instead of K/V]"
-        )
-    return [line] + ([tp_working(spec, fmt, tp, kvh, per_token)] if tp > 1 else [])
+def floor_for(batch: int, weights: int, kv_read: int, write_per_seq: int, bw: PeakBandwidth) -> DecodeFloor:
+    """The floor of one step of `batch` sequences, from per-GPU bytes: the weights, the cache read at the context,
+    and this token's K/V write for each sequence."""
+    write = batch * write_per_seq
+    total = weights + kv_read + write
+    seconds = total / bw.bytes_per_s
+    per_seq = 1 / seconds
+    return DecodeFloor(
+        weights_bytes=weights, kv_read_bytes=kv_read, kv_write_bytes=write, step_bytes=total,
+        bandwidth=bw.bytes_per_s, floor_ms=seconds * 1e3, tokens_per_s_per_sequence=per_seq,
+        tokens_per_s=batch * per_seq, kv_write_bytes_per_sequence=write_per_seq,
+    )  # fmt: skip
+
+
+def attach_floors(plan: ModelPlan, bw: PeakBandwidth | None) -> None:
+    """Give every row of `plan` its decode floor over `bw`; a model without a parameter count gets a note instead
+    (its weights, most of a step's bytes, are unknown)."""
+    if bw is None:
+        return
+    plan.bandwidth = bw
+    if plan.weights_bytes_per_gpu is None:
+        plan.notes.append("no parameter count for this model, so no decode floor (its weights are unknown)")
+        return
+    spec, fmt = plan.model, get_kv_format(plan.kv_dtype)
+    write = bytes_per_sequence(spec, fmt, 1, plan.kv_heads_per_gpu) if spec.kv_cache else 0
+    for r in plan.rows:
+        r.decode_floor = floor_for(r.batch, plan.weights_bytes_per_gpu, r.bytes_per_gpu, write, bw)

@@ -11,8 +11,7 @@ from typing import Any
 
 from kvbench import files
 from kvbench.errors import KVBenchError
-from kvbench.memory.bandwidth import parse_bandwidth
-from kvbench.memory.spec import WINDOW_KINDS, GPUSpec, ModelSpec
+from kvbench.memory.spec import WINDOW_KINDS, GPUSpec, ModelSpec, parse_bandwidth
 from kvbench.memory.units import MAX_LAYERS, MAX_TOKENS, MAX_WIDTH, parse_bytes
 from kvbench.resources import config_file
 

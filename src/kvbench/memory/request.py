@@ -13,14 +13,18 @@ from pathlib import Path
 
 from kvbench import validate
 from kvbench.errors import KVBenchError
-from kvbench.memory.bandwidth import PeakBandwidth, parse_bandwidth
 from kvbench.memory.check import check_format
-from kvbench.memory.formats import get_kv_format, weight_dtype
-from kvbench.memory.model_source import is_local, looks_like_hub_id, resolve_hub, resolve_local
+from kvbench.memory.config import is_local, looks_like_hub_id, resolve_config, resolve_hub, resolve_local
 from kvbench.memory.planner import DEFAULT_OVERHEAD, ModelPlan, plan
 from kvbench.memory.presets import get_gpu, get_model, load_presets
-from kvbench.memory.resolve import resolve_config
-from kvbench.memory.spec import GPUSpec, ModelSpec
+from kvbench.memory.spec import (
+    GPUSpec,
+    ModelSpec,
+    PeakBandwidth,
+    get_kv_format,
+    parse_bandwidth,
+    weight_dtype,
+)
 from kvbench.memory.units import parse_bytes, parse_ctx, parse_overhead
 from kvbench.options import option
 

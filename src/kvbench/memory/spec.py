@@ -1,8 +1,19 @@
-"""What the planner knows about a model and a GPU: the shapes its arithmetic needs, and nothing else."""
+"""What the planner's arithmetic takes: a model's shape, a GPU, how a cached element is stored, a memory bandwidth.
+
+`ModelSpec` and `GPUSpec` hold the shapes the arithmetic needs, and nothing else. A storage format (`KVFormat`)
+gives the bytes of one cached vector with a quantized cache's scales, and `WEIGHT_BITS` the bits of one weight.
+A bandwidth (`PeakBandwidth`) is a published peak figure (configs/gpus.toml) or --bandwidth, read from text such as
+3.35TB/s: TB/s, GB/s, MB/s are powers of 10 (3.35TB/s = 3.35e12 bytes/s, as datasheets write them); TiB/s, GiB/s,
+MiB/s are powers of 2. It is held as whole bytes per second, computed exactly from the decimal text.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+from kvbench.dtypes import canonical
+from kvbench.errors import KVBenchError
 
 WINDOW_KINDS = ("sliding", "chunked")  # how a capped layer attends: the last w tokens, or its w-token chunk
 
@@ -153,3 +164,113 @@ class GPUSpec:
     bandwidth: int | None = None  # published memory bandwidth, bytes/s (None: not listed)
     bandwidth_text: str = ""  # as gpus.toml writes it, e.g. 3.35TB/s
     bandwidth_source: str = ""  # the datasheet the figure is from
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How one cached element is stored, including the metadata a quantized cache needs to dequantize it."""
+
+    name: str  # CLI name: fp32, fp16, bf16, fp8, int8, int4
+    bits: int  # bits per stored element
+    group_size: int | None  # elements of one K or V vector that share a scale (None: no per-group metadata)
+    meta_bytes: int  # bytes of metadata per group: fp16 scale (int8), fp16 scale + fp16 zero point (int4)
+    note: str  # the overhead, stated in words
+
+    def vector_bytes(self, n: int) -> int:
+        """Bytes to store one cached vector of n elements (one head's K or V, or one MLA latent)."""
+        data = -(-n * self.bits // 8)  # ceil: a half-filled int4 byte is still a byte
+        groups = 0 if self.group_size is None else -(-n // self.group_size)
+        return data + groups * self.meta_bytes
+
+
+KV_FORMATS: dict[str, KVFormat] = {
+    "fp32": KVFormat("fp32", 32, None, 0, "4 B per element, no scales"),
+    "fp16": KVFormat("fp16", 16, None, 0, "2 B per element, no scales"),
+    "bf16": KVFormat("bf16", 16, None, 0, "2 B per element, no scales"),
+    "fp8": KVFormat(
+        "fp8",
+        8,
+        None,
+        0,
+        "1 B per element (e4m3); one fp32 scale per layer for K and one for V, not per token (8 B per layer, ignored)",
+    ),
+    "int8": KVFormat(
+        "int8",
+        8,
+        64,
+        2,
+        "1 B per element + one fp16 scale per group of 64 elements along the vector (+2 B per 64 B, +3.1%)",
+    ),
+    "int4": KVFormat(
+        "int4",
+        4,
+        64,
+        4,
+        "0.5 B per element + fp16 scale and fp16 zero point per group of 64 elements (+4 B per 32 B, +12.5%); "
+        "like transformers' QuantizedCache (q_group_size=64), minus its full-precision residual window",
+    ),
+}
+
+# Bits per weight. Quantized weights also carry group scales (int4 at group 128 with fp16 scale + zero: +3%); the
+# weights figure here is the bare parameter storage, which is what `--weights-dtype` sizes.
+WEIGHT_BITS: dict[str, int] = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
+
+
+def get_kv_format(name: str) -> KVFormat:
+    """Any spelling kvbench.dtypes accepts (float16, half, bfloat16, ...) -> its format."""
+    return KV_FORMATS[canonical(name, "--kv-dtype", tuple(KV_FORMATS))]
+
+
+def weight_dtype(name: str) -> str:
+    """The canonical name of a --weights-dtype spelling (kvbench.dtypes)."""
+    return canonical(name, "--weights-dtype", tuple(WEIGHT_BITS))
+
+
+def weight_bits(name: str) -> int:
+    return WEIGHT_BITS[weight_dtype(name)]
+
+
+_RATE_RE = re.compile(r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?i?b)\s*/\s*s$")
+_RATE_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
+}  # fmt: skip
+MAX_RATE = 10**15  # 1 PB/s: far above any memory today, low enough to catch a unit typo
+
+
+@dataclass(frozen=True)
+class PeakBandwidth:
+    """The bandwidth a decode floor divides by."""
+
+    name: str  # GPU preset key, or "custom" for --bandwidth
+    label: str  # product name, or "--bandwidth 3.35TB/s"
+    bytes_per_s: int  # bytes per second
+    text: str  # as written in gpus.toml or on the command line
+    source: str  # where the figure comes from: the datasheet cited in gpus.toml, or "--bandwidth"
+
+
+def parse_bandwidth(text: str, what: str = "--bandwidth") -> int:
+    """'3.35TB/s' -> 3_350_000_000_000 bytes/s; '2TiB/s' -> 2 x 2^40. Zero, negative, nan or no unit: one line."""
+    tok = str(text).strip().lower().replace("_", "")
+    m = _RATE_RE.match(tok)
+    if not m or m.group(3) not in _RATE_UNITS:
+        raise KVBenchError(
+            f"cannot read {what} {text!r}: use a rate such as 3.35TB/s, 3350GB/s or 2TiB/s "
+            "(TB = 10^12 bytes, TiB = 2^40)"
+        )
+    sign, number, unit = m.groups()
+    whole, _, frac = number.partition(".")
+    value = int((whole or "0") + frac) * _RATE_UNITS[unit] // 10 ** len(frac)
+    if sign == "-" or value < 1:
+        raise KVBenchError(f"{what} {text!r} must be positive")
+    if value > MAX_RATE:
+        raise KVBenchError(f"{what} {text!r} is more than 1 PB/s; give the memory's real bandwidth")
+    return value
+
+
+def fmt_rate(bytes_per_s: float) -> str:
+    """3.35e12 -> '3.35 TB/s' (decimal units, as datasheets print them)."""
+    for unit, size in (("TB/s", 10**12), ("GB/s", 10**9), ("MB/s", 10**6), ("KB/s", 10**3)):
+        if bytes_per_s >= size:
+            return f"{bytes_per_s / size:.4g} {unit}"
+    return f"{bytes_per_s:.0f} B/s"

@@ -21,10 +21,10 @@ dtype, library versions, threads, what was asked for) are refused; what was meas
 (environment.CONTEXT: huge pages actually given, read bandwidth) is shown side by side and warned about when it
 differs. Beyond that, compare runs made on the same, otherwise idle machine.
 
-TTFT is compared the same way on its repeats (ttft.csv, one TTFT per timed repeat; results/ttft_compare.py), with its
+TTFT is compared the same way on its repeats (ttft.csv, one TTFT per timed repeat; results/stats.py), with its
 own verdict; a run without ttft.csv gets the ratio of the summary medians and the verdict `no ttft.csv`. Tokens/s,
 peak memory, KV bytes and (when both runs have the column) token agreement come from summary.csv. The statistics
-are in results/stats.py, the environment checks in results/environment.py, the load warning in results/host.py.
+are in results/stats.py, the environment checks and the load warning in results/environment.py.
 """
 
 from __future__ import annotations
@@ -43,19 +43,19 @@ from kvbench.results.environment import (
     EnvChange,
     check_environment,
     context_fields,
-    describe_changes,
-    describe_context,
+    load_warning,
 )
-from kvbench.results.host import load_warning
 from kvbench.results.runs import KEY, Run, load_run, row_label, run_level
-from kvbench.results.stats import mann_whitney_p, median_ratio_ci, repeat_spread, smallest_p, verdict
-from kvbench.results.ttft_compare import RunTTFTs, TTFTComparison, compare_ttft
-
-# Importable from here too: the environment checks' renderings (environment.py), beside the comparison.
-__all__ = [
-    "FAIL_ON", "Comparison", "RowComparison", "Unmatched", "check_baseline", "compare_runs", "describe_changes",
-    "describe_context", "json_doc", "parse_fail_on", "parse_threshold", "unfinished",
-]  # fmt: skip
+from kvbench.results.stats import (
+    RunTTFTs,
+    TTFTComparison,
+    compare_ttft,
+    mann_whitney_p,
+    median_ratio_ci,
+    repeat_spread,
+    smallest_p,
+    verdict,
+)
 
 VERDICTS = ("slower", "faster", "no significant change")  # what a test can conclude (TPOT and TTFT alike)
 # Keys that --allow-env-change stops matching on when the two runs differ in them.
@@ -105,7 +105,7 @@ class RowComparison:
     # False: a run's repeats are further apart than the threshold (p understates uncertainty)
     steady: bool = True
     notes: list[str] = field(default_factory=list)
-    ttft: TTFTComparison | None = None  # the TTFT repeats compared (ttft_compare.py)
+    ttft: TTFTComparison | None = None  # the TTFT repeats compared (stats.compare_ttft)
 
     @property
     def label(self) -> str:

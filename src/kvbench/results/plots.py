@@ -1,10 +1,25 @@
-"""matplotlib (Agg) figures from bench rows: latency.png (the seed's two panels) and speedup.png, batch.png for a batch
-sweep (results/batch_plot.py); for a random-fill context sweep, context.png; compare.png. Their shared look (colour
-per cache, line style per engine): results/plot_style.py.
+"""The figures of bench and compare, drawn with matplotlib (Agg): latency.png (the seed's two panels), speedup.png,
+batch.png for a batch sweep, context.png for a random-fill context sweep, and compare.png.
+
+Every figure shares one look: a colour per cache (registry order, so a cache keeps its colour across figures and
+runs), a line style per engine (solid: kvbench, dashed: transformers, dash-dot: transformers compiled), plain-number
+log ticks, one legend under the panels, and the run's title.
+
+batch.png shows what a batch sweep's decode speed means, per prompt length, one line per engine x cache:
+
+    across the batch   decode tokens/s of all B sequences together, with the bandwidth ceiling B / floor dashed
+    per sequence       decode tokens/s each sequence sees (1 / TPOT), with its ceiling 1 / floor dashed
+    x floor            TPOT / floor: how far each step is from moving its bytes at the measured bandwidth
+
+The floor's bytes grow with B through the K/V term only (the weights are read once per step for every sequence), so
+the ceiling across the batch rises with B until the K/V of the batch outweighs the weights: the batch where they are
+equal is marked (the batch-size counterpart of the context crossover, bench/floor.py). Read across the batch, tokens/s
+rises with B; read per sequence it falls: the two panels side by side keep the figures from being confused.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
@@ -16,16 +31,65 @@ import pandas as pd  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator  # noqa: E402
 
 from kvbench.caches import CACHES  # noqa: E402
-from kvbench.results.plot_style import (  # noqa: E402
-    _PLAIN,
-    ENGINE_STYLE,
-    _colour,
-    _label,
-    _maybe_log,
-    _series,
-    _shared_legend,
-    _title,
-)
+
+ENGINE_STYLE = {"kvbench": "-", "hf": "--", "hf-compiled": "-."}
+ENGINE_LABEL = {"kvbench": "kvbench", "hf": "transformers", "hf-compiled": "transformers compiled"}
+ENGINE_ORDER = list(ENGINE_STYLE)
+
+
+def _colour(cache: str) -> str:
+    names = list(CACHES)
+    i = names.index(cache) if cache in names else len(names)
+    return plt.get_cmap("tab10")(i % 10)
+
+
+def _label(engine: str, cache: str) -> str:
+    return f"{ENGINE_LABEL.get(engine, engine)}: {cache}"
+
+
+def _series(df: pd.DataFrame):
+    """(engine, cache) groups in a stable, readable order: engines as given, caches in registry order."""
+    names = list(CACHES)
+    keys = df[["engine", "cache"]].drop_duplicates().itertuples(index=False)
+    order = sorted(
+        keys,
+        key=lambda k: (
+            ENGINE_ORDER.index(k.engine) if k.engine in ENGINE_ORDER else 99,
+            names.index(k.cache) if k.cache in names else 99,
+        ),
+    )
+    return [(k.engine, k.cache) for k in order]
+
+
+_PLAIN = FuncFormatter(lambda x, _: f"{x:g}")
+
+
+def _maybe_log(ax, values, ratio: float = 20.0) -> None:
+    """Log y when the values span more than `ratio`, with plain numbers (not 10^k) on the ticks."""
+    v = [x for x in values if x > 0]
+    if v and max(v) / min(v) > ratio:
+        ax.set_yscale("log")
+        if max(v) / min(v) < 300:  # under 2.5 decades: label 1-2-5 steps, not only the powers of ten
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(_PLAIN)
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
+
+
+def _shared_legend(fig, axes) -> None:
+    """One legend under the panels (every panel draws the same engine x cache lines), so none hides data."""
+    handles: dict = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=False):
+            handles.setdefault(lab, h)
+    if handles:
+        fig.legend(
+            list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 5), fontsize=9
+        )
+
+
+def _title(meta: dict) -> str:
+    return f"{meta.get('model', '?')} ({meta.get('weights', '?')}) · {meta.get('device_name', '?')} · {meta.get('dtype', '?')}"
+
 
 # latency.png draws two panels per prompt length (about 0.4 s each on a small CPU); past this many prompt lengths
 # it is not drawn (speedup.png still shows every one), so a long sweep, or one stopped by a signal, ends promptly.
@@ -181,8 +245,6 @@ def write_plots(
     out = []
     batches = sorted(summary.batch.unique()) if "batch" in summary.columns else []
     if len(batches) > 1:
-        from kvbench.results.batch_plot import batch_figure
-
         out.append(batch_figure(summary, meta, run_dir / "batch.png"))
         first = min(summary[summary.status == "ok"].batch)
         summary, steps = summary[summary.batch == first], steps[steps.batch == first]
@@ -371,3 +433,105 @@ def compare_figure(comparison, path: Path) -> Path:
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
+
+
+MAX_ROWS = 6  # prompt lengths drawn (the longest ones past this), a row of three panels each
+CEILING = dict(color="black", linestyle="--", linewidth=1.2, alpha=0.7, marker="_", markersize=14)
+
+
+def crossover_batch(meta: dict, prompt_len: int) -> float | None:
+    """The batch at which one decode step's K/V read equals its weight read, from the floor's byte counts of this
+    prompt length's rows (meta.json floor.steps): weights / (K/V per sequence). None without a floor."""
+    steps = (meta.get("floor") or {}).get("steps") or {}
+    best = None
+    for key, b in steps.items():
+        parts = key.split()
+        # "<engine> <cache> prompt <n> batch <b>"; only a step that reads exactly the slots holding tokens (not a
+        # whole buffer) prices one sequence's K/V at its context
+        if len(parts) != 6 or parts[3] != str(prompt_len) or b.get("slots") != b.get("context"):
+            continue
+        batch = int(parts[5])
+        if b.get("kv", 0) > 0 and (best is None or batch < best[0]):
+            # the weight read barely depends on B (each sequence's wte and wpe rows): the smallest batch's
+            best = (batch, b["weights"] / (b["kv"] / batch))
+    return None if best is None else best[1]
+
+
+def batch_figure(summary: pd.DataFrame, meta: dict, path: Path) -> Path:
+    ok = summary[summary["status"] == "ok"].copy()
+    ok["per_seq"] = (
+        ok["decode_tokens_per_s"] / ok["batch"]
+    )  # the same statistic as across the batch, per sequence
+    plens = sorted(ok.prompt_len.unique())[-MAX_ROWS:]
+    batches = sorted(ok.batch.unique())  # the sizes that ran; those out of memory are named in the title
+    n = max(len(plens), 1)
+    fig, axes = plt.subplots(n, 3, figsize=(16, 4.2 * n + 0.8), squeeze=False)
+    for row, plen in enumerate(plens):
+        sub = ok[ok.prompt_len == plen]
+        _batch_row(axes[row], sub, batches, crossover_batch(meta, int(plen)), int(plen))
+    oom = sorted(summary[summary.status == "oom"].batch.unique())
+    where = f" · out of memory at batch {', '.join(f'{b:,}' for b in oom)}" if oom else ""
+    new = int(summary.new_tokens.max())
+    fig.suptitle(f"Decode speed against batch size — {_title(meta)} — {new} new tokens{where}", fontsize=12)
+    _shared_legend(fig, axes.ravel())
+    fig.tight_layout(rect=(0, 0.7 / (4.2 * n + 0.8), 1, 1))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def _batch_row(axes, sub: pd.DataFrame, batches: list, cross: float | None, plen: int) -> None:
+    ax_all, ax_seq, ax_x = axes
+    for engine, cache in _series(sub):
+        s = sub[(sub.engine == engine) & (sub.cache == cache)].sort_values("batch")
+        kw = dict(color=_colour(cache), linestyle=ENGINE_STYLE.get(engine, ":"), marker="o", linewidth=1.4,
+                  markersize=5, label=_label(engine, cache))  # fmt: skip
+        ax_all.plot(s.batch, s.decode_tokens_per_s, **kw)
+        ax_seq.plot(s.batch, s.per_seq, **kw)
+        if s.x_floor.notna().any():
+            ax_x.plot(s.batch, s.x_floor, **kw)
+    floor = sub[sub.floor_ms.notna()].groupby("batch").floor_ms.min()  # the lightest design's floor per batch
+    ceiling_all, ceiling_seq = floor.index * 1e3 / floor.values, 1e3 / floor.values
+    if not floor.empty:
+        ax_all.plot(floor.index, ceiling_all, label="the floor: bandwidth ceiling, x floor = 1", **CEILING)
+        ax_seq.plot(floor.index, ceiling_seq, **CEILING)
+        ax_x.axhline(1.0, **{k: v for k, v in CEILING.items() if k not in ("marker", "markersize")})
+    else:
+        ax_x.text(0.5, 0.5, "no floor for this model\n(bytes are counted for GPT-2)", ha="center",
+                  va="center", transform=ax_x.transAxes, color="grey")  # fmt: skip
+    ax_all.set(ylabel="decode tokens/s, all sequences together", title=f"Across the batch · prompt {plen}")
+    ax_seq.set(
+        ylabel="decode tokens/s per sequence (the left / batch)", title=f"Per sequence · prompt {plen}"
+    )
+    ax_x.set(ylabel="x floor (TPOT / floor)", title=f"Distance from the floor · prompt {plen}")
+    for ax in axes:
+        _batch_axis(ax, batches, cross)
+    _maybe_log(ax_all, [*sub.decode_tokens_per_s.dropna(), *ceiling_all])
+    _maybe_log(ax_seq, [*sub.per_seq.dropna(), *ceiling_seq])
+    _maybe_log(ax_x, [*sub.x_floor.dropna(), 1.0])
+
+
+def _batch_axis(ax, batches: list, cross: float | None) -> None:
+    ax.set_xlabel("batch size (sequences decoded together)")
+    if len(batches) > 1 and batches[-1] / batches[0] >= 4:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(batches)
+    ax.set_xticklabels([f"{b:,}" for b in batches], rotation=45 if len(batches) > 8 else 0)
+    ax.minorticks_off()
+    ax.grid(True, which="major", alpha=0.3)
+    if cross is None or not math.isfinite(cross):
+        return
+    lo, hi = batches[0], batches[-1]
+    if lo <= cross <= hi:
+        ax.axvline(cross, color="grey", linestyle=":", linewidth=1.2)
+        right = (
+            math.log(cross / lo) > 0.5 * math.log(hi / lo) if hi > lo else False
+        )  # label on the roomier side
+        ax.annotate(f"K/V = weights\nat batch {cross:,.0f}", xy=(cross, 0.97), xycoords=("data", "axes fraction"),
+                    ha="right" if right else "left", va="top", fontsize=8, color="dimgrey",
+                    xytext=(-4 if right else 4, 0), textcoords="offset points")  # fmt: skip
+    else:
+        side = "beyond" if cross > hi else "below"
+        ax.set_xlabel(
+            f"batch size (sequences decoded together)\nK/V = weights at batch {cross:,.0f}, {side} the sweep"
+        )

@@ -23,25 +23,17 @@ from kvbench.bench import hugepages
 from kvbench.bench.backends import sdpa_settings
 from kvbench.bench.context import FILL_NOTE, ContextRow, ContextStepRow
 from kvbench.bench.profile import OpRow
-from kvbench.bench.sweep import StepRow, SummaryRow, fill_relative, settings_dict
+from kvbench.bench.rows import StepRow, SummaryRow
+from kvbench.bench.settings import settings_dict
+from kvbench.bench.sweep import fill_relative
 from kvbench.devices import cpu_peak_resettable, device_name, dtype_name
 from kvbench.jsonio import SCHEMA_VERSION
-from kvbench.results.host import cpu_facts, cuda_facts, load_average
+from kvbench.results.environment import cpu_facts, cuda_facts, load_average
 from kvbench.results.rundir import (
-    check_run_dir,
-    claimed_run_dir,
-    prepare_run_dir,
-    unique_default_run_dir,
     write_csv,
     write_json,
     writing_into,
 )
-
-# Importable from here too: the run folder's functions (rundir.py) that the commands use beside the recorders.
-__all__ = [
-    "BenchRecorder", "ContextRecorder", "check_run_dir", "claimed_run_dir", "device_label", "floor_meta", "meta_doc",
-    "prepare_run_dir", "run_meta", "unique_default_run_dir", "versions", "write_json",
-]  # fmt: skip
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,7 +78,7 @@ def meta_doc(**fields: Any) -> dict[str, Any]:
         "host": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
-            **cpu_facts(),  # model, cores usable, load average at the start (results/host.py)
+            **cpu_facts(),  # model, cores usable, load average at the start (results/environment.py)
             "huge_pages": hugepages.status(),
         },
         # the KVBENCH_ environment variables set for the run (KVBENCH_PROBE_BYTES sizes the bandwidth probe)

@@ -1,4 +1,4 @@
-"""The statistics of a comparison of two timing samples (decode-step latencies), each side pooled over its repeats.
+"""The statistics of a comparison of two runs' timing samples, each side pooled over its repeats.
 
 - the TPOT (or TTFT) ratio is median(candidate) / median(baseline), with a percentile bootstrap interval (each side
   resampled with replacement, seeded, so the result is reproducible) from `scipy.stats.bootstrap`, or above
@@ -8,15 +8,26 @@
   samples of given sizes can reach, `smallest_p`;
 - the verdict takes a p-value below alpha and a ratio at least `threshold` from 1: `verdict`;
 - how far apart one run's repeats are: `repeat_spread`.
+
+TTFT is compared per configuration on its time to first token, one per timed repeat (ttft.csv), baseline against
+candidate, as results/compare.py does the decode steps: `compare_ttft`. A run has one TTFT per timed repeat, so the
+test has little power: with n repeats a side no difference can give a p-value below 2 / C(2n, n) (0.1 at 3
+repeats, 0.0079 at 5, 1.1e-5 at 10). When that floor is not below alpha the verdict says `inconclusive (n=...)`
+instead of a `no significant change` that no data could have changed; a run without ttft.csv (from before kvbench
+wrote it) gives `no ttft.csv`.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 from scipy.stats import binom, bootstrap, mannwhitneyu
+
+from kvbench.results.runs import KEY, Run
 
 # Up to this many samples a side, scipy.stats.bootstrap resamples them (2,000 resamples, one CPU thread, resamples
 # taken BATCH_VALUES values at a time): 0.03 s for 192 steps a side, 0.64 s for 5,000, 1.7 s for 20,000, and 8.9 s
@@ -114,3 +125,67 @@ def verdict(ratio: float, p: float, alpha: float, threshold: float) -> str:
 def repeat_spread(medians: list[float]) -> float:
     """How far apart a run's repeats are: slowest repeat median / fastest - 1 (0 with fewer than two repeats)."""
     return max(medians) / min(medians) - 1 if len(medians) >= 2 and min(medians) > 0 else 0.0
+
+
+NO_FILE = "no ttft.csv"
+
+
+@dataclass
+class TTFTComparison:
+    """One row's TTFTs in both runs: medians in ms, ratio candidate / baseline and its interval, p, verdict."""
+
+    n_ttft_baseline: int
+    n_ttft_candidate: int
+    ttft_ms_baseline: float
+    ttft_ms_candidate: float
+    ttft_ci_low: float
+    ttft_ci_high: float
+    ttft_p_value: float
+    ttft_verdict: str  # faster | slower | no significant change | inconclusive (n=3) | no ttft.csv | ...
+
+
+class RunTTFTs:
+    """One run's ttft.csv grouped once by the key columns it has: a summary row's TTFTs are a lookup."""
+
+    def __init__(self, run: Run) -> None:
+        self.present = run.ttft is not None
+        self.values: dict[tuple, np.ndarray] = {}
+        if run.ttft is None:
+            return
+        t = run.ttft
+        self.cols = [c for c in KEY if c in t.columns]
+        ms = t["ttft_ms"].to_numpy(dtype=float)
+        for k, i in t.groupby(self.cols, sort=False, dropna=False).indices.items():
+            self.values[k if isinstance(k, tuple) else (k,)] = ms[i]
+
+    def of(self, row: pd.Series) -> np.ndarray | None:
+        """The TTFTs of a summary row; None when the run has no ttft.csv."""
+        if not self.present:
+            return None
+        return self.values.get(tuple(row[c] for c in self.cols), np.empty(0))
+
+
+def compare_ttft(
+    xb: np.ndarray | None, xc: np.ndarray | None, alpha: float, threshold: float, n_boot: int, seed: int
+) -> tuple[float, TTFTComparison]:
+    """The TTFT ratio (NaN without TTFTs on both sides) and the rest of the comparison of one row's TTFTs."""
+    why = None
+    if xb is None or xc is None:
+        sides = [side for side, x in (("baseline", xb), ("candidate", xc)) if x is None]
+        why = NO_FILE if len(sides) == 2 else f"{NO_FILE} in the {sides[0]}"
+    elif len(xb) == 0 or len(xc) == 0:
+        sides = [side for side, x in (("baseline", xb), ("candidate", xc)) if len(x) == 0]
+        why = f"no TTFTs in the {' and '.join(sides)} ttft.csv"
+    if why is not None:
+        nan = math.nan
+        return nan, TTFTComparison(0, 0, nan, nan, nan, nan, nan, why)
+    ratio, lo, hi = median_ratio_ci(xb, xc, 1 - alpha, n_boot, seed)
+    p = mann_whitney_p(xb, xc)
+    if smallest_p(len(xb), len(xc)) >= alpha:
+        n = f"{len(xb)}" if len(xb) == len(xc) else f"{len(xb)} vs {len(xc)}"
+        judged = f"inconclusive (n={n})"
+    else:
+        judged = verdict(ratio, p, alpha, threshold)
+    return ratio, TTFTComparison(
+        len(xb), len(xc), float(np.median(xb)), float(np.median(xc)), lo, hi, p, judged
+    )

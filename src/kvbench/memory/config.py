@@ -1,4 +1,13 @@
-"""Resolving a config.json the way transformers does, before the planner's arithmetic sees it.
+"""A config.json for the planner: found from --model, read and checked field by field, resolved as transformers does.
+
+`kvbench memory --model NAME` names a preset, a local model directory or config.json, or a hub id. As hf-mem and
+accelerate's estimate-memory do, a name that is neither a preset nor a local path is a Hugging Face hub id, and only
+its config.json is fetched (huggingface_hub, into the usual cache). With HF_HUB_OFFLINE set, a config.json already
+in the cache is used and anything else is one line naming the id and HF_HUB_OFFLINE.
+
+Every field the planner uses is checked before any other work: a wrong type, a zero, a negative, a float where a
+whole number is needed, or a size beyond any real model is one line naming the file and the field. The arithmetic
+never sees it, and transformers never gets to guess.
 
 A published config.json leaves out whatever its model class defaults: Gemma 3 omits its 5-local-to-1-global layer
 pattern and (in a multimodal `text_config`) even its head count, Qwen2 omits `use_sliding_window`, Falcon-7B omits
@@ -12,17 +21,157 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbench import files
 from kvbench.errors import KVBenchError
-from kvbench.memory.config_json import read_config_json
-from kvbench.memory.hf_fields import PER_LAYER_KEYS, Source, spec_from_fields
-from kvbench.memory.params import estimate_vision_params
+from kvbench.memory.hf_fields import PER_LAYER_KEYS, Source, estimate_vision_params, spec_from_fields
 from kvbench.memory.spec import ModelSpec
-from kvbench.memory.units import fmt_params
+from kvbench.memory.units import (
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    MAX_TOKENS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    fmt_int,
+    fmt_params,
+)
+
+MAX_CONFIG_BYTES = files.CONFIG_BYTES  # a config.json is a few KB; a file this large is something else
+
+# field -> (smallest, largest) allowed value. Absent or null fields are fine (transformers fills them in).
+_INT_FIELDS: dict[str, tuple[int, int]] = {
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers"), (1, MAX_LAYERS)),
+    **dict.fromkeys(
+        (
+            "num_attention_heads",
+            "n_head",
+            "num_heads",
+            "num_key_value_heads",
+            "num_kv_heads",
+            "multi_query_group_num",
+            "hidden_size",
+            "n_embd",
+            "d_model",
+            "head_dim",
+            "intermediate_size",
+            "n_inner",
+            "ffn_hidden_size",
+            "moe_intermediate_size",
+            "intermediate_size_mlp",
+            "shared_expert_intermediate_size",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "q_lora_rank",
+        ),
+        (1, MAX_WIDTH),
+    ),  # fmt: skip
+    **dict.fromkeys(
+        (
+            "max_position_embeddings",
+            "n_positions",
+            "n_ctx",
+            "seq_length",
+            "max_sequence_length",
+            "sliding_window",
+            "attention_chunk_size",
+        ),
+        (1, MAX_TOKENS),
+    ),  # fmt: skip
+    "vocab_size": (1, MAX_VOCAB),
+    **dict.fromkeys(
+        ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok"), (1, MAX_EXPERTS)
+    ),
+    **dict.fromkeys(("n_shared_experts", "first_k_dense_replace", "max_window_layers"), (0, MAX_LAYERS)),
+    **dict.fromkeys(
+        ("decoder_sparse_step", "sliding_window_pattern", "interleave_moe_layer_step"), (1, MAX_LAYERS)
+    ),
+}
+_BOOL_FIELDS = (
+    "use_sliding_window", "tie_word_embeddings", "multi_query", "new_decoder_architecture", "is_encoder_decoder",
+)  # fmt: skip
+_STR_FIELDS = ("model_type", "hidden_act", "hidden_activation", "activation_function", "_name_or_path")
+
+
+def read_config_json(path: Path, flag: str = "--config") -> dict[str, Any]:
+    """The JSON object in `path`, or one line saying why it is not a config.json (naming the option, `flag`, that
+    gave it)."""
+    where = f"{flag} {path}"
+    fix = "give the config.json file inside it" if path.is_dir() else "give a config.json file"
+    cfg = files.load_json(path, where, MAX_CONFIG_BYTES, "a config.json", fix=fix)
+    if not isinstance(cfg, dict):
+        raise KVBenchError(f"{where}: expected a JSON object (a Hugging Face config.json)")
+    check_fields(cfg, path)
+    return cfg
+
+
+# Sizes a config may give per layer, as a list of whole numbers (Gemma 3n's intermediate_size).
+_PER_LAYER_FIELDS = ("intermediate_size",)
+
+
+def _check_int(value: Any, key: str, path: Path) -> None:
+    field = key.rpartition(".")[2].split("[")[0]
+    lo, hi = _INT_FIELDS[field]
+    if (
+        isinstance(value, list)
+        and "[" not in key
+        and field in _PER_LAYER_FIELDS
+        and 0 < len(value) <= MAX_LAYERS
+    ):
+        for i, v in enumerate(value):
+            _check_int(v, f"{key}[{i}]", path)
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "true/false" if isinstance(value, bool) else type(value).__name__
+        raise KVBenchError(f"{path}: {key} = {json.dumps(value)} must be a whole number ({kind} given)")
+    if not lo <= value <= hi:
+        raise KVBenchError(f"{path}: {key} = {value} must be from {lo} to {fmt_int(hi)}")
+
+
+def check_fields(cfg: dict[str, Any], path: Path, prefix: str = "") -> None:
+    """Type and range of every field the planner reads, in cfg and in a nested text_config."""
+    for key, value in cfg.items():
+        name = prefix + key
+        if value is None:
+            continue
+        if key in _INT_FIELDS:
+            _check_int(value, name, path)
+        elif key in _BOOL_FIELDS and not isinstance(value, bool):
+            raise KVBenchError(f"{path}: {name} = {json.dumps(value)} must be true or false")
+        elif key in _STR_FIELDS and not isinstance(value, str):
+            raise KVBenchError(f"{path}: {name} = {json.dumps(value)} must be a string")
+    _check_lists(cfg, path, prefix)
+    for sub in ("text_config", "vision_config"):
+        if cfg.get(sub) is not None:
+            if not isinstance(cfg[sub], dict):
+                raise KVBenchError(f"{path}: {prefix}{sub} must be a JSON object")
+            check_fields(cfg[sub], path, f"{prefix}{sub}.")
+
+
+def _check_lists(cfg: dict[str, Any], path: Path, prefix: str) -> None:
+    types = cfg.get("layer_types")
+    if types is not None and (
+        not isinstance(types, list) or len(types) > MAX_LAYERS or not all(isinstance(t, str) for t in types)
+    ):
+        raise KVBenchError(f"{path}: {prefix}layer_types must be a list of layer type names")
+    archs = cfg.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise KVBenchError(f"{path}: {prefix}architectures must be a list of class names")
+    for key in ("mlp_only_layers", "moe_layers", "no_rope_layers"):
+        v = cfg.get(key)
+        if v is not None and (
+            not isinstance(v, list) or len(v) > MAX_LAYERS or not all(type(i) is int and i >= 0 for i in v)
+        ):
+            raise KVBenchError(f"{path}: {prefix}{key} must be a list of layer indices")
+
 
 # Attributes read through the config object (attribute_map aliases, properties, values set in __post_init__) on
 # top of its to_dict(), so the field dict holds what the model class itself would use.
@@ -211,6 +360,53 @@ def resolve_config(path: str | Path, flag: str = "--config") -> Resolved:
     return _transformers_spec(config, path, raw)
 
 
-def spec_from_hf_config(path: str | Path) -> ModelSpec:
-    """Any Hugging Face config.json as a ModelSpec, or one line naming the field it cannot interpret."""
-    return resolve_config(path).spec
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def is_local(name: str) -> bool:
+    """A path on this machine: a model directory or a config.json file."""
+    return bool(name.strip()) and Path(name).expanduser().exists()
+
+
+def resolve_local(name: str) -> Resolved:
+    """A model directory (its config.json) or a config.json path, resolved as --config resolves it."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise KVBenchError(f"--model {name}: a directory without a config.json; not a Hugging Face model")
+    return resolve_config(path, "--model")
+
+
+def _hub_config(repo_id: str) -> Path:
+    """The hub id's config.json on this machine: from the cache, or fetched unless HF_HUB_OFFLINE is set."""
+    # only for a hub id: presets and local files never import huggingface_hub
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    if isinstance(cached, str):
+        return Path(cached)
+    if hub_offline():
+        raise KVBenchError(
+            f"--model {repo_id} is a hub id and HF_HUB_OFFLINE is set (its config.json is not in the local cache): "
+            "unset HF_HUB_OFFLINE, or give a local model directory or config.json"
+        )
+    try:
+        return Path(hf_hub_download(repo_id, "config.json"))
+    except Exception as e:  # huggingface_hub raises many types: not found, gated, no network
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        raise KVBenchError(f"--model {repo_id}: cannot fetch its config.json from the hub: {why}") from None
+
+
+def resolve_hub(repo_id: str) -> Resolved:
+    """A hub id's config.json, resolved, and named by the id."""
+    r = resolve_config(_hub_config(repo_id))
+    return dataclasses.replace(r, spec=dataclasses.replace(r.spec, name=repo_id, source=repo_id))
+
+
+def looks_like_hub_id(name: str) -> bool:
+    return bool(HUB_ID.match(name.strip())) and not name.startswith(".")
