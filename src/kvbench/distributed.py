@@ -39,6 +39,11 @@ def in_rank() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def global_rank() -> int:
+    """This process's rank in the launched group (0 outside one)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 @dataclass(frozen=True)
 class Rank:
     rank: int

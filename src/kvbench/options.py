@@ -122,6 +122,23 @@ def junit_option() -> Any:
     )
 
 
+def tp_option() -> Any:
+    return option(
+        "--tp",
+        default=1,
+        help="Tensor-parallel ranks: run as N ranks on torch.distributed (gloo on the CPU, NCCL with one GPU per "
+        "rank), each holding 1/N of the heads and so of the KV cache; launched here, or one rank under torchrun.",
+    )
+
+
+def tp_timeout_option() -> Any:
+    return option(
+        "--tp-timeout",
+        default=300.0,
+        help="With --tp: seconds a collective may wait; past it the run ends, naming the rank that failed or hung.",
+    )
+
+
 def hf_option() -> Any:
     return option(
         "--hf",

@@ -37,6 +37,7 @@ THREADS = (1, 4096)  # bench --threads: torch intra-op threads
 MAX_DRAFT_TOKENS = 64  # --draft-tokens: one forward verifies at most this many
 MAX_NGRAM = 16  # --ngram: the longest suffix looked up
 TEMPERATURE_MAX = 1e6  # --temperature: beyond it sampling is uniform to float precision
+MAX_TP = 1024  # --tp: ranks of one tensor-parallel group (the largest NVLink domains hold 72 GPUs)
 
 
 # --- values ----------------------------------------------------------------------------------------------------------
@@ -257,6 +258,34 @@ def generate_rules(o: Any, n_prompts: int) -> None:
 
 
 CHECKED_NEW_TOKENS = 2  # verify and break: the logits check (and a fault) needs at least one decode step
+
+
+def tp_rules(tp: int, timeout: float, compile: str = "off") -> None:
+    """--tp and --tp-timeout, before the model's shape is known (tp_shape_rules then)."""
+    integer("--tp", tp, 1, MAX_TP)
+    real("--tp-timeout", timeout, 1.0, 7 * 24 * 3600.0)
+    if tp > 1 and compile != "off":
+        raise KVBenchError(
+            f"--compile {compile} with --tp {tp}: the compiled decode step is not built for the all-reduce between "
+            "ranks; drop --compile (static-graph still runs its eager fixed-shape step)"
+        )
+
+
+def tp_shape_rules(tp: int, what: str, heads: int, kv_heads: int, width: int | None = None) -> None:
+    """A model `what` split over `tp` ranks: its attention heads, KV heads (and MLP width) must divide by tp, or a
+    rank would hold part of a head; transformers' own tensor parallelism loads such a model without a word and fails
+    in its first forward (transformers #48307)."""
+    if tp == 1:
+        return
+    parts = [("attention heads", heads), ("key/value heads", kv_heads)] + ([("MLP width", width)] if width else [])
+    for name, n in parts:
+        if n % tp:
+            raise KVBenchError(
+                f"--tp {tp}: {what} has {heads} attention heads and {kv_heads} key/value heads, and its {n} {name} "
+                f"do not divide by {tp}: a rank would hold part of a head (transformers' TP loads such a model "
+                "without a warning and fails in its first forward, transformers #48307); use a --tp that divides "
+                f"{n}"
+            )
 
 
 def verify_rules(o: Any) -> None:

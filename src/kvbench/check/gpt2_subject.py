@@ -146,15 +146,15 @@ class GPT2Subject:
 
     def __init__(
         self, model: GPT2Model, cache: str, fault: Injection | None = None, compile: str = "off",
-        runner: GPT | None = None,
+        runner: GPT | None = None, tp: int = 1,
     ) -> None:  # fmt: skip
         spec = get_cache_spec(cache)
         self.model, self.cache, self.fault, self.compile = model, cache, fault, compile
         self.gpt = runner if runner is not None else model.gpt
-        self.cached = spec.factory is not None
+        self.cached, self.exact = spec.factory is not None, spec.exact
         lossy = None if spec.exact else (spec.logit_rtol, spec.logit_atol)
         own = dict(lossy=lossy, min_agreement=spec.min_greedy_agreement, source="its logit_atol, logit_rtol")
-        self.tol = tolerance(model.dtype, **own)
+        self.tol = tolerance(model.dtype, tp=tp, **own)
         self.reference_tol = tolerance(model.dtype, reference=True, **own)
 
     def unavailable(self) -> str | None:

@@ -21,8 +21,7 @@ import torch
 
 from kvbench.caches import LayerCache
 from kvbench.check.judge import CheckRow
-
-RANK_CACHE = "rank_cache"
+from kvbench.check.suite import RANK_CACHE
 
 
 class Recording(LayerCache):
@@ -129,3 +128,47 @@ def merge(per_rank: list[list[CheckRow]]) -> list[CheckRow]:
             )
         )
     return merged
+
+
+# A lossy design's stored values may land one quantisation step apart where the shard's rounding puts a value on the
+# other side of a rounding boundary (int8: 1/127 of the head's scale per token); an exact design's may not.
+LOSSY_SLICE_RTOL = 1e-2
+
+
+def gpt2_rank_cache(s, prompt: list[int], new: int, tp) -> CheckRow:
+    """`rank_cache` for our GPT-2 (a GPT2Subject running through this rank's shard): the greedy tokens of this
+    cache, teacher-forced through the shard's caches and through the whole model's, compared slice by slice."""
+    from kvbench.check.gpt2_subject import fresh_caches
+    from kvbench.model.gpt2 import EXACT_MASK
+    from kvbench.model.tp import rank_heads
+
+    tokens = s.generate([prompt], new).tokens[0]
+    seq = prompt + tokens[:-1]
+    mask = s.fault.rules.mask if s.fault is not None else EXACT_MASK
+    got = filled(s.gpt, lambda n: fresh_caches(s.gpt, s.cache, 1, n, s.fault), seq, len(prompt), mask)
+    whole = s.model.gpt
+    want = filled(whole, lambda n: fresh_caches(whole, s.cache, 1, n), seq, len(prompt), EXACT_MASK)
+    heads = rank_heads(whole.config.n_head, tp.rank, tp.world)
+    rtol = s.tol.rtol if s.exact else max(s.tol.rtol, LOSSY_SLICE_RTOL)
+    return compare_slices(s.cache, got, want, heads, rtol, s.tol.atol if s.exact else 1e-5, tp.rank)
+
+
+def tp_rows(target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp) -> list[CheckRow]:
+    """Every check of the suite, and rank_cache, for each cache on this rank's shard of `target`'s model; rank 0
+    returns every rank's rows merged, the other ranks their own."""
+    from kvbench.check.gpt2_subject import GPT2Subject
+    from kvbench.check.suite import run_checks
+    from kvbench.distributed import gather
+    from kvbench.model.tp import rank_heads, shard
+
+    report = on_row if tp.rank == 0 else None
+    runner = shard(target.gpt, tp.rank, tp.world, getattr(fault, "kv_heads", None) or rank_heads)
+    subjects = [GPT2Subject(target, c, fault, compile, runner=runner, tp=tp.world) for c in caches]
+    rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, report)
+    for s in subjects:
+        if s.cached and RANK_CACHE in checks:
+            rows.append(gpt2_rank_cache(s, prompts[0], new_tokens, tp))
+            if report is not None:
+                report(rows[-1])
+    per_rank = gather(rows)
+    return merge(per_rank) if per_rank is not None else rows

@@ -8,9 +8,11 @@ from collections.abc import Callable
 import torch
 
 from kvbench.check.gpt2_subject import REFERENCE, GPT2Model, GPT2Subject, Injection
-from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
+from kvbench.check.judge import LOW_PRECISION_NOTE, TP_NOTE, CheckRow, VerifyReport
 from kvbench.check.suite import CHECKS, SHORT_TOKENS, prompts_note, run_checks
+from kvbench.check.tp import tp_rows
 from kvbench.devices import dtype_name
+from kvbench.distributed import Rank
 from kvbench.model.gpt2 import GPT
 
 
@@ -29,10 +31,13 @@ def run_verify(
     model: GPT, caches: list[str], prompts: list[list[int]], new_tokens: int = 100, reference: str = "hf",
     hf_dir: str | None = None, fault: Injection | None = None, checks: tuple[str, ...] = CHECKS,
     short_tokens: int = SHORT_TOKENS, on_row: Callable[[CheckRow], None] | None = None, compile: str = "off",
+    tp: Rank | None = None,
 ) -> VerifyReport:  # fmt: skip
     """Run `checks` for every cache in `caches` on `prompts` (prompts[0] is the single-prompt checks' prompt; all
     of them form the batch). `fault` injects a bug (faults.Fault) into every cached run. `compile`: how a fixed-shape
-    decode step runs (fixed_step.COMPILE_MODES)."""
+    decode step runs (fixed_step.COMPILE_MODES). `tp`: this process is one rank of a tensor-parallel group: the
+    cached runs go through its shard (check/tp.py), every rank runs this, and rank 0's report holds every rank's
+    rows (the other ranks' reports hold their own)."""
     lens = [len(p) for p in prompts]
     # the caller's promise (validate.verify_rules, validate.fits_context)
     assert reference in ("hf", "none") and max(lens) + new_tokens <= model.config.block_size, (
@@ -40,8 +45,11 @@ def run_verify(
         lens,
     )
     target = GPT2Model(model, reference if "reference" in checks else "none", hf_dir)
-    subjects = [GPT2Subject(target, c, fault, compile) for c in caches]
-    rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row)
+    if tp is None:
+        subjects = [GPT2Subject(target, c, fault, compile) for c in caches]
+        rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row)
+    else:
+        rows = tp_rows(target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp)
     notes = [
         prompts_note(prompts, new_tokens, short_tokens, target.hf is not None),
         "no-cache path = one causal forward over prompt + generated tokens (row T-1+i is step i of the no-cache loop)",
@@ -53,6 +61,8 @@ def run_verify(
         )
     if target.dtype != torch.float32:
         notes.append(LOW_PRECISION_NOTE)
+    if tp is not None:
+        notes.append(f"{TP_NOTE}; {tp.world} ranks ({tp.backend}), each held to the whole model in its own process")
     return VerifyReport(
         passed=all(r.passed for r in rows), checks=rows, dtype=dtype_name(target.dtype), new_tokens=new_tokens,
         prompt_len=len(prompts[0]), batch_lens=lens, reference=REFERENCE if target.hf is not None else "none",

@@ -8,7 +8,8 @@ one; `kvbench.cli` imports them so they register on `app`.
 
 Exit codes (`exit_code`, the one mapping): 0 success; 1 a verdict that failed (raised by the command as
 typer.Exit(1)); 2 bad input (KVBenchError, or a usage error Click found); 3 out of memory (NotEnoughMemoryError or
-an allocation failure); 70 a kvbench bug (anything else); 130 interrupted (Ctrl-C); 141 stdout closed by its reader.
+an allocation failure); 70 a kvbench bug (anything else); 75 a tensor-parallel rank whose peer failed first (the run's
+status is the failing rank's, see kvbench.distributed); 130 interrupted (Ctrl-C); 141 stdout closed by its reader.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def exit_code(e: BaseException) -> tuple[int, str | None]:
         return INTERRUPTED, "interrupted"
     if isinstance(e, BrokenPipeError):
         return STDOUT_CLOSED, None
+    from kvbench import distributed
+
+    if distributed.peer_lost(e):  # another rank failed first: its line names it (distributed.launch)
+        return distributed.PEER_LOST, None
     oom = out_of_memory(e)
     if oom:
         return OUT_OF_MEMORY, oom

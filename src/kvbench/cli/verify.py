@@ -43,6 +43,8 @@ class VerifyOptions:
     dtype: str = options.dtype_option("fp32")
     seed: int = options.seed_option()
     compile: str = options.compile_option()
+    tp: int = options.tp_option()
+    tp_timeout: float = options.tp_timeout_option()
     json_out: bool = options.json_option()
     hf: str | None = options.hf_option()
     trust_remote_code: bool = options.trust_option()
@@ -57,14 +59,25 @@ def verify(o: VerifyOptions) -> None:
     With --hf SOURCE: the same checks on any Hugging Face causal LM, for each of transformers' own caches, against
     its own no-cache path. Exit 0 when every check passes, 1 when any fails. In fp16/bf16 a token flip at a
     near-tie that the logit error explains is reported, not failed."""
-    from kvbench import validate
+    from kvbench import distributed, validate
     from kvbench.results import junit
 
-    clock = junit.RowClock(None if o.json_out else verify_row)
-    with _json_safe(o.json_out), junit.errors_reported(o.junit_xml, "verify", clock):
-        junit_path = junit.check_junit_path(o.junit_xml)
+    launching = o.tp > 1 and not distributed.in_rank()
+    reports = not distributed.in_rank() or distributed.global_rank() == 0  # under --tp, rank 0 reports
+    clock = junit.RowClock(None if o.json_out or not reports else verify_row)
+    exit_code = None
+    with _json_safe(o.json_out), junit.errors_reported(o.junit_xml if reports else None, "verify", clock):
+        junit_path = junit.check_junit_path(o.junit_xml) if reports else None
         validate.verify_rules(o)
-        report, meta = _verify_hf(o, clock) if o.hf is not None else _verify_gpt2(o, clock)
+        if launching:
+            _check_tp_shape(o)
+            exit_code = distributed.launch(o.tp, sys.argv[1:])
+        else:
+            report, meta = _verify_hf(o, clock) if o.hf is not None else _verify_gpt2(o, clock)
+    if exit_code is not None:  # the ranks have reported
+        raise typer.Exit(exit_code)
+    if not reports:
+        return
     if junit_path is not None:
         junit.write_suite(junit_path, junit.verify_suite(report, meta, clock.seconds, clock.total()))
     if o.json_out:
@@ -77,6 +90,20 @@ def verify(o: VerifyOptions) -> None:
         render_verify(report, meta)
     if not report.passed:
         raise typer.Exit(1)
+
+
+def _check_tp_shape(o: VerifyOptions) -> None:
+    """What cannot be split over --tp ranks is refused before any rank starts."""
+    from kvbench import validate
+    from kvbench.model.weights import peek_config
+
+    if o.hf is None:
+        cfg = peek_config(o.model, o.weights)
+        validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
+    else:
+        from kvbench.hf.tp import check_tp_model
+
+        check_tp_model(o.hf, o.tp, o.trust_remote_code)
 
 
 @contextmanager
@@ -102,14 +129,22 @@ def _verify_gpt2(o: VerifyOptions, on_row):
     validate.fits_context(
         "--prompt-len", o.prompt_len, o.new_tokens, cfg.block_size, "lower --prompt-len or --new-tokens"
     )
-    loaded, dev, dt, hf_dir = load_for_checks(o.model, o.weights, o.device, o.dtype, o.seed)
+    device, rank = o.device, None
+    if o.tp > 1:  # one rank of the group: join it first, on its own device (cuda:LOCAL_RANK on CUDA)
+        from kvbench import distributed
+        from kvbench.devices import resolve_device
+
+        validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
+        rank = distributed.start(o.tp, resolve_device(o.device), o.tp_timeout)
+        device = str(rank.device)
+    loaded, dev, dt, hf_dir = load_for_checks(o.model, o.weights, device, o.dtype, o.seed)
     validate.compile_mode(o.compile, dev.type)
     prompts = random_prompts(loaded.config.vocab_size, o.prompt_len, o.batch, o.seed)
     report = run_verify(
-        loaded.model, names, prompts, o.new_tokens, o.reference, hf_dir, on_row=on_row, compile=o.compile
+        loaded.model, names, prompts, o.new_tokens, o.reference, hf_dir, on_row=on_row, compile=o.compile, tp=rank
     )
     meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev), "dtype": report.dtype,
-            "compile": o.compile}  # fmt: skip
+            "compile": o.compile, "tp": o.tp}  # fmt: skip
     return report, meta
 
 
