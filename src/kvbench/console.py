@@ -17,7 +17,9 @@ import os
 import sys
 from typing import Any
 
+from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
@@ -134,6 +136,92 @@ def table(title: str, columns: list[str], rows: list[list[Any]], caption: str | 
     for r in rows:
         t.add_row(*[cell(x) for x in r])
     return t
+
+
+def fitted(
+    title: str | Text | None, columns: list[str], rows: list[list[Any]], width: int, keys: int = 1,
+    justify: list[str] | None = None, console: Console | None = None,
+) -> list[Table]:  # fmt: skip
+    """`rows` under `columns` as one table when it fits in `width` characters, else as several that each repeat the
+    first `keys` columns and take the others in order, as many as fit: a cell never wraps, so no number is folded
+    or cut at any width. Only a column too wide to fit beside the keys wraps, in a table of its own. The title goes
+    on the first table; `justify` gives each column's ("left" or "right", default left)."""
+    justify = justify or ["left"] * len(columns)
+    assert len(justify) == len(columns), f"{len(justify)} justifications for {len(columns)} columns"
+    measure_on = console or out
+    cells = [[cell(x) for x in r] for r in rows]
+
+    def build(which: list[int], first: bool, wrap: bool = False) -> Table:
+        t = Table(
+            title=cell(title) if title and first else None, title_justify="left", box=box.SIMPLE_HEAD,
+            show_edge=False, pad_edge=False, padding=(0, 1, 0, 0),
+        )  # fmt: skip
+        for i in which:
+            t.add_column(columns[i], justify=justify[i], no_wrap=not wrap, overflow="fold")
+        for r in cells:
+            t.add_row(*[r[i] for i in which])
+        return t
+
+    def fits(which: list[int]) -> bool:
+        t = build(which, first=False)
+        return Measurement.get(measure_on, measure_on.options.update_width(10**6), t).maximum <= width
+
+    head = list(range(min(keys, len(columns))))
+    parts: list[list[int]] = []
+    for i in range(len(head), len(columns)):
+        if parts and fits(parts[-1] + [i]):
+            parts[-1].append(i)
+        else:
+            parts.append(head + [i])
+    parts = parts or [head]
+    return [build(p, first=n == 0, wrap=not fits(p)) for n, p in enumerate(parts)]
+
+
+def shared_columns(
+    columns: list[str], rows: list[list[Any]], names: tuple[str, ...] = (), empty: str = "-"
+) -> tuple[list[str], list[list[Any]], list[str]]:
+    """Columns that say nothing row by row, taken out of a table: each of `names` whose value every row shares
+    (returned as "name value" for the title), and any column that is `empty` in every row (dropped).
+    Returns (columns, rows, the title's additions)."""
+    plain = [[cell(x).plain for x in r] for r in rows]
+    keep, title = [], []
+    for i, c in enumerate(columns):
+        values = {r[i] for r in plain}
+        if rows and values == {empty}:
+            continue
+        if rows and c in names and len(values) == 1:
+            title.append(f"{c} {values.pop()}")
+            continue
+        keep.append(i)
+    return [columns[i] for i in keep], [[r[i] for i in keep] for r in rows], title
+
+
+class Notes:
+    """Long free text moved out of a table into numbered notes beneath it: a cell shows `[n]`, the same text
+    shares one number, and `lines` are the notes to print."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def ref(self, text: str) -> str:
+        if text not in self.texts:
+            self.texts.append(text)
+        return f"[{self.texts.index(text) + 1}]"
+
+    def lines(self) -> list[Text]:
+        return [line(styled(f"[{n}]", "dim"), f" {t}") for n, t in enumerate(self.texts, 1)]
+
+
+def clipped(text: Text, width: int, max_lines: int, hint: str = "") -> Text:
+    """`text` wrapped to `width`, cut after `max_lines` lines with "..." and `hint` when it runs longer."""
+    lines = text.wrap(out, width)
+    if len(lines) <= max_lines:
+        return Text("\n").join(lines)
+    tail = Text(f"... {hint}".rstrip(), style="dim")
+    last = lines[max_lines - 1]
+    last = last[: max(0, width - tail.cell_len - 1)]
+    last.rstrip()
+    return Text("\n").join([*lines[: max_lines - 1], Text.assemble(last, " ", tail)])
 
 
 def cell(x: Any) -> Text:

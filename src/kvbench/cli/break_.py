@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.text import Text
 
 from kvbench import console
 from kvbench.cli.app import (
@@ -20,8 +19,8 @@ from kvbench.cli.app import (
     handle_errors,
     load_for_checks,
 )  # fmt: skip
-from kvbench.cli.options import JUnitXmlOpt
-from kvbench.console import line, out, styled, table
+from kvbench.cli.break_render import render_break, render_break_summary
+from kvbench.cli.options import JUnitXmlOpt, VerboseOpt
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
 
@@ -53,7 +52,7 @@ def break_(
     name: FaultArg = "all", prompt: PromptOpt = None, new_tokens: NewTokensOpt = 40, batch: BatchOpt = 3,
     reference: ReferenceOpt = "hf", cache: CacheOpt = None, model: ModelOpt = None, weights: WeightsOpt = "auto",
     device: DeviceOpt = "auto", dtype: str = _dtype_opt("fp32"), seed: SeedOpt = 0, tokenizer: TokenizerOpt = None,
-    json_out: JsonOpt = False, junit_xml: JUnitXmlOpt = None,
+    json_out: JsonOpt = False, junit_xml: JUnitXmlOpt = None, verbose: VerboseOpt = False,
 ) -> None:  # fmt: skip
     """Inject the classic KV-cache bugs and show verify catching each.
 
@@ -65,7 +64,7 @@ def break_(
     with junit.errors_reported(junit_xml, "break", clock):
         junit_path = junit.check_junit_path(junit_xml, "break")
         results, skipped, meta = _run_faults(name, prompt, new_tokens, batch, reference, cache, model, weights, device,
-                                             dtype, seed, tokenizer, json_out, clock)  # fmt: skip
+                                             dtype, seed, tokenizer, json_out, clock, verbose)  # fmt: skip
     if junit_path is not None:
         junit.write_suite(junit_path, junit.break_suite(results, skipped, meta, clock.seconds, clock.total()))
     if json_out:
@@ -80,7 +79,7 @@ def break_(
 
 
 def _run_faults(name, prompt, new_tokens, batch, reference, cache, model, weights, device, dtype, seed, tokenizer,
-                json_out, on_fault):  # fmt: skip
+                json_out, on_fault, verbose=False):  # fmt: skip
     """Each chosen fault against the correct path, each result passed to `on_fault` as it completes:
     (results, [(fault, why skipped)], meta)."""
     from kvbench import validate
@@ -106,7 +105,7 @@ def _run_faults(name, prompt, new_tokens, batch, reference, cache, model, weight
         results.append(break_fault(loaded.model, n, prompts, new_tokens, reference, hf_dir, decode, cache))
         on_fault(results[-1])
         if not json_out:
-            render_break(results[-1])
+            render_break(results[-1], verbose)
     meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev)}
     return results, [(n, why[n]) for n in skipped], meta
 
@@ -141,47 +140,3 @@ def _tokenizer(name: str | None):
             raise
         console.warn(f"no tokenizer ({e}); showing random prompts and token ids instead of text")
         return None
-
-
-# --- rendering ---
-def _seq(text: str | None, tokens: list[int], first: int | None) -> str:
-    if text is not None:
-        return repr(text)
-    parts = [styled(t, "red") if first is not None and i >= first else str(t) for i, t in enumerate(tokens)]
-    return Text(" ").join(Text(p) if isinstance(p, str) else p for p in parts)
-
-
-def render_break(r) -> None:
-    head = styled("detected", "green") if r.detected else styled("NOT detected", "bold red")
-    out.rule(line(styled(r.name, "bold"), f": {r.summary}"), align="left")
-    div = "none (the outputs are identical)" if r.first_divergence is None else f"step {r.first_divergence}"
-    lines = [
-        line(f"cache {r.cache}; the bug lives in {r.where}"),
-        line(f"first divergent token: {div}"),
-        line("correct: ", _seq(r.correct_text, r.correct_tokens, r.first_divergence)),
-        line("faulty:  ", _seq(r.faulty_text, r.faulty_tokens, r.first_divergence)),
-        line(f"signature: {r.signature}"),
-        line(head, f" by verify: {', '.join(r.caught_by) if r.caught_by else 'no check failed'}"),
-        line(f"fix: {r.fix}"),
-        line(f"dormant: {r.dormant_where} ({r.dormant_shown})"),
-    ]
-    for text in lines:
-        out.print(text, soft_wrap=True)
-
-
-def render_break_summary(results: list) -> None:
-    rows = [
-        [
-            r.name,
-            r.cache,
-            styled("yes", "green") if r.detected else styled("NO", "bold red"),
-            ", ".join(r.caught_by) or "-",
-            "-" if r.first_divergence is None else str(r.first_divergence),
-        ]
-        for r in results
-    ]
-    cols = ["fault", "cache", "detected", "caught by", "first diverge"]
-    out.print(table("kvbench break: injected faults", cols, rows))
-    n = sum(r.detected for r in results)
-    style = "bold green" if n == len(results) else "bold red"
-    out.print(styled(f"{n} of {len(results)} faults detected by verify", style))

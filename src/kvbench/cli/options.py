@@ -54,6 +54,9 @@ JUnitXmlOpt = Annotated[
         "written when checks fail too, and as one error case when the run is refused.",
     ),
 ]
+VerboseOpt = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Print every row's tolerance and detail in full.")
+]
 
 
 DTYPE_HELP = (

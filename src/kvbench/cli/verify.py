@@ -7,7 +7,6 @@ from contextlib import contextmanager, redirect_stdout
 from typing import Annotated
 
 import typer
-from rich.text import Text
 
 from kvbench import console
 from kvbench.cli.app import (
@@ -23,8 +22,8 @@ from kvbench.cli.app import (
     load_for_checks,
 )  # fmt: skip
 from kvbench.cli.hf import HFOpt, LayersOpt, TrustOpt
-from kvbench.cli.options import JUnitXmlOpt
-from kvbench.console import err, line, out, styled, table
+from kvbench.cli.options import JUnitXmlOpt, VerboseOpt
+from kvbench.cli.verify_render import render_verify, verify_row
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
 
@@ -55,7 +54,7 @@ def verify(
     reference: ReferenceOpt = "hf", model: ModelOpt = None, weights: WeightsOpt = "auto", device: DeviceOpt = "auto",
     dtype: str = _dtype_opt("fp32"), seed: SeedOpt = 0, compile: CompileOpt = "off", json_out: JsonOpt = False,
     hf: HFOpt = None, trust_remote_code: TrustOpt = False, layers: LayersOpt = None,
-    junit_xml: JUnitXmlOpt = None,
+    junit_xml: JUnitXmlOpt = None, verbose: VerboseOpt = False,
 ) -> None:  # fmt: skip
     """Prove cached decoding equals full recomputation, for every cache, against Hugging Face.
 
@@ -94,7 +93,7 @@ def verify(
             {"schema_version": SCHEMA_VERSION, "passed": report.passed, **meta, **asdict(report)}
         )
     else:
-        render_verify(report, meta)
+        render_verify(report, meta, verbose)
     if not report.passed:
         raise typer.Exit(1)
 
@@ -152,63 +151,3 @@ def _verify_gpt2(caches, prompt_len, new_tokens, batch, reference, model, weight
     meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev), "dtype": report.dtype,
             "compile": compile}  # fmt: skip
     return report, meta
-
-
-# --- rendering ---
-def _result(row) -> Text:
-    if row.skipped:
-        return styled("skip", "yellow")
-    return styled("pass", "green") if row.passed else styled("FAIL", "bold red")
-
-
-def _diff(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2e}"
-
-
-def verify_row(row) -> None:
-    """One line per check as it finishes (stderr, so a long run shows progress)."""
-    err.print(
-        line(
-            styled(f"{row.cache:>16} {row.name:<15} ", "dim"),
-            _result(row),
-            styled(f" {_diff(row.max_abs_diff)}", "dim"),
-        ),
-        soft_wrap=True,
-    )
-
-
-def render_verify(report, meta: dict) -> None:
-    rows = [
-        [
-            r.name,
-            r.cache,
-            _result(r),
-            _diff(r.max_abs_diff),
-            "-" if r.first_divergence is None else str(r.first_divergence),
-            r.tolerance,
-            r.detail,  # may quote an exception's message: table cells are literal text
-        ]
-        for r in report.checks
-    ]
-    title = f"kvbench verify: {meta['model']}, {meta['weights']}, {meta['device']}, {meta['dtype']}"
-    cols = ["check", "cache", "result", "max |Δlogit|", "first diverge", "tolerance", "detail"]
-    out.print(table(title, cols, rows))
-    for n in report.notes:
-        out.print(styled(f"- {n}", "dim"), soft_wrap=True)
-    judged = [r for r in report.checks if not r.skipped]
-    skipped = len(report.checks) - len(judged)
-    also = f" ({skipped} row(s) skipped: see the rows)" if skipped else ""
-    failed = [f"{r.name}/{r.cache}" for r in judged if not r.passed]
-    if failed:
-        out.print(
-            line(
-                styled("FAILED", "bold red"),
-                f" {len(failed)} of {len(judged)} checks: {', '.join(failed)}{also}",
-            )
-        )
-    elif not judged:  # nothing failed because nothing ran: say so, not PASSED
-        out.print(
-            line(styled("NOTHING CHECKED", "bold yellow"), f": all {skipped} row(s) skipped (see the rows)")
-        )
-    else:
-        out.print(line(styled("PASSED", "bold green"), f" all {len(judged)} checks{also}"))
