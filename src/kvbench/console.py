@@ -18,8 +18,8 @@ import sys
 from typing import Any
 
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console
-from rich.measure import Measurement
 from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
@@ -138,43 +138,102 @@ def table(title: str, columns: list[str], rows: list[list[Any]], caption: str | 
     return t
 
 
+GAP = 2  # characters between two columns of a fitted table: its divider and one space of padding
+
+
 def fitted(
     title: str | Text | None, columns: list[str], rows: list[list[Any]], width: int, keys: int = 1,
-    justify: list[str] | None = None, console: Console | None = None,
-) -> list[Table]:  # fmt: skip
-    """`rows` under `columns` as one table when it fits in `width` characters, else as several that each repeat the
-    first `keys` columns and take the others in order, as many as fit: a cell never wraps, so no number is folded
-    or cut at any width. Only a column too wide to fit beside the keys wraps, in a table of its own. The title goes
-    on the first table; `justify` gives each column's ("left" or "right", default left)."""
+    justify: list[str] | None = None, header: bool = True, wrap: tuple[int | str, ...] = (),
+) -> list[Text | Table]:  # fmt: skip
+    """The title (a line of its own, wrapped to the console), then `rows` under `columns` laid out in `width`
+    characters, every cell in at most two lines:
+
+    - one table with every cell on one line when that fits;
+    - else one table whose widest columns wrap into two lines at most: headers first, then the text of the columns
+      named in `wrap` (by header or index) at its spaces; a word is never split, and other cells never wrap;
+    - else several tables, each repeating the first `keys` columns and taking the others in order, as evenly as
+      the width allows, with a blank line between them.
+
+    `justify` gives each column's ("left" or "right", default left); `header` False leaves the header row out.
+    """
     justify = justify or ["left"] * len(columns)
     assert len(justify) == len(columns), f"{len(justify)} justifications for {len(columns)} columns"
-    measure_on = console or out
-    cells = [[cell(x) for x in r] for r in rows]
+    heads = [Text(c if header else "") for c in columns]
+    body = [[cell(x) for x in r] for r in rows]
+    one = [_widest([h, *(r[i] for r in body)]) for i, h in enumerate(heads)]  # every cell on one line
+    head2 = [max(_narrowest([h], 2), *(_widest([r[i]]) for r in body)) for i, h in enumerate(heads)]
+    wraps = [i in wrap or c in wrap for i, c in enumerate(columns)]
+    two = [
+        min(head2[i], _narrowest([h, *(r[i] for r in body)], 2)) if wraps[i] else head2[i]
+        for i, h in enumerate(heads)
+    ]
 
-    def build(which: list[int], first: bool, wrap: bool = False) -> Table:
+    def layout(which: list[int]) -> list[int] | None:
+        """Each column's width when `which` fits in `width` (wrapping as little as it can), else None."""
+        widths = {i: one[i] for i in which}
+        over = sum(widths.values()) + GAP * (len(which) - 1) - width
+        for narrow in (head2, two):  # headers first: a wrapped header leaves the rows one line each
+            for i in sorted(which, key=lambda i: widths[i] - narrow[i], reverse=True):
+                cut = min(max(0, widths[i] - narrow[i]), max(0, over))
+                widths[i] -= cut
+                over -= cut
+        return None if over > 0 else [widths[i] for i in which]
+
+    def build(which: list[int]) -> Table:
+        widths = layout(which)
         t = Table(
-            title=cell(title) if title and first else None, title_justify="left", box=box.SIMPLE_HEAD,
-            show_edge=False, pad_edge=False, padding=(0, 1, 0, 0),
-        )  # fmt: skip
-        for i in which:
-            t.add_column(columns[i], justify=justify[i], no_wrap=not wrap, overflow="fold")
-        for r in cells:
+            box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), show_header=header
+        )
+        for n, i in enumerate(which):
+            w = None if widths is None else widths[n]  # None: too narrow for any layout, Rich squeezes it
+            t.add_column(heads[i], justify=justify[i], width=w, no_wrap=w == one[i], overflow="fold")
+        for r in body:
             t.add_row(*[r[i] for i in which])
         return t
 
-    def fits(which: list[int]) -> bool:
-        t = build(which, first=False)
-        return Measurement.get(measure_on, measure_on.options.update_width(10**6), t).maximum <= width
+    everything = list(range(len(columns)))
+    parts = [everything] if layout(everything) is not None else _split(everything, keys, one, layout)
+    heading = [Text.assemble(cell(title), style="table.title")] if title else []
+    tables = [build(p) for p in parts]
+    return heading + [x for t in tables for x in (Text(), t)][1:]  # a blank line between the parts
 
-    head = list(range(min(keys, len(columns))))
-    parts: list[list[int]] = []
-    for i in range(len(head), len(columns)):
-        if parts and fits(parts[-1] + [i]):
-            parts[-1].append(i)
+
+def _split(columns: list[int], keys: int, one: list[int], layout) -> list[list[int]]:
+    """`columns` dealt into as few parts as fit (each part the key columns and some others, in order), then dealt
+    again, each part taking columns until it holds its even share of the width, so the last part is not one stray
+    column."""
+    head, rest = columns[:keys], columns[keys:]
+
+    def deal(share: float) -> list[list[int]]:
+        parts: list[list[int]] = []
+        for i in rest:
+            if parts and sum(one[j] + GAP for j in parts[-1][keys:]) < share and layout(parts[-1] + [i]):
+                parts[-1].append(i)
+            else:
+                parts.append(head + [i])
+        return parts or [head]
+
+    greedy = deal(float("inf"))
+    even = deal(sum(one[i] + GAP for i in rest) / len(greedy))
+    return even if len(even) == len(greedy) else greedy
+
+
+def _widest(cells: list[Text]) -> int:
+    """The longest line among `cells`."""
+    return max((cell_len(ln) for c in cells for ln in c.plain.split("\n")), default=0)
+
+
+def _narrowest(cells: list[Text], lines: int) -> int:
+    """The narrowest width at which every one of `cells` wraps into at most `lines` lines without a word split."""
+    lo = max((cell_len(w) for c in cells for w in c.plain.split()), default=0)
+    hi = max(lo, _widest(cells))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if all(len(c.wrap(out, mid, overflow="fold")) <= lines for c in cells):
+            hi = mid
         else:
-            parts.append(head + [i])
-    parts = parts or [head]
-    return [build(p, first=n == 0, wrap=not fits(p)) for n, p in enumerate(parts)]
+            lo = mid + 1
+    return hi
 
 
 def shared_columns(

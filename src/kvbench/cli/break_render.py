@@ -59,10 +59,9 @@ def render_break_summary(results: list) -> None:
         ]
         for r in results
     ]
-    cols = ["fault", "cache", "detected", "caught by (verify checks)", "diverges at"]
-    for t in fitted(
-        "kvbench break: injected faults", cols, rows, out.width, justify=["left"] * 4 + ["right"]
-    ):
+    cols = ["fault", "cache", "detected", "caught by", "diverges at"]
+    title, justify = "kvbench break: injected faults", ["left"] * 4 + ["right"]
+    for t in fitted(title, cols, rows, out.width, justify=justify, wrap=("caught by",)):
         out.print(t)
     n = sum(r.detected for r in results)
     style = "bold green" if n == len(results) else "bold red"

@@ -105,7 +105,7 @@ def _skips(skipped: list, width: int) -> list[Text]:
     for r in skipped:
         by_reason.setdefault(r.detail, []).append(_label(r))
     return [
-        clipped(line(styled("skip", "yellow"), f" {', '.join(cells)}: {why}"), width, 1, MORE)
+        clipped(line(styled("skip", "yellow"), f" {', '.join(cells)}: {why}"), width, 1)
         for why, cells in by_reason.items()
     ]
 
