@@ -13,6 +13,7 @@ reach the terminal raw: every C0 and C1 control character but newline and tab is
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import sys
 from typing import Any
@@ -199,23 +200,40 @@ def fitted(
 
 
 def _split(columns: list[int], keys: int, one: list[int], layout) -> list[list[int]]:
-    """`columns` dealt into as few parts as fit (each part the key columns and some others, in order), then dealt
-    again, each part taking columns until it holds its even share of the width, so the last part is not one stray
-    column."""
+    """`columns` dealt into as few parts as fit, each part the key columns and a run of the others in order, the
+    runs chosen so the widest part is as narrow as it can be (the last part is not one stray column). A column too
+    wide to fit beside the keys is a part of its own."""
     head, rest = columns[:keys], columns[keys:]
+    n = len(rest)
 
-    def deal(share: float) -> list[list[int]]:
-        parts: list[list[int]] = []
-        for i in rest:
-            if parts and sum(one[j] + GAP for j in parts[-1][keys:]) < share and layout(parts[-1] + [i]):
-                parts[-1].append(i)
-            else:
-                parts.append(head + [i])
-        return parts or [head]
+    @functools.cache
+    def fits(a: int, b: int) -> bool:
+        return b - a == 1 or layout(head + rest[a:b]) is not None
 
-    greedy = deal(float("inf"))
-    even = deal(sum(one[i] + GAP for i in rest) / len(greedy))
-    return even if len(even) == len(greedy) else greedy
+    def width(a: int, b: int) -> int:
+        return sum(one[j] + GAP for j in rest[a:b])
+
+    count, a = 0, 0  # the fewest parts: each as many columns as fit
+    while a < n:
+        b = a + 1
+        while b < n and fits(a, b + 1):
+            b += 1
+        count, a = count + 1, b
+    # best[k][b]: (the widest part, where the last part starts) over rest[:b] in k parts
+    inf = (float("inf"), 0)
+    best = [[inf] * (n + 1) for _ in range(count + 1)]
+    best[0][0] = (0, 0)
+    for k in range(1, count + 1):
+        for b in range(1, n + 1):
+            for a in range(k - 1, b):
+                if best[k - 1][a][0] < float("inf") and fits(a, b):
+                    best[k][b] = min(best[k][b], (max(best[k - 1][a][0], width(a, b)), a))
+    parts, b = [], n
+    for k in range(count, 0, -1):
+        a = best[k][b][1]
+        parts.insert(0, head + rest[a:b])
+        b = a
+    return parts or [head]
 
 
 def _widest(cells: list[Text]) -> int:
