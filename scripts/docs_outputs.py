@@ -8,9 +8,9 @@ A block of command output is marked by an HTML comment on the line before its op
     <!-- output: transcript -->
 
 The command runs through bash in a temporary folder (holding links to the repository's examples/ and configs/), on
-a pseudo-terminal 100 columns wide, with this repository's .venv/bin first on PATH, HF_HUB_OFFLINE=1 and NO_COLOR=1:
-what a user at such a terminal sees (stdout and stderr as they interleave, a progress bar as it is left) replaces
-the block. Options, in parentheses at the end of the marker, separated by ';':
+a pseudo-terminal 100 columns wide, with this repository's .venv/bin first on PATH, HF_HUB_OFFLINE=1, NO_COLOR=1 and
+OMP_NUM_THREADS=1 (one torch thread, so the outputs do not depend on the machine's cores): what a user at such a
+terminal sees (stdout and stderr as they interleave, a progress bar as it is left) replaces the block. Options, in parentheses at the end of the marker, separated by ';':
 
     timings vary   the output differs run to run: --check only checks that the command still exits as expected
     recorded       a measurement, or a run in another environment, that the text around it discusses (its date,
@@ -121,7 +121,10 @@ def find_blocks(path: Path) -> list[Block]:
 
 def environment() -> dict:
     env = dict(os.environ)
-    env.update(COLUMNS=str(WIDTH), LINES="50", HF_HUB_OFFLINE="1", NO_COLOR="1", TERM="xterm")
+    # one torch thread, so what a run prints (its device line, its timings) does not depend on the machine's cores
+    env.update(
+        COLUMNS=str(WIDTH), LINES="50", HF_HUB_OFFLINE="1", NO_COLOR="1", TERM="xterm", OMP_NUM_THREADS="1"
+    )
     env["PATH"] = f"{ROOT / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env.pop("FORCE_COLOR", None)
     return env
