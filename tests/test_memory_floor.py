@@ -105,7 +105,10 @@ def test_table_shows_floor_and_working():
     r = runner.invoke(app, ["memory", "-m", "llama-3-8b", "--gpu", "h100", "--ctx", "8k", "--batch", "1,16"],
                       env={"COLUMNS": "250"})  # fmt: skip
     assert r.exit_code == 0, r.output
-    assert "decode floor / step" in r.stdout and "tokens/s (batch)" in r.stdout
+    assert (
+        "floor/step" in r.stdout and "tok/s/seq" in r.stdout
+    )  # the table's floor columns, and what they mean:
+    assert "floor/step: the decode floor of one step; tok/s/seq: tokens/s per sequence" in r.stdout
     assert "decode floor at 8k x 16: (weights 16,060,522,496 B + K/V read 17,179,869,184 B" in r.stdout
 
 

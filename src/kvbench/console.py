@@ -13,10 +13,13 @@ reach the terminal raw: every C0 and C1 control character but newline and tab is
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import sys
 from typing import Any
 
+from rich import box
+from rich.cells import cell_len
 from rich.console import Console
 from rich.segment import Segment
 from rich.table import Table
@@ -134,6 +137,168 @@ def table(title: str, columns: list[str], rows: list[list[Any]], caption: str | 
     for r in rows:
         t.add_row(*[cell(x) for x in r])
     return t
+
+
+GAP = 2  # characters between two columns of a fitted table: its divider and one space of padding
+
+
+def fitted(
+    title: str | Text | None, columns: list[str], rows: list[list[Any]], width: int, keys: int = 1,
+    justify: list[str] | None = None, header: bool = True, wrap: tuple[int | str, ...] = (),
+) -> list[Text | Table]:  # fmt: skip
+    """The title (a line of its own, wrapped to the console), then `rows` under `columns` laid out in `width`
+    characters, every cell in at most two lines:
+
+    - one table with every cell on one line when that fits;
+    - else one table whose widest columns wrap into two lines at most: headers first, then the text of the columns
+      named in `wrap` (by header or index) at its spaces; a word is never split, and other cells never wrap;
+    - else several tables, each repeating the first `keys` columns and taking the others in order, as evenly as
+      the width allows, with a blank line between them.
+
+    `justify` gives each column's ("left" or "right", default left); `header` False leaves the header row out.
+    """
+    justify = justify or ["left"] * len(columns)
+    assert len(justify) == len(columns), f"{len(justify)} justifications for {len(columns)} columns"
+    heads = [Text(c if header else "") for c in columns]
+    body = [[cell(x) for x in r] for r in rows]
+    one = [_widest([h, *(r[i] for r in body)]) for i, h in enumerate(heads)]  # every cell on one line
+    head2 = [max(_narrowest([h], 2), *(_widest([r[i]]) for r in body)) for i, h in enumerate(heads)]
+    wraps = [i in wrap or c in wrap for i, c in enumerate(columns)]
+    two = [
+        min(head2[i], _narrowest([h, *(r[i] for r in body)], 2)) if wraps[i] else head2[i]
+        for i, h in enumerate(heads)
+    ]
+
+    def layout(which: list[int]) -> list[int] | None:
+        """Each column's width when `which` fits in `width` (wrapping as little as it can), else None."""
+        widths = {i: one[i] for i in which}
+        over = sum(widths.values()) + GAP * (len(which) - 1) - width
+        for narrow in (head2, two):  # headers first: a wrapped header leaves the rows one line each
+            for i in sorted(which, key=lambda i: widths[i] - narrow[i], reverse=True):
+                cut = min(max(0, widths[i] - narrow[i]), max(0, over))
+                widths[i] -= cut
+                over -= cut
+        return None if over > 0 else [widths[i] for i in which]
+
+    def build(which: list[int]) -> Table:
+        widths = layout(which)
+        t = Table(
+            box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), show_header=header
+        )
+        for n, i in enumerate(which):
+            w = None if widths is None else widths[n]  # None: too narrow for any layout, Rich squeezes it
+            t.add_column(heads[i], justify=justify[i], width=w, no_wrap=w == one[i], overflow="fold")
+        for r in body:
+            t.add_row(*[r[i] for i in which])
+        return t
+
+    everything = list(range(len(columns)))
+    parts = [everything] if layout(everything) is not None else _split(everything, keys, one, layout)
+    heading = [Text.assemble(cell(title), style="table.title")] if title else []
+    tables = [build(p) for p in parts]
+    return heading + [x for t in tables for x in (Text(), t)][1:]  # a blank line between the parts
+
+
+def _split(columns: list[int], keys: int, one: list[int], layout) -> list[list[int]]:
+    """`columns` dealt into as few parts as fit, each part the key columns and a run of the others in order, the
+    runs chosen so the widest part is as narrow as it can be (the last part is not one stray column). A column too
+    wide to fit beside the keys is a part of its own."""
+    head, rest = columns[:keys], columns[keys:]
+    n = len(rest)
+
+    @functools.cache
+    def fits(a: int, b: int) -> bool:
+        return b - a == 1 or layout(head + rest[a:b]) is not None
+
+    def width(a: int, b: int) -> int:
+        return sum(one[j] + GAP for j in rest[a:b])
+
+    count, a = 0, 0  # the fewest parts: each as many columns as fit
+    while a < n:
+        b = a + 1
+        while b < n and fits(a, b + 1):
+            b += 1
+        count, a = count + 1, b
+    # best[k][b]: (the widest part, where the last part starts) over rest[:b] in k parts
+    inf = (float("inf"), 0)
+    best = [[inf] * (n + 1) for _ in range(count + 1)]
+    best[0][0] = (0, 0)
+    for k in range(1, count + 1):
+        for b in range(1, n + 1):
+            for a in range(k - 1, b):
+                if best[k - 1][a][0] < float("inf") and fits(a, b):
+                    best[k][b] = min(best[k][b], (max(best[k - 1][a][0], width(a, b)), a))
+    parts, b = [], n
+    for k in range(count, 0, -1):
+        a = best[k][b][1]
+        parts.insert(0, head + rest[a:b])
+        b = a
+    return parts or [head]
+
+
+def _widest(cells: list[Text]) -> int:
+    """The longest line among `cells`."""
+    return max((cell_len(ln) for c in cells for ln in c.plain.split("\n")), default=0)
+
+
+def _narrowest(cells: list[Text], lines: int) -> int:
+    """The narrowest width at which every one of `cells` wraps into at most `lines` lines without a word split."""
+    lo = max((cell_len(w) for c in cells for w in c.plain.split()), default=0)
+    hi = max(lo, _widest(cells))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if all(len(c.wrap(out, mid, overflow="fold")) <= lines for c in cells):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+def shared_columns(
+    columns: list[str], rows: list[list[Any]], names: tuple[str, ...] = (), empty: str = "-"
+) -> tuple[list[str], list[list[Any]], list[str]]:
+    """Columns that say nothing row by row, taken out of a table: each of `names` whose value every row shares
+    (returned as "name value" for the title), and any column that is `empty` in every row (dropped).
+    Returns (columns, rows, the title's additions)."""
+    plain = [[cell(x).plain for x in r] for r in rows]
+    keep, title = [], []
+    for i, c in enumerate(columns):
+        values = {r[i] for r in plain}
+        if rows and values == {empty}:
+            continue
+        if rows and c in names and len(values) == 1:
+            title.append(f"{c} {values.pop()}")
+            continue
+        keep.append(i)
+    return [columns[i] for i in keep], [[r[i] for i in keep] for r in rows], title
+
+
+class Notes:
+    """Long free text moved out of a table into numbered notes beneath it: a cell shows `[n]`, the same text
+    shares one number, and `lines` are the notes to print."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def ref(self, text: str) -> str:
+        if text not in self.texts:
+            self.texts.append(text)
+        return f"[{self.texts.index(text) + 1}]"
+
+    def lines(self) -> list[Text]:
+        return [line(styled(f"[{n}]", "dim"), f" {t}") for n, t in enumerate(self.texts, 1)]
+
+
+def clipped(text: Text, width: int, max_lines: int, hint: str = "") -> Text:
+    """`text` wrapped to `width`, cut after `max_lines` lines with "..." and `hint` when it runs longer."""
+    lines = text.wrap(out, width)
+    if len(lines) <= max_lines:
+        return Text("\n").join(lines)
+    tail = Text(f"... {hint}".rstrip(), style="dim")
+    last = lines[max_lines - 1]
+    last = last[: max(0, width - tail.cell_len - 1)]
+    last.rstrip()
+    return Text("\n").join([*lines[: max_lines - 1], Text.assemble(last, " ", tail)])
 
 
 def cell(x: Any) -> Text:

@@ -101,6 +101,10 @@ def json_option() -> Any:
     return option("--json", default=False, help="Print one JSON document to stdout and nothing else.")
 
 
+def verbose_option() -> Any:
+    return option("--verbose", "-v", default=False, help="Print every row's tolerance and detail in full.")
+
+
 def tokenizer_option() -> Any:
     return option(
         "--tokenizer",

@@ -4,13 +4,12 @@ bench/context.py), the floor's caption both carry, and the closing line naming t
 from __future__ import annotations
 
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from kvbench import console
-from kvbench.console import cell, line, out, styled
+from kvbench.console import cell, fitted, line, out, shared_columns, styled
 
-WIDE = 196  # bench tables' width in characters: a narrower console would squeeze the numbers into ellipses
+KEYS = ("engine", "cache", "prompt", "batch")  # a row's configuration: repeated in each part of a split table
 
 
 def _f(x: float, fmt: str) -> str:
@@ -75,7 +74,7 @@ def caption_text(meta: dict, rows: list = ()) -> str:
         "capture (capture ms, static-graph on CUDA) or compilation ("
         + ("static-compiled" if hf else "hf-compiled")
         + "); it depends on sweep order. "
-        "decode tok/s: tokens of all the batch's sequences per second of decode (prefill excluded). "
+        "tok/s: decode tokens of all the batch's sequences per second of decode (prefill excluded). "
         "speedup: end to end vs the same family's `none` (hf-compiled vs hf none). vs hf: TPOT of the fastest "
         "transformers row at that prompt and batch / this TPOT. tokens: share of generated tokens equal to "
         + ("the model's own none's" if hf else "kvbench none's")
@@ -109,11 +108,25 @@ def _bench_row(r, swept: bool) -> list:
     ]  # fmt: skip
 
 
+def _print_table(title: str, cols: list[str], body: list[list], caption: str) -> None:
+    """A sweep's table at the console's width: configuration columns shared by every row (one engine, one prompt
+    length) said once in the title, columns empty in every row left out, the rest split into as many tables as the
+    width needs (each repeating the configuration), and the caption beneath as prose."""
+    cols, body, same = shared_columns(cols, body, names=("engine", "prompt"))
+    keys = sum(1 for c in cols[: len(KEYS)] if c in KEYS)
+    justify = ["left" if c in ("engine", "cache") else "right" for c in cols]
+    title += "".join(f", {s}" for s in same)
+    for x in fitted(title, cols, body, out.width, keys=keys, justify=justify):
+        out.print(x)
+    if caption:
+        out.print(styled(caption, "dim"))
+
+
 def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
     batches = list(dict.fromkeys(r.batch for r in rows))
     swept = len(batches) > 1  # a batch sweep: a batch column, and decode tokens/s across the batch
     cols = ["engine", "cache", "prompt", *(["batch"] if swept else []), "TTFT ms", "TPOT ms", "p90", "floor ms",
-            "x floor", "total s", "decode tok/s", "speedup", "vs hf", "tokens", "peak MiB", "KV MiB", "copied",
+            "x floor", "total s", "tok/s", "speedup", "vs hf", "tokens", "peak MiB", "KV MiB", "copied",
             "capture ms", "cold TPOT"]  # fmt: skip
     body = [_bench_row(r, swept) for r in rows]
     title = f"bench: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}"
@@ -122,21 +135,7 @@ def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
             f", {rows[0].new_tokens} new tokens, batch {','.join(map(str, batches))}, "
             f"{max(r.repeats for r in rows)} repeats"
         )
-    tbl = Table(
-        title=title,
-        caption=caption_text(meta, rows),
-        title_justify="left",
-        caption_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-    )
-    for i, c in enumerate(cols):
-        tbl.add_column(c, no_wrap=True, justify="left" if i < 2 else "right")
-    for r in body:
-        tbl.add_row(*[cell(x) for x in r])
-    # A narrow (or non-tty, 80-column) console would squeeze the numbers into ellipses: print at full width instead.
-    wide = out if out.width >= WIDE else Console(highlight=False, width=WIDE)
-    wide.print(tbl)
+    _print_table(title, cols, body, caption_text(meta, rows))
     _oom_lines(rows)
     for r in rows:
         where = f"{r.engine} {r.cache} prompt {r.prompt_len}" + (f" batch {r.batch}" if swept else "")
@@ -168,39 +167,26 @@ def _mb(n: float) -> str:
 def render_context(rows: list, meta: dict, run_dir, files: list) -> None:
     cols = ["cache", "context", "TPOT ms", "p10", "p90", "floor ms", "x floor", "step MB", "K/V read MB",
             "design MB", "KV MiB held"]  # fmt: skip
-    tbl = Table(
-        title=(
-            f"bench --fill random: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}; "
-            "caches filled with RANDOM K/V, no prefill, decode steps only"
-            + (f", {rows[0].new_tokens} steps x {max(r.repeats for r in rows)} repeats" if rows else "")
-        ),
-        caption=(
-            floor_caption(meta, rows)
-            + f"K/V read = weight read at {meta['crossover_context']:,} tokens (past it the cache is most of the "
-            "step). TPOT: median over every timed step (forward + argmax, synchronised); p10/p90 of the same steps. "
-            "step MB: bytes the median step moves, of which K/V read by attention and the design's own copies."
-        ),
-        title_justify="left",
-        caption_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
+    title = (
+        f"bench --fill random: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}; "
+        "caches filled with RANDOM K/V, no prefill, decode steps only"
+        + (f", {rows[0].new_tokens} steps x {max(r.repeats for r in rows)} repeats" if rows else "")
     )
-    for i, c in enumerate(cols):
-        tbl.add_column(c, no_wrap=True, justify="left" if i == 0 else "right")
+    caption = (
+        floor_caption(meta, rows)
+        + f"K/V read = weight read at {meta['crossover_context']:,} tokens (past it the cache is most of the "
+        "step). TPOT: median over every timed step (forward + argmax, synchronised); p10/p90 of the same steps. "
+        "step MB: bytes the median step moves, of which K/V read by attention and the design's own copies."
+    )
+    body = []
     for r in rows:
         name = r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status.split(':')[0]})", "red")
-        tbl.add_row(
-            *[
-                cell(x)
-                for x in [
-                    name, f"{r.context:,}", _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p10, ".2f"),
-                    _f(r.tpot_ms_p90, ".2f"), _f(r.floor_ms, ".2f"), _times(r.x_floor), _mb(r.step_bytes),
-                    _mb(r.kv_read_bytes), _mb(r.design_bytes), _f(r.kv_cache_mib, ".1f"),
-                ]
-            ]
-        )  # fmt: skip
-    wide = out if out.width >= WIDE else Console(highlight=False, width=WIDE)
-    wide.print(tbl)
+        body.append([
+            name, f"{r.context:,}", _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p10, ".2f"),
+            _f(r.tpot_ms_p90, ".2f"), _f(r.floor_ms, ".2f"), _times(r.x_floor), _mb(r.step_bytes),
+            _mb(r.kv_read_bytes), _mb(r.design_bytes), _f(r.kv_cache_mib, ".1f"),
+        ])  # fmt: skip
+    _print_table(title, cols, body, caption)
     for r in rows:
         if r.status.startswith("error"):
             out.print(styled(f"{r.cache} context {r.context}: {r.status}", "red"))

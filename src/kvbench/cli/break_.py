@@ -6,11 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
-from rich.text import Text
 
 from kvbench import console, options
 from kvbench.cli.app import command, load_for_checks
-from kvbench.console import line, out, styled, table
+from kvbench.cli.break_render import render_break, render_break_summary
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import option
@@ -44,6 +43,7 @@ class BreakOptions:
     tokenizer: str | None = options.tokenizer_option()
     json_out: bool = options.json_option()
     junit_xml: Path | None = options.junit_option()
+    verbose: bool = options.verbose_option()
 
 
 @command(BreakOptions, name="break")
@@ -101,7 +101,7 @@ def _run_faults(o: BreakOptions, on_fault):
         )
         on_fault(results[-1])
         if not o.json_out:
-            render_break(results[-1])
+            render_break(results[-1], o.verbose)
     meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev)}
     return results, [(n, why[n]) for n in skipped], meta
 
@@ -117,47 +117,3 @@ def _tokenizer(name: str | None):
             raise
         console.warn(f"no tokenizer ({e}); showing random prompts and token ids instead of text")
         return None
-
-
-# --- rendering ---
-def _seq(text: str | None, tokens: list[int], first: int | None) -> str:
-    if text is not None:
-        return repr(text)
-    parts = [styled(t, "red") if first is not None and i >= first else str(t) for i, t in enumerate(tokens)]
-    return Text(" ").join(Text(p) if isinstance(p, str) else p for p in parts)
-
-
-def render_break(r) -> None:
-    head = styled("detected", "green") if r.detected else styled("NOT detected", "bold red")
-    out.rule(line(styled(r.name, "bold"), f": {r.summary}"), align="left")
-    div = "none (the outputs are identical)" if r.first_divergence is None else f"step {r.first_divergence}"
-    lines = [
-        line(f"cache {r.cache}; the bug lives in {r.where}"),
-        line(f"first divergent token: {div}"),
-        line("correct: ", _seq(r.correct_text, r.correct_tokens, r.first_divergence)),
-        line("faulty:  ", _seq(r.faulty_text, r.faulty_tokens, r.first_divergence)),
-        line(f"signature: {r.signature}"),
-        line(head, f" by verify: {', '.join(r.caught_by) if r.caught_by else 'no check failed'}"),
-        line(f"fix: {r.fix}"),
-        line(f"dormant: {r.dormant_where} ({r.dormant_shown})"),
-    ]
-    for text in lines:
-        out.print(text, soft_wrap=True)
-
-
-def render_break_summary(results: list) -> None:
-    rows = [
-        [
-            r.name,
-            r.cache,
-            styled("yes", "green") if r.detected else styled("NO", "bold red"),
-            ", ".join(r.caught_by) or "-",
-            "-" if r.first_divergence is None else str(r.first_divergence),
-        ]
-        for r in results
-    ]
-    cols = ["fault", "cache", "detected", "caught by", "first diverge"]
-    out.print(table("kvbench break: injected faults", cols, rows))
-    n = sum(r.detected for r in results)
-    style = "bold green" if n == len(results) else "bold red"
-    out.print(styled(f"{n} of {len(results)} faults detected by verify", style))

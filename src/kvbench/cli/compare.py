@@ -6,13 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
-from rich import box
-from rich.console import Console
-from rich.table import Table
 
 from kvbench import console
 from kvbench.cli.app import command
-from kvbench.console import cell, line, out, styled
+from kvbench.console import fitted, line, out, shared_columns, styled
 from kvbench.errors import KVBenchError
 from kvbench.options import option
 
@@ -226,10 +223,6 @@ def _footer(c) -> list[tuple[str, str]]:
     return lines
 
 
-def _verdict(r) -> str:
-    return r.verdict + ("" if r.steady else " *")
-
-
 def _counts(c) -> str:
     n = {v: sum(r.verdict == v for r in c.rows) for v in VERDICT_STYLE}
     return (
@@ -242,10 +235,14 @@ def _counts(c) -> str:
 def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
     """The Rich table, the lines under it, the gate's result and the files written. User text (paths, names) is
     literal: cells and lines go through `cell`, `line` and `styled`, never through markup."""
-    _render_header(c)
-    # A narrow terminal would squeeze the numbers into ellipses: print at full width instead.
-    wide = out if out.width >= 150 else Console(highlight=False, width=150)
-    wide.print(_compare_table(c))
+    cols, rows, caption = _compare_table(c)
+    cols, rows, same = shared_columns(cols, rows, names=("engine", "prompt"))
+    _render_header(c, same)
+    keys = sum(1 for k in cols[:4] if k in ("engine", "cache", "prompt", "batch"))
+    justify = ["left" if k in ("engine", "cache") else "right" for k in cols]
+    for x in fitted(None, cols, rows, out.width, keys=keys, justify=justify):
+        out.print(x)
+    out.print(styled(caption, "dim"))
     for kind, text in _footer(c):
         out.print(line(styled(kind if kind == "*" else f"{kind}:", "yellow"), " ", text))
     out.print(_counts(c), markup=False)
@@ -262,9 +259,9 @@ def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
                    f" {files[0].parent}"))  # fmt: skip
 
 
-def _render_header(c) -> None:
+def _render_header(c, same: list[str]) -> None:
     """The two lines above the table, printed as lines rather than as the table's title so long paths are never
-    wrapped or folded."""
+    wrapped or folded; the second ends with `same`, the columns every row shares ("engine kvbench")."""
     first = c.rows[0]
     out.print(
         line(
@@ -276,7 +273,8 @@ def _render_header(c) -> None:
     )
     out.print(
         f"{first.model} ({first.weights} weights), {first.dtype} on {first.device}, {first.new_tokens} new tokens, "
-        f"batch {','.join(map(str, _batches(c)))}; git {_git(c.baseline_git)} -> {_git(c.candidate_git)}",
+        f"{''.join(f'{s}, ' for s in same)}batch {','.join(map(str, _batches(c)))}; git {_git(c.baseline_git)} -> "
+        f"{_git(c.candidate_git)}",
         markup=False,
     )
 
@@ -286,8 +284,11 @@ def _batches(c) -> list[int]:
     return sorted({int(r.batch) for r in c.rows})
 
 
-def _compare_table(c) -> Table:
-    """One row per compared configuration, its caption saying what each column means."""
+SHORT = {"no significant change": "n.s."}  # a verdict as the table shows it; the caption says what n.s. means
+
+
+def _compare_table(c) -> tuple[list[str], list[list], str]:
+    """One row per compared configuration: (columns, rows, the caption saying what each column means)."""
     from kvbench.results.runs import printable
 
     level = f"{c.confidence:.0%}"
@@ -300,29 +301,28 @@ def _compare_table(c) -> Table:
     caption = (
         f"TPOT: median decode step, baseline → candidate; ratio = candidate / baseline (> 1: slower), with its "
         f"{level} bootstrap interval. verdict: two-sided Mann-Whitney U on the pooled decode steps at alpha "
-        f"{c.alpha:g}, and a change of at least {c.threshold:.0%}. TTFT: median ratio; its verdict: the same test "
-        "on the TTFT repeats (ttft.csv; inconclusive when so few repeats cannot reach alpha). tok/s: ratio of the "
-        "summary medians (> 1: faster). Δ: candidate - baseline."
+        f"{c.alpha:g}, and a change of at least {c.threshold:.0%} (n.s.: no significant change). TTFT: median "
+        "ratio; its verdict: the same test on the TTFT repeats (ttft.csv; inconclusive when so few repeats cannot "
+        "reach alpha). tok/s: ratio of the summary medians (> 1: faster). Δ: candidate - baseline."
     )
-    tbl = Table(caption=caption, caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for i, name in enumerate(cols):
-        tbl.add_column(name, no_wrap=True, justify="left" if i < 2 else "right")
+    rows = []
     for r in c.rows:
         after: list = _after(r)
         if r.memory_regressed:
             after[-1] = styled(after[-1], "red")
-        after[1] = styled(after[1], VERDICT_STYLE.get(after[1], "yellow"))
+        after[1] = styled(SHORT.get(after[1], after[1]), VERDICT_STYLE.get(after[1], "yellow"))
+        verdict = SHORT.get(r.verdict, r.verdict) + ("" if r.steady else " *")
         row = [
             printable(r.engine),
             printable(r.cache),
             r.prompt_len,
             *([r.batch] if swept else []),
             *_cells(r),
-            styled(_verdict(r), VERDICT_STYLE[r.verdict]),
+            styled(verdict, VERDICT_STYLE[r.verdict]),
             *after,
         ]
-        tbl.add_row(*[cell(x) for x in row + ([_agreement(r)] if agree else [])])
-    return tbl
+        rows.append(row + ([_agreement(r)] if agree else []))
+    return cols, rows, caption
 
 
 def markdown(c, fail_on: list[str]) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvbench import console, options
 from kvbench.cli.app import command, load_for_cli
-from kvbench.console import line, out, styled, table
+from kvbench.console import fitted, line, out, styled
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import option
@@ -301,6 +301,6 @@ def render_generation(doc: dict, streamed: bool) -> None:
                 f"{t['generated_tokens']} tokens kept (K {d['draft_tokens']}, n-gram {d['ngram']})",
             ]
         )
-    tbl = table("generate", ["", ""], rows, caption="timings are device-synchronised wall clock")
-    tbl.show_header = False
-    out.print(tbl)
+    title = "generate (timings: device-synchronised wall clock)"
+    for x in fitted(title, ["", ""], rows, out.width, header=False, wrap=(1,)):
+        out.print(x)

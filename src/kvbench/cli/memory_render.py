@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from kvbench.console import line, out, styled, table
+from kvbench.console import Notes, fitted, line, out, styled, table
 
 # --- rendering ---
 # The planner returns dataclasses of numbers and memory_working writes out their arithmetic; these functions lay both
@@ -69,7 +69,7 @@ def _longest(r, m) -> str:
     if r.max_ctx_unbounded:
         return "unbounded (no KV cache)" if not m.kv_cache else "unbounded (all layers windowed)"
     if r.max_ctx_at_limit:
-        return f">= {r.max_ctx:,} (searched up to {MAX_TOKENS:,})"
+        return f">= {r.max_ctx:,}" + ("" if r.max_ctx == MAX_TOKENS else f" (searched up to {MAX_TOKENS:,})")
     return f"{r.max_ctx:,}" + ("†" if m.max_context and r.max_ctx > m.max_context else "")
 
 
@@ -81,13 +81,12 @@ def _plan_table(p):
     several = len(batches) > 1
     weights_gpu = None if p.weights_bytes is None else -(-p.weights_bytes // p.tp)
     floors = any(r.decode_floor is not None for r in p.rows)
-    cols = ["context"] + (["batch"] if several else []) + ["per sequence"]
+    cols = ["context"] + (["batch"] if several else []) + ["per seq"]
     cols += ["batch total" if several else f"batch of {batch}"] if several or batch > 1 else []
     cols += [f"per GPU (tp {p.tp})"] if p.tp > 1 else []
     cols += ["+ weights" + (" per GPU" if p.tp > 1 else "")] if weights_gpu is not None else []
-    at = "this batch" if several else f"batch {batch}"
-    cols += ["fits", "max batch at this context", f"max context at {at}"] if p.gpu is not None else []
-    cols += ["decode floor / step", "tokens/s per sequence", "tokens/s (batch)"] if floors else []
+    cols += ["fits", "max batch", "max context"] if p.gpu is not None else []
+    cols += ["floor/step", "tok/s/seq", "tok/s"] if floors else []
     rows = []
     for r in p.rows:
         row = [_mem_ctx(r.ctx, r.beyond_max, r.windowed)] + ([str(r.batch)] if several else [])
@@ -106,7 +105,21 @@ def _plan_table(p):
             row += ["-"] * 3 if f is None else [f"{f.floor_ms:.4g} ms", f"{f.tokens_per_s_per_sequence:,.4g}",
                                                  f"{f.tokens_per_s:,.4g}"]  # fmt: skip
         rows.append(row)
-    return table("", cols, rows)
+    return fitted(None, cols, rows, out.width, keys=2 if several else 1)
+
+
+def _plan_key(p) -> str:
+    """What the plan table's short headers stand for."""
+    several = len({r.batch for r in p.rows}) > 1
+    at = "this batch" if several else f"batch {p.rows[0].batch if p.rows else 1}"
+    parts = ["per seq: KV bytes of one sequence at the context"]
+    if p.gpu is not None:
+        parts += [f"max batch: sequences that fit at this context; max context: at {at}"]
+    if any(r.decode_floor is not None for r in p.rows):
+        parts += [
+            "floor/step: the decode floor of one step; tok/s/seq: tokens/s per sequence; tok/s: the batch's"
+        ]
+    return "; ".join(parts)
 
 
 def render_plan(p) -> None:
@@ -121,7 +134,13 @@ def render_plan(p) -> None:
     out.print(line(styled(m.name, "bold"), *source, head), soft_wrap=True)
     out.print(_cache_line(p), soft_wrap=True)
     _working(plan_lines(p))
-    out.print(_plan_table(p))
+    for x in _plan_table(p):
+        out.print(x)
+    out.print(styled(_plan_key(p), "dim"))
+    if any(r.max_ctx_at_limit for r in p.rows):
+        from kvbench.memory.units import MAX_TOKENS
+
+        out.print(styled(f">= the longest context the planner tries: searched up to {MAX_TOKENS:,}", "dim"))
     if any(r.windowed for r in p.rows):
         out.print(styled(f"* {m.window_label} layers capped at {m.sliding_window:,} tokens", "dim"))
     if any(r.beyond_max for r in p.rows):
@@ -175,16 +194,16 @@ def render_all(plans: list, batch: int, kv_dtype: str, weights_dtype: str) -> No
         return
     contexts = [r.ctx for r in plans[0].rows]
     gpu = plans[0].gpu
-    per = "per sequence" if batch == 1 else f"batch {batch}"
-    cols = ["model", "attn", "layers", "KV heads x d_head", f"KV / token ({kv_dtype})"]
-    cols += [f"{fmt_tokens(c)} ({per})" for c in contexts]
+    per = "per sequence" if batch == 1 else f"batch of {batch}"
+    cols = ["model", "attention", "layers", "KV/token"]
+    cols += [fmt_tokens(c) for c in contexts]
     if gpu is not None:
         cols += [f"max batch {fmt_tokens(c)}" for c in contexts]
-    cols += ["trained ctx", f"weights ({weights_dtype})"]
+    cols += ["trained", "weights"]
     rows = []
     for p in plans:
         m = p.model
-        row = [m.name, m.attention, str(m.n_layers), m.kv_shape, fmt_bytes(p.bytes_per_token)]
+        row = [m.name, f"{m.attention} {m.kv_shape}", str(m.n_layers), fmt_bytes(p.bytes_per_token)]
         row += [
             fmt_bytes(r.bytes_batch) + ("*" if r.windowed else "") + ("†" if r.beyond_max else "")
             for r in p.rows
@@ -196,9 +215,13 @@ def render_all(plans: list, batch: int, kv_dtype: str, weights_dtype: str) -> No
             "?" if p.weights_bytes is None else fmt_bytes(p.weights_bytes),
         ]
         rows.append(row)
-    t = table(f"KV cache for every preset ({kv_dtype})", cols, rows, caption=_all_caption(plans, gpu))
-    t.columns[0].no_wrap = True  # model names stay whole; the caption and the numbers wrap instead
-    out.print(t)
+    title = (
+        f"KV cache for every preset ({kv_dtype}): KV bytes {per} at each context; weights in {weights_dtype}; "
+        "trained = the context the model was trained for"
+    )
+    for x in fitted(title, cols, rows, out.width, wrap=("attention",)):
+        out.print(x)
+    out.print(styled(_all_caption(plans, gpu), "dim"))
 
 
 def render_checks(checks: list) -> None:
@@ -210,16 +233,8 @@ def render_checks(checks: list) -> None:
     if not c0.checkable:
         out.print(line(title, ": ", styled(c0.how, "yellow")), soft_wrap=True)
         return
-    cols = [
-        "context",
-        "layer kind",
-        "layers",
-        "planner",
-        "transformers",
-        "one layer in transformers",
-        "result",
-    ]
-    rows = []
+    cols = ["context", "layer kind", "layers", "planner", "transformers", "result", "one transformers layer"]
+    rows, notes = [], Notes()
     for c in checks:
         for k in c.kinds:
             layers = (
@@ -227,17 +242,31 @@ def render_checks(checks: list) -> None:
                 if k.planner_layers == k.transformers_layers
                 else (f"{k.planner_layers} vs {k.transformers_layers}")
             )
-            result = styled(k.explanation, "green" if k.agrees else "yellow")
+            result = (
+                styled("agrees", "green")
+                if k.agrees
+                else styled(f"differs {notes.ref(k.explanation)}", "yellow")
+            )
             rows.append([fmt_tokens(c.ctx), k.label, layers, fmt_bytes(k.planner_bytes), fmt_bytes(k.transformers_bytes),
-                         k.transformers_layer_shape, result])  # fmt: skip
-    out.print(table(title, cols, rows, caption=c0.how))
+                         result, _kv_shape(k.transformers_layer_shape)])  # fmt: skip
+    for x in fitted(title, cols, rows, out.width, keys=2, wrap=("layer kind", "one transformers layer")):
+        out.print(x)
+    for n in notes.lines():
+        out.print(n)
+    out.print(styled(c0.how, "dim"))
     if c0.transformers_params is not None and c0.planner_params is not None:
         from kvbench.cli.memory_working import params_line
 
         out.print(Text(f"  parameters: {params_line(c0)}"), soft_wrap=True)
     verdict = all(c.agrees for c in checks)
     out.print(styled("the plan agrees with transformers to the byte" if verdict else "the plan and transformers differ "
-                     "where the result column says why", "bold green" if verdict else "bold yellow"))  # fmt: skip
+                     "where the notes beneath the table say why", "bold green" if verdict else "bold yellow"))  # fmt: skip
+
+
+def _kv_shape(shape: str) -> str:
+    """One layer's K and V shapes, once when they are the same: "K,V 1x8x8192x128"."""
+    k, sep, v = shape.partition(", V ")
+    return f"K,V {v}" if sep and k == f"K {v}" else shape
 
 
 def render_copy_traffic(traffic: list) -> None:
@@ -245,16 +274,16 @@ def render_copy_traffic(traffic: list) -> None:
     our counter."""
     from kvbench.memory.units import fmt_bytes
 
-    cols = ["model", "KV / token", "tokens", "copied (exact)", "seed's (n1²-n0²)/2", "dynamic cache counter"]
-    rows = []
+    cols = ["model", "KV/token", "tokens", "copied (exact)", "(n1²-n0²)/2", "counted"]
+    rows, notes = [], Notes()
     for name, t in traffic:
         if t.measured_bytes is None:
-            counted = styled(t.counter_note, "dim")
+            counted = styled(notes.ref(t.counter_note), "dim")
         else:
             same = (
                 styled("= exact", "green") if t.measured_bytes == t.exact_bytes else styled("differs", "red")
             )
-            counted = line(f"{t.measured_bytes:,} B ", same, f" ({t.counter_note})")
+            counted = line(f"{t.measured_bytes:,} B ", same, f" {notes.ref(t.counter_note)}")
         rows.append(
             [
                 name,
@@ -265,7 +294,11 @@ def render_copy_traffic(traffic: list) -> None:
                 counted,
             ]
         )
-    out.print(table("History copied by torch.cat while decoding", cols, rows))
+    title = "History copied by torch.cat while decoding: exact, the seed's (n1²-n0²)/2, and the dynamic cache's counter"
+    for x in fitted(title, cols, rows, out.width, wrap=("tokens", "copied (exact)", "counted")):
+        out.print(x)
+    for n in notes.lines():
+        out.print(n)
     if len(traffic) == 1:
         from kvbench.cli.memory_working import copy_traffic_lines
 
@@ -281,7 +314,7 @@ def render_measure(report) -> None:
     if cuda:
         cols += ["allocator growth", "transient extra"]
     cols.append("why")
-    rows = []
+    rows, notes = [], Notes()
     for r in report.rows:
         diff = styled("0 B (exact)", "green") if r.exact else styled(f"{r.difference:+,} B", "yellow")
         fmt_note = f" ({r.planner_format})" if r.planner_format != report.kv_dtype else ""
@@ -291,10 +324,16 @@ def render_measure(report) -> None:
                 "-" if r.allocated_bytes is None else fmt_bytes(r.allocated_bytes),
                 "-" if not r.peak_extra_bytes else fmt_bytes(r.peak_extra_bytes),
             ]
-        row.append(r.explanation)
+        row.append(notes.ref(r.explanation))
         rows.append(row)
-    title = f"{report.model}: predicted vs measured, batch {report.batch} x {report.ctx} tokens, {report.kv_dtype}"
-    out.print(table(Text(title), cols, rows, caption=Text(f"device: {report.device}")))
+    title = (
+        f"{report.model}: predicted vs measured, batch {report.batch} x {report.ctx} tokens, {report.kv_dtype}; "
+        f"device: {report.device}"
+    )
+    for x in fitted(Text(title), cols, rows, out.width, wrap=("predicted",)):
+        out.print(x)
+    for n in notes.lines():
+        out.print(n)
     _working(report.working)
 
 

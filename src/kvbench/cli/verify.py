@@ -8,11 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
-from rich.text import Text
 
 from kvbench import console, options
 from kvbench.cli.app import command, load_for_checks
-from kvbench.console import err, line, out, styled, table
+from kvbench.cli.verify_render import render_verify, verify_row
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import option
 
@@ -50,6 +49,7 @@ class VerifyOptions:
     trust_remote_code: bool = options.trust_option()
     layers: int | None = options.layers_option()
     junit_xml: Path | None = options.junit_option()
+    verbose: bool = options.verbose_option()
 
 
 @command(VerifyOptions, error_doc={"passed": False})
@@ -87,7 +87,7 @@ def verify(o: VerifyOptions) -> None:
             {"schema_version": SCHEMA_VERSION, "passed": report.passed, **meta, **asdict(report)}
         )
     else:
-        render_verify(report, meta)
+        render_verify(report, meta, o.verbose)
     if not report.passed:
         raise typer.Exit(1)
 
@@ -179,63 +179,3 @@ def _verify_hf(o: VerifyOptions, on_row):
         "hf": {**loaded.meta(), "caches": {n: HF_CACHES[n].summary for n in names}},
     }
     return report, meta
-
-
-# --- rendering ---
-def _result(row) -> Text:
-    if row.skipped:
-        return styled("skip", "yellow")
-    return styled("pass", "green") if row.passed else styled("FAIL", "bold red")
-
-
-def _diff(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2e}"
-
-
-def verify_row(row) -> None:
-    """One line per check as it finishes (stderr, so a long run shows progress)."""
-    err.print(
-        line(
-            styled(f"{row.cache:>16} {row.name:<15} ", "dim"),
-            _result(row),
-            styled(f" {_diff(row.max_abs_diff)}", "dim"),
-        ),
-        soft_wrap=True,
-    )
-
-
-def render_verify(report, meta: dict) -> None:
-    rows = [
-        [
-            r.name,
-            r.cache,
-            _result(r),
-            _diff(r.max_abs_diff),
-            "-" if r.first_divergence is None else str(r.first_divergence),
-            r.tolerance,
-            r.detail,  # may quote an exception's message: table cells are literal text
-        ]
-        for r in report.checks
-    ]
-    title = f"kvbench verify: {meta['model']}, {meta['weights']}, {meta['device']}, {meta['dtype']}"
-    cols = ["check", "cache", "result", "max |Δlogit|", "first diverge", "tolerance", "detail"]
-    out.print(table(title, cols, rows))
-    for n in report.notes:
-        out.print(styled(f"- {n}", "dim"), soft_wrap=True)
-    judged = [r for r in report.checks if not r.skipped]
-    skipped = len(report.checks) - len(judged)
-    also = f" ({skipped} row(s) skipped: see the rows)" if skipped else ""
-    failed = [f"{r.name}/{r.cache}" for r in judged if not r.passed]
-    if failed:
-        out.print(
-            line(
-                styled("FAILED", "bold red"),
-                f" {len(failed)} of {len(judged)} checks: {', '.join(failed)}{also}",
-            )
-        )
-    elif not judged:  # nothing failed because nothing ran: say so, not PASSED
-        out.print(
-            line(styled("NOTHING CHECKED", "bold yellow"), f": all {skipped} row(s) skipped (see the rows)")
-        )
-    else:
-        out.print(line(styled("PASSED", "bold green"), f" all {len(judged)} checks{also}"))

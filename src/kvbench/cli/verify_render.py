@@ -1,0 +1,153 @@
+"""How `kvbench verify` (and `verify --hf`) lays out its report: a grid of checks by caches, each cell a verdict and
+its figure; beneath it each failing cell's tolerance and detail, the skipped cells' reasons, the notes and the
+verdict line. `--verbose` lists every row's tolerance and detail in full instead."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from kvbench.console import clipped, err, fitted, line, out, styled
+
+# A failing cell's tolerance and detail beneath the grid: at most this many lines without --verbose.
+DETAIL_LINES = 3
+MORE = "(--verbose: in full)"
+# Checks judged on tokens: a failure's figure is its first divergent step.
+TOKEN_CHECKS = ("greedy", "batched", "cache_state")
+
+
+def _result(row) -> Text:
+    if row.skipped:
+        return styled("skip", "yellow")
+    return styled("pass", "green") if row.passed else styled("FAIL", "bold red")
+
+
+def _diff(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2e}"
+
+
+def figure(row) -> str:
+    """The number a cell shows beside its verdict: the max |Δlogit| (3.1e-06), or for a token failure the first
+    divergent step (step 3); empty for a skip or a row that compared nothing."""
+    if row.skipped:
+        return ""
+    diverged = not row.passed and row.first_divergence is not None
+    if diverged and (row.max_abs_diff is None or row.name in TOKEN_CHECKS):
+        return f"step {row.first_divergence}"
+    if row.max_abs_diff is None:
+        return ""
+    return "0" if row.max_abs_diff == 0 else f"{row.max_abs_diff:.1e}"
+
+
+def verify_row(row) -> None:
+    """One line per check as it finishes (stderr, so a long run shows progress)."""
+    err.print(
+        line(
+            styled(f"{row.cache:>16} {row.name:<15} ", "dim"),
+            _result(row),
+            styled(f" {_diff(row.max_abs_diff)}", "dim"),
+        ),
+        soft_wrap=True,
+    )
+
+
+def _label(row) -> str:
+    return f"{row.name}/{row.cache}" if row.name != "-" else f"{row.cache} (every check)"
+
+
+def _cell(row) -> Text:
+    fig = figure(row)
+    return line(_result(row), f" {fig}" if fig else "")
+
+
+def _grid(checks: list, width: int, title: str) -> list:
+    """Rows are checks in the suite's order, columns caches in the report's order. A cache skipped as a whole (one
+    row named "-") shows skip in every check; a check not run on a cache shows "-"."""
+    from kvbench.check.suite import CHECKS
+
+    caches = list(dict.fromkeys(r.cache for r in checks))
+    names = [r.name for r in checks if r.name != "-"]
+    order = [c for c in CHECKS if c in names] + [n for n in dict.fromkeys(names) if n not in CHECKS]
+    cells: dict[tuple[str, str], object] = {}
+    for r in checks:
+        key = (r.name, r.cache)
+        if key not in cells or cells[key].passed or cells[key].skipped:  # a repeat never hides a failure
+            cells[key] = r
+    whole = {r.cache: r for r in checks if r.name == "-"}
+    order = order or (["-"] if whole else [])
+    rows = []
+    for name in order:
+        row = [name]
+        for c in caches:
+            r = cells.get((name, c), whole.get(c))
+            row.append(_cell(r) if r is not None else styled("-", "dim"))
+        rows.append(row)
+    return fitted(title, ["check", *map(_header, caches)], rows, width)
+
+
+def _header(cache: str) -> str:
+    """A plugin's `pkg.module:Class` heads its column on two lines, so the column is as narrow as its class name."""
+    module, colon, name = cache.rpartition(":")
+    return f"{module}:\n{name}" if colon and len(cache) > 14 else cache
+
+
+def _entry(row, verbose: bool, width: int) -> Text:
+    """`check/cache (tolerance): detail`, in full with `verbose` (and the row's verdict), else clipped."""
+    style = "bold red" if not row.passed and not row.skipped else "bold"
+    tol = f" ({row.tolerance})" if row.tolerance and row.tolerance != "skipped" else ""
+    head = [styled(_label(row), style)] + ([" ", _result(row)] if verbose else [])
+    text = line(*head, f"{tol}: {row.detail or '-'}")
+    return text if verbose else clipped(text, width, DETAIL_LINES, MORE)
+
+
+def _skips(skipped: list, width: int) -> list[Text]:
+    """One line per reason: the skipped cells that share it, then the reason, clipped to one line."""
+    by_reason: dict[str, list[str]] = {}
+    for r in skipped:
+        by_reason.setdefault(r.detail, []).append(_label(r))
+    return [
+        clipped(line(styled("skip", "yellow"), f" {', '.join(cells)}: {why}"), width, 1)
+        for why, cells in by_reason.items()
+    ]
+
+
+def verbose_rows(checks: list) -> None:
+    """--verbose: every row, its verdict, tolerance and detail in full."""
+    for r in checks:
+        out.print(_entry(r, True, out.width))
+
+
+def render_verify(report, meta: dict, verbose: bool = False) -> None:
+    width = out.width
+    title = f"kvbench verify: {meta['model']}, {meta['weights']}, {meta['device']}, {meta['dtype']}"
+    for t in _grid(report.checks, width, title):
+        out.print(t)
+    judged = [r for r in report.checks if not r.skipped]
+    skipped = [r for r in report.checks if r.skipped]
+    if verbose:
+        verbose_rows(report.checks)
+    else:
+        for r in judged:
+            if not r.passed:
+                out.print(_entry(r, verbose, width))
+        for text in _skips(skipped, width):
+            out.print(text)
+    for n in report.notes:
+        out.print(styled(f"- {n}", "dim"))
+    also = f" ({len(skipped)} row(s) skipped: see the rows)" if skipped else ""
+    failed = [f"{r.name}/{r.cache}" for r in judged if not r.passed]
+    if failed:
+        out.print(
+            line(
+                styled("FAILED", "bold red"),
+                f" {len(failed)} of {len(judged)} checks: {', '.join(failed)}{also}",
+            )
+        )
+    elif not judged:  # nothing failed because nothing ran: say so, not PASSED
+        out.print(
+            line(
+                styled("NOTHING CHECKED", "bold yellow"),
+                f": all {len(skipped)} row(s) skipped (see the rows)",
+            )
+        )
+    else:
+        out.print(line(styled("PASSED", "bold green"), f" all {len(judged)} checks{also}"))
