@@ -277,14 +277,16 @@ def tp_shape_rules(tp: int, what: str, heads: int, kv_heads: int, width: int | N
     in its first forward (transformers #48307)."""
     if tp == 1:
         return
-    parts = [("attention heads", heads), ("key/value heads", kv_heads)] + ([("MLP width", width)] if width else [])
+    parts = [("attention heads", heads), ("key/value heads", kv_heads)] + (
+        [("MLP width", width)] if width else []
+    )
     for name, n in parts:
         if n % tp:
             raise KVBenchError(
-                f"--tp {tp}: {what} has {heads} attention heads and {kv_heads} key/value heads, and its {n} {name} "
-                f"do not divide by {tp}: a rank would hold part of a head (transformers' TP loads such a model "
-                "without a warning and fails in its first forward, transformers #48307); use a --tp that divides "
-                f"{n}"
+                f"--tp {tp}: {what} has {heads} attention heads and {kv_heads} key/value heads, and {n} {name} do "
+                f"not divide over {tp} ranks, so a rank would hold part of a head (transformers' TP loads such a "
+                f"model without a warning and fails in its first forward, transformers #48307); use a --tp that "
+                f"divides {n}"
             )
 
 

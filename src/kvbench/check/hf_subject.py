@@ -41,7 +41,7 @@ def generate_run(loaded: LoadedHF, prompts: list[list[int]], new: int, **kwargs)
     assert logits.shape[1] == new, f"generate returned {logits.shape[1]} logit steps, expected {new}"
     cache = returned_cache(out)
     layers = [type(x).__name__ for x in getattr(cache, "layers", [])] if cache is not None else []
-    return Run(out.sequences[:, T:].tolist(), logits, layers)
+    return Run(out.sequences[:, T:].tolist(), logits, layers, cache)
 
 
 def forward_inputs(model, ids: torch.Tensor, start: int = 0) -> dict:
@@ -114,15 +114,18 @@ class HFModel:
 
 
 class HFSubject:
-    """The model with transformers' cache `cache` (a name in HF_CACHES)."""
+    """The model with transformers' cache `cache` (a name in HF_CACHES). `runner`: the loaded model the cached runs
+    go through when it is not the model under test itself (a tensor-parallel rank's shard, held to the whole model in
+    this process)."""
 
     # transformers raises many types (ValueError, RuntimeError, IndexError, ...): each is a failed row
     crashes = (Exception,)
 
-    def __init__(self, model: HFModel, cache: str) -> None:
+    def __init__(self, model: HFModel, cache: str, runner: LoadedHF | None = None, tp: int = 1) -> None:
         self.model, self.cache, self.spec = model, cache, HF_CACHES[cache]
+        self.loaded = runner if runner is not None else model.loaded
         self.cached = self.spec.build is not None
-        self.tol = tolerance(model.dtype, lossy=self.spec.lossy)
+        self.tol = tolerance(model.dtype, lossy=self.spec.lossy, tp=tp)
         self.reference_tol = self.tol
         self.cache_layers: list[str] | None = None  # what the first cached run built
 
@@ -134,28 +137,26 @@ class HFSubject:
         return self.spec.unavailable(info, self.model.device) if self.spec.unavailable else None
 
     def generate(self, prompts: list[list[int]], new: int) -> Run:
-        res = generate_run(self.model.loaded, prompts, new, **generate_kwargs(self.cache))
+        res = generate_run(self.loaded, prompts, new, **generate_kwargs(self.cache))
         if self.cache_layers is None:
             self.cache_layers = res.cache_layers
         return res
 
     def reused(self, prev: list[int], prompt: list[int], new: int) -> tuple[Run, str]:
-        obj = self.spec.build(self.model.loaded.model, max(len(prev), len(prompt)) + new)
+        obj = self.spec.build(self.loaded.model, max(len(prev), len(prompt)) + new)
         kw = {cache_kwarg(): obj, **reuse_kwargs(self.cache)}
-        generate_run(self.model.loaded, [prev], new, **kw)
+        generate_run(self.loaded, [prev], new, **kw)
         obj.reset()
-        return generate_run(
-            self.model.loaded, [prompt], new, **kw
-        ), f"a {type(obj).__name__} reset() and reused"
+        return generate_run(self.loaded, [prompt], new, **kw), f"a {type(obj).__name__} reset() and reused"
 
     def open(self, batch: int, max_len: int) -> HFSession:
-        return HFSession(self.model, self.spec.build(self.model.loaded.model, max_len))
+        return HFSession(self.loaded, self.spec.build(self.loaded.model, max_len))
 
     def generation_features(self, check: str) -> list[tuple[str, Callable, Callable]]:
         return generation_features(self, check)
 
     def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
-        obj = self.spec.build(self.model.loaded.model, 8)
+        obj = self.spec.build(self.loaded.model, 8)
         lacks = [m for m in members if m in HF_MEMBER and not hasattr(obj, HF_MEMBER[m])]
         return f"{type(obj).__name__} has no {', '.join(HF_MEMBER[m] for m in lacks)}" if lacks else None
 
@@ -192,8 +193,9 @@ class HFSession:
     places each call after what the cache holds and builds its own causal mask and positions (releases whose forward
     takes `cache_position` are given it)."""
 
-    def __init__(self, model: HFModel, cache, held: int = 0) -> None:
-        self.model, self.cache, self.held = model, cache, held
+    def __init__(self, loaded: LoadedHF, cache, held: int = 0) -> None:
+        self.loaded, self.cache, self.held = loaded, cache, held
+        self.device = next(loaded.model.parameters()).device
 
     def prepare_rollback(self) -> None:
         """What transformers' own speculative decoding does before drafting: layers that can record their past
@@ -204,16 +206,13 @@ class HFSession:
 
     @torch.no_grad()
     def forward(self, ids: list[list[int]]) -> torch.Tensor:
-        x = torch.tensor(ids, device=self.model.device)  # (B, T)
-        pos = torch.arange(self.held, self.held + x.size(1), device=self.model.device)
-        kw = {
-            cache_kwarg(): self.cache,
-            "use_cache": True,
-            **forward_inputs(self.model.loaded.model, x, self.held),
-        }
-        if "cache_position" in inspect.signature(self.model.loaded.model.forward).parameters:
+        model = self.loaded.model
+        x = torch.tensor(ids, device=self.device)  # (B, T)
+        pos = torch.arange(self.held, self.held + x.size(1), device=self.device)
+        kw = {cache_kwarg(): self.cache, "use_cache": True, **forward_inputs(model, x, self.held)}
+        if "cache_position" in inspect.signature(model.forward).parameters:
             kw["cache_position"] = pos
-        out = self.model.loaded.model(input_ids=x, **kw)
+        out = model(input_ids=x, **kw)
         self.held += x.size(1)
         return out.logits.float().cpu()  # (B, T, V)
 
@@ -230,10 +229,10 @@ class HFSession:
         self.held = length
 
     def fork(self) -> HFSession:
-        return HFSession(self.model, copy.deepcopy(self.cache), self.held)
+        return HFSession(self.loaded, copy.deepcopy(self.cache), self.held)
 
     def reorder(self, index: list[int]) -> None:
-        self.cache.reorder_cache(torch.tensor(index, device=self.model.device))
+        self.cache.reorder_cache(torch.tensor(index, device=self.device))
 
 
 def _greedy(loaded: LoadedHF, prompt: list[int], new: int, **kwargs) -> list[int]:
@@ -254,7 +253,7 @@ def generation_features(subject: HFSubject, check: str) -> list[tuple[str, Calla
     """transformers' generation features built on a lifecycle operation, each (name, run, reference): greedy
     prompt-lookup and assisted decoding (drafts, then a crop) against plain greedy; beam search (reorder every
     step) against beam search without a cache."""
-    loaded, kw = subject.model.loaded, generate_kwargs(subject.cache)
+    loaded, kw = subject.loaded, generate_kwargs(subject.cache)
     plain = partial(_greedy, loaded, **kw)
     if check == "rollback":
         return [

@@ -19,23 +19,26 @@ from kvbench.check.causal import refuse_non_causal
 from kvbench.check.hf_subject import HFModel, HFSubject
 from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
 from kvbench.check.lifecycle import LIFECYCLE
-from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks
+from kvbench.check.suite import RANK_CACHE, SHORT_TOKENS, prompts_note, run_checks
+from kvbench.check.tp import hf_tp_rows
 from kvbench.devices import dtype_name
 from kvbench.hf.caches import HF_CACHES
 from kvbench.hf.introspect import HFModelInfo, quiet_transformers
 from kvbench.hf.models import LoadedHF
 from kvbench.validate import past_context
 
-CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)
+CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE, RANK_CACHE)
 
 
 def run_hf_verify(
     loaded: LoadedHF, caches: list[str], prompts: list[list[int]], new_tokens: int = 100,
     checks: tuple[str, ...] = CHECKS, short_tokens: int = SHORT_TOKENS,
-    on_row: Callable[[CheckRow], None] | None = None,
+    on_row: Callable[[CheckRow], None] | None = None, tp=None, shard: LoadedHF | None = None,
 ) -> VerifyReport:  # fmt: skip
     """Run `checks` for every cache in `caches` (names in HF_CACHES) on `prompts` (prompts[0] is the single-prompt
-    checks' prompt; all of them form the batch; prompts[1] is cache_state's second prompt)."""
+    checks' prompt; all of them form the batch; prompts[1] is cache_state's second prompt). `tp`: this process is
+    one rank (kvbench.distributed.Rank) and `shard` its split of the model: the cached runs go through it, held to
+    `loaded` (the whole model); rank 0's report holds every rank's rows, with rank_cache (check/tp.py)."""
     lens = [len(p) for p in prompts]
     unknown = [c for c in caches if c not in HF_CACHES]
     assert not unknown, f"unknown caches {unknown}"
@@ -43,10 +46,14 @@ def run_hf_verify(
     assert not past_context(max(lens) + new_tokens, loaded.info.context), (max(lens), new_tokens)
     refuse_non_causal(loaded)
     target = HFModel(loaded)
-    subjects = [HFSubject(target, c) for c in caches]
+    world = 1 if tp is None else tp.world
+    subjects = [HFSubject(target, c, runner=shard, tp=world) for c in caches]
     baseline = HFSubject(target, "none")  # what the model itself does without a cache (run_checks)
+    report = on_row if tp is None or tp.rank == 0 else None
     with quiet_transformers():
-        rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row, baseline)
+        rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, report, baseline)
+        if tp is not None:
+            rows = hf_tp_rows(subjects, rows, prompts[0], new_tokens, tp, report)
     return VerifyReport(
         passed=all(r.passed for r in rows if not r.skipped), checks=rows, dtype=dtype_name(target.dtype),
         new_tokens=new_tokens, prompt_len=len(prompts[0]), batch_lens=lens,

@@ -25,6 +25,7 @@ class Run:
     tokens: list[list[int]]  # (B, N) generated ids
     logits: torch.Tensor  # (B, N, V) fp32 on the CPU
     cache_layers: list[str] = field(default_factory=list)  # class names of the cache's layers, where known
+    cache: object = None  # the cache object the run returned, where the library returns one (transformers)
 
 
 @dataclass

@@ -57,7 +57,9 @@ class Recording(LayerCache):
 
 
 @torch.inference_mode()
-def filled(gpt, make_caches: Callable[[int], list], tokens: list[int], prompt_len: int, mask_rule) -> list[Recording]:
+def filled(
+    gpt, make_caches: Callable[[int], list], tokens: list[int], prompt_len: int, mask_rule
+) -> list[Recording]:
     """Caches of one design filled by `gpt` over `tokens`: the first `prompt_len` in one prefill, then one decode
     step per token, positions explicit; each layer's last returned K/V recorded."""
     device = gpt.lm_head.weight.device
@@ -83,7 +85,10 @@ def compare_slices(
         L = w.length
         if g.length != L:
             return CheckRow(
-                name=RANK_CACHE, cache=cache, passed=False, tolerance=f"rtol {rtol:g}, atol {atol:g}",
+                name=RANK_CACHE,
+                cache=cache,
+                passed=False,
+                tolerance=f"rtol {rtol:g}, atol {atol:g}",
                 detail=f"{what}: layer {i} holds {g.length} tokens, the one-process cache {L}",
             )
         for name, a, b in (("K", g.k, w.k), ("V", g.v, w.v)):
@@ -95,14 +100,21 @@ def compare_slices(
             if bad.numel():
                 _, h, t, _ = (int(x) for x in bad[0])
                 return CheckRow(
-                    name=RANK_CACHE, cache=cache, passed=False, max_abs_diff=float(diff.max()),
+                    name=RANK_CACHE,
+                    cache=cache,
+                    passed=False,
+                    max_abs_diff=float(diff.max()),
                     tolerance=f"rtol {rtol:g}, atol {atol:g}",
                     detail=f"{what}: layer {i} {name} differs first at head {heads.start + h} (this rank's {h}), "
                     f"slot {t}: |delta| {float(diff[0, h, t].max()):.3g}",
                 )
             worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
     return CheckRow(
-        name=RANK_CACHE, cache=cache, passed=True, max_abs_diff=worst, tolerance=f"rtol {rtol:g}, atol {atol:g}",
+        name=RANK_CACHE,
+        cache=cache,
+        passed=True,
+        max_abs_diff=worst,
+        tolerance=f"rtol {rtol:g}, atol {atol:g}",
         detail=f"{what}: equal",
     )
 
@@ -122,8 +134,13 @@ def merge(per_rank: list[list[CheckRow]]) -> list[CheckRow]:
             detail += "".join(f"; rank {r}: {row.detail}" for r, row in failed[1:])
         merged.append(
             CheckRow(
-                name=first.name, cache=first.cache, passed=not failed, max_abs_diff=max(diffs) if diffs else None,
-                first_divergence=min(steps) if steps else None, tolerance=first.tolerance, detail=detail,
+                name=first.name,
+                cache=first.cache,
+                passed=not failed,
+                max_abs_diff=max(diffs) if diffs else None,
+                first_divergence=min(steps) if steps else None,
+                tolerance=first.tolerance,
+                detail=detail,
                 skipped=all(row.skipped for row in rows),
             )
         )
@@ -153,7 +170,46 @@ def gpt2_rank_cache(s, prompt: list[int], new: int, tp) -> CheckRow:
     return compare_slices(s.cache, got, want, heads, rtol, s.tol.atol if s.exact else 1e-5, tp.rank)
 
 
-def tp_rows(target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp) -> list[CheckRow]:
+class _Held:
+    """One transformers cache layer's keys and values as compare_slices reads a Recording."""
+
+    def __init__(self, layer) -> None:
+        self.k, self.v = layer.keys, layer.values  # (B, H, slots, Dh)
+        held = layer.get_seq_length() if hasattr(layer, "get_seq_length") else self.k.size(2)
+        self.length = min(int(held), self.k.size(2))
+
+
+def hf_rank_cache(s, prompt: list[int], new: int, tp) -> CheckRow:
+    """`rank_cache` for a Hugging Face model (an HFSubject running through this rank's shard): the cache `generate`
+    returns on this rank against the one the whole model's `generate` returns for the same prompt and cache."""
+    from kvbench.check.hf_subject import generate_run
+    from kvbench.check.judge import skipped
+    from kvbench.hf.caches import generate_kwargs
+    from kvbench.model.tp import rank_heads
+
+    kw = generate_kwargs(s.cache)
+    got, want = generate_run(s.loaded, [prompt], new, **kw), generate_run(s.model.loaded, [prompt], new, **kw)
+    if got.tokens != want.tokens:
+        return skipped(s.cache, "the shard's greedy tokens differ from the whole model's (see greedy): their caches "
+                       "hold different sequences", RANK_CACHE)  # fmt: skip
+    layers = [list(getattr(r.cache, "layers", None) or []) for r in (got, want)]
+    plain = all(getattr(x, "keys", None) is not None for x in layers[0] + layers[1])
+    if not layers[0] or not plain:
+        kinds = sorted({type(x).__name__ for x in layers[0]}) or [type(got.cache).__name__]
+        return skipped(
+            s.cache, f"{', '.join(kinds)} holds no plain keys and values per layer to compare", RANK_CACHE
+        )
+    heads = rank_heads(s.model.loaded.info.n_kv_heads, tp.rank, tp.world)
+    exact = not s.tol.lossy
+    rtol = s.tol.rtol if exact else max(s.tol.rtol, LOSSY_SLICE_RTOL)
+    return compare_slices(
+        s.cache, [_Held(x) for x in layers[0]], [_Held(x) for x in layers[1]], heads, rtol, 1e-5, tp.rank
+    )
+
+
+def tp_rows(
+    target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp
+) -> list[CheckRow]:
     """Every check of the suite, and rank_cache, for each cache on this rank's shard of `target`'s model; rank 0
     returns every rank's rows merged, the other ranks their own."""
     from kvbench.check.gpt2_subject import GPT2Subject
@@ -170,5 +226,20 @@ def tp_rows(target, caches, prompts, new_tokens, checks, short_tokens, on_row, f
             rows.append(gpt2_rank_cache(s, prompts[0], new_tokens, tp))
             if report is not None:
                 report(rows[-1])
+    per_rank = gather(rows)
+    return merge(per_rank) if per_rank is not None else rows
+
+
+def hf_tp_rows(subjects, rows: list[CheckRow], prompt: list[int], new: int, tp, on_row) -> list[CheckRow]:
+    """A Hugging Face model's rows on this rank with rank_cache for each cache that ran, then gathered: rank 0
+    returns every rank's rows merged, the other ranks their own."""
+    from kvbench.distributed import gather
+
+    ran = {r.cache for r in rows if not r.skipped}
+    for s in subjects:
+        if s.cached and s.cache in ran:
+            rows.append(hf_rank_cache(s, prompt, new, tp))
+            if on_row is not None:
+                on_row(rows[-1])
     per_rank = gather(rows)
     return merge(per_rank) if per_rank is not None else rows

@@ -62,7 +62,9 @@ def run_verify(
     if target.dtype != torch.float32:
         notes.append(LOW_PRECISION_NOTE)
     if tp is not None:
-        notes.append(f"{TP_NOTE}; {tp.world} ranks ({tp.backend}), each held to the whole model in its own process")
+        notes.append(
+            f"{TP_NOTE}; {tp.world} ranks ({tp.backend}), each held to the whole model in its own process"
+        )
     return VerifyReport(
         passed=all(r.passed for r in rows), checks=rows, dtype=dtype_name(target.dtype), new_tokens=new_tokens,
         prompt_len=len(prompts[0]), batch_lens=lens, reference=REFERENCE if target.hf is not None else "none",

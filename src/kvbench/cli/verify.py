@@ -141,7 +141,15 @@ def _verify_gpt2(o: VerifyOptions, on_row):
     validate.compile_mode(o.compile, dev.type)
     prompts = random_prompts(loaded.config.vocab_size, o.prompt_len, o.batch, o.seed)
     report = run_verify(
-        loaded.model, names, prompts, o.new_tokens, o.reference, hf_dir, on_row=on_row, compile=o.compile, tp=rank
+        loaded.model,
+        names,
+        prompts,
+        o.new_tokens,
+        o.reference,
+        hf_dir,
+        on_row=on_row,
+        compile=o.compile,
+        tp=rank,
     )
     meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev), "dtype": report.dtype,
             "compile": o.compile, "tp": o.tp}  # fmt: skip
@@ -166,16 +174,29 @@ def _verify_hf(o: VerifyOptions, on_row):
             "lower --prompt-len or --new-tokens",
         )  # fmt: skip
 
-    loaded, dev, _ = load_hf_for_cli(o.hf, o.device, o.dtype, o.seed, o.layers, o.trust_remote_code,
-                                     init_std=CHECK_INIT_STD, run=(o.batch, o.prompt_len + o.new_tokens),
-                                     check=fits)  # fmt: skip
+    device, rank, shard = o.device, None, None
+    if o.tp > 1:  # one rank of the group: join it, then load the whole model and this rank's split of it
+        from kvbench import distributed
+        from kvbench.hf.tp import check_tp_model
+
+        check_tp_model(o.hf, o.tp, o.trust_remote_code)
+        rank = distributed.start(o.tp, resolve_device(o.device), o.tp_timeout)
+        device = str(rank.device)
+    loaded, dev, dt = load_hf_for_cli(o.hf, device, o.dtype, o.seed, o.layers, o.trust_remote_code,
+                                      init_std=CHECK_INIT_STD, run=(o.batch, o.prompt_len + o.new_tokens),
+                                      check=fits)  # fmt: skip
+    if rank is not None:
+        from kvbench.hf.models import load_hf
+
+        shard = load_hf(o.hf, dev, dt, o.seed, o.layers, o.trust_remote_code, tp=True)
     prompts = random_prompts(loaded.info.vocab_size, o.prompt_len, o.batch, o.seed)
-    report = run_hf_verify(loaded, names, prompts, o.new_tokens, on_row=on_row)
+    report = run_hf_verify(loaded, names, prompts, o.new_tokens, on_row=on_row, tp=rank, shard=shard)
     meta = {
         "model": loaded.label,
         "weights": loaded.weights,
         "device": str(dev),
         "dtype": report.dtype,
+        "tp": o.tp,
         "hf": {**loaded.meta(), "caches": {n: HF_CACHES[n].summary for n in names}},
     }
     return report, meta

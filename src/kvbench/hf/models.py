@@ -220,6 +220,12 @@ def _resolve(source: str, layers: int | None, trust_remote_code: bool) -> _Resol
     return _Resolved(config, where, kwargs, weights, total)
 
 
+def resolve_source(source: str, layers: int | None, trust_remote_code: bool) -> _Resolved:
+    """SOURCE read and checked without reading a weight: load_hf's first step, on its own (hf/tp.py)."""
+    with quiet_transformers():
+        return _resolve(source, layers, trust_remote_code)
+
+
 def load_hf(
     source: str,
     device: torch.device,
@@ -230,18 +236,22 @@ def load_hf(
     init_std: float | None = None,
     run: tuple[int, int] | None = None,
     check=None,
+    tp: bool = False,
 ) -> LoadedHF:
     """Load SOURCE (see the module docstring) in `dtype` on `device`, eval mode, with a neutral generation config.
     `init_std`, for random weights only, replaces the config's initializer_range (None: keep the config's).
 
     Before any real allocation the model is built on the meta device: `check(shape)`, if given, runs on it (the
     caller's own checks: context, sizes), then its memory is estimated (`check_memory`, with `run` = (batch,
-    tokens) of the largest generation the caller will run) against what the device has free."""
+    tokens) of the largest generation the caller will run) against what the device has free.
+
+    `tp`: this process is one rank of a tensor-parallel group already started (kvbench.distributed): the
+    checkpoint is loaded split by transformers' own plan (hf/tp.py), this rank's shard on its device."""
     with quiet_transformers():
-        return _load(source, device, dtype, seed, layers, trust_remote_code, init_std, run, check)
+        return _load(source, device, dtype, seed, layers, trust_remote_code, init_std, run, check, tp)
 
 
-def _load(source, device, dtype, seed, layers, trust_remote_code, init_std, run, check) -> LoadedHF:
+def _load(source, device, dtype, seed, layers, trust_remote_code, init_std, run, check, tp=False) -> LoadedHF:
     r = _resolve(source, layers, trust_remote_code)
     shape = _meta_shape(r, source)
     if check is not None:
@@ -256,16 +266,21 @@ def _load(source, device, dtype, seed, layers, trust_remote_code, init_std, run,
         model = _call(lambda: AutoModelForCausalLM.from_config(config, **r.kwargs), source)
         weights = f"random(transformers init, initializer_range={std}, seed={seed}) from {path}"
     else:
+        split = {}
+        if tp:
+            from transformers.distributed import DistributedConfig
+
+            split = {"distributed_config": DistributedConfig(tp_plan="auto")}
         model, info = _call(
             lambda: AutoModelForCausalLM.from_pretrained(
                 r.where, config=config, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True,
-                **r.kwargs,
+                **r.kwargs, **split,
             ),
             source,
         )  # fmt: skip
         refuse_incomplete(info, r.weights, kept=None if layers is None else layers)
         weights = r.weights
-    model = model.to(device=device, dtype=dtype).eval()
+    model = (model if tp else model.to(device=device, dtype=dtype)).eval()
     _contain_remote_code(model, source)
     pad = _neutral_generation_config(model)
     return LoadedHF(model, source, weights, r.weights is None, describe(model), pad, layers_of=r.layers_of)

@@ -98,7 +98,9 @@ def rank_heads(n_head: int, rank: int, world: int) -> range:
 
 # Where a rank's K and V columns come from: its own heads (the correct split). `kvbench break tp-kv-heads` passes
 # another rule (check/faults.py).
-KVHeads = Callable[[int, int, int], range]  # (n_head, rank, world) -> the heads whose K and V this rank computes
+KVHeads = Callable[
+    [int, int, int], range
+]  # (n_head, rank, world) -> the heads whose K and V this rank computes
 
 
 def shard(model: GPT, rank: int, world: int, kv_heads: KVHeads = rank_heads) -> GPT:
