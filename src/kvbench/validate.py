@@ -318,6 +318,7 @@ def break_rules(o: Any) -> None:
     run_batch(o.batch, least=2)
     reference(o.reference)
     seed(o.seed)
+    tp_rules(o.tp, o.tp_timeout)
 
 
 # --- bench -----------------------------------------------------------------------------------------------------------

@@ -13,8 +13,10 @@ from kvbench.check.gpt2_subject import full_logits, run
 from kvbench.check.judge import CheckRow, first_diff, not_finite
 from kvbench.check.suite import CHECKS
 from kvbench.check.verify import random_prompts, run_verify
+from kvbench.distributed import Rank
 from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPT
+from kvbench.model.tp import shard
 
 BREAK_PROMPTS = (
     "The key to fast inference is",
@@ -66,24 +68,27 @@ def require_finite(model: GPT, prompts: list[list[int]], new_tokens: int, cache:
 def break_fault(
     model: GPT, name: str, prompts: list[list[int]], new_tokens: int, reference: str = "hf",
     hf_dir: str | None = None, decode: Callable[[list[int]], str] | None = None, cache: str | None = None,
+    tp: Rank | None = None,
 ) -> BreakResult:  # fmt: skip
     """Run fault `name` against the correct path (its `demo`), run every verify check with the fault in, and show
     it dormant where it cannot fire. `cache`: the cache to carry the fault (default: the fault's own; any cache,
-    plugins included, for faults that live outside the cache)."""
+    plugins included, for faults that live outside the cache). `tp`: this process is one rank of a tensor-parallel
+    group: the demo runs on its shard and verify's rows hold every rank's (rank 0's result is the verdict); a fault
+    that fires only across ranks is also run through every check in one process, where it is dormant."""
     f = get_fault(name)
     cache = cache or f.cache
-    if not f.applies_to(cache):
-        raise KVBenchError(
-            f"the {name} fault lives in the {f.cache} cache itself; it cannot be run on {cache!r}"
-        )
-    if f.batched and (len(prompts) < 2 or len({len(p) for p in prompts}) < 2):
-        raise KVBenchError(
-            f"the {name} fault needs a batch of >= 2 prompts of different lengths (got lengths "
-            f"{[len(p) for p in prompts]}): with one prompt, or equal lengths, nothing is padded and the bug is dormant"
-        )
-    require_finite(model, prompts, new_tokens, cache)
-    correct, faulty, shown, signature = f.demo(model, f, prompts, new_tokens, cache)
-    report = run_verify(model, [cache], prompts, new_tokens, reference, hf_dir, fault=f)
+    # the caller's promise (faults.select_faults, validate.break_rules, break_prompts)
+    assert f.applies_to(cache) and (tp is not None or not f.tp), (name, cache)
+    assert not f.batched or len({len(p) for p in prompts}) >= 2, [len(p) for p in prompts]
+    runner = model if tp is None else shard(model, tp.rank, tp.world)
+    require_finite(runner, prompts, new_tokens, cache)
+    correct, faulty, shown, signature = f.demo(runner, f, prompts, new_tokens, cache)
+    report = run_verify(model, [cache], prompts, new_tokens, reference, hf_dir, fault=f, tp=tp)
+    if f.tp and tp.rank == 0:  # dormant in one process: every check passes there
+        alone = run_verify(model, [cache], prompts, new_tokens, reference, hf_dir, fault=f)
+        judged = [r for r in alone.checks if not r.skipped]
+        passed = sum(r.passed for r in judged)
+        shown = f"in one process (tp 1) the faulty code passes {passed} of {len(judged)} verify checks"
     caught = [r.name for r in report.checks if not r.passed]
     caught_by = [c for c in CHECKS if c in caught]
     return BreakResult(

@@ -11,6 +11,8 @@ Each fault is a buggy rule or a buggy cache, passed from outside into the very l
     aliased-fork    AliasedFork           a StaticCache whose fork shares its storage
     reorder-keys-only  KeysOnlyReorder    a StaticCache whose reorder moves K rows but not V rows
     chunk-causal    ChunkCausal           SDPA's causal flag for a chunk of T > 1 queries over past + T keys
+    tp-neighbour-slice  NeighbourSlice    a rank's cache keeps the next rank's heads from a K/V hand-off (--tp only)
+    tp-rank-crop    RankZeroCrop          a rollback cropped on rank 0 only (--tp only)
 Each fault's `demo` runs the correct and the faulty path side by side and measures the bug's signature;
 check/breaking.py runs every `verify` check with the fault injected.
 """
@@ -120,6 +122,41 @@ class KeysOnlyReorder(StaticCache):
         self.k = self.k.index_select(0, index)
 
 
+class NeighbourSlice(DynamicCache):
+    """BUG on purpose: a hand-off of K/V between tensor-parallel ranks (all-gather every rank's heads, keep this
+    rank's slice) that keeps the next rank's slice, an off-by-one rank offset: each rank caches, and attends with,
+    another rank's heads. In one process the next rank is itself, so nothing changes."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__()
+        self.rank, self.size = rank, size
+
+    def update(self, k, v, positions):
+        if self.size > 1:
+            k, v = self._next_rank(k), self._next_rank(v)
+        return super().update(k, v, positions)
+
+    def _next_rank(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous())
+        return parts[(self.rank + 1) % self.size]  # the correct hand-off keeps parts[self.rank]
+
+
+class RankZeroCrop(DynamicCache):
+    """BUG on purpose: a rollback applied on rank 0 only (the rank that decided it); the other ranks keep the rejected
+    draft columns and attend to them. In one process rank 0 is every rank, so nothing changes."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def crop(self, length: int) -> None:
+        if self.rank == 0:
+            super().crop(length)
+
+
 class ChunkCausal(MaskRule):
     """BUG on purpose: SDPA's causal flag for a block of T > 1 queries over past + T keys (a chunk after the first,
     a block of draft tokens). SDPA aligns it top-left, so the block attends to the first keys, not its own past."""
@@ -139,6 +176,14 @@ def _layer(cls) -> Callable:
     return make
 
 
+def _neighbour_slice(c: GPTConfig, batch: int, max_len: int, dtype, device) -> NeighbourSlice:
+    return NeighbourSlice(c.tp_rank, c.tp_size)
+
+
+def _rank_zero_crop(c: GPTConfig, batch: int, max_len: int, dtype, device) -> RankZeroCrop:
+    return RankZeroCrop(c.tp_rank)
+
+
 @dataclass(frozen=True)
 class Fault:
     name: str
@@ -156,6 +201,9 @@ class Fault:
     layer_cache: Callable | None = None
     # (model, fault, prompts, new, cache) -> (correct tokens, faulty tokens, dormant shown, signature measured)
     demo: Callable[..., tuple] | None = None
+    tp: bool = (
+        False  # fires only across tensor-parallel ranks (break --tp 2 or more); in one process it is dormant
+    )
 
     def applies_to(self, cache: str) -> bool:
         return cache != "none" and (self.any_cache or cache == self.cache)
@@ -236,6 +284,13 @@ def _single(
     correct = run(model, [prompt], new, cache).tokens[0]
     caches = fresh_caches(model, cache, 1, len(prompt) + new, f)
     return correct, run(model, [prompt], new, cache, f, caches).tokens[0], caches
+
+
+def demo_single(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: str) -> tuple:
+    """One prompt through the correct and the faulty cache; dormant: the faulty cache in one process."""
+    correct, faulty, _ = _single(model, f, prompts[0], new, cache)
+    shown = "shown below: every verify check passes in one process"
+    return correct, faulty, shown, f"{f.signature}; shown: this rank's greedy tokens with the fault in"
 
 
 def demo_pointer(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: str) -> tuple:
@@ -387,6 +442,30 @@ FAULTS: dict[str, Fault] = {
         layer_cache=_layer(KeysOnlyReorder),
         demo=demo_lifecycle("reorder"),
     ),
+    "tp-neighbour-slice": Fault(
+        "tp-neighbour-slice",
+        "a K/V hand-off between tensor-parallel ranks keeps the next rank's head slice",
+        "the rank's cache (a DynamicCache subclass, NeighbourSlice): the slice index of an all-gather",
+        "every rank attends with another rank's keys and values: the all-reduced logits go wrong from the prefill",
+        "keep parts[rank], this rank's own heads [r*H/N, (r+1)*H/N)",
+        "one process (tp 1): the next rank is itself, so every single-device check passes",
+        any_cache=False,
+        layer_cache=_neighbour_slice,
+        demo=demo_single,
+        tp=True,
+    ),
+    "tp-rank-crop": Fault(
+        "tp-rank-crop",
+        "a rollback (crop) applied on rank 0 only",
+        "the rank's cache crop (a DynamicCache subclass, RankZeroCrop)",
+        "after a rejected draft the other ranks still attend to it: the all-reduced logits go wrong after a rollback",
+        "every rank crops its own slice to the same length (the rollback is a collective decision)",
+        "one process (tp 1), and every run that never rolls back",
+        any_cache=False,
+        layer_cache=_rank_zero_crop,
+        demo=demo_lifecycle("rollback"),
+        tp=True,
+    ),
     "chunk-causal": Fault(
         "chunk-causal",
         "SDPA's causal flag for a chunk written after cached tokens",
@@ -411,17 +490,20 @@ def parse_fault_names(name: str) -> list[str]:
     return list(FAULTS) if name.strip() == "all" else [get_fault(name).name]
 
 
-def select_faults(name: str, cache: str | None) -> tuple[list[str], list[str]]:
-    """(the faults `name` runs on `cache`, those skipped because they live inside another cache design). A single
-    fault that cannot run on `cache` is refused."""
+def select_faults(name: str, cache: str | None, tp: int = 1) -> tuple[list[str], dict[str, str]]:
+    """(the faults `name` runs on `cache` across `tp` ranks, {fault skipped: why}): a fault that lives inside another
+    cache design, or that fires only across tensor-parallel ranks when tp is 1. A single fault that cannot run is
+    refused."""
     names = parse_fault_names(name)
-    if cache is None:
-        return names, []
     if cache == "none":
         raise KVBenchError("--cache none: the faults live in cached decoding; name a cache")
-    skipped = [n for n in names if not FAULTS[n].applies_to(cache)]
-    if skipped and name.strip() != "all":
-        raise KVBenchError(
-            f"the {name} fault lives in the {FAULTS[name].cache} cache; it cannot run on {cache!r}"
-        )
-    return [n for n in names if n not in skipped], skipped
+    why = {}
+    for n in names:
+        f = FAULTS[n]
+        if cache is not None and not f.applies_to(cache):
+            why[n] = f"the bug lives inside the {f.cache} cache, not in {cache}"
+        elif f.tp and tp == 1:
+            why[n] = "it fires only across tensor-parallel ranks: run it with --tp 2 (or more)"
+    if why and name.strip() != "all":
+        raise KVBenchError(f"the {name} fault cannot run here: {why[name.strip()]}")
+    return [n for n in names if n not in why], why

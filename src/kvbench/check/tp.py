@@ -215,10 +215,10 @@ def tp_rows(
     from kvbench.check.gpt2_subject import GPT2Subject
     from kvbench.check.suite import run_checks
     from kvbench.distributed import gather
-    from kvbench.model.tp import rank_heads, shard
+    from kvbench.model.tp import shard
 
     report = on_row if tp.rank == 0 else None
-    runner = shard(target.gpt, tp.rank, tp.world, getattr(fault, "kv_heads", None) or rank_heads)
+    runner = shard(target.gpt, tp.rank, tp.world)
     subjects = [GPT2Subject(target, c, fault, compile, runner=runner, tp=tp.world) for c in caches]
     rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, report)
     for s in subjects:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,8 @@ class BreakOptions:
     dtype: str = options.dtype_option("fp32")
     seed: int = options.seed_option()
     tokenizer: str | None = options.tokenizer_option()
+    tp: int = options.tp_option()
+    tp_timeout: float = options.tp_timeout_option()
     json_out: bool = options.json_option()
     junit_xml: Path | None = options.junit_option()
     verbose: bool = options.verbose_option()
@@ -52,12 +55,27 @@ def break_(o: BreakOptions) -> None:
 
     Runs correct and faulty code side by side on the same model and prompt. Exit 0 when every injected fault was
     detected by verify, 1 when any slipped through."""
+    from kvbench import distributed, validate
     from kvbench.results import junit
 
-    clock = junit.RowClock()
-    with junit.errors_reported(o.junit_xml, "break", clock):
-        junit_path = junit.check_junit_path(o.junit_xml, "break")
-        results, skipped, meta = _run_faults(o, clock)
+    launching = o.tp > 1 and not distributed.in_rank()
+    reports = not distributed.in_rank() or distributed.global_rank() == 0  # under --tp, rank 0 reports
+    clock, exit_code = junit.RowClock(), None
+    with junit.errors_reported(o.junit_xml if reports else None, "break", clock):
+        junit_path = junit.check_junit_path(o.junit_xml, "break") if reports else None
+        validate.break_rules(o)
+        if launching:
+            from kvbench.model.weights import peek_config
+
+            cfg = peek_config(o.model, o.weights)
+            validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
+            exit_code = distributed.launch(o.tp, sys.argv[1:])
+        else:
+            results, skipped, meta = _run_faults(o, clock, reports)
+    if exit_code is not None:  # the ranks have reported
+        raise typer.Exit(exit_code)
+    if not reports:
+        return
     if junit_path is not None:
         junit.write_suite(junit_path, junit.break_suite(results, skipped, meta, clock.seconds, clock.total()))
     if o.json_out:
@@ -71,24 +89,30 @@ def break_(o: BreakOptions) -> None:
         raise typer.Exit(1)
 
 
-def _run_faults(o: BreakOptions, on_fault):
+def _run_faults(o: BreakOptions, on_fault, reports: bool = True):
     """Each chosen fault against the correct path, each result passed to `on_fault` as it completes:
-    (results, [(fault, why skipped)], meta)."""
+    (results, [(fault, why skipped)], meta). Under --tp, every rank runs them (rank 0 renders: `reports`)."""
     from kvbench import validate
     from kvbench.caches import get_cache_spec
     from kvbench.check.breaking import break_fault, break_prompts
-    from kvbench.check.faults import FAULTS, select_faults
+    from kvbench.check.faults import select_faults
     from kvbench.model.weights import peek_config
 
     cache = get_cache_spec(o.cache).name if o.cache is not None else None
-    names, skipped = select_faults(o.name, cache)
-    why = {n: f"the bug lives inside the {FAULTS[n].cache} cache, not in {cache}" for n in skipped}
-    for n in skipped:
+    names, why = select_faults(o.name, cache, o.tp)
+    for n in why if reports else ():
         console.note(f"{n}: skipped ({why[n]})")
-    validate.break_rules(o)
     cfg = peek_config(o.model, o.weights)
     validate.fits_context("a one-token prompt", 1, o.new_tokens, cfg.block_size, "use fewer --new-tokens")
-    loaded, dev, dt, hf_dir = load_for_checks(o.model, o.weights, o.device, o.dtype, o.seed)
+    device, rank = o.device, None
+    if o.tp > 1:  # one rank of the group: join it first, on its own device
+        from kvbench import distributed
+        from kvbench.devices import resolve_device
+
+        validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
+        rank = distributed.start(o.tp, resolve_device(o.device), o.tp_timeout)
+        device = str(rank.device)
+    loaded, dev, dt, hf_dir = load_for_checks(o.model, o.weights, device, o.dtype, o.seed)
     tok = _tokenizer(o.tokenizer)
     prompts = break_prompts(tok, loaded.config.vocab_size, o.prompt, o.batch, o.seed)
     validate.fits_context("longest batch prompt (after padding)", max(map(len, prompts)), o.new_tokens,
@@ -97,13 +121,13 @@ def _run_faults(o: BreakOptions, on_fault):
     results = []
     for n in names:
         results.append(
-            break_fault(loaded.model, n, prompts, o.new_tokens, o.reference, hf_dir, decode, cache)
+            break_fault(loaded.model, n, prompts, o.new_tokens, o.reference, hf_dir, decode, cache, rank)
         )
         on_fault(results[-1])
-        if not o.json_out:
+        if reports and not o.json_out:
             render_break(results[-1], o.verbose)
-    meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev)}
-    return results, [(n, why[n]) for n in skipped], meta
+    meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev), "tp": o.tp}
+    return results, list(why.items()), meta
 
 
 def _tokenizer(name: str | None):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -96,16 +95,10 @@ def rank_heads(n_head: int, rank: int, world: int) -> range:
     return range(rank * h, (rank + 1) * h)
 
 
-# Where a rank's K and V columns come from: its own heads (the correct split). `kvbench break tp-kv-heads` passes
-# another rule (check/faults.py).
-KVHeads = Callable[
-    [int, int, int], range
-]  # (n_head, rank, world) -> the heads whose K and V this rank computes
-
-
-def shard(model: GPT, rank: int, world: int, kv_heads: KVHeads = rank_heads) -> GPT:
+def shard(model: GPT, rank: int, world: int) -> GPT:
     """Rank `rank`'s slice of `model` (module docstring); `model` itself is left whole. Heads and the MLP width
-    must divide by `world` (validate.tp_rules checks it before any rank starts)."""
+    must divide by `world` (validate.tp_shape_rules checks it before any rank starts); the shard's `cache_config`
+    holds its heads and says which rank of how many it is."""
     cfg = model.config
     H, C, Dh = cfg.n_head, cfg.n_embd, cfg.head_dim
     assert H % world == 0 and (4 * C) % world == 0, f"{H} heads, MLP {4 * C} over {world} ranks"
@@ -113,12 +106,12 @@ def shard(model: GPT, rank: int, world: int, kv_heads: KVHeads = rank_heads) -> 
     heads, width = rank_heads(H, rank, world), 4 * C // world
     for block in part.transformer.h:
         attn, mlp = block.attn, block.mlp
-        q = head_columns(C, Dh, heads)[: len(heads) * Dh]
-        kv = head_columns(C, Dh, kv_heads(H, rank, world))[len(heads) * Dh :]
-        attn.c_attn = _columns(attn.c_attn, torch.cat([q, kv]))
+        attn.c_attn = _columns(attn.c_attn, head_columns(C, Dh, heads))
         attn.c_proj = _rows(attn.c_proj, heads.start * Dh, heads.stop * Dh)
         attn.n_head = len(heads)
         mlp.c_fc = _columns(mlp.c_fc, torch.arange(rank * width, (rank + 1) * width))
         mlp.c_proj = _rows(mlp.c_proj, rank * width, (rank + 1) * width)
-    part.cache_config = dataclasses.replace(cfg, n_head=H // world, n_embd=C // world)
+    part.cache_config = dataclasses.replace(
+        cfg, n_head=H // world, n_embd=C // world, tp_rank=rank, tp_size=world
+    )
     return part
