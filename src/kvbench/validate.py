@@ -301,6 +301,7 @@ def verify_rules(o: Any) -> None:
         why=f"{o.batch} prompts of distinct lengths need that many tokens",
     )
     seed(o.seed)
+    tp_rules(o.tp, o.tp_timeout, o.compile)
     if o.hf is None:
         only_with_hf(o.hf, **{"--trust-remote-code": o.trust_remote_code, "--layers": o.layers is not None})
         reference(o.reference)

@@ -48,6 +48,11 @@ def run_hf_verify(
     target = HFModel(loaded)
     world = 1 if tp is None else tp.world
     subjects = [HFSubject(target, c, runner=shard, tp=world) for c in caches]
+    if tp is not None:
+        from kvbench.check.tp import IN_STEP
+
+        for s in subjects:
+            s.crashes = IN_STEP
     baseline = HFSubject(target, "none")  # what the model itself does without a cache (run_checks)
     report = on_row if tp is None or tp.rank == 0 else None
     with quiet_transformers():

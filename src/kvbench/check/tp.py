@@ -147,6 +147,11 @@ def merge(per_rank: list[list[CheckRow]]) -> list[CheckRow]:
     return merged
 
 
+# Under tensor parallelism a run that raises on one rank cannot become a failed row: the other ranks would go on to
+# the next collective while it does not, and pair with the wrong one. So nothing is caught: the exception ends this
+# rank (its one line names it, kvbench.distributed) and the others lose their peer within the collective timeout.
+IN_STEP: tuple[type[BaseException], ...] = ()
+
 # A lossy design's stored values may land one quantisation step apart where the shard's rounding puts a value on the
 # other side of a rounding boundary (int8: 1/127 of the head's scale per token); an exact design's may not.
 LOSSY_SLICE_RTOL = 1e-2
@@ -220,6 +225,8 @@ def tp_rows(
     report = on_row if tp.rank == 0 else None
     runner = shard(target.gpt, tp.rank, tp.world)
     subjects = [GPT2Subject(target, c, fault, compile, runner=runner, tp=tp.world) for c in caches]
+    for s in subjects:
+        s.crashes = IN_STEP
     rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, report)
     for s in subjects:
         if s.cached and RANK_CACHE in checks:

@@ -1,0 +1,284 @@
+"""Tensor parallelism (model/tp.py, kvbench.distributed, check/tp.py): real ranks on torch.distributed (gloo), each
+launched by kvbench itself or by torchrun, every check held to the whole model in one process; the shard alone,
+in-process, against the whole model; refusals before any rank starts; a rank that fails, hangs or leaves early
+named in one line; the faults that fire only across ranks.
+
+One launch of two ranks (the main rows on our GPT-2) runs in the default tier; the rest is `slow`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from kvbench.model.gpt2 import GPT, GPTConfig
+
+TINY = ["-m", "gpt2-tiny", "-w", "random", "-d", "cpu"]
+SMALL = ["--prompt-len", "12", "-n", "8"]
+
+
+def kvbench(*args, env=None, timeout=300, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "kvbench", *map(str, args)], capture_output=True, text=True, env=env,
+        timeout=timeout, **kw,
+    )  # fmt: skip
+
+
+def test_verify_tp2_passes_every_main_row_and_records_the_split(tmp_path):
+    r = kvbench("verify", "--tp", 2, *TINY, *SMALL, "--caches", "dynamic,static", "--reference", "none", "--json",
+                "--junit-xml", tmp_path / "v.xml")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)  # rank 0 alone prints: one document
+    assert doc["passed"] and doc["tp"] == 2
+    rows = {(c["name"], c["cache"]): c for c in doc["checks"]}
+    for cache in ("dynamic", "static"):
+        for check in (
+            "logits",
+            "greedy",
+            "batched",
+            "cache_state",
+            "rollback",
+            "fork",
+            "reorder",
+            "chunked_prefill",
+        ):
+            assert rows[(check, cache)]["passed"] and not rows[(check, cache)]["skipped"], (check, cache)
+        rank_cache = rows[("rank_cache", cache)]
+        assert rank_cache["passed"] and "rank 0's cache (heads 0-1)" in rank_cache["detail"]
+    assert any("tensor parallel" in n for n in doc["notes"])
+    assert (tmp_path / "v.xml").read_text().count("<testcase") == len(doc["checks"])
+
+
+# --- the shard alone, in one process (a world of one rank is the whole model) ------------------------------------------
+def test_a_world_of_one_rank_is_the_whole_model_bit_for_bit(monkeypatch):
+    from kvbench.model import tp
+
+    monkeypatch.setattr(tp.COLLECTIVES, "all_reduce", lambda y: None)  # one rank: the sum is its own
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=128)
+    model = GPT(cfg).init_weights(seed=0, std=0.1).eval()
+    part = tp.shard(model, 0, 1)
+    ids = torch.randint(0, 128, (2, 9))
+    pos = torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        assert torch.equal(part(ids, pos), model(ids, pos))
+    assert part.cache_config.n_head == 4 and (part.cache_config.tp_rank, part.cache_config.tp_size) == (0, 1)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_holds_its_contiguous_slice_of_the_heads(rank):
+    from kvbench.model import tp
+
+    cfg = GPTConfig(n_layer=1, n_head=4, n_embd=64, block_size=16, vocab_size=32)
+    model = GPT(cfg).init_weights(seed=0, std=0.1)
+    part = tp.shard(model, rank, 2)
+    attn, whole = part.transformer.h[0].attn, model.transformer.h[0].attn
+    heads = tp.rank_heads(4, rank, 2)
+    assert list(heads) == [2 * rank, 2 * rank + 1] and attn.n_head == 2
+    cols = tp.head_columns(64, 16, heads)
+    assert torch.equal(attn.c_attn.weight, whole.c_attn.weight[:, cols])
+    assert torch.equal(attn.c_proj.weight, whole.c_proj.weight[32 * rank : 32 * (rank + 1)])
+    assert part.cache_config.n_head == 2 and part.cache_config.head_dim == 16
+
+
+# --- refused before any rank starts ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["verify", "--tp", "3", *TINY], "4 attention heads do not divide over 3 ranks"),
+        (["verify", "--tp", "0", *TINY], "--tp must be >= 1"),
+        (["verify", "--tp", "2", "--tp-timeout", "0", *TINY], "--tp-timeout must be >= 1"),
+        (
+            ["verify", "--tp", "2", "--compile", "default", "--caches", "static-graph", *TINY],
+            "--compile default with --tp 2",
+        ),
+        (["break", "tp-rank-crop", *TINY], "fires only across tensor-parallel ranks"),
+    ],
+    ids=["heads", "zero", "timeout", "compile", "break-tp-fault-alone"],
+)
+def test_what_cannot_be_split_is_refused_in_one_line(args, message):
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """Tiny Llama (2 and 1 KV heads), Qwen2 with a sliding window and Mistral, saved with save_pretrained."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    root = tmp_path_factory.mktemp("tp-hf")
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  head_dim=16, initializer_range=0.1, max_position_embeddings=128)  # fmt: skip
+    window = dict(num_key_value_heads=2, sliding_window=8)
+    models = {
+        "llama": (LlamaForCausalLM, LlamaConfig(num_key_value_heads=2, **common)),
+        "llama-kv1": (LlamaForCausalLM, LlamaConfig(num_key_value_heads=1, **common)),
+        "qwen2-sw": (Qwen2ForCausalLM, Qwen2Config(use_sliding_window=True, max_window_layers=0,
+                                                    layer_types=["sliding_attention"] * 2, **window, **common)),
+        "mistral-sw": (MistralForCausalLM, MistralConfig(**window, **common)),
+    }  # fmt: skip
+    torch.manual_seed(0)
+    for name, (cls, cfg) in models.items():
+        cls(cfg).save_pretrained(root / name)
+    return root
+
+
+def test_one_kv_head_at_tp2_is_refused_before_any_rank_starts(hf_models, monkeypatch):
+    from typer.testing import CliRunner
+
+    from kvbench import distributed
+    from kvbench.cli import app
+
+    monkeypatch.setattr(distributed, "launch", lambda *a: pytest.fail("ranks were launched"))
+    r = CliRunner().invoke(app, ["verify", "--hf", str(hf_models / "llama-kv1"), "--tp", "2", "-d", "cpu"])
+    assert r.exit_code == 2, r.output
+    assert "1 key/value heads do not divide over 2 ranks" in r.stderr and "#48307" in r.stderr, r.stderr
+
+
+def test_a_missing_accelerate_names_the_extra(hf_models, monkeypatch):
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "accelerate" else real(n, *a))
+    r = CliRunner().invoke(app, ["verify", "--hf", str(hf_models / "llama"), "--tp", "2", "-d", "cpu"])
+    assert r.exit_code == 2 and 'pip install "kvbench[tp]"' in r.stderr, r.output
+
+
+# --- the slow tier: every cache, real checkpoints' architectures, failures, faults ----------------------------------
+@pytest.mark.slow
+def test_every_builtin_cache_passes_under_tp2():
+    r = kvbench("verify", "--tp", 2, *TINY, *SMALL, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    caches = {c["cache"] for c in doc["checks"]}
+    assert {"dynamic", "static", "static-graph", "paged", "int8"} <= caches
+    assert doc["passed"], [c for c in doc["checks"] if not c["passed"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen2-sw", "mistral-sw"])
+def test_hugging_face_models_pass_under_transformers_tp(hf_models, name):
+    r = kvbench("verify", "--hf", hf_models / name, "--tp", 2, "-d", "cpu", *SMALL, "--caches", "dynamic,static",
+                "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    judged = [c for c in doc["checks"] if not c["skipped"]]
+    assert doc["passed"] and {c["name"] for c in judged} >= {"logits", "greedy", "rank_cache"}
+
+
+def _plugin(tmp_path, body: str) -> dict:
+    """A cache plugin package `tpplug` (a dynamic cache that misbehaves on rank 1) on PYTHONPATH for the ranks."""
+    (tmp_path / "tpplug").mkdir()
+    (tmp_path / "tpplug" / "__init__.py").write_text(
+        textwrap.dedent(
+            """
+            import os, sys, time
+            from kvbench.caches.dynamic import DynamicCache
+
+            class C(DynamicCache):
+                def __init__(self, config, batch, max_len, dtype, device):
+                    super().__init__()
+                    self.rank = config.tp_rank
+
+                def update(self, k, v, positions):
+            """
+        )
+        + textwrap.indent(textwrap.dedent(body), " " * 8)
+        + "        return super().update(k, v, positions)\n"
+    )
+    return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "body, code, line",
+    [
+        (
+            "if self.rank == 1 and self.length > 0: raise RuntimeError('boom on rank one')\n",
+            2,
+            "error: rank 1: cache plugin 'tpplug:C' broke the cache contract: update raised RuntimeError: boom on rank one",
+        ),
+        (
+            "if self.rank == 1 and self.length > 0: time.sleep(120)\n",
+            70,
+            "error: rank 1 did not reach a collective within the timeout",
+        ),
+        ("if self.rank == 1 and self.length > 0: os._exit(0)\n", 70, "error: rank 1 left the run early"),
+    ],
+    ids=["fails", "hangs", "exits"],
+)
+def test_a_rank_that_fails_hangs_or_leaves_ends_the_run_in_one_line(tmp_path, body, code, line):
+    env = _plugin(tmp_path, body)
+    t0 = time.monotonic()
+    r = kvbench("verify", "--tp", 2, *TINY, *SMALL, "--caches", "tpplug:C", "--reference", "none",
+                "--tp-timeout", 10, env=env, timeout=240)  # fmt: skip
+    assert r.returncode == code, (r.returncode, r.stderr)
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert errors == [errors[0]] and errors[0].startswith(line), r.stderr
+    assert time.monotonic() - t0 < 120  # the collective timeout bounds it, not the rank's own sleep
+    assert not _leftover(tmp_path)
+
+
+def _leftover(marker) -> list[str]:
+    """kvbench processes still running that were started for this test (their command line names `marker`)."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [x for x in out.splitlines() if "kvbench" in x and str(marker) in x and "ps -eo" not in x]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **_plugin(tmp_path, "time.sleep(0.5)\n")}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvbench", "verify", "--tp", "2", *TINY, *SMALL, "--caches", "tpplug:C",
+         "--reference", "none", "--junit-xml", str(tmp_path / "ctrl-c.xml")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+    time.sleep(20)  # the ranks are running their checks
+    os.killpg(p.pid, signal.SIGINT)  # what a terminal sends the whole foreground group on Ctrl-C
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    time.sleep(2)
+    assert not _leftover(tmp_path / "ctrl-c.xml")
+
+
+@pytest.mark.slow
+def test_torchrun_starts_the_same_command_as_one_rank_each():
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["-m", "kvbench", "verify", "--tp", "2", *TINY, *SMALL, "--caches", "dynamic", "--reference", "none",
+            "--json"]  # fmt: skip
+    r = subprocess.run([*torchrun, *args], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["passed"]  # one document: the other rank printed nothing
+    wrong = subprocess.run([*torchrun, *args[:4], "4", *args[5:]], capture_output=True, text=True, env=env)
+    assert wrong.returncode != 0 and "--tp 4, but 2 ranks were launched" in wrong.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["tp-neighbour-slice", "tp-rank-crop"])
+def test_faults_that_fire_only_across_ranks_are_caught_only_by_the_tp_rows(fault):
+    r = kvbench("break", fault, "--tp", 2, *TINY, "-n", 8, "--reference", "none", "--json")
+    assert r.returncode == 0, r.stderr
+    (bug,) = json.loads(r.stdout)["bugs"]
+    assert bug["detected"] and bug["caught_by"], bug
+    assert "in one process (tp 1) the faulty code passes 8 of 8 verify checks" in bug["dormant_shown"]
