@@ -52,6 +52,10 @@ def test_verify_tp2_passes_every_main_row_and_records_the_split(tmp_path):
         rank_cache = rows[("rank_cache", cache)]
         assert rank_cache["passed"] and "rank 0's cache (heads 0-1)" in rank_cache["detail"]
     assert any("tensor parallel" in n for n in doc["notes"])
+    held = {(b["rank"], b["cache"]): b for b in doc["rank_cache_bytes"]}
+    assert set(held) == {(r, c) for r in (0, 1) for c in ("dynamic", "static")}
+    for b in held.values():  # each rank holds half the heads: the planner's per-GPU figure, to the byte
+        assert b["measured_bytes"] == b["planned_bytes"] == 2 * 2 * 2 * 32 * 4 * b["tokens"], b
     assert (tmp_path / "v.xml").read_text().count("<testcase") == len(doc["checks"])
 
 
@@ -184,6 +188,9 @@ def test_hugging_face_models_pass_under_transformers_tp(hf_models, name):
     doc = json.loads(r.stdout)
     judged = [c for c in doc["checks"] if not c["skipped"]]
     assert doc["passed"] and {c["name"] for c in judged} >= {"logits", "greedy", "rank_cache"}
+    (r0, r1) = sorted(doc["rank_cache_bytes"], key=lambda b: b["rank"])  # the dynamic cache on each rank
+    for b in (r0, r1):  # 2 layers x K and V x 1 of 2 KV heads x 16 x 4 B per token
+        assert b["measured_bytes"] == b["planned_bytes"] == 2 * 2 * 1 * 16 * 4 * b["tokens"], b
 
 
 def _plugin(tmp_path, body: str) -> dict:

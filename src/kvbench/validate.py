@@ -474,6 +474,10 @@ _MEMORY_SCOPE = {
     "--gpu": ("plan", "--gpu sizes a plan; --measure and --copy-traffic do not use it"),
     "--gpu-mem": ("plan", "--gpu-mem sizes a plan; --measure and --copy-traffic do not use it"),
     "--tp": ("plan", "--tp splits a plan over GPUs; --measure and --copy-traffic do not use it"),
+    "--tp-engine": (
+        "plan",
+        "--tp-engine says how --tp splits a plan; --measure and --copy-traffic do not use it",
+    ),
     "--weights-dtype": (
         "plan",
         "--weights-dtype sizes a plan's weights; --measure and --copy-traffic do not",
@@ -499,6 +503,7 @@ def memory_rules(o: Any, batches: list[int]) -> None:
         "--from": o.from_ is not None, "--to": o.to is not None, "--lengths": o.lengths is not None,
         "--device": o.device is not None, "--caches": o.caches is not None, "--gpu": o.gpu is not None,
         "--gpu-mem": o.gpu_mem is not None, "--tp": o.tp is not None, "--weights-dtype": o.weights_dtype is not None,
+        "--tp-engine": o.tp_engine is not None,
         "--check": o.check, "--bandwidth": o.bandwidth is not None, "--plot": o.plot is not None,
     }  # fmt: skip
     for opt, on in given.items():
@@ -518,6 +523,12 @@ def memory_rules(o: Any, batches: list[int]) -> None:
         raise KVBenchError("--measure, --copy-traffic and --all take one --batch; a list goes with --model")
     if o.tp is not None and o.tp < 1:
         raise KVBenchError(f"--tp {o.tp} must be at least 1")
+    if o.tp_engine is not None:
+        from kvbench.memory.formulas import TP_ENGINES
+
+        one_of("--tp-engine", o.tp_engine, TP_ENGINES)
+        if o.tp is None:
+            raise KVBenchError("--tp-engine says how --tp splits the KV heads: give --tp too")
     if o.plot is not None:
         if o.gpu is None and o.gpu_mem is None:
             raise KVBenchError("--plot draws against a GPU's memory: give --gpu h100 or --gpu-mem 80GiB")

@@ -12,6 +12,7 @@ the top two logits are often close, and any rounding flips them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 
 import torch
 
@@ -57,14 +58,27 @@ def run_hf_verify(
     report = on_row if tp is None or tp.rank == 0 else None
     with quiet_transformers():
         rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, report, baseline)
+        held = []
         if tp is not None:
-            rows = hf_tp_rows(subjects, rows, prompts[0], new_tokens, tp, report)
+            rows, held = hf_tp_rows(subjects, rows, prompts[0], new_tokens, tp, report)
     return VerifyReport(
         passed=all(r.passed for r in rows if not r.skipped), checks=rows, dtype=dtype_name(target.dtype),
         new_tokens=new_tokens, prompt_len=len(prompts[0]), batch_lens=lens,
         reference="transformers no-cache path (use_cache=False)",
-        notes=_notes(loaded, subjects, prompts, new_tokens, short_tokens),
+        notes=_notes(loaded, subjects, prompts, new_tokens, short_tokens) + _tp_notes(tp, held),
+        rank_cache_bytes=[asdict(b) | {"equal": b.equal} for b in held],
     )  # fmt: skip
+
+
+def _tp_notes(tp, held) -> list[str]:
+    if tp is None:
+        return []
+    from kvbench.check.judge import TP_NOTE
+    from kvbench.check.tp import rank_bytes_notes
+
+    where = "transformers' tensor-parallel plan (tp_plan auto)"
+    return [f"{TP_NOTE}; {tp.world} ranks ({tp.backend}) split by {where}, each held to the whole model in its own process",
+            *rank_bytes_notes(held)]  # fmt: skip
 
 
 def _notes(

@@ -74,6 +74,8 @@ class VerifyReport:
     batch_lens: list[int]
     reference: str  # what the reference was, or "none"
     notes: list[str] = field(default_factory=list)
+    # under --tp: each rank's cache bytes per design beside the planner's figure (check/tp.py RankBytes)
+    rank_cache_bytes: list[dict] = field(default_factory=list)
 
 
 def skipped(cache: str, why: str, name: str = "-") -> CheckRow:

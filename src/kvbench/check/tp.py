@@ -16,6 +16,7 @@ rank that failed says which rank.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -157,9 +158,40 @@ IN_STEP: tuple[type[BaseException], ...] = ()
 LOSSY_SLICE_RTOL = 1e-2
 
 
-def gpt2_rank_cache(s, prompt: list[int], new: int, tp) -> CheckRow:
+def planned_rank_bytes(cfg, cache: str, tokens: int, tp: int, dtype) -> int:
+    """What the planner (kvbench.memory) predicts one rank's cache of `cache` holds for one sequence of `tokens`
+    tokens split over `tp` ranks: the format the design stores (bench/measure_memory.planner_format), the heads
+    formulas.kv_heads_per_gpu gives a rank."""
+    from kvbench.bench.measure_memory import planner_format, spec_from_gpt_config
+    from kvbench.caches import get_cache_spec
+    from kvbench.devices import dtype_name
+    from kvbench.memory.formulas import bytes_per_sequence, kv_heads_per_gpu
+    from kvbench.memory.spec import get_kv_format
+
+    spec = spec_from_gpt_config(cfg)
+    fmt = planner_format(get_cache_spec(cache), get_kv_format(dtype_name(dtype)))
+    return bytes_per_sequence(spec, fmt, tokens, kv_heads_per_gpu(spec, tp))
+
+
+@dataclass
+class RankBytes:
+    """One rank's cache of one design after the rank_cache run, beside the planner's figure for it."""
+
+    rank: int
+    cache: str
+    tokens: int  # tokens the cache holds (its slots, for a preallocated one)
+    measured_bytes: int  # nbytes of every layer's cache on this rank
+    planned_bytes: int  # planned_rank_bytes for those tokens
+
+    @property
+    def equal(self) -> bool:
+        return self.measured_bytes == self.planned_bytes
+
+
+def gpt2_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankBytes]:
     """`rank_cache` for our GPT-2 (a GPT2Subject running through this rank's shard): the greedy tokens of this
-    cache, teacher-forced through the shard's caches and through the whole model's, compared slice by slice."""
+    cache, teacher-forced through the shard's caches and through the whole model's, compared slice by slice; and
+    the bytes this rank's cache holds, beside the planner's figure."""
     from kvbench.check.gpt2_subject import fresh_caches
     from kvbench.model.gpt2 import EXACT_MASK
     from kvbench.model.tp import rank_heads
@@ -172,7 +204,11 @@ def gpt2_rank_cache(s, prompt: list[int], new: int, tp) -> CheckRow:
     want = filled(whole, lambda n: fresh_caches(whole, s.cache, 1, n), seq, len(prompt), EXACT_MASK)
     heads = rank_heads(whole.config.n_head, tp.rank, tp.world)
     rtol = s.tol.rtol if s.exact else max(s.tol.rtol, LOSSY_SLICE_RTOL)
-    return compare_slices(s.cache, got, want, heads, rtol, s.tol.atol if s.exact else 1e-5, tp.rank)
+    row = compare_slices(s.cache, got, want, heads, rtol, s.tol.atol if s.exact else 1e-5, tp.rank)
+    held = got[0].capacity or len(seq)
+    dtype = whole.lm_head.weight.dtype
+    planned = planned_rank_bytes(whole.config, s.cache, held, tp.world, dtype)
+    return row, RankBytes(tp.rank, s.cache, held, sum(c.nbytes for c in got), planned)
 
 
 class _Held:
@@ -184,9 +220,28 @@ class _Held:
         self.length = min(int(held), self.k.size(2))
 
 
-def hf_rank_cache(s, prompt: list[int], new: int, tp) -> CheckRow:
+def planned_hf_rank_bytes(loaded, tokens: int, tp: int, dtype) -> int | None:
+    """The planner's bytes for one rank's cache of a Hugging Face model (its config.json resolved as `memory
+    --model DIR` resolves it) holding `tokens` tokens, under transformers' tensor-parallel rule; None when the
+    source is not a local directory."""
+    from pathlib import Path
+
+    from kvbench.devices import dtype_name
+    from kvbench.memory.config import resolve_local
+    from kvbench.memory.formulas import bytes_per_sequence, kv_heads_per_gpu
+    from kvbench.memory.spec import get_kv_format
+
+    if not Path(loaded.source).expanduser().is_dir():
+        return None
+    spec = resolve_local(loaded.source).spec
+    fmt = get_kv_format(dtype_name(dtype))
+    return bytes_per_sequence(spec, fmt, tokens, kv_heads_per_gpu(spec, tp, "transformers"))
+
+
+def hf_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankBytes | None]:
     """`rank_cache` for a Hugging Face model (an HFSubject running through this rank's shard): the cache `generate`
-    returns on this rank against the one the whole model's `generate` returns for the same prompt and cache."""
+    returns on this rank against the one the whole model's `generate` returns for the same prompt and cache; and
+    the bytes this rank's cache holds beside the planner's figure (a dynamic cache: it holds exactly its tokens)."""
     from kvbench.check.hf_subject import generate_run
     from kvbench.check.judge import skipped
     from kvbench.hf.caches import generate_kwargs
@@ -196,7 +251,7 @@ def hf_rank_cache(s, prompt: list[int], new: int, tp) -> CheckRow:
     got, want = generate_run(s.loaded, [prompt], new, **kw), generate_run(s.model.loaded, [prompt], new, **kw)
     if got.tokens != want.tokens:
         return skipped(s.cache, "the shard's greedy tokens differ from the whole model's (see greedy): their caches "
-                       "hold different sequences", RANK_CACHE)  # fmt: skip
+                       "hold different sequences", RANK_CACHE), None  # fmt: skip
     layers = [list(getattr(r.cache, "layers", None) or []) for r in (got, want)]
     plain = all(getattr(x, "keys", None) is not None for x in layers[0] + layers[1])
     if not layers[0] or not plain:
@@ -207,9 +262,15 @@ def hf_rank_cache(s, prompt: list[int], new: int, tp) -> CheckRow:
     heads = rank_heads(s.model.loaded.info.n_kv_heads, tp.rank, tp.world)
     exact = not s.tol.lossy
     rtol = s.tol.rtol if exact else max(s.tol.rtol, LOSSY_SLICE_RTOL)
-    return compare_slices(
-        s.cache, [_Held(x) for x in layers[0]], [_Held(x) for x in layers[1]], heads, rtol, 1e-5, tp.rank
-    )
+    mine = [_Held(x) for x in layers[0]]
+    row = compare_slices(s.cache, mine, [_Held(x) for x in layers[1]], heads, rtol, 1e-5, tp.rank)
+    if s.cache != "dynamic":
+        return row, None
+    held = len(prompt) + new - 1  # generate never writes its last token
+    dtype = s.model.dtype
+    planned = planned_hf_rank_bytes(s.model.loaded, held, tp.world, dtype)
+    measured = sum(h.k.nbytes + h.v.nbytes for h in mine)
+    return row, None if planned is None else RankBytes(tp.rank, s.cache, held, measured, planned)
 
 
 def tp_rows(
@@ -228,25 +289,52 @@ def tp_rows(
     for s in subjects:
         s.crashes = IN_STEP
     rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, report)
+    held: list[RankBytes] = []
     for s in subjects:
         if s.cached and RANK_CACHE in checks:
-            rows.append(gpt2_rank_cache(s, prompts[0], new_tokens, tp))
+            row, nbytes = gpt2_rank_cache(s, prompts[0], new_tokens, tp)
+            rows.append(row)
+            held.append(nbytes)
             if report is not None:
-                report(rows[-1])
-    per_rank = gather(rows)
-    return merge(per_rank) if per_rank is not None else rows
+                report(row)
+    per_rank = gather((rows, held))
+    if per_rank is None:
+        return rows, held
+    return merge([r for r, _ in per_rank]), [b for _, bs in per_rank for b in bs]
 
 
-def hf_tp_rows(subjects, rows: list[CheckRow], prompt: list[int], new: int, tp, on_row) -> list[CheckRow]:
+def hf_tp_rows(
+    subjects, rows: list[CheckRow], prompt: list[int], new: int, tp, on_row
+) -> tuple[list[CheckRow], list[RankBytes]]:
     """A Hugging Face model's rows on this rank with rank_cache for each cache that ran, then gathered: rank 0
-    returns every rank's rows merged, the other ranks their own."""
+    returns every rank's rows merged and every rank's cache bytes, the other ranks their own."""
     from kvbench.distributed import gather
 
     ran = {r.cache for r in rows if not r.skipped}
+    held: list[RankBytes] = []
     for s in subjects:
         if s.cached and s.cache in ran:
-            rows.append(hf_rank_cache(s, prompt, new, tp))
+            row, nbytes = hf_rank_cache(s, prompt, new, tp)
+            rows.append(row)
+            held += [nbytes] if nbytes is not None else []
             if on_row is not None:
-                on_row(rows[-1])
-    per_rank = gather(rows)
-    return merge(per_rank) if per_rank is not None else rows
+                on_row(row)
+    per_rank = gather((rows, held))
+    if per_rank is None:
+        return rows, held
+    return merge([r for r, _ in per_rank]), [b for _, bs in per_rank for b in bs]
+
+
+def rank_bytes_notes(held: list[RankBytes]) -> list[str]:
+    """One line per design: each rank's cache bytes and the planner's figure for a rank."""
+    lines = []
+    for cache in dict.fromkeys(b.cache for b in held):
+        mine = [b for b in held if b.cache == cache]
+        got = ", ".join(f"rank {b.rank} {b.measured_bytes:,} B" for b in mine)
+        same = all(b.equal for b in mine)
+        verdict = "equal to the byte" if same else f"planner: {mine[0].planned_bytes:,} B (differs)"
+        lines.append(
+            f"{cache} cache per rank at {mine[0].tokens} tokens: {got}; {verdict}"
+            + (f" (planner: {mine[0].planned_bytes:,} B)" if same else "")
+        )
+    return lines

@@ -4,13 +4,14 @@ path and transformers' GPT2LMHeadModel on the same weights. Tolerances and the n
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 
 import torch
 
 from kvbench.check.gpt2_subject import REFERENCE, GPT2Model, GPT2Subject, Injection
 from kvbench.check.judge import LOW_PRECISION_NOTE, TP_NOTE, CheckRow, VerifyReport
 from kvbench.check.suite import CHECKS, SHORT_TOKENS, prompts_note, run_checks
-from kvbench.check.tp import tp_rows
+from kvbench.check.tp import rank_bytes_notes, tp_rows
 from kvbench.devices import dtype_name
 from kvbench.distributed import Rank
 from kvbench.model.gpt2 import GPT
@@ -45,11 +46,14 @@ def run_verify(
         lens,
     )
     target = GPT2Model(model, reference if "reference" in checks else "none", hf_dir)
+    held = []
     if tp is None:
         subjects = [GPT2Subject(target, c, fault, compile) for c in caches]
         rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row)
     else:
-        rows = tp_rows(target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp)
+        rows, held = tp_rows(
+            target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp
+        )
     notes = [
         prompts_note(prompts, new_tokens, short_tokens, target.hf is not None),
         "no-cache path = one causal forward over prompt + generated tokens (row T-1+i is step i of the no-cache loop)",
@@ -65,8 +69,9 @@ def run_verify(
         notes.append(
             f"{TP_NOTE}; {tp.world} ranks ({tp.backend}), each held to the whole model in its own process"
         )
+        notes += rank_bytes_notes(held)
     return VerifyReport(
         passed=all(r.passed for r in rows), checks=rows, dtype=dtype_name(target.dtype), new_tokens=new_tokens,
         prompt_len=len(prompts[0]), batch_lens=lens, reference=REFERENCE if target.hf is not None else "none",
-        notes=notes,
+        notes=notes, rank_cache_bytes=[asdict(b) | {"equal": b.equal} for b in held],
     )  # fmt: skip

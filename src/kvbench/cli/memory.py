@@ -49,6 +49,7 @@ def run_jobs(req, json_out: bool) -> dict:
         "weights_dtype": req.weights_dtype,
         "batch": req.batch if len(req.batches) <= 1 else req.batches,
         "tp": req.tp,
+        "tp_engine": req.tp_engine,
         "batches": req.batches,
     }
     if req.measure:

@@ -151,11 +151,14 @@ def _kv_lines(p: ModelPlan, spec: ModelSpec, fmt: KVFormat) -> list[str]:
             f"every rank holds the whole {fmt_bytes(p.bytes_per_token)}/token",
         ]
     kvh = p.kv_heads_per_gpu
-    split = _per_token(spec, fmt, kvh, p.bytes_per_token_per_gpu, f"per GPU (tp {p.tp})")
+    split = _per_token(spec, fmt, kvh, p.bytes_per_token_per_gpu, f"per GPU (tp {p.tp}, {p.tp_engine})")
     if kvh * p.tp > spec.n_kv_heads:
-        split += f"   [{spec.n_kv_heads} KV heads < tp {p.tp}: each head replicated on {p.tp // spec.n_kv_heads} GPUs]"
+        split += (
+            f"   [{spec.n_kv_heads} KV heads < tp {p.tp}: vLLM replicates each head on {p.tp // spec.n_kv_heads} GPUs; "
+            "transformers' TP cannot run this split (#48307)]"
+        )
     else:
-        split += f"   [{spec.n_kv_heads} KV heads / tp {p.tp}]"
+        split += f"   [{spec.n_kv_heads} KV heads / tp {p.tp}, the same under vLLM and transformers' TP]"
     return [line, split]
 
 

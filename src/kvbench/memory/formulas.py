@@ -17,11 +17,17 @@ from dataclasses import dataclass
 from kvbench.errors import KVBenchError
 from kvbench.memory.spec import KVFormat, ModelSpec, get_kv_format
 
+# How an inference engine splits the KV heads over tp GPUs (memory --tp-engine). vLLM replicates a KV head on tp / Hkv
+# GPUs when tp exceeds the KV heads; transformers' own tensor parallelism splits every projection by heads and has no
+# replication, so a model whose heads or KV heads do not divide by tp cannot run there (it loads without a warning
+# and fails in its first forward: transformers #48307).
+TP_ENGINES = ("vllm", "transformers")
 
-def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
-    """KV heads on each of tp GPUs: split evenly, or one (replicated) per GPU when tp exceeds the KV heads."""
-    if tp < 1:
-        raise KVBenchError(f"--tp {tp} must be at least 1")
+
+def kv_heads_per_gpu(spec: ModelSpec, tp: int, engine: str = "vllm") -> int:
+    """KV heads on each of tp GPUs under `engine`'s rule (TP_ENGINES): split evenly, or, under vLLM, one
+    (replicated) per GPU when tp exceeds the KV heads."""
+    assert tp >= 1 and engine in TP_ENGINES, (tp, engine)  # validate.memory_rules
     if not spec.kv_cache:
         return 0  # no attention layer: nothing per head to split
     if spec.n_heads % tp:
@@ -34,6 +40,12 @@ def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
         if spec.n_kv_heads % tp:
             raise KVBenchError(f"--tp {tp}: {spec.n_kv_heads} KV heads of {spec.name} do not split evenly")
         return spec.n_kv_heads // tp
+    if engine == "transformers":
+        raise KVBenchError(
+            f"--tp {tp} --tp-engine transformers: {spec.name} has {spec.n_kv_heads} KV heads, fewer than {tp} GPUs; "
+            "transformers' tensor parallelism does not replicate KV heads and cannot run it (it splits a head and "
+            "fails in the first forward, transformers #48307); vLLM replicates them: --tp-engine vllm"
+        )
     if tp % spec.n_kv_heads:
         raise KVBenchError(f"--tp {tp} is not a multiple of {spec.name}'s {spec.n_kv_heads} KV heads")
     return 1

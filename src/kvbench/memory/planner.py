@@ -96,7 +96,9 @@ class ModelPlan:
     kv_dtype: str  # storage format of the cache
     weights_dtype: str  # storage format of the weights
     tp: int  # tensor-parallel degree
-    kv_heads_per_gpu: int  # KV heads each GPU holds (replicated when tp > kv_heads; all of MLA's latent)
+    kv_heads_per_gpu: (
+        int  # KV heads each GPU holds (replicated when tp > kv_heads under vLLM; all of MLA's latent)
+    )
     layer_bytes_per_token: int  # bytes one layer caches per token (whole model)
     bytes_per_token: int  # bytes per token over all layers, no window applied ("KiB / token")
     weights_bytes: int | None  # params x bytes(weights dtype), whole model
@@ -114,6 +116,7 @@ class ModelPlan:
     state_element_bytes: int = 0  # bytes of one recurrent-state element
     state_bytes_per_gpu: int = 0  # state_bytes_per_sequence split evenly over the tp GPUs
     weights_bytes_per_gpu: int | None = None  # weights_bytes split evenly over the tp GPUs
+    tp_engine: str = "vllm"  # whose rule split the KV heads over the tp GPUs (formulas.TP_ENGINES)
 
 
 def gpu_budget(
@@ -258,12 +261,18 @@ def plan(
     overhead: str = DEFAULT_OVERHEAD,
     gpu_mem_text: str = "",
     bandwidth: PeakBandwidth | None = None,
+    tp_engine: str = "vllm",
 ) -> ModelPlan:
     """Bytes per token, per sequence, per batch and per GPU for `spec` at each context (a row per batch and context
-    when `batch` is a list), with the terms they come from; with `bandwidth`, each row's decode floor too."""
+    when `batch` is a list), with the terms they come from; with `bandwidth`, each row's decode floor too. The KV
+    heads split over `tp` GPUs by `tp_engine`'s rule (formulas.TP_ENGINES)."""
     batches = [batch] if isinstance(batch, int) else list(batch)
     _check_request(contexts, batches)
-    fmt, wbits, kvh = get_kv_format(kv_dtype), weight_bits(weights_dtype), kv_heads_per_gpu(spec, tp)
+    fmt, wbits, kvh = (
+        get_kv_format(kv_dtype),
+        weight_bits(weights_dtype),
+        kv_heads_per_gpu(spec, tp, tp_engine),
+    )
     per_token = token_bytes(spec, fmt)
     state, state_gpu = state_bytes(spec, fmt), state_bytes(spec, fmt, tp)
     weights = None if spec.params is None else -(-spec.params * wbits // 8)
@@ -285,7 +294,7 @@ def plan(
         notes=_notes(spec, fmt, per_token), kv_cache=spec.kv_cache, state_bytes_per_sequence=state,
         bytes_per_token_per_gpu=token_bytes(spec, fmt, kvh), bytes_per_token_by_kind=kind_bytes_per_token(spec, fmt),
         state_element_bytes=0 if spec.state_elements is None else state_element_bytes(fmt),
-        state_bytes_per_gpu=state_gpu, weights_bytes_per_gpu=weights_gpu,
+        state_bytes_per_gpu=state_gpu, weights_bytes_per_gpu=weights_gpu, tp_engine=tp_engine,
     )  # fmt: skip
     attach_floors(p, bandwidth)
     return p

@@ -83,6 +83,12 @@ class Options:
         help="Allowance for activations, CUDA context, allocator: 10% (default) or 4GiB.",
     )
     tp: int | None = option("--tp", default=None, help="Tensor-parallel GPUs (KV heads split across them).")
+    tp_engine: str | None = option(
+        "--tp-engine",
+        default=None,
+        help="Whose rule splits the KV heads over --tp GPUs: vllm (default: a KV head replicated when --tp exceeds "
+        "the KV heads) or transformers (no replication: such a model cannot run).",
+    )
     check: bool = option(
         "--check",
         default=False,
@@ -144,6 +150,7 @@ class Request:
     kv_dtype: str
     weights_dtype: str
     tp: int
+    tp_engine: str  # whose rule splits the KV heads over the tp GPUs (formulas.TP_ENGINES)
     gpu: GPUSpec | None
     gpu_mem: int | None
     gpu_mem_text: str
@@ -270,6 +277,7 @@ def parse_request(o: Options, extra: Callable[[str], ModelSpec | None] | None = 
     specs, resolved = _specs(o, extra if (o.measure or o.copy_traffic) else None)
     return Request(
         specs=specs, contexts=contexts, batch=batches[0], kv_dtype=kv, weights_dtype=weights_dtype, tp=o.tp or 1,
+        tp_engine=o.tp_engine or "vllm",
         gpu=gpu, gpu_mem=gpu_mem, gpu_mem_text=o.gpu_mem or "", overhead=o.overhead or DEFAULT_OVERHEAD,
         all_=o.all_, check=o.check, measure=o.measure, copy_traffic=o.copy_traffic, copy_range=copy_range,
         lengths=lengths, device=o.device or "auto", resolved=resolved, batches=batches, bandwidth=bandwidth,
@@ -296,7 +304,7 @@ def plan_request(req: Request) -> tuple[list[ModelPlan], list[str]]:
             plans.append(
                 plan(
                     spec, contexts_for(req, spec), req.batches or req.batch, req.kv_dtype, req.weights_dtype,
-                    req.tp, req.gpu, req.gpu_mem, req.overhead, req.gpu_mem_text, req.bandwidth,
+                    req.tp, req.gpu, req.gpu_mem, req.overhead, req.gpu_mem_text, req.bandwidth, req.tp_engine,
                 )
             )  # fmt: skip
         except KVBenchError as e:
