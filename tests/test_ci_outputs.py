@@ -15,8 +15,6 @@ from kvbench.cli import app
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.results.schema import KINDS, load_schema
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 VERIFY = ["verify", *TINY, "--prompt-len", "6", "--new-tokens", "4", "--reference", "none"]
 

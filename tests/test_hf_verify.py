@@ -51,15 +51,6 @@ def _configs():
     }
 
 
-@pytest.fixture(autouse=True, scope="module")  # module scope: in place before the module's models are built
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine two spinning OpenMP threads make tiny models 10x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM

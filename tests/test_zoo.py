@@ -27,9 +27,6 @@ CPU = torch.device("cpu")
 SHORT = ("logits", "greedy", "batched", "cache_state")
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def config_file(tmp_path: Path, model_type: str, as_decoder: bool = True) -> Path:
     path = tmp_path / model_type / "config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
