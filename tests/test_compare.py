@@ -429,7 +429,7 @@ def test_markdown_and_table_formats(base_run, tmp_path):
 def test_bench_with_baseline_runs_the_comparison(base_run, tmp_path):
     out = tmp_path / "run"
     # one prompt length: the baseline's other rows are listed as not compared
-    small = [a if a != "8,32" else "8" for a in BENCH]
+    small = replaced(BENCH, prompt_len="8", **ONCE)
     r, text = invoke("bench", *small, "--out", out, "--baseline", base_run)
     assert r.exit_code == 0, text
     assert (out / "compare.png").is_file() and (out / "summary.csv").is_file()
@@ -460,19 +460,19 @@ def test_repeats_that_disagree_are_flagged(base_run, tmp_path):
     assert "the repeats of one run disagree by more than 5%" in r.stdout
 
 
-def test_bench_json_with_baseline_is_one_document(base_run, tmp_path):
-    # one row of the baseline's four
-    one = [{"8,32": "8", ",".join(CACHES): "static"}.get(a, a) for a in BENCH]
-    r, text = invoke("bench", *one, "--out", tmp_path / "run", "--baseline", base_run, "--json")
-    assert r.exit_code == 0, text
-    doc = json.loads(r.stdout)  # the whole of stdout: one document
-    assert [row["cache"] for row in doc["summary"]] == ["static"]
-    assert [(row["cache"], row["prompt_len"]) for row in doc["compare"]["rows"]] == [("static", 8)]
-    assert len(doc["compare"]["unmatched"]) == 3
-
-
 # --- bench --baseline checks the baseline before the sweep --------------------------------------------------------------
-ONE_ROW = [{"8,32": "8", ",".join(CACHES): "static"}.get(a, a) for a in BENCH]
+def replaced(args: list[str], **values: str) -> list[str]:
+    """`args` with the values of some options replaced: replaced(BENCH, prompt_len="8") runs --prompt-len 8."""
+    out = list(args)
+    for name, value in values.items():
+        i = out.index("--" + name.replace("_", "-"))
+        out[i + 1] = value
+    return out
+
+
+# The bench --baseline tests time their candidate once: they read its comparison, never its timings.
+ONCE = dict(repeats="1", warmup="0")
+ONE_ROW = replaced(BENCH, prompt_len="8", caches="static", **ONCE)  # one row of the baseline's four
 
 
 @pytest.mark.parametrize(
@@ -520,13 +520,16 @@ def test_bench_baseline_without_a_configuration_in_common_stops_before_the_sweep
 @pytest.mark.parametrize("in_use", [True, False])
 def test_bench_baseline_measured_with_other_huge_pages_is_compared(base_run, tmp_path, in_use):
     """Whether the kernel gave huge pages to the probe buffer is measured, not chosen: never a refusal. With the
-    baseline's value set both ways, at least one of the two runs differs from what this run measures."""
+    baseline's value set both ways, at least one of the two runs differs from what this run measures. With --json
+    stdout is one document holding the run and its comparison."""
     base = scaled_copy(base_run, tmp_path / "base", 1.0)
     _edit_meta(base, host__huge_pages__in_use=in_use)
     r, text = invoke("bench", *ONE_ROW, "--out", tmp_path / "run", "--baseline", base, "--json")
     assert r.exit_code == 0, text
-    doc = json.loads(r.stdout)
+    doc = json.loads(r.stdout)  # the whole of stdout: one document
+    assert [row["cache"] for row in doc["summary"]] == ["static"]
     assert [(row["cache"], row["prompt_len"]) for row in doc["compare"]["rows"]] == [("static", 8)]
+    assert len(doc["compare"]["unmatched"]) == 3
     field = next(f for f in doc["compare"]["environment"]["context"] if f["name"] == "huge pages in use")
     assert field["baseline"] is in_use and field["differs"] == (field["candidate"] != in_use)
     assert (f"huge pages in use {in_use} -> " in r.stderr) == field["differs"], text
