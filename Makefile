@@ -7,10 +7,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbench-installed
 
-.PHONY: install test verify lint format demo bench-quick bench-gpu zoo clean
+.PHONY: install test test-all verify lint format demo bench-quick bench-gpu zoo clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,8 +21,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The default tier (every test not marked slow) on pytest-xdist workers, each test module whole on one worker.
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadscope
+
+# Both tiers: the default one and the slow one (wheel build, zoo.py, gpu_check.sh, compiled steps, fresh Pythons).
+test-all: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 # What a project's CI runs: every registered cache proven exact on the CPU (gpt2 architecture, random weights).
 verify: $(STAMP)

@@ -1,11 +1,26 @@
-"""Shared fixtures: tiny seeded GPT-2s on the CPU, a Hugging Face reference saved to tmp_path, the ranks file."""
+"""Shared fixtures: tiny seeded GPT-2s on the CPU, a Hugging Face reference saved to tmp_path, the ranks file.
+
+Every test process runs torch on one intra-op thread, and so does every process a test starts (it inherits the
+environment): on a small, shared machine two spinning OpenMP threads make a tiny model 4 to 19 times slower. A test
+about threads sets its own (`bench --threads N`)."""
 
 import os
+import shutil
 import sys
+import tempfile
 import textwrap
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # a test never reaches the network
 os.environ.pop("KVBENCH_TOKENIZER", None)  # tests see the default tokenizer source unless they set it
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, here and in every child process
+os.environ["MKL_NUM_THREADS"] = "1"
+# Every bench sweep measures the device's bandwidth, streaming a tensor past the last-level cache (512 MiB or
+# more); the tests check the probe's plumbing and arithmetic, so every sweep streams 16 MiB, here and in child
+# processes. A test of the probe's own size passes the size it means.
+os.environ["KVBENCH_PROBE_BYTES"] = str(16 << 20)
+# Remote code (--trust-remote-code) is copied into a modules folder of this process's own, not into ~/.cache where
+# other test runs on the machine copy theirs (transformers reads the variable when it is first imported).
+os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="kvbench-test-hf-modules-")
 
 from pathlib import Path
 
@@ -14,32 +29,20 @@ import torch
 
 from kvbench.model.gpt2 import GPT, GPTConfig
 
+torch.set_num_threads(1)
+_MODULES = os.environ["HF_MODULES_CACHE"]
+
 # A small, non-default shape (3 layers, 4 heads of 16, short context, small vocabulary) so shape bugs show.
 TINY = dict(n_layer=3, n_head=4, n_embd=64, block_size=128, vocab_size=500)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_MODULES, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread for the test: stable and fast on a small, shared machine (modules that time or run many
-    small models use it: pytestmark = pytest.mark.usefixtures("one_thread"))."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture
-def small_probe(monkeypatch):
-    """Every bench sweep measures the device's bandwidth once, streaming a tensor past the last-level cache (~1 GiB
-    here); tests of a sweep's plumbing and arithmetic stream 16 MiB instead."""
-    from kvbench.bench import floor
-
-    monkeypatch.setenv(floor.PROBE_ENV, str(16 << 20))
 
 
 @pytest.fixture(scope="session")

@@ -35,18 +35,6 @@ ISSUE_COLUMNS = (
 SWEEP_MODEL = dict(n_layer=2, n_head=4, n_embd=256, n_positions=512, vocab_size=2000)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def _small_probe(monkeypatch):
-    """Every sweep measures the device's bandwidth once, streaming a tensor past the last-level cache (~1 GiB
-    here); these tests check its plumbing and arithmetic, so they stream 16 MiB."""
-    from kvbench.bench import floor
-
-    monkeypatch.setenv(floor.PROBE_ENV, str(16 << 20))
-
-
 def hf_config_json(path: Path, **cfg) -> Path:
     doc = {"model_type": "gpt2", "n_ctx": cfg["n_positions"], "layer_norm_epsilon": 1e-5, **cfg}
     path.write_text(json.dumps(doc))

@@ -25,7 +25,6 @@ from kvbench.cli import app
 from kvbench.errors import KVBenchError
 from kvbench.results.plots import crossover_batch
 
-pytestmark = pytest.mark.usefixtures("one_thread", "small_probe")
 TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 
 

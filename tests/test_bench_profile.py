@@ -18,7 +18,6 @@ from kvbench.bench.settings import load_settings
 from kvbench.cli import app
 from kvbench.errors import KVBenchError
 
-pytestmark = pytest.mark.usefixtures("one_thread", "small_probe")
 TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 
 

@@ -26,16 +26,6 @@ from kvbench.model.gpt2 import PRESETS
 BW = Bandwidth(read_gbps=20.0, copy_gbps=15.0, nbytes=1, device="cpu")
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def _small_probe(monkeypatch):
-    """The bandwidth probe streams a tensor past the last-level cache (~1 GiB here); the CLI tests only need its
-    plumbing, so they stream 16 MiB."""
-    monkeypatch.setenv(floor.PROBE_ENV, str(16 << 20))
-
-
 def test_fill_then_decode_equals_the_same_cache_filled_by_a_prefill(tiny_model):
     """A cache filled through `update` with the K/V a prefill would write decodes the same logits as after that
     prefill: the decode path does not care how the cache was filled."""

@@ -51,15 +51,6 @@ def _configs():
     }
 
 
-@pytest.fixture(autouse=True, scope="module")  # module scope: in place before the module's models are built
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine two spinning OpenMP threads make tiny models 10x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM
@@ -110,18 +101,35 @@ def _dynamic_reset_works() -> bool:
 
 
 # --- every check on four families ----------------------------------------------------------------------------------
+class ByFamily(dict):
+    """A family's entry, built the first time a test asks for it: a run of the default tier, which leaves the
+    slow tier's families out, builds only the families it uses."""
+
+    def __init__(self, build):
+        super().__init__()
+        self.build = build
+
+    def __missing__(self, family):
+        self[family] = self.build(family)
+        return self[family]
+
+
 @pytest.fixture(scope="module")
 def reports(model_dirs):
-    out = {}
-    for name, d in model_dirs.items():
-        loaded = load_hf(str(d), CPU, torch.float32)
+    def build(name):
+        loaded = load_hf(str(model_dirs[name]), CPU, torch.float32)
         prompts = random_prompts(loaded.info.vocab_size, PROMPT, 3, seed=0)
         caches = parse_hf_cache_names(None, CPU)  # the default set: static-compiled only on CUDA
-        out[name] = (loaded, prompts, run_hf_verify(loaded, caches, prompts, NEW))
-    return out
+        return loaded, prompts, run_hf_verify(loaded, caches, prompts, NEW)
+
+    return ByFamily(build)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma2"])
+# The plain decoder and the hybrid (sliding and full layers) in the default tier; the other two in the slow tier.
+@pytest.mark.parametrize(
+    "family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
+               pytest.param("mistral", marks=pytest.mark.slow), "gemma2"],
+)  # fmt: skip
 def test_every_check_passes(reports, family):
     loaded, prompts, rep = reports[family]
     ran = {r.cache for r in rep.checks if not r.skipped}
@@ -151,13 +159,15 @@ def test_skips_say_why(reports):
     why = {r.cache: r.detail for r in rep.checks if r.skipped}
     assert "CUDA" in why["offloaded"] and "CUDA" in why["offloaded_static"]
     assert "static-compiled" not in why  # not in the default set on the CPU, so neither run nor listed
-    _, _, rep = reports["mistral"]
+    _, _, rep = reports["gemma2"]  # its sliding-window layers
     why = {r.cache: r.detail for r in rep.checks if r.skipped}
     assert all("sliding-window" in why[f"quantized-{b}"] for b in ("quanto", "hqq", "fp8")), why
 
 
-@pytest.mark.parametrize("family, layers", [("mistral", {"DynamicSlidingWindowLayer"}),
-                                            ("gemma2", {"DynamicSlidingWindowLayer", "DynamicLayer"})])  # fmt: skip
+@pytest.mark.parametrize("family, layers", [
+    pytest.param("mistral", {"DynamicSlidingWindowLayer"}, marks=pytest.mark.slow),
+    ("gemma2", {"DynamicSlidingWindowLayer", "DynamicLayer"}),
+])  # fmt: skip
 def test_windowed_models_run_their_sliding_layers(reports, family, layers):
     loaded, prompts, rep = reports[family]
     assert loaded.info.windowed
@@ -177,7 +187,7 @@ def test_output_depends_on_the_prompt(reports):
 
 def test_logits_check_is_held_to_1e5(reports):
     """The same decode step passes as computed, and fails once moved by 1e-4 of the row scale."""
-    loaded, prompts, _ = reports["qwen2"]
+    loaded, prompts, _ = reports["llama"]
     res = generate_run(loaded, [prompts[0]], 4, cache_implementation="dynamic")
     subject = HFSubject(HFModel(loaded), "dynamic")
     row = check_logits(subject, prompts[0], res)

@@ -8,9 +8,11 @@ max_position_embeddings, a text_config's layers and widths) is left out, as it i
 to resolve it the way transformers does.
 """
 
+import atexit
 import functools
 import json
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -176,11 +178,19 @@ EXTRA = {
                           "patch_size": 14, "projection_dim": 768, "vocab_size": 32000}},
 }  # fmt: skip
 CONFIGS = {**PUBLIC, **EXTRA}
-_DIR = Path(tempfile.mkdtemp(prefix="kvbench-hf-configs-"))
+
+
+@functools.cache
+def _configs_dir() -> Path:
+    """Where config_file writes: made when a test first asks for a file, not when the module is collected (every
+    test run collects this module, the default tier too), and removed when the process ends."""
+    path = Path(tempfile.mkdtemp(prefix="kvbench-hf-configs-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def config_file(name: str) -> Path:
-    path = _DIR / f"{name}.json"
+    path = _configs_dir() / f"{name}.json"
     if not path.exists():
         path.write_text(json.dumps(CONFIGS[name]))
     return path

@@ -21,8 +21,6 @@ from kvbench import console
 from kvbench.check.judge import CheckRow, VerifyReport, skipped
 from kvbench.cli import app
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 WIDTHS = (80, 100)
 TINY = ["-m", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 META = {"model": "gpt2-tiny", "weights": "random(seed=0, std=0.05)", "device": "cpu", "dtype": "fp32"}

@@ -429,9 +429,13 @@ def _closed_stdout_run(args: list[str]) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "args",
     [
-        ["compare", "{base}", "{base}", "--fail-on", "slower"],
-        ["compare", "{base}", "{cand}", "--fail-on", "slower", "--format", "md"],
-        ["compare", "{base}", "{cand}", "--format", "json"],
+        # compare in a fresh Python imports transformers' modelling (seconds): the slow tier; memory's table and
+        # --help stand for the rest in the default one
+        pytest.param(["compare", "{base}", "{base}", "--fail-on", "slower"], marks=pytest.mark.slow),
+        pytest.param(
+            ["compare", "{base}", "{cand}", "--fail-on", "slower", "--format", "md"], marks=pytest.mark.slow
+        ),
+        pytest.param(["compare", "{base}", "{cand}", "--format", "json"], marks=pytest.mark.slow),
         ["memory", "-m", "gpt2"],
         ["--help"],
     ],

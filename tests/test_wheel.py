@@ -14,6 +14,7 @@ import pytest
 from kvbench.jsonio import KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # builds a wheel and runs kvbench in fresh Pythons: a minute on two cores
 
 
 @pytest.fixture(scope="module")

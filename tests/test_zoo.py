@@ -28,9 +28,6 @@ CPU = torch.device("cpu")
 SHORT = ("logits", "greedy", "batched", "cache_state")
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def config_file(tmp_path: Path, model_type: str, as_decoder: bool = True) -> Path:
     path = tmp_path / model_type / "config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +169,7 @@ def test_gpt_neo_static_defect_matches_plain_transformers(tmp_path):
     assert (plain - static).abs().max() > 1e-3
 
 
+@pytest.mark.slow  # scripts/zoo.py twice, each type in a fresh Python
 def test_the_sweep_writes_rows_as_it_goes_and_resumes(tmp_path):
     out = tmp_path / "zoo"
     cmd = [sys.executable, str(ROOT / "scripts" / "zoo.py"), "--out", str(out), "--new-tokens", "4",
@@ -199,9 +197,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)  # fmt: skip
 
 
-def test_json_stays_one_document_when_the_model_prints_or_is_refused(tmp_path, monkeypatch):
-    """Some models print() from their forward (Reformer warns about its inputs on stdout); a refusal has no report:
-    with --json stdout is one JSON document either way."""
+def test_json_stays_one_document_when_the_model_prints(tmp_path, monkeypatch):
+    """Some models print() from their forward (Reformer warns about its inputs on stdout): with --json stdout is
+    still one JSON document."""
     from transformers import LlamaForCausalLM
     from typer.testing import CliRunner
 
@@ -218,11 +216,17 @@ def test_json_stays_one_document_when_the_model_prints_or_is_refused(tmp_path, m
                                  "--caches", "dynamic", "--new-tokens", "4", "--json"])  # fmt: skip
     assert r.exit_code in (0, 1) and json.loads(r.stdout)["checks"], r.output
     assert "a model that talks on stdout" in r.stderr
+
+
+@pytest.mark.slow  # a fresh Python
+def test_json_stays_one_document_when_refused(tmp_path):
+    """A refusal has no report: with --json stdout is one JSON document even so."""
     refused = _cli("verify", "--hf", str(config_file(tmp_path, "xlm")), "--json")
     assert refused.returncode == 2 and json.loads(refused.stdout)["error"].endswith("--hf cannot check it")
     assert refused.stderr.count("\n") == 1 and "appends a mask token" in refused.stderr
 
 
+@pytest.mark.slow  # a fresh Python
 def test_bench_hf_times_only_what_the_model_has(tmp_path):
     """bench --hf follows verify's rules: a model without a KV cache times `none` only, and says why."""
     r = _cli("bench", "--hf", str(config_file(tmp_path, "openai-gpt")), "--device", "cpu", "--prompt-len", "8",
@@ -234,6 +238,7 @@ def test_bench_hf_times_only_what_the_model_has(tmp_path):
     assert len(rows) == 2 and ",none," in rows[1]
 
 
+@pytest.mark.slow  # two fresh Pythons; --check builds transformers' cache on the meta device
 def test_memory_plans_per_layer_head_dim_as_transformers_allocates_it(tmp_path):
     """Gemma 4 sets head_dim per layer: the planner counts each layer's own K/V shape, to the byte of transformers'
     own StaticCache (--check), and the per-token figure is the sum over layers of 2 x kv_heads x head_dim x 2 B."""
@@ -264,16 +269,21 @@ def test_a_per_layer_mlp_width_list_is_a_valid_config_field(tmp_path):
             check_fields({"intermediate_size": bad}, tmp_path)
 
 
+def _slow(*values):
+    """A row of the slow tier: a fresh Python that imports transformers before it answers."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--new-tokens", "1"], "--new-tokens must be >= 2"),
-        (["--types", ",,"], "--types names no model type"),
-        (["--out", "FILE"], "Not a directory"),
-        (["--out", "BADTABLE"], "is not a zoo table"),
-        (["--types", "LLAMA"], "unknown model type(s) LLAMA"),
-        (["--caches", "bogus"], "--caches: unknown cache 'bogus'"),
-        (["--out", "OTHER", "--new-tokens", "8"], "was made with other settings"),
+        (["--new-tokens", "1"], "--new-tokens must be >= 2"),  # refused before any import
+        _slow(["--types", ",,"], "--types names no model type"),
+        _slow(["--out", "FILE"], "Not a directory"),
+        _slow(["--out", "BADTABLE"], "is not a zoo table"),
+        _slow(["--types", "LLAMA"], "unknown model type(s) LLAMA"),
+        _slow(["--caches", "bogus"], "--caches: unknown cache 'bogus'"),
+        _slow(["--out", "OTHER", "--new-tokens", "8"], "was made with other settings"),
     ],
 )
 def test_the_sweep_refuses_bad_input_in_one_line(tmp_path, args, message):
@@ -300,8 +310,11 @@ def test_the_sweep_refuses_bad_input_in_one_line(tmp_path, args, message):
             {"num_key_value_heads": 3},
             "layer 1's 4 attention heads are not a multiple of its 3 key/value heads",
         ),
-        ({"head_dim": 10**30}, "layer 1's head_dim = 1000000000000000000000000000000 must be a whole number"),
-        (
+        _slow(
+            {"head_dim": 10**30},
+            "layer 1's head_dim = 1000000000000000000000000000000 must be a whole number",
+        ),
+        _slow(
             {"num_attention_heads": 3},
             "layer 1's 3 attention heads are not a multiple of its 2 key/value heads",
         ),
