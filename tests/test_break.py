@@ -15,6 +15,8 @@ from kvbench.decode.generate import generate
 from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPT, GPTConfig
 
+ONE_PROCESS = [n for n, f in FAULTS.items() if not f.tp]  # the tp faults: tests/test_tp.py
+
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=500)
 N = 16
 
@@ -31,7 +33,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def results(model, prompts):
-    return {name: break_fault(model, name, prompts, N) for name in FAULTS}
+    return {name: break_fault(model, name, prompts, N) for name in ONE_PROCESS}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def test_control_passes(control):
     assert control.passed, [r for r in control.checks if not r.passed]
 
 
-@pytest.mark.parametrize("name", list(FAULTS))
+@pytest.mark.parametrize("name", ONE_PROCESS)
 def test_every_fault_is_detected(results, name):
     r = results[name]
     assert r.detected and r.caught_by, r.checks
@@ -53,7 +55,7 @@ def test_every_fault_is_detected(results, name):
     assert r.fix and r.dormant_where and r.signature
 
 
-@pytest.mark.parametrize("name", list(FAULTS))
+@pytest.mark.parametrize("name", ONE_PROCESS)
 def test_fault_is_dormant_where_documented(results, name):
     assert r_true(results[name].dormant_shown), results[name].dormant_shown
 
@@ -94,9 +96,14 @@ def test_a_faulty_run_leaves_nothing_behind(model, prompts):
     assert generate(model, [prompts[0]], 6, cache="dynamic").tokens == ok
 
 
-def test_padding_needs_a_real_batch(model, prompts):
-    with pytest.raises(KVBenchError, match="dormant"):
-        break_fault(model, "padding", [prompts[0]] * 2, N)
+def test_break_prompts_always_hold_two_lengths_for_the_padding_fault(ranks_file):
+    from kvbench.check.breaking import break_prompts
+    from kvbench.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(ranks_file))
+    for prompt in ("abc", "The key to fast inference is", None):
+        ids = break_prompts(tok, 50257, prompt, 2, 0)
+        assert len({len(p) for p in ids}) == 2, ids
 
 
 def test_fault_names_are_trimmed_as_cache_names_are():

@@ -11,7 +11,7 @@ import torch
 from kvbench.check.faults import get_fault
 from kvbench.check.gpt2_subject import full_logits, run
 from kvbench.check.judge import CheckRow, first_diff, not_finite
-from kvbench.check.suite import CHECKS
+from kvbench.check.suite import TP_CHECKS
 from kvbench.check.verify import random_prompts, run_verify
 from kvbench.distributed import Rank
 from kvbench.errors import KVBenchError
@@ -90,7 +90,7 @@ def break_fault(
         passed = sum(r.passed for r in judged)
         shown = f"in one process (tp 1) the faulty code passes {passed} of {len(judged)} verify checks"
     caught = [r.name for r in report.checks if not r.passed]
-    caught_by = [c for c in CHECKS if c in caught]
+    caught_by = [c for c in TP_CHECKS if c in caught]
     return BreakResult(
         name=name,
         summary=f.summary,

@@ -505,5 +505,10 @@ def select_faults(name: str, cache: str | None, tp: int = 1) -> tuple[list[str],
         elif f.tp and tp == 1:
             why[n] = "it fires only across tensor-parallel ranks: run it with --tp 2 (or more)"
     if why and name.strip() != "all":
-        raise KVBenchError(f"the {name} fault cannot run here: {why[name.strip()]}")
+        f = FAULTS[name.strip()]
+        if f.tp and tp == 1:
+            raise KVBenchError(
+                f"the {f.name} fault fires only across tensor-parallel ranks: run it with --tp 2 (or more)"
+            )
+        raise KVBenchError(f"the {f.name} fault lives in the {f.cache} cache; it cannot run on {cache!r}")
     return [n for n in names if n not in why], why

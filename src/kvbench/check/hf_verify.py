@@ -20,7 +20,7 @@ from kvbench.check.causal import refuse_non_causal
 from kvbench.check.hf_subject import HFModel, HFSubject
 from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
 from kvbench.check.lifecycle import LIFECYCLE
-from kvbench.check.suite import RANK_CACHE, SHORT_TOKENS, prompts_note, run_checks
+from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks
 from kvbench.check.tp import hf_tp_rows
 from kvbench.devices import dtype_name
 from kvbench.hf.caches import HF_CACHES
@@ -28,7 +28,7 @@ from kvbench.hf.introspect import HFModelInfo, quiet_transformers
 from kvbench.hf.models import LoadedHF
 from kvbench.validate import past_context
 
-CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE, RANK_CACHE)
+CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)
 
 
 def run_hf_verify(

@@ -32,8 +32,9 @@ from kvbench.check.lifecycle import LIFECYCLE, lifecycle_rows
 from kvbench.check.subject import Run, Subject
 from kvbench.errors import KVBenchError, one_line
 
-RANK_CACHE = "rank_cache"  # tensor-parallel runs only: each rank's cache against its slice (check/tp.py)
-CHECKS = ("logits", "greedy", "reference", "batched", "cache_state", *LIFECYCLE, RANK_CACHE)
+CHECKS = ("logits", "greedy", "reference", "batched", "cache_state", *LIFECYCLE)
+RANK_CACHE = "rank_cache"  # tensor-parallel runs add it: each rank's cache against its slice (check/tp.py)
+TP_CHECKS = (*CHECKS, RANK_CACHE)
 SHORT_TOKENS = 16  # new tokens in the batched and cache_state checks (each runs several generations)
 
 

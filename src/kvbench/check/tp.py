@@ -291,7 +291,7 @@ def tp_rows(
     rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, report)
     held: list[RankBytes] = []
     for s in subjects:
-        if s.cached and RANK_CACHE in checks:
+        if s.cached:
             row, nbytes = gpt2_rank_cache(s, prompts[0], new_tokens, tp)
             rows.append(row)
             held.append(nbytes)

@@ -100,8 +100,6 @@ def _run_faults(o: BreakOptions, on_fault, reports: bool = True):
 
     cache = get_cache_spec(o.cache).name if o.cache is not None else None
     names, why = select_faults(o.name, cache, o.tp)
-    for n in why if reports else ():
-        console.note(f"{n}: skipped ({why[n]})")
     cfg = peek_config(o.model, o.weights)
     validate.fits_context("a one-token prompt", 1, o.new_tokens, cfg.block_size, "use fewer --new-tokens")
     device, rank = o.device, None
@@ -126,6 +124,8 @@ def _run_faults(o: BreakOptions, on_fault, reports: bool = True):
         on_fault(results[-1])
         if reports and not o.json_out:
             render_break(results[-1], o.verbose)
+    for n in why if reports else ():
+        console.note(f"{n}: skipped ({why[n]})")
     meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev), "tp": o.tp}
     return results, list(why.items()), meta
 

@@ -154,7 +154,7 @@ def _kv_lines(p: ModelPlan, spec: ModelSpec, fmt: KVFormat) -> list[str]:
     split = _per_token(spec, fmt, kvh, p.bytes_per_token_per_gpu, f"per GPU (tp {p.tp}, {p.tp_engine})")
     if kvh * p.tp > spec.n_kv_heads:
         split += (
-            f"   [{spec.n_kv_heads} KV heads < tp {p.tp}: vLLM replicates each head on {p.tp // spec.n_kv_heads} GPUs; "
+            f"   [{spec.n_kv_heads} KV heads < tp {p.tp}: each head replicated on {p.tp // spec.n_kv_heads} GPUs (vLLM); "
             "transformers' TP cannot run this split (#48307)]"
         )
     else:

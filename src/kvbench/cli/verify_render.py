@@ -62,7 +62,7 @@ def _cell(row) -> Text:
 def _grid(checks: list, width: int, title: str) -> list:
     """Rows are checks in the suite's order, columns caches in the report's order. A cache skipped as a whole (one
     row named "-") shows skip in every check; a check not run on a cache shows "-"."""
-    from kvbench.check.suite import CHECKS
+    from kvbench.check.suite import TP_CHECKS as CHECKS
 
     caches = list(dict.fromkeys(r.cache for r in checks))
     names = [r.name for r in checks if r.name != "-"]
