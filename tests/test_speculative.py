@@ -91,9 +91,7 @@ def test_cli_json_carries_the_draft_stats_and_the_plain_tokens():
     assert plain.exit_code == 0 and draft.exit_code == 0, (plain.output, draft.output)
     p, d = json.loads(plain.stdout), json.loads(draft.stdout)
     assert d["completions"][0]["tokens"] == p["completions"][0]["tokens"]
-    assert (
-        p["draft"] is None and p["settings"]["draft"] == "none" and d["settings"]["draft"] == "prompt-lookup"
-    )
+    assert p["draft"] is None and p["settings"]["draft"] == "none" and d["settings"]["draft"] == "prompt-lookup"
     stats = d["draft"]
     assert stats["method"] == "prompt-lookup" and stats["draft_tokens"] == 5 and stats["ngram"] == 3
     assert 0 < stats["accepted"] <= stats["proposed"] and stats["forwards"] < 24

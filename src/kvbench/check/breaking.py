@@ -64,18 +64,22 @@ def require_finite(model: GPT, prompts: list[list[int]], new_tokens: int, cache:
 
 
 def break_fault(
-    model: GPT, name: str, prompts: list[list[int]], new_tokens: int, reference: str = "hf",
-    hf_dir: str | None = None, decode: Callable[[list[int]], str] | None = None, cache: str | None = None,
-) -> BreakResult:  # fmt: skip
+    model: GPT,
+    name: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    reference: str = "hf",
+    hf_dir: str | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+    cache: str | None = None,
+) -> BreakResult:
     """Run fault `name` against the correct path (its `demo`), run every verify check with the fault in, and show
     it dormant where it cannot fire. `cache`: the cache to carry the fault (default: the fault's own; any cache,
     plugins included, for faults that live outside the cache)."""
     f = get_fault(name)
     cache = cache or f.cache
     if not f.applies_to(cache):
-        raise KVBenchError(
-            f"the {name} fault lives in the {f.cache} cache itself; it cannot be run on {cache!r}"
-        )
+        raise KVBenchError(f"the {name} fault lives in the {f.cache} cache itself; it cannot be run on {cache!r}")
     if f.batched and (len(prompts) < 2 or len({len(p) for p in prompts}) < 2):
         raise KVBenchError(
             f"the {name} fault needs a batch of >= 2 prompts of different lengths (got lengths "

@@ -180,9 +180,7 @@ def mask_signature(model: GPT, prompt: list[int]) -> dict:
     keys = torch.cat([caches[0].k, k], dim=2)  # (1, H, S, Dh), S = T + 1
     S = keys.size(2)
     eye = torch.eye(S, device=device, dtype=q.dtype).expand(1, attn.n_head, S, S)  # V = one-hot per key
-    right = F.scaled_dot_product_attention(q, keys, eye, is_causal=False)[
-        :, :, 0
-    ].float()  # (1, H, S) weights
+    right = F.scaled_dot_product_attention(q, keys, eye, is_causal=False)[:, :, 0].float()  # (1, H, S) weights
     wrong = F.scaled_dot_product_attention(q, keys, eye, is_causal=True)[:, :, 0].float()
     return {
         "keys": S,
@@ -230,9 +228,7 @@ def demo_reuse(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: 
     )
 
 
-def _single(
-    model: GPT, f: Fault, prompt: list[int], new: int, cache: str
-) -> tuple[list[int], list[int], list]:
+def _single(model: GPT, f: Fault, prompt: list[int], new: int, cache: str) -> tuple[list[int], list[int], list]:
     correct = run(model, [prompt], new, cache).tokens[0]
     caches = fresh_caches(model, cache, 1, len(prompt) + new, f)
     return correct, run(model, [prompt], new, cache, f, caches).tokens[0], caches
@@ -421,7 +417,5 @@ def select_faults(name: str, cache: str | None) -> tuple[list[str], list[str]]:
         raise KVBenchError("--cache none: the faults live in cached decoding; name a cache")
     skipped = [n for n in names if not FAULTS[n].applies_to(cache)]
     if skipped and name.strip() != "all":
-        raise KVBenchError(
-            f"the {name} fault lives in the {FAULTS[name].cache} cache; it cannot run on {cache!r}"
-        )
+        raise KVBenchError(f"the {name} fault lives in the {FAULTS[name].cache} cache; it cannot run on {cache!r}")
     return [n for n in names if n not in skipped], skipped

@@ -30,10 +30,14 @@ CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)
 
 
 def run_hf_verify(
-    loaded: LoadedHF, caches: list[str], prompts: list[list[int]], new_tokens: int = 100,
-    checks: tuple[str, ...] = CHECKS, short_tokens: int = SHORT_TOKENS,
+    loaded: LoadedHF,
+    caches: list[str],
+    prompts: list[list[int]],
+    new_tokens: int = 100,
+    checks: tuple[str, ...] = CHECKS,
+    short_tokens: int = SHORT_TOKENS,
     on_row: Callable[[CheckRow], None] | None = None,
-) -> VerifyReport:  # fmt: skip
+) -> VerifyReport:
     """Run `checks` for every cache in `caches` (names in HF_CACHES) on `prompts` (prompts[0] is the single-prompt
     checks' prompt; all of them form the batch; prompts[1] is cache_state's second prompt)."""
     lens = [len(p) for p in prompts]
@@ -48,16 +52,18 @@ def run_hf_verify(
     with quiet_transformers():
         rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row, baseline)
     return VerifyReport(
-        passed=all(r.passed for r in rows if not r.skipped), checks=rows, dtype=dtype_name(target.dtype),
-        new_tokens=new_tokens, prompt_len=len(prompts[0]), batch_lens=lens,
+        passed=all(r.passed for r in rows if not r.skipped),
+        checks=rows,
+        dtype=dtype_name(target.dtype),
+        new_tokens=new_tokens,
+        prompt_len=len(prompts[0]),
+        batch_lens=lens,
         reference="transformers no-cache path (use_cache=False)",
         notes=_notes(loaded, subjects, prompts, new_tokens, short_tokens),
-    )  # fmt: skip
+    )
 
 
-def _notes(
-    loaded: LoadedHF, subjects: list[HFSubject], prompts, new_tokens: int, short_tokens: int
-) -> list[str]:
+def _notes(loaded: LoadedHF, subjects: list[HFSubject], prompts, new_tokens: int, short_tokens: int) -> list[str]:
     info, longest = loaded.info, max(map(len, prompts)) + new_tokens
     notes = [
         prompts_note(prompts, new_tokens, short_tokens, has_ref=False),
@@ -91,9 +97,7 @@ def _model_layers(info: HFModelInfo) -> str:
     if not info.recurrent:
         return f"{info.layers_summary()} attention layers, {heads}"
     if not info.kv_layers:
-        return (
-            f"{info.layers_summary()} layers: no attention, so no KV cache (a fixed-size state per sequence)"
-        )
+        return f"{info.layers_summary()} layers: no attention, so no KV cache (a fixed-size state per sequence)"
     return f"layers {info.layers_summary()}: {info.kv_layers} of {info.n_layers} cache K/V, {heads}"
 
 

@@ -45,9 +45,7 @@ class CheckRow:
     name: str  # the check
     cache: str  # the cache checked, as named on the command line
     passed: bool
-    max_abs_diff: float | None = (
-        None  # largest |logit difference| compared (None when no logits were compared)
-    )
+    max_abs_diff: float | None = None  # largest |logit difference| compared (None when no logits were compared)
     first_divergence: int | None = None  # first generated step whose token differs (0 = the prefill's token)
     tolerance: str = ""  # the criterion applied, in words
     detail: str = ""  # what was compared, and why it passed or failed
@@ -90,9 +88,12 @@ class Tolerance:
 
 
 def tolerance(
-    dtype: torch.dtype, lossy: tuple[float, float] | None = None, min_agreement: float | None = None,
-    reference: bool = False, source: str = "",
-) -> Tolerance:  # fmt: skip
+    dtype: torch.dtype,
+    lossy: tuple[float, float] | None = None,
+    min_agreement: float | None = None,
+    reference: bool = False,
+    source: str = "",
+) -> Tolerance:
     """The dtype's tolerance (against an independent implementation with `reference`), widened to a lossy path's
     own (rtol, atol)."""
     rtol, atol = (REFERENCE_TOLERANCES if reference else TOLERANCES)[dtype]
@@ -140,19 +141,31 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 def compare_tokens(
-    *, name: str, cache: str, dtype: torch.dtype, want: list[int], got: list[int], want_rows: torch.Tensor,
-    got_rows: torch.Tensor, what: str, tol: Tolerance | None = None, want_where: str = NO_CACHE,
+    *,
+    name: str,
+    cache: str,
+    dtype: torch.dtype,
+    want: list[int],
+    got: list[int],
+    want_rows: torch.Tensor,
+    got_rows: torch.Tensor,
+    what: str,
+    tol: Tolerance | None = None,
+    want_where: str = NO_CACHE,
     got_where: str = CACHED,
-) -> CheckRow:  # fmt: skip
+) -> CheckRow:
     """Tokens `got` against `want`, with the (N, V) logit rows each was chosen from: exact (near-ties allowed in
     low precision), or a lossy path's token agreement. `want_where` and `got_where` name the two runs when their
     logits are not finite."""
     bad = not_finite([(want_where, want_rows), (got_where, got_rows)])
     if bad:
         return CheckRow(
-            name=name, cache=cache, passed=False, tolerance="finite logits",
+            name=name,
+            cache=cache,
+            passed=False,
+            tolerance="finite logits",
             detail=f"{what}{'; ' if what else ''}{bad}",
-        )  # fmt: skip
+        )
     n = min(len(want), len(got))
     first = first_diff(want, got)
     upto = n if first is None else first + 1  # inputs are identical up to and including the divergent step
@@ -160,10 +173,14 @@ def compare_tokens(
     if tol is not None and tol.lossy and tol.min_agreement is not None:
         agree = sum(w == g for w, g in zip(want, got, strict=False)) / max(n, 1)
         return CheckRow(
-            name=name, cache=cache, passed=agree >= tol.min_agreement, max_abs_diff=err, first_divergence=first,
+            name=name,
+            cache=cache,
+            passed=agree >= tol.min_agreement,
+            max_abs_diff=err,
+            first_divergence=first,
             tolerance=f"lossy: agree >= {tol.min_agreement:.0%} (its min_greedy_agreement)",
             detail=f"{what}; {agree:.0%} of {n} tokens agree",
-        )  # fmt: skip
+        )
     row = CheckRow(name=name, cache=cache, passed=True, max_abs_diff=err, tolerance="identical tokens")
     if first is None:
         row.detail = f"{what}: all {n} identical"
@@ -172,9 +189,15 @@ def compare_tokens(
 
 
 def _token_flip(
-    row: CheckRow, dtype: torch.dtype, want: list[int], got: list[int], want_row: torch.Tensor,
-    got_row: torch.Tensor, first: int, what: str,
-) -> CheckRow:  # fmt: skip
+    row: CheckRow,
+    dtype: torch.dtype,
+    want: list[int],
+    got: list[int],
+    want_row: torch.Tensor,
+    got_row: torch.Tensor,
+    first: int,
+    what: str,
+) -> CheckRow:
     """An exact path whose tokens differ from step `first`: in fp16/bf16 a flip the logit error explains (a
     near-tie) passes and says so; any other difference fails, naming the step, the tokens, the gap and the error."""
     row.first_divergence = first

@@ -17,19 +17,25 @@ from kvbench.model.gpt2 import GPT
 def random_prompts(vocab_size: int, prompt_len: int, batch: int, seed: int) -> list[list[int]]:
     """`batch` seeded random prompts of distinct lengths prompt_len, ..., about prompt_len / batch (first is the
     longest: it doubles as the single-prompt checks' prompt)."""
-    assert 2 <= batch <= prompt_len, (
-        f"{batch} distinct prompt lengths up to {prompt_len} (validate.verify_rules)"
-    )
+    assert 2 <= batch <= prompt_len, f"{batch} distinct prompt lengths up to {prompt_len} (validate.verify_rules)"
     g = torch.Generator().manual_seed(seed)
     lens = [-(-prompt_len * (batch - i) // batch) for i in range(batch)]  # ceil: distinct, longest first
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lens]
 
 
 def run_verify(
-    model: GPT, caches: list[str], prompts: list[list[int]], new_tokens: int = 100, reference: str = "hf",
-    hf_dir: str | None = None, fault: Injection | None = None, checks: tuple[str, ...] = CHECKS,
-    short_tokens: int = SHORT_TOKENS, on_row: Callable[[CheckRow], None] | None = None, compile: str = "off",
-) -> VerifyReport:  # fmt: skip
+    model: GPT,
+    caches: list[str],
+    prompts: list[list[int]],
+    new_tokens: int = 100,
+    reference: str = "hf",
+    hf_dir: str | None = None,
+    fault: Injection | None = None,
+    checks: tuple[str, ...] = CHECKS,
+    short_tokens: int = SHORT_TOKENS,
+    on_row: Callable[[CheckRow], None] | None = None,
+    compile: str = "off",
+) -> VerifyReport:
     """Run `checks` for every cache in `caches` on `prompts` (prompts[0] is the single-prompt checks' prompt; all
     of them form the batch). `fault` injects a bug (faults.Fault) into every cached run. `compile`: how a fixed-shape
     decode step runs (fixed_step.COMPILE_MODES)."""
@@ -54,7 +60,12 @@ def run_verify(
     if target.dtype != torch.float32:
         notes.append(LOW_PRECISION_NOTE)
     return VerifyReport(
-        passed=all(r.passed for r in rows), checks=rows, dtype=dtype_name(target.dtype), new_tokens=new_tokens,
-        prompt_len=len(prompts[0]), batch_lens=lens, reference=REFERENCE if target.hf is not None else "none",
+        passed=all(r.passed for r in rows),
+        checks=rows,
+        dtype=dtype_name(target.dtype),
+        new_tokens=new_tokens,
+        prompt_len=len(prompts[0]),
+        batch_lens=lens,
+        reference=REFERENCE if target.hf is not None else "none",
         notes=notes,
-    )  # fmt: skip
+    )

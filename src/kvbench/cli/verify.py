@@ -27,12 +27,8 @@ class VerifyOptions:
         "static-compiled, offloaded, offloaded_static, quantized-quanto, quantized-hqq, quantized-fp8.",
     )
     prompt_len: int = option("--prompt-len", default=32, help="Tokens in the longest prompt.")
-    new_tokens: int = option(
-        "--new-tokens", "-n", default=100, help="Greedy tokens for logits/greedy/reference."
-    )
-    batch: int = option(
-        "--batch", default=3, help="Prompts of different lengths in the batched check (>= 2)."
-    )
+    new_tokens: int = option("--new-tokens", "-n", default=100, help="Greedy tokens for logits/greedy/reference.")
+    batch: int = option("--batch", default=3, help="Prompts of different lengths in the batched check (>= 2).")
     reference: str = option(
         "--reference", default="hf", help="hf: also check against transformers' GPT2LMHeadModel; none: skip."
     )
@@ -70,9 +66,7 @@ def verify(o: VerifyOptions) -> None:
     if o.json_out:
         from dataclasses import asdict
 
-        console.print_json(
-            {"schema_version": SCHEMA_VERSION, "passed": report.passed, **meta, **asdict(report)}
-        )
+        console.print_json({"schema_version": SCHEMA_VERSION, "passed": report.passed, **meta, **asdict(report)})
     else:
         render_verify(report, meta, o.verbose)
     if not report.passed:
@@ -108,8 +102,13 @@ def _verify_gpt2(o: VerifyOptions, on_row):
     report = run_verify(
         loaded.model, names, prompts, o.new_tokens, o.reference, hf_dir, on_row=on_row, compile=o.compile
     )
-    meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev), "dtype": report.dtype,
-            "compile": o.compile}  # fmt: skip
+    meta = {
+        "model": loaded.config.name,
+        "weights": loaded.weights,
+        "device": str(dev),
+        "dtype": report.dtype,
+        "compile": o.compile,
+    }
     return report, meta
 
 
@@ -127,13 +126,23 @@ def _verify_hf(o: VerifyOptions, on_row):
 
     def fits(shape) -> None:  # on the meta-device build, before any weight is read
         check_length(
-            shape.info, o.prompt_len + o.new_tokens, f"--prompt-len {o.prompt_len} + --new-tokens {o.new_tokens}",
+            shape.info,
+            o.prompt_len + o.new_tokens,
+            f"--prompt-len {o.prompt_len} + --new-tokens {o.new_tokens}",
             "lower --prompt-len or --new-tokens",
-        )  # fmt: skip
+        )
 
-    loaded, dev, _ = load_hf_for_cli(o.hf, o.device, o.dtype, o.seed, o.layers, o.trust_remote_code,
-                                     init_std=CHECK_INIT_STD, run=(o.batch, o.prompt_len + o.new_tokens),
-                                     check=fits)  # fmt: skip
+    loaded, dev, _ = load_hf_for_cli(
+        o.hf,
+        o.device,
+        o.dtype,
+        o.seed,
+        o.layers,
+        o.trust_remote_code,
+        init_std=CHECK_INIT_STD,
+        run=(o.batch, o.prompt_len + o.new_tokens),
+        check=fits,
+    )
     prompts = random_prompts(loaded.info.vocab_size, o.prompt_len, o.batch, o.seed)
     report = run_hf_verify(loaded, names, prompts, o.new_tokens, on_row=on_row)
     meta = {

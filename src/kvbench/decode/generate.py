@@ -157,9 +157,7 @@ def _decoder(
         caches = None
     elif caches is None:
         B, T = batch.ids.shape
-        caches = make_caches(
-            cache, model.config, B, T + max_new_tokens, model.lm_head.weight.dtype, batch.ids.device
-        )
+        caches = make_caches(cache, model.config, B, T + max_new_tokens, model.lm_head.weight.dtype, batch.ids.device)
     else:
         rules.reuse(caches)
     if caches is not None and spec.fixed_step:

@@ -82,9 +82,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache, mask: AttentionMask) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
-        q, k, v = (
-            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v)
-        )  # (B, H, T, Dh)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
         if cache is not None:
             # The one line of cache code in attention: store this call's K/V, get back what to attend over.
             k, v = cache.update(k, v, positions)  # (B, H, S, Dh)
@@ -221,9 +219,7 @@ class GPT(nn.Module):
         with torch.device("meta"):
             net = cls(cfg)
         net = net.to(dtype=dtype).to_empty(device=device)
-        net.lm_head.weight = (
-            net.transformer.wte.weight
-        )  # to_empty gives each module its own tensor: tie again
+        net.lm_head.weight = net.transformer.wte.weight  # to_empty gives each module its own tensor: tie again
         return net
 
     def forward(
@@ -248,9 +244,7 @@ class GPT(nn.Module):
         assert positions.shape == (B, T), f"positions {tuple(positions.shape)} must match idx {(B, T)}"
         past = caches[0].length if caches is not None else 0
         if padding_mask is not None:
-            assert padding_mask.shape == (B, past + T), (
-                f"padding_mask {tuple(padding_mask.shape)} != {(B, past + T)}"
-            )
+            assert padding_mask.shape == (B, past + T), f"padding_mask {tuple(padding_mask.shape)} != {(B, past + T)}"
         mask = AttentionMask(T, past + T, padding_mask, mask_rule)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
