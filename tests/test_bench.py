@@ -113,9 +113,8 @@ def test_cli_sweep_writes_all_files_with_sane_values(tmp_path, sweep_model):
 
     s = pd.read_csv(out / "summary.csv")
     assert set(ISSUE_COLUMNS) <= set(s.columns)
-    assert len(s) == 2 * (
-        3 + 3 + 1
-    )  # prompt lengths x (kvbench none/dynamic/static + hf the same + hf-compiled static)
+    # prompt lengths x (kvbench none/dynamic/static + hf the same + hf-compiled static)
+    assert len(s) == 2 * (3 + 3 + 1)
     assert (s.status == "ok").all()
     assert set(s[s.engine == "hf-compiled"].cache) == {"static"}
     assert (s.new_tokens == new).all() and (s.repeats == repeats).all() and (s.dtype == "fp32").all()

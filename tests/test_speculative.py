@@ -35,10 +35,7 @@ def test_repetitive_prompt_gives_plain_greedy_tokens_with_drafts_accepted(model,
     spec = speculative_generate(model, [REPETITIVE], 60, cache=cache, draft_tokens=4, ngram=3)
     assert spec.generation.tokens == plain.tokens
     assert spec.generation.new_tokens == 60 and len(spec.generation.step_s) == 59
-    assert 0 < spec.accepted < spec.proposed, (
-        spec.accepted,
-        spec.proposed,
-    )  # some drafts kept, some rejected
+    assert 0 < spec.accepted < spec.proposed, (spec.accepted, spec.proposed)  # some drafts kept, some rejected
     assert spec.forwards < 60 and spec.forwards == 1 + len(spec.forward_s)
     assert spec.acceptance_rate == spec.accepted / spec.proposed
 

@@ -93,9 +93,8 @@ def fill_random(caches: list, model: GPT, batch: int, context: int, generator: t
     layers afresh would take longer than the steps it prepares; the values do not change a step's time)."""
     cfg, w = model.config, model.lm_head.weight
     T0 = min(FILL_CHUNK, context)
-    k, v = (
-        torch.randn(batch, cfg.n_head, T0, cfg.head_dim, generator=generator).to(w.device, w.dtype) for _ in range(2)
-    )  # (B, H, T0, Dh)
+    shape = (batch, cfg.n_head, T0, cfg.head_dim)  # (B, H, T0, Dh)
+    k, v = (torch.randn(shape, generator=generator).to(w.device, w.dtype) for _ in range(2))
     for start in range(0, context, FILL_CHUNK):
         T = min(FILL_CHUNK, context - start)
         positions = torch.arange(start, start + T, device=w.device).expand(batch, T)  # (B, T)

@@ -199,14 +199,10 @@ def weight_bytes(cfg: GPTConfig, elt: int, batch: int = 1) -> int:
     C, V = cfg.n_embd, cfg.vocab_size
     per_block = (
         2 * 2 * C  # ln_1, ln_2: weight + bias
-        + C * 3 * C
-        + 3 * C  # c_attn
-        + C * C
-        + C  # attn.c_proj
-        + C * 4 * C
-        + 4 * C  # mlp.c_fc
-        + 4 * C * C
-        + C  # mlp.c_proj
+        + (C * 3 * C + 3 * C)  # c_attn
+        + (C * C + C)  # attn.c_proj
+        + (C * 4 * C + 4 * C)  # mlp.c_fc
+        + (4 * C * C + C)  # mlp.c_proj
     )
     return elt * (cfg.n_layer * per_block + 2 * C + V * C + 2 * batch * C)
 

@@ -107,9 +107,8 @@ class HFModelEngine:
     def reference_logits(self, ids: torch.Tensor, ref: list[list[int]], d: int) -> torch.Tensor:
         """(B, V) fp32: the model's logits for token d with no cache, one forward over the prompt and the reference
         tokens before d (what its `none` computed at that step)."""
-        x = torch.cat(
-            [ids, torch.tensor([r[:d] for r in ref], device=ids.device, dtype=ids.dtype)], dim=1
-        )  # (B, T + d)
+        before_d = torch.tensor([r[:d] for r in ref], device=ids.device, dtype=ids.dtype)  # (B, d)
+        x = torch.cat([ids, before_d], dim=1)  # (B, T + d)
         model = self.loaded.model
         # the vocabulary projection of the last position only, as generate asks for it, where the model takes it
         last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}

@@ -49,13 +49,13 @@ WEIGHT_FILES = (
 )
 # "org/name" or "name": what the hub accepts as a model id (and what a path that does not exist may still be).
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-REMOTE_MODULES = "transformers_modules"
+REMOTE_MODULES = "transformers_modules"  # where transformers imports a directory's own modelling code from
 # Families whose generate feeds the model something other than the sequence so far: a cached step cannot be compared
 # with a forward over the prefix.
 NOT_A_PREFIX_FORWARD = {
     "xlm": "appends a mask token to every input in generate (XLMWithLMHeadModel.prepare_inputs_for_generation), so "
     "a decode step is not a forward over the prefix",
-}  # where transformers imports a directory's own modelling code from
+}
 
 
 @dataclass

@@ -20,11 +20,7 @@ from kvbench.memory.formulas import bytes_per_sequence, layer_bytes_per_token
 from kvbench.memory.spec import KVFormat, ModelSpec, get_kv_format
 from kvbench.memory.units import fmt_int
 
-CHECK_FORMATS = (
-    "fp32",
-    "fp16",
-    "bf16",
-)  # what transformers' StaticCache stores (its element count x these bytes)
+CHECK_FORMATS = ("fp32", "fp16", "bf16")  # what transformers' StaticCache stores (its element count x these bytes)
 _KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
 # Layers x contexts one --check may run: 16 contexts of the largest public models (~130 layers), about 20 s.
 MAX_LAYER_STEPS = 2048

@@ -62,9 +62,8 @@ BENCH_FILES = (
     "batch.png",
     "profile_ops.csv",
 )
-PROFILE_DIR = (
-    "profile"  # bench --profile's traces (*.trace.json); --force removes the traces, not the folder's other files
-)
+# bench --profile's traces (*.trace.json); --force removes the traces, not the folder's other files
+PROFILE_DIR = "profile"
 # Held (locked) in a run folder while a bench writes into it; removed when the run ends.
 RUN_LOCK = ".kvbench-run.lock"
 
