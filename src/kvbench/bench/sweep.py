@@ -158,23 +158,11 @@ def run_sweep(
             on_result(results[-1])
 
     for p, b in dict.fromkeys((p, b) for p, b, _, _ in configs):
+        ids = prompts[p][:b]
+        shared = dict(prompt_len=p, new_tokens=s.new_tokens, batch=b, dtype=dtype_name, device=device_label)
         group = [
             _Configuration(
-                model,
-                engines[e],
-                prompts[p][:b].to(device),
-                s,
-                progress,
-                dict(
-                    engine=e,
-                    cache=c,
-                    prompt_len=p,
-                    new_tokens=s.new_tokens,
-                    batch=b,
-                    dtype=dtype_name,
-                    device=device_label,
-                ),
-                oversized.get(b),
+                model, engines[e], ids.to(device), s, progress, dict(engine=e, cache=c, **shared), oversized.get(b)
             )
             for p_, b_, e, c in configs
             if (p_, b_) == (p, b)

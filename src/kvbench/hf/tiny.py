@@ -20,136 +20,58 @@ from typing import Any
 HIDDEN, FF, MOE_FF, LAYERS, HEADS, HEAD_DIM, VOCAB, POSITIONS, WINDOW = 64, 128, 32, 2, 4, 16, 1024, 512, 16
 MAX_LAYERS = 4  # a hybrid keeps one layer of each kind, up to this many
 
-HEAD_DIMS = (
-    "head_dim",
-    "attention_head_dim",
-    "d_head",
-    "kv_channels",
-    "swa_head_dim",
-    "attention_head_size",
-    "dim_head",
-)
+
+def _names(text: str) -> tuple[str, ...]:
+    """Config field names written as a paragraph of words, in order."""
+    return tuple(text.split())
+
+
+HEAD_DIMS = _names("head_dim attention_head_dim d_head kv_channels swa_head_dim attention_head_size dim_head")
+HIDDEN_SIZES = _names("""
+    hidden_size d_model n_embd dim embed_dim hidden_dim emb_dim word_embed_proj_dim embedding_size embedding_dim
+    input_embedding_size output_embedding_size lru_width attention_hidden_size d_embed text_hidden_size
+    hidden_size_global projection_dim out_hidden_size output_dim downsample_hidden_size encoder_cross_output_size
+    adapter_in_dim adapter_out_dim adapter_input_size adapter_output_size backbone_hidden_size
+""")
+FF_SIZES = _names("""
+    intermediate_size ffn_dim n_inner decoder_ffn_dim encoder_ffn_dim dff ffn_hidden_size dim_ff feed_forward_size
+    intermediate_size_mlp d_inner d_ff dense_intermediate_size prefix_dense_intermediate_size
+""")
+MOE_FF_SIZES = _names("""
+    moe_intermediate_size shared_expert_intermediate_size expert_ffn_hidden_size moe_shared_expert_intermediate_size
+    shared_intermediate_size shared_experts_intermediate_size
+""")
+HEAD_COUNTS = _names("""
+    num_attention_heads n_head n_heads decoder_attention_heads encoder_attention_heads num_heads attention_heads
+    num_decoder_attention_heads num_encoder_attention_heads swa_num_attention_heads
+""")
+POSITION_COUNTS = _names("""
+    max_position_embeddings n_positions n_ctx max_target_positions max_seq_len seq_length max_sequence_length
+    context_length max_source_positions
+""")
+WINDOWS = _names("""
+    sliding_window sliding_window_size window_size attention_window_size local_attention_window_len
+    attention_chunk_size
+""")
 # field names -> the tiny value (a callable: from the original value)
 SIZES: dict[str, Any] = {
-    **dict.fromkeys(
-        (
-            "hidden_size",
-            "d_model",
-            "n_embd",
-            "dim",
-            "embed_dim",
-            "hidden_dim",
-            "emb_dim",
-            "word_embed_proj_dim",
-            "embedding_size",
-            "embedding_dim",
-            "input_embedding_size",
-            "output_embedding_size",
-            "lru_width",
-            "attention_hidden_size",
-            "d_embed",
-            "text_hidden_size",
-            "hidden_size_global",
-            "projection_dim",
-            "out_hidden_size",
-            "output_dim",
-            "downsample_hidden_size",
-            "encoder_cross_output_size",
-            "adapter_in_dim",
-            "adapter_out_dim",
-            "adapter_input_size",
-            "adapter_output_size",
-            "backbone_hidden_size",
-        ),
-        HIDDEN,
-    ),
-    **dict.fromkeys(
-        (
-            "intermediate_size",
-            "ffn_dim",
-            "n_inner",
-            "decoder_ffn_dim",
-            "encoder_ffn_dim",
-            "dff",
-            "ffn_hidden_size",
-            "dim_ff",
-            "feed_forward_size",
-            "intermediate_size_mlp",
-            "d_inner",
-            "d_ff",
-            "dense_intermediate_size",
-            "prefix_dense_intermediate_size",
-        ),
-        FF,
-    ),
-    **dict.fromkeys(
-        (
-            "moe_intermediate_size",
-            "shared_expert_intermediate_size",
-            "expert_ffn_hidden_size",
-            "moe_shared_expert_intermediate_size",
-            "shared_intermediate_size",
-            "shared_experts_intermediate_size",
-        ),
-        MOE_FF,
-    ),
-    **dict.fromkeys(
-        (
-            "num_attention_heads",
-            "n_head",
-            "n_heads",
-            "decoder_attention_heads",
-            "encoder_attention_heads",
-            "num_heads",
-            "attention_heads",
-            "num_decoder_attention_heads",
-            "num_encoder_attention_heads",
-            "swa_num_attention_heads",
-        ),
-        HEADS,
-    ),
+    **dict.fromkeys(HIDDEN_SIZES, HIDDEN),
+    **dict.fromkeys(FF_SIZES, FF),
+    **dict.fromkeys(MOE_FF_SIZES, MOE_FF),
+    **dict.fromkeys(HEAD_COUNTS, HEADS),
     **dict.fromkeys(HEAD_DIMS, HEAD_DIM),
+    **dict.fromkeys(POSITION_COUNTS, POSITIONS),
+    **dict.fromkeys(WINDOWS, WINDOW),
+    **dict.fromkeys(_names("num_experts num_local_experts n_routed_experts moe_num_experts"), lambda v: min(v, 4)),
     **dict.fromkeys(
-        (
-            "max_position_embeddings",
-            "n_positions",
-            "n_ctx",
-            "max_target_positions",
-            "max_seq_len",
-            "seq_length",
-            "max_sequence_length",
-            "context_length",
-            "max_source_positions",
-        ),
-        POSITIONS,
+        _names("num_experts_per_tok num_experts_per_token moe_topk moe_k top_k_experts"), lambda v: min(v, 2)
     ),
     **dict.fromkeys(
-        (
-            "sliding_window",
-            "sliding_window_size",
-            "window_size",
-            "attention_window_size",
-            "local_attention_window_len",
-            "attention_chunk_size",
-        ),
-        WINDOW,
-    ),
-    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), lambda v: min(v, 4)),
-    **dict.fromkeys(
-        ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts"), lambda v: min(v, 2)
-    ),
-    **dict.fromkeys(
-        (
-            "n_shared_experts",
-            "num_shared_experts",
-            "moe_num_shared_experts",
-            "first_k_dense_replace",
-            "num_dense_layers",
-        ),
+        _names("n_shared_experts num_shared_experts moe_num_shared_experts first_k_dense_replace num_dense_layers"),
         lambda v: min(v, 1),
     ),
-    **dict.fromkeys(("n_group", "topk_group", "num_expert_group"), 1),
-    **dict.fromkeys(("index_topk_blocks", "index_local_blocks", "index_block_size"), lambda v: min(v, 4)),
+    **dict.fromkeys(_names("n_group topk_group num_expert_group"), 1),
+    **dict.fromkeys(_names("index_topk_blocks index_local_blocks index_block_size"), lambda v: min(v, 4)),
     "num_nextn_predict_layers": 0,
     "rotary_dim": HEAD_DIM // 2,
     # multi-head latent attention (DeepSeek): small ranks
@@ -189,16 +111,9 @@ SIZES: dict[str, Any] = {
     "time_step_rank": 8,
     "mamba_d_ssm": 128,
 }
-LAYER_COUNTS = (
-    "num_hidden_layers",
-    "n_layer",
-    "num_layers",
-    "n_layers",
-    "decoder_layers",
-    "encoder_layers",
-    "num_decoder_layers",
-    "num_encoder_layers",
-)
+LAYER_COUNTS = _names("""
+    num_hidden_layers n_layer num_layers n_layers decoder_layers encoder_layers num_decoder_layers num_encoder_layers
+""")
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "swa_num_key_value_heads", "num_query_groups")
 VOCABS = ("vocab_size", "decoder_vocab_size", "vocab_size_per_layer_input", "unpadded_vocab_size")
 SPECIAL_IDS = {
@@ -213,43 +128,18 @@ SPECIAL_IDS = {
     "eod_token_id": 2,
     "forced_eos_token_id": 2,
 }
-KIND_LISTS = (
-    "layer_types",
-    "layers_block_type",
-    "block_types",
-    "attention_layers",
-    "attn_layers",
-    "mlp_layer_types",
-)
-INDEX_LISTS = (
-    "moe_layers",
-    "full_attn_idxs",
-    "mlp_only_layers",
-    "hybrid_layer_ids",
-    "attn_layer_indices",
-    "local_layer_ids",
-    "ple_layer_ids",
-    "mtp_local_layer_ids",
-)
+KIND_LISTS = _names("layer_types layers_block_type block_types attention_layers attn_layers mlp_layer_types")
+INDEX_LISTS = _names("""
+    moe_layers full_attn_idxs mlp_only_layers hybrid_layer_ids attn_layer_indices local_layer_ids ple_layer_ids
+    mtp_local_layer_ids
+""")
 TEXT_CONFIGS = ("text_config", "decoder_config", "language_config", "llm_config")
 UNTOUCHED = ("rope_scaling", "rope_parameters", "quantization_config")
-DROPPED = (
-    "_name_or_path",
-    "architectures",
-    "transformers_version",
-    "id2label",
-    "label2id",
-    "dtype",
-    "torch_dtype",
-    "task_specific_params",
-    "_attn_implementation_autoset",
-    "tie_encoder_decoder",
-    "problem_type",
-    "chunk_size_feed_forward",
-    "output_attentions",
-    "output_hidden_states",
-    "return_dict",
-)
+DROPPED = _names("""
+    _name_or_path architectures transformers_version id2label label2id dtype torch_dtype task_specific_params
+    _attn_implementation_autoset tie_encoder_decoder problem_type chunk_size_feed_forward output_attentions
+    output_hidden_states return_dict
+""")
 
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 # What a type's default config leaves unusable, or the layer layout a hybrid needs to keep one layer of each kind.
