@@ -96,13 +96,7 @@ def test_cli_sweep_writes_all_files_with_sane_values(tmp_path, sweep_model):
         str(new),
         "--repeats",
         str(repeats),
-        "--warmup",
-        "1",
-        "--caches",
-        "none,dynamic,static",
-        "--engine",
-        "kvbench,hf,hf-compiled",
-        "--out",
+        *"--warmup 1 --caches none,dynamic,static --engine kvbench,hf,hf-compiled --out".split(),
         str(out),
     )
     assert result.exit_code == 0, text
@@ -177,25 +171,9 @@ def test_floor_columns_are_present_and_consistent(tmp_path):
 
     out, new = tmp_path / "run", 6
     result, text = invoke(
-        "--model",
-        "gpt2-tiny",
-        "--weights",
-        "random",
-        "--device",
-        "cpu",
-        "--prompt-len",
-        "16,8",
-        "--new-tokens",
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 16,8 --new-tokens".split(),
         str(new),
-        "--repeats",
-        "1",
-        "--warmup",
-        "0",
-        "--caches",
-        "none,dynamic,static,static-graph,paged",
-        "--engine",
-        "kvbench,hf",
-        "--out",
+        *"--repeats 1 --warmup 0 --caches none,dynamic,static,static-graph,paged --engine kvbench,hf --out".split(),
         str(out),
     )
     assert result.exit_code == 0, text
@@ -237,25 +215,8 @@ def test_floor_columns_are_present_and_consistent(tmp_path):
 
 def test_json_output_is_one_document(tmp_path):
     result, text = invoke(
-        "--model",
-        "gpt2-tiny",
-        "--weights",
-        "random",
-        "--device",
-        "cpu",
-        "--prompt-len",
-        "4",
-        "--new-tokens",
-        "3",
-        "--repeats",
-        "1",
-        "--warmup",
-        "0",
-        "--caches",
-        "none,dynamic",
-        "--engine",
-        "kvbench",
-        "--out",
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 4 --new-tokens 3 --repeats 1 --warmup 0".split(),
+        *"--caches none,dynamic --engine kvbench --out".split(),
         str(tmp_path / "j"),
         "--json",
     )
@@ -283,25 +244,8 @@ def test_ctrl_c_keeps_completed_rows_and_exits_130(tmp_path, monkeypatch):
     monkeypatch.setattr(cli_bench._BenchProgress, "update", interrupting_update)
     out = tmp_path / "run"
     result, text = invoke(
-        "--model",
-        "gpt2-tiny",
-        "--weights",
-        "random",
-        "--device",
-        "cpu",
-        "--prompt-len",
-        "4,8",
-        "--new-tokens",
-        "3",
-        "--repeats",
-        "1",
-        "--warmup",
-        "0",
-        "--caches",
-        "none,dynamic,static",
-        "--engine",
-        "kvbench",
-        "--out",
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 4,8 --new-tokens 3 --repeats 1".split(),
+        *"--warmup 0 --caches none,dynamic,static --engine kvbench --out".split(),
         str(out),
     )
     assert result.exit_code == 130, text
@@ -368,17 +312,7 @@ def test_unwritable_out_is_an_error_before_any_work(tmp_path):
 def test_impossible_sweep_is_rejected_naming_the_values(tmp_path):
     out = tmp_path / "run"
     result, text = invoke(
-        "--model",
-        "gpt2-tiny",
-        "--weights",
-        "random",
-        "--device",
-        "cpu",
-        "--prompt-len",
-        "16,700,1000",
-        "--new-tokens",
-        "400",
-        "--out",
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 16,700,1000 --new-tokens 400 --out".split(),
         str(out),
     )
     assert result.exit_code == 2, text
@@ -526,27 +460,8 @@ def test_interleaved_order_runs_the_timed_repeats_in_rounds(tiny_model):
 def test_bench_order_interleaved_from_the_command_line(tmp_path):
     out = tmp_path / "run"
     result, text = invoke(
-        "--model",
-        "gpt2-tiny",
-        "--weights",
-        "random",
-        "--device",
-        "cpu",
-        "--prompt-len",
-        "8,12",
-        "--new-tokens",
-        "3",
-        "--caches",
-        "none,static",
-        "--engine",
-        "kvbench",
-        "--repeats",
-        "2",
-        "--warmup",
-        "1",
-        "--order",
-        "interleaved",
-        "--out",
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 8,12 --new-tokens 3".split(),
+        *"--caches none,static --engine kvbench --repeats 2 --warmup 1 --order interleaved --out".split(),
         str(out),
     )
     assert result.exit_code == 0, text
@@ -716,22 +631,9 @@ def test_peak_memory_counts_the_engine_weights_once_and_the_run_above_its_baseli
 
 
 # --- the run folder, signals, failures ----------------------------------------------------------------------------
-TINY_RUN = [
-    "--model",
-    "gpt2-tiny",
-    "--weights",
-    "random",
-    "--device",
-    "cpu",
-    "--new-tokens",
-    "3",
-    "--repeats",
-    "1",
-    "--warmup",
-    "0",
-    "--engine",
-    "kvbench",
-]
+TINY_RUN = (
+    "--model gpt2-tiny --weights random --device cpu --new-tokens 3 --repeats 1 --warmup 0 --engine kvbench".split()
+)
 
 
 def test_out_holding_a_run_is_refused_unless_forced(tmp_path):
@@ -754,15 +656,7 @@ def test_out_holding_a_run_is_refused_unless_forced(tmp_path):
 def test_repeated_prompt_lengths_caches_and_engines_run_once(tmp_path):
     out = tmp_path / "run"
     result, text = invoke(
-        *TINY_RUN,
-        "--prompt-len",
-        "4,8,4",
-        "--caches",
-        "none,dynamic,none",
-        "--engine",
-        "kvbench,kvbench",
-        "--out",
-        str(out),
+        *TINY_RUN, *"--prompt-len 4,8,4 --caches none,dynamic,none --engine kvbench,kvbench --out".split(), str(out)
     )
     assert result.exit_code == 0, text
     s = pd.read_csv(out / "summary.csv")
@@ -779,21 +673,8 @@ def test_weights_folder_without_model_takes_the_checkpoints_shape(tmp_path, hf_d
     result, text = invoke(
         "--weights",
         str(hf_dir),
-        "--device",
-        "cpu",
-        "--prompt-len",
-        "5",
-        "--new-tokens",
-        "3",
-        "--repeats",
-        "1",
-        "--warmup",
-        "0",
-        "--caches",
-        "none,static",
-        "--engine",
-        "kvbench",
-        "--out",
+        *"--device cpu --prompt-len 5 --new-tokens 3 --repeats 1 --warmup 0 --caches none,static".split(),
+        *"--engine kvbench --out".split(),
         str(out),
     )
     assert result.exit_code == 0, text
@@ -899,15 +780,7 @@ def test_a_plugin_that_raises_mid_sweep_keeps_every_other_row(tmp_path, monkeypa
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "run"
     result, text = invoke(
-        *TINY_RUN,
-        "--prompt-len",
-        "2,4",
-        "--new-tokens",
-        "6",
-        "--caches",
-        "none,late_plugin:FailsLate,static",
-        "--out",
-        str(out),
+        *TINY_RUN, *"--prompt-len 2,4 --new-tokens 6 --caches none,late_plugin:FailsLate,static --out".split(), str(out)
     )
     assert result.exit_code == 1, text  # rows recorded, but the run says something failed
     s = pd.read_csv(out / "summary.csv")
@@ -965,25 +838,8 @@ def test_bench_compile_max_runs_on_the_cpu_and_is_recorded(tmp_path):
     result, text = invoke(
         "--model",
         str(cfg),
-        "--weights",
-        "random",
-        "--device",
-        "cpu",
-        "--prompt-len",
-        "8",
-        "--new-tokens",
-        "6",
-        "--repeats",
-        "1",
-        "--warmup",
-        "1",
-        "--caches",
-        "none,static-graph",
-        "--engine",
-        "kvbench",
-        "--compile",
-        "max",
-        "--out",
+        *"--weights random --device cpu --prompt-len 8 --new-tokens 6 --repeats 1 --warmup 1".split(),
+        *"--caches none,static-graph --engine kvbench --compile max --out".split(),
         str(out),
     )
     assert result.exit_code == 0, text
@@ -995,17 +851,7 @@ def test_bench_compile_max_runs_on_the_cpu_and_is_recorded(tmp_path):
 @pytest.mark.parametrize("value", ["1", "fast", "MAX", ""])
 def test_bench_compile_bad_values_are_one_line(value, tmp_path):
     result, _ = invoke(
-        "--model",
-        "gpt2-tiny",
-        "--weights",
-        "random",
-        "--device",
-        "cpu",
-        "--prompt-len",
-        "8",
-        "--new-tokens",
-        "4",
-        "--compile",
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 8 --new-tokens 4 --compile".split(),
         value,
         "--out",
         str(tmp_path / "r"),
@@ -1025,18 +871,7 @@ def test_bench_compile_bad_values_are_one_line(value, tmp_path):
 )
 def test_bench_compile_where_nothing_would_be_compiled_is_refused(args, message, tmp_path):
     result, _ = invoke(
-        "--model",
-        "gpt2-tiny",
-        "--weights",
-        "random",
-        "--device",
-        "cpu",
-        "--prompt-len",
-        "8",
-        "--new-tokens",
-        "4",
-        "--compile",
-        "max",
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 8 --new-tokens 4 --compile max".split(),
         *args,
         "--out",
         str(tmp_path / "r"),

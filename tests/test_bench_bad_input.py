@@ -268,19 +268,7 @@ def test_a_run_folder_deleted_mid_run_is_one_line(tmp_path, monkeypatch):
         real_update(self, done, total, label)
 
     monkeypatch.setattr(cli_bench._BenchProgress, "update", update)
-    argv = [
-        *TINY,
-        "--engine",
-        "kvbench",
-        "--caches",
-        "none,static",
-        "--prompt-len",
-        "8",
-        "--new-tokens",
-        "4",
-        "--out",
-        str(out),
-    ]
+    argv = [*TINY, *"--engine kvbench --caches none,static --prompt-len 8 --new-tokens 4 --out".split(), str(out)]
     result = CliRunner().invoke(app, ["bench", *argv])
     shown = f"exit {result.exit_code}\nstdout: {result.stdout!r}\nstderr: {result.stderr!r}"
     lines = result.stderr.strip().splitlines()

@@ -111,19 +111,7 @@ def test_unknown_fault_lists_the_known_ones():
 def test_cli_break_json():
     r = CliRunner().invoke(
         app,
-        [
-            "break",
-            "mask",
-            "--model",
-            "gpt2-tiny",
-            "--weights",
-            "random",
-            "--new-tokens",
-            "4",
-            "--reference",
-            "none",
-            "--json",
-        ],
+        "break mask --model gpt2-tiny --weights random --new-tokens 4 --reference none --json".split(),
     )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
@@ -159,17 +147,7 @@ def test_reset_fault_on_a_fixed_capacity_cache_shows_stale_columns_not_an_overfl
             "reset",
             "--cache",
             cache,
-            "--model",
-            "gpt2-tiny",
-            "--weights",
-            "random",
-            "--device",
-            "cpu",
-            "--new-tokens",
-            "4",
-            "--reference",
-            "none",
-            "--json",
+            *"--model gpt2-tiny --weights random --device cpu --new-tokens 4 --reference none --json".split(),
         ],
     )
     assert r.exit_code == 0, r.output

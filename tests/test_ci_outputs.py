@@ -186,18 +186,7 @@ def test_memory_json_follows_its_schema():
 BENCH = [
     "bench",
     *TINY,
-    "--prompt-len",
-    "6,8",
-    "--new-tokens",
-    "4",
-    "--repeats",
-    "2",
-    "--warmup",
-    "1",
-    "--caches",
-    "none,dynamic",
-    "--engine",
-    "kvbench",
+    *"--prompt-len 6,8 --new-tokens 4 --repeats 2 --warmup 1 --caches none,dynamic --engine kvbench".split(),
 ]
 
 

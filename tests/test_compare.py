@@ -26,26 +26,11 @@ PROMPTS = (8, 32)
 # spread over a factor of about 6 (p90 / p10; a 10% shift only to about 2.5, which a busy machine running a
 # second test worker beside this one exceeds), while 3% stays under the 5% threshold whatever its p.
 BENCH = [
-    "--model",
-    "gpt2-tiny",
-    "--weights",
-    "random",
-    "--device",
-    "cpu",
-    "--threads",
-    "1",
-    "--engine",
-    "kvbench",
-    "--caches",
+    *"--model gpt2-tiny --weights random --device cpu --threads 1 --engine kvbench --caches".split(),
     ",".join(CACHES),
     "--prompt-len",
     ",".join(map(str, PROMPTS)),
-    "--new-tokens",
-    "81",
-    "--repeats",
-    "3",
-    "--warmup",
-    "1",
+    *"--new-tokens 81 --repeats 3 --warmup 1".split(),
 ]
 
 

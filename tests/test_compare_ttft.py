@@ -22,23 +22,8 @@ from kvbench.cli import app
 runner = CliRunner()
 REPEATS = 3
 BENCH = [
-    "--model",
-    "gpt2-tiny",
-    "--weights",
-    "random",
-    "--device",
-    "cpu",
-    "--threads",
-    "1",
-    "--engine",
-    "kvbench",
-    "--caches",
-    "dynamic,static",
-    "--prompt-len",
-    "8",
-    "--new-tokens",
-    "21",
-    "--repeats",
+    *"--model gpt2-tiny --weights random --device cpu --threads 1 --engine kvbench --caches dynamic,static".split(),
+    *"--prompt-len 8 --new-tokens 21 --repeats".split(),
     str(REPEATS),
     "--warmup",
     "1",
@@ -217,19 +202,7 @@ def test_bad_percentiles_stop_bench_before_any_work(tmp_path, value):
 
 def test_percentiles_are_refused_with_random_fill(tmp_path):
     r, text = invoke(
-        "bench",
-        "--model",
-        "gpt2-tiny",
-        "--weights",
-        "random",
-        "--device",
-        "cpu",
-        "--fill",
-        "random",
-        "--prompt-len",
-        "64",
-        "--percentiles",
-        "95",
+        *"bench --model gpt2-tiny --weights random --device cpu --fill random --prompt-len 64 --percentiles 95".split(),
         "--out",
         tmp_path / "run",
     )

@@ -112,22 +112,8 @@ def test_k_suffix_and_random_fill_defaults():
 
 
 ARGS = [
-    "--model",
-    "gpt2-tiny",
-    "--device",
-    "cpu",
-    "--fill",
-    "random",
-    "--new-tokens",
-    "4",
-    "--repeats",
-    "2",
-    "--warmup",
-    "1",
-    "--threads",
-    "1",
-    "--caches",
-    "static,paged,int8",
+    *"--model gpt2-tiny --device cpu --fill random --new-tokens 4 --repeats 2 --warmup 1 --threads 1".split(),
+    *"--caches static,paged,int8".split(),
 ]
 
 

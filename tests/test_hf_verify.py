@@ -280,14 +280,7 @@ def test_remote_code_config_alone_gives_random_weights(toy_dirs):
         "verify",
         "--hf",
         str(toy_dirs["buggy"] / "config.json"),
-        "--trust-remote-code",
-        "--caches",
-        "static",
-        "--prompt-len",
-        "8",
-        "--new-tokens",
-        "6",
-        "--json",
+        *"--trust-remote-code --caches static --prompt-len 8 --new-tokens 6 --json".split(),
     )
     assert r.exit_code == 1, out
     doc = json.loads(r.stdout)
@@ -382,13 +375,7 @@ def test_remote_code_that_exits_in_forward_is_refused_before_any_check(hostile_t
         command,
         "--hf",
         str(hostile_toys["exit_forward"]),
-        "--trust-remote-code",
-        "--caches",
-        "none,dynamic",
-        "--prompt-len",
-        "8",
-        "--new-tokens",
-        "4",
+        *"--trust-remote-code --caches none,dynamic --prompt-len 8 --new-tokens 4".split(),
         *extra,
     )
     assert r.exit_code == 2, out
@@ -402,14 +389,7 @@ def test_remote_code_prints_go_to_stderr(hostile_toys):
         "verify",
         "--hf",
         str(hostile_toys["print_forward"]),
-        "--trust-remote-code",
-        "--caches",
-        "dynamic",
-        "--prompt-len",
-        "8",
-        "--new-tokens",
-        "4",
-        "--json",
+        *"--trust-remote-code --caches dynamic --prompt-len 8 --new-tokens 4 --json".split(),
     )
     assert r.exit_code == 0, out
     assert json.loads(r.stdout)["passed"] and "kvtoy forward" in r.stderr
@@ -423,15 +403,7 @@ def test_config_json_alone_gives_random_weights_and_layers(model_dirs):
         "verify",
         "--hf",
         str(model_dirs["llama"] / "config.json"),
-        "--layers",
-        "1",
-        "--caches",
-        "dynamic",
-        "--prompt-len",
-        "8",
-        "--new-tokens",
-        "6",
-        "--json",
+        *"--layers 1 --caches dynamic --prompt-len 8 --new-tokens 6 --json".split(),
     )
     assert r.exit_code == 0, out
     doc = json.loads(r.stdout)
@@ -545,18 +517,7 @@ def test_complete_checkpoints_load(model_dirs, hf_dir, tmp_path):
         assert r.exit_code == 0, out
     half = _edited_checkpoint(model_dirs["llama"], tmp_path / "half", INCOMPLETE["one layer of two"][0])
     r, out = invoke(
-        "verify",
-        "--hf",
-        str(half),
-        "--layers",
-        "1",
-        "--caches",
-        "dynamic",
-        "--prompt-len",
-        "6",
-        "--new-tokens",
-        "3",
-        "--json",
+        "verify", "--hf", str(half), *"--layers 1 --caches dynamic --prompt-len 6 --new-tokens 3 --json".split()
     )
     assert r.exit_code == 0 and "first 1 of 2 layers" in json.loads(r.stdout)["model"], out
 
@@ -681,17 +642,7 @@ def test_bench_hf_writes_rows(model_dirs, tmp_path):
         "bench",
         "--hf",
         str(model_dirs["gemma2"]),
-        "--prompt-len",
-        "8,24",
-        "--new-tokens",
-        "6",
-        "--caches",
-        "none,dynamic,static",
-        "--repeats",
-        "2",
-        "--warmup",
-        "1",
-        "--out",
+        *"--prompt-len 8,24 --new-tokens 6 --caches none,dynamic,static --repeats 2 --warmup 1 --out".split(),
         str(out_dir),
     )
     assert r.exit_code == 0, out
@@ -747,17 +698,7 @@ def test_bench_hf_rows_carry_token_agreement(model_dirs, tmp_path, monkeypatch):
         "bench",
         "--hf",
         str(model_dirs["llama"]),
-        "--prompt-len",
-        "6",
-        "--new-tokens",
-        "16",
-        "--caches",
-        "none,dynamic,static",
-        "--repeats",
-        "1",
-        "--warmup",
-        "0",
-        "--out",
+        *"--prompt-len 6 --new-tokens 16 --caches none,dynamic,static --repeats 1 --warmup 0 --out".split(),
         str(out_dir),
     )
     assert r.exit_code == 0, out  # a flip is reported in the row (and in red under the table), not a failure
@@ -780,17 +721,7 @@ def test_bench_hf_without_none_has_no_reference(model_dirs, tmp_path):
         "bench",
         "--hf",
         str(model_dirs["llama"]),
-        "--prompt-len",
-        "6",
-        "--new-tokens",
-        "4",
-        "--caches",
-        "static",
-        "--repeats",
-        "1",
-        "--warmup",
-        "0",
-        "--out",
+        *"--prompt-len 6 --new-tokens 4 --caches static --repeats 1 --warmup 0 --out".split(),
         str(out_dir),
     )
     assert r.exit_code == 0, out
@@ -869,17 +800,7 @@ def test_bench_hf_sigterm_keeps_the_rows(model_dirs, tmp_path, monkeypatch):
         "bench",
         "--hf",
         str(model_dirs["llama"]),
-        "--prompt-len",
-        "6,10",
-        "--new-tokens",
-        "4",
-        "--caches",
-        "none,dynamic,static",
-        "--repeats",
-        "1",
-        "--warmup",
-        "0",
-        "--out",
+        *"--prompt-len 6,10 --new-tokens 4 --caches none,dynamic,static --repeats 1 --warmup 0 --out".split(),
         str(out_dir),
     )
     assert r.exit_code == 128 + signal.SIGTERM, out

@@ -588,18 +588,7 @@ def test_measure_lengths_reports_paged_against_static():
     r = runner.invoke(
         app,
         [
-            "memory",
-            "--model",
-            "gpt2",
-            "--measure",
-            "--batch",
-            "8",
-            "--ctx",
-            "528",
-            "--device",
-            "cpu",
-            "--json",
-            "--lengths",
+            *"memory --model gpt2 --measure --batch 8 --ctx 528 --device cpu --json --lengths".split(),
             ",".join(map(str, lengths)),
         ],
     )

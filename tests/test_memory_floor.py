@@ -121,20 +121,7 @@ def test_table_shows_floor_and_working():
 def test_json_working_is_the_text_the_table_prints():
     """--json carries the working under `working` (the plan's, its GPU budget's, each row's and each row's decode
     floor's): the same lines the terminal prints under the table, from the same numbers."""
-    args = [
-        "-m",
-        "llama-3-8b",
-        "--gpu",
-        "h100",
-        "--ctx",
-        "8k,1m",
-        "--batch",
-        "1,16",
-        "--tp",
-        "2",
-        "--overhead",
-        "5%",
-    ]
+    args = "-m llama-3-8b --gpu h100 --ctx 8k,1m --batch 1,16 --tp 2 --overhead 5%".split()
     r = runner.invoke(app, ["memory", *args], env={"COLUMNS": "250"})
     assert r.exit_code == 0, r.output
     p = run_json(*args)["plans"][0]

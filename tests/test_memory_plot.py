@@ -14,18 +14,7 @@ runner = CliRunner()
 def test_plot_writes_png_whose_marks_are_the_planners_max_context(tmp_path):
     png = tmp_path / "capacity.png"
     argv = [
-        "memory",
-        "-m",
-        "llama-3-8b",
-        "-m",
-        "mistral-7b-v0.1",
-        "--gpu",
-        "h100",
-        "--ctx",
-        "8k,32k",
-        "--batch",
-        "1,16",
-        "--plot",
+        *"memory -m llama-3-8b -m mistral-7b-v0.1 --gpu h100 --ctx 8k,32k --batch 1,16 --plot".split(),
         str(png),
         "--json",
     ]

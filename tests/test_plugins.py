@@ -437,12 +437,7 @@ def test_break_runs_faults_on_a_plugin(plugin_dir):
 def test_bench_gives_a_plugin_row(plugin_dir, tmp_path):
     out = tmp_path / "run"
     r = run(
-        "bench",
-        "--caches",
-        "none,mycaches.growing:GrowingCache",
-        "--engine",
-        "kvbench",
-        "--prompt-len",
+        *"bench --caches none,mycaches.growing:GrowingCache --engine kvbench --prompt-len".split(),
         16,
         "--new-tokens",
         4,
@@ -516,13 +511,7 @@ def test_memory_measure_allocates_a_plugin(plugin_dir):
         "gpt2-tiny",
         "--ctx",
         100,
-        "--device",
-        "cpu",
-        "--kv-dtype",
-        "fp32",
-        "--caches",
-        "static,mycaches.growing:GrowingCache",
-        "--json",
+        *"--device cpu --kv-dtype fp32 --caches static,mycaches.growing:GrowingCache --json".split(),
     )
     assert r.exit_code == 0, r.output
     rows = {row["cache"]: row for row in json.loads(r.stdout)["measure"][0]["rows"]}

@@ -302,12 +302,7 @@ def test_verify_hf_skips_a_model_without_a_kv_cache(model_dirs):
         "verify",
         "--hf",
         str(model_dirs["mamba"]),
-        "--caches",
-        "none,dynamic,static",
-        "--prompt-len",
-        "6",
-        "--new-tokens",
-        "3",
+        *"--caches none,dynamic,static --prompt-len 6 --new-tokens 3".split(),
     ]
     r = CliRunner().invoke(app, [*args, "--json"])
     assert r.exit_code == 0, r.output
@@ -328,13 +323,7 @@ def test_verify_hf_checks_a_hybrid_through_its_attention_layers(model_dirs):
             "verify",
             "--hf",
             str(model_dirs["jamba"]),
-            "--caches",
-            "dynamic,static,quantized-fp8",
-            "--prompt-len",
-            "6",
-            "--new-tokens",
-            "3",
-            "--json",
+            *"--caches dynamic,static,quantized-fp8 --prompt-len 6 --new-tokens 3 --json".split(),
         ],
     )
     assert r.exit_code == 0, r.output

@@ -265,19 +265,8 @@ def bench_run(tmp_path_factory):
     args = [
         "bench",
         *TINY,
-        "--engine",
-        "kvbench,hf",
-        "--caches",
-        "none,dynamic,static-graph,int8",
-        "--prompt-len",
-        "8,16",
-        "-n",
-        "4",
-        "--repeats",
-        "2",
-        "--warmup",
-        "0",
-        "--out",
+        *"--engine kvbench,hf --caches none,dynamic,static-graph,int8 --prompt-len 8,16 -n 4 --repeats 2".split(),
+        *"--warmup 0 --out".split(),
         str(out),
     ]
     with pytest.MonkeyPatch.context() as mp:
@@ -322,18 +311,7 @@ def test_compare_reads(screen, bench_run, tmp_path, width):
 # --- memory and generate -----------------------------------------------------------------------------------------
 MEMORY = {
     "plan": ["--model", "llama-3-8b", "--ctx", "8k,128k", "--gpu", "h100", "--batch", "1,16"],
-    "plan-tp": [
-        "--model",
-        "llama-3-70b",
-        "--ctx",
-        "8k,128k",
-        "--gpu",
-        "h100",
-        "--tp",
-        "4",
-        "--batch",
-        "1,16",
-    ],
+    "plan-tp": "--model llama-3-70b --ctx 8k,128k --gpu h100 --tp 4 --batch 1,16".split(),
     "all": ["--all"],
     "all-gpu": ["--all", "--gpu", "h100", "--batch", "8"],
     "copy-traffic": ["--copy-traffic", "-m", "gpt2", "--batch", "4"],

@@ -108,20 +108,8 @@ def test_cli_verify_json(tmp_path):
     r = CliRunner().invoke(
         app,
         [
-            "verify",
-            "--model",
-            "gpt2-tiny",
-            "--weights",
-            "random",
-            "--caches",
-            "dynamic,static",
-            "--prompt-len",
-            "6",
-            "--new-tokens",
-            "4",
-            "--reference",
-            "none",
-            "--json",
+            *"verify --model gpt2-tiny --weights random --caches dynamic,static --prompt-len 6 --new-tokens 4".split(),
+            *"--reference none --json".split(),
         ],
     )
     assert r.exit_code == 0, r.output

@@ -93,20 +93,7 @@ def test_memory_from_any_folder(installed):
 
 
 def test_generate_with_the_bundled_tokenizer(installed):
-    r = kvbench(
-        installed,
-        "generate",
-        "Hello world",
-        "-n",
-        "3",
-        "-m",
-        "gpt2-tiny",
-        "--weights",
-        "random",
-        "--device",
-        "cpu",
-        "--json",
-    )
+    r = kvbench(installed, "generate", "Hello world", *"-n 3 -m gpt2-tiny --weights random --device cpu --json".split())
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["settings"]["tokenizer"] == "bundled:gpt2.tiktoken"
@@ -117,24 +104,8 @@ def test_bench_config_by_name(installed):
     _, _, work = installed
     r = kvbench(
         installed,
-        "bench",
-        "--config",
-        "quick",
-        "-m",
-        "gpt2-tiny",
-        "--prompt-len",
-        "8",
-        "--new-tokens",
-        "3",
-        "--caches",
-        "none,static",
-        "--engine",
-        "kvbench",
-        "--repeats",
-        "1",
-        "--threads",
-        "1",
-        "--out",
+        *"bench --config quick -m gpt2-tiny --prompt-len 8 --new-tokens 3 --caches none,static".split(),
+        *"--engine kvbench --repeats 1 --threads 1 --out".split(),
         work / "run",
     )
     assert r.returncode == 0, r.stderr
