@@ -113,18 +113,14 @@ def find_blocks(path: Path) -> list[Block]:
         end = next((j for j in range(i + 2, len(lines)) if lines[j].strip() == fence), None)
         if end is None:
             raise SystemExit(f"{shown(path)}:{i + 2}: the fence is never closed")
-        blocks.append(
-            Block(path, i, i + 2, end, marker=line, old=lines[i + 2 : end], **parse_marker(m.group(1)))
-        )
+        blocks.append(Block(path, i, i + 2, end, marker=line, old=lines[i + 2 : end], **parse_marker(m.group(1))))
     return blocks
 
 
 def environment() -> dict:
     env = dict(os.environ)
     # one torch thread, so what a run prints (its device line, its timings) does not depend on the machine's cores
-    env.update(
-        COLUMNS=str(WIDTH), LINES="50", HF_HUB_OFFLINE="1", NO_COLOR="1", TERM="xterm", OMP_NUM_THREADS="1"
-    )
+    env.update(COLUMNS=str(WIDTH), LINES="50", HF_HUB_OFFLINE="1", NO_COLOR="1", TERM="xterm", OMP_NUM_THREADS="1")
     env["PATH"] = f"{ROOT / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env.pop("FORCE_COLOR", None)
     return env
@@ -263,9 +259,7 @@ def write(path: Path, blocks: list[Block]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="*", type=Path, help="Markdown files (default: README.md and docs/*.md)")
-    p.add_argument(
-        "--check", action="store_true", help="change nothing; exit 1 listing the blocks that differ"
-    )
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 listing the blocks that differ")
     p.add_argument("--list", action="store_true", help="list the marked blocks and their commands")
     args = p.parse_args(argv)
     files = [f.resolve() for f in args.files] or [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -279,9 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(tmp)
         for name in ("examples", "configs"):
             (folder / name).symlink_to(ROOT / name)
-        for (
-            f
-        ) in files:  # each file rewritten as soon as its blocks have run, so an interrupted run keeps them
+        for f in files:  # each file rewritten as soon as its blocks have run, so an interrupted run keeps them
             blocks = [b for b in find_blocks(f) if not b.recorded]
             for b in blocks:
                 print(f"{b.where}: {b.command}", file=sys.stderr, flush=True)

@@ -56,13 +56,9 @@ def main(argv: list[str]) -> int:
         with table.open("a", newline="") as f:  # as it goes: an interrupted sweep keeps every finished type
             csv.DictWriter(f, FIELDS).writerow(row)
         done[t] = row
-        print(
-            f"[{i}/{len(types)}] {t}: {row['verdict']} ({row['seconds']} s) {row['failing'] or row['error']}"
-        )
+        print(f"[{i}/{len(types)}] {t}: {row['verdict']} ({row['seconds']} s) {row['failing'] or row['error']}")
     if not ran:  # every type had a row: the table and its summary stay as they were made
-        print(
-            f"nothing to run: every type is in {table} (configs written to {out / 'configs'}; --fresh reruns)"
-        )
+        print(f"nothing to run: every type is in {table} (configs written to {out / 'configs'}; --fresh reruns)")
         return 0
     rows = [done[t] for t in types if t in done]
     others = [r for t, r in done.items() if t not in types]  # kept from an earlier run of other types
@@ -107,9 +103,7 @@ def _same_options(path: Path, args) -> None:
         except (OSError, ValueError):
             earlier = None
         if earlier != options:
-            _fail(
-                f"{path.parent} was made with other settings ({path.name}: {earlier}); rerun with them, or --fresh"
-            )
+            _fail(f"{path.parent} was made with other settings ({path.name}: {earlier}); rerun with them, or --fresh")
     path.write_text(json.dumps(options) + "\n")
 
 
@@ -150,8 +144,21 @@ def _run_type(t: str, tiny_config, out: Path, args) -> dict:
     except Exception as e:  # transformers' own default config for this type does not build
         row.update(exit="", seconds=0, verdict="no config", error=_line(f"{type(e).__name__}: {e}"))
         return row
-    cmd = [sys.executable, "-m", "kvbench", "verify", "--hf", str(path), "--device", "cpu", "--caches", args.caches,
-           "--new-tokens", str(args.new_tokens), "--json"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvbench",
+        "verify",
+        "--hf",
+        str(path),
+        "--device",
+        "cpu",
+        "--caches",
+        args.caches,
+        "--new-tokens",
+        str(args.new_tokens),
+        "--json",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     t0 = time.perf_counter()
     try:
@@ -216,8 +223,13 @@ def summary(rows: list[dict], args) -> str:
         lines += ["## Skip reasons (rows, by types)", "", "| types | reason |", "|---|---|"]
         lines += [f"| {n} | {reason} |" for reason, n in reasons.most_common()]
         lines.append("")
-    for verdict, field in (("fail", "failing"), ("refused", "error"), ("crashed", "error"), ("no config", "error"),
-                           ("timed out", "error")):  # fmt: skip
+    for verdict, field in (
+        ("fail", "failing"),
+        ("refused", "error"),
+        ("crashed", "error"),
+        ("no config", "error"),
+        ("timed out", "error"),
+    ):
         chosen = [r for r in rows if r["verdict"] == verdict]
         if chosen:
             lines += [f"## {verdict}", "", "| type | " + field + " |", "|---|---|"]

@@ -45,7 +45,10 @@ def files(tmp_path_factory):
 
 CASES = {
     # sizes: checked against the model's limits and sane bounds before anything is allocated
-    "verify huge batch and prompt": (["verify", "--batch", "2000000", "--prompt-len", "200000"], "--batch must be <= 1,048,576"),
+    "verify huge batch and prompt": (
+        ["verify", "--batch", "2000000", "--prompt-len", "200000"],
+        "--batch must be <= 1,048,576",
+    ),
     "verify prompt beyond int64": (["verify", "--prompt-len", "99999999999999999999"], "exceeds the model's context"),
     "verify prompt beyond context": (["verify", "--prompt-len", "2000"], "exceeds the model's context of 1,024"),
     "verify zero prompt": (["verify", "--prompt-len", "0"], "--prompt-len must be >= 3"),
@@ -91,9 +94,12 @@ CASES = {
     "config huge": (["verify", "--weights", "{huge_layers}"], "n_layer must be <= 1,000"),
     "config nan": (["generate", "hi", "--weights", "{nan_eps}"], "layer_norm_epsilon must be a finite number"),
     "config not UTF-8": (["generate", "hi", "--weights", "{non_utf8}"], "is not UTF-8 text"),
-    "config as --model float": (["generate", "hi", "-m", "{float_layers}/config.json", "--weights", "random"], "n_layer must be an integer"),
+    "config as --model float": (
+        ["generate", "hi", "-m", "{float_layers}/config.json", "--weights", "random"],
+        "n_layer must be an integer",
+    ),
     "corrupt checkpoint": (["generate", "hi", "--weights", "{corrupt_bin}"], "kvbench loads tensors only"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -127,9 +133,7 @@ def test_user_text_is_never_markup(ranks_file):
 
 
 def test_a_model_name_with_markup_in_an_error_is_literal():
-    r = CliRunner().invoke(
-        app, ["generate", "hi", "-m", "[/]bad[red]", "--weights", "random", "--device", "cpu"]
-    )
+    r = CliRunner().invoke(app, ["generate", "hi", "-m", "[/]bad[red]", "--weights", "random", "--device", "cpu"])
     assert r.exit_code == 2 and "unknown model '[/]bad[red]'" in r.stderr, r.output
 
 
@@ -138,9 +142,7 @@ def test_cpu_allocation_failure_is_reported_like_out_of_memory(monkeypatch):
     import kvbench.decode.generate as gen
 
     def no_memory(*a, **k):
-        raise RuntimeError(
-            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried"
-        )
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried")
 
     monkeypatch.setattr(gen, "make_caches", no_memory)
     r = CliRunner().invoke(app, ["generate", "hi", "-n", "3", *TINY])

@@ -84,10 +84,21 @@ def test_cli_sweep_writes_all_files_with_sane_values(tmp_path, sweep_model):
     out = tmp_path / "run"
     new, repeats = 6, 2  # the command line overrides the file's 99 and 5
     result, text = invoke(
-        "--config", str(cfg_file), "--model", str(sweep_model), "--weights", "random", "--device", "cpu",
-        "--new-tokens", str(new), "--repeats", str(repeats), "--warmup", "1", "--caches", "none,dynamic,static",
-        "--engine", "kvbench,hf,hf-compiled", "--out", str(out),
-    )  # fmt: skip
+        "--config",
+        str(cfg_file),
+        "--model",
+        str(sweep_model),
+        "--weights",
+        "random",
+        "--device",
+        "cpu",
+        "--new-tokens",
+        str(new),
+        "--repeats",
+        str(repeats),
+        *"--warmup 1 --caches none,dynamic,static --engine kvbench,hf,hf-compiled --out".split(),
+        str(out),
+    )
     assert result.exit_code == 0, text
     for name in ("summary.csv", "steps.csv", "meta.json", "latency.png", "speedup.png"):
         assert (out / name).is_file(), f"{name} missing: {text}"
@@ -96,9 +107,8 @@ def test_cli_sweep_writes_all_files_with_sane_values(tmp_path, sweep_model):
 
     s = pd.read_csv(out / "summary.csv")
     assert set(ISSUE_COLUMNS) <= set(s.columns)
-    assert len(s) == 2 * (
-        3 + 3 + 1
-    )  # prompt lengths x (kvbench none/dynamic/static + hf the same + hf-compiled static)
+    # prompt lengths x (kvbench none/dynamic/static + hf the same + hf-compiled static)
+    assert len(s) == 2 * (3 + 3 + 1)
     assert (s.status == "ok").all()
     assert set(s[s.engine == "hf-compiled"].cache) == {"static"}
     assert (s.new_tokens == new).all() and (s.repeats == repeats).all() and (s.dtype == "fp32").all()
@@ -125,9 +135,7 @@ def test_cli_sweep_writes_all_files_with_sane_values(tmp_path, sweep_model):
         assert ours.loc[("none", p), "kv_cache_mib"] == 0
         assert ours.loc[("dynamic", p), "kv_cache_mib"] == pytest.approx(bpt * n1 / 2**20, rel=1e-5)
         assert ours.loc[("static", p), "kv_cache_mib"] == pytest.approx(bpt * (p + new) / 2**20, rel=1e-5)
-        assert ours.loc[("dynamic", p), "bytes_copied"] == sum(
-            bpt * L for L in range(p, n1)
-        )  # each append re-copies
+        assert ours.loc[("dynamic", p), "bytes_copied"] == sum(bpt * L for L in range(p, n1))  # each append re-copies
         assert ours.loc[("static", p), "bytes_copied"] == 0
         assert ours.loc[("dynamic", p), "bytes_copied_seed_estimate"] == B.seed_copy_estimate(bpt, p, p + new)
     assert s[s.engine == "hf"].bytes_copied.isna().all()  # not counted for transformers' caches
@@ -149,9 +157,7 @@ def test_cli_sweep_writes_all_files_with_sane_values(tmp_path, sweep_model):
         "math",
     }
     assert meta["sdpa"]["observed"]["kvbench static"]["decode"]
-    assert (
-        "did not compile" in meta["engines"]["hf-compiled"]
-    )  # transformers compiles on its own only on GPUs
+    assert "did not compile" in meta["engines"]["hf-compiled"]  # transformers compiles on its own only on GPUs
     assert meta["settings"]["new_tokens"] == new and meta["config_file"] == str(cfg_file)
 
 
@@ -165,10 +171,11 @@ def test_floor_columns_are_present_and_consistent(tmp_path):
 
     out, new = tmp_path / "run", 6
     result, text = invoke(
-        "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--prompt-len", "16,8",
-        "--new-tokens", str(new), "--repeats", "1", "--warmup", "0", "--caches", "none,dynamic,static,static-graph,paged",
-        "--engine", "kvbench,hf", "--out", str(out),
-    )  # fmt: skip
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 16,8 --new-tokens".split(),
+        str(new),
+        *"--repeats 1 --warmup 0 --caches none,dynamic,static,static-graph,paged --engine kvbench,hf --out".split(),
+        str(out),
+    )
     assert result.exit_code == 0, text
     assert "floor ms" in result.stdout and "x floor" in result.stdout
     s = pd.read_csv(out / "summary.csv")
@@ -178,30 +185,29 @@ def test_floor_columns_are_present_and_consistent(tmp_path):
     none, cached = s[s.cache == "none"], s[s.cache != "none"]
     assert none.floor_ms.isna().all() and none.x_floor.isna().all() and none.step_bytes.isna().all()
     assert (cached.floor_ms > 0).all() and len(cached) == 2 * (4 + 2)
-    assert (
-        (cached.floor_ms - 1e3 * cached.step_bytes / (bw["gbps"] * 1e9)).abs() < 1e-6 * cached.floor_ms
-    ).all()
+    assert ((cached.floor_ms - 1e3 * cached.step_bytes / (bw["gbps"] * 1e9)).abs() < 1e-6 * cached.floor_ms).all()
     assert ((cached.x_floor - cached.tpot_ms_median / cached.floor_ms).abs() < 1e-6 * cached.x_floor).all()
     cfg, slot = PRESETS["gpt2-tiny"], 2 * 2 * 128 * 4  # one token's K + V, 2 layers, fp32
     steps = meta["floor"]["steps"]
     for p in (16, 8):
         row = s[(s.engine == "kvbench") & (s.prompt_len == p)].set_index("cache")
-        ms, b = floor.decode_floor_ms(cfg, torch.float32, 1, p, new, CACHES["static"].traffic, floor.Bandwidth(**{
-            k: bw[k] for k in ("read_gbps", "copy_gbps", "nbytes", "device")}))  # fmt: skip
-        assert row.loc["static", "step_bytes"] == b.total and row.loc["static", "floor_ms"] == pytest.approx(
-            ms
+        ms, b = floor.decode_floor_ms(
+            cfg,
+            torch.float32,
+            1,
+            p,
+            new,
+            CACHES["static"].traffic,
+            floor.Bandwidth(**{k: bw[k] for k in ("read_gbps", "copy_gbps", "nbytes", "device")}),
         )
+        assert row.loc["static", "step_bytes"] == b.total and row.loc["static", "floor_ms"] == pytest.approx(ms)
         assert steps[f"kvbench static prompt {p} batch 1"]["slots"] == p + new // 2
         assert steps[f"kvbench static-graph prompt {p} batch 1"]["slots"] == p + new  # its whole buffer
         # torch.cat re-reads and rewrites the history; the paged gather copies whole 16-token blocks
-        assert (
-            row.loc["dynamic", "step_bytes"] - row.loc["static", "step_bytes"]
-            == 2 * (p + new // 2 - 1) * slot
-        )
+        assert row.loc["dynamic", "step_bytes"] - row.loc["static", "step_bytes"] == 2 * (p + new // 2 - 1) * slot
         assert row.loc["paged", "step_bytes"] > row.loc["static", "step_bytes"]
         assert (
-            steps[f"hf dynamic prompt {p} batch 1"]["design"]
-            == steps[f"kvbench dynamic prompt {p} batch 1"]["design"]
+            steps[f"hf dynamic prompt {p} batch 1"]["design"] == steps[f"kvbench dynamic prompt {p} batch 1"]["design"]
         )
     assert steps["hf static prompt 16 batch 1"]["slots"] == 16 + new - 1  # max_cache_len = max_length - 1
     assert steps["hf static prompt 8 batch 1"]["slots"] == 16 + new - 1  # kept from the earlier, longer call
@@ -209,10 +215,11 @@ def test_floor_columns_are_present_and_consistent(tmp_path):
 
 def test_json_output_is_one_document(tmp_path):
     result, text = invoke(
-        "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--prompt-len", "4",
-        "--new-tokens", "3", "--repeats", "1", "--warmup", "0", "--caches", "none,dynamic", "--engine", "kvbench",
-        "--out", str(tmp_path / "j"), "--json",
-    )  # fmt: skip
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 4 --new-tokens 3 --repeats 1 --warmup 0".split(),
+        *"--caches none,dynamic --engine kvbench --out".split(),
+        str(tmp_path / "j"),
+        "--json",
+    )
     assert result.exit_code == 0, text
     doc = json.loads(result.stdout)
     assert [r["cache"] for r in doc["summary"]] == ["none", "dynamic"]
@@ -237,10 +244,10 @@ def test_ctrl_c_keeps_completed_rows_and_exits_130(tmp_path, monkeypatch):
     monkeypatch.setattr(cli_bench._BenchProgress, "update", interrupting_update)
     out = tmp_path / "run"
     result, text = invoke(
-        "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--prompt-len", "4,8",
-        "--new-tokens", "3", "--repeats", "1", "--warmup", "0", "--caches", "none,dynamic,static",
-        "--engine", "kvbench", "--out", str(out),
-    )  # fmt: skip
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 4,8 --new-tokens 3 --repeats 1".split(),
+        *"--warmup 0 --caches none,dynamic,static --engine kvbench --out".split(),
+        str(out),
+    )
     assert result.exit_code == 130, text
     s = pd.read_csv(out / "summary.csv")
     assert list(s.cache) == ["none", "dynamic"] and (s.status == "ok").all()
@@ -256,7 +263,7 @@ def test_ctrl_c_keeps_completed_rows_and_exits_130(tmp_path, monkeypatch):
         RuntimeError(
             "[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: you tried to "
             "allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)"
-        ),  # fmt: skip
+        ),
         MemoryError(),
     ],
     ids=["cuda", "cpu-allocator", "memory-error"],
@@ -281,9 +288,7 @@ def test_out_of_memory_marks_the_row_and_the_sweep_goes_on(tiny_model, error):
                 conf.run = run
             return conf
 
-    s = BenchSettings(
-        prompt_len=[4, 6], new_tokens=3, caches=["none", "dynamic", "static"], engine=["kvbench"]
-    )
+    s = BenchSettings(prompt_len=[4, 6], new_tokens=3, caches=["none", "dynamic", "static"], engine=["kvbench"])
     s.repeats, s.warmup = 1, 1
     seen = []
     rows = B.run_sweep(
@@ -307,9 +312,9 @@ def test_unwritable_out_is_an_error_before_any_work(tmp_path):
 def test_impossible_sweep_is_rejected_naming_the_values(tmp_path):
     out = tmp_path / "run"
     result, text = invoke(
-        "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--prompt-len", "16,700,1000",
-        "--new-tokens", "400", "--out", str(out),
-    )  # fmt: skip
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 16,700,1000 --new-tokens 400 --out".split(),
+        str(out),
+    )
     assert result.exit_code == 2, text
     assert "700 + 400 = 1100" in text and "1000 + 400 = 1400" in text and "16 +" not in text
     assert not (out / "summary.csv").exists()
@@ -393,9 +398,7 @@ def test_static_graph_captures_once_per_configuration_and_reuses_its_caches(tiny
     assert len(built) == 2, "one runner (one capture) per static-graph configuration"
     for runner in built:
         assert runner.captures == 1
-        assert runner.fixed_steps == (2 + 3) * (7 - 1), (
-            "every run of the configuration replayed the same graph"
-        )
+        assert runner.fixed_steps == (2 + 3) * (7 - 1), "every run of the configuration replayed the same graph"
     graph_rows = [r for r in rows if r.cache == "static-graph"]
     assert [r.capture_ms for r in graph_rows] == [pytest.approx(4.0), pytest.approx(4.0)]
     assert all(r.token_agreement == 1.0 and r.tokens_note == "identical" for r in rows)
@@ -427,18 +430,14 @@ def test_interleaved_order_runs_the_timed_repeats_in_rounds(tiny_model):
     s = BenchSettings(prompt_len=[5, 9], new_tokens=4, caches=["none", "static", "paged"], engine=["kvbench"])
     s.warmup, s.repeats, s.order = 2, 3, "interleaved"
     labels = []
-    rows = B.run_sweep(
-        tiny_model, s, "fp32", "cpu", on_progress=lambda done, total, label: labels.append(label)
-    )
+    rows = B.run_sweep(tiny_model, s, "fp32", "cpu", on_progress=lambda done, total, label: labels.append(label))
     for i, p in enumerate((5, 9)):
         own = labels[i * 15 : (i + 1) * 15]  # 3 configurations x 5 runs
         names = [f"kvbench {c} prompt {p}" for c in ("none", "static", "paged")]
         warm = [n for n in names for _ in range(2)]  # cold + warm-up, back to back
         assert own == warm + names * 3, own
     summary = [r.summary for r in rows]
-    assert [(r.prompt_len, r.cache) for r in summary] == [
-        (p, c) for p in (5, 9) for c in ("none", "static", "paged")
-    ]
+    assert [(r.prompt_len, r.cache) for r in summary] == [(p, c) for p in (5, 9) for c in ("none", "static", "paged")]
     for r in summary:
         assert r.status == "ok" and r.repeats == 3 and r.tokens_note == "identical"
         assert r.run_peak_mib >= 0 and not math.isnan(r.tpot_ms_median) and not math.isnan(r.cold_ttft_ms)
@@ -452,9 +451,7 @@ def test_interleaved_order_runs_the_timed_repeats_in_rounds(tiny_model):
     labels.clear()
     again = [
         r.summary
-        for r in B.run_sweep(
-            tiny_model, s, "fp32", "cpu", on_progress=lambda d, t, label: labels.append(label)
-        )
+        for r in B.run_sweep(tiny_model, s, "fp32", "cpu", on_progress=lambda d, t, label: labels.append(label))
     ]
     assert labels[:5] == ["kvbench none prompt 5"] * 5, "sequential: each configuration's runs back to back"
     assert [(r.cache, r.token_agreement) for r in again] == [(r.cache, r.token_agreement) for r in summary]
@@ -463,10 +460,10 @@ def test_interleaved_order_runs_the_timed_repeats_in_rounds(tiny_model):
 def test_bench_order_interleaved_from_the_command_line(tmp_path):
     out = tmp_path / "run"
     result, text = invoke(
-        "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--prompt-len", "8,12", "--new-tokens", "3",
-        "--caches", "none,static", "--engine", "kvbench", "--repeats", "2", "--warmup", "1", "--order", "interleaved",
-        "--out", str(out),
-    )  # fmt: skip
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 8,12 --new-tokens 3".split(),
+        *"--caches none,static --engine kvbench --repeats 2 --warmup 1 --order interleaved --out".split(),
+        str(out),
+    )
     assert result.exit_code == 0, text
     meta = json.loads((out / "meta.json").read_text())
     assert meta["settings"]["order"] == "interleaved" and meta["status"] == "complete"
@@ -480,10 +477,19 @@ def test_pooled_bandwidth_is_the_median_probe_with_the_widest_range():
     from kvbench.bench.floor import Bandwidth, pooled
 
     probes = [
-        Bandwidth(g, g / 2, 1 << 20, "cpu", read_range=(g - 1, g + 1), copy_range=(1, 2), repeats=3,
-                  read_kernel="mv", read_by_kernel={"sum": g - 5, "mv": g})
+        Bandwidth(
+            g,
+            g / 2,
+            1 << 20,
+            "cpu",
+            read_range=(g - 1, g + 1),
+            copy_range=(1, 2),
+            repeats=3,
+            read_kernel="mv",
+            read_by_kernel={"sum": g - 5, "mv": g},
+        )
         for g in (20.0, 30.0, 22.0)
-    ]  # fmt: skip
+    ]
     p = pooled(probes)
     assert (p.read_gbps, p.copy_gbps, p.gbps) == (22.0, 11.0, 22.0)
     assert p.read_range == (19.0, 31.0) and p.repeats == 9 and p.read_by_kernel == {"sum": 17.0, "mv": 22.0}
@@ -510,8 +516,10 @@ def test_interleaved_order_keeps_going_past_a_failing_configuration(tiny_model):
 
     s = BenchSettings(prompt_len=[6], new_tokens=3, caches=["none", "paged", "static"], engine=["kvbench"])
     s.warmup, s.repeats, s.order = 1, 4, "interleaved"
-    rows = {r.summary.cache: r.summary for r in B.run_sweep(
-        tiny_model, s, "fp32", "cpu", engines={"kvbench": FailsOnThirdPagedRun(tiny_model)})}  # fmt: skip
+    rows = {
+        r.summary.cache: r.summary
+        for r in B.run_sweep(tiny_model, s, "fp32", "cpu", engines={"kvbench": FailsOnThirdPagedRun(tiny_model)})
+    }
     assert rows["paged"].status.startswith("error:") and "plugin blew up" in rows["paged"].status
     assert rows["none"].status == rows["static"].status == "ok" and rows["static"].repeats == 4
 
@@ -547,9 +555,7 @@ def test_token_check_identical_near_tie_and_real_difference():
     ref_at = {2: _rows([(3, 2.0), (5, 1.0)])}
     run_logits = [None, None, _rows([(3, 1.0), (5, 2.0)]), None]
     bug = check_tokens(ref, [got], ref_at.__getitem__, lambda: (got, run_logits), **fp16)
-    assert (
-        (bug.flips, bug.near_tie_flips) == (1, 0) and "DIFFERS" in bug.note and "exceeds rounding" in bug.note
-    )
+    assert (bug.flips, bug.near_tie_flips) == (1, 0) and "DIFFERS" in bug.note and "exceeds rounding" in bug.note
 
     # a clear winner flipped by a small error: not a near-tie either
     run_logits = [None, None, _rows([(3, 1.99), (5, 1.0)]), None]
@@ -587,9 +593,7 @@ def test_a_wrong_cache_is_caught_by_token_agreement(tiny_model, monkeypatch):
         lambda c, b, n, dt, dev: ForgetsTheFirstToken(b, c.n_head, n, c.head_dim, dt, dev),
     )
     monkeypatch.setitem(CACHES, "forgetful", spec)
-    s = BenchSettings(
-        prompt_len=[6], new_tokens=24, caches=["none", "static", "forgetful"], engine=["kvbench", "hf"]
-    )
+    s = BenchSettings(prompt_len=[6], new_tokens=24, caches=["none", "static", "forgetful"], engine=["kvbench", "hf"])
     s.warmup, s.repeats = 0, 1
     rows = {(r.summary.engine, r.summary.cache): r.summary for r in B.run_sweep(tiny_model, s, "fp32", "cpu")}
     for key in (("kvbench", "none"), ("kvbench", "static"), ("hf", "none"), ("hf", "static")):
@@ -605,10 +609,7 @@ def test_hf_engine_shares_our_weights(tiny_model):
     from kvbench.hf.engine import build_hf_model
 
     hf = build_hf_model(tiny_model)
-    assert (
-        hf.transformer.h[1].mlp.c_fc.weight.data_ptr()
-        == tiny_model.transformer.h[1].mlp.c_fc.weight.data_ptr()
-    )
+    assert hf.transformer.h[1].mlp.c_fc.weight.data_ptr() == tiny_model.transformer.h[1].mlp.c_fc.weight.data_ptr()
     assert hf.lm_head.weight.data_ptr() == tiny_model.transformer.wte.weight.data_ptr()
     n = sum(p.numel() for p in tiny_model.parameters()) * 4  # fp32, wte and lm_head tied: counted once
     assert weight_bytes(hf) == weight_bytes(tiny_model) == n
@@ -630,8 +631,9 @@ def test_peak_memory_counts_the_engine_weights_once_and_the_run_above_its_baseli
 
 
 # --- the run folder, signals, failures ----------------------------------------------------------------------------
-TINY_RUN = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--new-tokens", "3", "--repeats", "1",
-            "--warmup", "0", "--engine", "kvbench"]  # fmt: skip
+TINY_RUN = (
+    "--model gpt2-tiny --weights random --device cpu --new-tokens 3 --repeats 1 --warmup 0 --engine kvbench".split()
+)
 
 
 def test_out_holding_a_run_is_refused_unless_forced(tmp_path):
@@ -654,9 +656,8 @@ def test_out_holding_a_run_is_refused_unless_forced(tmp_path):
 def test_repeated_prompt_lengths_caches_and_engines_run_once(tmp_path):
     out = tmp_path / "run"
     result, text = invoke(
-        *TINY_RUN, "--prompt-len", "4,8,4", "--caches", "none,dynamic,none", "--engine", "kvbench,kvbench",
-        "--out", str(out),
-    )  # fmt: skip
+        *TINY_RUN, *"--prompt-len 4,8,4 --caches none,dynamic,none --engine kvbench,kvbench --out".split(), str(out)
+    )
     assert result.exit_code == 0, text
     s = pd.read_csv(out / "summary.csv")
     assert list(zip(s.prompt_len, s.cache, strict=True)) == [
@@ -670,9 +671,12 @@ def test_repeated_prompt_lengths_caches_and_engines_run_once(tmp_path):
 def test_weights_folder_without_model_takes_the_checkpoints_shape(tmp_path, hf_dir):
     out = tmp_path / "run"
     result, text = invoke(
-        "--weights", str(hf_dir), "--device", "cpu", "--prompt-len", "5", "--new-tokens", "3", "--repeats", "1",
-        "--warmup", "0", "--caches", "none,static", "--engine", "kvbench", "--out", str(out),
-    )  # fmt: skip
+        "--weights",
+        str(hf_dir),
+        *"--device cpu --prompt-len 5 --new-tokens 3 --repeats 1 --warmup 0 --caches none,static".split(),
+        *"--engine kvbench --out".split(),
+        str(out),
+    )
     assert result.exit_code == 0, text
     meta = json.loads((out / "meta.json").read_text())
     assert meta["model_config"]["n_layer"] == 3 and meta["model_config"]["n_embd"] == 64  # conftest's TINY
@@ -738,9 +742,7 @@ def test_a_second_ctrl_c_while_writing_does_not_lose_the_rows(tmp_path, monkeypa
 
     real_write = plots.write_plots
 
-    def impatient_write(
-        *args, **kw
-    ):  # the user presses Ctrl-C again (and a SIGTERM arrives) while plots draw
+    def impatient_write(*args, **kw):  # the user presses Ctrl-C again (and a SIGTERM arrives) while plots draw
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGTERM)
         return real_write(*args, **kw)
@@ -778,9 +780,8 @@ def test_a_plugin_that_raises_mid_sweep_keeps_every_other_row(tmp_path, monkeypa
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "run"
     result, text = invoke(
-        *TINY_RUN, "--prompt-len", "2,4", "--new-tokens", "6", "--caches", "none,late_plugin:FailsLate,static",
-        "--out", str(out),
-    )  # fmt: skip
+        *TINY_RUN, *"--prompt-len 2,4 --new-tokens 6 --caches none,late_plugin:FailsLate,static --out".split(), str(out)
+    )
     assert result.exit_code == 1, text  # rows recorded, but the run says something failed
     s = pd.read_csv(out / "summary.csv")
     assert len(s) == 6
@@ -808,8 +809,11 @@ def test_plan_runs_the_token_reference_first_then_the_order_given():
     ]
     s.prompt_len, s.batch = [8], [1, 4]  # a batch sweep: each batch size's reference first, as each prompt's
     assert [(p, b, e, c) for p, b, e, c in B.plan(s, engines) if c != "static-graph"][:4] == [
-        (8, 1, "kvbench", "none"), (8, 1, "hf-compiled", "static"), (8, 1, "hf", "none"), (8, 1, "hf", "static")
-    ]  # fmt: skip
+        (8, 1, "kvbench", "none"),
+        (8, 1, "hf-compiled", "static"),
+        (8, 1, "hf", "none"),
+        (8, 1, "hf", "static"),
+    ]
     assert B.plan(s, engines)[6] == (8, 4, "kvbench", "none")
 
 
@@ -829,15 +833,15 @@ def test_token_check_that_cannot_explain_a_flip_says_so():
 def test_bench_compile_max_runs_on_the_cpu_and_is_recorded(tmp_path):
     """`--compile max` (frozen weights, autotuned C++ GEMMs) through the whole bench: rows as exact as eager ones
     (token agreement with kvbench's none), and the choice in meta.json's settings."""
-    cfg = hf_config_json(
-        tmp_path / "config.json", n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=512
-    )
+    cfg = hf_config_json(tmp_path / "config.json", n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=512)
     out = tmp_path / "run"
     result, text = invoke(
-        "--model", str(cfg), "--weights", "random", "--device", "cpu", "--prompt-len", "8", "--new-tokens", "6",
-        "--repeats", "1", "--warmup", "1", "--caches", "none,static-graph", "--engine", "kvbench",
-        "--compile", "max", "--out", str(out),
-    )  # fmt: skip
+        "--model",
+        str(cfg),
+        *"--weights random --device cpu --prompt-len 8 --new-tokens 6 --repeats 1 --warmup 1".split(),
+        *"--caches none,static-graph --engine kvbench --compile max --out".split(),
+        str(out),
+    )
     assert result.exit_code == 0, text
     s = pd.read_csv(out / "summary.csv")
     assert (s.status == "ok").all() and (s.token_agreement == 1.0).all(), s
@@ -846,8 +850,12 @@ def test_bench_compile_max_runs_on_the_cpu_and_is_recorded(tmp_path):
 
 @pytest.mark.parametrize("value", ["1", "fast", "MAX", ""])
 def test_bench_compile_bad_values_are_one_line(value, tmp_path):
-    result, _ = invoke("--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--prompt-len", "8",
-                       "--new-tokens", "4", "--compile", value, "--out", str(tmp_path / "r"))  # fmt: skip
+    result, _ = invoke(
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 8 --new-tokens 4 --compile".split(),
+        value,
+        "--out",
+        str(tmp_path / "r"),
+    )
     assert result.exit_code == 2, result.output
     assert f"--compile {value!r}: use off" in result.stderr and result.stderr.strip().count("\n") == 0
     assert not (tmp_path / "r").exists()
@@ -862,8 +870,12 @@ def test_bench_compile_bad_values_are_one_line(value, tmp_path):
     ],
 )
 def test_bench_compile_where_nothing_would_be_compiled_is_refused(args, message, tmp_path):
-    result, _ = invoke("--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--prompt-len", "8",
-                       "--new-tokens", "4", "--compile", "max", *args, "--out", str(tmp_path / "r"))  # fmt: skip
+    result, _ = invoke(
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 8 --new-tokens 4 --compile max".split(),
+        *args,
+        "--out",
+        str(tmp_path / "r"),
+    )
     assert result.exit_code == 2, result.output
     assert message in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
     assert not (tmp_path / "r").exists()
@@ -871,9 +883,7 @@ def test_bench_compile_where_nothing_would_be_compiled_is_refused(args, message,
 
 def test_generate_and_verify_compile_without_a_fixed_step_cache_are_refused():
     for cmd in (["generate", "hi", "--cache", "dynamic"], ["verify", "--caches", "dynamic,static"]):
-        r = CliRunner().invoke(
-            app, [*cmd, "-m", "gpt2-tiny", "-w", "random", "-d", "cpu", "--compile", "default"]
-        )
+        r = CliRunner().invoke(app, [*cmd, "-m", "gpt2-tiny", "-w", "random", "-d", "cpu", "--compile", "default"])
         assert r.exit_code == 2 and "nothing would be compiled" in r.stderr, r.output
 
 
@@ -881,11 +891,20 @@ def test_bench_hf_refuses_compile(tmp_path):
     """--compile runs kvbench's own step; under --hf transformers runs the model, so it would be recorded and do
     nothing."""
     cfg = tmp_path / "llama.json"
-    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                               "vocab_size": 128, "max_position_embeddings": 64}))  # fmt: skip
-    result, _ = invoke("--hf", str(cfg), "--device", "cpu", "--compile", "max", "--out", str(tmp_path / "r"))
-    assert result.exit_code == 2 and "--compile max: --compile runs kvbench's own" in result.stderr, (
-        result.output
+    cfg.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 128,
+                "max_position_embeddings": 64,
+            }
+        )
     )
+    result, _ = invoke("--hf", str(cfg), "--device", "cpu", "--compile", "max", "--out", str(tmp_path / "r"))
+    assert result.exit_code == 2 and "--compile max: --compile runs kvbench's own" in result.stderr, result.output
     assert not (tmp_path / "r").exists()

@@ -169,14 +169,10 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypatch, 
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), shown
     assert needle in lines[0], shown
-    assert "Traceback" not in result.output and not isinstance(result.exception, KeyError | AttributeError), (
-        shown
-    )
+    assert "Traceback" not in result.output and not isinstance(result.exception, KeyError | AttributeError), shown
     assert result.stdout == "", shown
     assert not (work / "results").exists(), "a rejected command created a run folder"
-    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before, (
-        "a rejected command changed files"
-    )
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before, "a rejected command changed files"
 
 
 # --- the run folder is this run's alone ---------------------------------------------------------------------------------
@@ -208,9 +204,7 @@ def _finished(out):
     ],
     ids=["held", "held-with-force", "finished"],
 )
-def test_a_second_bench_with_the_same_out_is_refused_and_loses_nothing(
-    tmp_path, monkeypatch, other, force, needle
-):
+def test_a_second_bench_with_the_same_out_is_refused_and_loses_nothing(tmp_path, monkeypatch, other, force, needle):
     """Both commands were validated while --out did not exist; the other one created it first."""
     from kvbench.cli import bench as cli_bench
 
@@ -274,13 +268,10 @@ def test_a_run_folder_deleted_mid_run_is_one_line(tmp_path, monkeypatch):
         real_update(self, done, total, label)
 
     monkeypatch.setattr(cli_bench._BenchProgress, "update", update)
-    argv = [*TINY, "--engine", "kvbench", "--caches", "none,static", "--prompt-len", "8", "--new-tokens", "4",
-            "--out", str(out)]  # fmt: skip
+    argv = [*TINY, *"--engine kvbench --caches none,static --prompt-len 8 --new-tokens 4 --out".split(), str(out)]
     result = CliRunner().invoke(app, ["bench", *argv])
     shown = f"exit {result.exit_code}\nstdout: {result.stdout!r}\nstderr: {result.stderr!r}"
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 2 and lines[-1] == f"error: the run folder disappeared: {out}", shown
-    assert len([ln for ln in lines if ln.startswith("error:")]) == 1 and "Traceback" not in result.output, (
-        shown
-    )
+    assert len([ln for ln in lines if ln.startswith("error:")]) == 1 and "Traceback" not in result.output, shown
     assert "kvbench bug" not in result.stderr, shown

@@ -113,19 +113,25 @@ def test_predicted_out_of_memory_batch_is_an_oom_row_never_run(tmp_path):
     not attempted: its rows say why; the others run, batch.png is drawn, exit 0."""
     out = tmp_path / "run"
     result, text = invoke(
-        "bench", *TINY, "--prompt-len", "8", "--new-tokens", "4", "--batch", "1,2,1048576",
-        "--caches", "none,static", "--engine", "kvbench", "--repeats", "1", "--warmup", "1", "--out", str(out),
-    )  # fmt: skip
+        "bench",
+        *TINY,
+        *"--prompt-len 8 --new-tokens 4 --batch 1,2,1048576 --caches none,static --engine kvbench --repeats 1".split(),
+        *"--warmup 1 --out".split(),
+        str(out),
+    )
     assert result.exit_code == 0, text
     s = pd.read_csv(out / "summary.csv")
     assert list(zip(s.batch, s.status, strict=True)) == [
-        (1, "ok"), (1, "ok"), (2, "ok"), (2, "ok"), (1048576, "oom"), (1048576, "oom")
-    ]  # fmt: skip
+        (1, "ok"),
+        (1, "ok"),
+        (2, "ok"),
+        (2, "ok"),
+        (1048576, "oom"),
+        (1048576, "oom"),
+    ]
     need = 1048576 * (8 + 4) * 2 * 2 * 128 * 4 / 2**30  # sequences x tokens x K/V of 2 layers x 128 x fp32
     note = s[s.status == "oom"].tokens_note.iloc[0]
-    assert (
-        note.startswith("not run: batch 1048576 x 12 tokens needs a") and f"{need:.1f} GiB KV cache" in note
-    )
+    assert note.startswith("not run: batch 1048576 x 12 tokens needs a") and f"{need:.1f} GiB KV cache" in note
     assert "oom (kvbench none, kvbench static): not run: batch 1048576" in " ".join(text.split())
     meta = json.loads((out / "meta.json").read_text())
     assert meta["settings"]["batch"] == [1, 2, 1048576] and "batch.png" in meta["plots"]
@@ -139,9 +145,11 @@ def test_predicted_out_of_memory_batch_is_an_oom_row_never_run(tmp_path):
 def test_every_batch_size_out_of_memory_is_refused_before_any_work(tmp_path):
     out = tmp_path / "run"
     result, text = invoke(
-        "bench", *TINY, "--prompt-len", "8", "--new-tokens", "4", "--batch", "1048576", "--caches", "static",
-        "--engine", "kvbench", "--out", str(out),
-    )  # fmt: skip
+        "bench",
+        *TINY,
+        *"--prompt-len 8 --new-tokens 4 --batch 1048576 --caches static --engine kvbench --out".split(),
+        str(out),
+    )
     assert result.exit_code == 3 and "--batch 1048576 x 12 tokens needs a" in text, text
     assert not out.exists()
 
@@ -213,9 +221,12 @@ def two_sweeps(tmp_path_factory) -> list[Path]:
     for name in ("base", "cand"):
         out = tmp_path_factory.mktemp("sweeps") / name
         result, text = invoke(
-            "bench", *TINY, "--prompt-len", "8", "--new-tokens", "4", "--batch", "1,3", "--caches", "static",
-            "--engine", "kvbench", "--repeats", "1", "--warmup", "0", "--out", str(out),
-        )  # fmt: skip
+            "bench",
+            *TINY,
+            *"--prompt-len 8 --new-tokens 4 --batch 1,3 --caches static --engine kvbench --repeats 1".split(),
+            *"--warmup 0 --out".split(),
+            str(out),
+        )
         assert result.exit_code == 0, text
         runs.append(out)
     return runs
@@ -257,9 +268,12 @@ def test_a_plugin_cache_out_of_memory_is_an_oom_row_not_a_broken_plugin(tmp_path
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "run"
     result, text = invoke(
-        "bench", *TINY, "--prompt-len", "8", "--new-tokens", "4", "--batch", "1,3", "--caches", "hungry:Hungry",
-        "--engine", "kvbench", "--repeats", "1", "--warmup", "0", "--out", str(out),
-    )  # fmt: skip
+        "bench",
+        *TINY,
+        *"--prompt-len 8 --new-tokens 4 --batch 1,3 --caches hungry:Hungry --engine kvbench --repeats 1".split(),
+        *"--warmup 0 --out".split(),
+        str(out),
+    )
     assert result.exit_code == 0, text
     s = pd.read_csv(out / "summary.csv")
     assert list(zip(s.batch, s.status, strict=True)) == [(1, "ok"), (3, "oom")]

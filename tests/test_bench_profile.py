@@ -23,10 +23,20 @@ TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 
 def test_profile_writes_a_trace_per_configuration_and_gpt2s_operator_counts(tmp_path):
     out, new = tmp_path / "run", 6
-    result = CliRunner().invoke(app, [
-        "bench", *TINY, "--prompt-len", "12", "--new-tokens", str(new), "--caches", "none,static",
-        "--engine", "kvbench", "--repeats", "1", "--warmup", "1", "--out", str(out), "--profile",
-    ])  # fmt: skip
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            *TINY,
+            "--prompt-len",
+            "12",
+            "--new-tokens",
+            str(new),
+            *"--caches none,static --engine kvbench --repeats 1 --warmup 1 --out".split(),
+            str(out),
+            "--profile",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "profile: top operators by self time" in result.output
     meta = json.loads((out / "meta.json").read_text())
@@ -51,10 +61,7 @@ def test_profile_writes_a_trace_per_configuration_and_gpt2s_operator_counts(tmp_
 
 
 def test_trace_names_are_safe_file_names():
-    assert (
-        trace_name("kvbench", "mycaches.x:Cache", 16, 4)
-        == "kvbench-mycaches.x-Cache-prompt16-batch4.trace.json"
-    )
+    assert trace_name("kvbench", "mycaches.x:Cache", 16, 4) == "kvbench-mycaches.x-Cache-prompt16-batch4.trace.json"
 
 
 def test_profile_from_toml_and_where_it_does_not_apply(tmp_path):

@@ -118,9 +118,8 @@ def test_unknown_fault_lists_the_known_ones():
 def test_cli_break_json():
     r = CliRunner().invoke(
         app,
-        ["break", "mask", "--model", "gpt2-tiny", "--weights", "random", "--new-tokens", "4",
-         "--reference", "none", "--json"],
-    )  # fmt: skip
+        "break mask --model gpt2-tiny --weights random --new-tokens 4 --reference none --json".split(),
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["all_detected"] is True
@@ -150,9 +149,14 @@ def test_reset_fault_on_a_fixed_capacity_cache_shows_stale_columns_not_an_overfl
     with a bad-input error; sized for both, the stale columns show and the fault is caught."""
     r = CliRunner().invoke(
         app,
-        ["break", "reset", "--cache", cache, "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu",
-         "--new-tokens", "4", "--reference", "none", "--json"],
-    )  # fmt: skip
+        [
+            "break",
+            "reset",
+            "--cache",
+            cache,
+            *"--model gpt2-tiny --weights random --device cpu --new-tokens 4 --reference none --json".split(),
+        ],
+    )
     assert r.exit_code == 0, r.output
     (bug,) = json.loads(r.stdout)["bugs"]
     assert bug["detected"] and "cache_state" in bug["caught_by"], bug

@@ -97,10 +97,7 @@ def test_verify_junit_failures_carry_the_detail_and_always_parse(tmp_path, raisi
         f = by_name[f"verify.{c['name']}.{c['cache']}"].find("failure")
         assert f is not None
         assert 'boom <&> "quoted" ]]> \\x1b[31mred\\x00 \\ud800 end' in f.text
-        assert (
-            c["detail"].replace("\x1b", "\\x1b").replace("\x00", "\\x00").replace("\ud800", "\\ud800")
-            in f.text
-        )
+        assert c["detail"].replace("\x1b", "\\x1b").replace("\x00", "\\x00").replace("\ud800", "\\ud800") in f.text
         assert f.get("message").startswith(f"{c['name']} on {c['cache']}: ")
     assert by_name["verify.logits.dynamic"].find("failure") is None
 
@@ -130,8 +127,9 @@ def test_junit_path_refused_before_work(tmp_path):
 
 def test_break_junit_one_case_per_fault(tmp_path):
     xml = tmp_path / "break.xml"
-    r = invoke(["break", "all", *TINY, "-n", "4", "--reference", "none", "--cache", "dynamic", "--json",
-                "--junit-xml", xml])  # fmt: skip
+    r = invoke(
+        ["break", "all", *TINY, "-n", "4", "--reference", "none", "--cache", "dynamic", "--json", "--junit-xml", xml]
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     validate("break", doc)
@@ -186,8 +184,11 @@ def test_memory_json_follows_its_schema():
 
 
 # --- bench: meta.json, --json, compare, --export ---------------------------------------------------------------------
-BENCH = ["bench", *TINY, "--prompt-len", "6,8", "--new-tokens", "4", "--repeats", "2", "--warmup", "1",
-         "--caches", "none,dynamic", "--engine", "kvbench"]  # fmt: skip
+BENCH = [
+    "bench",
+    *TINY,
+    *"--prompt-len 6,8 --new-tokens 4 --repeats 2 --warmup 1 --caches none,dynamic --engine kvbench".split(),
+]
 
 
 def test_bench_documents_and_export(tmp_path):
@@ -251,12 +252,27 @@ def test_export_leaves_out_rows_that_did_not_complete():
     from kvbench.results.rundir import github_action_benchmark
 
     def row(cache, status, tpot):
-        return SimpleNamespace(engine="kvbench", cache=cache, prompt_len=16, batch=4, status=status, device="cpu",
-                               dtype="fp32", repeats=3, tpot_ms_median=tpot, tpot_ms_p90=tpot, ttft_ms=float("nan"))  # fmt: skip
+        return SimpleNamespace(
+            engine="kvbench",
+            cache=cache,
+            prompt_len=16,
+            batch=4,
+            status=status,
+            device="cpu",
+            dtype="fp32",
+            repeats=3,
+            tpot_ms_median=tpot,
+            tpot_ms_p90=tpot,
+            ttft_ms=float("nan"),
+        )
 
-    entries, skipped = github_action_benchmark(
-        [row("static", "ok", 1.23456), row("paged", "oom", float("nan"))]
-    )
-    assert entries == [{"name": "kvbench/static prompt=16 batch=4 TPOT", "unit": "ms", "value": 1.235,
-                        "extra": "cpu fp32; 3 timed repeats; TPOT p90 1.235 ms"}]  # fmt: skip
+    entries, skipped = github_action_benchmark([row("static", "ok", 1.23456), row("paged", "oom", float("nan"))])
+    assert entries == [
+        {
+            "name": "kvbench/static prompt=16 batch=4 TPOT",
+            "unit": "ms",
+            "value": 1.235,
+            "extra": "cpu fp32; 3 timed repeats; TPOT p90 1.235 ms",
+        }
+    ]
     assert skipped == ["kvbench/paged prompt=16 batch=4 (oom)"]

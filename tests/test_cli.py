@@ -71,8 +71,7 @@ def test_generate_batch_equals_solo_runs(ranks_file):
         assert r.exit_code == 0, r.output
         batch = [c["tokens"] for c in json.loads(r.stdout)["completions"]]
         solo = [
-            json.loads(run("generate", p, *args, "--cache", cache).stdout)["completions"][0]["tokens"]
-            for p in prompts
+            json.loads(run("generate", p, *args, "--cache", cache).stdout)["completions"][0]["tokens"] for p in prompts
         ]
         assert batch == solo, cache
 
@@ -145,9 +144,7 @@ def test_weights_not_gpt2(tmp_path, ranks_file):
 
 def test_tokenizer_missing_and_malformed(tmp_path):
     r = run("generate", "hi", *TINY, "--tokenizer", tmp_path / "none.tiktoken")
-    assert r.exit_code == 2 and "--tokenizer " in r.output and "none.tiktoken: file not found" in r.output, (
-        r.output
-    )
+    assert r.exit_code == 2 and "--tokenizer " in r.output and "none.tiktoken: file not found" in r.output, r.output
     bad = tmp_path / "bad.tiktoken"
     bad.write_text("garbage\n")
     r = run("generate", "hi", *TINY, "--tokenizer", bad)

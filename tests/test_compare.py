@@ -25,9 +25,13 @@ PROMPTS = (8, 32)
 # 80 decode steps x 3 repeats = 240 samples per row: a 20% shift stands beyond alpha 0.01 until a row's steps
 # spread over a factor of about 6 (p90 / p10; a 10% shift only to about 2.5, which a busy machine running a
 # second test worker beside this one exceeds), while 3% stays under the 5% threshold whatever its p.
-BENCH = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--threads", "1", "--engine", "kvbench",
-         "--caches", ",".join(CACHES), "--prompt-len", ",".join(map(str, PROMPTS)), "--new-tokens", "81",
-         "--repeats", "3", "--warmup", "1"]  # fmt: skip
+BENCH = [
+    *"--model gpt2-tiny --weights random --device cpu --threads 1 --engine kvbench --caches".split(),
+    ",".join(CACHES),
+    "--prompt-len",
+    ",".join(map(str, PROMPTS)),
+    *"--new-tokens 81 --repeats 3 --warmup 1".split(),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -40,9 +44,7 @@ def _restore_threads():
 
 def invoke(*args):
     r = runner.invoke(app, [str(a) for a in args])
-    return r, r.output + (
-        repr(r.exception) if r.exception and not isinstance(r.exception, SystemExit) else ""
-    )
+    return r, r.output + (repr(r.exception) if r.exception and not isinstance(r.exception, SystemExit) else "")
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +119,9 @@ def test_a_run_against_itself_is_no_significant_change(base_run, tmp_path):
         (0.80, "5%", "faster", 0),  # faster never fails the gate
     ],
 )
-def test_verdicts_and_exit_codes_follow_factor_and_threshold(base_run, tmp_path, factor, threshold, expected,
-                                                             exit_code):  # fmt: skip
+def test_verdicts_and_exit_codes_follow_factor_and_threshold(
+    base_run, tmp_path, factor, threshold, expected, exit_code
+):
     cand = scaled_copy(base_run, tmp_path / "cand", factor)
     code, doc, text = compare_json(base_run, cand, "--threshold", threshold, "--fail-on", "slower")
     assert code == exit_code, text
@@ -127,9 +130,7 @@ def test_verdicts_and_exit_codes_follow_factor_and_threshold(base_run, tmp_path,
         assert row["tpot_ratio"] == pytest.approx(factor, rel=1e-6)  # the median scales exactly
         assert row["ci_low"] <= row["tpot_ratio"] <= row["ci_high"]
         assert row["tokens_per_s_ratio"] == pytest.approx(1 / factor, rel=1e-5)
-    assert (cand / "compare.png").read_bytes()[
-        :8
-    ] == b"\x89PNG\r\n\x1a\n"  # default: into the candidate folder
+    assert (cand / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # default: into the candidate folder
 
 
 def test_one_row_slower_is_the_only_regression(base_run, tmp_path):
@@ -169,15 +170,11 @@ def test_bootstrap_interval_covers_the_true_ratio_and_narrows_with_samples():
     assert r_small == pytest.approx(1.2) and r_large == pytest.approx(1.2)
     assert lo_s < 1.2 < hi_s and lo_l < 1.2 < hi_l
     assert hi_l - lo_l < (hi_s - lo_s) / 3  # 40x the samples: an interval about 6x narrower
-    assert S.median_ratio_ci(small, small, 0.99, 500, seed=3) == S.median_ratio_ci(
-        small, small, 0.99, 500, seed=3
-    )
+    assert S.median_ratio_ci(small, small, 0.99, 500, seed=3) == S.median_ratio_ci(small, small, 0.99, 500, seed=3)
 
 
 def test_too_few_steps_are_flagged():
-    assert S.smallest_p(3, 3) == pytest.approx(
-        0.1
-    )  # 2 / C(6, 3): no pair of 3-step runs can reach alpha 0.01
+    assert S.smallest_p(3, 3) == pytest.approx(0.1)  # 2 / C(6, 3): no pair of 3-step runs can reach alpha 0.01
     assert S.smallest_p(120, 120) < 1e-60
 
 
@@ -191,9 +188,7 @@ def test_memory_gate_on_kv_bytes(base_run, tmp_path):
     assert code == 1, text
     assert {row["cache"] for row in doc["rows"] if row["memory_regressed"]} == {"static"}
     assert all(row["kv_cache_delta_mib"] > 0 for row in doc["rows"] if row["cache"] == "static")
-    assert (
-        compare_json(base_run, cand, "--fail-on", "slower")[0] == 0
-    )  # not slower: only the memory gate fails
+    assert compare_json(base_run, cand, "--fail-on", "slower")[0] == 0  # not slower: only the memory gate fails
 
 
 def test_token_agreement_only_when_both_runs_have_it_and_extra_columns_are_ignored(base_run, tmp_path):
@@ -209,9 +204,7 @@ def test_token_agreement_only_when_both_runs_have_it_and_extra_columns_are_ignor
         st.to_csv(run / "steps.csv", index=False)
     code, doc, text = compare_json(a, b)
     assert code == 0, text
-    assert {(row["token_agreement_baseline"], row["token_agreement_candidate"]) for row in doc["rows"]} == {
-        (1.0, 0.75)
-    }
+    assert {(row["token_agreement_baseline"], row["token_agreement_candidate"]) for row in doc["rows"]} == {(1.0, 0.75)}
     r, text = invoke("compare", a, b)
     assert "agreement" in r.stdout and "1.000 → 0.750" in r.stdout, text
 
@@ -224,17 +217,13 @@ def test_token_agreement_only_when_both_runs_have_it_and_extra_columns_are_ignor
 
 def test_missing_optional_columns_read_as_unknown(base_run, tmp_path):
     cand = scaled_copy(base_run, tmp_path / "cand", 1.0)
-    s = pd.read_csv(cand / "summary.csv").drop(
-        columns=["ttft_ms", "tokens_per_s", "peak_mem_mib", "kv_cache_mib"]
-    )
+    s = pd.read_csv(cand / "summary.csv").drop(columns=["ttft_ms", "tokens_per_s", "peak_mem_mib", "kv_cache_mib"])
     s.to_csv(cand / "summary.csv", index=False)
     (cand / "ttft.csv").unlink()  # a run from before ttft.csv: TTFT is unknown
     code, doc, text = compare_json(base_run, cand, "--fail-on", "slower,memory")
     assert code == 0, text
     row = doc["rows"][0]
-    assert (
-        row["ttft_ratio"] is None and row["peak_mem_delta_mib"] is None and row["kv_cache_delta_mib"] is None
-    )
+    assert row["ttft_ratio"] is None and row["peak_mem_delta_mib"] is None and row["kv_cache_delta_mib"] is None
     assert row["ttft_verdict"] == "no ttft.csv in the candidate" and row["ttft_p_value"] is None
 
 
@@ -246,9 +235,7 @@ def test_unmatched_rows_are_listed_not_dropped(base_run, tmp_path):
         moved = (df.cache == "dynamic") & (df.prompt_len == 32)
         df.loc[moved, "prompt_len"] = 64  # and one the baseline lacks
         if name == "summary.csv":
-            df.loc[(df.cache == "static") & (df.prompt_len == 8), "status"] = (
-                "oom"  # one that ran out of memory
-            )
+            df.loc[(df.cache == "static") & (df.prompt_len == 8), "status"] = "oom"  # one that ran out of memory
         df.to_csv(cand / name, index=False)
     code, doc, text = compare_json(base_run, cand)
     assert code == 0, text
@@ -342,18 +329,39 @@ BAD_INPUT = {
     "no such folder": (lambda tmp, base: tmp / "nowhere", "no such folder"),
     "a file, not a folder": (_a_file, "is a file, not a run folder"),
     "not a kvbench run": (_not_a_run, "is not a kvbench run folder (no meta.json, summary.csv, steps.csv)"),
-    "corrupt summary.csv": (_with("summary.csv", b"engine,cache,prompt_len\nkvbench,static,8,1,2,3\n"), "line 2 has 6 fields, the header 3"),
-    "bad quoting": (_with("summary.csv", b'engine,cache,prompt_len\n"kvbench"x,static,8\n'), "is not a valid CSV (line 2"),
-    "truncated steps.csv": (_with("steps.csv", b"engine,cache,prompt_len,batch,repeat,step,latency_ms\nkvbench,static,8,1\n"), "line 2 has 4 fields, the header 7"),
-    "empty latency": (_with("steps.csv", b"engine,cache,prompt_len,latency_ms\nkvbench,static,8,\n"), "line 2 has no latency_ms"),
-    "text in a number column": (_with("steps.csv", b"engine,cache,prompt_len,latency_ms\nkvbench,static,8,fast\n"), "'fast', not a number"),
-    "summary.csv not UTF-8": (_with("summary.csv", "engine,cache,prompt_len\nkvbench,caché,8\n".encode("latin-1")), "is not UTF-8 text"),
+    "corrupt summary.csv": (
+        _with("summary.csv", b"engine,cache,prompt_len\nkvbench,static,8,1,2,3\n"),
+        "line 2 has 6 fields, the header 3",
+    ),
+    "bad quoting": (
+        _with("summary.csv", b'engine,cache,prompt_len\n"kvbench"x,static,8\n'),
+        "is not a valid CSV (line 2",
+    ),
+    "truncated steps.csv": (
+        _with("steps.csv", b"engine,cache,prompt_len,batch,repeat,step,latency_ms\nkvbench,static,8,1\n"),
+        "line 2 has 4 fields, the header 7",
+    ),
+    "empty latency": (
+        _with("steps.csv", b"engine,cache,prompt_len,latency_ms\nkvbench,static,8,\n"),
+        "line 2 has no latency_ms",
+    ),
+    "text in a number column": (
+        _with("steps.csv", b"engine,cache,prompt_len,latency_ms\nkvbench,static,8,fast\n"),
+        "'fast', not a number",
+    ),
+    "summary.csv not UTF-8": (
+        _with("summary.csv", "engine,cache,prompt_len\nkvbench,caché,8\n".encode("latin-1")),
+        "is not UTF-8 text",
+    ),
     "meta.json not UTF-8": (_with("meta.json", b'{"model": "\xff\xfe"}'), "is not UTF-8 text"),
     "meta.json not JSON": (_with("meta.json", b'{"model": '), "is not valid JSON"),
     "empty summary.csv": (_with("summary.csv", b""), "is empty"),
-    "no rows in common": (_no_common_rows, "the runs have no rows in common (baseline vs candidate: prompt_len 32,8 vs 1008,1032)"),
+    "no rows in common": (
+        _no_common_rows,
+        "the runs have no rows in common (baseline vs candidate: prompt_len 32,8 vs 1008,1032)",
+    ),
     "a path that looks like markup": (_markup_name, "runs[bold red]x[/]/[/oops]: no such folder"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
@@ -417,11 +425,7 @@ def test_markdown_and_table_formats(base_run, tmp_path):
 
     r, text = invoke("compare", base_run, cand)
     assert r.exit_code == 0, text
-    assert (
-        "99% CI" in r.stdout
-        and "slower" in r.stdout
-        and "1 slower, 0 faster, 3 no significant change" in r.stdout
-    )
+    assert "99% CI" in r.stdout and "slower" in r.stdout and "1 slower, 0 faster, 3 no significant change" in r.stdout
     saved = json.loads((cand / "compare.json").read_text())
     assert saved["candidate"] == str(cand) and len(saved["rows"]) == len(CACHES) * len(PROMPTS)
 
@@ -505,9 +509,7 @@ def test_bench_baseline_of_another_environment_stops_before_the_sweep(base_run, 
         (["--caches", "paged"], "(baseline vs sweep: cache dynamic,static vs paged)"),
     ],
 )
-def test_bench_baseline_without_a_configuration_in_common_stops_before_the_sweep(
-    base_run, tmp_path, change, needle
-):
+def test_bench_baseline_without_a_configuration_in_common_stops_before_the_sweep(base_run, tmp_path, change, needle):
     args = [*ONE_ROW]
     i = args.index(change[0])
     args[i + 1] = change[1]
@@ -537,17 +539,13 @@ def test_bench_baseline_measured_with_other_huge_pages_is_compared(base_run, tmp
     assert (f"huge pages in use {in_use} -> " in r.stderr) == field["differs"], text
 
 
-def test_bench_baseline_across_an_allowed_change_prints_the_bench_table_then_the_comparison(
-    base_run, tmp_path
-):
+def test_bench_baseline_across_an_allowed_change_prints_the_bench_table_then_the_comparison(base_run, tmp_path):
     base = scaled_copy(base_run, tmp_path / "base", 1.0)
     _edit_meta(base, versions__numpy="0.0.1")
     out = tmp_path / "run"
     r, text = invoke("bench", *ONE_ROW, "--out", out, "--baseline", base, "--allow-env-change")
     assert r.exit_code == 0, text
-    assert (
-        0 <= r.stdout.index("bench: gpt2-tiny") < r.stdout.index(f"compare: {out} against baseline {base}")
-    ), text
+    assert 0 <= r.stdout.index("bench: gpt2-tiny") < r.stdout.index(f"compare: {out} against baseline {base}"), text
     assert "environment changed (allowed): numpy 0.0.1 -> " in r.stdout
     assert (out / "compare.json").is_file()
 

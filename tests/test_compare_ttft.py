@@ -21,18 +21,20 @@ from kvbench.cli import app
 
 runner = CliRunner()
 REPEATS = 3
-BENCH = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--threads", "1", "--engine", "kvbench",
-         "--caches", "dynamic,static", "--prompt-len", "8", "--new-tokens", "21", "--repeats", str(REPEATS),
-         "--warmup", "1"]  # fmt: skip
+BENCH = [
+    *"--model gpt2-tiny --weights random --device cpu --threads 1 --engine kvbench --caches dynamic,static".split(),
+    *"--prompt-len 8 --new-tokens 21 --repeats".split(),
+    str(REPEATS),
+    "--warmup",
+    "1",
+]
 
 
 def invoke(*args):
     n = torch.get_num_threads()
     r = runner.invoke(app, [str(a) for a in args])
     torch.set_num_threads(n)  # bench --threads sets it for the whole process
-    return r, r.output + (
-        repr(r.exception) if r.exception and not isinstance(r.exception, SystemExit) else ""
-    )
+    return r, r.output + (repr(r.exception) if r.exception and not isinstance(r.exception, SystemExit) else "")
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +65,7 @@ def test_ttft_csv_and_the_statistics_columns_match_numpy_on_the_files(run):
         assert row["ttft_ms_std"] == pytest.approx(x.std(ddof=1), rel=1e-4)
         for q in (10, 50, 90, 99):
             assert row[f"ttft_ms_p{q}"] == pytest.approx(np.percentile(x, q), rel=1e-5)
-        s = steps[
-            (steps.cache == row["cache"]) & (steps.prompt_len == row["prompt_len"])
-        ].latency_ms.to_numpy()
+        s = steps[(steps.cache == row["cache"]) & (steps.prompt_len == row["prompt_len"])].latency_ms.to_numpy()
         assert len(s) == REPEATS * 20
         assert row["tpot_ms_mean"] == pytest.approx(s.mean(), rel=1e-5)
         assert row["tpot_ms_std"] == pytest.approx(s.std(ddof=1), rel=1e-4)
@@ -82,9 +82,13 @@ def test_ttft_csv_and_the_statistics_columns_match_numpy_on_the_files(run):
 def test_meta_records_the_cpu_and_the_load_at_start_and_end(run):
     h = json.loads((run / "meta.json").read_text())["host"]
     model = next(
-        (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-         if ln.startswith("model name")), None,
-    )  # fmt: skip
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        None,
+    )
     if model is not None:
         assert h["cpu_model"] == model
     assert h["cpus"] == os.cpu_count() and h["cpus_usable"] == len(os.sched_getaffinity(0))
@@ -102,9 +106,12 @@ def _copy(src: Path, dst: Path, ttft_factor: float = 1.0, n: int | None = None) 
     if n is not None:
         rng = np.random.default_rng(0)
         t = pd.concat(
-            [g.iloc[[0] * n].assign(repeat=range(1, n + 1), ttft_ms=g.ttft_ms.median() * (1 + 0.1 * rng.random(n)))
-             for _, g in t.groupby(["cache", "prompt_len"])], ignore_index=True,
-        )  # fmt: skip
+            [
+                g.iloc[[0] * n].assign(repeat=range(1, n + 1), ttft_ms=g.ttft_ms.median() * (1 + 0.1 * rng.random(n)))
+                for _, g in t.groupby(["cache", "prompt_len"])
+            ],
+            ignore_index=True,
+        )
     t["ttft_ms"] *= ttft_factor
     t.to_csv(dst / "ttft.csv", index=False)
     return dst
@@ -164,9 +171,7 @@ def _set_load(run_dir: Path, load) -> None:
     (run_dir / "meta.json").write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize(
-    "base_load, cand_load, warned", [(0.2, 1.5, True), (0.2, 1.1, False), (None, 9.0, False)]
-)
+@pytest.mark.parametrize("base_load, cand_load, warned", [(0.2, 1.5, True), (0.2, 1.1, False), (None, 9.0, False)])
 def test_load_a_core_apart_is_warned_about(run, tmp_path, base_load, cand_load, warned):
     base, cand = _copy(run, tmp_path / "base"), _copy(run, tmp_path / "cand")
     _set_load(base, base_load)
@@ -184,9 +189,7 @@ def test_a_load_that_is_not_a_number_is_one_line(run, tmp_path):
     _set_load(cand, "high")
     r, _, text = compare_json(run, cand)
     assert r.exit_code == 2, text
-    assert (
-        r.stderr.strip().count("\n") == 0 and "host.load_average.start.1m is 'high', not a number" in r.stderr
-    )
+    assert r.stderr.strip().count("\n") == 0 and "host.load_average.start.1m is 'high', not a number" in r.stderr
 
 
 @pytest.mark.parametrize("value", ["0", "100", "50,x", ",", "-1"])
@@ -198,8 +201,11 @@ def test_bad_percentiles_stop_bench_before_any_work(tmp_path, value):
 
 
 def test_percentiles_are_refused_with_random_fill(tmp_path):
-    r, text = invoke("bench", "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--fill", "random",
-                     "--prompt-len", "64", "--percentiles", "95", "--out", tmp_path / "run")  # fmt: skip
+    r, text = invoke(
+        *"bench --model gpt2-tiny --weights random --device cpu --fill random --prompt-len 64 --percentiles 95".split(),
+        "--out",
+        tmp_path / "run",
+    )
     assert r.exit_code == 2, text
     assert r.stderr.strip() == (
         "error: --percentiles applies to prefill sweeps; --fill random writes its own tpot_ms_p10 and tpot_ms_p90"
@@ -211,5 +217,7 @@ def test_without_nvidia_ml_py_the_cuda_facts_are_null_with_the_reason():
     from kvbench.results.environment import cuda_facts
 
     assert cuda_facts(torch.device("cuda")) == {
-        "processes": None, "clocks": None, "note": "nvidia-ml-py is not installed: not read"
-    }  # fmt: skip
+        "processes": None,
+        "clocks": None,
+        "note": "nvidia-ml-py is not installed: not read",
+    }

@@ -61,8 +61,12 @@ def test_sweep_rows_carry_the_floor_and_the_label(tiny_model):
     slot = 2 * tiny_model.config.n_layer * tiny_model.config.n_embd * 4  # one token's K + V, all layers, fp32
     assert seen == results  # streamed as each configuration completes
     # contexts outermost: an interrupted sweep has every cache at the contexts it finished
-    assert [(r.cache, r.context) for r in rows] == [("static", 16), ("static-graph", 16), ("static", 64),
-                                                    ("static-graph", 64)]  # fmt: skip
+    assert [(r.cache, r.context) for r in rows] == [
+        ("static", 16),
+        ("static-graph", 16),
+        ("static", 64),
+        ("static-graph", 64),
+    ]
     for res in results:
         r = res.summary
         assert r.fill == "random" and r.status == "ok" and r.repeats == 2
@@ -88,8 +92,9 @@ def test_a_cache_that_raises_is_a_row_and_the_sweep_goes_on(tiny_model, monkeypa
 
     spec = CacheSpec("breaks", "test", lambda c, b, n, dt, dev: Breaks(b, c.n_head, n, c.head_dim, dt, dev))
     monkeypatch.setitem(CACHES, "breaks", spec)
-    rows = [r.summary for r in run_context_sweep(tiny_model, ["breaks", "static"], [16, 64], 3, 1, 0, 1, BW,
-                                                   "fp32", "cpu")]  # fmt: skip
+    rows = [
+        r.summary for r in run_context_sweep(tiny_model, ["breaks", "static"], [16, 64], 3, 1, 0, 1, BW, "fp32", "cpu")
+    ]
     status = {(r.cache, r.context): r.status for r in rows}
     assert status[("breaks", 16)] == "ok" and status[("static", 64)] == "ok"
     assert status[("breaks", 64)] == "error: RuntimeError: boom past 40 tokens"
@@ -106,8 +111,10 @@ def test_k_suffix_and_random_fill_defaults():
     assert load_settings(None, {}).caches == list(CACHES)  # a prefill sweep keeps its own defaults
 
 
-ARGS = ["--model", "gpt2-tiny", "--device", "cpu", "--fill", "random", "--new-tokens", "4", "--repeats", "2",
-        "--warmup", "1", "--threads", "1", "--caches", "static,paged,int8"]  # fmt: skip
+ARGS = [
+    *"--model gpt2-tiny --device cpu --fill random --new-tokens 4 --repeats 2 --warmup 1 --threads 1".split(),
+    *"--caches static,paged,int8".split(),
+]
 
 
 def test_cli_random_fill_sweep_end_to_end(tmp_path):

@@ -30,12 +30,26 @@ COMMANDS = dict(_commands(ROOT))
 @pytest.mark.parametrize(
     "typed, name",
     [
-        ("fp16", "fp16"), ("float16", "fp16"), ("half", "fp16"), ("HALF", "fp16"), ("torch.float16", "fp16"),
-        ("bf16", "bf16"), ("bfloat16", "bf16"), ("BFloat16", "bf16"), (" torch.bfloat16 ", "bf16"),
-        ("fp32", "fp32"), ("float32", "fp32"), ("float", "fp32"), ("Float", "fp32"),
-        ("fp8", "fp8"), ("float8_e4m3fn", "fp8"), ("fp8_e4m3", "fp8"), ("int8", "int8"), ("INT4", "int4"),
+        ("fp16", "fp16"),
+        ("float16", "fp16"),
+        ("half", "fp16"),
+        ("HALF", "fp16"),
+        ("torch.float16", "fp16"),
+        ("bf16", "bf16"),
+        ("bfloat16", "bf16"),
+        ("BFloat16", "bf16"),
+        (" torch.bfloat16 ", "bf16"),
+        ("fp32", "fp32"),
+        ("float32", "fp32"),
+        ("float", "fp32"),
+        ("Float", "fp32"),
+        ("fp8", "fp8"),
+        ("float8_e4m3fn", "fp8"),
+        ("fp8_e4m3", "fp8"),
+        ("int8", "int8"),
+        ("INT4", "int4"),
     ],
-)  # fmt: skip
+)
 def test_every_spelling_has_one_canonical_name(typed, name):
     assert dtypes.canonical(typed, "--kv-dtype", tuple(dtypes.SPELLINGS)) == name
 
@@ -61,9 +75,7 @@ def test_generate_refuses_an_unknown_dtype_in_one_line():
     r = CliRunner().invoke(app, ["generate", "hi", *TINY, "--dtype", "double", "-n", "2"])
     assert r.exit_code == 2, r.output
     (line,) = r.stderr.strip().splitlines()
-    assert line.startswith(
-        "error: unknown --dtype 'double'; use fp32 (float32, float), fp16 (float16, half)"
-    ), line
+    assert line.startswith("error: unknown --dtype 'double'; use fp32 (float32, float), fp16 (float16, half)"), line
 
 
 def test_bench_settings_from_toml_and_command_line_hold_the_canonical_dtype(tmp_path):
@@ -135,9 +147,7 @@ def test_a_real_allocation_failure_exits_3_in_one_line(tmp_path):
     allocator refuses it at once (nothing is touched), and the command ends with exit 3, not 2."""
     cfg = tmp_path / "config.json"
     cfg.write_text(
-        json.dumps(
-            {"model_type": "gpt2", "vocab_size": 10_000_000, "n_layer": 1, "n_head": 1, "n_embd": 65_536}
-        )
+        json.dumps({"model_type": "gpt2", "vocab_size": 10_000_000, "n_layer": 1, "n_head": 1, "n_embd": 65_536})
     )
     r = CliRunner().invoke(app, ["generate", "hi", "-m", str(cfg), "--weights", "random", "--device", "cpu"])
     assert r.exit_code == 3, r.output

@@ -62,12 +62,8 @@ def test_no_line_kept_in_two_places():
         return len(files) > 1 or (len(places) > 1 and any(unit[0] != "output" for _, unit in places))
 
     repeated = {line: where[line] for line in where if kept_twice(line)}
-    report = "\n".join(
-        f"{', '.join(p)}: {line[:100]}" for line, p in sorted(repeated.items(), key=lambda i: i[1])
-    )
-    assert not repeated, (
-        f"{len(repeated)} line(s) kept in two places (say it once, link from the other):\n{report}"
-    )
+    report = "\n".join(f"{', '.join(p)}: {line[:100]}" for line, p in sorted(repeated.items(), key=lambda i: i[1]))
+    assert not repeated, f"{len(repeated)} line(s) kept in two places (say it once, link from the other):\n{report}"
 
 
 def test_no_command_output_shown_twice():

@@ -184,9 +184,7 @@ def test_paged_mixed_lengths_interleaved_blocks_free_and_reuse():
             if t < n:
                 cache.append(s, data[s][0][:, t : t + 1], data[s][1][:, t : t + 1])
     assert [len(t) for t in cache.tables] == [1, 3, 4]
-    assert cache.tables == [[0], [1, 3, 5], [2, 4, 6, 7]], (
-        "blocks are handed out as sequences grow: interleaved"
-    )
+    assert cache.tables == [[0], [1, 3, 5], [2, 4, 6, 7]], "blocks are handed out as sequences grow: interleaved"
     for s in range(3):
         rk, rv = cache.read(s)
         assert torch.equal(rk, data[s][0]) and torch.equal(rv, data[s][1])
@@ -226,18 +224,14 @@ def test_paged_memory_report_mixed_lengths():
     assert rep.static_bytes == 4 * 128 * per_token
     assert rep.needed_bytes == 138 * per_token
     assert rep.paged_bytes < rep.static_bytes and rep.saving == pytest.approx(1 - 176 / 512)
-    assert rep.paged_waste == pytest.approx(1 - 138 / 176) and rep.static_waste == pytest.approx(
-        1 - 138 / 512
-    )
+    assert rep.paged_waste == pytest.approx(1 - 138 / 176) and rep.static_waste == pytest.approx(1 - 138 / 512)
 
 
 # --- int8: the quantisation bound, memory, and its documented error ---------------------------------------------
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 def test_int8_error_is_at_most_half_a_scale_step(scale_dtype):
     g = torch.Generator().manual_seed(0)
-    x = (
-        torch.randn(2, 3, 40, 64, generator=g) * torch.logspace(-3, 2, 40)[None, None, :, None]
-    )  # many magnitudes
+    x = torch.randn(2, 3, 40, 64, generator=g) * torch.logspace(-3, 2, 40)[None, None, :, None]  # many magnitudes
     x[0, 0, 5] = 0.0  # an all-zero row: scale 0, dequantises to zeros
     x[1, 2, 7, 3] = 1e3  # one outlier dominates its row's scale
     q, scale = quantize(x, scale_dtype)
@@ -316,9 +310,7 @@ def test_cuda_graph_of_compiled_step_equals_eager():
     model = _cuda_model(torch.float32)
     caches = make_caches("static-graph", model.config, 3, 11 + 12, torch.float32, "cuda")
     caches[0].runner = FixedShapeDecoder(model, caches, compile="default")
-    got = generate(
-        model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches, compile="default"
-    )
+    got = generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches, compile="default")
     assert caches[0].runner.compile and caches[0].runner.captures == 1
     ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
     torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-4, atol=1e-4)
@@ -367,9 +359,7 @@ def test_compiled_fixed_step_on_the_cpu_equals_static():
     logits to 1e-5, batched with left padding."""
     model = _small_model()
     caches = make_caches("static-graph", model.config, 3, 11 + 12, torch.float32, "cpu")
-    got = generate(
-        model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches, compile="default"
-    )
+    got = generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches, compile="default")
     assert caches[0].runner.compile_mode == "default" and caches[0].runner.fixed_steps == 11
     ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
     assert got.tokens == ref.tokens
@@ -385,15 +375,11 @@ def test_frozen_step_is_exact_and_sees_weights_changed_in_place():
     caches = make_caches("static-graph", model.config, 3, 11 + 12, torch.float32, "cpu")
 
     def decode_and_check():
-        got = generate(
-            model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches, compile="max"
-        )
+        got = generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches, compile="max")
         ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
         runner = caches[0].runner
         assert runner.compile_mode == "max" and runner.fixed_steps == 11
-        assert runner_for(model, caches, compile="max") is runner, (
-            "same model, same weights: the runner is reused"
-        )
+        assert runner_for(model, caches, compile="max") is runner, "same model, same weights: the runner is reused"
         assert got.tokens == ref.tokens
         torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
         return runner, _logits(got)
@@ -415,9 +401,7 @@ def test_frozen_step_follows_the_mask_rule():
     model = _small_model()
 
     def run(mode: str, rules):
-        res = generate(
-            model, PROMPTS, 12, cache="static-graph", record_logits=True, rules=rules, compile=mode
-        )
+        res = generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, rules=rules, compile=mode)
         return _logits(res)
 
     good, bad = run("max", EXACT), run("max", MASK_FAULT)

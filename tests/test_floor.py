@@ -161,8 +161,6 @@ def test_probe_size_on_the_cpu_exceeds_the_last_level_cache():
 
 def test_a_real_bandwidth_probe():
     real = measure_bandwidth(torch.device("cpu"), nbytes=16 << 20, repeats=2)
-    assert (
-        real.read_gbps > 0.1 and real.copy_gbps > 0.1 and real.used == "read" and real.gbps == real.read_gbps
-    )
+    assert real.read_gbps > 0.1 and real.copy_gbps > 0.1 and real.used == "read" and real.gbps == real.read_gbps
     assert real.read_range[0] <= real.read_gbps <= real.read_range[1]
     assert real.nbytes == 16 << 20 and real.repeats == 2

@@ -21,8 +21,12 @@ def run_script(out: Path, budget: int) -> tuple[subprocess.CompletedProcess, flo
     t0 = time.monotonic()
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu"],
-        env=env, capture_output=True, text=True, timeout=budget + 120, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=budget + 120,
+        check=False,
+    )
     return proc, time.monotonic() - t0
 
 
@@ -51,8 +55,7 @@ def test_cpu_mode_runs_every_stage(tmp_path):
     expected = {  # stage -> (engine, cache) rows at each prompt length
         "seed": {("kvbench", c) for c in ("none", "dynamic", "static", "static-graph")}
         | {("hf", c) for c in ("none", "dynamic", "static")},
-        "compiled": {("kvbench", c) for c in ("none", "static", "static-graph")}
-        | {("hf-compiled", "static")},
+        "compiled": {("kvbench", c) for c in ("none", "static", "static-graph")} | {("hf-compiled", "static")},
         "xl": {("kvbench", c) for c in ("none", "static", "static-graph")},
     }
     for stage, pairs in expected.items():
@@ -86,9 +89,7 @@ def test_the_deadline_holds_by_skipping_what_does_not_fit(tmp_path):
     # a timing that must be read: the deadline; the margin covers the closing summary on a busy machine
     assert wall < budget + 15, f"took {wall:.0f} s of a {budget} s budget"
     status = status_lines(out)
-    if status["preflight"].startswith(
-        "preflight failed"
-    ):  # a busy machine: the imports outlasted its 18 s limit
+    if status["preflight"].startswith("preflight failed"):  # a busy machine: the imports outlasted its 18 s limit
         assert "preflight rc=124 " in (out / "status.txt").read_text(), status
         assert list(status) == ["preflight"], status  # and nothing else started
         return
@@ -104,9 +105,13 @@ def test_a_stage_stopped_by_sigterm_keeps_its_rows(tmp_path):
     import signal
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "kvbench", "bench", "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu",
-           "--threads", "1", "--prompt-len", "8,16,32,64,128,256", "--new-tokens", "24", "--caches", "none,static",
-           "--engine", "kvbench", "--repeats", "3", "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        *"-m kvbench bench --model gpt2-tiny --weights random --device cpu --threads 1".split(),
+        *"--prompt-len 8,16,32,64,128,256 --new-tokens 24 --caches none,static --engine kvbench --repeats 3".split(),
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
     env.pop("THP_MEM_ALLOC_ENABLE", None)  # the command sets it itself
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

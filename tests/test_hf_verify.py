@@ -34,9 +34,17 @@ PROMPT, NEW = 12, 20  # longest prompt + new tokens = 32: four windows, so the s
 # Tiny shapes: 2 layers, 4 query heads sharing 2 key/value heads (GQA), a small vocabulary; init std 0.1 so greedy
 # output varies (at transformers' default 0.02 a tiny random model repeats one token, which hides position bugs).
 COMMON = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
-)  # fmt: skip
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def _configs():
@@ -65,9 +73,7 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 def _build_toy(out: Path, positions_from_cache: bool) -> Path:
-    spec = importlib.util.spec_from_file_location(
-        "kvtoy_build", ROOT / "examples/remote_code_positions/build.py"
-    )
+    spec = importlib.util.spec_from_file_location("kvtoy_build", ROOT / "examples/remote_code_positions/build.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.build(out, positions_from_cache=positions_from_cache)
@@ -84,9 +90,7 @@ def toy_dirs(tmp_path_factory) -> dict[str, Path]:
 
 def invoke(*args: str):
     r = CliRunner().invoke(app, list(args))
-    return r, r.output + (
-        repr(r.exception) if r.exception and not isinstance(r.exception, SystemExit) else ""
-    )
+    return r, r.output + (repr(r.exception) if r.exception and not isinstance(r.exception, SystemExit) else "")
 
 
 LOOKUP_DEFECT = "generate(prompt_lookup_num_tokens=3) raised IndexError: index_copy_(): index"
@@ -127,9 +131,9 @@ def reports(model_dirs):
 
 # The plain decoder and the hybrid (sliding and full layers) in the default tier; the other two in the slow tier.
 @pytest.mark.parametrize(
-    "family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
-               pytest.param("mistral", marks=pytest.mark.slow), "gemma2"],
-)  # fmt: skip
+    "family",
+    ["llama", pytest.param("qwen2", marks=pytest.mark.slow), pytest.param("mistral", marks=pytest.mark.slow), "gemma2"],
+)
 def test_every_check_passes(reports, family):
     loaded, prompts, rep = reports[family]
     ran = {r.cache for r in rep.checks if not r.skipped}
@@ -164,10 +168,13 @@ def test_skips_say_why(reports):
     assert all("sliding-window" in why[f"quantized-{b}"] for b in ("quanto", "hqq", "fp8")), why
 
 
-@pytest.mark.parametrize("family, layers", [
-    pytest.param("mistral", {"DynamicSlidingWindowLayer"}, marks=pytest.mark.slow),
-    ("gemma2", {"DynamicSlidingWindowLayer", "DynamicLayer"}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "family, layers",
+    [
+        pytest.param("mistral", {"DynamicSlidingWindowLayer"}, marks=pytest.mark.slow),
+        ("gemma2", {"DynamicSlidingWindowLayer", "DynamicLayer"}),
+    ],
+)
 def test_windowed_models_run_their_sliding_layers(reports, family, layers):
     loaded, prompts, rep = reports[family]
     assert loaded.info.windowed
@@ -200,9 +207,7 @@ def test_logits_check_is_held_to_1e5(reports):
 def test_low_precision_near_tie_is_reported_not_failed():
     want_rows = torch.tensor([[2.0, 1.0, 0.0], [1.00, 0.99, 0.0]])
     got_rows = torch.tensor([[2.0, 1.0, 0.0], [0.98, 1.00, 0.0]])  # step 1 flips: gap 0.01, error 0.02
-    rows = dict(
-        name="greedy", cache="dynamic", want=[0, 0], got=[0, 1], want_rows=want_rows, got_rows=got_rows
-    )
+    rows = dict(name="greedy", cache="dynamic", want=[0, 0], got=[0, 1], want_rows=want_rows, got_rows=got_rows)
     row = compare_tokens(**rows, dtype=torch.bfloat16, what="x")
     assert row.passed and "near-tie" in row.detail and row.first_divergence == 1, row
     row = compare_tokens(**rows, dtype=torch.float32, what="x")
@@ -212,9 +217,18 @@ def test_low_precision_near_tie_is_reported_not_failed():
 # --- remote code: positions from the cache length ------------------------------------------------------------------
 def test_position_bug_is_caught_by_batched_only(toy_dirs):
     r, out = invoke(
-        "verify", "--hf", str(toy_dirs["buggy"]), "--trust-remote-code", "--caches", "none,dynamic,static",
-        "--prompt-len", str(PROMPT), "--new-tokens", str(NEW), "--json",
-    )  # fmt: skip
+        "verify",
+        "--hf",
+        str(toy_dirs["buggy"]),
+        "--trust-remote-code",
+        "--caches",
+        "none,dynamic,static",
+        "--prompt-len",
+        str(PROMPT),
+        "--new-tokens",
+        str(NEW),
+        "--json",
+    )
     assert r.exit_code == 1, out
     doc = json.loads(r.stdout)
     assert doc["hf"]["learned_positions"] is True
@@ -229,9 +243,18 @@ def test_position_bug_is_caught_by_batched_only(toy_dirs):
             assert c["skipped"] and "the model fails it without a cache (see batched/none)" in c["detail"], c
     # the same model reading the position ids generate passes: every check passes
     r, out = invoke(
-        "verify", "--hf", str(toy_dirs["fixed"]), "--trust-remote-code", "--caches", "none,dynamic,static",
-        "--prompt-len", str(PROMPT), "--new-tokens", str(NEW), "--json",
-    )  # fmt: skip
+        "verify",
+        "--hf",
+        str(toy_dirs["fixed"]),
+        "--trust-remote-code",
+        "--caches",
+        "none,dynamic,static",
+        "--prompt-len",
+        str(PROMPT),
+        "--new-tokens",
+        str(NEW),
+        "--json",
+    )
     failed = {(c["name"], c["cache"]) for c in json.loads(r.stdout)["checks"] if not c["passed"]}
     assert failed == reset_bug and r.exit_code == (1 if reset_bug else 0), out
 
@@ -253,8 +276,12 @@ def test_a_lossy_cache_is_not_judged_where_the_model_itself_fails(toy_dirs):
 
 
 def test_remote_code_config_alone_gives_random_weights(toy_dirs):
-    r, out = invoke("verify", "--hf", str(toy_dirs["buggy"] / "config.json"), "--trust-remote-code",
-                    "--caches", "static", "--prompt-len", "8", "--new-tokens", "6", "--json")  # fmt: skip
+    r, out = invoke(
+        "verify",
+        "--hf",
+        str(toy_dirs["buggy"] / "config.json"),
+        *"--trust-remote-code --caches static --prompt-len 8 --new-tokens 6 --json".split(),
+    )
     assert r.exit_code == 1, out
     doc = json.loads(r.stdout)
     assert doc["weights"].startswith("random(") and doc["hf"]["architecture"] == "KVToyForCausalLM", doc
@@ -269,8 +296,9 @@ def test_remote_code_needs_trust(toy_dirs):
 
 
 def test_learned_positions_are_held_to_their_limit(toy_dirs):
-    r, out = invoke("verify", "--hf", str(toy_dirs["fixed"]), "--trust-remote-code", "--prompt-len", "100",
-                    "--new-tokens", "40")  # fmt: skip
+    r, out = invoke(
+        "verify", "--hf", str(toy_dirs["fixed"]), "--trust-remote-code", "--prompt-len", "100", "--new-tokens", "40"
+    )
     assert r.exit_code == 2, out
     assert "learned absolute positions" in out and "128" in out, out
 
@@ -343,19 +371,26 @@ def test_remote_code_that_exits_in_forward_is_refused_before_any_check(hostile_t
     causal (check/causal.py) before any check or timing: one line naming it, exit 2, no run folder."""
     out_dir = tmp_path / "run"
     extra = ["--out", str(out_dir), "--repeats", "1", "--warmup", "0"] if command == "bench" else []
-    r, out = invoke(command, "--hf", str(hostile_toys["exit_forward"]), "--trust-remote-code", "--caches",
-                    "none,dynamic", "--prompt-len", "8", "--new-tokens", "4", *extra)  # fmt: skip
+    r, out = invoke(
+        command,
+        "--hf",
+        str(hostile_toys["exit_forward"]),
+        *"--trust-remote-code --caches none,dynamic --prompt-len 8 --new-tokens 4".split(),
+        *extra,
+    )
     assert r.exit_code == 2, out
     lines = r.stderr.strip().splitlines()
-    assert (
-        len(lines) == 1 and "cannot run on its own" in lines[0] and "forward called sys.exit(0)" in lines[0]
-    ), out
+    assert len(lines) == 1 and "cannot run on its own" in lines[0] and "forward called sys.exit(0)" in lines[0], out
     assert not out_dir.exists()
 
 
 def test_remote_code_prints_go_to_stderr(hostile_toys):
-    r, out = invoke("verify", "--hf", str(hostile_toys["print_forward"]), "--trust-remote-code",
-                    "--caches", "dynamic", "--prompt-len", "8", "--new-tokens", "4", "--json")  # fmt: skip
+    r, out = invoke(
+        "verify",
+        "--hf",
+        str(hostile_toys["print_forward"]),
+        *"--trust-remote-code --caches dynamic --prompt-len 8 --new-tokens 4 --json".split(),
+    )
     assert r.exit_code == 0, out
     assert json.loads(r.stdout)["passed"] and "kvtoy forward" in r.stderr
 
@@ -364,8 +399,12 @@ def test_remote_code_prints_go_to_stderr(hostile_toys):
 def test_config_json_alone_gives_random_weights_and_layers(model_dirs):
     # dynamic: on transformers 5.24 the static cache's rollback row fails on transformers' own prompt lookup
     # (LOOKUP_DEFECT), which is not what this test is about
-    r, out = invoke("verify", "--hf", str(model_dirs["llama"] / "config.json"), "--layers", "1",
-                    "--caches", "dynamic", "--prompt-len", "8", "--new-tokens", "6", "--json")  # fmt: skip
+    r, out = invoke(
+        "verify",
+        "--hf",
+        str(model_dirs["llama"] / "config.json"),
+        *"--layers 1 --caches dynamic --prompt-len 8 --new-tokens 6 --json".split(),
+    )
     assert r.exit_code == 0, out
     doc = json.loads(r.stdout)
     weights = doc["weights"]
@@ -379,8 +418,9 @@ def _unloadable(tmp_path: Path) -> dict[str, tuple[str, str]]:
     (tmp_path / "empty").mkdir()
     (tmp_path / "noweights").mkdir()
     (tmp_path / "noweights" / "config.json").write_text(json.dumps({"model_type": "llama", **COMMON}))
-    BertModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=32)).save_pretrained(tmp_path / "bert")  # fmt: skip
+    BertModel(
+        BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    ).save_pretrained(tmp_path / "bert")
     T5Config(vocab_size=64, d_model=16, num_layers=1, num_heads=2).save_pretrained(tmp_path / "t5")
     (tmp_path / "unknown.json").write_text(json.dumps({"model_type": "no-such-arch"}))
     (tmp_path / "bad.json").write_text("{not json")
@@ -459,9 +499,7 @@ def test_incomplete_checkpoints_are_refused(model_dirs, tmp_path, case, command)
     d = _edited_checkpoint(model_dirs["llama"], tmp_path / "ckpt", edit)
     out_dir = tmp_path / "run"
     extra = ["--out", str(out_dir)] if command == "bench" else []
-    r, out = invoke(
-        command, "--hf", str(d), "--caches", "dynamic", "--prompt-len", "6", "--new-tokens", "3", *extra
-    )
+    r, out = invoke(command, "--hf", str(d), "--caches", "dynamic", "--prompt-len", "6", "--new-tokens", "3", *extra)
     lines = r.stderr.strip().splitlines()
     assert r.exit_code == 2, out
     assert len(lines) == 1 and "Traceback" not in out, out
@@ -473,12 +511,14 @@ def test_complete_checkpoints_load(model_dirs, hf_dir, tmp_path):
     """Controls: GPT-2's lm_head tied to its embedding is not missing; --layers 1 of a full checkpoint drops the
     other layer's tensors on purpose; a checkpoint holding one layer of two loads with --layers 1."""
     for d, layers in ((hf_dir, []), (model_dirs["llama"], ["--layers", "1"])):
-        r, out = invoke("verify", "--hf", str(d), *layers, "--caches", "dynamic", "--prompt-len", "6",
-                        "--new-tokens", "3")  # fmt: skip
+        r, out = invoke(
+            "verify", "--hf", str(d), *layers, "--caches", "dynamic", "--prompt-len", "6", "--new-tokens", "3"
+        )
         assert r.exit_code == 0, out
     half = _edited_checkpoint(model_dirs["llama"], tmp_path / "half", INCOMPLETE["one layer of two"][0])
-    r, out = invoke("verify", "--hf", str(half), "--layers", "1", "--caches", "dynamic", "--prompt-len", "6",
-                    "--new-tokens", "3", "--json")  # fmt: skip
+    r, out = invoke(
+        "verify", "--hf", str(half), *"--layers 1 --caches dynamic --prompt-len 6 --new-tokens 3 --json".split()
+    )
     assert r.exit_code == 0 and "first 1 of 2 layers" in json.loads(r.stdout)["model"], out
 
 
@@ -527,22 +567,30 @@ def test_hf_model_beyond_memory_is_refused_before_allocating(tmp_path, model_dir
     """The model is built on the meta device and its parameters counted at the dtype, plus an allowance for the
     run, against the memory free now: one line naming the estimate and what is available, before any allocation."""
     huge = tmp_path / "huge.json"  # ~5.8e11 parameters: terabytes, on any machine
-    huge.write_text(json.dumps({"model_type": "llama", **COMMON, "hidden_size": 65536, "num_attention_heads": 64,
-                                "num_key_value_heads": 64, "head_dim": 1024, "intermediate_size": 65536,
-                                "vocab_size": 2**22, "num_hidden_layers": 1}))  # fmt: skip
+    huge.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                **COMMON,
+                "hidden_size": 65536,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 64,
+                "head_dim": 1024,
+                "intermediate_size": 65536,
+                "vocab_size": 2**22,
+                "num_hidden_layers": 1,
+            }
+        )
+    )
     for command in ("verify", "bench"):
         out_dir = tmp_path / "run"
-        extra = (
-            ["--out", str(out_dir), "--prompt-len", "8", "--new-tokens", "4"] if command == "bench" else []
-        )
+        extra = ["--out", str(out_dir), "--prompt-len", "8", "--new-tokens", "4"] if command == "bench" else []
         r, out = invoke(command, "--hf", str(huge), *extra)
         lines = r.stderr.strip().splitlines()
         assert r.exit_code == 3, out  # too large for the machine: the out-of-memory exit
         assert len(lines) == 1 and "Traceback" not in out and not out_dir.exists(), out
         if command == "bench":  # bench holds the weights and its sweep's cache to the device's size first
-            assert "GiB of weights (LlamaForCausalLM (1 layers)), more than the device's" in lines[0], lines[
-                0
-            ]
+            assert "GiB of weights (LlamaForCausalLM (1 layers)), more than the device's" in lines[0], lines[0]
             continue
         assert f"--hf {huge}: LlamaForCausalLM (1 layers) needs about" in lines[0], lines[0]
         assert "TiB of CPU memory: 579,820,781,568 parameters x 4 B (random weights" in lines[0], lines[0]
@@ -553,9 +601,7 @@ def test_hf_model_beyond_memory_is_refused_before_allocating(tmp_path, model_dir
     monkeypatch.setattr(bs, "available_memory_bytes", lambda device: 2**20)
     r, out = invoke("verify", "--hf", str(model_dirs["llama"]), "--caches", "dynamic")
     assert r.exit_code == 3 and len(r.stderr.strip().splitlines()) == 1, out
-    assert (
-        "parameters x 4 B + " in r.stderr and "for activations and the cache; 1 MiB is available" in r.stderr
-    )
+    assert "parameters x 4 B + " in r.stderr and "for activations and the cache; 1 MiB is available" in r.stderr
 
 
 def test_hf_memory_estimate_counts_the_device_and_the_host(model_dirs, monkeypatch):
@@ -573,9 +619,7 @@ def test_hf_memory_estimate_counts_the_device_and_the_host(model_dirs, monkeypat
     free.update(cpu=3 * shape.parameters, cuda=2**40)  # the host holds 2 B a parameter, not an fp32 init's 4
     with pytest.raises(KVBenchError, match=r"of CPU memory: .* parameters x 4 B \(random weights"):
         check_memory("x", shape, torch.device("cuda"), torch.float16, random=True)
-    check_memory(
-        "x", shape, torch.device("cuda"), torch.float16, random=False
-    )  # the host holds 2 B a parameter
+    check_memory("x", shape, torch.device("cuda"), torch.float16, random=False)  # the host holds 2 B a parameter
     free.update(cpu=2**40)
     check_memory("x", shape, torch.device("cpu"), torch.float32, random=True, batch=3, tokens=64)
 
@@ -595,9 +639,12 @@ def test_gpt2_options_are_refused_with_hf(model_dirs):
 def test_bench_hf_writes_rows(model_dirs, tmp_path):
     out_dir = tmp_path / "run"
     r, out = invoke(
-        "bench", "--hf", str(model_dirs["gemma2"]), "--prompt-len", "8,24", "--new-tokens", "6",
-        "--caches", "none,dynamic,static", "--repeats", "2", "--warmup", "1", "--out", str(out_dir),
-    )  # fmt: skip
+        "bench",
+        "--hf",
+        str(model_dirs["gemma2"]),
+        *"--prompt-len 8,24 --new-tokens 6 --caches none,dynamic,static --repeats 2 --warmup 1 --out".split(),
+        str(out_dir),
+    )
     assert r.exit_code == 0, out
     summary = pd.read_csv(out_dir / "summary.csv")
     assert list(summary.cache) == ["none", "dynamic", "static"] * 2, summary
@@ -615,12 +662,19 @@ def test_bench_hf_writes_rows(model_dirs, tmp_path):
 
 
 def test_bench_hf_checks_the_context(model_dirs, tmp_path):
-    r, out = invoke("bench", "--hf", str(model_dirs["llama"]), "--prompt-len", "250", "--new-tokens", "16",
-                    "--out", str(tmp_path / "run"))  # fmt: skip
-    assert r.exit_code == 2 and "250 + 16 = 266" in out, out
     r, out = invoke(
-        "bench", "--hf", str(model_dirs["llama"]), "--caches", "paged", "--out", str(tmp_path / "r")
+        "bench",
+        "--hf",
+        str(model_dirs["llama"]),
+        "--prompt-len",
+        "250",
+        "--new-tokens",
+        "16",
+        "--out",
+        str(tmp_path / "run"),
     )
+    assert r.exit_code == 2 and "250 + 16 = 266" in out, out
+    r, out = invoke("bench", "--hf", str(model_dirs["llama"]), "--caches", "paged", "--out", str(tmp_path / "r"))
     assert r.exit_code == 2 and "paged" in out, out
 
 
@@ -641,9 +695,12 @@ def test_bench_hf_rows_carry_token_agreement(model_dirs, tmp_path, monkeypatch):
     monkeypatch.setattr(DynamicLayer, "update", forgets_the_first_token)
     out_dir = tmp_path / "run"
     r, out = invoke(
-        "bench", "--hf", str(model_dirs["llama"]), "--prompt-len", "6", "--new-tokens", "16", "--caches",
-        "none,dynamic,static", "--repeats", "1", "--warmup", "0", "--out", str(out_dir),
-    )  # fmt: skip
+        "bench",
+        "--hf",
+        str(model_dirs["llama"]),
+        *"--prompt-len 6 --new-tokens 16 --caches none,dynamic,static --repeats 1 --warmup 0 --out".split(),
+        str(out_dir),
+    )
     assert r.exit_code == 0, out  # a flip is reported in the row (and in red under the table), not a failure
     rows = pd.read_csv(out_dir / "summary.csv").set_index("cache")
     for cache in ("none", "static"):
@@ -660,14 +717,17 @@ def test_bench_hf_rows_carry_token_agreement(model_dirs, tmp_path, monkeypatch):
 
 def test_bench_hf_without_none_has_no_reference(model_dirs, tmp_path):
     out_dir = tmp_path / "run"
-    r, out = invoke("bench", "--hf", str(model_dirs["llama"]), "--prompt-len", "6", "--new-tokens", "4",
-                    "--caches", "static", "--repeats", "1", "--warmup", "0", "--out", str(out_dir))  # fmt: skip
+    r, out = invoke(
+        "bench",
+        "--hf",
+        str(model_dirs["llama"]),
+        *"--prompt-len 6 --new-tokens 4 --caches static --repeats 1 --warmup 0 --out".split(),
+        str(out_dir),
+    )
     assert r.exit_code == 0, out
     assert "need the model's own `none`" in r.stderr, out
     row = pd.read_csv(out_dir / "summary.csv").iloc[0]
-    assert pd.isna(row.token_agreement) and row.tokens_note.startswith(
-        "no reference: the model's own none"
-    ), row
+    assert pd.isna(row.token_agreement) and row.tokens_note.startswith("no reference: the model's own none"), row
 
 
 def _bad_bench_hf(tmp_path: Path, llama: Path) -> dict[str, tuple[list[str], str]]:
@@ -706,9 +766,7 @@ def test_bench_hf_refuses_before_any_work_and_leaves_no_folder(model_dirs, tmp_p
     work.mkdir()
     monkeypatch.chdir(work)  # the default run folder would be results/<timestamp>-bench/ here
     cases = _bad_bench_hf(tmp_path, model_dirs["llama"])
-    cases.update(
-        {f"unloadable: {k}": (["--hf", src], words) for k, (src, words) in _unloadable(tmp_path).items()}
-    )
+    cases.update({f"unloadable: {k}": (["--hf", src], words) for k, (src, words) in _unloadable(tmp_path).items()})
     for i, (case, (args, words)) in enumerate(cases.items()):
         before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
         out_dir = tmp_path / f"run-{i}"
@@ -738,8 +796,13 @@ def test_bench_hf_sigterm_keeps_the_rows(model_dirs, tmp_path, monkeypatch):
 
     monkeypatch.setattr(cli_bench._BenchProgress, "update", update)
     out_dir = tmp_path / "run"
-    r, out = invoke("bench", "--hf", str(model_dirs["llama"]), "--prompt-len", "6,10", "--new-tokens", "4",
-                    "--caches", "none,dynamic,static", "--repeats", "1", "--warmup", "0", "--out", str(out_dir))  # fmt: skip
+    r, out = invoke(
+        "bench",
+        "--hf",
+        str(model_dirs["llama"]),
+        *"--prompt-len 6,10 --new-tokens 4 --caches none,dynamic,static --repeats 1 --warmup 0 --out".split(),
+        str(out_dir),
+    )
     assert r.exit_code == 128 + signal.SIGTERM, out
     summary = pd.read_csv(out_dir / "summary.csv")
     assert list(summary.cache) == ["none", "dynamic"] and (summary.status == "ok").all(), summary

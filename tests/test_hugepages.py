@@ -56,9 +56,14 @@ def test_request_does_nothing_once_torch_is_loaded():
 
 @pytest.mark.parametrize(
     "text, mode",
-    [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
-     ("always madvise [never]", "never"), ("", None), ("no brackets here", None)],
-)  # fmt: skip
+    [
+        ("always [madvise] never\n", "madvise"),
+        ("[always] madvise never", "always"),
+        ("always madvise [never]", "never"),
+        ("", None),
+        ("no brackets here", None),
+    ],
+)
 def test_system_mode_reads_the_bracketed_choice(tmp_path, text, mode):
     f = tmp_path / "enabled"
     f.write_text(text)
@@ -95,7 +100,9 @@ def _fresh_process(env_value: str | None) -> dict:
     env["PYTHONPATH"] = str(ROOT / "src")
     if env_value is not None:
         env[hugepages.ENV] = env_value
-    code = "import json; from kvbench.bench import hugepages; hugepages.request(); print(json.dumps(hugepages.status()))"
+    code = (
+        "import json; from kvbench.bench import hugepages; hugepages.request(); print(json.dumps(hugepages.status()))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 

@@ -81,7 +81,7 @@ READERS = {
         None,
         "holder/config.json",
     ),
-}  # fmt: skip
+}
 
 KIND_MESSAGE = {
     "pipe": "(a named pipe)",
@@ -91,8 +91,14 @@ KIND_MESSAGE = {
     "deep JSON": "JSON nested too deeply",
     "deep TOML": "TOML nested too deeply",
 }
-JSON_READERS = ("memory --config", "--model config.json", "--weights DIR/config.json", "--hf FILE",
-                "--hf DIR/config.json", "--tokenizer vocab.json")  # fmt: skip
+JSON_READERS = (
+    "memory --config",
+    "--model config.json",
+    "--weights DIR/config.json",
+    "--hf FILE",
+    "--hf DIR/config.json",
+    "--tokenizer vocab.json",
+)
 # Where a reader takes a directory, or reads the path as something else, the message says so in its own words.
 SPECIAL = {
     ("--hf FILE", "pipe"): "is a named pipe, neither a config.json file nor a model directory",
@@ -175,9 +181,7 @@ def test_hf_names_a_pipe_that_looks_like_a_hub_id(targets, monkeypatch):
 def test_the_size_bound_is_named(targets):
     line = _one_error_line(CliRunner().invoke(app, ["memory", "--config", str(targets["too big"])]))
     assert line.endswith("is 65 MiB, more than the 16 MiB a config.json may be"), line
-    line = _one_error_line(
-        CliRunner().invoke(app, ["generate", *TINY, "--prompts-file", str(targets["too big"])])
-    )
+    line = _one_error_line(CliRunner().invoke(app, ["generate", *TINY, "--prompts-file", str(targets["too big"])]))
     assert line.endswith("is 65 MiB, more than the 64 MiB a prompts file may be"), line
 
 
@@ -191,9 +195,7 @@ def test_weights_files_that_are_not_regular_files(targets, tmp_path):
         with never_hangs(targets["pipe"]):
             for args in (["generate", "hi", "--weights", str(d)], ["verify", "--hf", str(d)]):
                 line = _one_error_line(CliRunner().invoke(app, [*args, "--device", "cpu"]))
-                assert f"{d}/model.safetensors is not a regular file ({KIND_MESSAGE[kind][1:-1]})" in line, (
-                    line
-                )
+                assert f"{d}/model.safetensors is not a regular file ({KIND_MESSAGE[kind][1:-1]})" in line, line
 
 
 # --- nesting without end, in every form a parser may meet it -------------------------------------------------------
@@ -347,9 +349,7 @@ def test_bench_hf_with_fill_random_names_the_fill(where, tmp_path):
     sweep = tmp_path / "sweep.toml"
     sweep.write_text('fill = "random"\n')
     fill = ["--fill", "random"] if where == "option" else ["--config", str(sweep)]
-    r = CliRunner().invoke(
-        app, ["bench", "--hf", str(cfg), "--device", "cpu", "--out", str(tmp_path / "run"), *fill]
-    )
+    r = CliRunner().invoke(app, ["bench", "--hf", str(cfg), "--device", "cpu", "--out", str(tmp_path / "run"), *fill])
     line = _one_error_line(r)
     assert ("--fill random:" if where == "option" else f"--config {sweep} sets fill = random:") in line, line
     assert "None" not in line and "engine = kvbench" not in line, line
@@ -363,15 +363,21 @@ def test_tokenizer_help_says_nothing_is_downloaded():
 
 
 def test_memory_check_of_thousands_of_layers_is_refused_before_it_runs(tmp_path):
-    cfg = {"model_type": "llama", "num_hidden_layers": 4096, "num_attention_heads": 4, "hidden_size": 64,
-           "num_key_value_heads": 2, "vocab_size": 100, "intermediate_size": 128, "max_position_embeddings": 256}  # fmt: skip
+    cfg = {
+        "model_type": "llama",
+        "num_hidden_layers": 4096,
+        "num_attention_heads": 4,
+        "hidden_size": 64,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "intermediate_size": 128,
+        "max_position_embeddings": 256,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     line = _one_error_line(CliRunner().invoke(app, ["memory", "--config", str(path), "--check"]))
     assert "4,096 layers x 1 context is more than the 2,048 layer-steps it runs" in line, line
-    two = _one_error_line(
-        CliRunner().invoke(app, ["memory", "--config", str(path), "--check", "--ctx", "1k,2k"])
-    )
+    two = _one_error_line(CliRunner().invoke(app, ["memory", "--config", str(path), "--check", "--ctx", "1k,2k"]))
     assert "x 2 contexts" in two and "give fewer --ctx values" in two, two
     r = CliRunner().invoke(app, ["memory", "--config", str(path), "--json"])  # the plan itself is unaffected
     assert r.exit_code == 0, r.output

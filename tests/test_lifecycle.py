@@ -49,9 +49,13 @@ def test_every_built_in_cache_passes_the_lifecycle(model, prompts, cache):
 
 @pytest.mark.parametrize(
     "fault, check",
-    [("stale-rollback", "rollback"), ("aliased-fork", "fork"), ("reorder-keys-only", "reorder"),
-     ("chunk-causal", "chunked_prefill")],
-)  # fmt: skip
+    [
+        ("stale-rollback", "rollback"),
+        ("aliased-fork", "fork"),
+        ("reorder-keys-only", "reorder"),
+        ("chunk-causal", "chunked_prefill"),
+    ],
+)
 def test_lifecycle_faults_are_caught_by_their_check_and_dormant_in_generate(model, prompts, fault, check):
     r = break_fault(model, fault, prompts, 12, reference="none")
     assert r.detected and check in r.caught_by, (r.caught_by, r.checks)
@@ -81,17 +85,23 @@ def test_a_plugin_without_the_operations_skips_them_and_passes_the_rest(lifecycl
         c = next(c for (n, _), c in rows.items() if n == name)
         assert c["skipped"] and "AppendOnly has no" in c["detail"], c
     assert all(
-        c["passed"] and not c["skipped"]
-        for (n, _), c in rows.items()
-        if n not in ("rollback", "fork", "reorder")
+        c["passed"] and not c["skipped"] for (n, _), c in rows.items() if n not in ("rollback", "fork", "reorder")
     )
 
 
 # --- transformers' caches -------------------------------------------------------------------------------------------
 COMMON = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
-)  # fmt: skip
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +144,9 @@ class ByFamily(dict):
 
 # The plain decoder and the hybrid (sliding and full layers) in the default tier; the other two in the slow tier.
 @pytest.mark.parametrize(
-    "family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
-               pytest.param("mistral", marks=pytest.mark.slow), "gemma2"],
-)  # fmt: skip
+    "family",
+    ["llama", pytest.param("qwen2", marks=pytest.mark.slow), pytest.param("mistral", marks=pytest.mark.slow), "gemma2"],
+)
 def test_transformers_caches_pass_or_skip_with_transformers_reason(hf_reports, family):
     rows = {(r.name, r.cache): r for r in hf_reports[family].checks}
     assert set(rows) == {(c, k) for c in LIFECYCLE for k in ("dynamic", "static")}, rows

@@ -66,10 +66,7 @@ def test_seed_llama3_8b_contexts_and_batch(presets):
     assert at128k.bytes_per_seq == 16 * GiB  # 128 KiB x 131072
     assert at128k.bytes_batch == 512 * GiB  # x 32 sequences
     assert fmt_bytes(at128k.bytes_per_seq) == "16 GiB" and fmt_bytes(p.bytes_per_token) == "128 KiB"
-    assert (
-        "2 (K and V) x 32 layers x 8 kv_heads x 128 head_dim x 2 B (fp16) = 131,072 B = 128 KiB"
-        in plan_lines(p)[0]
-    )
+    assert "2 (K and V) x 32 layers x 8 kv_heads x 128 head_dim x 2 B (fp16) = 131,072 B = 128 KiB" in plan_lines(p)[0]
 
 
 def test_seed_llama3_70b_contexts(presets):
@@ -81,11 +78,7 @@ def test_seed_llama3_70b_contexts(presets):
 def test_gemma2_9b_head_dim_and_sliding_layers(presets):
     g = presets["gemma-2-9b"]
     assert g.head_dim == 256 and g.hidden_size // g.n_heads == 224  # the wrong guess a calculator makes
-    assert (
-        len(g.sliding_layers) == 21
-        and g.sliding_layers == tuple(range(0, 42, 2))
-        and g.sliding_window == 4096
-    )
+    assert len(g.sliding_layers) == 21 and g.sliding_layers == tuple(range(0, 42, 2)) and g.sliding_window == 4096
     per_layer_token = 2 * 8 * 256 * 2
     for ctx in (2048, 8192, 32768):
         expected = per_layer_token * (21 * ctx + 21 * min(ctx, 4096))
@@ -365,7 +358,7 @@ def test_config_rejects_what_it_cannot_interpret(tmp_path):
                 "layers_block_type": ["mamba", "teleport"],  # a layer kind with no known memory
             },
             "layers_block_type contains 'teleport'",
-        ),  # fmt: skip
+        ),
         "types.json": (
             {
                 "model_type": "x",
@@ -375,7 +368,7 @@ def test_config_rejects_what_it_cannot_interpret(tmp_path):
                 "layer_types": ["full_attention", "teleport_attention"],
             },
             "teleport_attention",
-        ),  # fmt: skip
+        ),
         "odd.json": (
             {"model_type": "x", "num_hidden_layers": 2, "num_attention_heads": 3, "hidden_size": 8},
             "head_dim",
@@ -520,9 +513,7 @@ def test_planner_imports_no_torch():
     """Every module of the planner imports, and presets, plans and command-line parsing run, on the standard
     library: torch and transformers are imported only to resolve a config.json or to --check, matplotlib only to
     draw --plot."""
-    modules = sorted(
-        p.stem for p in (ROOT / "src" / "kvbench" / "memory").glob("*.py") if p.stem != "__init__"
-    )
+    modules = sorted(p.stem for p in (ROOT / "src" / "kvbench" / "memory").glob("*.py") if p.stem != "__init__")
     code = (
         f"import sys, importlib; [importlib.import_module('kvbench.memory.' + m) for m in {modules!r}]; "
         "from kvbench.memory.presets import load_presets, load_gpus, get_model; "
@@ -547,8 +538,18 @@ def test_max_context_search_says_how_it_ended(presets):
 
 def test_a_billion_layers_is_arithmetic_not_a_loop():
     """Per-sequence bytes count full and windowed layers; no loop over layers (a hostile config cannot stall it)."""
-    spec = ModelSpec(name="x", source="x", family="x", n_layers=10**9, n_heads=8, n_kv_heads=8, head_dim=64,
-                         hidden_size=512, max_context=None, params=None)  # fmt: skip
+    spec = ModelSpec(
+        name="x",
+        source="x",
+        family="x",
+        n_layers=10**9,
+        n_heads=8,
+        n_kv_heads=8,
+        head_dim=64,
+        hidden_size=512,
+        max_context=None,
+        params=None,
+    )
     assert bytes_per_sequence(spec, KV_FORMATS["fp16"], 2**40) == 2 * 8 * 64 * 2 * 10**9 * 2**40
 
 
@@ -586,9 +587,11 @@ def test_measure_lengths_reports_paged_against_static():
     lengths = [37, 130, 260, 528, 75, 400, 12, 300]
     r = runner.invoke(
         app,
-        ["memory", "--model", "gpt2", "--measure", "--batch", "8", "--ctx", "528", "--device", "cpu", "--json",
-         "--lengths", ",".join(map(str, lengths))],
-    )  # fmt: skip
+        [
+            *"memory --model gpt2 --measure --batch 8 --ctx 528 --device cpu --json --lengths".split(),
+            ",".join(map(str, lengths)),
+        ],
+    )
     assert r.exit_code == 0, r.output
     p = json.loads(r.stdout)["paged"]
     per_token = 2 * 12 * 12 * 64 * 2  # K and V, 12 layers, 12 heads of 64, fp16

@@ -13,8 +13,16 @@ from kvbench.cli import app
 
 runner = CliRunner()
 
-LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64,
-         "num_key_value_heads": 2, "vocab_size": 100, "intermediate_size": 128, "max_position_embeddings": 256}  # fmt: skip
+LLAMA = {
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "hidden_size": 64,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+    "intermediate_size": 128,
+    "max_position_embeddings": 256,
+}
 
 
 def llama(**fields) -> dict:
@@ -58,7 +66,7 @@ FILES = {
     "indices-out-of-range": {**llama(model_type="mystery"), "attn_layer_indices": [0, 5]},
     "block-kind": {**llama(model_type="mystery"), "layers_block_type": ["mamba", "quantum"]},
     "layer-kind": {**llama(model_type="mystery"), "layer_types": ["linear_attention", "quantum"]},
-}  # fmt: skip
+}
 
 # (case id, arguments, text the one error line must contain)
 CASES = [
@@ -82,12 +90,36 @@ CASES = [
     ("text_config list", ["--config", "CFG:text-config-list"], "text_config must be a JSON object"),
     ("fallback reader bounded", ["--config", "CFG:unknown-type-layers-1e9"], "num_hidden_layers = 1000000000"),
     ("kv heads not a divisor", ["--config", "CFG:heads-not-multiple"], "not a multiple of 3 key/value heads"),
-    ("hybrid pattern letter", ["--config", "CFG:pattern-letter"], "hybrid_override_pattern has '?', which this planner cannot size"),
-    ("hybrid pattern length", ["--config", "CFG:pattern-length"], "hybrid_override_pattern lists 3 layers, the model has 2"),
-    ("attention period 0", ["--config", "CFG:period-zero"], "attn_layer_period 0 / attn_layer_offset 0 are not a layer pattern"),
-    ("attention index 5 of 2", ["--config", "CFG:indices-out-of-range"], "attn_layer_indices must be a list of layer indices below 2"),
-    ("unknown block kind", ["--config", "CFG:block-kind"], "layers_block_type contains 'quantum', which this planner cannot size"),
-    ("unknown layer kind", ["--config", "CFG:layer-kind"], "layer_types contains 'quantum', which this planner cannot size"),
+    (
+        "hybrid pattern letter",
+        ["--config", "CFG:pattern-letter"],
+        "hybrid_override_pattern has '?', which this planner cannot size",
+    ),
+    (
+        "hybrid pattern length",
+        ["--config", "CFG:pattern-length"],
+        "hybrid_override_pattern lists 3 layers, the model has 2",
+    ),
+    (
+        "attention period 0",
+        ["--config", "CFG:period-zero"],
+        "attn_layer_period 0 / attn_layer_offset 0 are not a layer pattern",
+    ),
+    (
+        "attention index 5 of 2",
+        ["--config", "CFG:indices-out-of-range"],
+        "attn_layer_indices must be a list of layer indices below 2",
+    ),
+    (
+        "unknown block kind",
+        ["--config", "CFG:block-kind"],
+        "layers_block_type contains 'quantum', which this planner cannot size",
+    ),
+    (
+        "unknown layer kind",
+        ["--config", "CFG:layer-kind"],
+        "layer_types contains 'quantum', which this planner cannot size",
+    ),
     ("encoder", ["--config", "CFG:bert"], "model_type 'bert' is not a decoder-only LLM"),
     ("JSON array", ["--config", "CFG:array"], "expected a JSON object"),
     ("not JSON", ["--config", "CFG:not-json"], "is not valid JSON"),
@@ -149,7 +181,7 @@ CASES = [
     ("--measure too big", ["-m", "gpt2", "--measure", "--ctx", "1m", "--batch", "100000"], "lower --batch or --ctx"),
     ("--measure non-gpt2", ["-m", "llama-3-8b", "--measure"], "gpt2-family model"),
     ("--measure int4", ["-m", "gpt2", "--measure", "--kv-dtype", "int4"], "--measure allocates real torch caches"),
-]  # fmt: skip
+]
 
 
 def _write(tmp_path, key: str):
@@ -211,22 +243,32 @@ def test_gpu_memory_beyond_any_need_says_how_far_it_searched():
     assert row["max_ctx_at_limit"] and not row["max_ctx_unbounded"] and row["max_ctx"] == 2**40
     r = runner.invoke(app, ["memory", "-m", "llama-3-8b", "--ctx", "8k", "--gpu-mem", "1000000TiB"])
     text = " ".join(r.stdout.split())
-    assert (
-        ">= 1,099,511,627,776 (searched up to 1,099,511,627,776)" in text
-        and "all layers windowed" not in text
-    )
+    assert ">= 1,099,511,627,776 (searched up to 1,099,511,627,776)" in text and "all layers windowed" not in text
 
 
 # Values transformers' own config classes cannot digest: whatever they raise, the file is refused in one line.
 THIRD_PARTY_CONFIGS = {
     "jamba attn_layer_period 0": (
-        {"model_type": "jamba", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "attn_layer_period": 0, "attn_layer_offset": 1},
+        {
+            "model_type": "jamba",
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "attn_layer_period": 0,
+            "attn_layer_offset": 1,
+        },
         "jamba config class rejects it: ZeroDivisionError",
     ),
     "qwen3_next full_attention_interval 0": (
-        {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "full_attention_interval": 0},
+        {
+            "model_type": "qwen3_next",
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "full_attention_interval": 0,
+        },
         "qwen3_next config class rejects it: ZeroDivisionError",
     ),
     "xlstm qk_dim_factor NaN": (
@@ -234,11 +276,16 @@ THIRD_PARTY_CONFIGS = {
         "cannot derive qk_head_dim from this config: ValueError",
     ),
     "llama with a text_config dict": (
-        {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "text_config": {"hidden_size": 32}},
+        {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "text_config": {"hidden_size": 32},
+        },
         "no num_hidden_layers",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(THIRD_PARTY_CONFIGS))
@@ -254,8 +301,17 @@ def test_what_transformers_config_classes_raise_is_one_line(tmp_path, case):
 
 def test_a_vision_config_kept_as_a_dict_is_read_as_it_is(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-                                "num_attention_heads": 4, "vision_config": {"hidden_size": 32}}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "vision_config": {"hidden_size": 32},
+            }
+        )
+    )
     r = runner.invoke(app, ["memory", "--config", str(path), "--ctx", "1k"])
     assert r.exit_code == 0, r.output
     assert "vision tower" in r.output

@@ -38,9 +38,7 @@ def test_floor_llama3_8b_h100_by_hand():
     assert [(r["ctx"], r["batch"]) for r in rows] == [(8192, 1), (32768, 1), (8192, 16), (32768, 16)]
     for r in rows:
         b, ctx, f = r["batch"], r["ctx"], r["decode_floor"]
-        step = (
-            weights + b * ctx * per_token + b * per_token
-        )  # weights, K/V read at ctx, this token's K/V write
+        step = weights + b * ctx * per_token + b * per_token  # weights, K/V read at ctx, this token's K/V write
         assert f["step_bytes"] == step
         assert f["floor_ms"] == pytest.approx(1e3 * step / bw, rel=1e-12)
         assert f["tokens_per_s"] == pytest.approx(b * bw / step, rel=1e-12)
@@ -59,9 +57,7 @@ def test_floor_terms_are_bench_step_bytes_for_gpt2():
 
     cfg, batch, ctx = PRESETS["gpt2"], 4, 1000
     bench = step_bytes(cfg, torch.float16, batch, ctx, ctx, None)
-    doc = run_json(
-        "-m", "gpt2", "--ctx", ctx, "--batch", batch, "--weights-dtype", "fp16", "--bandwidth", "1TB/s"
-    )
+    doc = run_json("-m", "gpt2", "--ctx", ctx, "--batch", batch, "--weights-dtype", "fp16", "--bandwidth", "1TB/s")
     f = doc["plans"][0]["rows"][0]["decode_floor"]
     assert f["kv_read_bytes"] == bench.kv and f["kv_write_bytes"] == bench.kv_write
     # the planner reads all of wpe; bench reads the batch's rows of wte and wpe on top of the tied wte/lm_head
@@ -71,19 +67,30 @@ def test_floor_terms_are_bench_step_bytes_for_gpt2():
 
 @pytest.mark.parametrize(
     "text, value",
-    [("3.35TB/s", 3_350_000_000_000), ("3350GB/s", 3_350_000_000_000), ("900 GB/s", 900 * 10**9),
-     ("2TiB/s", 2 * 2**40), ("0.5 tb/s", 5 * 10**11)],
-)  # fmt: skip
+    [
+        ("3.35TB/s", 3_350_000_000_000),
+        ("3350GB/s", 3_350_000_000_000),
+        ("900 GB/s", 900 * 10**9),
+        ("2TiB/s", 2 * 2**40),
+        ("0.5 tb/s", 5 * 10**11),
+    ],
+)
 def test_parse_bandwidth(text, value):
     assert parse_bandwidth(text) == value
 
 
 @pytest.mark.parametrize(
     "value, message",
-    [("fast", "cannot read --bandwidth 'fast'"), ("0TB/s", "must be positive"), ("-1TB/s", "must be positive"),
-     ("nan", "cannot read --bandwidth 'nan'"), ("nanTB/s", "cannot read"), ("3.35", "cannot read"),
-     ("2PB/s", "more than 1 PB/s")],
-)  # fmt: skip
+    [
+        ("fast", "cannot read --bandwidth 'fast'"),
+        ("0TB/s", "must be positive"),
+        ("-1TB/s", "must be positive"),
+        ("nan", "cannot read --bandwidth 'nan'"),
+        ("nanTB/s", "cannot read"),
+        ("3.35", "cannot read"),
+        ("2PB/s", "more than 1 PB/s"),
+    ],
+)
 def test_bad_bandwidth_is_one_line_exit_2(value, message):
     r = runner.invoke(app, ["memory", "-m", "llama-3-8b", "--ctx", "8k", "--bandwidth", value])
     assert r.exit_code == 2, r.output
@@ -102,12 +109,11 @@ def test_bandwidth_alone_and_over_a_gpu():
 
 
 def test_table_shows_floor_and_working():
-    r = runner.invoke(app, ["memory", "-m", "llama-3-8b", "--gpu", "h100", "--ctx", "8k", "--batch", "1,16"],
-                      env={"COLUMNS": "250"})  # fmt: skip
+    r = runner.invoke(
+        app, ["memory", "-m", "llama-3-8b", "--gpu", "h100", "--ctx", "8k", "--batch", "1,16"], env={"COLUMNS": "250"}
+    )
     assert r.exit_code == 0, r.output
-    assert (
-        "floor/step" in r.stdout and "tok/s/seq" in r.stdout
-    )  # the table's floor columns, and what they mean:
+    assert "floor/step" in r.stdout and "tok/s/seq" in r.stdout  # the table's floor columns, and what they mean:
     assert "floor/step: the decode floor of one step; tok/s/seq: tokens/s per sequence" in r.stdout
     assert "decode floor at 8k x 16: (weights 16,060,522,496 B + K/V read 17,179,869,184 B" in r.stdout
 
@@ -115,20 +121,7 @@ def test_table_shows_floor_and_working():
 def test_json_working_is_the_text_the_table_prints():
     """--json carries the working under `working` (the plan's, its GPU budget's, each row's and each row's decode
     floor's): the same lines the terminal prints under the table, from the same numbers."""
-    args = [
-        "-m",
-        "llama-3-8b",
-        "--gpu",
-        "h100",
-        "--ctx",
-        "8k,1m",
-        "--batch",
-        "1,16",
-        "--tp",
-        "2",
-        "--overhead",
-        "5%",
-    ]
+    args = "-m llama-3-8b --gpu h100 --ctx 8k,1m --batch 1,16 --tp 2 --overhead 5%".split()
     r = runner.invoke(app, ["memory", *args], env={"COLUMNS": "250"})
     assert r.exit_code == 0, r.output
     p = run_json(*args)["plans"][0]
@@ -145,9 +138,15 @@ def test_model_as_directory_config_path_and_offline_hub_id(tmp_path, monkeypatch
     import transformers
 
     cfg = transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, vocab_size=1000,
-    )  # fmt: skip
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        vocab_size=1000,
+    )
     cfg.save_pretrained(tmp_path)
     per_token = 2 * 3 * 2 * 32 * 2
     for target in (tmp_path, tmp_path / "config.json"):
@@ -158,9 +157,7 @@ def test_model_as_directory_config_path_and_offline_hub_id(tmp_path, monkeypatch
     r = runner.invoke(app, ["memory", "-m", "kvbench-test-nobody/no-such-model", "--ctx", "1k"])
     assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()
-    assert (
-        len(lines) == 1 and "kvbench-test-nobody/no-such-model" in lines[0] and "HF_HUB_OFFLINE" in lines[0]
-    )
+    assert len(lines) == 1 and "kvbench-test-nobody/no-such-model" in lines[0] and "HF_HUB_OFFLINE" in lines[0]
 
 
 def test_batch_list_errors():

@@ -13,8 +13,11 @@ runner = CliRunner()
 
 def test_plot_writes_png_whose_marks_are_the_planners_max_context(tmp_path):
     png = tmp_path / "capacity.png"
-    argv = ["memory", "-m", "llama-3-8b", "-m", "mistral-7b-v0.1", "--gpu", "h100", "--ctx", "8k,32k",
-            "--batch", "1,16", "--plot", str(png), "--json"]  # fmt: skip
+    argv = [
+        *"memory -m llama-3-8b -m mistral-7b-v0.1 --gpu h100 --ctx 8k,32k --batch 1,16 --plot".split(),
+        str(png),
+        "--json",
+    ]
     r = runner.invoke(app, argv)
     assert r.exit_code == 0, r.output
     data = png.read_bytes()
@@ -40,7 +43,5 @@ def test_plot_needs_a_gpu_and_a_png_name(tmp_path):
         (["--gpu", "h100"], "must name a .png"),
     ]:
         name = "c.png" if not extra else "c.svg"
-        r = runner.invoke(
-            app, ["memory", "-m", "llama-3-8b", "--ctx", "8k", *extra, "--plot", str(tmp_path / name)]
-        )
+        r = runner.invoke(app, ["memory", "-m", "llama-3-8b", "--ctx", "8k", *extra, "--plot", str(tmp_path / name)])
         assert r.exit_code == 2 and message in r.stderr, r.stderr

@@ -332,8 +332,9 @@ def test_plugin_prints_go_to_stderr_and_json_stays_clean(plugin_dir):
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["settings"]["cache"] == "mycaches.hostile:Chatty"
     assert "chatty: update" in r.stderr and "chatty" not in r.stdout
-    r = run("verify", "--caches", "mycaches.chatty_import:GrowingCache", "-n", 4, *TINY, "--json",
-            "--reference", "none")  # fmt: skip
+    r = run(
+        "verify", "--caches", "mycaches.chatty_import:GrowingCache", "-n", 4, *TINY, "--json", "--reference", "none"
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["passed"] and "hello from the plugin module" in r.stderr
 
@@ -362,8 +363,26 @@ def test_plugin_that_exits_mid_run(plugin_dir, tmp_path):
     doc = json.loads(r.stdout)
     assert all("update called sys.exit(0)" in c["detail"] for c in doc["checks"] if not c["passed"]), doc
     out = tmp_path / "run"
-    r = run("bench", "--caches", f"none,{ref}", "--engine", "kvbench", "--prompt-len", 16, "--new-tokens", 4,
-            "--repeats", 1, "--warmup", 0, "--threads", 1, *TINY, "--out", out)  # fmt: skip
+    r = run(
+        "bench",
+        "--caches",
+        f"none,{ref}",
+        "--engine",
+        "kvbench",
+        "--prompt-len",
+        16,
+        "--new-tokens",
+        4,
+        "--repeats",
+        1,
+        "--warmup",
+        0,
+        "--threads",
+        1,
+        *TINY,
+        "--out",
+        out,
+    )
     assert r.exit_code == 1, r.output
     import pandas as pd
 
@@ -395,9 +414,7 @@ def test_verify_passes_an_exact_plugin(plugin_dir):
     checks = {c["name"] for c in doc["checks"] if c["cache"] == "mycaches.growing:GrowingCache"}
     assert checks == {"logits", "greedy", "reference", "batched", "cache_state", *LIFECYCLE}
     # the lifecycle operations are optional for a plugin: rows that say which member it lacks
-    assert all(c["skipped"] for c in doc["checks"] if c["name"] in ("rollback", "fork", "reorder")), doc[
-        "checks"
-    ]
+    assert all(c["skipped"] for c in doc["checks"] if c["name"] in ("rollback", "fork", "reorder")), doc["checks"]
     assert doc["passed"]
 
 
@@ -410,9 +427,7 @@ def test_verify_fails_a_plugin_with_a_write_pointer_bug(plugin_dir):
 
 
 def test_break_runs_faults_on_a_plugin(plugin_dir):
-    r = run(
-        "break", "reset", "--cache", "mycaches.growing:GrowingCache", *TINY, "-n", 8, "--reference", "none"
-    )
+    r = run("break", "reset", "--cache", "mycaches.growing:GrowingCache", *TINY, "-n", 8, "--reference", "none")
     assert r.exit_code == 0, r.output
     assert "1 of 1 faults detected" in r.stdout
     r = run("break", "static-pointer", "--cache", "mycaches.growing:GrowingCache", *TINY)
@@ -421,8 +436,21 @@ def test_break_runs_faults_on_a_plugin(plugin_dir):
 
 def test_bench_gives_a_plugin_row(plugin_dir, tmp_path):
     out = tmp_path / "run"
-    r = run("bench", "--caches", "none,mycaches.growing:GrowingCache", "--engine", "kvbench", "--prompt-len", 16,
-            "--new-tokens", 4, "--repeats", 1, "--warmup", 0, "--threads", 1, *TINY, "--out", out)  # fmt: skip
+    r = run(
+        *"bench --caches none,mycaches.growing:GrowingCache --engine kvbench --prompt-len".split(),
+        16,
+        "--new-tokens",
+        4,
+        "--repeats",
+        1,
+        "--warmup",
+        0,
+        "--threads",
+        1,
+        *TINY,
+        "--out",
+        out,
+    )
     assert r.exit_code == 0, r.output
     summary = (out / "summary.csv").read_text()
     assert "mycaches.growing:GrowingCache" in summary
@@ -466,9 +494,7 @@ def test_entry_point_plugins_join_all(plugin_dir, tmp_path, monkeypatch):
     (dist / "entry_points.txt").write_text("[kvbench.caches]\ngrowing = mycaches.growing:GrowingCache\n")
     assert parse_cache_names("all")[-1] == "growing"
     spec = get_cache_spec("growing")
-    layers = make_caches(
-        "growing", registry.GPTConfig(n_layer=2, n_head=2, n_embd=8), 1, 8, torch.float32, "cpu"
-    )
+    layers = make_caches("growing", registry.GPTConfig(n_layer=2, n_head=2, n_embd=8), 1, 8, torch.float32, "cpu")
     assert spec.name == "growing" and len(layers) == 2
     registry.PLUGINS.pop("growing")
 
@@ -478,16 +504,20 @@ def test_memory_measure_allocates_a_plugin(plugin_dir):
     to a power of two, so at 100 tokens it holds 128 slots per sequence."""
     import json
 
-    r = run("memory", "--measure", "-m", "gpt2-tiny", "--ctx", 100, "--device", "cpu", "--kv-dtype", "fp32",
-            "--caches", "static,mycaches.growing:GrowingCache", "--json")  # fmt: skip
+    r = run(
+        "memory",
+        "--measure",
+        "-m",
+        "gpt2-tiny",
+        "--ctx",
+        100,
+        *"--device cpu --kv-dtype fp32 --caches static,mycaches.growing:GrowingCache --json".split(),
+    )
     assert r.exit_code == 0, r.output
     rows = {row["cache"]: row for row in json.loads(r.stdout)["measure"][0]["rows"]}
     assert set(rows) == {"static", "mycaches.growing:GrowingCache"}
     assert rows["static"]["measured_bytes"] == rows["static"]["predicted_bytes"]
-    assert (
-        rows["mycaches.growing:GrowingCache"]["measured_bytes"]
-        == rows["static"]["measured_bytes"] * 128 // 100
-    )
+    assert rows["mycaches.growing:GrowingCache"]["measured_bytes"] == rows["static"]["measured_bytes"] * 128 // 100
     r = run("memory", "-m", "gpt2", "--caches", "static")
     assert r.exit_code == 2 and "--caches goes with --measure" in r.stderr
 
@@ -510,6 +540,5 @@ def test_a_plugin_whose_logits_are_not_finite(plugin_dir):
     assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()
     assert (
-        len(lines) == 1
-        and "while the model's no-cache forward is finite: that cache itself is broken" in (lines[0])
+        len(lines) == 1 and "while the model's no-cache forward is finite: that cache itself is broken" in (lines[0])
     ), r.stderr

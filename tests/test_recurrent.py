@@ -41,7 +41,7 @@ TINY = {
         ),
         0,
         (64 + 2 * 2 * 8) * 4 + 4 * 16 * 8,
-    ),  # fmt: skip
+    ),
     "rwkv": (dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64), 0, 5 * 32),
     # xLSTMConfig rounds its qk and v widths up to a multiple of 64: 2 heads of 32 x 32 here
     "xlstm": (dict(hidden_size=32, num_hidden_layers=2, num_heads=2), 0, 2 * (32 * 32 + 32 + 1)),
@@ -63,7 +63,7 @@ TINY = {
         ),
         2,
         64 * (8 + 4),
-    ),  # fmt: skip
+    ),
     "qwen3_next": (
         dict(
             hidden_size=32,
@@ -84,7 +84,7 @@ TINY = {
         ),
         1,
         (2 * 2 * 8 + 4 * 8) * 4 + 4 * 8 * 8,
-    ),  # fmt: skip
+    ),
     "zamba2": (
         dict(
             hidden_size=32,
@@ -105,7 +105,7 @@ TINY = {
         ),
         2,
         (64 + 2 * 8) * 4 + 4 * 16 * 8,
-    ),  # fmt: skip
+    ),
     "bamba": (
         dict(
             hidden_size=32,
@@ -123,7 +123,7 @@ TINY = {
         ),
         2,
         (64 + 2 * 8) * 4 + 4 * 16 * 8,
-    ),  # fmt: skip
+    ),
     "nemotron_h": (  # Mamba, attention, MLP only, Mamba
         dict(
             hidden_size=32,
@@ -141,7 +141,7 @@ TINY = {
         ),
         1,
         (64 + 2 * 8) * 4 + 4 * 16 * 8,
-    ),  # fmt: skip
+    ),
 }
 RECURRENT = [f for f, (_, attn, _) in TINY.items() if attn == 0]
 HYBRID = [f for f, (_, attn, _) in TINY.items() if attn]
@@ -154,9 +154,7 @@ def configs(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("recurrent")
     out = {}
     for family, (fields, _, _) in TINY.items():
-        AutoConfig.for_model(family, vocab_size=64, initializer_range=0.1, **fields).save_pretrained(
-            base / family
-        )
+        AutoConfig.for_model(family, vocab_size=64, initializer_range=0.1, **fields).save_pretrained(base / family)
         out[family] = base / family / "config.json"
     return out
 
@@ -185,9 +183,7 @@ def _transformers_cache(path: Path) -> tuple[int, int]:
             o = list(o.values())
         return sum(numel(x) for x in o) if isinstance(o, list | tuple) else 0
 
-    if (
-        cfg.model_type == "xlstm"
-    ):  # its tiny forward does not run in every transformers release: the cache alone
+    if cfg.model_type == "xlstm":  # its tiny forward does not run in every transformers release: the cache alone
         from transformers.models.xlstm.modeling_xlstm import xLSTMCache
 
         return numel(xLSTMCache(cfg, max_batch_size=1, dtype=torch.float32).rnn_state), 0
@@ -196,14 +192,10 @@ def _transformers_cache(path: Path) -> tuple[int, int]:
     T = 5
     with torch.no_grad():
         out = model(input_ids=torch.zeros(1, T, dtype=torch.long), use_cache=True)
-    cache = next(
-        getattr(out, k) for k in ("cache", "past_key_values", "state") if getattr(out, k, None) is not None
-    )
+    cache = next(getattr(out, k) for k in ("cache", "past_key_values", "state") if getattr(out, k, None) is not None)
     if isinstance(cache, list):  # RWKV: its state as a list of tensors
         return numel(cache), 0
-    state = sum(
-        numel(getattr(layer, n, None)) for layer in cache.layers for n in ("conv_states", "recurrent_states")
-    )
+    state = sum(numel(getattr(layer, n, None)) for layer in cache.layers for n in ("conv_states", "recurrent_states"))
     kv = sum(
         layer.keys.numel() + layer.values.numel()
         for layer in cache.layers
@@ -235,9 +227,7 @@ def test_recurrent_model_has_no_kv_cache(configs, family):
     assert plan["bytes_per_token"] == 0 and plan["model"]["attention"] == "none" and state > 0, plan
     assert [r["bytes_per_seq"] for r in plan["rows"]] == [state, state], plan["rows"]
     assert all(r["max_ctx_unbounded"] and r["fits"] for r in plan["rows"]), plan["rows"]
-    assert any("keeps a fixed-size recurrent state and no KV cache" in n for n in plan["notes"]), plan[
-        "notes"
-    ]
+    assert any("keeps a fixed-size recurrent state and no KV cache" in n for n in plan["notes"]), plan["notes"]
     r, out = memory("--config", str(configs[family]), "--ctx", "1000")
     assert r.exit_code == 0, out
     assert "KV cache: none; recurrent state:" in out and "per sequence at any context" in out, out
@@ -275,8 +265,15 @@ def test_hybrid_caches_its_attention_layers_only(configs, family):
 def test_hybrid_fields_as_written(tmp_path, fields, attention, state_layers):
     """A hybrid transformers does not know is read from the file as written: its attention layers are planned, its
     other layers said to keep a state (not sized: the reader does not know its family)."""
-    cfg = {"model_type": "mystery", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "hidden_size": 64, "vocab_size": 100, **fields}  # fmt: skip
+    cfg = {
+        "model_type": "mystery",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 64,
+        "vocab_size": 100,
+        **fields,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     plan = _plan(path)
@@ -295,16 +292,18 @@ def model_dirs(configs, tmp_path_factory) -> dict[str, Path]:
     for family in ("mamba", "jamba"):
         torch.manual_seed(0)
         d = tmp_path_factory.mktemp(f"{family}-model")
-        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(configs[family].parent)).save_pretrained(
-            d
-        )
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(configs[family].parent)).save_pretrained(d)
         out[family] = d
     return out
 
 
 def test_verify_hf_skips_a_model_without_a_kv_cache(model_dirs):
-    args = ["verify", "--hf", str(model_dirs["mamba"]), "--caches", "none,dynamic,static", "--prompt-len", "6",
-            "--new-tokens", "3"]  # fmt: skip
+    args = [
+        "verify",
+        "--hf",
+        str(model_dirs["mamba"]),
+        *"--caches none,dynamic,static --prompt-len 6 --new-tokens 3".split(),
+    ]
     r = CliRunner().invoke(app, [*args, "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
@@ -318,8 +317,15 @@ def test_verify_hf_skips_a_model_without_a_kv_cache(model_dirs):
 
 
 def test_verify_hf_checks_a_hybrid_through_its_attention_layers(model_dirs):
-    r = CliRunner().invoke(app, ["verify", "--hf", str(model_dirs["jamba"]), "--caches", "dynamic,static,quantized-fp8",
-                                 "--prompt-len", "6", "--new-tokens", "3", "--json"])  # fmt: skip
+    r = CliRunner().invoke(
+        app,
+        [
+            "verify",
+            "--hf",
+            str(model_dirs["jamba"]),
+            *"--caches dynamic,static,quantized-fp8 --prompt-len 6 --new-tokens 3 --json".split(),
+        ],
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     ran = [c for c in doc["checks"] if not c["skipped"]]

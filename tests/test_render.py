@@ -120,9 +120,7 @@ def _grid_row(text: str, check: str) -> str:
     return "  ".join(ln for ln in text.splitlines() if ln.startswith(f"{check} "))
 
 
-def test_verify_grid_of_a_real_run_with_a_failing_and_a_skipping_plugin(
-    screen, tiny_model, lifecycle_plugins
-):
+def test_verify_grid_of_a_real_run_with_a_failing_and_a_skipping_plugin(screen, tiny_model, lifecycle_plugins):
     from kvbench.check.verify import random_prompts, run_verify
     from kvbench.cli.verify_render import render_verify
 
@@ -136,21 +134,15 @@ def test_verify_grid_of_a_real_run_with_a_failing_and_a_skipping_plugin(
         text = assert_reads(s)
         assert _grid_row(text, "rollback").count("FAIL") == 1, text
         assert _grid_row(text, "fork").count("skip") == 1, text
-        assert (
-            "CropKeysOnly" in text and "lcplugins.caches:" in text
-        )  # a plugin heads its column on two lines
+        assert "CropKeysOnly" in text and "lcplugins.caches:" in text  # a plugin heads its column on two lines
         # beneath the grid: the failing cell, its tolerance and detail; the skipped cells with their reason
         entry = f"rollback/{caches[1]} ({failing[0].tolerance}): "
         assert entry in " ".join(text.split()), text
-        assert (
-            f"skip rollback/{caches[1].replace('CropKeysOnly', 'AppendOnly')}: AppendOnly has no crop" in text
-        )
+        assert f"skip rollback/{caches[1].replace('CropKeysOnly', 'AppendOnly')}: AppendOnly has no crop" in text
         assert f"FAILED 1 of {len(report.checks) - 3} checks: rollback/{caches[1]}" in " ".join(text.split())
 
 
-def _row(
-    name, cache, passed=True, diff=1.9e-6, first=None, detail="decode steps 1..7 vs a full forward", **kw
-):
+def _row(name, cache, passed=True, diff=1.9e-6, first=None, detail="decode steps 1..7 vs a full forward", **kw):
     return CheckRow(
         name=name,
         cache=cache,
@@ -179,14 +171,21 @@ def _report(caches: list[str]) -> VerifyReport:
     return VerifyReport(False, rows, "fp32", 8, 16, [16, 11, 6], "none", notes=["a note " * 30])
 
 
-HF_CACHES = ["none", "dynamic", "static", "static-compiled", "offloaded", "offloaded_static", "quantized-quanto",
-             "quantized-hqq", "quantized-fp8"]  # fmt: skip
+HF_CACHES = [
+    "none",
+    "dynamic",
+    "static",
+    "static-compiled",
+    "offloaded",
+    "offloaded_static",
+    "quantized-quanto",
+    "quantized-hqq",
+    "quantized-fp8",
+]
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize(
-    "caches", [["none", "dynamic", "static", "static-graph", "paged", "int8"], HF_CACHES]
-)
+@pytest.mark.parametrize("caches", [["none", "dynamic", "static", "static-graph", "paged", "int8"], HF_CACHES])
 def test_verify_grid_fits_every_cache_and_says_what_failed(screen, width, caches):
     from kvbench.cli.verify_render import DETAIL_LINES, render_verify
 
@@ -200,18 +199,14 @@ def test_verify_grid_fits_every_cache_and_says_what_failed(screen, width, caches
     assert "FAIL 3.1e-01" in _grid_row(text, "logits") and "FAIL step 5" in _grid_row(text, "greedy"), text
     assert "pass 1.9e-06" in _grid_row(text, "fork") and "skip" in _grid_row(text, "reorder"), text
     # beneath: each failing cell's tolerance and detail, clipped to a few lines, the skips in a line each
-    at = next(
-        i for i, ln in enumerate(lines) if ln.startswith(f"logits/{caches[1]} (rtol 1e-05, atol 1e-05):")
-    )
+    at = next(i for i, ln in enumerate(lines) if ln.startswith(f"logits/{caches[1]} (rtol 1e-05, atol 1e-05):"))
     block = lines[at : at + DETAIL_LINES + 1]
     assert block[DETAIL_LINES - 1].endswith("... (--verbose: in full)") and "THE END" not in text, block
     assert block[DETAIL_LINES].startswith(f"greedy/{caches[1]} (identical tokens): 5 of 8"), block
     assert f"skip reorder/{caches[-2]}: it has no reorder" in text
     assert f"skip {caches[-1]} (every check): needs CUDA" in text
     flat = " ".join(text.split())
-    assert f"FAILED 2 of {len(report.checks) - 2} checks: logits/{caches[1]}, greedy/{caches[1]}" in flat, (
-        text
-    )
+    assert f"FAILED 2 of {len(report.checks) - 2} checks: logits/{caches[1]}, greedy/{caches[1]}" in flat, text
 
 
 def test_verify_verbose_prints_every_row_in_full(screen):
@@ -229,9 +224,7 @@ def test_verify_verbose_prints_every_row_in_full(screen):
 
 
 def test_verify_and_break_take_verbose():
-    r = CliRunner().invoke(
-        app, ["verify", "--caches", "dynamic", "-n", "2", "--reference", "none", "-v", *TINY]
-    )
+    r = CliRunner().invoke(app, ["verify", "--caches", "dynamic", "-n", "2", "--reference", "none", "-v", *TINY])
     assert r.exit_code == 0, r.output
     assert "logits/dynamic pass (rtol 1e-05, atol 1e-05): decode steps 1..1" in " ".join(r.stdout.split())
     r = CliRunner().invoke(app, ["break", "reset", "-n", "8", "--reference", "none", "--verbose", *TINY])
@@ -257,9 +250,7 @@ def test_break_reads(screen, width):
     assert r.exit_code == 0, r.output
     text = assert_reads(s)
     row = next(ln for ln in text.splitlines() if ln.startswith("mask "))
-    assert "yes" in row and "all 8 but cache_state" in row, (
-        text
-    )  # most checks caught it: the one that did not
+    assert "yes" in row and "all 8 but cache_state" in row, text  # most checks caught it: the one that did not
 
 
 # --- bench and compare -------------------------------------------------------------------------------------------
@@ -271,8 +262,13 @@ def bench_run(tmp_path_factory):
 
     seen = {}
     out = tmp_path_factory.mktemp("render") / "run"
-    args = ["bench", *TINY, "--engine", "kvbench,hf", "--caches", "none,dynamic,static-graph,int8", "--prompt-len",
-            "8,16", "-n", "4", "--repeats", "2", "--warmup", "0", "--out", str(out)]  # fmt: skip
+    args = [
+        "bench",
+        *TINY,
+        *"--engine kvbench,hf --caches none,dynamic,static-graph,int8 --prompt-len 8,16 -n 4 --repeats 2".split(),
+        *"--warmup 0 --out".split(),
+        str(out),
+    ]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(floor.PROBE_ENV, str(16 << 20))
         mp.setattr(bench, "render_bench", lambda *a: seen.update(args=a))
@@ -315,18 +311,7 @@ def test_compare_reads(screen, bench_run, tmp_path, width):
 # --- memory and generate -----------------------------------------------------------------------------------------
 MEMORY = {
     "plan": ["--model", "llama-3-8b", "--ctx", "8k,128k", "--gpu", "h100", "--batch", "1,16"],
-    "plan-tp": [
-        "--model",
-        "llama-3-70b",
-        "--ctx",
-        "8k,128k",
-        "--gpu",
-        "h100",
-        "--tp",
-        "4",
-        "--batch",
-        "1,16",
-    ],
+    "plan-tp": "--model llama-3-70b --ctx 8k,128k --gpu h100 --tp 4 --batch 1,16".split(),
     "all": ["--all"],
     "all-gpu": ["--all", "--gpu", "h100", "--batch", "8"],
     "copy-traffic": ["--copy-traffic", "-m", "gpt2", "--batch", "4"],
@@ -352,20 +337,39 @@ def test_memory_check_reads(screen, width):
     from kvbench.cli.memory_render import render_checks
     from kvbench.memory.check import CacheCheck, KindCheck
 
-    why = (
-        "transformers caches 128 heads per layer where the model has 8 KV heads: "
-        + "its attention broadcasts " * 5
-    )
+    why = "transformers caches 128 heads per layer where the model has 8 KV heads: " + "its attention broadcasts " * 5
 
     def kinds(ctx: int) -> list[KindCheck]:
-        full = KindCheck("full", "full attention", 60, 60, ctx * 2**17, ctx * 2**21, "8x64",
-                         f"K 1x128x{ctx}x64, V 1x128x{ctx}x64", False, why)  # fmt: skip
-        sliding = KindCheck("sliding", "sliding window 4,096", 20, 21, 2**30, 2**31, "8x64",
-                            "K 1x8x4096x64, V 1x8x4096x128", False, "transformers counts 21 layers of this kind")  # fmt: skip
+        full = KindCheck(
+            "full",
+            "full attention",
+            60,
+            60,
+            ctx * 2**17,
+            ctx * 2**21,
+            "8x64",
+            f"K 1x128x{ctx}x64, V 1x128x{ctx}x64",
+            False,
+            why,
+        )
+        sliding = KindCheck(
+            "sliding",
+            "sliding window 4,096",
+            20,
+            21,
+            2**30,
+            2**31,
+            "8x64",
+            "K 1x8x4096x64, V 1x8x4096x128",
+            False,
+            "transformers counts 21 layers of this kind",
+        )
         return [full, sliding]
 
-    checks = [CacheCheck("falcon-40b", ctx, 1, "fp16", True, "transformers on the meta device " * 4, 1, 2, False,
-                         kinds(ctx)) for ctx in (2048, 131072)]  # fmt: skip
+    checks = [
+        CacheCheck("falcon-40b", ctx, 1, "fp16", True, "transformers on the meta device " * 4, 1, 2, False, kinds(ctx))
+        for ctx in (2048, 131072)
+    ]
     s = screen(width)
     render_checks(checks)
     text = assert_reads(s)
@@ -397,9 +401,7 @@ def test_fitted_splits_evenly_repeating_the_keys():
     s = Screen(80)
     cols = ["engine", "cache", *(f"column {i:02}" for i in range(9))]
     parts = [
-        p
-        for p in console.fitted(None, cols, [["kvbench", "dynamic", *range(9)]], 80, keys=2)
-        if isinstance(p, Table)
+        p for p in console.fitted(None, cols, [["kvbench", "dynamic", *range(9)]], 80, keys=2) if isinstance(p, Table)
     ]
     assert len(parts) == 2
     heads = [[str(c.header) for c in t.columns] for t in parts]

@@ -68,13 +68,36 @@ def make_run(path: Path, factor: float = 1.0, rows=ROWS, steps: int = STEPS, see
     summary, parts = [], []
     for engine, cache, prompt_len in rows:
         x = 5.0 * rng.lognormal(0, 0.05, (REPEATS, steps)) * factor  # (repeats, steps)
-        summary.append(dict(engine=engine, cache=cache, prompt_len=prompt_len, new_tokens=steps + 1, batch=1,
-                            dtype="fp32", device="cpu", status="ok", ttft_ms=12.0 * factor,
-                            tpot_ms_median=float(np.median(x)), tokens_per_s=100.0 / factor, peak_mem_mib=300.0,
-                            kv_cache_mib=0.5))  # fmt: skip
-        parts.append(pd.DataFrame(dict(engine=engine, cache=cache, prompt_len=prompt_len, batch=1,
-                                       repeat=np.repeat(np.arange(1, REPEATS + 1), steps),
-                                       step=np.tile(np.arange(1, steps + 1), REPEATS), latency_ms=x.ravel())))  # fmt: skip
+        summary.append(
+            dict(
+                engine=engine,
+                cache=cache,
+                prompt_len=prompt_len,
+                new_tokens=steps + 1,
+                batch=1,
+                dtype="fp32",
+                device="cpu",
+                status="ok",
+                ttft_ms=12.0 * factor,
+                tpot_ms_median=float(np.median(x)),
+                tokens_per_s=100.0 / factor,
+                peak_mem_mib=300.0,
+                kv_cache_mib=0.5,
+            )
+        )
+        parts.append(
+            pd.DataFrame(
+                dict(
+                    engine=engine,
+                    cache=cache,
+                    prompt_len=prompt_len,
+                    batch=1,
+                    repeat=np.repeat(np.arange(1, REPEATS + 1), steps),
+                    step=np.tile(np.arange(1, steps + 1), REPEATS),
+                    latency_ms=x.ravel(),
+                )
+            )
+        )
     pd.DataFrame(summary).to_csv(path / "summary.csv", index=False)
     pd.concat(parts).to_csv(path / "steps.csv", index=False)
     (path / "meta.json").write_text(json.dumps(meta_doc(**meta)))
@@ -199,31 +222,66 @@ def _header(name: str, header: str):
 
 
 STEPS_HEADER = "engine,cache,prompt_len,batch,repeat,step,latency_ms"
-SUMMARY_HEADER = ("engine,cache,prompt_len,new_tokens,batch,dtype,device,status,ttft_ms,tpot_ms_median,tokens_per_s,"
-                  "peak_mem_mib,kv_cache_mib")  # fmt: skip
+SUMMARY_HEADER = (
+    "engine,cache,prompt_len,new_tokens,batch,dtype,device,status,ttft_ms,tpot_ms_median,tokens_per_s,"
+    "peak_mem_mib,kv_cache_mib"
+)
 
 BAD_NUMBERS = {
-    "latency inf": (_cell("steps.csv", 2, "latency_ms", "inf"), "steps.csv line 2: latency_ms is 'inf', not a finite number"),
-    "latency -inf": (_cell("steps.csv", 5, "latency_ms", "-inf"), "steps.csv line 5: latency_ms is '-inf', not a finite"),
-    "latency Infinity": (_cell("steps.csv", 3, "latency_ms", "Infinity"), "latency_ms is 'Infinity', not a finite number"),
+    "latency inf": (
+        _cell("steps.csv", 2, "latency_ms", "inf"),
+        "steps.csv line 2: latency_ms is 'inf', not a finite number",
+    ),
+    "latency -inf": (
+        _cell("steps.csv", 5, "latency_ms", "-inf"),
+        "steps.csv line 5: latency_ms is '-inf', not a finite",
+    ),
+    "latency Infinity": (
+        _cell("steps.csv", 3, "latency_ms", "Infinity"),
+        "latency_ms is 'Infinity', not a finite number",
+    ),
     "latency nan": (_cell("steps.csv", 2, "latency_ms", "nan"), "latency_ms is 'nan', not a number"),
     "latency 1e308": (_cell("steps.csv", 2, "latency_ms", "1e308"), "latency_ms is '1e308', out of range"),
     "latency 1e400": (_cell("steps.csv", 2, "latency_ms", "1e400"), "latency_ms is '1e400', not a finite number"),
-    "latency zero": (_cell("steps.csv", 4, "latency_ms", "0"), "steps.csv line 4: latency_ms is '0', out of range (it must be above 0"),
+    "latency zero": (
+        _cell("steps.csv", 4, "latency_ms", "0"),
+        "steps.csv line 4: latency_ms is '0', out of range (it must be above 0",
+    ),
     "latency negative": (_cell("steps.csv", 2, "latency_ms", "-0.2"), "latency_ms is '-0.2', out of range"),
     "repeat zero": (_cell("steps.csv", 2, "repeat", "0"), "steps.csv line 2: repeat is '0', out of range"),
-    "steps prompt_len fractional": (_cell("steps.csv", 2, "prompt_len", "8.5"), "prompt_len is '8.5', not a whole number"),
-    "summary prompt_len zero": (_cell("summary.csv", 3, "prompt_len", "0"), "summary.csv line 3: prompt_len is '0', out of range"),
+    "steps prompt_len fractional": (
+        _cell("steps.csv", 2, "prompt_len", "8.5"),
+        "prompt_len is '8.5', not a whole number",
+    ),
+    "summary prompt_len zero": (
+        _cell("summary.csv", 3, "prompt_len", "0"),
+        "summary.csv line 3: prompt_len is '0', out of range",
+    ),
     "summary prompt_len huge": (_cell("summary.csv", 2, "prompt_len", "1e12"), "prompt_len is '1e12', out of range"),
     "summary batch text": (_cell("summary.csv", 2, "batch", "two"), "batch is 'two', not a number"),
-    "ttft inf": (_cell("summary.csv", 2, "ttft_ms", "inf"), "summary.csv line 2: ttft_ms is 'inf', not a finite number"),
+    "ttft inf": (
+        _cell("summary.csv", 2, "ttft_ms", "inf"),
+        "summary.csv line 2: ttft_ms is 'inf', not a finite number",
+    ),
     "ttft zero": (_cell("summary.csv", 2, "ttft_ms", "0"), "ttft_ms is '0', out of range"),
     "tokens/s negative": (_cell("summary.csv", 2, "tokens_per_s", "-3"), "tokens_per_s is '-3', out of range"),
-    "kv negative": (_cell("summary.csv", 4, "kv_cache_mib", "-1"), "summary.csv line 4: kv_cache_mib is '-1', out of range"),
+    "kv negative": (
+        _cell("summary.csv", 4, "kv_cache_mib", "-1"),
+        "summary.csv line 4: kv_cache_mib is '-1', out of range",
+    ),
     "peak inf": (_cell("summary.csv", 2, "peak_mem_mib", "inf"), "peak_mem_mib is 'inf', not a finite number"),
-    "steps column twice": (_header("steps.csv", "engine,cache,prompt_len,batch,repeat,latency_ms,latency_ms"), "steps.csv names the column 'latency_ms' more than once"),
-    "summary column twice": (_header("summary.csv", SUMMARY_HEADER.replace("batch", "cache")), "summary.csv names the column 'cache' more than once"),
-    "meta new_tokens text": (_meta(settings__new_tokens="many"), "meta.json: settings.new_tokens is 'many', not a number"),
+    "steps column twice": (
+        _header("steps.csv", "engine,cache,prompt_len,batch,repeat,latency_ms,latency_ms"),
+        "steps.csv names the column 'latency_ms' more than once",
+    ),
+    "summary column twice": (
+        _header("summary.csv", SUMMARY_HEADER.replace("batch", "cache")),
+        "summary.csv names the column 'cache' more than once",
+    ),
+    "meta new_tokens text": (
+        _meta(settings__new_tokens="many"),
+        "meta.json: settings.new_tokens is 'many', not a number",
+    ),
     "meta new_tokens bool": (_meta(settings__new_tokens=True), "settings.new_tokens is True, not a number"),
     "meta batch zero": (_meta(settings__batch=0), "settings.batch is 0, out of range"),
     "meta batch beyond floats": (_meta(settings__batch=10**400), "settings.batch is 1000"),
@@ -234,8 +292,11 @@ BAD_NUMBERS = {
     "meta planned malformed": (_meta(configurations_planned=[{"engine": 1}]), "configurations_planned is not a list"),
     "meta nested deeply": (_raw_meta("[" * 100_000 + "]" * 100_000), "meta.json is nested too deeply"),
     "meta nested deeply in an object": (_raw_meta('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"), "nested too deeply"),
-    "meta integer of 5000 digits": (_raw_meta('{"settings": {"batch": ' + "9" * 5000 + "}}"), "is not a kvbench meta.json"),
-}  # fmt: skip
+    "meta integer of 5000 digits": (
+        _raw_meta('{"settings": {"batch": ' + "9" * 5000 + "}}"),
+        "is not a kvbench meta.json",
+    ),
+}
 
 
 @pytest.mark.parametrize("side", ["candidate", "baseline"])
@@ -254,9 +315,13 @@ def test_a_number_out_of_its_range_is_one_line_naming_file_line_and_column(runs,
 def test_a_baseline_with_a_bad_number_stops_bench_before_any_work(runs, tmp_path):
     base, _ = runs
     _cell("steps.csv", 2, "latency_ms", "inf")(base)
-    r, text = invoke("bench", "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--engine",
-                     "kvbench", "--caches", "static", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1",
-                     "--out", tmp_path / "new", "--baseline", base)  # fmt: skip
+    r, text = invoke(
+        *"bench --model gpt2-tiny --weights random --device cpu --engine kvbench --caches static".split(),
+        *"--prompt-len 8 --new-tokens 4 --repeats 1 --out".split(),
+        tmp_path / "new",
+        "--baseline",
+        base,
+    )
     assert_one_line(r, text, "steps.csv line 2: latency_ms is 'inf', not a finite number")
     assert r.stderr.startswith("error: --baseline") and not (tmp_path / "new").exists()
 
@@ -278,10 +343,14 @@ def test_json_output_is_strict_json_with_nulls(tmp_path):
 def test_report_json_text_maps_every_non_finite_value_to_null():
     from kvbench.jsonio import json_text
 
-    doc = {"a": float("inf"), "b": [float("nan"), -float("inf"), np.float32("inf"), np.float64(2.5)],
-           "c": np.int64(3), "d": (1.0, None), "e": Path("x")}  # fmt: skip
-    assert strict_json(json_text(doc)) == {"a": None, "b": [None, None, None, 2.5], "c": 3, "d": [1.0, None],
-                                           "e": "x"}  # fmt: skip
+    doc = {
+        "a": float("inf"),
+        "b": [float("nan"), -float("inf"), np.float32("inf"), np.float64(2.5)],
+        "c": np.int64(3),
+        "d": (1.0, None),
+        "e": Path("x"),
+    }
+    assert strict_json(json_text(doc)) == {"a": None, "b": [None, None, None, 2.5], "c": 3, "d": [1.0, None], "e": "x"}
 
 
 def test_rows_not_compared_name_their_dtype(tmp_path):
@@ -355,11 +424,15 @@ def test_empty_options_are_refused(runs, tmp_path, monkeypatch, opts, needle):
 @pytest.mark.parametrize(
     "status, planned, needle",
     [
-        ("interrupted", True, "the candidate run was interrupted: 1 of its 3 configurations are missing (kvbench static prompt 32)"),
+        (
+            "interrupted",
+            True,
+            "the candidate run was interrupted: 1 of its 3 configurations are missing (kvbench static prompt 32)",
+        ),
         ("running", True, "the candidate run did not finish (meta.json says running"),
         ("interrupted", False, "the candidate run was interrupted: it may lack configurations (2 in summary.csv)"),
     ],
-)  # fmt: skip
+)
 def test_an_unfinished_run_is_named_with_what_it_lacks(tmp_path, status, planned, needle):
     base = make_run(tmp_path / "base")
     cand = make_run(tmp_path / "cand", rows=ROWS[:2], status=status)
@@ -420,8 +493,15 @@ def _closed_stdout_run(args: list[str]) -> subprocess.CompletedProcess:
     os.close(r)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
     try:
-        return subprocess.run([sys.executable, "-m", "kvbench", *args], stdout=w, stderr=subprocess.PIPE,
-                              text=True, env=env, timeout=120, check=False)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "kvbench", *args],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=120,
+            check=False,
+        )
     finally:
         os.close(w)
 
@@ -432,9 +512,7 @@ def _closed_stdout_run(args: list[str]) -> subprocess.CompletedProcess:
         # compare in a fresh Python imports transformers' modelling (seconds): the slow tier; memory's table and
         # --help stand for the rest in the default one
         pytest.param(["compare", "{base}", "{base}", "--fail-on", "slower"], marks=pytest.mark.slow),
-        pytest.param(
-            ["compare", "{base}", "{cand}", "--fail-on", "slower", "--format", "md"], marks=pytest.mark.slow
-        ),
+        pytest.param(["compare", "{base}", "{cand}", "--fail-on", "slower", "--format", "md"], marks=pytest.mark.slow),
         pytest.param(["compare", "{base}", "{cand}", "--format", "json"], marks=pytest.mark.slow),
         ["memory", "-m", "gpt2"],
         ["--help"],
@@ -453,16 +531,36 @@ def test_latency_png_is_left_out_past_its_panel_limit(tmp_path):
     from kvbench.results import plots
 
     n = plots.MAX_LATENCY_PANELS + 1
-    summary = pd.DataFrame([dict(engine="kvbench", cache=c, prompt_len=8 * p, new_tokens=5, status="ok", ttft_ms=5.0,
-                                 tpot_ms_median=3.0, speedup_vs_none=1.5) for p in range(1, n + 1)
-                            for c in ("none", "static")])  # fmt: skip
-    steps = pd.DataFrame([dict(engine=r.engine, cache=r.cache, prompt_len=r.prompt_len, step=s, latency_ms=3.0)
-                          for r in summary.itertuples() for s in range(1, 5)])  # fmt: skip
+    summary = pd.DataFrame(
+        [
+            dict(
+                engine="kvbench",
+                cache=c,
+                prompt_len=8 * p,
+                new_tokens=5,
+                status="ok",
+                ttft_ms=5.0,
+                tpot_ms_median=3.0,
+                speedup_vs_none=1.5,
+            )
+            for p in range(1, n + 1)
+            for c in ("none", "static")
+        ]
+    )
+    steps = pd.DataFrame(
+        [
+            dict(engine=r.engine, cache=r.cache, prompt_len=r.prompt_len, step=s, latency_ms=3.0)
+            for r in summary.itertuples()
+            for s in range(1, 5)
+        ]
+    )
     not_drawn: list[str] = []
     pngs = plots.write_plots(tmp_path, summary, steps, {}, not_drawn)
     assert [p.name for p in pngs] == ["speedup.png"] and not (tmp_path / "latency.png").exists()
-    assert not_drawn == [f"latency.png not drawn: {n} prompt lengths (it draws at most {n - 1}; speedup.png shows "
-                         "every one, and steps.csv holds every step)"]  # fmt: skip
+    assert not_drawn == [
+        f"latency.png not drawn: {n} prompt lengths (it draws at most {n - 1}; speedup.png shows "
+        "every one, and steps.csv holds every step)"
+    ]
 
 
 @pytest.mark.parametrize("quoted", [False, True], ids=["plain", "quoted"])

@@ -35,10 +35,7 @@ def test_repetitive_prompt_gives_plain_greedy_tokens_with_drafts_accepted(model,
     spec = speculative_generate(model, [REPETITIVE], 60, cache=cache, draft_tokens=4, ngram=3)
     assert spec.generation.tokens == plain.tokens
     assert spec.generation.new_tokens == 60 and len(spec.generation.step_s) == 59
-    assert 0 < spec.accepted < spec.proposed, (
-        spec.accepted,
-        spec.proposed,
-    )  # some drafts kept, some rejected
+    assert 0 < spec.accepted < spec.proposed, (spec.accepted, spec.proposed)  # some drafts kept, some rejected
     assert spec.forwards < 60 and spec.forwards == 1 + len(spec.forward_s)
     assert spec.acceptance_rate == spec.accepted / spec.proposed
 
@@ -91,9 +88,7 @@ def test_cli_json_carries_the_draft_stats_and_the_plain_tokens():
     assert plain.exit_code == 0 and draft.exit_code == 0, (plain.output, draft.output)
     p, d = json.loads(plain.stdout), json.loads(draft.stdout)
     assert d["completions"][0]["tokens"] == p["completions"][0]["tokens"]
-    assert (
-        p["draft"] is None and p["settings"]["draft"] == "none" and d["settings"]["draft"] == "prompt-lookup"
-    )
+    assert p["draft"] is None and p["settings"]["draft"] == "none" and d["settings"]["draft"] == "prompt-lookup"
     stats = d["draft"]
     assert stats["method"] == "prompt-lookup" and stats["draft_tokens"] == 5 and stats["ngram"] == 3
     assert 0 < stats["accepted"] <= stats["proposed"] and stats["forwards"] < 24

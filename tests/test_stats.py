@@ -46,9 +46,16 @@ def test_large_samples_take_the_order_statistic_path_and_agree_with_scipy():
     n = S.RESAMPLE_UP_TO + 1  # one past the threshold: the order-statistic draw
     base, cand = rng.lognormal(0, 0.2, n), rng.lognormal(0, 0.2, n) * 1.05
     _, lo, hi = S.median_ratio_ci(base, cand, 0.99, 1000, seed=0)
-    ref = bootstrap((cand, base), lambda c, b, axis: np.median(c, axis=axis) / np.median(b, axis=axis),
-                    n_resamples=1000, batch=20, confidence_level=0.99, method="percentile", paired=False,
-                    rng=np.random.default_rng(1)).confidence_interval  # fmt: skip
+    ref = bootstrap(
+        (cand, base),
+        lambda c, b, axis: np.median(c, axis=axis) / np.median(b, axis=axis),
+        n_resamples=1000,
+        batch=20,
+        confidence_level=0.99,
+        method="percentile",
+        paired=False,
+        rng=np.random.default_rng(1),
+    ).confidence_interval
     width = ref.high - ref.low
     assert lo == pytest.approx(ref.low, abs=0.2 * width) and hi == pytest.approx(ref.high, abs=0.2 * width)
     assert lo < 1.05 < hi

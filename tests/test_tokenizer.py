@@ -20,9 +20,7 @@ def test_round_trip(ranks_file):
     assert tok.decode(tok.encode(text)) == text
 
 
-BUNDLED_SHA256 = (
-    "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # openai/whisper's gpt2.tiktoken
-)
+BUNDLED_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # openai/whisper's gpt2.tiktoken
 
 
 def test_bundled_ranks_are_gpt2s(ranks_file):
@@ -91,8 +89,11 @@ def test_vocab_json_and_merges_txt_directory(ranks_file, tmp_path):
         if len(token) == 1:
             continue
         # any split into two lower-ranked tokens rebuilds the same ranks (the merge list only concatenates)
-        a, b = next((token[:i], token[i:]) for i in range(1, len(token))
-                    if ranks.get(token[:i], rank) < rank and ranks.get(token[i:], rank) < rank)  # fmt: skip
+        a, b = next(
+            (token[:i], token[i:])
+            for i in range(1, len(token))
+            if ranks.get(token[:i], rank) < rank and ranks.get(token[i:], rank) < rank
+        )
         merges.append(f"{s(a)} {s(b)}")
     vocab = {s(t): r for t, r in ranks.items()} | {"<|endoftext|>": 50256}
     (tmp_path / "vocab.json").write_text(json.dumps(vocab))

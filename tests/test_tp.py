@@ -25,14 +25,30 @@ SMALL = ["--prompt-len", "12", "-n", "8"]
 def kvbench(*args, env=None, timeout=300, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "kvbench", *map(str, args)], capture_output=True, text=True, env=env,
-        timeout=timeout, **kw,
-    )  # fmt: skip
+        [sys.executable, "-m", "kvbench", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        **kw,
+    )
 
 
 def test_verify_tp2_passes_every_main_row_and_records_the_split(tmp_path):
-    r = kvbench("verify", "--tp", 2, *TINY, *SMALL, "--caches", "dynamic,static", "--reference", "none", "--json",
-                "--junit-xml", tmp_path / "v.xml")  # fmt: skip
+    r = kvbench(
+        "verify",
+        "--tp",
+        2,
+        *TINY,
+        *SMALL,
+        "--caches",
+        "dynamic,static",
+        "--reference",
+        "none",
+        "--json",
+        "--junit-xml",
+        tmp_path / "v.xml",
+    )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)  # rank 0 alone prints: one document
     assert doc["passed"] and doc["tp"] == 2
@@ -127,16 +143,28 @@ def hf_models(tmp_path_factory):
     )
 
     root = tmp_path_factory.mktemp("tp-hf")
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  head_dim=16, initializer_range=0.1, max_position_embeddings=128)  # fmt: skip
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=16,
+        initializer_range=0.1,
+        max_position_embeddings=128,
+    )
     window = dict(num_key_value_heads=2, sliding_window=8)
     models = {
         "llama": (LlamaForCausalLM, LlamaConfig(num_key_value_heads=2, **common)),
         "llama-kv1": (LlamaForCausalLM, LlamaConfig(num_key_value_heads=1, **common)),
-        "qwen2-sw": (Qwen2ForCausalLM, Qwen2Config(use_sliding_window=True, max_window_layers=0,
-                                                    layer_types=["sliding_attention"] * 2, **window, **common)),
+        "qwen2-sw": (
+            Qwen2ForCausalLM,
+            Qwen2Config(
+                use_sliding_window=True, max_window_layers=0, layer_types=["sliding_attention"] * 2, **window, **common
+            ),
+        ),
         "mistral-sw": (MistralForCausalLM, MistralConfig(**window, **common)),
-    }  # fmt: skip
+    }
     torch.manual_seed(0)
     for name, (cls, cfg) in models.items():
         cls(cfg).save_pretrained(root / name)
@@ -182,8 +210,9 @@ def test_every_builtin_cache_passes_under_tp2():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen2-sw", "mistral-sw"])
 def test_hugging_face_models_pass_under_transformers_tp(hf_models, name):
-    r = kvbench("verify", "--hf", hf_models / name, "--tp", 2, "-d", "cpu", *SMALL, "--caches", "dynamic,static",
-                "--json")  # fmt: skip
+    r = kvbench(
+        "verify", "--hf", hf_models / name, "--tp", 2, "-d", "cpu", *SMALL, "--caches", "dynamic,static", "--json"
+    )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     judged = [c for c in doc["checks"] if not c["skipped"]]
@@ -237,8 +266,21 @@ def _plugin(tmp_path, body: str) -> dict:
 def test_a_rank_that_fails_hangs_or_leaves_ends_the_run_in_one_line(tmp_path, body, code, line):
     env = _plugin(tmp_path, body)
     t0 = time.monotonic()
-    r = kvbench("verify", "--tp", 2, *TINY, *SMALL, "--caches", "tpplug:C", "--reference", "none",
-                "--tp-timeout", 10, env=env, timeout=240)  # fmt: skip
+    r = kvbench(
+        "verify",
+        "--tp",
+        2,
+        *TINY,
+        *SMALL,
+        "--caches",
+        "tpplug:C",
+        "--reference",
+        "none",
+        "--tp-timeout",
+        10,
+        env=env,
+        timeout=240,
+    )
     assert r.returncode == code, (r.returncode, r.stderr)
     errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert errors == [errors[0]] and errors[0].startswith(line), r.stderr
@@ -256,10 +298,28 @@ def _leftover(marker) -> list[str]:
 def test_ctrl_c_stops_every_rank(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **_plugin(tmp_path, "time.sleep(0.5)\n")}
     p = subprocess.Popen(
-        [sys.executable, "-m", "kvbench", "verify", "--tp", "2", *TINY, *SMALL, "--caches", "tpplug:C",
-         "--reference", "none", "--junit-xml", str(tmp_path / "ctrl-c.xml")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvbench",
+            "verify",
+            "--tp",
+            "2",
+            *TINY,
+            *SMALL,
+            "--caches",
+            "tpplug:C",
+            "--reference",
+            "none",
+            "--junit-xml",
+            str(tmp_path / "ctrl-c.xml"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     time.sleep(20)  # the ranks are running their checks
     os.killpg(p.pid, signal.SIGINT)  # what a terminal sends the whole foreground group on Ctrl-C
     _, err = p.communicate(timeout=60)
@@ -272,8 +332,20 @@ def test_ctrl_c_stops_every_rank(tmp_path):
 def test_torchrun_starts_the_same_command_as_one_rank_each():
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["-m", "kvbench", "verify", "--tp", "2", *TINY, *SMALL, "--caches", "dynamic", "--reference", "none",
-            "--json"]  # fmt: skip
+    args = [
+        "-m",
+        "kvbench",
+        "verify",
+        "--tp",
+        "2",
+        *TINY,
+        *SMALL,
+        "--caches",
+        "dynamic",
+        "--reference",
+        "none",
+        "--json",
+    ]
     r = subprocess.run([*torchrun, *args], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["passed"]  # one document: the other rank printed nothing

@@ -107,9 +107,11 @@ def test_bf16_reports_near_ties_instead_of_failing(model, prompts):
 def test_cli_verify_json(tmp_path):
     r = CliRunner().invoke(
         app,
-        ["verify", "--model", "gpt2-tiny", "--weights", "random", "--caches", "dynamic,static",
-         "--prompt-len", "6", "--new-tokens", "4", "--reference", "none", "--json"],
-    )  # fmt: skip
+        [
+            *"verify --model gpt2-tiny --weights random --caches dynamic,static --prompt-len 6 --new-tokens 4".split(),
+            *"--reference none --json".split(),
+        ],
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["passed"] is True
@@ -118,9 +120,7 @@ def test_cli_verify_json(tmp_path):
 
 
 def test_cli_verify_bad_input_exits_2():
-    r = CliRunner().invoke(
-        app, ["verify", "--model", "gpt2-tiny", "--weights", "random", "--new-tokens", "0"]
-    )
+    r = CliRunner().invoke(app, ["verify", "--model", "gpt2-tiny", "--weights", "random", "--new-tokens", "0"])
     assert r.exit_code == 2, r.output
     r = CliRunner().invoke(app, ["verify", "--model", "gpt2-tiny", "--weights", "random", "--caches", "nope"])
     assert r.exit_code == 2, r.output
@@ -132,8 +132,16 @@ def _poisoned(tmp_path_factory, name: str, poison) -> str:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=300, initializer_range=0.1,
-                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    cfg = GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        n_positions=64,
+        vocab_size=300,
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(cfg)
     with torch.no_grad():
         poison(model)
@@ -167,22 +175,16 @@ def poisoned(tmp_path_factory) -> dict[str, str]:
 def test_not_finite_logits_fail_every_check_with_the_reason(poisoned, ckpt, subject):
     """NaN or inf logits are a failing row saying so, for every check and every cache (exit 1), never a crash; and
     never a pass because two NaN runs happen to pick the same argmax."""
-    where = (
-        ["--weights", poisoned[ckpt], "--device", "cpu"] if subject == "weights" else ["--hf", poisoned[ckpt]]
-    )
+    where = ["--weights", poisoned[ckpt], "--device", "cpu"] if subject == "weights" else ["--hf", poisoned[ckpt]]
     caches = ["--caches", "none,dynamic"]
-    r = CliRunner().invoke(
-        app, ["verify", *where, *caches, "--prompt-len", "6", "--new-tokens", "4", "--json"]
-    )
+    r = CliRunner().invoke(app, ["verify", *where, *caches, "--prompt-len", "6", "--new-tokens", "4", "--json"])
     assert r.exit_code == 1, r.output
     assert "Traceback" not in r.output and "kvbench bug" not in r.output, r.output
     checks = [c for c in json.loads(r.stdout)["checks"] if not c["skipped"]]
     assert checks and not any(c["passed"] for c in checks), checks
     for c in checks:
         assert "logits are not finite (" in c["detail"] and " NaN, " in c["detail"], c
-    first = (
-        checks[0]["detail"] if subject == "hf" else next(c for c in checks if c["name"] == "logits")["detail"]
-    )
+    first = checks[0]["detail"] if subject == "hf" else next(c for c in checks if c["name"] == "logits")["detail"]
     assert "the model itself is not finite" in first, first
 
 
@@ -194,9 +196,7 @@ def test_break_refuses_a_model_that_is_not_finite(poisoned, ckpt, fault):
     assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.output, r.output
-    assert "the clean model is not finite: with no fault injected, logits are not finite (" in lines[0], (
-        lines[0]
-    )
+    assert "the clean model is not finite: with no fault injected, logits are not finite (" in lines[0], lines[0]
     assert "detected" not in r.stdout, r.stdout
 
 

@@ -23,18 +23,25 @@ def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp / "dist", ROOT],
-        check=True, capture_output=True, cwd=tmp,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        cwd=tmp,
+    )
     (wheel,) = (tmp / "dist").glob("kvbench-*.whl")
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
     py = venv / "bin" / "python"
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    site = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", site, wheel],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+    )
     # torch, transformers, ... from this environment, after the wheel's own kvbench on the path.
     (Path(site) / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     work = tmp / "elsewhere"
@@ -46,22 +53,35 @@ def kvbench(installed, *args, timeout=240):
     _, py, work = installed
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVBENCH_", "PYTHONPATH"))}
     env["HF_HUB_OFFLINE"] = "1"
-    return subprocess.run([py, "-m", "kvbench", *map(str, args)], cwd=work, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [py, "-m", "kvbench", *map(str, args)], cwd=work, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_the_wheel_ships_configs_and_ranks(installed):
     wheel, _, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
-    for f in ("configs/models.toml", "configs/gpus.toml", "configs/bench/seed.toml", "configs/bench/quick.toml",
-              "data/gpt2.tiktoken", "data/README.md", *(f"schemas/{k}.json" for k in KINDS)):  # fmt: skip
+    for f in (
+        "configs/models.toml",
+        "configs/gpus.toml",
+        "configs/bench/seed.toml",
+        "configs/bench/quick.toml",
+        "data/gpt2.tiktoken",
+        "data/README.md",
+        *(f"schemas/{k}.json" for k in KINDS),
+    ):
         assert f"kvbench/{f}" in names, f
 
 
 def test_installed_kvbench_is_the_wheel_not_the_source_tree(installed):
     _, py, work = installed
-    r = subprocess.run([py, "-c", "import kvbench; print(kvbench.__file__)"], cwd=work, capture_output=True,
-                       text=True, env={"PATH": os.environ["PATH"]})  # fmt: skip
+    r = subprocess.run(
+        [py, "-c", "import kvbench; print(kvbench.__file__)"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"]},
+    )
     assert str(ROOT / "src") not in r.stdout and "site-packages" in r.stdout, r.stdout + r.stderr
 
 
@@ -73,8 +93,7 @@ def test_memory_from_any_folder(installed):
 
 
 def test_generate_with_the_bundled_tokenizer(installed):
-    r = kvbench(installed, "generate", "Hello world", "-n", "3", "-m", "gpt2-tiny", "--weights", "random",
-                "--device", "cpu", "--json")  # fmt: skip
+    r = kvbench(installed, "generate", "Hello world", *"-n 3 -m gpt2-tiny --weights random --device cpu --json".split())
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["settings"]["tokenizer"] == "bundled:gpt2.tiktoken"
@@ -83,9 +102,12 @@ def test_generate_with_the_bundled_tokenizer(installed):
 
 def test_bench_config_by_name(installed):
     _, _, work = installed
-    r = kvbench(installed, "bench", "--config", "quick", "-m", "gpt2-tiny", "--prompt-len", "8", "--new-tokens", "3",
-                "--caches", "none,static", "--engine", "kvbench", "--repeats", "1", "--threads", "1",
-                "--out", work / "run")  # fmt: skip
+    r = kvbench(
+        installed,
+        *"bench --config quick -m gpt2-tiny --prompt-len 8 --new-tokens 3 --caches none,static".split(),
+        *"--engine kvbench --repeats 1 --threads 1 --out".split(),
+        work / "run",
+    )
     assert r.returncode == 0, r.stderr
     assert (work / "run" / "summary.csv").read_text().count("\nkvbench,") == 2
     assert json.loads((work / "run" / "meta.json").read_text())["config_file"].endswith("quick.toml")

@@ -47,8 +47,11 @@ def test_every_causal_lm_type_has_a_tiny_config():
     assert len(types) > 150 and {"llama", "gpt2", "gemma4_text", "mamba"} <= set(types)
     c = tiny_config("llama")
     assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]) == (
-        64, 2, 4, 2,
-    )  # fmt: skip
+        64,
+        2,
+        4,
+        2,
+    )
     hybrid = tiny_config("gemma3_text")  # one layer of each kind survives the cut
     assert sorted(set(hybrid["layer_types"])) == ["full_attention", "sliding_attention"]
     assert tiny_config("bart")["is_decoder"] and not tiny_config("bart")["is_encoder_decoder"]
@@ -156,9 +159,7 @@ def test_gpt_neo_static_defect_matches_plain_transformers(tmp_path):
     from the end of the static buffer)."""
     from transformers import StaticCache
 
-    loaded, rows, _ = verify(
-        tmp_path, "gpt_neo", caches=("dynamic", "static"), checks=("logits",), prompt=20, new=8
-    )
+    loaded, rows, _ = verify(tmp_path, "gpt_neo", caches=("dynamic", "static"), checks=("logits",), prompt=20, new=8)
     assert rows["logits", "dynamic"].passed and not rows["logits", "static"].passed
     model = loaded.model
     ids = torch.randint(10, 1000, (1, 20), generator=torch.Generator().manual_seed(1))
@@ -172,12 +173,18 @@ def test_gpt_neo_static_defect_matches_plain_transformers(tmp_path):
 @pytest.mark.slow  # scripts/zoo.py twice, each type in a fresh Python
 def test_the_sweep_writes_rows_as_it_goes_and_resumes(tmp_path):
     out = tmp_path / "zoo"
-    cmd = [sys.executable, str(ROOT / "scripts" / "zoo.py"), "--out", str(out), "--new-tokens", "4",
-           "--caches", "none,dynamic"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "zoo.py"),
+        "--out",
+        str(out),
+        "--new-tokens",
+        "4",
+        "--caches",
+        "none,dynamic",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    first = subprocess.run(
-        [*cmd, "--types", "openai-gpt,xlm"], capture_output=True, text=True, env=env, timeout=300
-    )
+    first = subprocess.run([*cmd, "--types", "openai-gpt,xlm"], capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr
     rows = (out / "zoo.csv").read_text().splitlines()
     assert len(rows) == 3 and rows[1].startswith("openai-gpt,0,") and rows[2].startswith("xlm,2,"), rows
@@ -193,8 +200,9 @@ def test_the_sweep_writes_rows_as_it_goes_and_resumes(tmp_path):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "kvbench", *args], capture_output=True, text=True, env=env,
-                          timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvbench", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_json_stays_one_document_when_the_model_prints(tmp_path, monkeypatch):
@@ -212,8 +220,15 @@ def test_json_stays_one_document_when_the_model_prints(tmp_path, monkeypatch):
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(LlamaForCausalLM, "forward", chatty)
-    r = CliRunner().invoke(app, ["verify", "--hf", str(config_file(tmp_path, "llama")), "--device", "cpu",
-                                 "--caches", "dynamic", "--new-tokens", "4", "--json"])  # fmt: skip
+    r = CliRunner().invoke(
+        app,
+        [
+            "verify",
+            "--hf",
+            str(config_file(tmp_path, "llama")),
+            *"--device cpu --caches dynamic --new-tokens 4 --json".split(),
+        ],
+    )
     assert r.exit_code in (0, 1) and json.loads(r.stdout)["checks"], r.output
     assert "a model that talks on stdout" in r.stderr
 
@@ -229,9 +244,13 @@ def test_json_stays_one_document_when_refused(tmp_path):
 @pytest.mark.slow  # a fresh Python
 def test_bench_hf_times_only_what_the_model_has(tmp_path):
     """bench --hf follows verify's rules: a model without a KV cache times `none` only, and says why."""
-    r = _cli("bench", "--hf", str(config_file(tmp_path, "openai-gpt")), "--device", "cpu", "--prompt-len", "8",
-             "--new-tokens", "4", "--repeats", "1", "--warmup", "0", "--caches", "none,dynamic,static",
-             "--out", str(tmp_path / "run"))  # fmt: skip
+    r = _cli(
+        "bench",
+        "--hf",
+        str(config_file(tmp_path, "openai-gpt")),
+        *"--device cpu --prompt-len 8 --new-tokens 4 --repeats 1 --warmup 0 --caches none,dynamic,static --out".split(),
+        str(tmp_path / "run"),
+    )
     assert r.returncode == 0, r.stderr
     assert "dynamic, static not timed: OpenAIGPTLMHeadModel has no KV cache" in r.stderr
     rows = (tmp_path / "run" / "summary.csv").read_text().splitlines()
@@ -290,15 +309,18 @@ def test_the_sweep_refuses_bad_input_in_one_line(tmp_path, args, message):
     (tmp_path / "FILE").write_text("x")
     (tmp_path / "BADTABLE").mkdir()
     (tmp_path / "BADTABLE" / "zoo.csv").write_text("a,b\n1,2\n")
-    (
-        tmp_path / "OTHER"
-    ).mkdir()  # a table made with --new-tokens 4: resuming it with 8 would mix two settings
-    (tmp_path / "OTHER" / "zoo.csv").write_text(",".join(("type", "exit", "seconds", "verdict", "failing", "skips",
-                                                          "error")) + "\n")  # fmt: skip
+    (tmp_path / "OTHER").mkdir()  # a table made with --new-tokens 4: resuming it with 8 would mix two settings
+    (tmp_path / "OTHER" / "zoo.csv").write_text(
+        ",".join(("type", "exit", "seconds", "verdict", "failing", "skips", "error")) + "\n"
+    )
     (tmp_path / "OTHER" / "zoo.json").write_text('{"caches": "none,dynamic,static", "new_tokens": 4}')
     args = [str(tmp_path / a) if a in ("FILE", "BADTABLE", "OTHER") else a for a in args]
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "zoo.py"), "--types", "xlm", *args],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "zoo.py"), "--types", "xlm", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert (tmp_path / "BADTABLE" / "zoo.csv").read_text() == "a,b\n1,2\n"  # nothing overwritten
 
@@ -335,7 +357,4 @@ def test_an_exception_whose_first_line_introduces_the_next_keeps_it():
 
     e = ValueError("Validation error for field 'index_topk':\n    TypeError: must be an int\nmore")
     assert one_line(e) == "ValueError: Validation error for field 'index_topk': TypeError: must be an int"
-    assert (
-        one_line(ValueError("first\nsecond")) == "ValueError: first"
-        and one_line(ValueError()) == "ValueError"
-    )
+    assert one_line(ValueError("first\nsecond")) == "ValueError: first" and one_line(ValueError()) == "ValueError"

@@ -143,9 +143,15 @@ GAP = 2  # characters between two columns of a fitted table: its divider and one
 
 
 def fitted(
-    title: str | Text | None, columns: list[str], rows: list[list[Any]], width: int, keys: int = 1,
-    justify: list[str] | None = None, header: bool = True, wrap: tuple[int | str, ...] = (),
-) -> list[Text | Table]:  # fmt: skip
+    title: str | Text | None,
+    columns: list[str],
+    rows: list[list[Any]],
+    width: int,
+    keys: int = 1,
+    justify: list[str] | None = None,
+    header: bool = True,
+    wrap: tuple[int | str, ...] = (),
+) -> list[Text | Table]:
     """The title (a line of its own, wrapped to the console), then `rows` under `columns` laid out in `width`
     characters, every cell in at most two lines:
 
@@ -165,8 +171,7 @@ def fitted(
     head2 = [max(_narrowest([h], 2), *(_widest([r[i]]) for r in body)) for i, h in enumerate(heads)]
     wraps = [i in wrap or c in wrap for i, c in enumerate(columns)]
     two = [
-        min(head2[i], _narrowest([h, *(r[i] for r in body)], 2)) if wraps[i] else head2[i]
-        for i, h in enumerate(heads)
+        min(head2[i], _narrowest([h, *(r[i] for r in body)], 2)) if wraps[i] else head2[i] for i, h in enumerate(heads)
     ]
 
     def layout(which: list[int]) -> list[int] | None:
@@ -182,9 +187,7 @@ def fitted(
 
     def build(which: list[int]) -> Table:
         widths = layout(which)
-        t = Table(
-            box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), show_header=header
-        )
+        t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), show_header=header)
         for n, i in enumerate(which):
             w = None if widths is None else widths[n]  # None: too narrow for any layout, Rich squeezes it
             t.add_column(heads[i], justify=justify[i], width=w, no_wrap=w == one[i], overflow="fold")

@@ -20,9 +20,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise KVBenchError(
-                f"--device {name}: CUDA is not available on this machine (use --device cpu or auto)"
-            )
+            raise KVBenchError(f"--device {name}: CUDA is not available on this machine (use --device cpu or auto)")
         dev = torch.device(name)
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise KVBenchError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")

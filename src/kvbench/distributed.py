@@ -31,9 +31,7 @@ from kvbench.errors import KVBenchError
 # A rank whose collective failed because another rank failed, exited or hung first: it exits with this status and
 # says nothing, so the run's one line names the rank that caused it (EX_TEMPFAIL).
 PEER_LOST = 75
-DEFAULT_TIMEOUT_S = (
-    300  # a collective that waits longer means a rank is lost (loading gpt2-xl on one core: ~60 s)
-)
+DEFAULT_TIMEOUT_S = 300  # a collective that waits longer means a rank is lost (loading gpt2-xl on one core: ~60 s)
 
 
 def in_rank() -> bool:
@@ -85,8 +83,7 @@ def peer_lost(e: BaseException) -> bool:
 
     text = str(e)
     return isinstance(e, dist.DistError) or (
-        isinstance(e, RuntimeError)
-        and any(s in text for s in ("/gloo/", "Connection closed by peer", "NCCL"))
+        isinstance(e, RuntimeError) and any(s in text for s in ("/gloo/", "Connection closed by peer", "NCCL"))
     )
 
 

@@ -33,9 +33,7 @@ _CANONICAL = {s: name for name, spellings in SPELLINGS.items() for s in spelling
 
 def accepted(names: Sequence[str], extra: Sequence[str] = ()) -> str:
     """The accepted spellings of `names` in one phrase: 'fp32 (float32, float), fp16 (float16, half), ... or auto'."""
-    parts = [
-        name + (f" ({', '.join(SPELLINGS[name][1:])})" if len(SPELLINGS[name]) > 1 else "") for name in names
-    ]
+    parts = [name + (f" ({', '.join(SPELLINGS[name][1:])})" if len(SPELLINGS[name]) > 1 else "") for name in names]
     parts += list(extra)
     return ", ".join(parts[:-1]) + " or " + parts[-1] if len(parts) > 1 else parts[0]
 

@@ -96,9 +96,7 @@ def _stat(path: Path, label: str) -> os.stat_result:
     except FileNotFoundError:
         raise KVBenchError(f"{label}: file not found") from None
     except NotADirectoryError:
-        raise KVBenchError(
-            f"{label}: file not found (a part of the path is a file, not a directory)"
-        ) from None
+        raise KVBenchError(f"{label}: file not found (a part of the path is a file, not a directory)") from None
     except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
         raise KVBenchError(f"cannot read {label}: {getattr(e, 'strerror', None) or e}") from None
 
@@ -110,9 +108,7 @@ def check_file(path: str | os.PathLike, label: str, fix: str = "") -> Path:
     return p
 
 
-def read_bytes(
-    path: str | os.PathLike, label: str, max_bytes: int, noun: str = "a file", fix: str = ""
-) -> bytes:
+def read_bytes(path: str | os.PathLike, label: str, max_bytes: int, noun: str = "a file", fix: str = "") -> bytes:
     """The whole of the regular file at `path`, at most `max_bytes` long; one line naming `label` otherwise.
 
     noun: what such a file is, for the size message ("a config", "a prompts file")."""
@@ -149,9 +145,7 @@ def _read_at_most(fd: int, limit: int, label: str) -> bytes:
     return b"".join(parts)
 
 
-def read_text(
-    path: str | os.PathLike, label: str, max_bytes: int, noun: str = "a file", fix: str = ""
-) -> str:
+def read_text(path: str | os.PathLike, label: str, max_bytes: int, noun: str = "a file", fix: str = "") -> str:
     """The file as UTF-8 text (a leading byte-order mark kept: callers that split lines decide)."""
     data = read_bytes(path, label, max_bytes, noun, fix)
     try:

@@ -22,9 +22,7 @@ from typing import Any
 class Flag:
     """A field's command-line declaration (the field's metadata under "cli")."""
 
-    decls: tuple[
-        str, ...
-    ]  # "--new-tokens", "-n" (or "--profile/--no-profile"); none for a positional argument
+    decls: tuple[str, ...]  # "--new-tokens", "-n" (or "--profile/--no-profile"); none for a positional argument
     help: str
     cli_type: Any = None  # the command line's type when it differs from the field's (None: the field's own)
     argument: bool = False  # positional, not an option

@@ -102,9 +102,7 @@ def not_with_hf(**given: bool) -> None:
     """Options that choose our GPT-2 have no meaning with --hf: name the first one given."""
     for flag, on in given.items():
         if on:
-            raise KVBenchError(
-                f"{flag} chooses kvbench's own GPT-2; with --hf the model is SOURCE, drop {flag}"
-            )
+            raise KVBenchError(f"{flag} chooses kvbench's own GPT-2; with --hf the model is SOURCE, drop {flag}")
 
 
 # --- the model's context ---------------------------------------------------------------------------------------------
@@ -196,9 +194,14 @@ def sampling_rules(temperature: float, top_k: int | None, seed_: int) -> None:
 
 
 def draft_rules(
-    draft: str, draft_tokens: int | None, ngram: int | None, cache: str, n_prompts: int, temperature: float,
+    draft: str,
+    draft_tokens: int | None,
+    ngram: int | None,
+    cache: str,
+    n_prompts: int,
+    temperature: float,
     compile: str,
-) -> None:  # fmt: skip
+) -> None:
     """--draft and its settings: a known method; --draft-tokens and --ngram only with prompt-lookup, within their
     bounds; prompt-lookup only where it runs: one prompt, greedy, eager, a cache that can crop (a probe layer cache
     is built on a tiny CPU config to ask it)."""
@@ -209,9 +212,7 @@ def draft_rules(
     if draft == "none":
         for flag, value in (("--draft-tokens", draft_tokens), ("--ngram", ngram)):
             if value is not None:
-                raise KVBenchError(
-                    f"{flag} {value} has no effect without --draft prompt-lookup; add it or drop {flag}"
-                )
+                raise KVBenchError(f"{flag} {value} has no effect without --draft prompt-lookup; add it or drop {flag}")
         return
     if draft_tokens is not None:
         integer("--draft-tokens", draft_tokens, 1, MAX_DRAFT_TOKENS)
@@ -219,13 +220,9 @@ def draft_rules(
         integer("--ngram", ngram, 1, MAX_NGRAM)
     what = "--draft prompt-lookup decodes one prompt greedily"
     if n_prompts != 1:
-        raise KVBenchError(
-            f"{what} (batch 1); {n_prompts} prompts were given: give one prompt, or drop --draft"
-        )
+        raise KVBenchError(f"{what} (batch 1); {n_prompts} prompts were given: give one prompt, or drop --draft")
     if temperature > 0:
-        raise KVBenchError(
-            f"{what}; --temperature {temperature:g} samples: use --temperature 0, or drop --draft"
-        )
+        raise KVBenchError(f"{what}; --temperature {temperature:g} samples: use --temperature 0, or drop --draft")
     if compile != "off":
         raise KVBenchError(
             f"--compile {compile} compiles static-graph's fixed-shape decode step, which --draft does not run "
@@ -277,9 +274,7 @@ def tp_shape_rules(tp: int, what: str, heads: int, kv_heads: int, width: int | N
     in its first forward (transformers #48307)."""
     if tp == 1:
         return
-    parts = [("attention heads", heads), ("key/value heads", kv_heads)] + (
-        [("MLP width", width)] if width else []
-    )
+    parts = [("attention heads", heads), ("key/value heads", kv_heads)] + ([("MLP width", width)] if width else [])
     for name, n in parts:
         if n % tp:
             raise KVBenchError(
@@ -306,8 +301,14 @@ def verify_rules(o: Any) -> None:
         only_with_hf(o.hf, **{"--trust-remote-code": o.trust_remote_code, "--layers": o.layers is not None})
         reference(o.reference)
     else:
-        not_with_hf(**{"--model": o.model is not None, "--weights": o.weights != "auto",
-                       "--reference": o.reference != "hf", "--compile": o.compile != "off"})  # fmt: skip
+        not_with_hf(
+            **{
+                "--model": o.model is not None,
+                "--weights": o.weights != "auto",
+                "--reference": o.reference != "hf",
+                "--compile": o.compile != "off",
+            }
+        )
 
 
 def break_rules(o: Any) -> None:
@@ -447,9 +448,7 @@ def _random_fill_rules(s: Any) -> None:
             f"without a prefill); drop {', '.join(others)}"
         )
     if s.order != "sequential":
-        raise KVBenchError(
-            "--order interleaved applies to prefill sweeps; --fill random holds one cache at a time"
-        )
+        raise KVBenchError("--order interleaved applies to prefill sweeps; --fill random holds one cache at a time")
     if s.profile:
         raise KVBenchError("--profile traces prefill sweeps; it does not apply to --fill random")
     if len(s.batch) > 1:
@@ -500,12 +499,20 @@ def memory_rules(o: Any, batches: list[int]) -> None:
         raise KVBenchError("use --gpu or --gpu-mem, not both")
     runs = ({"measure"} if o.measure else set()) | ({"copy"} if o.copy_traffic else set()) or {"plan"}
     given = {
-        "--from": o.from_ is not None, "--to": o.to is not None, "--lengths": o.lengths is not None,
-        "--device": o.device is not None, "--caches": o.caches is not None, "--gpu": o.gpu is not None,
-        "--gpu-mem": o.gpu_mem is not None, "--tp": o.tp is not None, "--weights-dtype": o.weights_dtype is not None,
+        "--from": o.from_ is not None,
+        "--to": o.to is not None,
+        "--lengths": o.lengths is not None,
+        "--device": o.device is not None,
+        "--caches": o.caches is not None,
+        "--gpu": o.gpu is not None,
+        "--gpu-mem": o.gpu_mem is not None,
+        "--tp": o.tp is not None,
+        "--weights-dtype": o.weights_dtype is not None,
         "--tp-engine": o.tp_engine is not None,
-        "--check": o.check, "--bandwidth": o.bandwidth is not None, "--plot": o.plot is not None,
-    }  # fmt: skip
+        "--check": o.check,
+        "--bandwidth": o.bandwidth is not None,
+        "--plot": o.plot is not None,
+    }
     for opt, on in given.items():
         scope, why = _MEMORY_SCOPE[opt]
         if on and not runs & set(scope.split()):

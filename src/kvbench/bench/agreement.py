@@ -63,9 +63,7 @@ def divergences(ref: list[list[int]], got: list[list[int]]) -> tuple[float, dict
 def reference_logits(model, ids: torch.Tensor, ref: list[list[int]], d: int) -> torch.Tensor:
     """(B, V) fp32: the logits `none` computed for token d, one forward over the prompts + ref tokens before d."""
     device = ids.device
-    x = torch.cat(
-        [ids, torch.tensor([r[:d] for r in ref], device=device, dtype=ids.dtype)], dim=1
-    )  # (B, T + d)
+    x = torch.cat([ids, torch.tensor([r[:d] for r in ref], device=device, dtype=ids.dtype)], dim=1)  # (B, T + d)
     positions = torch.arange(x.size(1), device=device).expand(x.size(0), -1)  # (B, T + d)
     return model(x, positions, last_only=True)[:, -1].float().cpu()
 
@@ -97,9 +95,7 @@ def check_tokens(
     except Exception as e:  # explaining is a diagnosis: its failure is reported in the row, the timings stand
         why = " ".join(str(e).split())[:200]
         return TokenCheck(agreement, d0, n, 0, f"flips not explained: {type(e).__name__}: {why}")
-    note = details[0] + (
-        f"; {n - 1} more sequence(s) flipped, {near} of all {n} at near-ties" if n > 1 else ""
-    )
+    note = details[0] + (f"; {n - 1} more sequence(s) flipped, {near} of all {n} at near-ties" if n > 1 else "")
     return TokenCheck(agreement, d0, n, near, ("lossy cache; " if lossy else "") + note)
 
 
@@ -109,9 +105,7 @@ def _explain(ref, got, first, ref_logits, rerun, rtol, atol) -> tuple[int, list[
     near, details, ref_rows = 0, [], {}
     for b, d in sorted(first.items(), key=lambda kv: kv[1]):
         if again[b][: d + 1] != got[b][: d + 1] or d >= len(logits) or d >= len(ref[b]):
-            details.append(
-                f"token {d}: runs of this configuration differ from each other (not deterministic)"
-            )
+            details.append(f"token {d}: runs of this configuration differ from each other (not deterministic)")
             continue
         if d not in ref_rows:
             ref_rows[d] = ref_logits(d)  # one forward per distinct flip position
@@ -120,9 +114,7 @@ def _explain(ref, got, first, ref_logits, rerun, rtol, atol) -> tuple[int, list[
         bound = atol + rtol * float(row.abs().max())
         near += tie and err <= bound
         if tie and err <= bound:
-            details.append(
-                f"token {d}: near-tie, top-2 gap {gap:.3g} <= 2 x logit error {err:.3g} (rounding)"
-            )
+            details.append(f"token {d}: near-tie, top-2 gap {gap:.3g} <= 2 x logit error {err:.3g} (rounding)")
         elif tie:
             details.append(f"token {d}: DIFFERS, logit error {err:.3g} exceeds rounding ({bound:.3g})")
         else:

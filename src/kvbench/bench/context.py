@@ -93,10 +93,8 @@ def fill_random(caches: list, model: GPT, batch: int, context: int, generator: t
     layers afresh would take longer than the steps it prepares; the values do not change a step's time)."""
     cfg, w = model.config, model.lm_head.weight
     T0 = min(FILL_CHUNK, context)
-    k, v = (
-        torch.randn(batch, cfg.n_head, T0, cfg.head_dim, generator=generator).to(w.device, w.dtype)
-        for _ in range(2)
-    )  # (B, H, T0, Dh)
+    shape = (batch, cfg.n_head, T0, cfg.head_dim)  # (B, H, T0, Dh)
+    k, v = (torch.randn(shape, generator=generator).to(w.device, w.dtype) for _ in range(2))
     for start in range(0, context, FILL_CHUNK):
         T = min(FILL_CHUNK, context - start)
         positions = torch.arange(start, start + T, device=w.device).expand(batch, T)  # (B, T)
@@ -155,9 +153,7 @@ def run_context_sweep(
     fix = "use --model gpt2-long (65,536 positions) or shorter contexts"
     validate.fits_context("context", contexts, new_tokens, cfg.block_size, fix, f"{cfg.name}'s")
     if "none" in caches:
-        raise KVBenchError(
-            "--fill random times decode steps over a filled cache; `none` has no cache to fill"
-        )
+        raise KVBenchError("--fill random times decode steps over a filled cache; `none` has no cache to fill")
     total, done, results = len(caches) * len(contexts) * (warmup + repeats), 0, []
 
     def advance(n: int, label: str) -> None:
@@ -170,9 +166,7 @@ def run_context_sweep(
     common = dict(new_tokens=new_tokens, batch=batch, dtype=dtype_name, device=device_label, fill="random")
     for L in contexts:
         for cache in caches:
-            runs, held, status = _measure(
-                model, cache, L, new_tokens, warmup + repeats, batch, g, compile, advance
-            )
+            runs, held, status = _measure(model, cache, L, new_tokens, warmup + repeats, batch, g, compile, advance)
             timed = runs[warmup:]
             b = median_step_bytes(model, cache, L, new_tokens, batch)
             row = _row(common, cache, L, status, timed, b, floor.floor_ms(b, bandwidth), held)
@@ -239,8 +233,19 @@ def _row(
     tpot = describe_ms(steps, (10.0, 50.0, 90.0))  # NaN when no step was timed
     med = tpot["p50"]
     return ContextRow(
-        cache=cache, context=context, **common, status=status, tpot_ms_median=med,
-        tpot_ms_p10=tpot["p10"], tpot_ms_p90=tpot["p90"],
-        floor_ms=floor_ms, x_floor=med / floor_ms, step_bytes=b.total, kv_read_bytes=b.kv, weight_bytes=b.weights,
-        design_bytes=b.design, kv_cache_mib=held / 2**20, repeats=len(timed),
-    )  # fmt: skip
+        cache=cache,
+        context=context,
+        **common,
+        status=status,
+        tpot_ms_median=med,
+        tpot_ms_p10=tpot["p10"],
+        tpot_ms_p90=tpot["p90"],
+        floor_ms=floor_ms,
+        x_floor=med / floor_ms,
+        step_bytes=b.total,
+        kv_read_bytes=b.kv,
+        weight_bytes=b.weights,
+        design_bytes=b.design,
+        kv_cache_mib=held / 2**20,
+        repeats=len(timed),
+    )

@@ -45,9 +45,7 @@ class RunTiming:
     cache_bytes: int | None
     bytes_copied: int | None
     tokens: list[list[int]]
-    logits: list[torch.Tensor] | None = (
-        None  # (B, V) fp32 per token; only in the untimed run that explains flips
-    )
+    logits: list[torch.Tensor] | None = None  # (B, V) fp32 per token; only in the untimed run that explains flips
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
@@ -74,9 +72,14 @@ class _KVBenchConfiguration:
         synchronize(device)
         t0 = time.perf_counter()
         r = generate(
-            self.model, prompts, new_tokens, cache=self.cache, caches=self.caches, record_logits=record_logits,
+            self.model,
+            prompts,
+            new_tokens,
+            cache=self.cache,
+            caches=self.caches,
+            record_logits=record_logits,
             compile=self.compile,
-        )  # fmt: skip
+        )
         synchronize(device)
         total = time.perf_counter() - t0
         return RunTiming(r.ttft_s, r.step_s, total, r.cache_bytes, r.bytes_copied, r.tokens, r.logits)
@@ -158,9 +161,7 @@ class _HFConfiguration:
         self.hf, self.cache, self.compile = hf, cache, compile
 
     def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False) -> RunTiming:
-        r = hf_generate(
-            self.hf, ids, new_tokens, self.cache, compile=self.compile, record_logits=record_logits
-        )
+        r = hf_generate(self.hf, ids, new_tokens, self.cache, compile=self.compile, record_logits=record_logits)
         return RunTiming(r.ttft_s, r.step_s, r.total_s, r.cache_bytes, None, r.tokens, r.logits)
 
     def probe(self, ids: torch.Tensor) -> None:

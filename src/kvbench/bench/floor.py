@@ -75,12 +75,18 @@ def pooled(probes: list[Bandwidth]) -> Bandwidth:
     med = statistics.median
     kernels = {k: med(p.read_by_kernel.get(k, math.nan) for p in probes) for k in first.read_by_kernel}
     return Bandwidth(
-        med(p.read_gbps for p in probes), med(p.copy_gbps for p in probes), first.nbytes, first.device,
-        used=first.used, read_range=(min(p.read_range[0] for p in probes), max(p.read_range[1] for p in probes)),
+        med(p.read_gbps for p in probes),
+        med(p.copy_gbps for p in probes),
+        first.nbytes,
+        first.device,
+        used=first.used,
+        read_range=(min(p.read_range[0] for p in probes), max(p.read_range[1] for p in probes)),
         copy_range=(min(p.copy_range[0] for p in probes), max(p.copy_range[1] for p in probes)),
-        repeats=sum(p.repeats for p in probes), llc_bytes=first.llc_bytes, read_kernel=first.read_kernel,
+        repeats=sum(p.repeats for p in probes),
+        llc_bytes=first.llc_bytes,
+        read_kernel=first.read_kernel,
         read_by_kernel=kernels,
-    )  # fmt: skip
+    )
 
 
 def _last_level_cache_bytes() -> int | None:
@@ -127,9 +133,7 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: 
         except (ValueError, OSError, AttributeError):
             memory = None
     if nbytes is None:
-        nbytes = validate.probe_bytes_setting(os.environ.get(PROBE_ENV, "")) or probe_bytes(
-            device.type, llc, memory
-        )
+        nbytes = validate.probe_bytes_setting(os.environ.get(PROBE_ENV, "")) or probe_bytes(device.type, llc, memory)
     n = nbytes // 8 * 2  # float32 elements, an even count
     nbytes = 4 * n
     x = torch.ones(n, dtype=torch.float32, device=device)
@@ -156,10 +160,17 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: 
     read = reads[kernel]
     copy = [nbytes / t / GB for t in timed(lambda: dst.copy_(src))]  # half read + half written
     return Bandwidth(
-        statistics.median(read), statistics.median(copy), nbytes, str(device),
-        read_range=(min(read), max(read)), copy_range=(min(copy), max(copy)), repeats=repeats, llc_bytes=llc,
-        read_kernel=kernel, read_by_kernel={k: statistics.median(v) for k, v in reads.items()},
-    )  # fmt: skip
+        statistics.median(read),
+        statistics.median(copy),
+        nbytes,
+        str(device),
+        read_range=(min(read), max(read)),
+        copy_range=(min(copy), max(copy)),
+        repeats=repeats,
+        llc_bytes=llc,
+        read_kernel=kernel,
+        read_by_kernel={k: statistics.median(v) for k, v in reads.items()},
+    )
 
 
 @dataclass
@@ -188,11 +199,11 @@ def weight_bytes(cfg: GPTConfig, elt: int, batch: int = 1) -> int:
     C, V = cfg.n_embd, cfg.vocab_size
     per_block = (
         2 * 2 * C  # ln_1, ln_2: weight + bias
-        + C * 3 * C + 3 * C  # c_attn
-        + C * C + C  # attn.c_proj
-        + C * 4 * C + 4 * C  # mlp.c_fc
-        + 4 * C * C + C  # mlp.c_proj
-    )  # fmt: skip
+        + (C * 3 * C + 3 * C)  # c_attn
+        + (C * C + C)  # attn.c_proj
+        + (C * 4 * C + 4 * C)  # mlp.c_fc
+        + (4 * C * C + C)  # mlp.c_proj
+    )
     return elt * (cfg.n_layer * per_block + 2 * C + V * C + 2 * batch * C)
 
 
@@ -230,12 +241,19 @@ def floor_ms(b: StepBytes, bw: Bandwidth) -> float:
 
 
 def decode_floor_ms(
-    cfg: GPTConfig, dtype: torch.dtype, batch: int, prompt_len: int, new_tokens: int, traffic: Traffic | None,
-    bw: Bandwidth, capacity: int | None = None,
-) -> tuple[float, StepBytes]:  # fmt: skip
+    cfg: GPTConfig,
+    dtype: torch.dtype,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    traffic: Traffic | None,
+    bw: Bandwidth,
+    capacity: int | None = None,
+) -> tuple[float, StepBytes]:
     """The floor of the median decode step of a generation. capacity: the buffer's slots (default prompt + new)."""
-    b = step_bytes(cfg, dtype, batch, median_step_context(prompt_len, new_tokens), capacity or prompt_len + new_tokens,
-                   traffic)  # fmt: skip
+    b = step_bytes(
+        cfg, dtype, batch, median_step_context(prompt_len, new_tokens), capacity or prompt_len + new_tokens, traffic
+    )
     return floor_ms(b, bw), b
 
 

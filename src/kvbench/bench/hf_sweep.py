@@ -49,9 +49,7 @@ TOKEN_REFERENCE = (
 
 
 # --- the engine ----------------------------------------------------------------------------------------------------
-def _generate(
-    loaded: LoadedHF, ids: torch.Tensor, new_tokens: int, kwargs: dict, record_logits: bool
-) -> RunTiming:
+def _generate(loaded: LoadedHF, ids: torch.Tensor, new_tokens: int, kwargs: dict, record_logits: bool) -> RunTiming:
     """Greedy-generate exactly `new_tokens` for the (B, T) prompt `ids`, timed per token (hf_engine.timed_generate)."""
     with quiet_transformers():
         t = timed_generate(loaded.model, ids, new_tokens, loaded.pad_token_id, record_logits, **kwargs)
@@ -109,17 +107,15 @@ class HFModelEngine:
     def reference_logits(self, ids: torch.Tensor, ref: list[list[int]], d: int) -> torch.Tensor:
         """(B, V) fp32: the model's logits for token d with no cache, one forward over the prompt and the reference
         tokens before d (what its `none` computed at that step)."""
-        x = torch.cat(
-            [ids, torch.tensor([r[:d] for r in ref], device=ids.device, dtype=ids.dtype)], dim=1
-        )  # (B, T + d)
+        before_d = torch.tensor([r[:d] for r in ref], device=ids.device, dtype=ids.dtype)  # (B, d)
+        x = torch.cat([ids, before_d], dim=1)  # (B, T + d)
         model = self.loaded.model
         # the vocabulary projection of the last position only, as generate asks for it, where the model takes it
-        last = (
-            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        )
+        last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         with quiet_transformers():  # positions as generate feeds them (check/hf_subject.forward_inputs)
-            out = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False, **last,
-                        **forward_inputs(model, x))  # fmt: skip
+            out = model(
+                input_ids=x, attention_mask=torch.ones_like(x), use_cache=False, **last, **forward_inputs(model, x)
+            )
         return out.logits[:, -1].float().cpu()
 
     @staticmethod
@@ -164,9 +160,7 @@ def kv_bytes(shape: HFShape, tokens: int, element_size: int) -> int:
     return sum(2 * w * h * element_size for w, h in zip(widths, held, strict=False))
 
 
-def check_sizes_hf(
-    s: BenchSettings, shape: HFShape, dtype: torch.dtype, device: torch.device
-) -> dict[int, str]:
+def check_sizes_hf(s: BenchSettings, shape: HFShape, dtype: torch.dtype, device: torch.device) -> dict[int, str]:
     """Before any weight is loaded, as bench_settings.check_sizes does for GPT-2: every prompt length + new tokens
     within the model's context, and the weights + the KV cache within the device. Returns the batch sizes
     predicted not to fit (their rows are `oom`); refuses the sweep when none fits."""
@@ -175,9 +169,13 @@ def check_sizes_hf(
     elem = torch.empty((), dtype=dtype).element_size()
     per_sequence = kv_bytes(shape, max(s.prompt_len) + s.new_tokens, elem)
     return oversized_batches(
-        s, shape.parameters * elem, per_sequence, devices.device_memory_bytes(device), f" ({shape.label})",
+        s,
+        shape.parameters * elem,
+        per_sequence,
+        devices.device_memory_bytes(device),
+        f" ({shape.label})",
         ", or --layers",
-    )  # fmt: skip
+    )
 
 
 def sweep_warnings_hf(s: BenchSettings, device: torch.device) -> list[str]:
@@ -260,7 +258,5 @@ def bench_view(loaded: LoadedHF) -> BenchLoaded:
         kv_elements=info.kv_elements,
     )
     head = loaded.model.get_output_embeddings()
-    assert head is not None and hasattr(head, "weight"), (
-        f"{info.architecture} has no output embedding to read"
-    )
+    assert head is not None and hasattr(head, "weight"), f"{info.architecture} has no output embedding to read"
     return BenchLoaded(config, loaded.weights, loaded.random, SweepModel(config, head))

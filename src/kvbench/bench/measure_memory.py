@@ -172,10 +172,7 @@ def measure_caches(
         if ctx > 1
         else "measured: after one 1-token update",
     ]
-    rows = [
-        _measure_one(cname, cfg, spec, fmt, batch, ctx, dtype, dev, predicted)
-        for cname in caches or list(CACHES)
-    ]
+    rows = [_measure_one(cname, cfg, spec, fmt, batch, ctx, dtype, dev, predicted) for cname in caches or list(CACHES)]
     warnings = []
     if past_context(ctx, cfg.block_size):
         warnings.append(

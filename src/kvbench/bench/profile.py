@@ -16,9 +16,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-TOP = (
-    20  # operators per configuration kept in profile_ops.csv (by self time); the rest are summed as "(other)"
-)
+TOP = 20  # operators per configuration kept in profile_ops.csv (by self time); the rest are summed as "(other)"
 
 
 @dataclass
@@ -46,9 +44,7 @@ class Profiled:
 
 def trace_name(engine: str, cache: str, prompt_len: int, batch: int) -> str:
     """A file name for a configuration's trace: its key, with anything but letters, digits, '.', '_', '-' as '-'."""
-    return (
-        re.sub(r"[^A-Za-z0-9._-]", "-", f"{engine}-{cache}-prompt{prompt_len}-batch{batch}") + ".trace.json"
-    )
+    return re.sub(r"[^A-Za-z0-9._-]", "-", f"{engine}-{cache}-prompt{prompt_len}-batch{batch}") + ".trace.json"
 
 
 def profile_run(run, device: torch.device, folder: Path, key: dict) -> Profiled:
@@ -80,15 +76,26 @@ def top_ops(averages, key: dict, on_device: bool) -> list[OpRow]:
     events = sorted(averages, key=side, reverse=True)
     total = sum(side(e) for e in events) or 1.0
     rows = [
-        OpRow(**key, op=e.key, calls=int(e.count), self_cpu_ms=e.self_cpu_time_total / 1e3,
-              self_device_ms=device_us(e) / 1e3, share=side(e) / total)
+        OpRow(
+            **key,
+            op=e.key,
+            calls=int(e.count),
+            self_cpu_ms=e.self_cpu_time_total / 1e3,
+            self_device_ms=device_us(e) / 1e3,
+            share=side(e) / total,
+        )
         for e in events[:TOP]
-    ]  # fmt: skip
+    ]
     rest = events[TOP:]
     if rest:
         rows.append(
-            OpRow(**key, op=f"(other: {len(rest)} operators)", calls=sum(int(e.count) for e in rest),
-                  self_cpu_ms=sum(e.self_cpu_time_total for e in rest) / 1e3,
-                  self_device_ms=sum(device_us(e) for e in rest) / 1e3, share=sum(side(e) for e in rest) / total)
-        )  # fmt: skip
+            OpRow(
+                **key,
+                op=f"(other: {len(rest)} operators)",
+                calls=sum(int(e.count) for e in rest),
+                self_cpu_ms=sum(e.self_cpu_time_total for e in rest) / 1e3,
+                self_device_ms=sum(device_us(e) for e in rest) / 1e3,
+                share=sum(side(e) for e in rest) / total,
+            )
+        )
     return rows

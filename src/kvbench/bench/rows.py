@@ -32,7 +32,8 @@ class SummaryRow:
     ttft_ms_p99: float
     tpot_ms_mean: float  # the pooled decode steps, as tpot_ms_median
     tpot_ms_std: float
-    floor_ms: float  # the bandwidth floor of the median decode step: step_bytes / measured read bandwidth (bench/floor.py)
+    # the bandwidth floor of the median decode step: step_bytes / measured read bandwidth (bench/floor.py)
+    floor_ms: float
     x_floor: float  # tpot_ms_median / floor_ms; empty for `none` (no cache: the floor does not apply)
     # bytes the median decode step moves: weights, K/V read and written, the design's copies
     step_bytes: float

@@ -61,9 +61,7 @@ class BenchSettings:
         "e.g. 256,1k,4k,16k (default: 16,128,512).",
     )
     # generated tokens per run (the first from the prefill, the rest decode steps)
-    new_tokens: int = option(
-        "--new-tokens", "-n", default=400, help="Tokens generated per run (default: 400)."
-    )
+    new_tokens: int = option("--new-tokens", "-n", default=400, help="Tokens generated per run (default: 400).")
     caches: list[str] = option(
         "--caches",
         default_factory=_all_caches,
@@ -91,9 +89,7 @@ class BenchSettings:
     warmup: int = option(
         "--warmup", default=1, help="Runs before the timed ones; the first is reported as cold (default: 1)."
     )
-    out: str | None = option(
-        "--out", "-o", default=None, help="Run folder (default: results/<timestamp>-bench/)."
-    )
+    out: str | None = option("--out", "-o", default=None, help="Run folder (default: results/<timestamp>-bench/).")
     threads: int | None = option(
         "--threads", default=None, help="torch CPU threads (default: torch's default: one per core)."
     )
@@ -148,9 +144,7 @@ def _whole(value, key: str, where: str) -> int:
     m = _INT_TEXT.fullmatch(value.strip()) if isinstance(value, str) else None
     if m:
         return int(m.group(1)) * (K if m.group(2) else 1)
-    raise KVBenchError(
-        f"{where}: {key} must be whole numbers, got {value!r} (a k suffix is x1024: 4k = 4096)"
-    )
+    raise KVBenchError(f"{where}: {key} must be whole numbers, got {value!r} (a k suffix is x1024: 4k = 4096)")
 
 
 def _as_list(key: str, value, where: str, integers: bool) -> list:

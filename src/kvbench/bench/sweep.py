@@ -85,9 +85,7 @@ def failure_status(e: BaseException) -> str:
     if is_out_of_memory(e):
         return "oom"
     text = " ".join(str(e).split())
-    what = (
-        text if isinstance(e, KVBenchError) else f"{type(e).__name__}: {text}" if text else type(e).__name__
-    )
+    what = text if isinstance(e, KVBenchError) else f"{type(e).__name__}: {text}" if text else type(e).__name__
     return f"error: {what[:300]}"
 
 
@@ -150,9 +148,7 @@ def run_sweep(
     # one prompt per sequence of the largest batch that runs; a batch of b decodes its first b (the same text)
     rows = max((b for b in s.batch if b not in oversized), default=1)
     prompts = {p: torch.randint(0, model.config.vocab_size, (rows, p), generator=g) for p in s.prompt_len}
-    refs: dict[
-        tuple[int, int], list[list[int]]
-    ] = {}  # kvbench none's tokens per (prompt, batch): the reference
+    refs: dict[tuple[int, int], list[list[int]]] = {}  # kvbench none's tokens per (prompt, batch): the reference
     results: list[ConfigResult] = []
 
     def emit(c: _Configuration, bw: floor.Bandwidth = bandwidth) -> None:
@@ -162,13 +158,15 @@ def run_sweep(
             on_result(results[-1])
 
     for p, b in dict.fromkeys((p, b) for p, b, _, _ in configs):
+        ids = prompts[p][:b]
+        shared = dict(prompt_len=p, new_tokens=s.new_tokens, batch=b, dtype=dtype_name, device=device_label)
         group = [
-            _Configuration(model, engines[e], prompts[p][:b].to(device), s, progress, dict(
-                engine=e, cache=c, prompt_len=p, new_tokens=s.new_tokens, batch=b, dtype=dtype_name,
-                device=device_label,
-            ), oversized.get(b))
-            for p_, b_, e, c in configs if (p_, b_) == (p, b)
-        ]  # fmt: skip
+            _Configuration(
+                model, engines[e], ids.to(device), s, progress, dict(engine=e, cache=c, **shared), oversized.get(b)
+            )
+            for p_, b_, e, c in configs
+            if (p_, b_) == (p, b)
+        ]
         _run_group(group, s.order, bandwidth, device, emit)
     return results
 
@@ -210,9 +208,7 @@ class _Configuration:
         # runs made back to back (all of them in sequential order; cold and warm-ups, at least one, interleaved)
         self.back_to_back = self.n_runs if s.order == "sequential" else max(s.warmup, 1)
         self.conf, self.runs, self.peaks, self.failure, self.base = None, [], [], None, 0.0
-        self.oversized = (
-            oversized  # predicted not to fit the device: an `oom` row with this reason, never run
-        )
+        self.oversized = oversized  # predicted not to fit the device: an `oom` row with this reason, never run
         if oversized is not None:
             self.failure = "oom"
             progress.advance(self.n_runs, f"{self.label}: oom (predicted: not run)")
@@ -261,9 +257,7 @@ class _Configuration:
             sdpa = watch_sdpa(lambda: conf.probe(ids), prefill_calls=model.config.n_layer)
         except Exception as e:  # a diagnosis, not a measurement: say it failed, keep the row
             sdpa = {"prefill": f"unknown ({type(e).__name__})", "decode": ""}
-        result = _summarise(
-            common, runs, s, self.peaks, engine.weight_bytes(), conf.capture_s, tokens, sdpa, bpt
-        )
+        result = _summarise(common, runs, s, self.peaks, engine.weight_bytes(), conf.capture_s, tokens, sdpa, bpt)
         add_floor(result, model.config, model.lm_head.weight.dtype, bandwidth, runs[-1].cache_bytes)
         result.bandwidth = bandwidth
         if profile_dir is not None:  # after every timed run: the profiler's overhead is in none of them
@@ -272,9 +266,7 @@ class _Configuration:
         return result
 
 
-def add_floor(
-    result: ConfigResult, cfg, dtype: torch.dtype, bw: floor.Bandwidth, cache_bytes: int | None
-) -> None:
+def add_floor(result: ConfigResult, cfg, dtype: torch.dtype, bw: floor.Bandwidth, cache_bytes: int | None) -> None:
     """Fill a completed row's floor_ms, x_floor and step_bytes. The buffer a whole-buffer design attends over
     (static-graph, transformers' StaticCache) is read from the cache the run held: transformers sizes its buffer
     per call, and never smaller than an earlier call's on the same model, so it can exceed prompt + new tokens."""
@@ -318,9 +310,7 @@ def _check_tokens(model, conf, engine, cache, ids, s, ref, runs) -> TokenCheck:
         lossy=lossy,
     )
     unjudged = getattr(engine, "unjudged", lambda n: None)(ids.size(1) + s.new_tokens)
-    if (
-        unjudged and tokens.flips
-    ):  # as verify: a difference the model's own discontinuity allows is not judged
+    if unjudged and tokens.flips:  # as verify: a difference the model's own discontinuity allows is not judged
         tokens.note = f"not judged exact ({unjudged}): {tokens.note}"
     return tokens
 

@@ -29,9 +29,7 @@ def check_percentiles(values: list[float], where: str = "--percentiles") -> list
         raise KVBenchError(f"{where} is empty; give percentiles between 0 and 100, e.g. 50,90,99")
     for q in values:
         if not (isinstance(q, int | float) and not isinstance(q, bool)) or not 0 < q < 100:
-            raise KVBenchError(
-                f"{where}: {q!r} is not a percentile strictly between 0 and 100 (e.g. 50,90,99)"
-            )
+            raise KVBenchError(f"{where}: {q!r} is not a percentile strictly between 0 and 100 (e.g. 50,90,99)")
     return list(dict.fromkeys(float(q) for q in values))
 
 

@@ -23,8 +23,16 @@ from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPTConfig
 
 # The registry, and what a plugin imports from here (docs/caches.md): the contract, a design's facts, the lifecycle probe.
-__all__ = ["CACHES", "CacheSpec", "LayerCache", "Traffic", "get_cache_spec", "make_caches", "missing_lifecycle",
-           "parse_cache_names"]  # fmt: skip
+__all__ = [
+    "CACHES",
+    "CacheSpec",
+    "LayerCache",
+    "Traffic",
+    "get_cache_spec",
+    "make_caches",
+    "missing_lifecycle",
+    "parse_cache_names",
+]
 
 NONE = CacheSpec(
     "none",

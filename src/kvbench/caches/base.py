@@ -54,9 +54,7 @@ class LayerCache:
         self.length = 0
         self.bytes_copied = 0
 
-    def update(
-        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def reset(self) -> None:
@@ -82,14 +80,10 @@ class LayerCache:
         except TypeError:
             raise KVBenchError(f"crop({length!r}): the length must be an integer") from None
         if isinstance(length, bool) or not 0 <= n <= self.length:
-            raise KVBenchError(
-                f"crop({length!r}) outside 0..{self.length}: the cache holds {self.length} tokens"
-            )
+            raise KVBenchError(f"crop({length!r}) outside 0..{self.length}: the cache holds {self.length} tokens")
         return n
 
-    def check_index(
-        self, index: torch.Tensor, batch: int | None, device: torch.device | None
-    ) -> torch.Tensor:
+    def check_index(self, index: torch.Tensor, batch: int | None, device: torch.device | None) -> torch.Tensor:
         """`index` for reorder over `batch` rows: a non-empty 1-D integer tensor of values in 0..batch-1, on any
         device; returned as a long tensor on `device`. batch None (rows not known here): only negative rows are refused."""
         if not isinstance(index, torch.Tensor):

@@ -54,9 +54,7 @@ class Int8Cache(LayerCache):
     def __init__(self, batch, n_head, max_len, head_dim, dtype, device) -> None:
         super().__init__()
         self.dtype = dtype
-        self.k_q = torch.zeros(
-            batch, n_head, max_len, head_dim, dtype=torch.int8, device=device
-        )  # (B, H, L, Dh)
+        self.k_q = torch.zeros(batch, n_head, max_len, head_dim, dtype=torch.int8, device=device)  # (B, H, L, Dh)
         self.v_q = torch.zeros_like(self.k_q)
         sdt = scale_dtype_for(dtype)
         self.k_scale = torch.zeros(batch, n_head, max_len, 1, dtype=sdt, device=device)  # (B, H, L, 1)
@@ -72,9 +70,7 @@ class Int8Cache(LayerCache):
         self.length = end
         k_out = dequantize(self.k_q[:, :, :end], self.k_scale[:, :, :end], self.dtype)  # (B, H, end, Dh)
         v_out = dequantize(self.v_q[:, :, :end], self.v_scale[:, :, :end], self.dtype)
-        self.bytes_copied += (
-            k_out[:, :, :start].nbytes + v_out[:, :, :start].nbytes
-        )  # history re-materialised
+        self.bytes_copied += k_out[:, :, :start].nbytes + v_out[:, :, :start].nbytes  # history re-materialised
         return k_out, v_out
 
     # The lifecycle acts on the stored int8 values and scales: exact for what is stored (nothing re-quantised).

@@ -226,9 +226,7 @@ class PagedCache(LayerCache):
         B, H, T, Dh = k.shape
         assert B == self.batch, f"batch {B} != cache batch {self.batch}"
         start = self.length
-        assert all(n == start for n in self.seq_lens), (
-            f"batched update needs equal lengths, got {self.seq_lens}"
-        )
+        assert all(n == start for n in self.seq_lens), f"batched update needs equal lengths, got {self.seq_lens}"
         end = start + T
         for b in range(B):
             self._own(b, start, end)
@@ -241,9 +239,7 @@ class PagedCache(LayerCache):
         # Read through the block table: gather each sequence's blocks in order (a copy: see the module doc).
         nb = -(-end // self.block_size)
         idx = self.block_table[:, :nb]  # (B, nb)
-        k_all = (
-            self.k_pool[idx].view(B, nb * self.block_size, H, Dh)[:, :end].transpose(1, 2)
-        )  # (B, H, end, Dh)
+        k_all = self.k_pool[idx].view(B, nb * self.block_size, H, Dh)[:, :end].transpose(1, 2)  # (B, H, end, Dh)
         v_all = self.v_pool[idx].view(B, nb * self.block_size, H, Dh)[:, :end].transpose(1, 2)
         self.bytes_copied += 2 * B * H * start * Dh * k.element_size()  # history re-read into a new tensor
         return k_all, v_all

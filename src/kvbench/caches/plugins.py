@@ -69,9 +69,7 @@ def load_reference(ref: str) -> CacheSpec:
         module = importlib.import_module(module_name)
     obj = module
     for part in attr.split("."):
-        with contained(
-            lambda e, part=part: PluginError(f"cache plugin {ref!r}: {did(f'reading {part!r}', e)}")
-        ):
+        with contained(lambda e, part=part: PluginError(f"cache plugin {ref!r}: {did(f'reading {part!r}', e)}")):
             found = hasattr(obj, part)
             obj = getattr(obj, part) if found else obj
         if not found:
@@ -205,17 +203,13 @@ class CheckedCache(LayerCache):
         before = self.length
         with self._calling("update"):
             out = self.inner.update(k, v, positions)
-        if not (
-            isinstance(out, tuple | list) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
-        ):
+        if not (isinstance(out, tuple | list) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
             raise self._fail(f"update must return (k, v) tensors, returned {type(out).__name__}")
         k_out, v_out = out
         length = self.length
         for label, t in (("k", k_out), ("v", v_out)):
             if t.dim() != 4 or tuple(t.shape[:2]) != (B, H) or t.size(3) != Dh:
-                raise self._fail(
-                    f"update returned {label} of shape {tuple(t.shape)}, expected ({B}, {H}, S, {Dh})"
-                )
+                raise self._fail(f"update returned {label} of shape {tuple(t.shape)}, expected ({B}, {H}, S, {Dh})")
             if t.size(2) < length:
                 raise self._fail(f"update returned {t.size(2)} {label} slots but length is {length}")
             if t.dtype != k.dtype:
@@ -223,16 +217,12 @@ class CheckedCache(LayerCache):
             if t.device != k.device:
                 raise self._fail(f"update returned {label} on {t.device}, attention runs on {k.device}")
         if k_out.shape != v_out.shape:
-            raise self._fail(
-                f"update returned k {tuple(k_out.shape)} and v {tuple(v_out.shape)} of different shapes"
-            )
+            raise self._fail(f"update returned k {tuple(k_out.shape)} and v {tuple(v_out.shape)} of different shapes")
         if length < before:
             raise self._fail(f"length went from {before} to {length!r} after an update of {T} token(s)")
         capacity = self.capacity
         if capacity is not None and length > capacity:
-            raise self._fail(
-                f"length {length} exceeds its capacity {capacity} after an update of {T} token(s)"
-            )
+            raise self._fail(f"length {length} exceeds its capacity {capacity} after an update of {T} token(s)")
         return k_out, v_out
 
     def reset(self) -> None:

@@ -52,9 +52,7 @@ class StaticGraphCache(StaticCache):
         size: new buffers, and the runner is dropped (runner_for builds a new one), never replayed on them."""
         idx = self.check_index(index, self.k.size(0), self.k.device)
         if idx.numel() == self.k.size(0):
-            self.k.copy_(
-                self.k.index_select(0, idx)
-            )  # index_select is a new tensor: no row reads a row written
+            self.k.copy_(self.k.index_select(0, idx))  # index_select is a new tensor: no row reads a row written
             self.v.copy_(self.v.index_select(0, idx))
         else:
             super().reorder(idx)

@@ -66,10 +66,16 @@ def require_finite(model: GPT, prompts: list[list[int]], new_tokens: int, cache:
 
 
 def break_fault(
-    model: GPT, name: str, prompts: list[list[int]], new_tokens: int, reference: str = "hf",
-    hf_dir: str | None = None, decode: Callable[[list[int]], str] | None = None, cache: str | None = None,
+    model: GPT,
+    name: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    reference: str = "hf",
+    hf_dir: str | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+    cache: str | None = None,
     tp: Rank | None = None,
-) -> BreakResult:  # fmt: skip
+) -> BreakResult:
     """Run fault `name` against the correct path (its `demo`), run every verify check with the fault in, and show
     it dormant where it cannot fire. `cache`: the cache to carry the fault (default: the fault's own; any cache,
     plugins included, for faults that live outside the cache). `tp`: this process is one rank of a tensor-parallel

@@ -36,18 +36,10 @@ def refuse_non_causal(loaded) -> None:
     try:
         with quiet_transformers():
             full = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
-            part = model(
-                input_ids=ids[:, :PREFIX], attention_mask=torch.ones_like(ids[:, :PREFIX]), use_cache=False
-            )
+            part = model(input_ids=ids[:, :PREFIX], attention_mask=torch.ones_like(ids[:, :PREFIX]), use_cache=False)
     except Exception as e:  # transformers raises many types; any of them means the model cannot run alone
-        what = (
-            str(e)
-            if isinstance(e, KVBenchError)
-            else f"its forward over {PROBE_TOKENS} tokens raised {one_line(e)}"
-        )
-        raise KVBenchError(
-            f"--hf {loaded.source}: {info.architecture} cannot run on its own: {what}"
-        ) from None
+        what = str(e) if isinstance(e, KVBenchError) else f"its forward over {PROBE_TOKENS} tokens raised {one_line(e)}"
+        raise KVBenchError(f"--hf {loaded.source}: {info.architecture} cannot run on its own: {what}") from None
     got, want = full[0, :PREFIX].float().cpu(), part.logits[0].float().cpu()
     if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
         return  # nothing to judge here: every check then fails on the non-finite logits, saying so

@@ -201,9 +201,7 @@ class Fault:
     layer_cache: Callable | None = None
     # (model, fault, prompts, new, cache) -> (correct tokens, faulty tokens, dormant shown, signature measured)
     demo: Callable[..., tuple] | None = None
-    tp: bool = (
-        False  # fires only across tensor-parallel ranks (break --tp 2 or more); in one process it is dormant
-    )
+    tp: bool = False  # fires only across tensor-parallel ranks (break --tp 2 or more); in one process it is dormant
 
     def applies_to(self, cache: str) -> bool:
         return cache != "none" and (self.any_cache or cache == self.cache)
@@ -228,9 +226,7 @@ def mask_signature(model: GPT, prompt: list[int]) -> dict:
     keys = torch.cat([caches[0].k, k], dim=2)  # (1, H, S, Dh), S = T + 1
     S = keys.size(2)
     eye = torch.eye(S, device=device, dtype=q.dtype).expand(1, attn.n_head, S, S)  # V = one-hot per key
-    right = F.scaled_dot_product_attention(q, keys, eye, is_causal=False)[
-        :, :, 0
-    ].float()  # (1, H, S) weights
+    right = F.scaled_dot_product_attention(q, keys, eye, is_causal=False)[:, :, 0].float()  # (1, H, S) weights
     wrong = F.scaled_dot_product_attention(q, keys, eye, is_causal=True)[:, :, 0].float()
     return {
         "keys": S,
@@ -278,9 +274,7 @@ def demo_reuse(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: 
     )
 
 
-def _single(
-    model: GPT, f: Fault, prompt: list[int], new: int, cache: str
-) -> tuple[list[int], list[int], list]:
+def _single(model: GPT, f: Fault, prompt: list[int], new: int, cache: str) -> tuple[list[int], list[int], list]:
     correct = run(model, [prompt], new, cache).tokens[0]
     caches = fresh_caches(model, cache, 1, len(prompt) + new, f)
     return correct, run(model, [prompt], new, cache, f, caches).tokens[0], caches

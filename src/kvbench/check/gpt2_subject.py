@@ -38,9 +38,7 @@ class Injection(Protocol):
     layer_cache: Callable | None
 
 
-def fresh_caches(
-    model: GPT, cache: str, batch: int, max_len: int, fault: Injection | None = None
-) -> list | None:
+def fresh_caches(model: GPT, cache: str, batch: int, max_len: int, fault: Injection | None = None) -> list | None:
     """The caches a check runs on: the design's own, or the injected fault's layer cache (`kvbench break`)."""
     w = model.lm_head.weight
     if fault is not None and fault.layer_cache is not None:
@@ -52,17 +50,20 @@ def fresh_caches(
 
 
 def run(
-    model: GPT, prompts: list[list[int]], new: int, cache: str, fault: Injection | None = None,
-    caches: list | None = None, compile: str = "off",
-) -> GenerationResult:  # fmt: skip
+    model: GPT,
+    prompts: list[list[int]],
+    new: int,
+    cache: str,
+    fault: Injection | None = None,
+    caches: list | None = None,
+    compile: str = "off",
+) -> GenerationResult:
     """Greedy generation with logits recorded, through `generate`; with `fault`, the same loop with the fault's
     rules and caches passed in."""
     if caches is None:
         caches = fresh_caches(model, cache, len(prompts), max(map(len, prompts)) + new, fault)
     kw = {} if fault is None else {"rules": fault.rules}
-    return generate(
-        model, prompts, new, cache=cache, record_logits=True, caches=caches, compile=compile, **kw
-    )
+    return generate(model, prompts, new, cache=cache, record_logits=True, caches=caches, compile=compile, **kw)
 
 
 def as_run(res: GenerationResult) -> Run:
@@ -145,9 +146,14 @@ class GPT2Subject:
     crashes = (KVBenchError, AssertionError, RuntimeError)
 
     def __init__(
-        self, model: GPT2Model, cache: str, fault: Injection | None = None, compile: str = "off",
-        runner: GPT | None = None, tp: int = 1,
-    ) -> None:  # fmt: skip
+        self,
+        model: GPT2Model,
+        cache: str,
+        fault: Injection | None = None,
+        compile: str = "off",
+        runner: GPT | None = None,
+        tp: int = 1,
+    ) -> None:
         spec = get_cache_spec(cache)
         self.model, self.cache, self.fault, self.compile = model, cache, fault, compile
         self.gpt = runner if runner is not None else model.gpt
@@ -192,9 +198,7 @@ class GPT2Subject:
         layer = fresh_caches(self.gpt, self.cache, 1, 1, self.fault)[0]
         lacks = [m for m in members if m in missing_lifecycle(layer)]
         name = type(getattr(layer, "inner", layer)).__name__
-        return (
-            f"{name} has no {', '.join(lacks)} (an optional member of the cache contract)" if lacks else None
-        )
+        return f"{name} has no {', '.join(lacks)} (an optional member of the cache contract)" if lacks else None
 
 
 class GPT2Session:

@@ -34,9 +34,17 @@ def generate_run(loaded: LoadedHF, prompts: list[list[int]], new: int, **kwargs)
     ids = torch.tensor([[loaded.pad_token_id] * (T - len(p)) + p for p in prompts], device=device)  # (B, T)
     mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=device)  # (B, T)
     out = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1,
-        pad_token_id=loaded.pad_token_id, return_dict_in_generate=True, output_logits=True, **kwargs,
-    )  # fmt: skip
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=loaded.pad_token_id,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **kwargs,
+    )
     logits = torch.stack([step.float().cpu() for step in out.logits], dim=1)  # (B, N, V)
     assert logits.shape[1] == new, f"generate returned {logits.shape[1]} logit steps, expected {new}"
     cache = returned_cache(out)
@@ -218,9 +226,7 @@ class HFSession:
 
     def crop(self, length: int) -> None:
         if getattr(self.cache, "is_croppable", True) is False:
-            layers = sorted(
-                {type(x).__name__ for x in getattr(self.cache, "layers", []) if not x.is_croppable}
-            )
+            layers = sorted({type(x).__name__ for x in getattr(self.cache, "layers", []) if not x.is_croppable})
             raise Unsupported(
                 f"transformers declares this {type(self.cache).__name__} not croppable after {self.held} tokens "
                 f"(Cache.is_croppable False: {', '.join(layers)} cannot restore what a rollback would need)"
@@ -243,9 +249,15 @@ def _greedy(loaded: LoadedHF, prompt: list[int], new: int, **kwargs) -> list[int
 def _beams(loaded: LoadedHF, prompt: list[int], new: int, **kwargs) -> list[int]:
     ids = torch.tensor([prompt], device=next(loaded.model.parameters()).device)
     out = loaded.model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-        do_sample=False, num_beams=3, pad_token_id=loaded.pad_token_id, **kwargs,
-    )  # fmt: skip
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        num_beams=3,
+        pad_token_id=loaded.pad_token_id,
+        **kwargs,
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -258,10 +270,12 @@ def generation_features(subject: HFSubject, check: str) -> list[tuple[str, Calla
     if check == "rollback":
         return [
             ("generate(prompt_lookup_num_tokens=3)", partial(_greedy, loaded, prompt_lookup_num_tokens=3, **kw), plain),
-            ("generate(assistant_model=the model itself)", partial(_greedy, loaded, assistant_model=loaded.model, **kw), plain),
-        ]  # fmt: skip
-    if check == "reorder":
-        return [
-            ("generate(num_beams=3)", partial(_beams, loaded, **kw), partial(_beams, loaded, use_cache=False))
+            (
+                "generate(assistant_model=the model itself)",
+                partial(_greedy, loaded, assistant_model=loaded.model, **kw),
+                plain,
+            ),
         ]
+    if check == "reorder":
+        return [("generate(num_beams=3)", partial(_beams, loaded, **kw), partial(_beams, loaded, use_cache=False))]
     return []

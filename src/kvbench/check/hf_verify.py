@@ -32,10 +32,16 @@ CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)
 
 
 def run_hf_verify(
-    loaded: LoadedHF, caches: list[str], prompts: list[list[int]], new_tokens: int = 100,
-    checks: tuple[str, ...] = CHECKS, short_tokens: int = SHORT_TOKENS,
-    on_row: Callable[[CheckRow], None] | None = None, tp=None, shard: LoadedHF | None = None,
-) -> VerifyReport:  # fmt: skip
+    loaded: LoadedHF,
+    caches: list[str],
+    prompts: list[list[int]],
+    new_tokens: int = 100,
+    checks: tuple[str, ...] = CHECKS,
+    short_tokens: int = SHORT_TOKENS,
+    on_row: Callable[[CheckRow], None] | None = None,
+    tp=None,
+    shard: LoadedHF | None = None,
+) -> VerifyReport:
     """Run `checks` for every cache in `caches` (names in HF_CACHES) on `prompts` (prompts[0] is the single-prompt
     checks' prompt; all of them form the batch; prompts[1] is cache_state's second prompt). `tp`: this process is
     one rank (kvbench.distributed.Rank) and `shard` its split of the model: the cached runs go through it, held to
@@ -62,12 +68,16 @@ def run_hf_verify(
         if tp is not None:
             rows, held = hf_tp_rows(subjects, rows, prompts[0], new_tokens, tp, report)
     return VerifyReport(
-        passed=all(r.passed for r in rows if not r.skipped), checks=rows, dtype=dtype_name(target.dtype),
-        new_tokens=new_tokens, prompt_len=len(prompts[0]), batch_lens=lens,
+        passed=all(r.passed for r in rows if not r.skipped),
+        checks=rows,
+        dtype=dtype_name(target.dtype),
+        new_tokens=new_tokens,
+        prompt_len=len(prompts[0]),
+        batch_lens=lens,
         reference="transformers no-cache path (use_cache=False)",
         notes=_notes(loaded, subjects, prompts, new_tokens, short_tokens) + _tp_notes(tp, held),
         rank_cache_bytes=[asdict(b) | {"equal": b.equal} for b in held],
-    )  # fmt: skip
+    )
 
 
 def _tp_notes(tp, held) -> list[str]:
@@ -77,13 +87,13 @@ def _tp_notes(tp, held) -> list[str]:
     from kvbench.check.tp import rank_bytes_notes
 
     where = "transformers' tensor-parallel plan (tp_plan auto)"
-    return [f"{TP_NOTE}; {tp.world} ranks ({tp.backend}) split by {where}, each held to the whole model in its own process",
-            *rank_bytes_notes(held)]  # fmt: skip
+    return [
+        f"{TP_NOTE}; {tp.world} ranks ({tp.backend}) split by {where}, each held to the whole model in its own process",
+        *rank_bytes_notes(held),
+    ]
 
 
-def _notes(
-    loaded: LoadedHF, subjects: list[HFSubject], prompts, new_tokens: int, short_tokens: int
-) -> list[str]:
+def _notes(loaded: LoadedHF, subjects: list[HFSubject], prompts, new_tokens: int, short_tokens: int) -> list[str]:
     info, longest = loaded.info, max(map(len, prompts)) + new_tokens
     notes = [
         prompts_note(prompts, new_tokens, short_tokens, has_ref=False),
@@ -117,9 +127,7 @@ def _model_layers(info: HFModelInfo) -> str:
     if not info.recurrent:
         return f"{info.layers_summary()} attention layers, {heads}"
     if not info.kv_layers:
-        return (
-            f"{info.layers_summary()} layers: no attention, so no KV cache (a fixed-size state per sequence)"
-        )
+        return f"{info.layers_summary()} layers: no attention, so no KV cache (a fixed-size state per sequence)"
     return f"layers {info.layers_summary()}: {info.kv_layers} of {info.n_layers} cache K/V, {heads}"
 
 

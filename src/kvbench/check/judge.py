@@ -55,9 +55,7 @@ class CheckRow:
     name: str  # the check
     cache: str  # the cache checked, as named on the command line
     passed: bool
-    max_abs_diff: float | None = (
-        None  # largest |logit difference| compared (None when no logits were compared)
-    )
+    max_abs_diff: float | None = None  # largest |logit difference| compared (None when no logits were compared)
     first_divergence: int | None = None  # first generated step whose token differs (0 = the prefill's token)
     tolerance: str = ""  # the criterion applied, in words
     detail: str = ""  # what was compared, and why it passed or failed
@@ -103,9 +101,13 @@ class Tolerance:
 
 
 def tolerance(
-    dtype: torch.dtype, lossy: tuple[float, float] | None = None, min_agreement: float | None = None,
-    reference: bool = False, source: str = "", tp: int = 1,
-) -> Tolerance:  # fmt: skip
+    dtype: torch.dtype,
+    lossy: tuple[float, float] | None = None,
+    min_agreement: float | None = None,
+    reference: bool = False,
+    source: str = "",
+    tp: int = 1,
+) -> Tolerance:
     """The dtype's tolerance (against an independent implementation with `reference`), widened to a lossy path's
     own (rtol, atol); across `tp` tensor-parallel ranks, the all-reduce rule (TP_NOTE)."""
     rtol, atol = (REFERENCE_TOLERANCES if reference else TOLERANCES)[dtype]
@@ -153,19 +155,31 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 def compare_tokens(
-    *, name: str, cache: str, dtype: torch.dtype, want: list[int], got: list[int], want_rows: torch.Tensor,
-    got_rows: torch.Tensor, what: str, tol: Tolerance | None = None, want_where: str = NO_CACHE,
+    *,
+    name: str,
+    cache: str,
+    dtype: torch.dtype,
+    want: list[int],
+    got: list[int],
+    want_rows: torch.Tensor,
+    got_rows: torch.Tensor,
+    what: str,
+    tol: Tolerance | None = None,
+    want_where: str = NO_CACHE,
     got_where: str = CACHED,
-) -> CheckRow:  # fmt: skip
+) -> CheckRow:
     """Tokens `got` against `want`, with the (N, V) logit rows each was chosen from: exact (near-ties allowed in
     low precision), or a lossy path's token agreement. `want_where` and `got_where` name the two runs when their
     logits are not finite."""
     bad = not_finite([(want_where, want_rows), (got_where, got_rows)])
     if bad:
         return CheckRow(
-            name=name, cache=cache, passed=False, tolerance="finite logits",
+            name=name,
+            cache=cache,
+            passed=False,
+            tolerance="finite logits",
             detail=f"{what}{'; ' if what else ''}{bad}",
-        )  # fmt: skip
+        )
     n = min(len(want), len(got))
     first = first_diff(want, got)
     upto = n if first is None else first + 1  # inputs are identical up to and including the divergent step
@@ -173,28 +187,36 @@ def compare_tokens(
     if tol is not None and tol.lossy and tol.min_agreement is not None:
         agree = sum(w == g for w, g in zip(want, got, strict=False)) / max(n, 1)
         return CheckRow(
-            name=name, cache=cache, passed=agree >= tol.min_agreement, max_abs_diff=err, first_divergence=first,
+            name=name,
+            cache=cache,
+            passed=agree >= tol.min_agreement,
+            max_abs_diff=err,
+            first_divergence=first,
             tolerance=f"lossy: agree >= {tol.min_agreement:.0%} (its min_greedy_agreement)",
             detail=f"{what}; {agree:.0%} of {n} tokens agree",
-        )  # fmt: skip
+        )
     row = CheckRow(name=name, cache=cache, passed=True, max_abs_diff=err, tolerance="identical tokens")
     if first is None:
         row.detail = f"{what}: all {n} identical"
         return row
     # a flip under tensor parallelism is rounding only where that step's logits are within the tolerance
     reordered = (
-        tol is not None
-        and tol.near_ties
-        and allclose_err(got_rows[first], want_rows[first], tol.rtol, tol.atol)[0]
+        tol is not None and tol.near_ties and allclose_err(got_rows[first], want_rows[first], tol.rtol, tol.atol)[0]
     )
     near_ties = dtype != torch.float32 or reordered
     return _token_flip(row, near_ties, want, got, want_rows[first], got_rows[first], first, what)
 
 
 def _token_flip(
-    row: CheckRow, near_ties: bool, want: list[int], got: list[int], want_row: torch.Tensor,
-    got_row: torch.Tensor, first: int, what: str,
-) -> CheckRow:  # fmt: skip
+    row: CheckRow,
+    near_ties: bool,
+    want: list[int],
+    got: list[int],
+    want_row: torch.Tensor,
+    got_row: torch.Tensor,
+    first: int,
+    what: str,
+) -> CheckRow:
     """An exact path whose tokens differ from step `first`: where `near_ties` are allowed (fp16/bf16, tensor
     parallelism) a flip the logit error explains passes and says so; any other difference fails, naming the step,
     the tokens, the gap and the error."""

@@ -116,9 +116,7 @@ def reorder(s: Subject, prompts: list[list[int]], new: int) -> Trace:
         toks = [toks[i] for i in index]
         for _ in range(max(1, new // 6)):
             # row 0 follows its greedy token, the others a token of the prompt: rows of one history diverge
-            toks = _step(
-                session, trace, hists, [[t if r == 0 else beams[r][r % T]] for r, t in enumerate(toks)]
-            )
+            toks = _step(session, trace, hists, [[t if r == 0 else beams[r][r % T]] for r, t in enumerate(toks)])
     return trace
 
 
@@ -154,14 +152,10 @@ def judge(s: Subject, name: str, trace: Trace) -> CheckRow:
     """Every recorded row against the no-cache forward over the sequence it belongs to."""
     got = torch.stack(trace.rows)  # (R, V)
     want = torch.stack(_no_cache_rows(s, trace.seqs))  # (R, V)
-    bad = not_finite(
-        [("the no-cache forward: the model itself is not finite", want), ("the cached run", got)]
-    )
+    bad = not_finite([("the no-cache forward: the model itself is not finite", want), ("the cached run", got)])
     what = f"{len(trace.rows)} logit rows vs a no-cache forward over each row's sequence"
     if bad:
-        return CheckRow(
-            name=name, cache=s.cache, passed=False, tolerance=s.tol.words, detail=f"{what}; {bad}"
-        )
+        return CheckRow(name=name, cache=s.cache, passed=False, tolerance=s.tol.words, detail=f"{what}; {bad}")
     ok, err = allclose_err(got, want, s.tol.rtol, s.tol.atol)
     if not ok:
         r = first_off(got, want, s.tol)
@@ -205,9 +199,7 @@ def with_features(s: Subject, name: str, row: CheckRow, prompt: list[int], new: 
             row.detail += f"; {feature}: all {len(got)} tokens as without it"
         elif s.tol.lossy:  # a lossy cache may flip tokens: reported, not judged
             agree = sum(a == b for a, b in zip(want, got, strict=False))
-            row.detail += (
-                f"; {feature}: {agree} of {len(got)} tokens as without it (lossy: reported, not judged)"
-            )
+            row.detail += f"; {feature}: {agree} of {len(got)} tokens as without it (lossy: reported, not judged)"
         else:
             row.passed = False
             row.detail += f"; {feature}: token {first} differs ({got[first]} vs {want[first]})"

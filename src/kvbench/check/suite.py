@@ -50,9 +50,13 @@ def check_logits(s: Subject, prompt: list[int], res: Run) -> CheckRow:
     first = None if ok else first_off(got, want, s.tol) + 1
     what = f"decode steps 1..{got.size(0)} vs a full forward over the same prefix"
     return CheckRow(
-        name="logits", cache=s.cache, passed=ok, max_abs_diff=err, tolerance=s.tol.words,
+        name="logits",
+        cache=s.cache,
+        passed=ok,
+        max_abs_diff=err,
+        tolerance=s.tol.words,
         detail=what + (f"; first off at step {first}" if first else ""),
-    )  # fmt: skip
+    )
 
 
 def check_greedy(s: Subject, prompt: list[int], res: Run) -> CheckRow:
@@ -64,13 +68,18 @@ def check_greedy(s: Subject, prompt: list[int], res: Run) -> CheckRow:
         forced = s.model.full_logits(prompt, got)[len(prompt) - 1 :]  # (N, V): no cache, on its own tokens
         agree = sum(a == b for a, b in zip(ref.tokens, got, strict=True))
         what = f"{n} steps vs no cache on the same tokens; {agree} of {n} tokens as {ref.source}"
-        return bounded(
-            name="greedy", cache=s.cache, tol=s.tol, got_rows=res.logits[0], want_rows=forced, what=what
-        )[0]
+        return bounded(name="greedy", cache=s.cache, tol=s.tol, got_rows=res.logits[0], want_rows=forced, what=what)[0]
     return compare_tokens(
-        name="greedy", cache=s.cache, dtype=s.model.dtype, want=ref.tokens, got=got, want_rows=ref.rows,
-        got_rows=res.logits[0], what=ref.words, tol=s.tol,
-    )  # fmt: skip
+        name="greedy",
+        cache=s.cache,
+        dtype=s.model.dtype,
+        want=ref.tokens,
+        got=got,
+        want_rows=ref.rows,
+        got_rows=res.logits[0],
+        what=ref.words,
+        tol=s.tol,
+    )
 
 
 def check_reference(s: Subject, prompt: list[int], res: Run | None, new: int = 0) -> CheckRow:
@@ -91,9 +100,7 @@ def check_reference(s: Subject, prompt: list[int], res: Run | None, new: int = 0
     else:
         ok, err = allclose_err(ours, theirs[T - 1 :], tol.rtol, tol.atol)
         what = f"prefill + {ours.size(0) - 1} decode steps vs HF"
-    return CheckRow(
-        name="reference", cache=s.cache, passed=ok, max_abs_diff=err, tolerance=tol.words, detail=what
-    )
+    return CheckRow(name="reference", cache=s.cache, passed=ok, max_abs_diff=err, tolerance=tol.words, detail=what)
 
 
 def check_batched(s: Subject, prompts: list[list[int]], batch: Run, solo: list[Run]) -> CheckRow:
@@ -105,14 +112,17 @@ def check_batched(s: Subject, prompts: list[list[int]], batch: Run, solo: list[R
     what = f"lengths {', '.join(map(str, lens))} left-padded together vs alone, {n} tokens"
     by_bound = s.tol.lossy and s.tol.min_agreement is None
     runs = (
-        []
-        if by_bound
-        else [(f"the prompt of length {m} alone", r.logits[0]) for m, r in zip(lens, solo, strict=True)]
+        [] if by_bound else [(f"the prompt of length {m} alone", r.logits[0]) for m, r in zip(lens, solo, strict=True)]
     )
     broken = not_finite([*runs, ("the padded batch", batch.logits)])
     if broken:
-        return CheckRow(name="batched", cache=s.cache, passed=False, tolerance="finite logits",
-                        detail=f"{what}; {broken}{'' if s.cached else MODEL_ITSELF}")  # fmt: skip
+        return CheckRow(
+            name="batched",
+            cache=s.cache,
+            passed=False,
+            tolerance="finite logits",
+            detail=f"{what}; {broken}{'' if s.cached else MODEL_ITSELF}",
+        )
     if by_bound:
         return _batched_by_bound(s, prompts, batch, what)
     rows = [
@@ -126,15 +136,13 @@ def check_batched(s: Subject, prompts: list[list[int]], batch: Run, solo: list[R
             got_rows=batch.logits[b],
             what="",
             tol=s.tol,
-        )  # fmt: skip
+        )
         for b, r in enumerate(solo)
     ]
     bad = [b for b, r in enumerate(rows) if not r.passed]
     firsts = [r.first_divergence for r in rows if r.first_divergence is not None]
     if bad:
-        what += "; differs for length " + ", ".join(
-            f"{lens[b]} (from step {rows[b].first_divergence})" for b in bad
-        )
+        what += "; differs for length " + ", ".join(f"{lens[b]} (from step {rows[b].first_divergence})" for b in bad)
         if 0 not in bad:  # the longest prompt has no padding
             what += "; only padded rows differ: " + (
                 "suspect position ids or the padding mask" if s.cached else s.model.left_padding_note()
@@ -142,14 +150,20 @@ def check_batched(s: Subject, prompts: list[list[int]], batch: Run, solo: list[R
     else:
         what += "".join(f"; length {lens[b]}{r.detail}" for b, r in enumerate(rows) if "near-tie" in r.detail)
         if s.tol.lossy:
-            agree = min(sum(x == y for x, y in zip(r.tokens[0], batch.tokens[b], strict=True)) / n
-                        for b, r in enumerate(solo))  # fmt: skip
+            agree = min(
+                sum(x == y for x, y in zip(r.tokens[0], batch.tokens[b], strict=True)) / n for b, r in enumerate(solo)
+            )
             what += f"; worst row: {agree:.0%} of {n} tokens agree"
     err = max(r.max_abs_diff for r in rows)
     return CheckRow(
-        name="batched", cache=s.cache, passed=not bad, max_abs_diff=err, first_divergence=min(firsts, default=None),
-        tolerance=rows[0].tolerance, detail=what,
-    )  # fmt: skip
+        name="batched",
+        cache=s.cache,
+        passed=not bad,
+        max_abs_diff=err,
+        first_divergence=min(firsts, default=None),
+        tolerance=rows[0].tolerance,
+        detail=what,
+    )
 
 
 def _batched_by_bound(s: Subject, prompts: list[list[int]], batch: Run, what: str) -> CheckRow:
@@ -161,7 +175,7 @@ def _batched_by_bound(s: Subject, prompts: list[list[int]], batch: Run, what: st
             got_rows=batch.logits[b],
             want_rows=s.model.full_logits(p, batch.tokens[b])[len(p) - 1 :],
             what="",
-        )  # fmt: skip
+        )
         for b, p in enumerate(prompts)
     ]
     unjudged = next((r for r, _ in rows if r.max_abs_diff is None), None)  # a reference that is not finite
@@ -178,9 +192,7 @@ def _batched_by_bound(s: Subject, prompts: list[list[int]], batch: Run, what: st
     what += f"; beyond the bound for length {', '.join(map(str, bad))}" if bad else ""
     what += f"; worst step {max(rel for _, rel in rows):.1%} of its row scale"
     err = max(r.max_abs_diff for r, _ in rows)
-    return CheckRow(
-        name="batched", cache=s.cache, passed=not bad, max_abs_diff=err, tolerance=s.tol.words, detail=what
-    )
+    return CheckRow(name="batched", cache=s.cache, passed=not bad, max_abs_diff=err, tolerance=s.tol.words, detail=what)
 
 
 def check_cache_state(s: Subject, prev: list[int], prompt: list[int], fresh: Run, new: int) -> CheckRow:
@@ -197,10 +209,18 @@ def check_cache_state(s: Subject, prev: list[int], prompt: list[int], fresh: Run
             detail=f"reuse raised: {e}",
         )
     return compare_tokens(
-        name="cache_state", cache=s.cache, dtype=s.model.dtype, want=fresh.tokens[0], got=reused.tokens[0],
-        want_rows=fresh.logits[0], got_rows=reused.logits[0], what=f"{words} vs fresh, {new} tokens", tol=s.tol,
-        want_where="a fresh cache", got_where="the reused cache",
-    )  # fmt: skip
+        name="cache_state",
+        cache=s.cache,
+        dtype=s.model.dtype,
+        want=fresh.tokens[0],
+        got=reused.tokens[0],
+        want_rows=fresh.logits[0],
+        got_rows=reused.logits[0],
+        what=f"{words} vs fresh, {new} tokens",
+        tol=s.tol,
+        want_where="a fresh cache",
+        got_where="the reused cache",
+    )
 
 
 # --- the driver ------------------------------------------------------------------------------------------------
@@ -210,8 +230,7 @@ def _guarded(s: Subject, names: list[str], fn: Callable[[], list[CheckRow]]) -> 
     except s.crashes as e:
         why = f"the run raised {one_line(e)}"
         return [
-            CheckRow(name=n, cache=s.cache, passed=False, tolerance="runs without error", detail=why)
-            for n in names
+            CheckRow(name=n, cache=s.cache, passed=False, tolerance="runs without error", detail=why) for n in names
         ]
 
 
@@ -249,10 +268,14 @@ def plan(s: Subject, checks: tuple[str, ...], prompts: list[list[int]], new: int
 
 
 def run_checks(
-    subjects: list[Subject], prompts: list[list[int]], new_tokens: int, checks: tuple[str, ...],
-    short_tokens: int = SHORT_TOKENS, on_row: Callable[[CheckRow], None] | None = None,
+    subjects: list[Subject],
+    prompts: list[list[int]],
+    new_tokens: int,
+    checks: tuple[str, ...],
+    short_tokens: int = SHORT_TOKENS,
+    on_row: Callable[[CheckRow], None] | None = None,
     baseline: Subject | None = None,
-) -> list[CheckRow]:  # fmt: skip
+) -> list[CheckRow]:
     """Every check in `checks` for every subject on `prompts` (prompts[0] is the single-prompt checks' prompt and
     cache_state's first; prompts[1] its second; all of them form the batch), rows passed to `on_row` as they come.
 

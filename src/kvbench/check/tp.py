@@ -58,9 +58,7 @@ class Recording(LayerCache):
 
 
 @torch.inference_mode()
-def filled(
-    gpt, make_caches: Callable[[int], list], tokens: list[int], prompt_len: int, mask_rule
-) -> list[Recording]:
+def filled(gpt, make_caches: Callable[[int], list], tokens: list[int], prompt_len: int, mask_rule) -> list[Recording]:
     """Caches of one design filled by `gpt` over `tokens`: the first `prompt_len` in one prefill, then one decode
     step per token, positions explicit; each layer's last returned K/V recorded."""
     device = gpt.lm_head.weight.device
@@ -250,15 +248,17 @@ def hf_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankByt
     kw = generate_kwargs(s.cache)
     got, want = generate_run(s.loaded, [prompt], new, **kw), generate_run(s.model.loaded, [prompt], new, **kw)
     if got.tokens != want.tokens:
-        return skipped(s.cache, "the shard's greedy tokens differ from the whole model's (see greedy): their caches "
-                       "hold different sequences", RANK_CACHE), None  # fmt: skip
+        return skipped(
+            s.cache,
+            "the shard's greedy tokens differ from the whole model's (see greedy): their caches "
+            "hold different sequences",
+            RANK_CACHE,
+        ), None
     layers = [list(getattr(r.cache, "layers", None) or []) for r in (got, want)]
     plain = all(getattr(x, "keys", None) is not None for x in layers[0] + layers[1])
     if not layers[0] or not plain:
         kinds = sorted({type(x).__name__ for x in layers[0]}) or [type(got.cache).__name__]
-        return skipped(
-            s.cache, f"{', '.join(kinds)} holds no plain keys and values per layer to compare", RANK_CACHE
-        )
+        return skipped(s.cache, f"{', '.join(kinds)} holds no plain keys and values per layer to compare", RANK_CACHE)
     heads = rank_heads(s.model.loaded.info.n_kv_heads, tp.rank, tp.world)
     exact = not s.tol.lossy
     rtol = s.tol.rtol if exact else max(s.tol.rtol, LOSSY_SLICE_RTOL)
@@ -273,9 +273,7 @@ def hf_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankByt
     return row, None if planned is None else RankBytes(tp.rank, s.cache, held, measured, planned)
 
 
-def tp_rows(
-    target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp
-) -> list[CheckRow]:
+def tp_rows(target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp) -> list[CheckRow]:
     """Every check of the suite, and rank_cache, for each cache on this rank's shard of `target`'s model; rank 0
     returns every rank's rows merged, the other ranks their own."""
     from kvbench.check.gpt2_subject import GPT2Subject

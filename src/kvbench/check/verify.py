@@ -20,20 +20,26 @@ from kvbench.model.gpt2 import GPT
 def random_prompts(vocab_size: int, prompt_len: int, batch: int, seed: int) -> list[list[int]]:
     """`batch` seeded random prompts of distinct lengths prompt_len, ..., about prompt_len / batch (first is the
     longest: it doubles as the single-prompt checks' prompt)."""
-    assert 2 <= batch <= prompt_len, (
-        f"{batch} distinct prompt lengths up to {prompt_len} (validate.verify_rules)"
-    )
+    assert 2 <= batch <= prompt_len, f"{batch} distinct prompt lengths up to {prompt_len} (validate.verify_rules)"
     g = torch.Generator().manual_seed(seed)
     lens = [-(-prompt_len * (batch - i) // batch) for i in range(batch)]  # ceil: distinct, longest first
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lens]
 
 
 def run_verify(
-    model: GPT, caches: list[str], prompts: list[list[int]], new_tokens: int = 100, reference: str = "hf",
-    hf_dir: str | None = None, fault: Injection | None = None, checks: tuple[str, ...] = CHECKS,
-    short_tokens: int = SHORT_TOKENS, on_row: Callable[[CheckRow], None] | None = None, compile: str = "off",
+    model: GPT,
+    caches: list[str],
+    prompts: list[list[int]],
+    new_tokens: int = 100,
+    reference: str = "hf",
+    hf_dir: str | None = None,
+    fault: Injection | None = None,
+    checks: tuple[str, ...] = CHECKS,
+    short_tokens: int = SHORT_TOKENS,
+    on_row: Callable[[CheckRow], None] | None = None,
+    compile: str = "off",
     tp: Rank | None = None,
-) -> VerifyReport:  # fmt: skip
+) -> VerifyReport:
     """Run `checks` for every cache in `caches` on `prompts` (prompts[0] is the single-prompt checks' prompt; all
     of them form the batch). `fault` injects a bug (faults.Fault) into every cached run. `compile`: how a fixed-shape
     decode step runs (fixed_step.COMPILE_MODES). `tp`: this process is one rank of a tensor-parallel group: the
@@ -51,9 +57,7 @@ def run_verify(
         subjects = [GPT2Subject(target, c, fault, compile) for c in caches]
         rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row)
     else:
-        rows, held = tp_rows(
-            target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp
-        )
+        rows, held = tp_rows(target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp)
     notes = [
         prompts_note(prompts, new_tokens, short_tokens, target.hf is not None),
         "no-cache path = one causal forward over prompt + generated tokens (row T-1+i is step i of the no-cache loop)",
@@ -66,12 +70,16 @@ def run_verify(
     if target.dtype != torch.float32:
         notes.append(LOW_PRECISION_NOTE)
     if tp is not None:
-        notes.append(
-            f"{TP_NOTE}; {tp.world} ranks ({tp.backend}), each held to the whole model in its own process"
-        )
+        notes.append(f"{TP_NOTE}; {tp.world} ranks ({tp.backend}), each held to the whole model in its own process")
         notes += rank_bytes_notes(held)
     return VerifyReport(
-        passed=all(r.passed for r in rows), checks=rows, dtype=dtype_name(target.dtype), new_tokens=new_tokens,
-        prompt_len=len(prompts[0]), batch_lens=lens, reference=REFERENCE if target.hf is not None else "none",
-        notes=notes, rank_cache_bytes=[asdict(b) | {"equal": b.equal} for b in held],
-    )  # fmt: skip
+        passed=all(r.passed for r in rows),
+        checks=rows,
+        dtype=dtype_name(target.dtype),
+        new_tokens=new_tokens,
+        prompt_len=len(prompts[0]),
+        batch_lens=lens,
+        reference=REFERENCE if target.hf is not None else "none",
+        notes=notes,
+        rank_cache_bytes=[asdict(b) | {"equal": b.equal} for b in held],
+    )

@@ -105,8 +105,9 @@ class KVBenchCommand(TyperCommand):
             if code == STDOUT_CLOSED:
                 console.stdout_closed()
             elif self.error_doc is not None and ctx.params.get("json_out"):
-                console.print_json({"schema_version": SCHEMA_VERSION, **self.error_doc, "error": message,
-                                    "exit_code": code})  # fmt: skip
+                console.print_json(
+                    {"schema_version": SCHEMA_VERSION, **self.error_doc, "error": message, "exit_code": code}
+                )
             if message is not None:
                 console.error(message)
             raise typer.Exit(code) from None
@@ -185,8 +186,9 @@ def _parameters(source: type | Given) -> list[inspect.Parameter]:
             if flag.argument
             else typer.Option(*flag.decls, help=flag.help, rich_help_panel=flag.panel)
         )
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                        annotation=Annotated[kind, info]))  # fmt: skip
+        params.append(
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, info])
+        )
     return params
 
 

@@ -56,9 +56,7 @@ class BenchOptions:
     hf: str | None = options.hf_option()
     trust_remote_code: bool = options.trust_option()
     layers: int | None = options.layers_option()
-    given: dict = field(
-        default_factory=dict
-    )  # BenchSettings' options given on the command line, by field name
+    given: dict = field(default_factory=dict)  # BenchSettings' options given on the command line, by field name
 
 
 @dataclass
@@ -105,9 +103,7 @@ def _baseline_run(opts: BenchOptions):
 
         return load_run(opts.baseline, "--baseline")
     if opts.allow_env_change:
-        raise KVBenchError(
-            "--allow-env-change applies to --baseline only (it allows comparing across environments)"
-        )
+        raise KVBenchError("--allow-env-change applies to --baseline only (it allows comparing across environments)")
     return None
 
 
@@ -143,9 +139,7 @@ def _load_gpt2(settings: BenchSettings, out_dir: Path) -> Prepared:
     from kvbench.bench.engines import build_engines
     from kvbench.bench.settings import check_sizes, sweep_warnings
 
-    loaded, dev, dt = load_for_cli(
-        settings.model, settings.weights, settings.device, settings.dtype, settings.seed
-    )
+    loaded, dev, dt = load_for_cli(settings.model, settings.weights, settings.device, settings.dtype, settings.seed)
     oversized = check_sizes(settings, loaded.config, dt, dev)
     engines = build_engines(loaded.model, settings.engine, settings.compile)
     return Prepared(settings, out_dir, loaded, dev, dt, engines, sweep_warnings(settings), None, oversized)
@@ -164,9 +158,7 @@ def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
     planned = B.plan(p.settings, p.engines)
     extra_meta = {
         **(p.extra_meta or {}),
-        "configurations_planned": [
-            {"engine": e, "cache": c, "prompt_len": n, "batch": b} for n, b, e, c in planned
-        ],
+        "configurations_planned": [{"engine": e, "cache": c, "prompt_len": n, "batch": b} for n, b, e, c in planned],
     }
     if base_run is not None:  # the whole baseline check before the sweep: the same identity, rows in common
         from kvbench.results.compare import check_baseline
@@ -183,12 +175,20 @@ def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
         )
         files = run_recorded(
             recorder,
-            lambda progress: B.run_sweep(p.loaded.model, p.settings, recorder.dtype, recorder.device_label,
-                                         on_result=recorder.add, on_progress=progress, engines=p.engines,
-                                         bandwidth=bandwidth, oversized=p.oversized,
-                                         profile_dir=run_dir / "profile"),
+            lambda progress: B.run_sweep(
+                p.loaded.model,
+                p.settings,
+                recorder.dtype,
+                recorder.device_label,
+                on_result=recorder.add,
+                on_progress=progress,
+                engines=p.engines,
+                bandwidth=bandwidth,
+                oversized=p.oversized,
+                profile_dir=run_dir / "profile",
+            ),
             p.engines,
-        )  # fmt: skip
+        )
         _show_bench(opts, recorder, run_dir, files)
     export_rows(opts.export, recorder.summary)
     _exit_if_failed(recorder.summary, lambda r: f"{r.engine} {r.cache} prompt {r.prompt_len} batch {r.batch}")
@@ -205,9 +205,7 @@ def _show_bench(opts: BenchOptions, recorder, run_dir, files: list[Path]) -> Non
     if opts.baseline is not None:  # the bench table is out first, whatever the comparison says
         from kvbench.cli.compare import render_compare, run_compare
 
-        comparison, compare_files = run_compare(
-            opts.baseline, run_dir, allow_env_change=opts.allow_env_change
-        )
+        comparison, compare_files = run_compare(opts.baseline, run_dir, allow_env_change=opts.allow_env_change)
         render_compare(comparison, [], compare_files)
 
 
@@ -242,26 +240,33 @@ def random_fill_sweep(opts: BenchOptions, settings: BenchSettings, out_dir: Path
     if opts.baseline is not None:
         raise KVBenchError("--baseline compares prefill sweeps; it does not apply to --fill random")
     config_path = None if opts.config is None else resolve_config_path(opts.config)
-    loaded, dev, dt = load_for_cli(
-        settings.model, settings.weights, settings.device, settings.dtype, settings.seed
-    )
+    loaded, dev, dt = load_for_cli(settings.model, settings.weights, settings.device, settings.dtype, settings.seed)
     check_sizes(settings, loaded.config, dt, dev, weights_loaded=True)  # the checkpoint's own shape
     bandwidth = measure_bandwidth(dev)
     elt = torch.empty((), dtype=dt).element_size()
     crossover = floor.crossover_context(loaded.config, elt, settings.batch[0])
     # only now: a rejected command leaves no folder behind
     with claimed_run_dir(out_dir, opts.force) as run_dir:
-        recorder = report.ContextRecorder(
-            run_dir, loaded, dev, dt, settings, config_path, bandwidth, crossover
-        )
+        recorder = report.ContextRecorder(run_dir, loaded, dev, dt, settings, config_path, bandwidth, crossover)
         files = run_recorded(
             recorder,
             lambda progress: run_context_sweep(
-                loaded.model, settings.caches, settings.prompt_len, settings.new_tokens, settings.repeats,
-                settings.warmup, settings.batch[0], bandwidth, recorder.dtype, recorder.device_label,
-                seed=settings.seed, on_result=recorder.add, on_progress=progress, compile=settings.compile,
+                loaded.model,
+                settings.caches,
+                settings.prompt_len,
+                settings.new_tokens,
+                settings.repeats,
+                settings.warmup,
+                settings.batch[0],
+                bandwidth,
+                recorder.dtype,
+                recorder.device_label,
+                seed=settings.seed,
+                on_result=recorder.add,
+                on_progress=progress,
+                compile=settings.compile,
             ),
-        )  # fmt: skip
+        )
     if opts.json_out:
         console.print_json(recorder.json_doc())
     else:
@@ -311,9 +316,7 @@ def run_recorded(recorder, sweep, engines: dict | None = None) -> list[Path]:
             recorder.finish("interrupted", engines)
         for text in recorder.plot_notes:
             console.note(text)
-        console.note(
-            f"interrupted: {len(recorder.summary)} completed configuration(s) kept in {recorder.run_dir}"
-        )
+        console.note(f"interrupted: {len(recorder.summary)} completed configuration(s) kept in {recorder.run_dir}")
         if isinstance(e, Terminated):
             console.error("terminated")
             raise typer.Exit(128 + e.signum) from None

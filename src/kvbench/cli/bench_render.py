@@ -44,9 +44,7 @@ def floor_caption(meta: dict, rows: list) -> str:
 
 def wrote_line(files: list, run_dir):
     """The closing line of a sweep: which files were written where."""
-    return line(
-        styled("wrote", "green"), f" {', '.join(p.name for p in files)} ", styled("in", "dim"), f" {run_dir}"
-    )
+    return line(styled("wrote", "green"), f" {', '.join(p.name for p in files)} ", styled("in", "dim"), f" {run_dir}")
 
 
 def _tokens_cell(r):
@@ -97,15 +95,26 @@ def _oom_lines(rows: list) -> None:
 def _bench_row(r, swept: bool) -> list:
     """One row of the bench table; `swept`: a batch sweep, with the batch size after the prompt length."""
     return [
-        r.engine, r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status.split(':')[0]})", "red"),
-        r.prompt_len, *([r.batch] if swept else []),
-        _f(r.ttft_ms, ".1f"), _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p90, ".2f"), _f(r.floor_ms, ".2f"),
-        _times(r.x_floor), _f(r.total_s, ".3f"), _f(r.decode_tokens_per_s, ",.0f"),
-        _times(r.speedup_vs_none), _times(r.speedup_vs_fastest_hf), _tokens_cell(r),
-        _f(r.peak_mem_mib, ".0f"), _f(r.kv_cache_mib, ".2f"),
+        r.engine,
+        r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status.split(':')[0]})", "red"),
+        r.prompt_len,
+        *([r.batch] if swept else []),
+        _f(r.ttft_ms, ".1f"),
+        _f(r.tpot_ms_median, ".2f"),
+        _f(r.tpot_ms_p90, ".2f"),
+        _f(r.floor_ms, ".2f"),
+        _times(r.x_floor),
+        _f(r.total_s, ".3f"),
+        _f(r.decode_tokens_per_s, ",.0f"),
+        _times(r.speedup_vs_none),
+        _times(r.speedup_vs_fastest_hf),
+        _tokens_cell(r),
+        _f(r.peak_mem_mib, ".0f"),
+        _f(r.kv_cache_mib, ".2f"),
         "-" if r.bytes_copied != r.bytes_copied else console.fmt_bytes(int(r.bytes_copied)),
-        _f(r.capture_ms, ".1f"), _f(r.cold_tpot_ms_median, ".2f"),
-    ]  # fmt: skip
+        _f(r.capture_ms, ".1f"),
+        _f(r.cold_tpot_ms_median, ".2f"),
+    ]
 
 
 def _print_table(title: str, cols: list[str], body: list[list], caption: str) -> None:
@@ -125,9 +134,27 @@ def _print_table(title: str, cols: list[str], body: list[list], caption: str) ->
 def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
     batches = list(dict.fromkeys(r.batch for r in rows))
     swept = len(batches) > 1  # a batch sweep: a batch column, and decode tokens/s across the batch
-    cols = ["engine", "cache", "prompt", *(["batch"] if swept else []), "TTFT ms", "TPOT ms", "p90", "floor ms",
-            "x floor", "total s", "tok/s", "speedup", "vs hf", "tokens", "peak MiB", "KV MiB", "copied",
-            "capture ms", "cold TPOT"]  # fmt: skip
+    cols = [
+        "engine",
+        "cache",
+        "prompt",
+        *(["batch"] if swept else []),
+        "TTFT ms",
+        "TPOT ms",
+        "p90",
+        "floor ms",
+        "x floor",
+        "total s",
+        "tok/s",
+        "speedup",
+        "vs hf",
+        "tokens",
+        "peak MiB",
+        "KV MiB",
+        "copied",
+        "capture ms",
+        "cold TPOT",
+    ]
     body = [_bench_row(r, swept) for r in rows]
     title = f"bench: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}"
     if rows:
@@ -165,8 +192,19 @@ def _mb(n: float) -> str:
 
 
 def render_context(rows: list, meta: dict, run_dir, files: list) -> None:
-    cols = ["cache", "context", "TPOT ms", "p10", "p90", "floor ms", "x floor", "step MB", "K/V read MB",
-            "design MB", "KV MiB held"]  # fmt: skip
+    cols = [
+        "cache",
+        "context",
+        "TPOT ms",
+        "p10",
+        "p90",
+        "floor ms",
+        "x floor",
+        "step MB",
+        "K/V read MB",
+        "design MB",
+        "KV MiB held",
+    ]
     title = (
         f"bench --fill random: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}; "
         "caches filled with RANDOM K/V, no prefill, decode steps only"
@@ -181,11 +219,21 @@ def render_context(rows: list, meta: dict, run_dir, files: list) -> None:
     body = []
     for r in rows:
         name = r.cache if r.status == "ok" else styled(f"{r.cache} ({r.status.split(':')[0]})", "red")
-        body.append([
-            name, f"{r.context:,}", _f(r.tpot_ms_median, ".2f"), _f(r.tpot_ms_p10, ".2f"),
-            _f(r.tpot_ms_p90, ".2f"), _f(r.floor_ms, ".2f"), _times(r.x_floor), _mb(r.step_bytes),
-            _mb(r.kv_read_bytes), _mb(r.design_bytes), _f(r.kv_cache_mib, ".1f"),
-        ])  # fmt: skip
+        body.append(
+            [
+                name,
+                f"{r.context:,}",
+                _f(r.tpot_ms_median, ".2f"),
+                _f(r.tpot_ms_p10, ".2f"),
+                _f(r.tpot_ms_p90, ".2f"),
+                _f(r.floor_ms, ".2f"),
+                _times(r.x_floor),
+                _mb(r.step_bytes),
+                _mb(r.kv_read_bytes),
+                _mb(r.design_bytes),
+                _f(r.kv_cache_mib, ".1f"),
+            ]
+        )
     _print_table(title, cols, body, caption)
     for r in rows:
         if r.status.startswith("error"):
@@ -200,12 +248,12 @@ def render_profile(ops: list, per_configuration: int = 3) -> None:
     tbl = Table(
         title="profile: top operators by self time in one warm run of each configuration "
         + ("(device time)" if device else "(CPU time)"),
-        title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-    )  # fmt: skip
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
     for c in ("engine", "cache", "prompt", "batch", "operator", "calls", "self ms", "share"):
-        tbl.add_column(
-            c, no_wrap=c != "operator", justify="left" if c in ("engine", "cache", "operator") else "right"
-        )
+        tbl.add_column(c, no_wrap=c != "operator", justify="left" if c in ("engine", "cache", "operator") else "right")
     shown: dict = {}
     for o in ops:
         key = (o.engine, o.cache, o.prompt_len, o.batch)

@@ -23,9 +23,7 @@ class BreakOptions:
     name: str = option(argument=True, default="all", help="A fault name, or all.")
     prompt: str | None = option("--prompt", "-p", default=None, help="The prompt (default: a built-in one).")
     new_tokens: int = option("--new-tokens", "-n", default=40, help="Tokens per run.")
-    batch: int = option(
-        "--batch", default=3, help="Prompts in the batch for `padding` and the batched check (>= 2)."
-    )
+    batch: int = option("--batch", default=3, help="Prompts in the batch for `padding` and the batched check (>= 2).")
     reference: str = option(
         "--reference", default="hf", help="hf: include the Hugging Face reference check; none: skip."
     )
@@ -81,8 +79,14 @@ def break_(o: BreakOptions) -> None:
     if o.json_out:
         from dataclasses import asdict
 
-        console.print_json({"schema_version": SCHEMA_VERSION, "all_detected": all(r.detected for r in results),
-                            **meta, "bugs": [asdict(r) for r in results]})  # fmt: skip
+        console.print_json(
+            {
+                "schema_version": SCHEMA_VERSION,
+                "all_detected": all(r.detected for r in results),
+                **meta,
+                "bugs": [asdict(r) for r in results],
+            }
+        )
     else:
         render_break_summary(results)
     if not all(r.detected for r in results):
@@ -113,14 +117,17 @@ def _run_faults(o: BreakOptions, on_fault, reports: bool = True):
     loaded, dev, dt, hf_dir = load_for_checks(o.model, o.weights, device, o.dtype, o.seed)
     tok = _tokenizer(o.tokenizer)
     prompts = break_prompts(tok, loaded.config.vocab_size, o.prompt, o.batch, o.seed)
-    validate.fits_context("longest batch prompt (after padding)", max(map(len, prompts)), o.new_tokens,
-                          loaded.config.block_size, "use fewer --new-tokens or a shorter --prompt")  # fmt: skip
+    validate.fits_context(
+        "longest batch prompt (after padding)",
+        max(map(len, prompts)),
+        o.new_tokens,
+        loaded.config.block_size,
+        "use fewer --new-tokens or a shorter --prompt",
+    )
     decode = tok.decode if tok is not None else None
     results = []
     for n in names:
-        results.append(
-            break_fault(loaded.model, n, prompts, o.new_tokens, o.reference, hf_dir, decode, cache, rank)
-        )
+        results.append(break_fault(loaded.model, n, prompts, o.new_tokens, o.reference, hf_dir, decode, cache, rank))
         on_fault(results[-1])
         if reports and not o.json_out:
             render_break(results[-1], o.verbose)

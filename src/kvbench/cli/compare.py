@@ -35,9 +35,7 @@ class CompareOptions:
         default=None,
         help="Exit 1 when any row regresses: slower (TPOT), slower-ttft, memory, comma-separated (the CI gate).",
     )
-    fmt: str = option(
-        "--format", "-f", default="table", help="table (Rich), md (Markdown for a pull request) or json."
-    )
+    fmt: str = option("--format", "-f", default="table", help="table (Rich), md (Markdown for a pull request) or json.")
     allow_env_change: bool = option(
         "--allow-env-change",
         default=False,
@@ -189,14 +187,21 @@ def _agreement(r) -> str:
 def _cells(r) -> list[str]:
     """The numbers of one row, as both the Rich and the Markdown tables show them (verdict left to the caller)."""
     return [
-        f"{_ms(r.tpot_ms_baseline)} → {_ms(r.tpot_ms_candidate)}", _x(r.tpot_ratio), f"{r.ci_low:.3f}–{r.ci_high:.3f}",
+        f"{_ms(r.tpot_ms_baseline)} → {_ms(r.tpot_ms_candidate)}",
+        _x(r.tpot_ratio),
+        f"{r.ci_low:.3f}–{r.ci_high:.3f}",
         f"{r.p_value:.2g}",
-    ]  # fmt: skip
+    ]
 
 
 def _after(r) -> list[str]:
-    return [_x(r.ttft_ratio, 2), _ttft_verdict(r), _x(r.tokens_per_s_ratio, 2), _delta(r.peak_mem_delta_mib),
-            _delta(r.kv_cache_delta_mib, ".3g")]  # fmt: skip
+    return [
+        _x(r.ttft_ratio, 2),
+        _ttft_verdict(r),
+        _x(r.tokens_per_s_ratio, 2),
+        _delta(r.peak_mem_delta_mib),
+        _delta(r.kv_cache_delta_mib, ".3g"),
+    ]
 
 
 def _footer(c) -> list[tuple[str, str]]:
@@ -208,13 +213,15 @@ def _footer(c) -> list[tuple[str, str]]:
     unsteady = [r for r in c.rows if not r.steady]
     if unsteady:
         spread = max(max(r.repeat_spread_baseline, r.repeat_spread_candidate) for r in unsteady)
-        lines.append((
-            "*", f"in {len(unsteady)} row(s) the repeats of one run disagree by more than {c.threshold:.0%} (up to "
-            f"{spread:.0%}): the machine changed speed during the run, so p understates the uncertainty there; "
-            "rerun both on a quiet machine",
-        ))  # fmt: skip
-    lines += [("not compared", f"{row_label(u)} ({printable(u.detail)}): {printable(u.reason)}")
-              for u in c.unmatched]  # fmt: skip
+        lines.append(
+            (
+                "*",
+                f"in {len(unsteady)} row(s) the repeats of one run disagree by more than {c.threshold:.0%} (up to "
+                f"{spread:.0%}): the machine changed speed during the run, so p understates the uncertainty there; "
+                "rerun both on a quiet machine",
+            )
+        )
+    lines += [("not compared", f"{row_label(u)} ({printable(u.detail)}): {printable(u.reason)}") for u in c.unmatched]
     if c.env_changes:
         lines.append(("environment changed (allowed)", describe_changes(c.env_changes)))
     if c.context:
@@ -255,8 +262,14 @@ def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
                 out.print(f"  {text}", markup=False)
         else:
             out.print(line(styled("PASS", "bold green"), f" ({gate}): no regression"))
-    out.print(line(styled("wrote", "green"), f" {', '.join(f.name for f in files)} ", styled("in", "dim"),
-                   f" {files[0].parent}"))  # fmt: skip
+    out.print(
+        line(
+            styled("wrote", "green"),
+            f" {', '.join(f.name for f in files)} ",
+            styled("in", "dim"),
+            f" {files[0].parent}",
+        )
+    )
 
 
 def _render_header(c, same: list[str]) -> None:
@@ -293,8 +306,22 @@ def _compare_table(c) -> tuple[list[str], list[list], str]:
 
     level = f"{c.confidence:.0%}"
     swept = len(_batches(c)) > 1
-    cols = ["engine", "cache", "prompt", *(["batch"] if swept else []), "TPOT ms", "ratio", f"{level} CI", "p",
-            "verdict", "TTFT", "TTFT verdict", "tok/s", "Δpeak MiB", "ΔKV MiB"]  # fmt: skip
+    cols = [
+        "engine",
+        "cache",
+        "prompt",
+        *(["batch"] if swept else []),
+        "TPOT ms",
+        "ratio",
+        f"{level} CI",
+        "p",
+        "verdict",
+        "TTFT",
+        "TTFT verdict",
+        "tok/s",
+        "Δpeak MiB",
+        "ΔKV MiB",
+    ]
     agree = _has_agreement(c)
     if agree:
         cols.append("agreement")
@@ -329,9 +356,22 @@ def markdown(c, fail_on: list[str]) -> str:
     """A Markdown report to paste into a pull request: the table, then the lines under it and the gate."""
     level = f"{c.confidence:.0%}"
     swept = len(_batches(c)) > 1
-    cols = ["engine", "cache", "prompt", *(["batch"] if swept else []), "TPOT ms (base → cand)", "TPOT ratio",
-            f"{level} CI", "p", "verdict", "TTFT ratio", "TTFT verdict", "tokens/s ratio", "Δ peak MiB",
-            "Δ KV MiB"]  # fmt: skip
+    cols = [
+        "engine",
+        "cache",
+        "prompt",
+        *(["batch"] if swept else []),
+        "TPOT ms (base → cand)",
+        "TPOT ratio",
+        f"{level} CI",
+        "p",
+        "verdict",
+        "TTFT ratio",
+        "TTFT verdict",
+        "tokens/s ratio",
+        "Δ peak MiB",
+        "Δ KV MiB",
+    ]
     agree = _has_agreement(c)
     if agree:
         cols.append("token agreement")
@@ -350,9 +390,7 @@ def markdown(c, fail_on: list[str]) -> str:
         "",
         "| " + " | ".join(cols) + " |",
         "|"
-        + "|".join(
-            "---" if i < 2 or cols[i] in ("verdict", "TTFT verdict") else "---:" for i in range(len(cols))
-        )
+        + "|".join("---" if i < 2 or cols[i] in ("verdict", "TTFT verdict") else "---:" for i in range(len(cols)))
         + "|",
     ]
     for r in c.rows:
@@ -375,6 +413,9 @@ def markdown(c, fail_on: list[str]) -> str:
     if fail_on:
         regressions = c.regressions(fail_on)
         gate = ", ".join(fail_on)
-        lines.append(f"- **FAIL** ({gate}): " + "; ".join(map(md, regressions)) if regressions
-                     else f"- PASS ({gate}): no regression")  # fmt: skip
+        lines.append(
+            f"- **FAIL** ({gate}): " + "; ".join(map(md, regressions))
+            if regressions
+            else f"- PASS ({gate}): no regression"
+        )
     return "\n".join(lines) + "\n"

@@ -38,9 +38,7 @@ def prompt_lines(path: Path) -> list[str]:
 class GenerateOptions:
     """One `kvbench generate` command line (validate.generate_rules)."""
 
-    prompt: str | None = option(
-        argument=True, default=None, help="The prompt (or use --prompt / --prompts-file)."
-    )
+    prompt: str | None = option(argument=True, default=None, help="The prompt (or use --prompt / --prompts-file).")
     prompts: list[str] | None = option(
         "--prompt", "-p", default=None, help="A prompt; repeat for a batch decoded together."
     )
@@ -125,8 +123,13 @@ def prepare(o: GenerateOptions) -> Prepared:
             raise KVBenchError(f"prompt {i + 1} encodes to zero tokens")
     cfg = peek_config(o.model, o.weights)
     longest = max(map(len, ids))
-    validate.fits_context("prompt length" if len(ids) == 1 else "longest prompt", longest, o.new_tokens,
-                          cfg.block_size, "use a shorter prompt or fewer --new-tokens")  # fmt: skip
+    validate.fits_context(
+        "prompt length" if len(ids) == 1 else "longest prompt",
+        longest,
+        o.new_tokens,
+        cfg.block_size,
+        "use a shorter prompt or fewer --new-tokens",
+    )
     loaded, dev, dt = load_for_cli(o.model, o.weights, o.device, o.dtype, o.seed)
     validate.compile_mode(o.compile, dev.type)
     vocab = loaded.config.vocab_size
@@ -158,9 +161,15 @@ def run_generation(o: GenerateOptions, p: Prepared) -> tuple[dict, bool]:
     if o.draft == "prompt-lookup":
         k, n = draft_settings(o)
         spec = speculative_generate(
-            p.loaded.model, p.ids, o.new_tokens, cache=o.cache, draft_tokens=k, ngram=n,
-            stop_token=stop_token, on_token=on_token,
-        )  # fmt: skip
+            p.loaded.model,
+            p.ids,
+            o.new_tokens,
+            cache=o.cache,
+            draft_tokens=k,
+            ngram=n,
+            stop_token=stop_token,
+            on_token=on_token,
+        )
         result = spec.generation
     else:
         result = run_generate(

@@ -5,9 +5,16 @@ from __future__ import annotations
 
 
 def load_hf_for_cli(
-    source: str, device: str, dtype: str, seed: int, layers: int | None, trust: bool, init_std: float | None,
-    run: tuple[int, int] | None = None, check=None,
-):  # fmt: skip
+    source: str,
+    device: str,
+    dtype: str,
+    seed: int,
+    layers: int | None,
+    trust: bool,
+    init_std: float | None,
+    run: tuple[int, int] | None = None,
+    check=None,
+):
     """Resolve device and dtype, then load SOURCE (transformers kept quiet; `run` and `check` as in load_hf).
     Returns (loaded, device, dtype)."""
     from kvbench.devices import resolve_device, resolve_dtype
@@ -48,8 +55,16 @@ def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: 
 
         torch.set_num_threads(settings.threads)
     longest, oversized = max(settings.prompt_len) + settings.new_tokens, {}
-    loaded = load_hf(source, dev, dt, settings.seed, layers, trust, run=(min(settings.batch), longest),
-                     check=lambda shape: oversized.update(check_sizes_hf(settings, shape, dt, dev)))  # fmt: skip
+    loaded = load_hf(
+        source,
+        dev,
+        dt,
+        settings.seed,
+        layers,
+        trust,
+        run=(min(settings.batch), longest),
+        check=lambda shape: oversized.update(check_sizes_hf(settings, shape, dt, dev)),
+    )
     refuse_non_causal(loaded)  # token agreement against recomputation means nothing otherwise
     engines = {"hf": HFModelEngine(loaded)}
     untimed = [c for c in settings.caches if not engines["hf"].supports(c)]

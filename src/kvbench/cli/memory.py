@@ -79,14 +79,16 @@ def _measure(req, doc: dict, json_out: bool) -> None:
     name, contexts = req.specs[0].name, req.contexts or [DEFAULT_MEASURE_CTX]
     max_len = max(req.contexts) if req.contexts else None
     check_measure(name, req.batch, contexts, req.kv_dtype, req.device, req.lengths, max_len)
-    reports = [
-        measure_caches(name, req.batch, c, req.kv_dtype, req.device, req.cache_names) for c in contexts
-    ]
+    reports = [measure_caches(name, req.batch, c, req.kv_dtype, req.device, req.cache_names) for c in contexts]
     paged = paged_waste(name, req.lengths, max_len, req.kv_dtype) if req.lengths else None
     doc["measure"] = to_jsonable(reports)
     if paged is not None:
-        doc["paged"] = {**to_jsonable(paged), "static_waste": paged.static_waste,
-                        "paged_waste": paged.paged_waste, "saving": paged.saving}  # fmt: skip
+        doc["paged"] = {
+            **to_jsonable(paged),
+            "static_waste": paged.static_waste,
+            "paged_waste": paged.paged_waste,
+            "saving": paged.saving,
+        }
     for w in (w for r in reports for w in r.warnings):
         console.warn(w)
     if not json_out:
@@ -105,9 +107,7 @@ def _copy_traffic(req, doc: dict, json_out: bool) -> None:
     (n0, n1), traffic = req.copy_range, []
     for spec in req.specs:
         t = copy_traffic(spec, n0, n1, req.batch, req.kv_dtype)
-        t.measured_bytes, t.counter_note = count_copy_traffic(
-            spec.name, n0, n1, req.batch, req.kv_dtype, req.device
-        )
+        t.measured_bytes, t.counter_note = count_copy_traffic(spec.name, n0, n1, req.batch, req.kv_dtype, req.device)
         traffic.append((spec.name, t))
     doc["copy_traffic"] = [dict(model=n, **copy_traffic_json(t)) for n, t in traffic]
     if not json_out:

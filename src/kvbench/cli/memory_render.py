@@ -102,8 +102,11 @@ def _plan_table(p):
             ]
         if floors:
             f = r.decode_floor
-            row += ["-"] * 3 if f is None else [f"{f.floor_ms:.4g} ms", f"{f.tokens_per_s_per_sequence:,.4g}",
-                                                 f"{f.tokens_per_s:,.4g}"]  # fmt: skip
+            row += (
+                ["-"] * 3
+                if f is None
+                else [f"{f.floor_ms:.4g} ms", f"{f.tokens_per_s_per_sequence:,.4g}", f"{f.tokens_per_s:,.4g}"]
+            )
         rows.append(row)
     return fitted(None, cols, rows, out.width, keys=2 if several else 1)
 
@@ -116,9 +119,7 @@ def _plan_key(p) -> str:
     if p.gpu is not None:
         parts += [f"max batch: sequences that fit at this context; max context: at {at}"]
     if any(r.decode_floor is not None for r in p.rows):
-        parts += [
-            "floor/step: the decode floor of one step; tok/s/seq: tokens/s per sequence; tok/s: the batch's"
-        ]
+        parts += ["floor/step: the decode floor of one step; tok/s/seq: tokens/s per sequence; tok/s: the batch's"]
     return "; ".join(parts)
 
 
@@ -167,17 +168,9 @@ def _all_caption(plans: list, gpu) -> str:
     caption = (
         "bytes/token = 2 x layers x kv_heads x head_dim x bytes (MLA: (kv_lora_rank + qk_rope_head_dim) x layers "
         "x bytes)."
-        + (
-            f" * layers capped at their window (sliding or chunked): {', '.join(windowed)}."
-            if windowed
-            else ""
-        )
+        + (f" * layers capped at their window (sliding or chunked): {', '.join(windowed)}." if windowed else "")
         + " † beyond the context the model was trained for, computed anyway."
-        + (
-            " Weights of multimodal models are their language model's."
-            if any(p.model.wrapper for p in plans)
-            else ""
-        )
+        + (" Weights of multimodal models are their language model's." if any(p.model.wrapper for p in plans) else "")
     )
     if gpu is not None:
         tp = plans[0].tp
@@ -204,10 +197,7 @@ def render_all(plans: list, batch: int, kv_dtype: str, weights_dtype: str) -> No
     for p in plans:
         m = p.model
         row = [m.name, f"{m.attention} {m.kv_shape}", str(m.n_layers), fmt_bytes(p.bytes_per_token)]
-        row += [
-            fmt_bytes(r.bytes_batch) + ("*" if r.windowed else "") + ("†" if r.beyond_max else "")
-            for r in p.rows
-        ]
+        row += [fmt_bytes(r.bytes_batch) + ("*" if r.windowed else "") + ("†" if r.beyond_max else "") for r in p.rows]
         if gpu is not None:
             row += [str(r.max_batch) for r in p.rows]
         row += [
@@ -242,13 +232,18 @@ def render_checks(checks: list) -> None:
                 if k.planner_layers == k.transformers_layers
                 else (f"{k.planner_layers} vs {k.transformers_layers}")
             )
-            result = (
-                styled("agrees", "green")
-                if k.agrees
-                else styled(f"differs {notes.ref(k.explanation)}", "yellow")
+            result = styled("agrees", "green") if k.agrees else styled(f"differs {notes.ref(k.explanation)}", "yellow")
+            rows.append(
+                [
+                    fmt_tokens(c.ctx),
+                    k.label,
+                    layers,
+                    fmt_bytes(k.planner_bytes),
+                    fmt_bytes(k.transformers_bytes),
+                    result,
+                    _kv_shape(k.transformers_layer_shape),
+                ]
             )
-            rows.append([fmt_tokens(c.ctx), k.label, layers, fmt_bytes(k.planner_bytes), fmt_bytes(k.transformers_bytes),
-                         result, _kv_shape(k.transformers_layer_shape)])  # fmt: skip
     for x in fitted(title, cols, rows, out.width, keys=2, wrap=("layer kind", "one transformers layer")):
         out.print(x)
     for n in notes.lines():
@@ -259,8 +254,14 @@ def render_checks(checks: list) -> None:
 
         out.print(Text(f"  parameters: {params_line(c0)}"), soft_wrap=True)
     verdict = all(c.agrees for c in checks)
-    out.print(styled("the plan agrees with transformers to the byte" if verdict else "the plan and transformers differ "
-                     "where the notes beneath the table say why", "bold green" if verdict else "bold yellow"))  # fmt: skip
+    out.print(
+        styled(
+            "the plan agrees with transformers to the byte"
+            if verdict
+            else "the plan and transformers differ where the notes beneath the table say why",
+            "bold green" if verdict else "bold yellow",
+        )
+    )
 
 
 def _kv_shape(shape: str) -> str:
@@ -280,9 +281,7 @@ def render_copy_traffic(traffic: list) -> None:
         if t.measured_bytes is None:
             counted = styled(notes.ref(t.counter_note), "dim")
         else:
-            same = (
-                styled("= exact", "green") if t.measured_bytes == t.exact_bytes else styled("differs", "red")
-            )
+            same = styled("= exact", "green") if t.measured_bytes == t.exact_bytes else styled("differs", "red")
             counted = line(f"{t.measured_bytes:,} B ", same, f" {notes.ref(t.counter_note)}")
         rows.append(
             [
@@ -344,7 +343,11 @@ def render_paged(r) -> None:
     rows = [
         ["needed (exactly the tokens held)", fmt_bytes(r.needed_bytes), "-"],
         [f"static: {len(r.lengths)} x {r.max_len} slots reserved", fmt_bytes(r.static_bytes), f"{r.static_waste:.1%}"],
-        [f"paged: {r.blocks_used} blocks of {r.block_size} per layer", fmt_bytes(r.paged_bytes), f"{r.paged_waste:.1%}"],
-    ]  # fmt: skip
+        [
+            f"paged: {r.blocks_used} blocks of {r.block_size} per layer",
+            fmt_bytes(r.paged_bytes),
+            f"{r.paged_waste:.1%}",
+        ],
+    ]
     title = f"paged vs static for sequences of {', '.join(map(str, r.lengths))} tokens"
     out.print(table(title, ["", "KV memory", "waste"], rows, caption=f"paging reserves {r.saving:.1%} less"))

@@ -88,9 +88,7 @@ def _vector(fmt: KVFormat, n: int) -> str:
     if fmt.group_size is None:
         return f"{n} x {fmt.bits / 8:g} B"
     groups = -(-n // fmt.group_size)
-    return (
-        f"({n} x {fmt.bits}/8 B + ceil({n}/{fmt.group_size}) = {groups} groups x {fmt.meta_bytes} B scales)"
-    )
+    return f"({n} x {fmt.bits}/8 B + ceil({n}/{fmt.group_size}) = {groups} groups x {fmt.meta_bytes} B scales)"
 
 
 def _per_token(spec: ModelSpec, fmt: KVFormat, kv_heads: int, total: int, label: str) -> str:
@@ -133,9 +131,7 @@ def _kv_lines(p: ModelPlan, spec: ModelSpec, fmt: KVFormat) -> list[str]:
     """The per-token working: every layer, a hybrid's attention layers only, or no KV cache at all; and how the
     bytes divide over tp GPUs (MLA's latent does not)."""
     if not spec.kv_cache:
-        return [
-            f"per token: no KV cache: no layer of this {spec.family} model attends; each keeps a fixed-size state"
-        ]
+        return [f"per token: no KV cache: no layer of this {spec.family} model attends; each keeps a fixed-size state"]
     line = _per_token(spec, fmt, spec.n_kv_heads, p.bytes_per_token, "per token")
     if spec.model_layers is not None:
         line += (
@@ -178,16 +174,16 @@ def _state_line(p: ModelPlan, spec: ModelSpec, fmt: KVFormat) -> str:
 def _weights_line(p: ModelPlan, spec: ModelSpec) -> str:
     approx = "~" if spec.params_estimated else ""
     wbits, weights = weight_bits(p.weights_dtype), p.weights_bytes
-    line = f"weights: {approx}{fmt_int(spec.params)} params x {wbits / 8:g} B ({p.weights_dtype}) = {fmt_bytes(weights)}"
+    line = (
+        f"weights: {approx}{fmt_int(spec.params)} params x {wbits / 8:g} B ({p.weights_dtype}) = {fmt_bytes(weights)}"
+    )
     if p.tp > 1:
         line += f", {fmt_bytes(p.weights_bytes_per_gpu)} per GPU at tp {p.tp}"
     if spec.wrapper:
         vision = f" (~{fmt_params(spec.vision_params)})" if spec.vision_params else ""
         line += f"  [language model only: the {spec.wrapper} vision tower{vision} is not counted]"
     if approx:
-        line += (
-            "  [estimated from config.json: embeddings, attention, MLP with every expert, norms; no biases]"
-        )
+        line += "  [estimated from config.json: embeddings, attention, MLP with every expert, norms; no biases]"
     return line
 
 
@@ -243,9 +239,7 @@ def _kv_sequence(p: ModelPlan, r: PlanRow) -> str:
 
 def _fit_line(r: PlanRow, budget: GPUBudget) -> str:
     if r.max_ctx_unbounded:
-        longest = (
-            "unbounded context (" + ("no KV cache" if r.tokens_held == 0 else "every layer windowed") + ")"
-        )
+        longest = "unbounded context (" + ("no KV cache" if r.tokens_held == 0 else "every layer windowed") + ")"
     elif r.max_ctx_at_limit:
         longest = f"max context >= {fmt_int(r.max_ctx)} (searched up to {fmt_int(MAX_TOKENS)})"
     else:

@@ -11,9 +11,7 @@ from kvbench.options import option
 
 @dataclass
 class SchemaOptions:
-    kind: str = option(
-        argument=True, help="verify, break, bench (meta.json and bench --json), compare or memory."
-    )
+    kind: str = option(argument=True, help="verify, break, bench (meta.json and bench --json), compare or memory.")
 
 
 @command(SchemaOptions)

@@ -27,12 +27,8 @@ class VerifyOptions:
         "static-compiled, offloaded, offloaded_static, quantized-quanto, quantized-hqq, quantized-fp8.",
     )
     prompt_len: int = option("--prompt-len", default=32, help="Tokens in the longest prompt.")
-    new_tokens: int = option(
-        "--new-tokens", "-n", default=100, help="Greedy tokens for logits/greedy/reference."
-    )
-    batch: int = option(
-        "--batch", default=3, help="Prompts of different lengths in the batched check (>= 2)."
-    )
+    new_tokens: int = option("--new-tokens", "-n", default=100, help="Greedy tokens for logits/greedy/reference.")
+    batch: int = option("--batch", default=3, help="Prompts of different lengths in the batched check (>= 2).")
     reference: str = option(
         "--reference", default="hf", help="hf: also check against transformers' GPT2LMHeadModel; none: skip."
     )
@@ -83,9 +79,7 @@ def verify(o: VerifyOptions) -> None:
     if o.json_out:
         from dataclasses import asdict
 
-        console.print_json(
-            {"schema_version": SCHEMA_VERSION, "passed": report.passed, **meta, **asdict(report)}
-        )
+        console.print_json({"schema_version": SCHEMA_VERSION, "passed": report.passed, **meta, **asdict(report)})
     else:
         render_verify(report, meta, o.verbose)
     if not report.passed:
@@ -151,8 +145,14 @@ def _verify_gpt2(o: VerifyOptions, on_row):
         compile=o.compile,
         tp=rank,
     )
-    meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev), "dtype": report.dtype,
-            "compile": o.compile, "tp": o.tp}  # fmt: skip
+    meta = {
+        "model": loaded.config.name,
+        "weights": loaded.weights,
+        "device": str(dev),
+        "dtype": report.dtype,
+        "compile": o.compile,
+        "tp": o.tp,
+    }
     return report, meta
 
 
@@ -170,9 +170,11 @@ def _verify_hf(o: VerifyOptions, on_row):
 
     def fits(shape) -> None:  # on the meta-device build, before any weight is read
         check_length(
-            shape.info, o.prompt_len + o.new_tokens, f"--prompt-len {o.prompt_len} + --new-tokens {o.new_tokens}",
+            shape.info,
+            o.prompt_len + o.new_tokens,
+            f"--prompt-len {o.prompt_len} + --new-tokens {o.new_tokens}",
             "lower --prompt-len or --new-tokens",
-        )  # fmt: skip
+        )
 
     device, rank, shard = o.device, None, None
     if o.tp > 1:  # one rank of the group: join it, then load the whole model and this rank's split of it
@@ -182,9 +184,17 @@ def _verify_hf(o: VerifyOptions, on_row):
         check_tp_model(o.hf, o.tp, o.trust_remote_code)
         rank = distributed.start(o.tp, resolve_device(o.device), o.tp_timeout)
         device = str(rank.device)
-    loaded, dev, dt = load_hf_for_cli(o.hf, device, o.dtype, o.seed, o.layers, o.trust_remote_code,
-                                      init_std=CHECK_INIT_STD, run=(o.batch, o.prompt_len + o.new_tokens),
-                                      check=fits)  # fmt: skip
+    loaded, dev, dt = load_hf_for_cli(
+        o.hf,
+        device,
+        o.dtype,
+        o.seed,
+        o.layers,
+        o.trust_remote_code,
+        init_std=CHECK_INIT_STD,
+        run=(o.batch, o.prompt_len + o.new_tokens),
+        check=fits,
+    )
     if rank is not None:
         from kvbench.hf.models import load_hf
 

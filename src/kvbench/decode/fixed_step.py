@@ -79,9 +79,7 @@ class _DeviceMask:
         self.allowed, self.rule = allowed, rule  # (B, 1, 1, L) bool
 
     def for_keys(self, S: int) -> tuple[torch.Tensor | None, bool]:
-        assert S == self.allowed.size(-1), (
-            f"fixed-shape step got {S} key slots, buffer has {self.allowed.size(-1)}"
-        )
+        assert S == self.allowed.size(-1), f"fixed-shape step got {S} key slots, buffer has {self.allowed.size(-1)}"
         return self.rule.adjust(1, S, self.allowed, False)
 
 
@@ -129,9 +127,7 @@ def _compiled(mode: str, model: GPT, key: tuple) -> object:
         from torch._inductor import config as inductor_config
 
         f = fixed_decode_step
-        fresh = types.FunctionType(
-            f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__
-        )
+        fresh = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         # Dynamo's guards on the model's modules cost ~0.5 ms a call; this step is already keyed on everything of
         # the model it reads (identity, parameter storage and versions), so only tensor guards stay.
         guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
@@ -177,18 +173,14 @@ class FixedShapeDecoder:
         compile: str = "off",
         mask_rule: MaskRule = EXACT_MASK,
     ) -> None:
-        assert caches and all(isinstance(c, StaticGraphCache) for c in caches), (
-            "needs StaticGraphCache per layer"
-        )
+        assert caches and all(isinstance(c, StaticGraphCache) for c in caches), "needs StaticGraphCache per layer"
         B, H, L, Dh = caches[0].k.shape
         device = caches[0].k.device
         self.model = model
         self.mask_rule = mask_rule
         self.capacity = L
         self.use_graph = device.type == "cuda" if graph is None else graph
-        assert not self.use_graph or device.type == "cuda", (
-            f"CUDA graphs need a CUDA device, caches on {device}"
-        )
+        assert not self.use_graph or device.type == "cuda", f"CUDA graphs need a CUDA device, caches on {device}"
         # the caller's promise (validate.compile_mode): a known mode, max on the CPU only
         assert compile in COMPILE_MODES and (compile != "max" or device.type == "cpu"), (compile, device.type)
         self.compile_mode = compile
@@ -209,9 +201,7 @@ class FixedShapeDecoder:
         self.capture_s = 0.0
         self.fixed_steps = 0  # decode steps run through the fixed-shape step (replays or eager)
 
-    def matches(
-        self, model: GPT, caches: list, mask_rule: MaskRule = EXACT_MASK, compile: str = "off"
-    ) -> bool:
+    def matches(self, model: GPT, caches: list, mask_rule: MaskRule = EXACT_MASK, compile: str = "off") -> bool:
         """Built for this model with its current parameter storage, this mask rule and compile mode, and these cache
         buffers."""
         return (
@@ -277,9 +267,7 @@ class FixedShapeDecoder:
         if padding is None:
             self.padding.fill_(True)
         else:
-            assert padding.shape == (ids.size(0), n + 1), (
-                f"padding {tuple(padding.shape)} != {(ids.size(0), n + 1)}"
-            )
+            assert padding.shape == (ids.size(0), n + 1), f"padding {tuple(padding.shape)} != {(ids.size(0), n + 1)}"
             self.padding[:, : n + 1].copy_(padding.bool())
         if self.use_graph:
             if self.graph is None:
@@ -294,9 +282,7 @@ class FixedShapeDecoder:
         return logits
 
 
-def runner_for(
-    model: GPT, caches: list, mask_rule: MaskRule = EXACT_MASK, compile: str = "off"
-) -> FixedShapeDecoder:
+def runner_for(model: GPT, caches: list, mask_rule: MaskRule = EXACT_MASK, compile: str = "off") -> FixedShapeDecoder:
     """The runner for these `StaticGraphCache` buffers: reused while the model, its parameter storage, the mask
     rule, the compile mode and the buffers match (one capture per cache set); rebuilt (and re-captured) otherwise."""
     runner = caches[0].runner

@@ -99,10 +99,15 @@ def _verify(model: GPT, caches: list, last: int, draft: list[int]) -> list[int]:
 
 @torch.inference_mode()
 def speculative_generate(
-    model: GPT, prompts: list[list[int]], max_new_tokens: int, cache: str = "dynamic",
-    draft_tokens: int = DEFAULT_DRAFT_TOKENS, ngram: int = DEFAULT_NGRAM, stop_token: int | None = None,
+    model: GPT,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    cache: str = "dynamic",
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    ngram: int = DEFAULT_NGRAM,
+    stop_token: int | None = None,
     on_token: Callable[[list[int]], None] | None = None,
-) -> SpeculativeResult:  # fmt: skip
+) -> SpeculativeResult:
     """Greedy prompt-lookup decoding of one prompt through fresh caches of `cache` (module docstring).
     `on_token([id])` is called for each kept token in order, as plain `generate` calls it. The caller has checked
     the settings (validate.draft_rules): one prompt, a cache that can crop, prompt + new tokens within the context."""
@@ -150,6 +155,4 @@ def speculative_generate(
         proposed, accepted = proposed + len(draft), accepted + len(kept) - 1
         keep(kept, dt)
     generation = _result(cache, batch, out, seconds, stop_token, caches, None)
-    return SpeculativeResult(
-        generation, draft_tokens, ngram, 1 + len(forward_s), proposed, accepted, forward_s
-    )
+    return SpeculativeResult(generation, draft_tokens, ngram, 1 + len(forward_s), proposed, accepted, forward_s)

@@ -201,7 +201,5 @@ def parse_bench_caches(names: list[str] | None) -> list[str]:
         raise KVBenchError(f"--caches is empty; name one or more of {', '.join(TIMED)}, or 'all'")
     bad = [n for n in names if n not in TIMED]
     if bad:
-        raise KVBenchError(
-            f"unknown cache {', '.join(map(repr, bad))} for bench --hf; caches: {', '.join(TIMED)}"
-        )
+        raise KVBenchError(f"unknown cache {', '.join(map(repr, bad))} for bench --hf; caches: {', '.join(TIMED)}")
     return list(dict.fromkeys(names))

@@ -44,10 +44,21 @@ def build_hf_model(model: GPT):
     every parameter is assigned from our state dict: already on the device, already in the target dtype."""
     c = model.config
     cfg = GPT2Config(
-        vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
-        layer_norm_epsilon=c.layer_norm_epsilon, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, attn_implementation="sdpa", bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=c.vocab_size,
+        n_positions=c.block_size,
+        n_embd=c.n_embd,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        layer_norm_epsilon=c.layer_norm_epsilon,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     with torch.device("meta"):
         hf = GPT2LMHeadModel(cfg)
     sd = {k: t for k, t in model.state_dict().items() if k != "lm_head.weight"}  # lm_head is tied to wte

@@ -140,8 +140,7 @@ def describe(model) -> HFModelInfo:
     heads = [int(h or 0) for h in per_layer(cfg, "num_attention_heads", n_layers)]
     kv = [int(k or h) for k, h in zip(per_layer(cfg, "num_key_value_heads", n_layers), heads, strict=True)]
     dims = [
-        int(d or (hidden // h if h else 0))
-        for d, h in zip(per_layer(cfg, "head_dim", n_layers), heads, strict=True)
+        int(d or (hidden // h if h else 0)) for d, h in zip(per_layer(cfg, "head_dim", n_layers), heads, strict=True)
     ]
     n_heads, n_kv, head_dim = (heads or [0])[0], (kv or [0])[0], (dims or [0])[0]
     # a length <= 0 means "no limit" (XLNet's max_position_embeddings is -1)

@@ -49,13 +49,13 @@ WEIGHT_FILES = (
 )
 # "org/name" or "name": what the hub accepts as a model id (and what a path that does not exist may still be).
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-REMOTE_MODULES = "transformers_modules"
+REMOTE_MODULES = "transformers_modules"  # where transformers imports a directory's own modelling code from
 # Families whose generate feeds the model something other than the sequence so far: a cached step cannot be compared
 # with a forward over the prefix.
 NOT_A_PREFIX_FORWARD = {
     "xlm": "appends a mask token to every input in generate (XLMWithLMHeadModel.prepare_inputs_for_generation), so "
     "a decode step is not a forward over the prefix",
-}  # where transformers imports a directory's own modelling code from
+}
 
 
 @dataclass
@@ -126,9 +126,7 @@ def _refuse_unloadable(doc: dict, where: str, trust_remote_code: bool) -> None:
             "transformers, or point at a directory whose auto_map provides the code (with --trust-remote-code)"
         )
     if doc.get("is_encoder_decoder"):
-        raise KVBenchError(
-            f"{where}: {model_type} is an encoder-decoder model; --hf checks decoder-only causal LMs"
-        )
+        raise KVBenchError(f"{where}: {model_type} is an encoder-decoder model; --hf checks decoder-only causal LMs")
     if model_type in NOT_A_PREFIX_FORWARD:
         raise KVBenchError(f"{where}: {model_type} {NOT_A_PREFIX_FORWARD[model_type]}; --hf cannot check it")
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not doc.get("is_decoder"):
@@ -204,9 +202,7 @@ def _resolve(source: str, layers: int | None, trust_remote_code: bool) -> _Resol
             )
         where, weights = str(path), str(path)
     elif path.exists():  # a device, a pipe, a socket
-        raise KVBenchError(
-            f"--hf {source} is {files.what_is(path)}, neither a config.json file nor a model directory"
-        )
+        raise KVBenchError(f"--hf {source} is {files.what_is(path)}, neither a config.json file nor a model directory")
     elif HUB_ID.match(source) and not source.startswith("."):
         where, weights = source, f"hub:{source}"
         kwargs["local_files_only"] = not hub_reachable()
@@ -273,11 +269,16 @@ def _load(source, device, dtype, seed, layers, trust_remote_code, init_std, run,
             split = {"distributed_config": DistributedConfig(tp_plan="auto")}
         model, info = _call(
             lambda: AutoModelForCausalLM.from_pretrained(
-                r.where, config=config, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True,
-                **r.kwargs, **split,
+                r.where,
+                config=config,
+                dtype=dtype,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,
+                **r.kwargs,
+                **split,
             ),
             source,
-        )  # fmt: skip
+        )
         refuse_incomplete(info, r.weights, kept=None if layers is None else layers)
         weights = r.weights
     model = (model if tp else model.to(device=device, dtype=dtype)).eval()
@@ -313,9 +314,7 @@ def refuse_incomplete(info: dict, where: str, kept: int | None = None) -> None:
             f"{where}: the checkpoint lacks {len(missing)} of the model's tensors ({names(missing)}); transformers "
             f"would fill them with random values; use a complete checkpoint{hint}"
         )
-    unexpected = {
-        k for k in info.get("unexpected_keys") or () if kept is None or (_layer_index(k) or 0) < kept
-    }
+    unexpected = {k for k in info.get("unexpected_keys") or () if kept is None or (_layer_index(k) or 0) < kept}
     if unexpected:
         raise KVBenchError(
             f"{where}: the checkpoint has {len(unexpected)} tensor(s) the model does not use ({names(unexpected)}); "
@@ -359,8 +358,9 @@ def run_bytes(info: HFModelInfo, batch: int, tokens: int, element_size: int) -> 
     return 2 * kv + logits + scores
 
 
-def check_memory(source: str, shape: HFShape, device: torch.device, dtype: torch.dtype, random: bool,
-                 batch: int = 1, tokens: int = 0) -> None:  # fmt: skip
+def check_memory(
+    source: str, shape: HFShape, device: torch.device, dtype: torch.dtype, random: bool, batch: int = 1, tokens: int = 0
+) -> None:
     """The model's memory, estimated from its meta-device build, against what is free before anything is allocated:
     its parameters at `dtype` (random weights are initialised in fp32 on the CPU first), plus an allowance for
     activations and the cache (`run_bytes`, and a tenth of the weights). One line naming the estimate and what is
@@ -384,8 +384,10 @@ def check_memory(source: str, shape: HFShape, device: torch.device, dtype: torch
             )
         ]
     else:
-        needs = [(torch.device("cpu"), host, built), (device, weights + allowance, f"{shape.parameters:,} "
-                 f"parameters x {elem} B{run_on}")]  # fmt: skip
+        needs = [
+            (torch.device("cpu"), host, built),
+            (device, weights + allowance, f"{shape.parameters:,} parameters x {elem} B{run_on}"),
+        ]
     for dev, need, how in needs:
         free = devices.available_memory_bytes(dev)
         if free is not None and need > free:
@@ -406,11 +408,7 @@ def _call(fn, source: str):
         # transformers and huggingface_hub raise OSError, ValueError, KeyError, ImportError, ...
         text = str(e).strip()
         hint = ""
-        if (
-            "local_files_only" in text
-            or "offline" in text.lower()
-            or type(e).__name__.endswith("OfflineError")
-        ):
+        if "local_files_only" in text or "offline" in text.lower() or type(e).__name__.endswith("OfflineError"):
             hint = " (the hub is not reachable or HF_HUB_OFFLINE is set, and it is not in the local cache)"
         return KVBenchError(f"cannot load {source}: {one_line(e)}{hint}")
 

@@ -20,11 +20,7 @@ from kvbench.memory.formulas import bytes_per_sequence, layer_bytes_per_token
 from kvbench.memory.spec import KVFormat, ModelSpec, get_kv_format
 from kvbench.memory.units import fmt_int
 
-CHECK_FORMATS = (
-    "fp32",
-    "fp16",
-    "bf16",
-)  # what transformers' StaticCache stores (its element count x these bytes)
+CHECK_FORMATS = ("fp32", "fp16", "bf16")  # what transformers' StaticCache stores (its element count x these bytes)
 _KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
 # Layers x contexts one --check may run: 16 contexts of the largest public models (~130 layers), about 20 s.
 MAX_LAYER_STEPS = 2048
@@ -70,11 +66,7 @@ def check_work(spec: ModelSpec, layers: int, contexts: int) -> None:
     model, and a layer on the meta device costs about 10 ms (torch's shape functions run in Python)."""
     steps = layers * contexts
     if steps > MAX_LAYER_STEPS:
-        fix = (
-            "give fewer --ctx values or drop --check"
-            if contexts > 1
-            else "drop --check (the plan needs none)"
-        )
+        fix = "give fewer --ctx values or drop --check" if contexts > 1 else "drop --check (the plan needs none)"
         raise KVBenchError(
             f"--check runs transformers' {spec.name} on the meta device, every layer once per context (about 10 ms "
             f"a layer): {fmt_int(layers)} layers x {contexts} context{'s' if contexts > 1 else ''} is more than "
@@ -101,18 +93,21 @@ def preset_config(spec: ModelSpec) -> tuple[Any | None, str]:
     if spec.family not in CONFIG_MAPPING:
         return None, f"transformers has no model_type {spec.family!r}"
     kw: dict[str, Any] = dict(
-        num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_kv_heads,
-        hidden_size=spec.hidden_size, head_dim=spec.head_dim, sliding_window=None, attention_chunk_size=None,
-    )  # fmt: skip
+        num_hidden_layers=spec.n_layers,
+        num_attention_heads=spec.n_heads,
+        num_key_value_heads=spec.n_kv_heads,
+        hidden_size=spec.hidden_size,
+        head_dim=spec.head_dim,
+        sliding_window=None,
+        attention_chunk_size=None,
+    )
     if spec.max_context:
         kw["max_position_embeddings"] = spec.max_context
     if spec.sliding_layers:
         kind = spec.window_kind
         kw["sliding_window" if kind == "sliding" else "attention_chunk_size"] = spec.sliding_window
         layers = set(spec.sliding_layers)
-        kw["layer_types"] = [
-            f"{kind}_attention" if i in layers else "full_attention" for i in range(spec.n_layers)
-        ]
+        kw["layer_types"] = [f"{kind}_attention" if i in layers else "full_attention" for i in range(spec.n_layers)]
     if spec.is_mla:  # head_dim means the RoPE width in DeepSeek's config classes: theirs, not the preset's
         del kw["head_dim"]
         kw.update(kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim)
@@ -145,9 +140,7 @@ def _build(text_config: Any):
         return AutoModelForCausalLM.from_config(text_config, dtype=torch.bfloat16).eval()
 
 
-def _allocate(
-    model: Any, text_config: Any, ctx: int, batch: int
-) -> list[tuple[str, tuple | None, tuple | None]]:
+def _allocate(model: Any, text_config: Any, ctx: int, batch: int) -> list[tuple[str, tuple | None, tuple | None]]:
     """(layer type, K shape, V shape) of every layer of transformers' StaticCache after one decode step."""
     # transformers and torch when the check runs: --check is parsed, and this module imported, without them
     import torch
@@ -175,9 +168,7 @@ def _kind_label(kind: str, spec: ModelSpec, window: int | None) -> str:
     return kind
 
 
-def _planner_side(
-    spec: ModelSpec, fmt: KVFormat, ctx: int, batch: int
-) -> dict[str, tuple[list[int], int, str]]:
+def _planner_side(spec: ModelSpec, fmt: KVFormat, ctx: int, batch: int) -> dict[str, tuple[list[int], int, str]]:
     """kind -> (layer indices, bytes, what one layer holds) as the planner counts them."""
     windowed = set(spec.sliding_layers)
     out: dict[str, tuple[list[int], int, str]] = {}
@@ -248,12 +239,18 @@ def _compare(spec: ModelSpec, fmt: KVFormat, ctx: int, batch: int, layers: list)
         shape = "-" if k is None or v is None else f"K {'x'.join(map(str, k))}, V {'x'.join(map(str, v))}"
         rows.append(
             KindCheck(
-                kind=kind, label=_kind_label(kind, spec, spec.sliding_window if kind != "full" else None),
-                planner_layers=len(p[0]), transformers_layers=len(t[0]), planner_bytes=p[1],
-                transformers_bytes=t[1], planner_layer_shape=p[2], transformers_layer_shape=shape, agrees=agrees,
+                kind=kind,
+                label=_kind_label(kind, spec, spec.sliding_window if kind != "full" else None),
+                planner_layers=len(p[0]),
+                transformers_layers=len(t[0]),
+                planner_bytes=p[1],
+                transformers_bytes=t[1],
+                planner_layer_shape=p[2],
+                transformers_layer_shape=shape,
+                agrees=agrees,
                 explanation="agrees to the byte" if agrees else _explain(spec, ctx, p, t),
             )
-        )  # fmt: skip
+        )
     return rows
 
 
@@ -280,8 +277,14 @@ def check_plan(
     # transformers keeps the state in the same cache object: no K/V-only count to compare
     if spec.state_layers:
         what = "it has no KV cache" if not spec.kv_cache else "only its attention layers cache K/V"
-        return _unchecked(spec, fmt, contexts, batch, f"{spec.family} keeps a recurrent state ({what}); --check "
-                          "compares K/V caches, so it does not apply to its recurrent layers")  # fmt: skip
+        return _unchecked(
+            spec,
+            fmt,
+            contexts,
+            batch,
+            f"{spec.family} keeps a recurrent state ({what}); --check "
+            "compares K/V caches, so it does not apply to its recurrent layers",
+        )
     if config is None:
         return _unchecked(spec, fmt, contexts, batch, why_not or "no transformers config for this model")
     text = config.get_text_config(decoder=True)
@@ -316,18 +319,12 @@ def _check_one(spec: ModelSpec, fmt: KVFormat, model: Any, text: Any, ctx: int, 
     return CacheCheck(spec.name, ctx, batch, fmt.name, True, how, mine, theirs, mine == theirs, kinds)
 
 
-def check_resolved(
-    resolved: Resolved, contexts: list[int], batch: int = 1, kv_dtype: str = "fp16"
-) -> list[CacheCheck]:
+def check_resolved(resolved: Resolved, contexts: list[int], batch: int = 1, kv_dtype: str = "fp16") -> list[CacheCheck]:
     """--check for a config.json: transformers' config object from the same file (or why there is none)."""
-    return check_plan(
-        resolved.spec, resolved.config, contexts, batch, kv_dtype, resolved.why_not, params=True
-    )
+    return check_plan(resolved.spec, resolved.config, contexts, batch, kv_dtype, resolved.why_not, params=True)
 
 
-def check_preset(
-    spec: ModelSpec, contexts: list[int], batch: int = 1, kv_dtype: str = "fp16"
-) -> list[CacheCheck]:
+def check_preset(spec: ModelSpec, contexts: list[int], batch: int = 1, kv_dtype: str = "fp16") -> list[CacheCheck]:
     """--check for a preset: transformers' config class filled with the preset's fields."""
     check_format(kv_dtype)
     config, why = preset_config(spec)

@@ -73,7 +73,7 @@ _INT_FIELDS: dict[str, tuple[int, int]] = {
             "q_lora_rank",
         ),
         (1, MAX_WIDTH),
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(
         (
             "max_position_embeddings",
@@ -85,19 +85,19 @@ _INT_FIELDS: dict[str, tuple[int, int]] = {
             "attention_chunk_size",
         ),
         (1, MAX_TOKENS),
-    ),  # fmt: skip
+    ),
     "vocab_size": (1, MAX_VOCAB),
-    **dict.fromkeys(
-        ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok"), (1, MAX_EXPERTS)
-    ),
+    **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok"), (1, MAX_EXPERTS)),
     **dict.fromkeys(("n_shared_experts", "first_k_dense_replace", "max_window_layers"), (0, MAX_LAYERS)),
-    **dict.fromkeys(
-        ("decoder_sparse_step", "sliding_window_pattern", "interleave_moe_layer_step"), (1, MAX_LAYERS)
-    ),
+    **dict.fromkeys(("decoder_sparse_step", "sliding_window_pattern", "interleave_moe_layer_step"), (1, MAX_LAYERS)),
 }
 _BOOL_FIELDS = (
-    "use_sliding_window", "tie_word_embeddings", "multi_query", "new_decoder_architecture", "is_encoder_decoder",
-)  # fmt: skip
+    "use_sliding_window",
+    "tie_word_embeddings",
+    "multi_query",
+    "new_decoder_architecture",
+    "is_encoder_decoder",
+)
 _STR_FIELDS = ("model_type", "hidden_act", "hidden_activation", "activation_function", "_name_or_path")
 
 
@@ -120,12 +120,7 @@ _PER_LAYER_FIELDS = ("intermediate_size",)
 def _check_int(value: Any, key: str, path: Path) -> None:
     field = key.rpartition(".")[2].split("[")[0]
     lo, hi = _INT_FIELDS[field]
-    if (
-        isinstance(value, list)
-        and "[" not in key
-        and field in _PER_LAYER_FIELDS
-        and 0 < len(value) <= MAX_LAYERS
-    ):
+    if isinstance(value, list) and "[" not in key and field in _PER_LAYER_FIELDS and 0 < len(value) <= MAX_LAYERS:
         for i, v in enumerate(value):
             _check_int(v, f"{key}[{i}]", path)
         return
@@ -176,13 +171,31 @@ def _check_lists(cfg: dict[str, Any], path: Path, prefix: str) -> None:
 # Attributes read through the config object (attribute_map aliases, properties, values set in __post_init__) on
 # top of its to_dict(), so the field dict holds what the model class itself would use.
 _RESOLVED_ATTRS = (
-    "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
-    "max_position_embeddings", "vocab_size", "intermediate_size", "tie_word_embeddings", "layer_types",
-    "sliding_window", "attention_chunk_size", "kv_sharing_modes",
+    "model_type",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_size",
+    "head_dim",
+    "max_position_embeddings",
+    "vocab_size",
+    "intermediate_size",
+    "tie_word_embeddings",
+    "layer_types",
+    "sliding_window",
+    "attention_chunk_size",
+    "kv_sharing_modes",
     # recurrent layers (state.py): which layers they are, and their state's shape
-    "layers_block_type", "num_heads", "expand", "state_size", "conv_kernel", "n_groups", "qk_head_dim", "v_head_dim",
+    "layers_block_type",
+    "num_heads",
+    "expand",
+    "state_size",
+    "conv_kernel",
+    "n_groups",
+    "qk_head_dim",
+    "v_head_dim",
     "attention_head_dim",
-)  # fmt: skip
+)
 
 
 @dataclass
@@ -324,9 +337,7 @@ def _counted_params(spec: ModelSpec, text: Any) -> ModelSpec:
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, NotImplementedError, ImportError):
         return spec  # no parameter count: the plan has no weights line, and says so
     n = sum(p.numel() for p in model.parameters())
-    note = "; ".join(
-        x for x in (spec.note, "parameters counted on transformers' model built on the meta device") if x
-    )
+    note = "; ".join(x for x in (spec.note, "parameters counted on transformers' model built on the meta device") if x)
     return dataclasses.replace(spec, params=n, params_estimated=False, note=note)
 
 
@@ -335,9 +346,7 @@ def _fallback_spec(raw: dict[str, Any], path: Path, why: str) -> Resolved:
     fields, wrapper = raw, None
     if isinstance(raw.get("text_config"), dict) and "num_hidden_layers" not in raw:
         fields, wrapper = raw["text_config"], raw.get("model_type")
-    note = (
-        f"{why}: read by kvbench's own reader, which cannot fill in class defaults; --check cannot verify it"
-    )
+    note = f"{why}: read by kvbench's own reader, which cannot fill in class defaults; --check cannot verify it"
     src = Source(
         path=path,
         resolved_by="kvbench's own reader",

@@ -31,9 +31,7 @@ def kv_heads_per_gpu(spec: ModelSpec, tp: int, engine: str = "vllm") -> int:
     if not spec.kv_cache:
         return 0  # no attention layer: nothing per head to split
     if spec.n_heads % tp:
-        raise KVBenchError(
-            f"--tp {tp}: {spec.name} has {spec.n_heads} attention heads, not divisible by {tp}"
-        )
+        raise KVBenchError(f"--tp {tp}: {spec.name} has {spec.n_heads} attention heads, not divisible by {tp}")
     if spec.is_mla:
         return spec.n_kv_heads  # unused: the latent is not per head
     if spec.n_kv_heads >= tp:
@@ -51,9 +49,7 @@ def kv_heads_per_gpu(spec: ModelSpec, tp: int, engine: str = "vllm") -> int:
     return 1
 
 
-def layer_bytes_per_token(
-    spec: ModelSpec, fmt: KVFormat, kv_heads: int | None = None, layer: int | None = None
-) -> int:
+def layer_bytes_per_token(spec: ModelSpec, fmt: KVFormat, kv_heads: int | None = None, layer: int | None = None) -> int:
     """Bytes one layer caches per token (kv_heads: the heads one GPU holds, default all; layer: that layer's own
     shape where layers differ, spec.layer_kv; None: the model-wide shape)."""
     vectors, n = spec.layer_vectors(kv_heads, layer)
@@ -71,9 +67,7 @@ def bytes_per_sequence(spec: ModelSpec, fmt: KVFormat, ctx: int, kv_heads: int |
     """Cache bytes of one sequence of ctx tokens: each layer holds ctx tokens, or its window."""
     if not spec.layer_kv:
         return layer_bytes_per_token(spec, fmt, kv_heads) * spec.held(ctx)
-    return sum(
-        layer_bytes_per_token(spec, fmt, kv_heads, i) * spec.tokens_held(i, ctx) for i in range(spec.n_layers)
-    )
+    return sum(layer_bytes_per_token(spec, fmt, kv_heads, i) * spec.tokens_held(i, ctx) for i in range(spec.n_layers))
 
 
 def state_element_bytes(fmt: KVFormat) -> int:
@@ -114,9 +108,7 @@ class CopyTraffic:
     seed_approx_bytes: int  # the approximation bytes/token x (n1^2 - n0^2) / 2 x batch
     measured_bytes: int | None = None  # the `dynamic` cache's own bytes_copied counter, when it was run
     counter_note: str = ""  # where the counter ran, or why it did not
-    history_tokens: int = (
-        0  # n0 + (n0+1) + ... + (n1-1) = (n1 - n0)(n0 + n1 - 1) / 2: history re-copied, per layer
-    )
+    history_tokens: int = 0  # n0 + (n0+1) + ... + (n1-1) = (n1 - n0)(n0 + n1 - 1) / 2: history re-copied, per layer
     windowed: bool = False  # windowed layers re-copy at most their window, so exact_bytes is below the sum's
 
 
@@ -144,8 +136,7 @@ def copy_traffic(spec: ModelSpec, n0: int, n1: int, batch: int = 1, kv_dtype: st
     per_token = token_bytes(spec, fmt)
     windowed = set(spec.sliding_layers)
     exact = batch * sum(
-        layer_bytes_per_token(spec, fmt, None, i)
-        * _sum_held(n0, n1, spec.sliding_window if i in windowed else None)
+        layer_bytes_per_token(spec, fmt, None, i) * _sum_held(n0, n1, spec.sliding_window if i in windowed else None)
         for i in range(spec.n_layers)
     )
     approx = per_token * (n1 * n1 - n0 * n0) // 2 * batch

@@ -26,10 +26,37 @@ from kvbench.memory.units import MAX_WIDTH
 
 # model_types that are not decoder-only LLMs; their config.json has layers and heads too, so refuse them by name.
 NOT_DECODERS = {
-    "bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "xlm-roberta", "camembert",
-    "mpnet", "longformer", "ernie", "modernbert", "t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian",
-    "whisper", "vit", "clip", "siglip", "wav2vec2", "hubert", "beit", "swin", "convnext", "detr",
-}  # fmt: skip
+    "bert",
+    "roberta",
+    "distilbert",
+    "albert",
+    "electra",
+    "deberta",
+    "deberta-v2",
+    "xlm-roberta",
+    "camembert",
+    "mpnet",
+    "longformer",
+    "ernie",
+    "modernbert",
+    "t5",
+    "mt5",
+    "umt5",
+    "bart",
+    "mbart",
+    "pegasus",
+    "marian",
+    "whisper",
+    "vit",
+    "clip",
+    "siglip",
+    "wav2vec2",
+    "hubert",
+    "beit",
+    "swin",
+    "convnext",
+    "detr",
+}
 LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
 
 
@@ -67,9 +94,7 @@ def cfg_int(cfg: dict[str, Any], keys: tuple[str, ...], path: Path, required: bo
 def refuse_non_decoders(cfg: dict[str, Any], model_type: str, path: Path) -> None:
     """Encoders and encoder-decoders, refused by name."""
     if cfg.get("is_encoder_decoder"):
-        raise KVBenchError(
-            f"{path}: is_encoder_decoder is true ({model_type}); this planner sizes decoder-only LLMs"
-        )
+        raise KVBenchError(f"{path}: is_encoder_decoder is true ({model_type}); this planner sizes decoder-only LLMs")
     if model_type in NOT_DECODERS:
         raise KVBenchError(f"{path}: model_type {model_type!r} is not a decoder-only LLM; nothing to plan")
     archs = cfg.get("architectures") or []
@@ -80,9 +105,7 @@ def refuse_non_decoders(cfg: dict[str, Any], model_type: str, path: Path) -> Non
 def kv_heads(cfg: dict[str, Any], model_type: str, n_heads: int, path: Path) -> int:
     """KV heads: GQA configs say so; Falcon and StarCoder say multi_query; everything else is MHA."""
     if model_type == "falcon" and not cfg.get("new_decoder_architecture"):
-        n_kv = (
-            1 if cfg.get("multi_query", True) else (cfg_int(cfg, ("num_kv_heads",), path, False) or n_heads)
-        )
+        n_kv = 1 if cfg.get("multi_query", True) else (cfg_int(cfg, ("num_kv_heads",), path, False) or n_heads)
     elif model_type == "gpt_bigcode" and cfg.get("multi_query", True):
         n_kv = 1
     else:
@@ -151,9 +174,7 @@ def _family_rule(cfg: dict[str, Any], model_type: str, n_layers: int) -> tuple[i
     return tuple(range(n_layers))  # Mistral v0.1, Phi-3: every layer slides
 
 
-def windows(
-    cfg: dict[str, Any], model_type: str, n_layers: int, path: Path, resolved: bool
-) -> dict[str, Any]:
+def windows(cfg: dict[str, Any], model_type: str, n_layers: int, path: Path, resolved: bool) -> dict[str, Any]:
     """sliding_window, sliding_layers and window_kind, as transformers builds its cache (empty: all full)."""
     sharing = cfg.get("kv_sharing_modes")
     if isinstance(sharing, list) and "reuse" in sharing:
@@ -258,9 +279,7 @@ def spec_from_fields(cfg: dict[str, Any], src: Source) -> ModelSpec:
 PER_LAYER_KEYS = ("head_dim", "num_key_value_heads", "num_attention_heads")
 
 
-def _layer_kv(
-    cfg: dict[str, Any], n_layers: int, n_heads: int, n_kv: int, hd: int, state, path: Path
-) -> tuple:
+def _layer_kv(cfg: dict[str, Any], n_layers: int, n_heads: int, n_kv: int, hd: int, state, path: Path) -> tuple:
     """(key/value heads, head_dim) per layer where the config sets them per layer (resolve.py reads
     per_layer_config into `<attr>_per_layer`); () when every layer has the same."""
     if not any(f"{a}_per_layer" in cfg for a in PER_LAYER_KEYS):
@@ -273,13 +292,9 @@ def _layer_kv(
     for i, (h, k, d) in enumerate(zip(heads, kvs, dims, strict=True)):  # each layer held to the global bounds
         for name, v in (("num_attention_heads", h), ("num_key_value_heads", k), ("head_dim", d)):
             if type(v) is not int or not 1 <= v <= MAX_WIDTH:
-                raise KVBenchError(
-                    f"{path}: layer {i}'s {name} = {v!r} must be a whole number from 1 to {MAX_WIDTH:,}"
-                )
+                raise KVBenchError(f"{path}: layer {i}'s {name} = {v!r} must be a whole number from 1 to {MAX_WIDTH:,}")
         if h % k:
-            raise KVBenchError(
-                f"{path}: layer {i}'s {h} attention heads are not a multiple of its {k} key/value heads"
-            )
+            raise KVBenchError(f"{path}: layer {i}'s {h} attention heads are not a multiple of its {k} key/value heads")
     shapes = list(zip(kvs, dims, strict=True))
     if len(set(shapes)) <= 1:
         return ()
@@ -290,8 +305,18 @@ def _layer_kv(
 
 # Architectures whose MLP is up + down (2 matrices); every other family here is gated (gate, up, down: SwiGLU/GeGLU).
 NOT_GATED = {
-    "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gptj", "falcon", "phi", "opt", "bloom", "starcoder2", "mpt",
-}  # fmt: skip
+    "gpt2",
+    "gpt_bigcode",
+    "gpt_neo",
+    "gpt_neox",
+    "gptj",
+    "falcon",
+    "phi",
+    "opt",
+    "bloom",
+    "starcoder2",
+    "mpt",
+}
 # Architectures with learned absolute positions: one hidden-wide row per position.
 LEARNED_POSITIONS = {"gpt2", "gpt_bigcode", "gpt_neo", "opt"}
 # Vision towers that are plain ViTs (patch embedding, positions, pre-norm blocks), so their size is arithmetic.
@@ -407,10 +432,6 @@ def estimate_vision_params(vision: dict[str, Any]) -> int | None:
         return None
     clip = vision["model_type"] == "clip_vision_model"  # a class token and a pre-norm besides SigLIP's layout
     positions = (image // patch) ** 2 + (1 if clip else 0)
-    embed = (
-        (_int(vision, "num_channels") or 3) * patch * patch * h + h + positions * h + (2 * h if clip else 0)
-    )
-    block = (
-        4 * (h * h + h) + 2 * h * inter + inter + h + 4 * h
-    )  # attention, MLP (with biases), two LayerNorms
+    embed = (_int(vision, "num_channels") or 3) * patch * patch * h + h + positions * h + (2 * h if clip else 0)
+    block = 4 * (h * h + h) + 2 * h * inter + inter + h + 4 * h  # attention, MLP (with biases), two LayerNorms
     return embed + layers * block + 2 * h + (h if clip else 0)

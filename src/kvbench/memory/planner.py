@@ -96,9 +96,7 @@ class ModelPlan:
     kv_dtype: str  # storage format of the cache
     weights_dtype: str  # storage format of the weights
     tp: int  # tensor-parallel degree
-    kv_heads_per_gpu: (
-        int  # KV heads each GPU holds (replicated when tp > kv_heads under vLLM; all of MLA's latent)
-    )
+    kv_heads_per_gpu: int  # KV heads each GPU holds (replicated when tp > kv_heads under vLLM; all of MLA's latent)
     layer_bytes_per_token: int  # bytes one layer caches per token (whole model)
     bytes_per_token: int  # bytes per token over all layers, no window applied ("KiB / token")
     weights_bytes: int | None  # params x bytes(weights dtype), whole model
@@ -129,9 +127,14 @@ def gpu_budget(
     reserve, _ = parse_overhead(overhead, memory)
     label = f"{gpu.label} ({gpu.nominal})" if gpu else f"--gpu-mem {gpu_mem_text or fmt_bytes(memory)}"
     return GPUBudget(
-        name=gpu.name if gpu else "custom", label=label, memory=memory, overhead=reserve,
-        weights_per_gpu=weights_per_gpu, available=memory - reserve - weights_per_gpu, overhead_text=overhead,
-    )  # fmt: skip
+        name=gpu.name if gpu else "custom",
+        label=label,
+        memory=memory,
+        overhead=reserve,
+        weights_per_gpu=weights_per_gpu,
+        available=memory - reserve - weights_per_gpu,
+        overhead_text=overhead,
+    )
 
 
 def max_context(
@@ -189,11 +192,7 @@ def _notes(spec: ModelSpec, fmt: KVFormat, per_token: int) -> list[str]:
     if spec.sliding_layers:
         notes.append(_window_note(spec))
     if spec.is_mla and spec.qk_nope_head_dim and spec.v_head_dim:
-        expanded = (
-            spec.n_layers
-            * spec.n_kv_heads
-            * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim)
-        )
+        expanded = spec.n_layers * spec.n_kv_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim)
         notes.append(
             f"MLA caches the {spec.kv_lora_rank}+{spec.qk_rope_head_dim} latent (vLLM, SGLang, DeepSeek's own code "
             f"and transformers 5.x all do). An engine that expands it to per-head K "
@@ -229,11 +228,20 @@ def _row(spec: ModelSpec, s: _Sizes, ctx: int) -> PlanRow:
     per_seq_gpu = bytes_per_sequence(spec, s.fmt, ctx, s.kv_heads_gpu) + s.state_gpu
     per_gpu = per_seq_gpu * s.batch
     row = PlanRow(
-        ctx=ctx, batch=s.batch, tokens_held=held, bytes_per_seq=per_seq, bytes_batch=per_seq * s.batch,
-        bytes_per_gpu=per_gpu, beyond_max=past_context(ctx, spec.max_context),
-        windowed=held < ctx * spec.n_layers, fits=None, max_batch=None, max_ctx=None, max_ctx_unbounded=False,
+        ctx=ctx,
+        batch=s.batch,
+        tokens_held=held,
+        bytes_per_seq=per_seq,
+        bytes_batch=per_seq * s.batch,
+        bytes_per_gpu=per_gpu,
+        beyond_max=past_context(ctx, spec.max_context),
+        windowed=held < ctx * spec.n_layers,
+        fits=None,
+        max_batch=None,
+        max_ctx=None,
+        max_ctx_unbounded=False,
         kv_bytes_per_seq=kv_per_seq,
-    )  # fmt: skip
+    )
     if s.budget is not None:
         available = s.budget.available
         row.fits = available >= per_gpu
@@ -278,9 +286,7 @@ def plan(
     weights = None if spec.params is None else -(-spec.params * wbits // 8)
     weights_gpu = None if weights is None else -(-weights // tp)
     budget = gpu_budget(gpu, gpu_mem, overhead, weights_gpu or 0, gpu_mem_text)
-    rows = [
-        _row(spec, _Sizes(fmt, kvh, b, budget, state, state_gpu), ctx) for b in batches for ctx in contexts
-    ]
+    rows = [_row(spec, _Sizes(fmt, kvh, b, budget, state, state_gpu), ctx) for b in batches for ctx in contexts]
     warnings = [
         f"{spec.name}: {fmt_int(ctx)} tokens is beyond the {fmt_int(spec.max_context)} it was trained for "
         f"(max_position_embeddings); computed anyway"
@@ -288,14 +294,27 @@ def plan(
         if past_context(ctx, spec.max_context)
     ]
     p = ModelPlan(
-        model=spec, kv_dtype=fmt.name, weights_dtype=weights_dtype, tp=tp, kv_heads_per_gpu=kvh,
+        model=spec,
+        kv_dtype=fmt.name,
+        weights_dtype=weights_dtype,
+        tp=tp,
+        kv_heads_per_gpu=kvh,
         layer_bytes_per_token=layer_bytes_per_token(spec, fmt),  # the model-wide shape's (per_token: all layers)
-        bytes_per_token=per_token, weights_bytes=weights, rows=rows, gpu=budget, warnings=warnings,
-        notes=_notes(spec, fmt, per_token), kv_cache=spec.kv_cache, state_bytes_per_sequence=state,
-        bytes_per_token_per_gpu=token_bytes(spec, fmt, kvh), bytes_per_token_by_kind=kind_bytes_per_token(spec, fmt),
+        bytes_per_token=per_token,
+        weights_bytes=weights,
+        rows=rows,
+        gpu=budget,
+        warnings=warnings,
+        notes=_notes(spec, fmt, per_token),
+        kv_cache=spec.kv_cache,
+        state_bytes_per_sequence=state,
+        bytes_per_token_per_gpu=token_bytes(spec, fmt, kvh),
+        bytes_per_token_by_kind=kind_bytes_per_token(spec, fmt),
         state_element_bytes=0 if spec.state_elements is None else state_element_bytes(fmt),
-        state_bytes_per_gpu=state_gpu, weights_bytes_per_gpu=weights_gpu, tp_engine=tp_engine,
-    )  # fmt: skip
+        state_bytes_per_gpu=state_gpu,
+        weights_bytes_per_gpu=weights_gpu,
+        tp_engine=tp_engine,
+    )
     attach_floors(p, bandwidth)
     return p
 
@@ -308,10 +327,16 @@ def floor_for(batch: int, weights: int, kv_read: int, write_per_seq: int, bw: Pe
     seconds = total / bw.bytes_per_s
     per_seq = 1 / seconds
     return DecodeFloor(
-        weights_bytes=weights, kv_read_bytes=kv_read, kv_write_bytes=write, step_bytes=total,
-        bandwidth=bw.bytes_per_s, floor_ms=seconds * 1e3, tokens_per_s_per_sequence=per_seq,
-        tokens_per_s=batch * per_seq, kv_write_bytes_per_sequence=write_per_seq,
-    )  # fmt: skip
+        weights_bytes=weights,
+        kv_read_bytes=kv_read,
+        kv_write_bytes=write,
+        step_bytes=total,
+        bandwidth=bw.bytes_per_s,
+        floor_ms=seconds * 1e3,
+        tokens_per_s_per_sequence=per_seq,
+        tokens_per_s=batch * per_seq,
+        kv_write_bytes_per_sequence=write_per_seq,
+    )
 
 
 def attach_floors(plan: ModelPlan, bw: PeakBandwidth | None) -> None:

@@ -33,9 +33,7 @@ class CapacitySeries:
     contexts: list[int]  # the x of every point
     kv_gib: list[float]  # the cache of `batch` sequences on one GPU at each context
     max_batch: list[int]  # the most sequences of that context that fit beside the weights
-    max_ctx: (
-        int | None
-    )  # the longest context at `batch` that fits (None: it never stops: windowed, or at the limit)
+    max_ctx: int | None  # the longest context at `batch` that fits (None: it never stops: windowed, or at the limit)
 
 
 @dataclass
@@ -60,9 +58,7 @@ def longest_fitting(plan, batch: int, available: int) -> int | None:
     """The longest context whose cache for `batch` sequences fits in `available` bytes, as the planner finds it
     (planner.max_context): 0 when none does, None when the curve never crosses the line (MAX_TOKENS still fits)."""
     spec, fmt = plan.model, get_kv_format(plan.kv_dtype)
-    ctx, how = max_context(
-        spec, fmt, plan.kv_heads_per_gpu, batch, available, state_bytes(spec, fmt, plan.tp)
-    )
+    ctx, how = max_context(spec, fmt, plan.kv_heads_per_gpu, batch, available, state_bytes(spec, fmt, plan.tp))
     return ctx if how == "found" else None
 
 
@@ -88,11 +84,15 @@ def capacity_series(plans: list) -> list[CapacitySeries]:
         for b in dict.fromkeys(r.batch for r in p.rows):
             series.append(
                 CapacitySeries(
-                    model=p.model.name, batch=b, weights_gib=p.gpu.weights_per_gpu / GiB, contexts=grid,
-                    kv_gib=[b * per_seq(c) / GiB for c in grid], max_batch=max_batch,
+                    model=p.model.name,
+                    batch=b,
+                    weights_gib=p.gpu.weights_per_gpu / GiB,
+                    contexts=grid,
+                    kv_gib=[b * per_seq(c) / GiB for c in grid],
+                    max_batch=max_batch,
                     max_ctx=longest_fitting(p, b, available),
                 )
-            )  # fmt: skip
+            )
     return series
 
 
@@ -149,18 +149,34 @@ def _memory_panel(ax, chart: CapacityChart, colors: dict, styles: dict) -> None:
     ax.axhline(chart.memory_gib, color="black", lw=1.5)
     ax.axhline(chart.usable_gib, color="black", lw=1, ls="--")
     top = chart.memory_gib * 1.18
-    ax.text(chart.series[0].contexts[0], chart.memory_gib + top * 0.01, f" {chart.gpu}: {chart.memory_gib:.1f} GiB",
-            va="bottom", fontsize=8)  # fmt: skip
-    ax.text(chart.series[0].contexts[0], chart.usable_gib - top * 0.01, f" after allowance: {chart.usable_gib:.1f} GiB",
-            va="top", fontsize=8)  # fmt: skip
+    ax.text(
+        chart.series[0].contexts[0],
+        chart.memory_gib + top * 0.01,
+        f" {chart.gpu}: {chart.memory_gib:.1f} GiB",
+        va="bottom",
+        fontsize=8,
+    )
+    ax.text(
+        chart.series[0].contexts[0],
+        chart.usable_gib - top * 0.01,
+        f" after allowance: {chart.usable_gib:.1f} GiB",
+        va="top",
+        fontsize=8,
+    )
     for i, s in enumerate(x for x in chart.series if x.max_ctx):
         ax.plot([s.max_ctx], [chart.usable_gib], "o", color=colors[s.model], ms=6, mec="black", mew=0.6)
         ax.axvline(s.max_ctx, color=colors[s.model], lw=0.7, ls=":", alpha=0.8)
         right = s.max_ctx > s.contexts[-1] ** 0.8 * s.contexts[0] ** 0.2  # the last fifth: label to the left
-        ax.annotate(f"{_short(s.max_ctx)} (batch {s.batch})", (s.max_ctx, chart.usable_gib),
-                    xytext=(-4 if right else 4, -14 - 11 * (i % 4)), ha="right" if right else "left",
-                    textcoords="offset points", fontsize=8, color=colors[s.model],
-                    bbox={"fc": "white", "ec": "none", "alpha": 0.85, "pad": 1})  # fmt: skip
+        ax.annotate(
+            f"{_short(s.max_ctx)} (batch {s.batch})",
+            (s.max_ctx, chart.usable_gib),
+            xytext=(-4 if right else 4, -14 - 11 * (i % 4)),
+            ha="right" if right else "left",
+            textcoords="offset points",
+            fontsize=8,
+            color=colors[s.model],
+            bbox={"fc": "white", "ec": "none", "alpha": 0.85, "pad": 1},
+        )
     ax.set_ylim(0, top)
     ax.set_ylabel("GiB on one GPU: weights (shaded) + KV cache")
     ax.set_title("memory against context: o = longest context that fits", fontsize=10)
@@ -194,8 +210,9 @@ def write_capacity_plot(plans: list, path: Path) -> CapacityChart:
     from matplotlib.lines import Line2D
 
     gpu = plans[0].gpu
-    chart = CapacityChart(str(path), gpu.label, gpu.memory / GiB, (gpu.memory - gpu.overhead) / GiB,
-                          capacity_series(plans))  # fmt: skip
+    chart = CapacityChart(
+        str(path), gpu.label, gpu.memory / GiB, (gpu.memory - gpu.overhead) / GiB, capacity_series(plans)
+    )
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     colors = {p.model.name: palette[i % len(palette)] for i, p in enumerate(plans)}
     styles = {b: STYLES[i % len(STYLES)] for i, b in enumerate(dict.fromkeys(s.batch for s in chart.series))}

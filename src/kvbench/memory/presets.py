@@ -30,9 +30,17 @@ _MODEL_REQUIRED = (
     "params",
 )
 _MODEL_OPTIONAL = (
-    "sliding_window", "sliding_layers", "window_kind", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
-    "v_head_dim", "wrapper", "vision_params", "note",
-)  # fmt: skip
+    "sliding_window",
+    "sliding_layers",
+    "window_kind",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "wrapper",
+    "vision_params",
+    "note",
+)
 _LIMITS = {"layers": MAX_LAYERS, "max_context": MAX_TOKENS, "sliding_window": MAX_TOKENS, "params": 10**15}
 
 
@@ -41,14 +49,10 @@ def read_toml(path: Path, what: str = "preset file") -> dict[str, Any]:
     return files.load_toml(path, f"{what} {path}", files.CONFIG_BYTES, f"a {what}")
 
 
-def _check_keys(
-    table: dict[str, Any], required: tuple[str, ...], optional: tuple[str, ...], where: str
-) -> None:
+def _check_keys(table: dict[str, Any], required: tuple[str, ...], optional: tuple[str, ...], where: str) -> None:
     unknown = [k for k in table if k not in required and k not in optional]
     if unknown:
-        raise KVBenchError(
-            f"unknown key {unknown[0]!r} in {where}; known keys: {', '.join(required + optional)}"
-        )
+        raise KVBenchError(f"unknown key {unknown[0]!r} in {where}; known keys: {', '.join(required + optional)}")
     missing = [k for k in required if k not in table]
     if missing:
         raise KVBenchError(f"missing key {missing[0]!r} in {where}")
@@ -162,16 +166,13 @@ def get_model(name: str, presets: dict[str, ModelSpec] | None = None) -> ModelSp
     presets = load_presets() if presets is None else presets
     key = name.strip().lower()
     if not key:
-        raise KVBenchError(
-            "--model is empty; name a preset such as llama-3-8b (`kvbench memory --all` lists them)"
-        )
+        raise KVBenchError("--model is empty; name a preset such as llama-3-8b (`kvbench memory --all` lists them)")
     if key in presets:
         return presets[key]
     close = _close(key, list(presets))
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise KVBenchError(
-        f"unknown model {name!r}{hint} (`kvbench memory --all` lists every preset; --config PATH reads any "
-        f"config.json)"
+        f"unknown model {name!r}{hint} (`kvbench memory --all` lists every preset; --config PATH reads any config.json)"
     )
 
 

@@ -57,9 +57,7 @@ class Options:
         help="Context lengths, e.g. 8k,32k,128k (k = 1024 tokens, m = 1024k). "
         "Default: the model's max context; 8k,128k with --all.",
     )
-    batch: str = option(
-        "--batch", "-b", default="1", help="Sequences held at once: one, or a list such as 1,16."
-    )
+    batch: str = option("--batch", "-b", default="1", help="Sequences held at once: one, or a list such as 1,16.")
     kv_dtype: str = option(
         "--kv-dtype",
         default="fp16",
@@ -97,12 +95,8 @@ class Options:
     copy_traffic: bool = option(
         "--copy-traffic", default=False, help="Bytes a torch.cat cache copies growing from --from to --to."
     )
-    from_: int | None = option(
-        "--from", default=None, help="Tokens cached at the start (--copy-traffic; default 128)."
-    )
-    to: int | None = option(
-        "--to", default=None, help="Tokens cached at the end (--copy-traffic; default 528)."
-    )
+    from_: int | None = option("--from", default=None, help="Tokens cached at the start (--copy-traffic; default 128).")
+    to: int | None = option("--to", default=None, help="Tokens cached at the end (--copy-traffic; default 528).")
     measure: bool = option(
         "--measure", default=False, help="gpt2 family: allocate every registered cache and compare bytes."
     )
@@ -124,9 +118,7 @@ class Options:
         default=None,
         help="Where --measure and the copy counter run: auto | cpu | cuda | cuda:N.",
     )
-    json_out: bool = option(
-        "--json", default=False, help="Print one JSON document to stdout and nothing else."
-    )
+    json_out: bool = option("--json", default=False, help="Print one JSON document to stdout and nothing else.")
     bandwidth: str | None = option(
         "--bandwidth",
         default=None,
@@ -191,9 +183,7 @@ def _bandwidth(o: Options, gpu: GPUSpec | None) -> PeakBandwidth | None:
     """--bandwidth (over the --gpu's own figure when both are given), else the GPU's published figure."""
     if o.bandwidth is not None:
         rate = parse_bandwidth(o.bandwidth)
-        return PeakBandwidth(
-            "custom", f"--bandwidth {o.bandwidth.strip()}", rate, o.bandwidth.strip(), "--bandwidth"
-        )
+        return PeakBandwidth("custom", f"--bandwidth {o.bandwidth.strip()}", rate, o.bandwidth.strip(), "--bandwidth")
     if gpu is not None and gpu.bandwidth is not None:
         return PeakBandwidth(gpu.name, gpu.label, gpu.bandwidth, gpu.bandwidth_text, gpu.bandwidth_source)
     return None
@@ -222,9 +212,7 @@ def _lengths(o: Options, contexts: list[int] | None) -> list[int] | None:
         return None
     lengths = parse_ctx(o.lengths, "--lengths", "--lengths value")
     if contexts and max(lengths) > max(contexts):
-        raise KVBenchError(
-            f"--lengths has a sequence of {max(lengths):,} tokens, longer than --ctx {max(contexts):,}"
-        )
+        raise KVBenchError(f"--lengths has a sequence of {max(lengths):,} tokens, longer than --ctx {max(contexts):,}")
     return lengths
 
 
@@ -276,13 +264,29 @@ def parse_request(o: Options, extra: Callable[[str], ModelSpec | None] | None = 
     lengths = _lengths(o, contexts)
     specs, resolved = _specs(o, extra if (o.measure or o.copy_traffic) else None)
     return Request(
-        specs=specs, contexts=contexts, batch=batches[0], kv_dtype=kv, weights_dtype=weights_dtype, tp=o.tp or 1,
+        specs=specs,
+        contexts=contexts,
+        batch=batches[0],
+        kv_dtype=kv,
+        weights_dtype=weights_dtype,
+        tp=o.tp or 1,
         tp_engine=o.tp_engine or "vllm",
-        gpu=gpu, gpu_mem=gpu_mem, gpu_mem_text=o.gpu_mem or "", overhead=o.overhead or DEFAULT_OVERHEAD,
-        all_=o.all_, check=o.check, measure=o.measure, copy_traffic=o.copy_traffic, copy_range=copy_range,
-        lengths=lengths, device=o.device or "auto", resolved=resolved, batches=batches, bandwidth=bandwidth,
+        gpu=gpu,
+        gpu_mem=gpu_mem,
+        gpu_mem_text=o.gpu_mem or "",
+        overhead=o.overhead or DEFAULT_OVERHEAD,
+        all_=o.all_,
+        check=o.check,
+        measure=o.measure,
+        copy_traffic=o.copy_traffic,
+        copy_range=copy_range,
+        lengths=lengths,
+        device=o.device or "auto",
+        resolved=resolved,
+        batches=batches,
+        bandwidth=bandwidth,
         plot=plot,
-    )  # fmt: skip
+    )
 
 
 def contexts_for(req: Request, spec: ModelSpec) -> list[int]:
@@ -303,10 +307,20 @@ def plan_request(req: Request) -> tuple[list[ModelPlan], list[str]]:
         try:
             plans.append(
                 plan(
-                    spec, contexts_for(req, spec), req.batches or req.batch, req.kv_dtype, req.weights_dtype,
-                    req.tp, req.gpu, req.gpu_mem, req.overhead, req.gpu_mem_text, req.bandwidth, req.tp_engine,
+                    spec,
+                    contexts_for(req, spec),
+                    req.batches or req.batch,
+                    req.kv_dtype,
+                    req.weights_dtype,
+                    req.tp,
+                    req.gpu,
+                    req.gpu_mem,
+                    req.overhead,
+                    req.gpu_mem_text,
+                    req.bandwidth,
+                    req.tp_engine,
                 )
-            )  # fmt: skip
+            )
         except KVBenchError as e:
             if not req.all_:
                 raise

@@ -35,21 +35,13 @@ class ModelSpec:
     params_estimated: bool = False  # True when params was estimated from the config rather than published
     sliding_window: int | None = None  # tokens a windowed layer attends to (and so must cache)
     sliding_layers: tuple[int, ...] = ()  # indices of the windowed layers; the rest attend to everything
-    window_kind: str = (
-        "sliding"  # sliding: the last `sliding_window` tokens; chunked: its own chunk of that size
-    )
+    window_kind: str = "sliding"  # sliding: the last `sliding_window` tokens; chunked: its own chunk of that size
     kv_lora_rank: int | None = None  # MLA: width of the compressed K/V latent cached per token per layer
     qk_rope_head_dim: int | None = None  # MLA: width of the decoupled RoPE key, cached beside the latent
-    qk_nope_head_dim: int | None = (
-        None  # MLA: per-head K width without RoPE (only for the "expanded" comparison)
-    )
+    qk_nope_head_dim: int | None = None  # MLA: per-head K width without RoPE (only for the "expanded" comparison)
     v_head_dim: int | None = None  # MLA: per-head V width (only for the "expanded" comparison)
-    wrapper: str | None = (
-        None  # multimodal: the outer model_type (llava, gemma3, ...) around this language model
-    )
-    vision_params: int | None = (
-        None  # multimodal: vision tower + projector parameters, stated, not in `params`
-    )
+    wrapper: str | None = None  # multimodal: the outer model_type (llava, gemma3, ...) around this language model
+    vision_params: int | None = None  # multimodal: vision tower + projector parameters, stated, not in `params`
     resolved_by: str = ""  # how a config.json was read: transformers' config class, or kvbench's own reader
     note: str = ""  # anything a reader of the numbers should know
     # Recurrent layers (Mamba, RWKV, xLSTM, linear attention): a fixed-size state per sequence instead of K/V.
@@ -68,12 +60,8 @@ class ModelSpec:
         for f in ("n_heads", "n_kv_heads", "head_dim") if self.n_layers else ():
             assert getattr(self, f) > 0, f"{self.name}: {f} must be positive, got {getattr(self, f)}"
         assert self.n_layers or self.state_layers, f"{self.name}: neither attention nor recurrent layers"
-        assert all(0 <= i < self.n_layers for i in self.sliding_layers), (
-            f"{self.name}: window layer out of range"
-        )
-        assert not self.sliding_layers or self.sliding_window, (
-            f"{self.name}: windowed layers without a window"
-        )
+        assert all(0 <= i < self.n_layers for i in self.sliding_layers), f"{self.name}: window layer out of range"
+        assert not self.sliding_layers or self.sliding_window, f"{self.name}: windowed layers without a window"
         assert self.window_kind in WINDOW_KINDS, f"{self.name}: window kind {self.window_kind!r}"
         assert not self.layer_kv or (len(self.layer_kv) == self.n_layers and not self.is_mla), (
             f"{self.name}: per-layer K/V shapes for {len(self.layer_kv)} of {self.n_layers} layers"
@@ -112,9 +100,7 @@ class ModelSpec:
     def layer_shape(self, layer: int | None = None, kv_heads: int | None = None) -> tuple[int, int]:
         """(key/value heads, head_dim) of layer `layer` (None: the model-wide values); `kv_heads`: the heads one
         GPU holds of the model-wide n_kv_heads under tensor parallelism, scaled to this layer's heads."""
-        heads, dim = (
-            self.layer_kv[layer] if self.layer_kv and layer is not None else (self.n_kv_heads, self.head_dim)
-        )
+        heads, dim = self.layer_kv[layer] if self.layer_kv and layer is not None else (self.n_kv_heads, self.head_dim)
         if kv_heads is not None and kv_heads != self.n_kv_heads:
             heads = max(1, heads * kv_heads // self.n_kv_heads)
         return heads, dim
@@ -232,9 +218,18 @@ def weight_bits(name: str) -> int:
 
 _RATE_RE = re.compile(r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?i?b)\s*/\s*s$")
 _RATE_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
-}  # fmt: skip
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "pib": 2**50,
+}
 MAX_RATE = 10**15  # 1 PB/s: far above any memory today, low enough to catch a unit typo
 
 

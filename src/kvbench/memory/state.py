@@ -59,8 +59,9 @@ def _kinds(cfg: dict[str, Any], model_type: str, n_layers: int, path: Path) -> t
     if model_type in RECURRENT_TYPES:
         return ["recurrent"] * n_layers, "model_type"
     types = cfg.get("layer_types")
-    if isinstance(types, list) and any(t not in ("full_attention", "sliding_attention", "chunked_attention")
-                                       for t in types):  # fmt: skip
+    if isinstance(types, list) and any(
+        t not in ("full_attention", "sliding_attention", "chunked_attention") for t in types
+    ):
         return list(types), "layer_types"
     blocks = cfg.get("layers_block_type")
     if isinstance(blocks, list):
@@ -69,9 +70,7 @@ def _kinds(cfg: dict[str, Any], model_type: str, n_layers: int, path: Path) -> t
     if isinstance(pattern, str):
         unknown = sorted(set(pattern) - set(PATTERN))
         if unknown:
-            raise KVBenchError(
-                f"{path}: hybrid_override_pattern has {unknown[0]!r}, which this planner cannot size"
-            )
+            raise KVBenchError(f"{path}: hybrid_override_pattern has {unknown[0]!r}, which this planner cannot size")
         return [PATTERN[c] for c in pattern], "hybrid_override_pattern"
     period, offset = cfg.get("attn_layer_period"), cfg.get("attn_layer_offset", 0)
     if period is not None:
@@ -79,9 +78,7 @@ def _kinds(cfg: dict[str, Any], model_type: str, n_layers: int, path: Path) -> t
             raise KVBenchError(
                 f"{path}: attn_layer_period {period!r} / attn_layer_offset {offset!r} are not a layer pattern"
             )
-        return [
-            "attention" if i % period == offset else "mamba" for i in range(n_layers)
-        ], "attn_layer_period"
+        return ["attention" if i % period == offset else "mamba" for i in range(n_layers)], "attn_layer_period"
     for key in ("attn_layer_indices", "hybrid_layer_ids", "full_attn_idxs"):
         if cfg.get(key) is not None:
             attn = _indices(cfg[key], key, n_layers, path)
@@ -131,9 +128,7 @@ def _mamba(cfg: dict[str, Any], model_type: str) -> tuple[int, str] | None:
     d_conv = _int(cfg, "conv_kernel", "mamba_d_conv")
     if hidden is None or d_state is None or d_conv is None:
         return None
-    head_keys = ("mamba_d_head", "mamba_head_dim", "mamba_headdim") + (
-        ("head_dim",) if model_type == "mamba2" else ()
-    )
+    head_keys = ("mamba_d_head", "mamba_head_dim", "mamba_headdim") + (("head_dim",) if model_type == "mamba2" else ())
     heads = _int(
         cfg,
         "mamba_n_heads",
@@ -155,9 +150,7 @@ def _mamba(cfg: dict[str, Any], model_type: str) -> tuple[int, str] | None:
     inner = inner or (int(expand * hidden) if expand else None)
     if inner is None:
         return None
-    return inner * (d_state + d_conv), (
-        f"{fmt_int(inner)} d_inner x ({d_state} d_state + {d_conv} conv_kernel)"
-    )
+    return inner * (d_state + d_conv), (f"{fmt_int(inner)} d_inner x ({d_state} d_state + {d_conv} conv_kernel)")
 
 
 def _gated_delta(cfg: dict[str, Any]) -> tuple[int, str] | None:
@@ -226,8 +219,6 @@ def read_state(cfg: dict[str, Any], model_type: str, n_layers: int, path: Path) 
     n = len(found.state)
     per = state_per_layer(cfg, model_type)
     if per is None:
-        return State(
-            found, None, f"{n} layers keep a recurrent state; its size is not computed for {model_type}"
-        )
+        return State(found, None, f"{n} layers keep a recurrent state; its size is not computed for {model_type}")
     elements, how = per
     return State(found, n * elements, f"{n} layers x {how} = {fmt_int(n * elements)} elements")

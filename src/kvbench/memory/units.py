@@ -54,9 +54,20 @@ def parse_ctx(text: str | None, what: str = "--ctx", noun: str = "context length
 
 _BYTES_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([a-z]*)$")
 _BYTE_UNITS = {
-    "b": 1, "k": KiB, "kib": KiB, "kb": 10**3, "m": MiB, "mib": MiB, "mb": 10**6,
-    "g": GiB, "gib": GiB, "gb": 10**9, "t": TiB, "tib": TiB, "tb": 10**12,
-}  # fmt: skip
+    "b": 1,
+    "k": KiB,
+    "kib": KiB,
+    "kb": 10**3,
+    "m": MiB,
+    "mib": MiB,
+    "mb": 10**6,
+    "g": GiB,
+    "gib": GiB,
+    "gb": 10**9,
+    "t": TiB,
+    "tib": TiB,
+    "tb": 10**12,
+}
 MAX_BYTES = 2**60  # an exbibyte: more than any machine, small enough to stay exact
 
 
@@ -67,14 +78,11 @@ def parse_bytes(text: str, what: str = "--gpu-mem") -> int:
     tok = str(text).strip().lower().replace("_", "")
     m = _BYTES_RE.match(tok)
     if not m or (m.group(2) and m.group(2) not in _BYTE_UNITS):
-        raise KVBenchError(
-            f"cannot read {what} {text!r}: use a size such as 80GiB, 81920MiB or 80GB (GB = 10^9 bytes)"
-        )
+        raise KVBenchError(f"cannot read {what} {text!r}: use a size such as 80GiB, 81920MiB or 80GB (GB = 10^9 bytes)")
     number, unit = m.groups()
     if not unit:
         raise KVBenchError(
-            f"{what} {text!r} has no unit: write {number}GiB (2^30 bytes), {number}GB (10^9 bytes) or "
-            f"{number}B (bytes)"
+            f"{what} {text!r} has no unit: write {number}GiB (2^30 bytes), {number}GB (10^9 bytes) or {number}B (bytes)"
         )
     whole, _, frac = number.partition(".")
     value = int(whole + frac) * _BYTE_UNITS[unit] // 10 ** len(frac)
@@ -92,9 +100,7 @@ def parse_overhead(text: str, gpu_memory: int) -> tuple[int, str]:
         try:
             pct = float(tok[:-1])
         except ValueError:
-            raise KVBenchError(
-                f"cannot read --overhead {text!r}: use a percentage (10%) or a size (4GiB)"
-            ) from None
+            raise KVBenchError(f"cannot read --overhead {text!r}: use a percentage (10%) or a size (4GiB)") from None
         if not 0 <= pct < 100:  # NaN fails both comparisons
             raise KVBenchError(f"--overhead {text!r} must be between 0% and 100%")
         n = int(gpu_memory * pct / 100)

@@ -226,9 +226,7 @@ class GPT(nn.Module):
         with torch.device("meta"):
             net = cls(cfg)
         net = net.to(dtype=dtype).to_empty(device=device)
-        net.lm_head.weight = (
-            net.transformer.wte.weight
-        )  # to_empty gives each module its own tensor: tie again
+        net.lm_head.weight = net.transformer.wte.weight  # to_empty gives each module its own tensor: tie again
         return net
 
     def forward(
@@ -253,9 +251,7 @@ class GPT(nn.Module):
         assert positions.shape == (B, T), f"positions {tuple(positions.shape)} must match idx {(B, T)}"
         past = caches[0].length if caches is not None else 0
         if padding_mask is not None:
-            assert padding_mask.shape == (B, past + T), (
-                f"padding_mask {tuple(padding_mask.shape)} != {(B, past + T)}"
-            )
+            assert padding_mask.shape == (B, past + T), f"padding_mask {tuple(padding_mask.shape)} != {(B, past + T)}"
         mask = AttentionMask(T, past + T, padding_mask, mask_rule)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):

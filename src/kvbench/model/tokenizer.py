@@ -46,9 +46,7 @@ def _encoding_from_ranks(ranks: dict[bytes, int], label: str):
     if len(ranks) != EOT_ID:
         raise KVBenchError(f"{label}: expected GPT-2's {EOT_ID} BPE ranks, found {len(ranks)}")
     if sorted(ranks.values()) != list(range(EOT_ID)):
-        raise KVBenchError(
-            f"{label}: GPT-2's BPE ranks are 0 to {EOT_ID - 1}, each once; this file's are not"
-        )
+        raise KVBenchError(f"{label}: GPT-2's BPE ranks are 0 to {EOT_ID - 1}, each once; this file's are not")
     return tiktoken.Encoding(
         name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={ENDOFTEXT: EOT_ID}
     )

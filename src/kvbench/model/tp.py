@@ -111,7 +111,5 @@ def shard(model: GPT, rank: int, world: int) -> GPT:
         attn.n_head = len(heads)
         mlp.c_fc = _columns(mlp.c_fc, torch.arange(rank * width, (rank + 1) * width))
         mlp.c_proj = _rows(mlp.c_proj, rank * width, (rank + 1) * width)
-    part.cache_config = dataclasses.replace(
-        cfg, n_head=H // world, n_embd=C // world, tp_rank=rank, tp_size=world
-    )
+    part.cache_config = dataclasses.replace(cfg, n_head=H // world, n_embd=C // world, tp_rank=rank, tp_size=world)
     return part

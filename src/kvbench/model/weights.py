@@ -62,9 +62,7 @@ def resolve_config(model: str) -> GPTConfig:
         return config_from_hf(p)
     close = difflib.get_close_matches(model, PRESETS, n=3)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    raise KVBenchError(
-        f"unknown model {model!r}{hint}; known models: {', '.join(PRESETS)}, or a GPT-2 config.json"
-    )
+    raise KVBenchError(f"unknown model {model!r}{hint}; known models: {', '.join(PRESETS)}, or a GPT-2 config.json")
 
 
 def config_from_hf(path: Path) -> GPTConfig:
@@ -81,9 +79,7 @@ def config_from_hf(path: Path) -> GPTConfig:
     }
     for key, (want, got) in unsupported.items():
         if got != want:
-            raise KVBenchError(
-                f"{path}: {key}={got!r} is not supported (kvbench's GPT-2 uses {key}={want!r})"
-            )
+            raise KVBenchError(f"{path}: {key}={got!r} is not supported (kvbench's GPT-2 uses {key}={want!r})")
     for key in ("vocab_size", "n_layer", "n_head", "n_embd"):
         if key not in cfg:
             raise KVBenchError(f"{path}: missing field {key!r}")
@@ -100,9 +96,11 @@ def config_from_hf(path: Path) -> GPTConfig:
     eps = validate.real(f"{path}: layer_norm_epsilon", cfg.get("layer_norm_epsilon", 1e-5), 0.0, 1.0)
     name = cfg.get("_name_or_path")
     return GPTConfig(
-        block_size=block, **sizes, layer_norm_epsilon=eps,
+        block_size=block,
+        **sizes,
+        layer_norm_epsilon=eps,
         name=name if isinstance(name, str) and name else str(path.parent),
-    )  # fmt: skip
+    )
 
 
 # --- Hugging Face checkpoints --------------------------------------------------------------------------------------
@@ -141,9 +139,7 @@ def port_hf_state_dict(model: GPT, hf: dict[str, torch.Tensor], source: str) -> 
                 raise KVBenchError(f"{source}: tensor {hf_key!r} missing; not a GPT-2 checkpoint?")
             w = hf[hf_key]
             if w.shape != dst.shape:
-                raise KVBenchError(
-                    f"{source}: {hf_key} has shape {tuple(w.shape)}, config expects {tuple(dst.shape)}"
-                )
+                raise KVBenchError(f"{source}: {hf_key} has shape {tuple(w.shape)}, config expects {tuple(dst.shape)}")
             dst.copy_(w)
 
 
@@ -156,21 +152,27 @@ def to_hf_model(model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtyp
 
     c, weight = model.config, model.lm_head.weight
     cfg = GPT2Config(
-        vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
-        layer_norm_epsilon=c.layer_norm_epsilon, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, attn_implementation=attn_implementation, bos_token_id=None, eos_token_id=None,
+        vocab_size=c.vocab_size,
+        n_positions=c.block_size,
+        n_embd=c.n_embd,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        layer_norm_epsilon=c.layer_norm_epsilon,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation=attn_implementation,
+        bos_token_id=None,
+        eos_token_id=None,
         pad_token_id=0,
-    )  # fmt: skip
+    )
     hf = GPT2LMHeadModel(cfg)
     # lm_head.weight is tied to wte in both models
     sd = {k: t for k, t in model.state_dict().items() if k != "lm_head.weight"}
     missing, unexpected = hf.load_state_dict(sd, strict=False)
-    missing = [
-        k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))
-    ]
-    assert not missing and not unexpected, (
-        f"inverse port mismatch: missing {missing}, unexpected {unexpected}"
-    )
+    missing = [k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))]
+    assert not missing and not unexpected, f"inverse port mismatch: missing {missing}, unexpected {unexpected}"
     hf.tie_weights()
     return hf.to(device=weight.device, dtype=dtype or weight.dtype).eval()
 
@@ -179,9 +181,7 @@ def load_from_dir(directory: Path) -> tuple[GPT, GPTConfig]:
     if not directory.exists():
         raise KVBenchError(f"weights path not found: {directory}")
     if not directory.is_dir():
-        raise KVBenchError(
-            f"weights path {directory} is not a directory (want config.json + model.safetensors)"
-        )
+        raise KVBenchError(f"weights path {directory} is not a directory (want config.json + model.safetensors)")
     config = config_from_hf(directory / "config.json")
     config.name = str(directory)
     model = GPT(config)
@@ -233,11 +233,7 @@ def peek_config(model: str | None, weights: str) -> GPTConfig:
         if not directory.is_dir():
             raise KVBenchError(
                 f"weights path {directory} "
-                + (
-                    "is not a directory (want config.json + model.safetensors)"
-                    if directory.exists()
-                    else "not found"
-                )
+                + ("is not a directory (want config.json + model.safetensors)" if directory.exists() else "not found")
             )
         return config_from_hf(directory / "config.json")
     return resolve_config(model or "gpt2")
@@ -280,9 +276,7 @@ def load_model(
                 net, _ = load_from_dir(snap)
                 config = net.config
                 config.name = name
-                return LoadedModel(
-                    net.to(device=device, dtype=dtype).eval(), config, f"hub:{HUB_REPOS[name]}", False
-                )
+                return LoadedModel(net.to(device=device, dtype=dtype).eval(), config, f"hub:{HUB_REPOS[name]}", False)
             if weights == "hub":
                 why = "HF_HUB_OFFLINE is set" if _hub_offline() else "the hub is not reachable"
                 raise KVBenchError(f"{HUB_REPOS[name]} is not in the local Hugging Face cache and {why}")

@@ -91,9 +91,7 @@ class RowComparison:
     ci_high: float
     p_value: float  # two-sided Mann-Whitney U on the two step samples
     verdict: str  # faster | slower | no significant change
-    ttft_ratio: (
-        float  # median TTFT ratio (ttft.csv; without it summary.csv's ttft_ms), NaN where a run lacks both
-    )
+    ttft_ratio: float  # median TTFT ratio (ttft.csv; without it summary.csv's ttft_ms), NaN where a run lacks both
     tokens_per_s_ratio: float  # > 1: the candidate is faster end to end
     peak_mem_delta_mib: float
     kv_cache_delta_mib: float
@@ -215,9 +213,7 @@ def unfinished(run: Run, role: str) -> str | None:
     if planned is None:
         return f"the {role} run {how}: it may lack configurations ({len(run.summary)} in summary.csv)"
     sm = run.summary
-    done = set(
-        zip(sm["engine"], sm["cache"], sm["prompt_len"].astype(int), sm["batch"].astype(int), strict=True)
-    )
+    done = set(zip(sm["engine"], sm["cache"], sm["prompt_len"].astype(int), sm["batch"].astype(int), strict=True))
     missing = [p for p in planned if p not in done]
     if not missing:
         return f"the {role} run {how}, after its last configuration"
@@ -284,17 +280,18 @@ def _pair_rows(
     unmatched: list[Unmatched] = []
 
     def skip(r: pd.Series, reason: str) -> None:
-        unmatched.append(
-            Unmatched(r["engine"], r["cache"], int(r["prompt_len"]), _detail(r), reason, int(r["batch"]))
-        )
+        unmatched.append(Unmatched(r["engine"], r["cache"], int(r["prompt_len"]), _detail(r), reason, int(r["batch"])))
 
     for i, (key, b) in enumerate(b_rows.items()):
         c = c_rows.get(key)
         if c is None:
             skip(b, "only in the baseline")
             continue
-        failed = [f"{r.get('status')} in the {side}" for side, r in (("baseline", b), ("candidate", c))
-                  if r.get("status", "ok") != "ok"]  # fmt: skip
+        failed = [
+            f"{r.get('status')} in the {side}"
+            for side, r in (("baseline", b), ("candidate", c))
+            if r.get("status", "ok") != "ok"
+        ]
         if failed:
             skip(b, f"status {' and '.join(failed)}: no timings")  # e.g. oom: CUDA ran out of memory
             continue
@@ -327,25 +324,19 @@ def _differing(base: pd.DataFrame, cand: pd.DataFrame, match: list[str], other: 
     return f" (baseline vs {other}: {'; '.join(differ)})" if differ else ""
 
 
-def _nothing_in_common(
-    base: pd.DataFrame, cand: pd.DataFrame, match: list[str], unmatched: list[Unmatched]
-) -> str:
+def _nothing_in_common(base: pd.DataFrame, cand: pd.DataFrame, match: list[str], unmatched: list[Unmatched]) -> str:
     if any(u.reason.startswith(("status", "no decode")) for u in unmatched):
         return f"no row could be compared: {'; '.join(f'{row_label(u)}: {u.reason}' for u in unmatched)}"
     return f"the runs have no rows in common{_differing(base, cand, match)}; rows are matched on {', '.join(match)}"
 
 
-def check_baseline(
-    base: Run, meta: dict, planned: list[tuple[str, str, int, int]], allow_env_change: bool
-) -> None:
+def check_baseline(base: Run, meta: dict, planned: list[tuple[str, str, int, int]], allow_env_change: bool) -> None:
     """`bench --baseline`, before the sweep: the run about to be made (its meta.json fields and the configurations
     it plans, (engine, cache, prompt_len, batch)) must be comparable with the baseline, or the command stops now rather
     than after the work: the same identity (unless allowed), and at least one configuration in common."""
     check_environment(base.meta, meta, allow_env_change, command="kvbench bench")
     level = run_level(meta)
-    sweep = pd.DataFrame(
-        [{**level, "engine": e, "cache": c, "prompt_len": p, "batch": b} for e, c, p, b in planned]
-    )
+    sweep = pd.DataFrame([{**level, "engine": e, "cache": c, "prompt_len": p, "batch": b} for e, c, p, b in planned])
     if sweep.empty:
         return
     sweep["weights"] = sweep["weights"].astype(str)
@@ -424,9 +415,7 @@ def parse_fail_on(text: str | None) -> list[str]:
         )
     bad = [n for n in names if n not in FAIL_ON]
     if bad:
-        raise KVBenchError(
-            f"--fail-on {bad[0]!r} is not a gate; choose from {', '.join(FAIL_ON)} (comma-separated)"
-        )
+        raise KVBenchError(f"--fail-on {bad[0]!r} is not a gate; choose from {', '.join(FAIL_ON)} (comma-separated)")
     return names
 
 
@@ -438,9 +427,7 @@ def parse_threshold(text: str) -> float:
     except ValueError:
         raise KVBenchError(f"--threshold {s!r} is not a number; give e.g. 5% or 0.05") from None
     if not s.endswith("%") and value >= 1:
-        raise KVBenchError(
-            f"--threshold {s}: give a fraction (0.05) or a percentage (5%); did you mean {s}%?"
-        )
+        raise KVBenchError(f"--threshold {s}: give a fraction (0.05) or a percentage (5%); did you mean {s}%?")
     if not 0 <= value < 1:
         raise KVBenchError(f"--threshold {s} must be at least 0% and below 100%")
     return value

@@ -104,9 +104,7 @@ def _processes(pynvml, handle) -> list[dict]:
         except pynvml.NVMLError:
             name = None
         used = getattr(p, "usedGpuMemory", None)
-        out.append(
-            {"pid": p.pid, "name": name, "memory_mib": None if used is None else round(used / 2**20, 1)}
-        )
+        out.append({"pid": p.pid, "name": name, "memory_mib": None if used is None else round(used / 2**20, 1)})
     return out
 
 

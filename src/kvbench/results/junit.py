@@ -59,8 +59,13 @@ class Suite:
 def suite_xml(suite: Suite) -> str:
     """The whole document, with its XML declaration."""
     counts = {k: sum(c.outcome == k for c in suite.cases) for k in ("failure", "skipped", "error")}
-    attrs = {"tests": str(len(suite.cases)), "failures": str(counts["failure"]), "errors": str(counts["error"]),
-             "skipped": str(counts["skipped"]), "time": f"{suite.seconds:.3f}"}  # fmt: skip
+    attrs = {
+        "tests": str(len(suite.cases)),
+        "failures": str(counts["failure"]),
+        "errors": str(counts["error"]),
+        "skipped": str(counts["skipped"]),
+        "time": f"{suite.seconds:.3f}",
+    }
     root = ET.Element("testsuites", {"name": xml_safe(suite.name), **attrs})
     ts = ET.SubElement(root, "testsuite", {"name": xml_safe(suite.name), **attrs})
     if suite.properties:
@@ -94,13 +99,9 @@ def check_junit_path(path: Path | None, command: str = "verify") -> Path | None:
     if not str(path).strip():
         raise JUnitPathError("--junit-xml is empty; give a file path for the JUnit XML report")
     if p.is_dir():
-        raise JUnitPathError(
-            f"--junit-xml {p} is a folder; give a file path, e.g. {p / f'kvbench-{command}.xml'}"
-        )
+        raise JUnitPathError(f"--junit-xml {p} is a folder; give a file path, e.g. {p / f'kvbench-{command}.xml'}")
     if not p.parent.is_dir():
-        raise JUnitPathError(
-            f"--junit-xml {p}: the folder {p.parent} does not exist; create it or choose another path"
-        )
+        raise JUnitPathError(f"--junit-xml {p}: the folder {p.parent} does not exist; create it or choose another path")
     try:  # a file can be made there (permissions alone do not say: root, read-only or virtual file systems)
         with tempfile.NamedTemporaryFile(dir=p.parent, prefix=".kvbench-junit-"):
             pass
@@ -115,9 +116,7 @@ def verify_suite(report, meta: dict, seconds: list[float], total: float) -> Suit
     """verify's rows as cases; `seconds[i]` is row i's share of the run (time since the row before it)."""
     cases = []
     for i, r in enumerate(report.checks):
-        c = Case(
-            f"verify.{r.name}", f"verify.{r.name}.{r.cache}", seconds=seconds[i] if i < len(seconds) else 0.0
-        )
+        c = Case(f"verify.{r.name}", f"verify.{r.name}.{r.cache}", seconds=seconds[i] if i < len(seconds) else 0.0)
         if r.skipped:
             c.outcome, c.message = "skipped", r.detail
         elif not r.passed:
@@ -136,16 +135,12 @@ def _row_text(r) -> str:
     )
 
 
-def break_suite(
-    results: list, skipped: list[tuple[str, str]], meta: dict, seconds: list[float], total: float
-) -> Suite:
+def break_suite(results: list, skipped: list[tuple[str, str]], meta: dict, seconds: list[float], total: float) -> Suite:
     """break's faults as cases: passed when verify caught the fault, failed when it slipped through; `skipped`
     holds (fault, why) for faults not run on this cache; `seconds[i]` is fault i's run."""
     cases = []
     for i, r in enumerate(results):
-        c = Case(
-            f"break.{r.name}", f"break.{r.name}.{r.cache}", seconds=seconds[i] if i < len(seconds) else 0.0
-        )
+        c = Case(f"break.{r.name}", f"break.{r.name}.{r.cache}", seconds=seconds[i] if i < len(seconds) else 0.0)
         if not r.detected:
             c.outcome, c.message = (
                 "failure",

@@ -82,9 +82,7 @@ def _shared_legend(fig, axes) -> None:
         for h, lab in zip(*ax.get_legend_handles_labels(), strict=False):
             handles.setdefault(lab, h)
     if handles:
-        fig.legend(
-            list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 5), fontsize=9
-        )
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 5), fontsize=9)
 
 
 def _title(meta: dict) -> str:
@@ -164,8 +162,14 @@ def _single_prompt_bars(ok: pd.DataFrame, meta: dict, path: Path) -> Path:
     for ax, values, xlabel, fmt in panels:
         bars = ax.barh(list(y), values, color=colours, hatch=hatches, edgecolor="white")
         for bar, v in zip(bars, values, strict=True):
-            ax.annotate(fmt.format(v), (bar.get_width(), bar.get_y() + bar.get_height() / 2),
-                        xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)  # fmt: skip
+            ax.annotate(
+                fmt.format(v),
+                (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
         ax.set_yticks(list(y), labels)
         ax.invert_yaxis()
         ax.set_xlabel(xlabel)
@@ -283,13 +287,19 @@ def context_figure(summary: pd.DataFrame, meta: dict, path: Path) -> Path:
     shown = cross is not None and contexts[0] / 4 <= cross <= contexts[-1] * 4
     _context_axes(ax, ax_x, contexts, cross if shown else None, values)
     _mark_crossover(ax, ax_x, cross, shown, contexts)
-    ax.set(xlabel="context (tokens in the cache)", ylabel="decode step, median (ms)",
-           title="Decode step vs context; dashed: each cache's bandwidth floor")  # fmt: skip
+    ax.set(
+        xlabel="context (tokens in the cache)",
+        ylabel="decode step, median (ms)",
+        title="Decode step vs context; dashed: each cache's bandwidth floor",
+    )
     _context_legend(ax, shown)
     ax_x.axhline(1.0, color="0.35", linewidth=1, linestyle="--")
     ax_x.set_ylim(0, max([1.0, *ok.x_floor.dropna()]) * 1.15)
-    ax_x.set(xlabel="context (tokens in the cache)", ylabel="median step / floor (x)",
-             title="How far above the floor (1 = at the floor)")  # fmt: skip
+    ax_x.set(
+        xlabel="context (tokens in the cache)",
+        ylabel="median step / floor (x)",
+        title="How far above the floor (1 = at the floor)",
+    )
     n = int(ok.new_tokens.max()) if len(ok) else 0
     reps = int(ok.repeats.max()) if len(ok) else 0
     fig.suptitle(
@@ -313,12 +323,19 @@ def _context_lines(ax, ax_x, ok: pd.DataFrame) -> list[float]:
         sub = ok[ok.cache == cache].sort_values("context")
         colour = _colour(cache)
         err = [sub.tpot_ms_median - sub.tpot_ms_p10, sub.tpot_ms_p90 - sub.tpot_ms_median]
-        ax.errorbar(sub.context, sub.tpot_ms_median, yerr=err, color=colour, marker="o", markersize=5,
-                    linewidth=1.6, capsize=3, label=cache)  # fmt: skip
-        ax.plot(sub.context, sub.floor_ms, color=colour, linestyle="--", linewidth=1.2, alpha=0.9)
-        ax_x.plot(
-            sub.context, sub.x_floor, color=colour, marker="o", markersize=5, linewidth=1.6, label=cache
+        ax.errorbar(
+            sub.context,
+            sub.tpot_ms_median,
+            yerr=err,
+            color=colour,
+            marker="o",
+            markersize=5,
+            linewidth=1.6,
+            capsize=3,
+            label=cache,
         )
+        ax.plot(sub.context, sub.floor_ms, color=colour, linestyle="--", linewidth=1.2, alpha=0.9)
+        ax_x.plot(sub.context, sub.x_floor, color=colour, marker="o", markersize=5, linewidth=1.6, label=cache)
         values += list(sub.tpot_ms_p90) + list(sub.floor_ms)
     return values
 
@@ -349,15 +366,46 @@ def _mark_crossover(ax, ax_x, cross: float | None, shown: bool, contexts: list) 
     if shown:
         ax.set_xlim(min(contexts[0], cross) / 1.4, max(contexts[-1], cross) * 1.4)
         ax_x.set_xlim(*ax.get_xlim())
-        ax.annotate(f"K/V read = weight read\nat {cross:,} tokens", (cross, 1.0), xycoords=("data", "axes fraction"),
-                    xytext=(4, -4), textcoords="offset points", va="top", fontsize=9, color="0.25")  # fmt: skip
-        ax.annotate("← weights dominate", (cross, 0.0), xycoords=("data", "axes fraction"), xytext=(-4, 6),
-                    textcoords="offset points", ha="right", fontsize=8, color="0.4")  # fmt: skip
-        ax.annotate("K/V cache dominates →", (cross, 0.0), xycoords=("data", "axes fraction"), xytext=(4, 6),
-                    textcoords="offset points", ha="left", fontsize=8, color="0.4")  # fmt: skip
+        ax.annotate(
+            f"K/V read = weight read\nat {cross:,} tokens",
+            (cross, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(4, -4),
+            textcoords="offset points",
+            va="top",
+            fontsize=9,
+            color="0.25",
+        )
+        ax.annotate(
+            "← weights dominate",
+            (cross, 0.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(-4, 6),
+            textcoords="offset points",
+            ha="right",
+            fontsize=8,
+            color="0.4",
+        )
+        ax.annotate(
+            "K/V cache dominates →",
+            (cross, 0.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(4, 6),
+            textcoords="offset points",
+            ha="left",
+            fontsize=8,
+            color="0.4",
+        )
     elif cross is not None:
-        ax.text(0.01, 0.99, f"K/V read = weight read at {cross:,} tokens (outside this sweep)",
-                transform=ax.transAxes, va="top", fontsize=9, color="0.25")  # fmt: skip
+        ax.text(
+            0.01,
+            0.99,
+            f"K/V read = weight read at {cross:,} tokens (outside this sweep)",
+            transform=ax.transAxes,
+            va="top",
+            fontsize=9,
+            color="0.25",
+        )
 
 
 def _context_legend(ax, shown: bool) -> None:
@@ -398,13 +446,18 @@ def compare_figure(comparison, path: Path) -> Path:
         # The interval drawn as it is, from ci_low to ci_high: at a low confidence level (a large --alpha) it can
         # be narrower than the ratio's distance from its centre, and leave the ratio outside it.
         ax.plot([r.ci_low, r.ci_high], [i, i], color=colour, linewidth=2, zorder=2)
-        ax.plot(
-            [r.ci_low, r.ci_high], [i, i], linestyle="none", marker="|", markersize=9, color=colour, zorder=2
-        )
+        ax.plot([r.ci_low, r.ci_high], [i, i], linestyle="none", marker="|", markersize=9, color=colour, zorder=2)
         ax.plot([r.tpot_ratio], [i], "o", color=colour, markersize=6, zorder=3)
         mark = "" if r.steady else " *"
-        ax.annotate(f"×{r.tpot_ratio:.3f}  {r.verdict}{mark}", (max(r.ci_high, r.tpot_ratio), i), xytext=(7, 0),
-                    textcoords="offset points", va="center", fontsize=8.5, color=colour)  # fmt: skip
+        ax.annotate(
+            f"×{r.tpot_ratio:.3f}  {r.verdict}{mark}",
+            (max(r.ci_high, r.tpot_ratio), i),
+            xytext=(7, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=8.5,
+            color=colour,
+        )
     ax.set_yticks(y, [r.label for r in rows])
     ax.invert_yaxis()
     ax.set_ylim(len(rows) - 0.5, -0.5)
@@ -459,9 +512,7 @@ def crossover_batch(meta: dict, prompt_len: int) -> float | None:
 
 def batch_figure(summary: pd.DataFrame, meta: dict, path: Path) -> Path:
     ok = summary[summary["status"] == "ok"].copy()
-    ok["per_seq"] = (
-        ok["decode_tokens_per_s"] / ok["batch"]
-    )  # the same statistic as across the batch, per sequence
+    ok["per_seq"] = ok["decode_tokens_per_s"] / ok["batch"]  # the same statistic as across the batch, per sequence
     plens = sorted(ok.prompt_len.unique())[-MAX_ROWS:]
     batches = sorted(ok.batch.unique())  # the sizes that ran; those out of memory are named in the title
     n = max(len(plens), 1)
@@ -484,8 +535,14 @@ def _batch_row(axes, sub: pd.DataFrame, batches: list, cross: float | None, plen
     ax_all, ax_seq, ax_x = axes
     for engine, cache in _series(sub):
         s = sub[(sub.engine == engine) & (sub.cache == cache)].sort_values("batch")
-        kw = dict(color=_colour(cache), linestyle=ENGINE_STYLE.get(engine, ":"), marker="o", linewidth=1.4,
-                  markersize=5, label=_label(engine, cache))  # fmt: skip
+        kw = dict(
+            color=_colour(cache),
+            linestyle=ENGINE_STYLE.get(engine, ":"),
+            marker="o",
+            linewidth=1.4,
+            markersize=5,
+            label=_label(engine, cache),
+        )
         ax_all.plot(s.batch, s.decode_tokens_per_s, **kw)
         ax_seq.plot(s.batch, s.per_seq, **kw)
         if s.x_floor.notna().any():
@@ -497,12 +554,17 @@ def _batch_row(axes, sub: pd.DataFrame, batches: list, cross: float | None, plen
         ax_seq.plot(floor.index, ceiling_seq, **CEILING)
         ax_x.axhline(1.0, **{k: v for k, v in CEILING.items() if k not in ("marker", "markersize")})
     else:
-        ax_x.text(0.5, 0.5, "no floor for this model\n(bytes are counted for GPT-2)", ha="center",
-                  va="center", transform=ax_x.transAxes, color="grey")  # fmt: skip
+        ax_x.text(
+            0.5,
+            0.5,
+            "no floor for this model\n(bytes are counted for GPT-2)",
+            ha="center",
+            va="center",
+            transform=ax_x.transAxes,
+            color="grey",
+        )
     ax_all.set(ylabel="decode tokens/s, all sequences together", title=f"Across the batch · prompt {plen}")
-    ax_seq.set(
-        ylabel="decode tokens/s per sequence (the left / batch)", title=f"Per sequence · prompt {plen}"
-    )
+    ax_seq.set(ylabel="decode tokens/s per sequence (the left / batch)", title=f"Per sequence · prompt {plen}")
     ax_x.set(ylabel="x floor (TPOT / floor)", title=f"Distance from the floor · prompt {plen}")
     for ax in axes:
         _batch_axis(ax, batches, cross)
@@ -524,14 +586,18 @@ def _batch_axis(ax, batches: list, cross: float | None) -> None:
     lo, hi = batches[0], batches[-1]
     if lo <= cross <= hi:
         ax.axvline(cross, color="grey", linestyle=":", linewidth=1.2)
-        right = (
-            math.log(cross / lo) > 0.5 * math.log(hi / lo) if hi > lo else False
-        )  # label on the roomier side
-        ax.annotate(f"K/V = weights\nat batch {cross:,.0f}", xy=(cross, 0.97), xycoords=("data", "axes fraction"),
-                    ha="right" if right else "left", va="top", fontsize=8, color="dimgrey",
-                    xytext=(-4 if right else 4, 0), textcoords="offset points")  # fmt: skip
+        right = math.log(cross / lo) > 0.5 * math.log(hi / lo) if hi > lo else False  # label on the roomier side
+        ax.annotate(
+            f"K/V = weights\nat batch {cross:,.0f}",
+            xy=(cross, 0.97),
+            xycoords=("data", "axes fraction"),
+            ha="right" if right else "left",
+            va="top",
+            fontsize=8,
+            color="dimgrey",
+            xytext=(-4 if right else 4, 0),
+            textcoords="offset points",
+        )
     else:
         side = "beyond" if cross > hi else "below"
-        ax.set_xlabel(
-            f"batch size (sequences decoded together)\nK/V = weights at batch {cross:,.0f}, {side} the sweep"
-        )
+        ax.set_xlabel(f"batch size (sequences decoded together)\nK/V = weights at batch {cross:,.0f}, {side} the sweep")

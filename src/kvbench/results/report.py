@@ -43,9 +43,7 @@ def git_revision() -> dict[str, Any]:
 
     def git(*args: str) -> str | None:
         try:
-            r = subprocess.run(
-                ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5, check=False
-            )
+            r = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5, check=False)
         except (OSError, subprocess.TimeoutExpired):
             return None
         return r.stdout.strip() if r.returncode == 0 else None
@@ -222,9 +220,7 @@ class BenchRecorder:
             if result.bandwidth is not None and result.bandwidth is not self.bandwidth:
                 rounds = self.meta["floor"].setdefault("by_prompt_len", {})  # interleaved: probed every round
                 swept = len(self.meta["settings"].get("batch", [])) > 1
-                rounds[f"{r.prompt_len} batch {r.batch}" if swept else str(r.prompt_len)] = (
-                    result.bandwidth.as_dict()
-                )
+                rounds[f"{r.prompt_len} batch {r.batch}" if swept else str(r.prompt_len)] = result.bandwidth.as_dict()
         self._write_bench_csvs()
         if result.profile is not None:
             self._add_profile(r, result.profile)
@@ -249,9 +245,7 @@ class BenchRecorder:
     def frames(self):
         import pandas as pd  # with the plots: a command refused before any work does not load it
 
-        summary = pd.DataFrame(
-            [r.record() for r in self.summary], columns=SummaryRow.columns(self.percentiles)
-        )
+        summary = pd.DataFrame([r.record() for r in self.summary], columns=SummaryRow.columns(self.percentiles))
         # column by column: a long sweep has millions of steps, and asdict per row would take a minute
         steps = pd.DataFrame({c: [getattr(r, c) for r in self.steps] for c in StepRow.columns()})
         return summary, steps
@@ -300,8 +294,10 @@ class BenchRecorder:
         self._write_bench_csvs()
 
     def json_doc(self) -> dict:
-        rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.record().items()}
-                for r in self.summary]  # fmt: skip
+        rows = [
+            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.record().items()}
+            for r in self.summary
+        ]
         return {
             "schema_version": SCHEMA_VERSION,
             "run_dir": str(self.run_dir),
@@ -315,9 +311,7 @@ class ContextRecorder(BenchRecorder):
     """The run folder of a random-fill context sweep: summary.csv (one row per context x cache, with its `fill`),
     steps.csv and meta.json rewritten as rows complete, context.png at the end or on interruption."""
 
-    def __init__(
-        self, run_dir: Path, loaded, device, dtype, settings, config_path, bandwidth, crossover
-    ) -> None:
+    def __init__(self, run_dir: Path, loaded, device, dtype, settings, config_path, bandwidth, crossover) -> None:
         self._start(run_dir, loaded, device, dtype, settings, config_path)
         self.meta.update(
             fill="random",

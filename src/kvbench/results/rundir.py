@@ -46,9 +46,7 @@ def prepare_run_dir(path: str | Path) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise KVBenchError(
-            f"--out {p} is not a writable directory ({e.strerror}); choose another --out"
-        ) from None
+        raise KVBenchError(f"--out {p} is not a writable directory ({e.strerror}); choose another --out") from None
     return p
 
 
@@ -64,7 +62,8 @@ BENCH_FILES = (
     "batch.png",
     "profile_ops.csv",
 )
-PROFILE_DIR = "profile"  # bench --profile's traces (*.trace.json); --force removes the traces, not the folder's other files
+# bench --profile's traces (*.trace.json); --force removes the traces, not the folder's other files
+PROFILE_DIR = "profile"
 # Held (locked) in a run folder while a bench writes into it; removed when the run ends.
 RUN_LOCK = ".kvbench-run.lock"
 
@@ -100,9 +99,7 @@ def check_run_dir(path: str, force: bool) -> Path:
         )
     parent = p if p.exists() else next((a for a in p.absolute().parents if a.exists()), None)
     if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise KVBenchError(
-            f"--out {p} is not a writable directory ({parent} cannot be written); choose another --out"
-        )
+        raise KVBenchError(f"--out {p} is not a writable directory ({parent} cannot be written); choose another --out")
     return p
 
 
@@ -119,9 +116,7 @@ def _lock(p: Path) -> int | None:
     try:
         fd = os.open(p / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise KVBenchError(
-            f"--out {p} is not a writable directory ({e.strerror}); choose another --out"
-        ) from None
+        raise KVBenchError(f"--out {p} is not a writable directory ({e.strerror}); choose another --out") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -163,9 +158,7 @@ def claimed_run_dir(path: Path, force: bool):
         except FileExistsError:
             made = False
     except OSError as e:
-        raise KVBenchError(
-            f"--out {p} is not a writable directory ({e.strerror}); choose another --out"
-        ) from None
+        raise KVBenchError(f"--out {p} is not a writable directory ({e.strerror}); choose another --out") from None
     fd = _lock(p)
     try:
         held = [] if made or force else sorted(x.name for x in p.iterdir() if x.name != RUN_LOCK)

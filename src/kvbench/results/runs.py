@@ -207,8 +207,18 @@ def _parse_plain(text: str, header: list[str], path: Path, what: str) -> pd.Data
         raise _wrong_width(path, what, int(body[i]) + 1, int(widths[i]), len(header))
     numbered = body + 1  # line numbers
     names = [f"c{j}" for j in range(len(header))]  # header names as given (pandas would rename repeated ones)
-    df = pd.read_csv(io.StringIO(text), header=None, skiprows=1, names=names, dtype=str, keep_default_na=False,
-                     na_values=[""], skip_blank_lines=True, engine="c", quoting=csv.QUOTE_NONE)  # fmt: skip
+    df = pd.read_csv(
+        io.StringIO(text),
+        header=None,
+        skiprows=1,
+        names=names,
+        dtype=str,
+        keep_default_na=False,
+        na_values=[""],
+        skip_blank_lines=True,
+        engine="c",
+        quoting=csv.QUOTE_NONE,
+    )
     if len(df) != len(numbered):
         return None
     df.columns = header
@@ -385,9 +395,7 @@ def load_run(path: str | Path, role: str) -> Run:
     empty = summary[list(KEY)].isna().any(axis=1).to_numpy()
     if empty.any():
         line = int(summary.attrs["lines"][np.flatnonzero(empty)[0]])
-        raise KVBenchError(
-            f"{what}: summary.csv line {line} is incomplete (an empty engine, cache or length)"
-        )
+        raise KVBenchError(f"{what}: summary.csv line {line} is incomplete (an empty engine, cache or length)")
     no_latency = steps["latency_ms"].isna().to_numpy()
     if no_latency.any():
         line = int(steps.attrs["lines"][np.flatnonzero(no_latency)[0]])
@@ -396,9 +404,7 @@ def load_run(path: str | Path, role: str) -> Run:
     dup = summary.duplicated(list(KEY))
     if dup.any():
         r = summary[dup].iloc[0]
-        raise KVBenchError(
-            f"{what}: summary.csv has two rows for {row_label(r)}; rows are matched on {', '.join(KEY)}"
-        )
+        raise KVBenchError(f"{what}: summary.csv has two rows for {row_label(r)}; rows are matched on {', '.join(KEY)}")
     return Run(p, meta, summary, steps, ttft)
 
 
@@ -427,6 +433,4 @@ def printable(text: object) -> str:
 def row_label(r) -> str:
     """'<engine> <cache> prompt <n>', and ' batch <b>' past batch 1 (a batch sweep's rows differ by it)."""
     batch = int(getattr(r, "batch", 1) or 1)
-    return printable(
-        f"{r.engine} {r.cache} prompt {int(r.prompt_len)}" + (f" batch {batch}" if batch != 1 else "")
-    )
+    return printable(f"{r.engine} {r.cache} prompt {int(r.prompt_len)}" + (f" batch {batch}" if batch != 1 else ""))

@@ -186,6 +186,4 @@ def compare_ttft(
         judged = f"inconclusive (n={n})"
     else:
         judged = verdict(ratio, p, alpha, threshold)
-    return ratio, TTFTComparison(
-        len(xb), len(xc), float(np.median(xb)), float(np.median(xc)), lo, hi, p, judged
-    )
+    return ratio, TTFTComparison(len(xb), len(xc), float(np.median(xb)), float(np.median(xc)), lo, hi, p, judged)
