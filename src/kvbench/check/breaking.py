@@ -48,6 +48,7 @@ def require_finite(model: GPT, prompts: list[list[int]], new_tokens: int, cache:
     for that reason alone, so a fault would look caught when nothing was shown. One line saying which is not finite:
     the model itself (no cache), or only the cache carrying the faults."""
     res = run(model, prompts, new_tokens, cache)
+    assert res.logits is not None, "run records the logits"
     broken = not_finite([(f"the correct run through the {cache} cache", torch.stack(res.logits))])
     if broken is None:
         return
@@ -86,6 +87,7 @@ def break_fault(
             f"{[len(p) for p in prompts]}): with one prompt, or equal lengths, nothing is padded and the bug is dormant"
         )
     require_finite(model, prompts, new_tokens, cache)
+    assert f.demo is not None, f"the {name} fault has no demo"
     correct, faulty, shown, signature = f.demo(model, f, prompts, new_tokens, cache)
     report = run_verify(model, [cache], prompts, new_tokens, reference, hf_dir, fault=f)
     caught = [r.name for r in report.checks if not r.passed]

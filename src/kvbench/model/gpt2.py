@@ -177,11 +177,20 @@ class AttentionMask:
         return allowed
 
 
+class Transformer(nn.ModuleDict):
+    """GPT's `transformer`: a ModuleDict (its parameters keep GPT-2's names), with its members' types declared."""
+
+    wte: nn.Embedding
+    wpe: nn.Embedding
+    h: nn.ModuleList
+    ln_f: nn.LayerNorm
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
-        self.transformer = nn.ModuleDict(
+        self.transformer = Transformer(
             dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
                 wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
