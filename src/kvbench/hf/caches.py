@@ -193,6 +193,11 @@ def parse_verify_caches(text: str | None, device: torch.device) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def compiles(name: str) -> bool:
+    """Whether generate compiles the decode step of this cache (its arguments carry a compile config)."""
+    return "compile_config" in HF_CACHES[name].generate_kwargs
+
+
 def parse_bench_caches(names: list[str] | None) -> list[str]:
     """--caches for bench --hf: names of the timed caches, each once, or `all` / not given for all of them."""
     if names is None or names == ["all"]:
