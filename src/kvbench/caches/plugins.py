@@ -170,7 +170,9 @@ def missing_lifecycle(cache_or_class: object) -> list[str]:
 
     A member is missing when it is absent, not callable, or inherited unchanged from `LayerCache` (whose versions
     raise NotImplementedError). A checked plugin cache is judged by the plugin's own object."""
-    target = cache_or_class.inner if isinstance(cache_or_class, CheckedCache) else cache_or_class
+    target = cache_or_class
+    while not isinstance(target, type) and hasattr(target, "inner"):  # a checked or recorded cache: the one inside
+        target = target.inner
     cls = target if isinstance(target, type) else type(target)
     missing = []
     for name in LIFECYCLE:
