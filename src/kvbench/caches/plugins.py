@@ -37,7 +37,7 @@ from kvbench.thirdparty import contained, did
 
 ENTRY_POINT_GROUP = "kvbench.caches"
 ATTRIBUTES = ("update", "reset", "length", "capacity", "nbytes", "bytes_copied")
-SPEC_FIELDS = ("exact", "logit_atol", "logit_rtol", "min_greedy_agreement")
+SPEC_FIELDS = ("exact", "logit_atol", "logit_rtol", "min_greedy_agreement", "roundtrip", "visible", "padding")
 _PROBE = GPTConfig(block_size=16, vocab_size=16, n_layer=1, n_head=2, n_embd=8, name="probe")
 
 
@@ -102,7 +102,12 @@ def wrap(obj: object, name: str) -> CacheSpec:
     if spec.factory is None:
         raise PluginError(f"cache plugin {name!r}: its CacheSpec has no factory")
     _check_stated(spec, name)
-    checked = dataclasses.replace(spec, factory=_checked_factory(spec.factory, name, not spec.fixed_step))
+    checked = dataclasses.replace(
+        spec,
+        factory=_checked_factory(spec.factory, name, not spec.fixed_step),
+        roundtrip=_checked_policy(spec.roundtrip, name, "roundtrip"),
+        visible=_checked_policy(spec.visible, name, "visible"),
+    )
     probe(checked)
     return checked
 
@@ -125,8 +130,37 @@ def _check_stated(spec: CacheSpec, name: str) -> None:
         raise bad("min_greedy_agreement", v, "a fraction from 0 to 1")
     if spec.traffic is not None and not isinstance(spec.traffic, Traffic):
         raise bad("traffic", spec.traffic, "a kvbench.caches.Traffic or None")
+    for field in ("roundtrip", "visible"):  # the policy verify holds a lossy plugin to (check/policy.py)
+        value = getattr(spec, field)
+        if value is not None and not callable(value):
+            raise bad(field, value, "a function or None")
+    if not isinstance(spec.padding, bool):
+        raise bad("padding", spec.padding, "True or False")
     if spec.storage_dtype is not None and spec.storage_dtype not in SPELLINGS:
         raise bad("storage_dtype", spec.storage_dtype, f"None or one of {', '.join(SPELLINGS)}")
+
+
+def _checked_policy(fn, name: str, field: str):
+    """A plugin's declared roundtrip or visible, contained and held to its shape: roundtrip (B, H, T, Dh) -> the
+    same; visible (q (B, T), k (B, S)) -> (B, T, S) bool."""
+    if fn is None:
+        return None
+
+    def fail(what: str) -> PluginError:
+        return PluginError(f"cache plugin {name!r}: its {field} {what}")
+
+    def call(*args):
+        with contained(lambda e: fail(did("call", e))):
+            out = fn(*args)
+        want = args[0].shape if field == "roundtrip" else (*args[0].shape, args[1].size(-1))
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(want):
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise fail(f"returned {shape}, expected a tensor of shape {tuple(want)}")
+        if field == "visible" and out.dtype != torch.bool:
+            raise fail(f"returned {out.dtype}, expected a boolean mask")
+        return out
+
+    return call
 
 
 def _inherited(cls: type, field: str) -> bool:
