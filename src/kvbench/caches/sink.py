@@ -52,9 +52,10 @@ class SinkCache(LayerCache):
         if self.k is None:
             self.k, self.v, self.key_positions = k, v, positions.clone()
         else:
-            self.bytes_copied += self.k.nbytes + self.v.nbytes  # torch.cat re-copies what it holds
-            self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)  # (B, H, S + T, Dh)
-            self.key_positions = torch.cat([self.key_positions, positions], dim=1)  # (B, S + T)
+            hk, hv, held = self._held()
+            self.bytes_copied += hk.nbytes + hv.nbytes  # torch.cat re-copies what it holds
+            self.k, self.v = torch.cat([hk, k], dim=2), torch.cat([hv, v], dim=2)  # (B, H, S + T, Dh)
+            self.key_positions = torch.cat([held, positions], dim=1)  # (B, S + T)
         self.length = self.k.size(2)
         return self.k, self.v
 
@@ -71,9 +72,14 @@ class SinkCache(LayerCache):
         cols = keep.nonzero().squeeze(-1)  # (S',)
         if cols.numel() == keep.numel():
             return
-        self.k, self.v = self.k.index_select(2, cols), self.v.index_select(2, cols)
-        self.key_positions = self.key_positions.index_select(1, cols)
+        k, v, pos = self._held()
+        self.k, self.v, self.key_positions = k.index_select(2, cols), v.index_select(2, cols), pos.index_select(1, cols)
         self.length = self.k.size(2)
+
+    def _held(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K (B, H, S, Dh), V and the positions (B, S): a cache that holds something."""
+        assert self.k is not None and self.v is not None and self.key_positions is not None, "an empty sink cache"
+        return self.k, self.v, self.key_positions
 
     def reset(self) -> None:
         super().reset()
@@ -116,7 +122,8 @@ class SinkCache(LayerCache):
     def fork(self) -> SinkCache:
         other = SinkCache(self.sink, self.window)
         if self.k is not None:
-            other.k, other.v, other.key_positions = self.k.clone(), self.v.clone(), self.key_positions.clone()
+            k, v, pos = self._held()
+            other.k, other.v, other.key_positions = k.clone(), v.clone(), pos.clone()
         other.length, other.bytes_copied = self.length, self.bytes_copied
         return other
 
@@ -124,15 +131,16 @@ class SinkCache(LayerCache):
         if self.k is None:
             self.check_index(index, None, None)
             return
-        idx = self.check_index(index, self.k.size(0), self.k.device)
-        self.k, self.v = self.k.index_select(0, idx), self.v.index_select(0, idx)
-        self.key_positions = self.key_positions.index_select(0, idx)
+        k, v, pos = self._held()
+        idx = self.check_index(index, k.size(0), k.device)
+        self.k, self.v, self.key_positions = k.index_select(0, idx), v.index_select(0, idx), pos.index_select(0, idx)
 
     @property
     def nbytes(self) -> int:
         if self.k is None:
             return 0
-        return self.k.nbytes + self.v.nbytes + self.key_positions.nbytes  # the positions are part of what it holds
+        k, v, pos = self._held()
+        return k.nbytes + v.nbytes + pos.nbytes  # the positions are part of what it holds
 
 
 def spec(sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW) -> CacheSpec:

@@ -125,6 +125,7 @@ class Recording:
     rules: DecodeRules
 
     def layer_cache(self, config, batch: int, max_len: int, dtype, device) -> LayerCache:
+        assert self.design is not None, "a cached design"
         return Recorded(self.design(config, batch, max_len, dtype, device))
 
 
@@ -267,6 +268,7 @@ def _flips(target, prompt, tokens, spec, step_matched, tol) -> str:
     apart = total = 0
     for one, step in zip(caches, step_matched, strict=True):
         for a, b in ((one.k, step.k), (one.v, step.v)):
+            assert a is not None and b is not None, "every layer ran"
             b = b[:, :, : a.size(2)]
             noise = 1e-5 * b.abs().amax(-1, keepdim=True)
             apart += int(((a - b).abs() > noise).sum())
