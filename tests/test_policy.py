@@ -15,6 +15,7 @@ from kvbench.check.faults import FAULTS
 from kvbench.check.policy import POLICY_CHECKS
 from kvbench.check.verify import random_prompts, run_verify
 from kvbench.cli import app
+from kvbench.errors import KVBenchError
 
 N = 40  # past the sink cache's 4 + 32 tokens with the 32-token prompt: eviction happens
 
@@ -66,8 +67,10 @@ def test_the_sink_cache_holds_sinks_plus_window_between_steps():
     assert c.key_positions[0].tolist() == list(range(6))
     c.update(k[:, :, :1], k[:, :, :1], torch.tensor([[6]]))  # query 6 reads 0, 1 and 3..6
     assert c.key_positions[0].tolist() == [0, 1, 3, 4, 5, 6] and c.length == 6
-    c.crop(5)
-    assert c.key_positions[0].tolist() == [0, 1, 3, 4]
+    with pytest.raises(KVBenchError, match="evicted already"):  # query 5 would read position 2, evicted at 6
+        c.crop(5)
+    c.crop(6)  # query 6 reads 3..5 again: all held
+    assert c.key_positions[0].tolist() == [0, 1, 3, 4, 5] and c.length == 5
 
 
 def test_the_sink_cache_saves_memory_by_design():
@@ -90,8 +93,10 @@ def test_a_fault_under_the_loose_bound_fails_only_the_policy_rows_with_where(tin
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", [n for n, f in FAULTS.items() if f.cache in ("int8", "sink")])
 def test_every_lossy_fault_passes_the_loose_rows_and_is_caught_by_the_policy(fault):
-    r = CliRunner().invoke(app, ["break", fault, "-m", "gpt2-tiny", "-w", "random", "-d", "cpu", "-n", "60",
-                                 "--reference", "none", "--json"])  # fmt: skip
+    r = CliRunner().invoke(
+        app,
+        ["break", fault, "-m", "gpt2-tiny", "-w", "random", "-d", "cpu", "-n", "60", "--reference", "none", "--json"],
+    )
     assert r.exit_code == 0, r.output
     (bug,) = json.loads(r.stdout)["bugs"]
     failed = [c for c in bug["checks"] if not c["passed"]]

@@ -76,14 +76,17 @@ class LayerCache:
         """Keep batch rows `index` (1-D, may repeat and drop rows) in that order: batch size becomes len(index)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement reorder")
 
-    def check_crop(self, length: int) -> int:
-        """`length` for crop as an int in 0..self.length; anything else is an error naming both numbers."""
+    def check_crop(self, length: int, written: int | None = None) -> int:
+        """`length` for crop as an int in 0..self.length (0..written for a cache that evicts: the tokens written so
+        far); anything else is an error naming both numbers."""
         try:
             n = operator.index(length)
         except TypeError:
             raise KVBenchError(f"crop({length!r}): the length must be an integer") from None
-        if isinstance(length, bool) or not 0 <= n <= self.length:
-            raise KVBenchError(f"crop({length!r}) outside 0..{self.length}: the cache holds {self.length} tokens")
+        top = self.length if written is None else written
+        if isinstance(length, bool) or not 0 <= n <= top:
+            held = f"the cache holds {top} tokens" if written is None else f"{top} tokens were written"
+            raise KVBenchError(f"crop({length!r}) outside 0..{top}: {held}")
         return n
 
     def check_index(self, index: torch.Tensor, batch: int | None, device: torch.device | None) -> torch.Tensor:

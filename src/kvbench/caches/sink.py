@@ -88,7 +88,7 @@ class SinkCache(LayerCache):
     def crop(self, length: int) -> None:
         """Forget every position >= length; refused when a position the next query (at `length`) may read was
         evicted already (a window cannot be restored)."""
-        n = self._check_tokens(length)
+        n = self.check_crop(length, self.written)
         if self.key_positions is None or n >= self.written:
             return
         if n == 0:
@@ -102,17 +102,6 @@ class SinkCache(LayerCache):
                 f"(the window keeps the last {self.window}); a sink cache rolls back within its window only"
             )
         self._keep(pos < n)
-
-    def _check_tokens(self, length: int) -> int:
-        import operator
-
-        try:
-            n = operator.index(length)
-        except TypeError:
-            raise KVBenchError(f"crop({length!r}): the length must be an integer") from None
-        if isinstance(length, bool) or not 0 <= n <= self.written:
-            raise KVBenchError(f"crop({length!r}) outside 0..{self.written}: {self.written} tokens were written")
-        return n
 
     @property
     def written(self) -> int:

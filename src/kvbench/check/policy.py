@@ -163,8 +163,9 @@ def locate(got: list, want: list, rtol: float, atol: float, visible=None, upto: 
 
 
 # --- the rows -----------------------------------------------------------------------------------------------------------
-def policy_rows(target, caches: list[str], prompts, new: int, short: int, fault=None, compile: str = "off",
-                on_row=None) -> list[CheckRow]:  # fmt: skip
+def policy_rows(
+    target, caches: list[str], prompts, new: int, short: int, fault=None, compile: str = "off", on_row=None
+) -> list[CheckRow]:
     """Every check of POLICY_CHECKS for each cache in `caches` that declares a policy, against the reference."""
     rows: list[CheckRow] = []
     for name in caches:
@@ -225,7 +226,7 @@ def _rows_of(target, name, spec, prompts, new, short, fault, compile) -> list[Ch
 
 def _generated(d, r, target, prompt, new, tol, spec) -> list[CheckRow]:
     got, want = d.generate([prompt], new), r.generate([prompt], new)
-    g_caches, w_caches = d.last_caches, r.last_caches
+    w_caches = r.last_caches  # the full run's, before any replay
     upto = first_diff(want.tokens[0], got.tokens[0])
     n = len(got.tokens[0]) if upto is None else upto + 1
     ok, err = allclose_err(got.logits[0, :n], want.logits[0, :n], tol.rtol, tol.atol)
@@ -233,7 +234,12 @@ def _generated(d, r, target, prompt, new, tol, spec) -> list[CheckRow]:
     first = None if ok else first_off(got.logits[0, :n], want.logits[0, :n], tol)
     detail = what + (f"; first off at step {first}" if first is not None else "")
     detail += _flips(target, prompt, want.tokens[0], spec, w_caches, tol)
-    where = "" if ok and upto is None else locate(g_caches, w_caches, tol.rtol, tol.atol, spec.visible, len(prompt) + n)
+    where = ""
+    if not ok or upto is not None:  # replayed up to the step that went wrong: the caches as that step read them
+        step = first if first is not None else upto
+        assert step is not None
+        d.generate([prompt], step + 1), r.generate([prompt], step + 1)
+        where = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, spec.visible)
     logits = CheckRow(
         name="logits",
         cache=d.cache,
@@ -244,10 +250,18 @@ def _generated(d, r, target, prompt, new, tol, spec) -> list[CheckRow]:
         location="" if ok else where,
     )
     greedy = compare_tokens(
-        name="greedy", cache=d.cache, dtype=target.dtype, want=want.tokens[0], got=got.tokens[0],
-        want_rows=want.logits[0], got_rows=got.logits[0], what=f"{len(got.tokens[0])} greedy tokens vs the policy's",
-        tol=tol, want_where="the policy's reference", got_where="the design",
-    )  # fmt: skip
+        name="greedy",
+        cache=d.cache,
+        dtype=target.dtype,
+        want=want.tokens[0],
+        got=got.tokens[0],
+        want_rows=want.logits[0],
+        got_rows=got.logits[0],
+        what=f"{len(got.tokens[0])} greedy tokens vs the policy's",
+        tol=tol,
+        want_where="the policy's reference",
+        got_where="the design",
+    )
     if not greedy.passed:
         greedy.location = where
     return [logits, greedy]
@@ -296,8 +310,14 @@ def _reused(d, r, prompts, short, tol) -> CheckRow:
     (got, words), (want, _) = d.reused(prompts[0], prompts[1], short), r.reused(prompts[0], prompts[1], short)
     ok, err = allclose_err(got.logits, want.logits, tol.rtol, tol.atol)
     same = got.tokens == want.tokens
-    row = CheckRow(name="cache_state", cache=d.cache, passed=ok and same, max_abs_diff=err, tolerance=tol.words,
-                   detail=f"{words}, {short} tokens, vs the policy's reference reused the same way")  # fmt: skip
+    row = CheckRow(
+        name="cache_state",
+        cache=d.cache,
+        passed=ok and same,
+        max_abs_diff=err,
+        tolerance=tol.words,
+        detail=f"{words}, {short} tokens, vs the policy's reference reused the same way",
+    )
     if not row.passed:
         row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible)
     return row
@@ -315,8 +335,14 @@ def _scenario(d, r, check, prompts, short, tol) -> CheckRow:
     detail = f"{n} logit rows vs the policy's reference through the same scenario"
     if n < len(want.seqs):
         detail += f"; the runs part at row {n} (a different greedy choice)"
-    row = CheckRow(name=check, cache=d.cache, passed=ok and n == len(want.seqs), max_abs_diff=err,
-                   tolerance=tol.words, detail=detail)  # fmt: skip
+    row = CheckRow(
+        name=check,
+        cache=d.cache,
+        passed=ok and n == len(want.seqs),
+        max_abs_diff=err,
+        tolerance=tol.words,
+        detail=detail,
+    )
     if not row.passed:
         first = first_off(a, b, tol)
         row.detail += f"; first off at row {first}" if first is not None else ""
