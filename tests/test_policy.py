@@ -76,6 +76,29 @@ def test_the_sink_cache_holds_sinks_plus_window_between_steps():
 def test_the_sink_cache_saves_memory_by_design():
     spec = get_cache_spec("sink-4-64")  # S and W in the name
     assert spec.name == "sink-4-64" and spec.visible is not None and not spec.padding
+    assert spec.holds(1000) == 68 and spec.holds(10) == 10
+
+
+def test_memory_measure_plans_the_tokens_a_sink_cache_holds():
+    from kvbench.bench.measure_memory import measure_caches
+
+    rep = measure_caches("gpt2-tiny", 2, 256, "fp16", "cpu", ["sink-4-8", "dynamic"])
+    sink, dynamic = rep.rows
+    L, H, Dh = 2, 4, 32  # gpt2-tiny
+    assert sink.predicted_bytes == 2 * L * 2 * H * 12 * Dh * 2  # K and V, layers, batch 2, 4 + 8 tokens, fp16
+    assert sink.measured_bytes - sink.predicted_bytes == L * 2 * 12 * 8  # one int64 position per slot
+    assert dynamic.exact and dynamic.predicted_bytes == 2 * L * 2 * H * 256 * Dh * 2
+    assert "12 tokens of 256 it holds" in sink.explanation
+
+
+def test_generate_refuses_prompts_of_different_lengths_for_a_design_that_evicts():
+    r = CliRunner().invoke(
+        app,
+        [*"generate -m gpt2-tiny -w random -d cpu --cache sink -n 4 --prompt hello".split(), "--prompt", "a b c d e"],
+    )
+    assert r.exit_code == 2 and "takes no left-padded batch" in r.output and "Traceback" not in r.output
+    one = CliRunner().invoke(app, "generate -m gpt2-tiny -w random -d cpu --cache sink -n 4 --prompt hello".split())
+    assert one.exit_code == 0, one.output
 
 
 @pytest.mark.parametrize("fault", ["int8-requantised-fork"])

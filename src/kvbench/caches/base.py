@@ -187,6 +187,9 @@ class CacheSpec:
     visible: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # It takes a left-padded batch (False: a design that evicts by position, whose slots are not columns).
     padding: bool = True
+    # The tokens a sequence holds between steps at a context of L, for a design that evicts (the planner's figure
+    # for it, memory --measure); None: all L.
+    holds: Callable[[int], int] | None = None
 
 
 def cache_nbytes(caches: list[LayerCache] | None) -> int:

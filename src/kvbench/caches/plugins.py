@@ -38,7 +38,7 @@ from kvbench.thirdparty import contained, did
 
 ENTRY_POINT_GROUP = "kvbench.caches"
 ATTRIBUTES = ("update", "reset", "length", "capacity", "nbytes", "bytes_copied")
-SPEC_FIELDS = ("exact", "logit_atol", "logit_rtol", "min_greedy_agreement", "roundtrip", "visible", "padding")
+SPEC_FIELDS = ("exact", "logit_atol", "logit_rtol", "min_greedy_agreement", "roundtrip", "visible", "padding", "holds")
 _PROBE = GPTConfig(block_size=16, vocab_size=16, n_layer=1, n_head=2, n_embd=8, name="probe")
 
 
@@ -135,7 +135,7 @@ def _check_stated(spec: CacheSpec, name: str) -> None:
         raise bad("min_greedy_agreement", v, "a fraction from 0 to 1")
     if spec.traffic is not None and not isinstance(spec.traffic, Traffic):
         raise bad("traffic", spec.traffic, "a kvbench.caches.Traffic or None")
-    for field in ("roundtrip", "visible"):  # the policy verify holds a lossy plugin to (check/policy.py)
+    for field in ("roundtrip", "visible", "holds"):  # its policy (check/policy.py) and what it holds (the planner)
         value = getattr(spec, field)
         if value is not None and not callable(value):
             raise bad(field, value, "a function or None")

@@ -159,6 +159,7 @@ def spec(sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW) -> CacheSpec:
         "context) with one int64 position per slot; a call's own tokens join them while it runs",
         visible=functools.partial(visible, sink, window),
         padding=False,
+        holds=lambda L: min(L, held),
     )
 
 
