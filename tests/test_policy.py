@@ -261,3 +261,59 @@ def test_a_plugin_eviction_is_held_to_its_declared_visibility(tiny_model, prompt
         assert all(r.passed for r in policy.values()), [r for r in policy.values() if not r.passed]
     else:
         assert not policy["logits"].passed and "no longer holds position" in policy["logits"].location
+
+
+# --- transformers' QuantizedCache (quanto) held to its own schedule -------------------------------------------------
+@pytest.fixture(scope="module")
+def quanto_llama(tmp_path_factory):
+    pytest.importorskip("optimum.quanto")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kvbench.hf.models import load_hf
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    d = tmp_path_factory.mktemp("llama")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    return load_hf(str(d), torch.device("cpu"), torch.float32)
+
+
+def _quanto_policy(loaded, new=40):
+    from kvbench.check.hf_verify import run_hf_verify
+
+    prompts = random_prompts(256, 32, 3, seed=0)
+    rep = run_hf_verify(loaded, ["quantized-quanto"], prompts, new, checks=("logits",))
+    return {r.name: r for r in rep.checks if r.policy}, {r.name: r for r in rep.checks if not r.policy}
+
+
+@pytest.mark.slow
+def test_quanto_matches_its_schedule_exactly_where_full_precision_does_not(quanto_llama):
+    policy, loose = _quanto_policy(quanto_llama, new=150)  # past the 128-token residual: a flush happens
+    assert policy["logits"].passed and policy["logits"].max_abs_diff == 0.0, policy["logits"]
+    assert loose["logits"].max_abs_diff > 1e-3  # the policy's own loss, which only the loose row allows
+    assert policy["reorder"].passed and "absent in transformers" in policy["reorder"].detail
+
+
+@pytest.mark.slow
+def test_the_quanto_reorder_defect_is_caught_by_the_policy_row(quanto_llama, monkeypatch):
+    """transformers before PR #48700: reorder_cache reordered the full-precision residual only, leaving the
+    quantised states in the old batch order. Put back, the policy's reorder row fails and says so."""
+    from transformers.cache_utils import QuantizedLayer
+
+    def residual_only(self, beam_idx):
+        if self.keys is not None and self.keys.numel() > 0:
+            self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
+            self.values = self.values.index_select(0, beam_idx.to(self.values.device))
+
+    monkeypatch.setattr(QuantizedLayer, "reorder_cache", residual_only)
+    policy, _ = _quanto_policy(quanto_llama)
+    assert not policy["reorder"].passed and "is present in transformers" in policy["reorder"].detail
+    assert policy["logits"].passed  # the defect lives in reorder only
