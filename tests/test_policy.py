@@ -272,9 +272,10 @@ def quanto_llama(tmp_path_factory):
     from kvbench.hf.models import load_hf
 
     torch.manual_seed(0)
+    # 2 key/value heads x 32 = 64 values per token and layer: one quanto group (hf/caches.py QUANTO_GROUP)
     cfg = LlamaConfig(
         vocab_size=256,
-        hidden_size=64,
+        hidden_size=128,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -317,3 +318,17 @@ def test_the_quanto_reorder_defect_is_caught_by_the_policy_row(quanto_llama, mon
     policy, _ = _quanto_policy(quanto_llama)
     assert not policy["reorder"].passed and "is present in transformers" in policy["reorder"].detail
     assert policy["logits"].passed  # the defect lives in reorder only
+
+
+def test_quanto_is_skipped_where_a_token_fills_no_quantisation_group():
+    """quanto quantises groups of 64 values: 2 key/value heads x 16 per token cannot form one, and transformers'
+    QuantizedCache then raises on calls of an odd token count. A skip naming why, not a crash row."""
+    from types import SimpleNamespace
+
+    from kvbench.hf.caches import HF_CACHES
+
+    info = SimpleNamespace(windowed=False, recurrent=False, n_kv_heads=2, head_dim=16)
+    why = HF_CACHES["quantized-quanto"].unavailable(info, torch.device("cpu"))
+    assert why is not None and "groups of 64 values" in why and "32 per token" in why
+    info.head_dim = 32
+    assert "groups of 64" not in (HF_CACHES["quantized-quanto"].unavailable(info, torch.device("cpu")) or "")
