@@ -256,6 +256,18 @@ def generate_rules(o: Any, n_prompts: int) -> None:
     draft_rules(o.draft, o.draft_tokens, o.ngram, o.cache, n_prompts, o.temperature, o.compile)
 
 
+def padding_rule(cache: str, lengths: Sequence[int]) -> None:
+    """Prompts of different lengths run as a left-padded batch; a design that evicts by position (`padding=False`
+    on its spec: its slots are positions, not columns) takes none."""
+    from kvbench.caches import get_cache_spec
+
+    if len(set(lengths)) > 1 and not get_cache_spec(cache).padding:
+        raise KVBenchError(
+            f"cache {cache} evicts by position and takes no left-padded batch, but the prompts encode to "
+            f"{', '.join(map(str, lengths))} tokens: give prompts of one length, or run them one at a time"
+        )
+
+
 CHECKED_NEW_TOKENS = 2  # verify and break: the logits check (and a fault) needs at least one decode step
 
 
