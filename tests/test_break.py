@@ -7,6 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from kvbench.caches import get_cache_spec
 from kvbench.check.breaking import break_fault
 from kvbench.check.faults import FAULTS, get_fault, mask_signature
 from kvbench.check.verify import random_prompts, run_verify
@@ -33,7 +34,8 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def results(model, prompts):
-    return {name: break_fault(model, name, prompts, N) for name in ONE_PROCESS}
+    # the sink fault fires once the context passes the sink cache's 4 + 32 tokens
+    return {name: break_fault(model, name, prompts, 40 if FAULTS[name].cache == "sink" else N) for name in ONE_PROCESS}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +52,14 @@ def test_control_passes(control):
 def test_every_fault_is_detected(results, name):
     r = results[name]
     assert r.detected and r.caught_by, r.checks
+    assert r.fix and r.dormant_where and r.signature
+    if not get_cache_spec(FAULTS[name].cache).exact:  # under the loose bound: only the exact policy rows see it
+        assert all(c.endswith("=policy") for c in r.caught_by), r.caught_by
+        assert all(c.passed for c in r.checks if not c.policy and not c.skipped), r.checks
+        assert all(c.location for c in r.checks if c.policy and not c.passed), r.checks
+        return
     assert r.first_divergence is not None, "the faulty run must differ from the correct one"
     assert r.correct_tokens != r.faulty_tokens
-    assert r.fix and r.dormant_where and r.signature
 
 
 @pytest.mark.parametrize("name", ONE_PROCESS)

@@ -57,7 +57,8 @@ def run_verify(
     if tp is None:
         subjects = [GPT2Subject(target, c, fault, compile) for c in caches]
         rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row)
-        rows += policy_rows(target, caches, prompts, new_tokens, min(short_tokens, new_tokens), fault, compile, on_row)
+        short = min(short_tokens, new_tokens)
+        rows += policy_rows(target, caches, prompts, new_tokens, short, fault, compile, on_row, checks)
     else:
         rows, held = tp_rows(target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp)
     notes = [

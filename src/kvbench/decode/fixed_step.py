@@ -80,8 +80,9 @@ class _DeviceMask:
     def __init__(self, allowed: torch.Tensor, rule: MaskRule) -> None:
         self.allowed, self.rule = allowed, rule  # (B, 1, 1, L) bool
 
-    def for_keys(self, S: int) -> tuple[torch.Tensor | None, bool]:
+    def for_keys(self, S: int, key_positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, bool]:
         assert S == self.allowed.size(-1), f"fixed-shape step got {S} key slots, buffer has {self.allowed.size(-1)}"
+        assert key_positions is None, "the fixed-shape step's buffers are columns: it evicts nothing"
         return self.rule.adjust(1, S, self.allowed, False)
 
 
