@@ -18,7 +18,7 @@ import torch
 
 from kvbench.check.causal import refuse_non_causal
 from kvbench.check.hf_subject import HFModel, HFSubject
-from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
+from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport, verdict
 from kvbench.check.lifecycle import LIFECYCLE
 from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks
 from kvbench.check.tp import hf_tp_rows
@@ -68,7 +68,7 @@ def run_hf_verify(
         if tp is not None:
             rows, held = hf_tp_rows(subjects, rows, prompts[0], new_tokens, tp, report)
     return VerifyReport(
-        passed=all(r.passed for r in rows if not r.skipped),
+        **verdict(rows),
         checks=rows,
         dtype=dtype_name(target.dtype),
         new_tokens=new_tokens,

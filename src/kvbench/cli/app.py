@@ -8,7 +8,8 @@ one; `kvbench.cli` imports them so they register on `app`.
 
 Exit codes (`exit_code`, the one mapping): 0 success; 1 a verdict that failed (raised by the command as
 typer.Exit(1)); 2 bad input (KVBenchError, or a usage error Click found); 3 out of memory (NotEnoughMemoryError or
-an allocation failure); 70 a kvbench bug (anything else); 75 a tensor-parallel rank whose peer failed first (the run's
+an allocation failure); 5 nothing checked (verify or break skipped every row: no verdict, as pytest exits 5 when no
+test ran); 70 a kvbench bug (anything else); 75 a tensor-parallel rank whose peer failed first (the run's
 status is the failing rank's, see kvbench.distributed); 130 interrupted (Ctrl-C); 141 stdout closed by its reader.
 """
 
@@ -45,6 +46,7 @@ click = getattr(typer_core, "_click", None) or __import__("click")
 FAILED = 1  # a verdict that failed: a check, a fault not detected, a regression
 BAD_INPUT = 2  # KVBenchError: a wrong command, a bad file or value
 OUT_OF_MEMORY = 3  # the command was right, the machine too small
+NOTHING_CHECKED = 5  # verify or break skipped every row: no verdict either way (pytest's "no tests ran")
 BUG = 70  # anything else: a kvbench bug (EX_SOFTWARE)
 INTERRUPTED = 130  # 128 + SIGINT
 # The reader of stdout went away early (`kvbench ... | head -1`): 128 + SIGPIPE, what a shell reports for a program

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from kvbench import console, options
-from kvbench.cli.app import command, load_for_checks
+from kvbench.cli.app import NOTHING_CHECKED, command, load_for_checks
 from kvbench.cli.break_render import render_break, render_break_summary
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
@@ -52,7 +52,7 @@ def break_(o: BreakOptions) -> None:
     """Inject the classic KV-cache bugs and show verify catching each.
 
     Runs correct and faulty code side by side on the same model and prompt. Exit 0 when every injected fault was
-    detected by verify, 1 when any slipped through."""
+    detected by verify, 1 when any slipped through, 5 when every fault was skipped."""
     from kvbench import distributed, validate
     from kvbench.results import junit
 
@@ -82,13 +82,16 @@ def break_(o: BreakOptions) -> None:
         console.print_json(
             {
                 "schema_version": SCHEMA_VERSION,
-                "all_detected": all(r.detected for r in results),
+                "all_detected": bool(results) and all(r.detected for r in results),
+                "nothing_checked": not results,
                 **meta,
                 "bugs": [asdict(r) for r in results],
             }
         )
     else:
         render_break_summary(results)
+    if not results:
+        raise typer.Exit(NOTHING_CHECKED)
     if not all(r.detected for r in results):
         raise typer.Exit(1)
 

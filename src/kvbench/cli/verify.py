@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from kvbench import console, options
-from kvbench.cli.app import command, load_for_checks
+from kvbench.cli.app import NOTHING_CHECKED, command, load_for_checks
 from kvbench.cli.verify_render import render_verify, verify_row
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import option
@@ -53,7 +53,7 @@ def verify(o: VerifyOptions) -> None:
     """Prove cached decoding equals full recomputation, for every cache, against Hugging Face.
 
     With --hf SOURCE: the same checks on any Hugging Face causal LM, for each of transformers' own caches, against
-    its own no-cache path. Exit 0 when every check passes, 1 when any fails. In fp16/bf16 a token flip at a
+    its own no-cache path. Exit 0 when every check passes, 1 when any fails, 5 when every row was skipped. In fp16/bf16 a token flip at a
     near-tie that the logit error explains is reported, not failed."""
     from kvbench import distributed, validate
     from kvbench.results import junit
@@ -82,6 +82,8 @@ def verify(o: VerifyOptions) -> None:
         console.print_json({"schema_version": SCHEMA_VERSION, "passed": report.passed, **meta, **asdict(report)})
     else:
         render_verify(report, meta, o.verbose)
+    if report.nothing_checked:
+        raise typer.Exit(NOTHING_CHECKED)
     if not report.passed:
         raise typer.Exit(1)
 
