@@ -39,6 +39,7 @@ from kvbench.errors import (
 )
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import flag_of
+from kvbench.thirdparty import watching_signals
 
 # The click that Typer runs on: vendored as typer._click in recent Typer, the click package before.
 click = getattr(typer_core, "_click", None) or __import__("click")
@@ -95,7 +96,8 @@ class KVBenchCommand(TyperCommand):
     def invoke(self, ctx):
         try:
             check_environment()
-            return super().invoke(ctx)
+            with watching_signals(), console.json_stdout(prints_json(ctx)):
+                return super().invoke(ctx)
         except (typer.Exit, typer.Abort, click.exceptions.ClickException):
             raise
         except BaseException as e:
@@ -113,6 +115,11 @@ class KVBenchCommand(TyperCommand):
             if message is not None:
                 console.error(message)
             raise typer.Exit(code) from None
+
+
+def prints_json(ctx) -> bool:
+    """The command prints one JSON document: --json (compare: --format json)."""
+    return bool(ctx.params.get("json_out")) or ctx.params.get("fmt") == "json"
 
 
 class KVBenchGroup(TyperGroup):

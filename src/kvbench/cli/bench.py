@@ -377,6 +377,9 @@ def _signals_interrupt():
         return
 
     def stop(signum, frame):
+        from kvbench.thirdparty import note_signal
+
+        note_signal()  # a real interrupt, even where it lands inside a plugin's code
         raise Terminated(signum)
 
     sigs = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])

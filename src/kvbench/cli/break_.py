@@ -67,7 +67,8 @@ def break_(o: BreakOptions) -> None:
 
             cfg = peek_config(o.model, o.weights)
             validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
-            exit_code = distributed.launch(o.tp, sys.argv[1:])
+            with console.stdout_inherited():  # rank 0 prints the --json document
+                exit_code = distributed.launch(o.tp, sys.argv[1:])
         else:
             results, skipped, meta = _run_faults(o, clock, reports)
     if exit_code is not None:  # the ranks have reported

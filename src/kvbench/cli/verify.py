@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,12 +61,13 @@ def verify(o: VerifyOptions) -> None:
     reports = not distributed.in_rank() or distributed.global_rank() == 0  # under --tp, rank 0 reports
     clock = junit.RowClock(None if o.json_out or not reports else verify_row)
     exit_code = None
-    with _json_safe(o.json_out), junit.errors_reported(o.junit_xml if reports else None, "verify", clock):
+    with junit.errors_reported(o.junit_xml if reports else None, "verify", clock):
         junit_path = junit.check_junit_path(o.junit_xml) if reports else None
         validate.verify_rules(o)
         if launching:
             _check_tp_shape(o)
-            exit_code = distributed.launch(o.tp, sys.argv[1:])
+            with console.stdout_inherited():  # rank 0 prints the --json document
+                exit_code = distributed.launch(o.tp, sys.argv[1:])
         else:
             report, meta = _verify_hf(o, clock) if o.hf is not None else _verify_gpt2(o, clock)
     if exit_code is not None:  # the ranks have reported
@@ -100,17 +100,6 @@ def _check_tp_shape(o: VerifyOptions) -> None:
         from kvbench.hf.tp import check_tp_model
 
         check_tp_model(o.hf, o.tp, o.trust_remote_code)
-
-
-@contextmanager
-def _json_safe(json_out: bool):
-    """With --json, stdout carries one JSON document whatever happens: a model's own print() goes to stderr while
-    it runs (a refusal's error document is printed by the CLI's error boundary)."""
-    if not json_out:
-        yield
-        return
-    with redirect_stdout(sys.stderr):
-        yield
 
 
 def _verify_gpt2(o: VerifyOptions, on_row):
