@@ -19,6 +19,7 @@ import sys
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import Literal
 
 from kvbench.errors import ContainedOutOfMemory, NotEnoughMemoryError, is_out_of_memory, one_line
 
@@ -71,14 +72,14 @@ class contained:
 
     __slots__ = ("fail", "saved", "seen")
 
-    def __init__(self, fail: Callable[[BaseException], Exception]) -> None:
+    def __init__(self, fail: Callable[[BaseException], BaseException]) -> None:
         self.fail = fail
 
     def __enter__(self) -> None:
         self.saved, sys.stdout = sys.stdout, sys.stderr
         self.seen = _Signals.seen
 
-    def __exit__(self, kind, e, tb) -> bool:
+    def __exit__(self, kind, e, tb) -> Literal[False]:
         sys.stdout = self.saved
         if e is None:
             return False
