@@ -2,7 +2,9 @@
 
 import ast
 import json
+import os
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -658,3 +660,88 @@ def test_a_plugin_whose_logits_are_not_finite(plugin_dir):
     assert (
         len(lines) == 1 and "while the model's no-cache forward is finite: that cache itself is broken" in (lines[0])
     ), r.stderr
+
+
+# Writes that go around sys.stdout: to the interpreter's own stdout, a logging handler bound to it at import, and
+# file descriptor 1 itself (what native code's printf does). A subprocess each: fd 1 is the process's, which pytest's
+# capture and CliRunner both replace.
+RAW_WRITERS = textwrap.dedent(
+    """
+    import logging, os, sys
+    from kvbench.caches.dynamic import DynamicCache
+    from kvbench.caches.static_graph import StaticGraphCache
+    from kvbench.caches import CacheSpec
+
+    log = logging.getLogger("raw")
+    log.addHandler(logging.StreamHandler(sys.__stdout__))
+    log.setLevel(logging.INFO)
+
+    def loud(where):
+        sys.__stdout__.write(f"RAW {where}\\n"); sys.__stdout__.flush()
+        log.info("LOG %s", where)
+        os.write(1, f"FD1 {where}\\n".encode())
+
+    class C(DynamicCache):
+        def __init__(self, config, batch, max_len, dtype, device):
+            loud("init"); super().__init__()
+        def update(self, k, v, positions):
+            loud("update"); return super().update(k, v, positions)
+        def crop(self, n):
+            loud("crop"); super().crop(n)
+
+    class G(StaticGraphCache):
+        def update(self, k, v, positions):
+            loud("update"); return super().update(k, v, positions)
+
+    F = CacheSpec("g", "fixed step, loud", lambda c, b, n, dt, dev: G(b, c.n_head, n, c.head_dim, dt, dev),
+                  fixed_step=True)
+    """
+)
+
+
+def _kvbench(tmp_path, *args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT / 'src'}", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "kvbench", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("generate", "a b a b a b a b a b", "-n", 8, "--no-stop", "--draft", "prompt-lookup", "--cache", "rw:C"),
+        ("generate", "hi", "-n", 4, "--cache", "rw:F"),
+        ("verify", "--caches", "rw:C,rw:F", "-n", 6, "--prompt-len", 8, "--reference", "none"),
+    ],
+)
+def test_under_json_nothing_a_plugin_writes_reaches_stdout(tmp_path, args):
+    """`sys.__stdout__`, a logging handler bound at import and file descriptor 1 itself all reach stderr under
+    --json: stdout is the one document, which parses; the writes are on stderr."""
+    (tmp_path / "rw.py").write_text(RAW_WRITERS)
+    r = _kvbench(tmp_path, *args, *TINY, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc.get("passed", True) is True, doc
+    for what in ("RAW", "LOG", "FD1"):
+        assert what in r.stderr and what not in r.stdout, (what, r.stdout[:200], r.stderr[-500:])
+    r = _kvbench(tmp_path, *args, *TINY)  # without --json stdout is the plugin's to write to as well
+    assert r.returncode == 0 and "FD1" in r.stdout, r.stderr
+
+
+@pytest.mark.slow
+def test_a_plugin_that_calls_os_exit_cannot_be_contained(tmp_path):
+    """What the docs say: os._exit ends the process on the spot, with the plugin's status and no document."""
+    (tmp_path / "ox.py").write_text(
+        "import os\nfrom kvbench.caches.dynamic import DynamicCache\n"
+        "class C(DynamicCache):\n    def __init__(self, *a):\n        super().__init__()\n"
+        "    def update(self, *a):\n        os._exit(9)\n"
+    )
+    r = _kvbench(tmp_path, "generate", "hi", "-n", 3, "--cache", "ox:C", *TINY, "--json")
+    assert r.returncode == 9 and r.stdout == "", r

@@ -188,7 +188,8 @@ def _flush_writes_to_fd1() -> None:
     """What was buffered on its way to descriptor 1 (Python's `sys.__stdout__`, C's stdio: a native printf) is
     written out now, to where descriptor 1 points while it was written."""
     with suppress(OSError, ValueError, AttributeError):
-        sys.__stdout__.flush()
+        if sys.__stdout__ is not None:
+            sys.__stdout__.flush()
     with suppress(ImportError, OSError, AttributeError, TypeError):  # no C library to ask (not POSIX)
         import ctypes
 
