@@ -163,6 +163,69 @@ def test_schema_unknown_kind_is_one_line():
     assert r.stderr.strip().count("\n") == 0 and "verify" in r.stderr
 
 
+# Each command refused under --json: (command line, the schema its document follows or None, its verdict keys).
+REFUSED_JSON = [
+    (["verify", *TINY, "--caches", "nope", "--json"], "verify", {"passed": False}),
+    (["verify", *TINY, "--prompt-len", "0", "--json"], "verify", {"passed": False}),
+    (["break", "nope", *TINY, "--json"], "break", {"all_detected": False}),
+    (["break", *TINY, "--prompt-len", "-3", "--json"], "break", {"all_detected": False}),
+    (["bench", *TINY, "--prompt-len", "0", "--json"], "bench", {}),
+    (["bench", *TINY, "--caches", "nope", "--json"], "bench", {}),
+    (["memory", "-m", "nope", "--json"], "memory", {}),
+    (["memory", "-m", "llama-3-8b", "--ctx", "-1", "--json"], "memory", {}),
+    (["generate", "hi", *TINY, "-n", "0", "--json"], None, {}),
+    (["compare", "nope1", "nope2", "--format", "json"], "compare", {}),
+    (["compare", "nope1", "nope2", "-f", "json", "--alpha", "2"], "compare", {}),
+    # Click's own usage errors, where the line asked for JSON
+    (["bench", *TINY, "--batch", "abc", "--json"], "bench", {}),
+    (["memory", "--nope", "--json"], "memory", {}),
+    (["verify", "--json", "--caches"], "verify", {"passed": False}),
+    (["compare", "a", "--format=json"], "compare", {}),
+    (["break", "--json", "--what", "x"], "break", {"all_detected": False}),
+]
+
+
+@pytest.mark.parametrize(
+    "args, kind, verdict", REFUSED_JSON, ids=lambda x: " ".join(x) if isinstance(x, list) else None
+)
+def test_every_json_command_prints_an_error_document_when_refused(args, kind, verdict):
+    """--json (compare: --format json) prints one JSON document on every exit: a refusal is its schema's error
+    variant, carrying the line said on stderr and the exit status."""
+    r = invoke(args)
+    assert r.exit_code == 2, r.output
+    (line,) = r.stderr.strip().splitlines()
+    doc = json.loads(r.stdout)
+    assert doc == {"schema_version": SCHEMA_VERSION, **verdict, "error": line.removeprefix("error: "), "exit_code": 2}
+    if kind is not None:
+        validate(kind, doc)
+
+
+def test_without_json_a_refusal_prints_nothing_on_stdout():
+    for args in (["memory", "-m", "nope"], ["compare", "a", "b", "--format", "md"], ["memory", "--nope", "--json2"]):
+        r = invoke(args)
+        assert r.exit_code == 2 and r.stdout == "", r.output
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_schema_has_an_error_variant_and_keeps_its_document_s_keys(kind):
+    """An error document validates with schema_version, error and exit_code (and the verdict, false); one
+    without `error` still needs the document's own keys, and one with `error` needs its exit status."""
+    verdict = {"verify": {"passed": False}, "break": {"all_detected": False}}.get(kind, {})
+    doc = {"schema_version": SCHEMA_VERSION, **verdict, "error": "boom", "exit_code": 2}
+    validate(kind, doc)
+    validate(kind, {**doc, "error": None, "exit_code": 75})
+    for bad in (
+        {k: v for k, v in doc.items() if k != "exit_code"},
+        {k: v for k, v in doc.items() if k != "error"},
+        {**doc, "exit_code": "2"},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            validate(kind, bad)
+    if kind == "break":
+        with pytest.raises(jsonschema.ValidationError):
+            validate(kind, {**doc, "all_detected": True})
+
+
 def test_schemas_allow_new_keys_and_reject_missing_or_mistyped_ones():
     doc = {"schema_version": SCHEMA_VERSION, "kv_dtype": "fp16", "weights_dtype": "bf16", "batch": 1, "tp": 1}
     validate("memory", {**doc, "a_field_added_later": {"x": 1}})

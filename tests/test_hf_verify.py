@@ -362,8 +362,9 @@ def test_remote_code_that_exits_while_loading_is_one_line(hostile_toys, tmp_path
     assert len(lines) == 1 and "Traceback" not in out, out
     assert str(hostile_toys[toy]) in lines[0] and message in lines[0], lines[0]
     assert not out_dir.exists(), out
-    # verify --json answers a refusal with one JSON document too; bench has no JSON output
-    assert json.loads(r.stdout)["error"] in lines[0] if command == "verify" else r.stdout == "", out
+    # --json answers a refusal with one JSON document too (verify's with passed false)
+    doc = json.loads(r.stdout)
+    assert doc["error"] in lines[0] and doc["exit_code"] == 2 and doc.get("passed", False) is False, out
 
 
 @pytest.mark.parametrize("command", ["verify", "bench"])

@@ -374,16 +374,13 @@ def test_hostile_plugin_is_contained_in_one_line(plugin_dir, command, ref, messa
     assert r.exit_code == 2, r.output
     assert len(lines) == 1 and "Traceback" not in r.output, r.output
     assert ref in lines[0] and message in lines[0], lines[0]
-    # no plugin text on stdout; verify --json answers the refusal with one JSON document naming it
-    if command == "verify":
-        assert json.loads(r.stdout) == {
-            "schema_version": 1,
-            "passed": False,
-            "error": lines[0].removeprefix("error: "),
-            "exit_code": 2,
-        }
-    else:
-        assert r.stdout == "", r.stdout
+    # no plugin text on stdout; --json answers the refusal with one JSON document naming it (verify's: passed false)
+    assert json.loads(r.stdout) == {
+        "schema_version": 1,
+        **({"passed": False} if command == "verify" else {}),
+        "error": lines[0].removeprefix("error: "),
+        "exit_code": 2,
+    }
 
 
 def test_plugin_prints_go_to_stderr_and_json_stays_clean(plugin_dir):

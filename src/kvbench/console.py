@@ -124,11 +124,21 @@ def stdout_is_devnull() -> bool:
 _DOCUMENT: list = []  # where print_json writes while a --json command runs (json_stdout), innermost last
 
 
+_PRINTED = [0]  # JSON documents printed by this process (or by the processes it started, stdout_inherited)
+
+
 def print_json(doc: Any) -> None:
     """One JSON document on stdout and nothing else (for scripts and CI): strict JSON, NaN and infinities null."""
     stream = _DOCUMENT[-1] if _DOCUMENT else sys.stdout
+    _PRINTED[0] += 1
     stream.write(json_text(doc) + "\n")
     stream.flush()
+
+
+def documents_printed() -> int:
+    """How many JSON documents this process has printed so far (the CLI prints an error document where a --json
+    command ended without one)."""
+    return _PRINTED[0]
 
 
 @contextmanager
@@ -181,6 +191,7 @@ def stdout_inherited():
     try:
         yield
     finally:
+        _PRINTED[0] += 1  # the processes started in the block wrote the document (or their error document)
         _stderr_onto(1)
 
 

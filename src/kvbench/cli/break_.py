@@ -47,7 +47,7 @@ class BreakOptions:
     verbose: bool = options.verbose_option()
 
 
-@command(BreakOptions, name="break")
+@command(BreakOptions, name="break", error_doc={"all_detected": False})
 def break_(o: BreakOptions) -> None:
     """Inject the classic KV-cache bugs and show verify catching each.
 

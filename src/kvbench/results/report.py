@@ -294,8 +294,10 @@ class BenchRecorder:
         self._write_bench_csvs()
 
     def json_doc(self) -> dict:
+        """The --json document: summary.csv's rows with its columns, empty cells as null (an oom or error row's
+        tpot_ms_pNN included)."""
         rows = [
-            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.record().items()}
+            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in self._columns(r.record()).items()}
             for r in self.summary
         ]
         return {
@@ -304,6 +306,13 @@ class BenchRecorder:
             "meta": self.meta,
             "summary": rows,
         }
+
+    def _columns(self, record: dict) -> dict:
+        """A summary row as summary.csv has it: every column, in its order (NaN where the row has no value)."""
+        names = SummaryRow.columns(self.percentiles)
+        if not set(record) <= set(names):  # another kind of row (--fill random's): its own keys
+            return record
+        return {c: record.get(c, math.nan) for c in names}
 
 
 # --- bench --fill random: decode cost against context --------------------------------------------------------------
