@@ -196,6 +196,9 @@ def _plot_path(o: Options) -> Path | None:
         raise KVBenchError(f"--plot {o.plot} must name a .png file")
     if not o.plot.parent.is_dir():
         raise KVBenchError(f"--plot {o.plot}: no such directory {o.plot.parent}")
+    from kvbench.results.rundir import output_kind
+
+    output_kind(o.plot, "--plot")  # a folder, a block device or a socket refused before any work
     return o.plot
 
 
