@@ -125,17 +125,20 @@ def _model(name: str, t: Any, path: Path) -> ModelSpec:
         vision_params=vision,
         resolved_by="preset",
         note=str(t.get("note", "")),
-        **moe,
+        experts=moe[0],
+        experts_per_token=moe[1],
+        expert_params=moe[2],
     )
 
 
-def _moe(t: dict[str, Any], ints: dict[str, int], where: str) -> dict[str, int]:
+def _moe(t: dict[str, Any], ints: dict[str, int], where: str) -> tuple[int, int, int]:
     """A mixture-of-experts preset's routing (all four keys or none): `experts` routed experts per MoE layer, of
     which each token activates `experts_per_token`, in `moe_layers` layers, each expert a gated MLP of width
-    `moe_intermediate` (3 x hidden x moe_intermediate parameters)."""
+    `moe_intermediate` (3 x hidden x moe_intermediate parameters). Returns (experts, top-k, one routed expert's
+    parameters over the MoE layers); zeros for a dense model."""
     given = [k for k in _MOE if k in t]
     if not given:
-        return {}
+        return 0, 0, 0
     if len(given) != len(_MOE):
         raise KVBenchError(f"{where}: a mixture-of-experts model needs all of {', '.join(_MOE)}")
     v = {k: _positive_int(t, k, where) for k in _MOE}
@@ -144,7 +147,7 @@ def _moe(t: dict[str, Any], ints: dict[str, int], where: str) -> dict[str, int]:
     expert_params = 3 * ints["hidden"] * v["moe_intermediate"] * v["moe_layers"]
     if (v["experts"] - v["experts_per_token"]) * expert_params >= ints["params"]:
         raise KVBenchError(f"{where}: its experts hold more parameters than params ({ints['params']:,})")
-    return {"experts": v["experts"], "experts_per_token": v["experts_per_token"], "expert_params": expert_params}
+    return v["experts"], v["experts_per_token"], expert_params
 
 
 def load_presets(path: Path | None = None) -> dict[str, ModelSpec]:
