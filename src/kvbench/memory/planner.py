@@ -174,16 +174,24 @@ def _window_note(spec: ModelSpec) -> str:
     n, w = spec.n_windowed, fmt_int(spec.sliding_window)
     # a hybrid: only attention layers have a window
     attn = "attention " if spec.model_layers is not None else ""
-    which = f"every {attn}layer" if n == spec.n_layers else f"{n} of {spec.n_layers} {attn}layers"
+    every = n == spec.n_layers
+    which = f"every {attn}layer uses" if every else f"{n} of {spec.n_layers} {attn}layers use"
     if spec.window_kind == "chunked":
         return (
-            f"{which} use {w}-token chunked attention: each attends only within its own chunk, so those layers "
-            f"hold at most {w} tokens (a cache that ignores the chunks holds all of them)"
+            f"{which} {w}-token chunked attention: each attends only within its own chunk, so "
+            f"{'each holds' if every else 'those layers hold'} at most {w} tokens (a cache that ignores "
+            f"the chunks holds all of them)"
         )
     return (
-        f"{which} use a {w}-token sliding window: past that length those layers hold only the last {w} tokens "
-        f"(a windowed cache; a cache that ignores the window holds all of them)"
+        f"{which} {_a(w)} {w}-token sliding window: past that length {'each holds' if every else 'those layers hold'} "
+        f"only the last {w} tokens (a windowed cache; a cache that ignores the window holds all of them)"
     )
+
+
+def _a(number: str) -> str:
+    """The article before a number as it is read aloud: an 8-, an 11-, an 18-, an 800-token window; a 4,096-."""
+    lead = number.split(",")[0]
+    return "an" if lead.startswith("8") or lead in ("11", "18") else "a"
 
 
 def _notes(spec: ModelSpec, fmt: KVFormat, per_token: int) -> list[str]:

@@ -331,7 +331,7 @@ def github_action_benchmark(rows: list) -> tuple[list[dict], list[str]]:
         if r.status != "ok":
             skipped.append(f"{_label(r)} ({r.status})")
             continue
-        where = f"{r.device} {r.dtype}; {r.repeats} timed repeats"
+        where = f"{r.device} {r.dtype}; {r.repeats} timed repeat{'' if r.repeats == 1 else 's'}"
         for metric, value, p90 in (
             ("TPOT", r.tpot_ms_median, r.tpot_ms_p90),
             ("TTFT", getattr(r, "ttft_ms", None), getattr(r, "ttft_ms_p90", None)),
