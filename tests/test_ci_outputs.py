@@ -127,6 +127,22 @@ def test_junit_path_refused_before_work(tmp_path):
     assert r.exit_code == 2 and "kvbench-break.xml" in r.stderr, r.output
 
 
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        ([*VERIFY, "--junit-xml", ""], "error: --junit-xml is empty; give a file path for the JUnit XML report"),
+        ([*VERIFY, "--junit-xml", "  "], "error: --junit-xml is empty; give a file path for the JUnit XML report"),
+        (["break", "position", *TINY, "--junit-xml", ""], "error: --junit-xml is empty; give a file path"),
+        (["memory", "--gpu", "h200", "-m", "llama-3-8b", "--plot", ""], "error: --plot is empty; give a .png file"),
+        (["memory", "--gpu", "h200", "-m", "llama-3-8b", "--plot", "."], "error: --plot . must name a .png file"),
+    ],
+)
+def test_an_empty_output_path_is_called_empty_not_dot(args, line):
+    r = invoke(args)
+    assert r.exit_code == 2, r.output
+    assert r.stderr.strip().splitlines()[0].startswith(line), r.stderr
+
+
 def test_break_junit_one_case_per_fault(tmp_path):
     xml = tmp_path / "break.xml"
     r = invoke(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import typer
 
@@ -43,7 +42,7 @@ class BreakOptions:
     tp: int = options.tp_option()
     tp_timeout: float = options.tp_timeout_option()
     json_out: bool = options.json_option()
-    junit_xml: Path | None = options.junit_option()
+    junit_xml: str | None = options.junit_option()
     verbose: bool = options.verbose_option()
 
 

@@ -277,7 +277,7 @@ def _fit_line(r: PlanRow, budget: GPUBudget) -> str:
         longest = f"max context {'>= ' if at_limit else ''}{fmt_int(r.max_ctx)}{at_limit}"
     return (
         f"  fits: {fmt_bytes(r.bytes_per_gpu)} {'<=' if r.fits else '>'} {fmt_bytes(max(budget.available, 0))} "
-        f"available; max batch {fmt_int(r.max_batch)} at {fmt_tokens(r.ctx)}; {longest} at batch {r.batch}"
+        f"available; max batch {r.max_batch if r.max_batch is None else fmt_int(r.max_batch)} at {fmt_tokens(r.ctx)}; {longest} at batch {r.batch}"
     )
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import typer
 
@@ -43,7 +42,7 @@ class VerifyOptions:
     hf: str | None = options.hf_option()
     trust_remote_code: bool = options.trust_option()
     layers: int | None = options.layers_option()
-    junit_xml: Path | None = options.junit_option()
+    junit_xml: str | None = options.junit_option()
     verbose: bool = options.verbose_option()
 
 

@@ -92,7 +92,7 @@ def write_suite(path: Path, suite: Suite) -> None:
     write_output(Path(path), suite_xml(suite).encode("utf-8"), "--junit-xml")
 
 
-def check_junit_path(path: Path | None, command: str = "verify") -> Path | None:
+def check_junit_path(path: str | Path | None, command: str = "verify") -> Path | None:
     """--junit-xml PATH checked before any work: not a folder, in a folder that exists and can be written."""
     if path is None:
         return None
@@ -160,7 +160,7 @@ def break_suite(results: list, skipped: list[tuple[str, str]], meta: dict, secon
 
 
 @contextmanager
-def errors_reported(path: Path | None, command: str, clock: RowClock):
+def errors_reported(path: str | Path | None, command: str, clock: RowClock):
     """With a report path, a run stopped by an error (a refusal, running out of memory: exit 2) still leaves a
     report: one error case with the message. A path that is itself refused (a folder, a missing folder) gets none;
     Ctrl-C none either."""
