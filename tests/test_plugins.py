@@ -213,6 +213,15 @@ HOSTILE = textwrap.dedent(
         def update(self, k, v, positions):
             raise KeyboardInterrupt
 
+    class RealCtrlC(GrowingCache):
+        # a real Ctrl-C, delivered by the signal while the plugin's code runs (after the load-time probe)
+        def update(self, k, v, positions):
+            if self.length >= 16:
+                import os, signal, time
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            return super().update(k, v, positions)
+
     class NegativeCapacity(GrowingCache):
         def __init__(self, *args):
             super().__init__(*args)
@@ -397,6 +406,23 @@ def test_plugin_prints_go_to_stderr_and_json_stays_clean(plugin_dir):
     )
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["passed"] and "hello from the plugin module" in r.stderr
+
+
+def test_a_real_ctrl_c_inside_a_plugin_still_interrupts(plugin_dir):
+    """SIGINT delivered while a plugin's code runs is a real interrupt: exit 130, 'interrupted', never worded as
+    the plugin's (a KeyboardInterrupt the plugin raises itself is, HOSTILE_CASES); --json prints its error
+    document."""
+    r = run("generate", "a b c d e f g h i j k l m n o p", "--cache", "mycaches.hostile:RealCtrlC", "-n", 8, *TINY)
+    assert r.exit_code == 130, r.output
+    assert r.stderr.strip().splitlines() == ["error: interrupted"], r.stderr
+    r = run(
+        "generate", "a b c d e f g h i j k l m n o p", "--cache", "mycaches.hostile:RealCtrlC", "-n", 8, *TINY, "--json"
+    )
+    assert r.exit_code == 130 and json.loads(r.stdout) == {
+        "schema_version": 1,
+        "error": "interrupted",
+        "exit_code": 130,
+    }
 
 
 def test_a_plugin_out_of_memory_is_worded_as_the_plugin_s_and_stays_out_of_memory(plugin_dir, tmp_path):

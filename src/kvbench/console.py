@@ -84,9 +84,18 @@ def line(*parts: str | Text) -> Text:
     return Text.assemble(*(escape_controls(p) if isinstance(p, str) else p for p in parts))
 
 
+_SAID: list[str] = []  # the error lines said so far (the CLI's error document repeats the last one)
+
+
 def error(message: str) -> None:
     """One red line on stderr: the whole user-facing error. The message is literal text."""
+    _SAID.append(_one_line(message))
     err.print(line(styled("error:", "bold red"), " ", _one_line(message)), soft_wrap=True)
+
+
+def errors_said() -> list[str]:
+    """The error lines said on stderr so far, oldest first."""
+    return list(_SAID)
 
 
 def warn(message: str) -> None:

@@ -101,7 +101,7 @@ class KVBenchCommand(TyperCommand):
     error_doc: dict = {}  # the document's verdict keys for a refused run, e.g. {"passed": False}
 
     def invoke(self, ctx):
-        printed = console.documents_printed()
+        printed, said = console.documents_printed(), len(console.errors_said())
         json_out = prints_json(ctx.params)
         try:
             check_environment()
@@ -110,8 +110,10 @@ class KVBenchCommand(TyperCommand):
         except (typer.Exit, typer.Abort, click.exceptions.ClickException) as e:
             code = getattr(e, "exit_code", None)
             if json_out and code not in (None, 0) and console.documents_printed() == printed:
-                # ended by the command itself without its document (bench stopped by SIGTERM): its line is said
-                console.print_json(error_document(self.error_doc, f"stopped with exit status {code}", code))
+                # ended by the command itself without its document (bench stopped by SIGTERM): its line was said
+                lines = console.errors_said()[said:]
+                message = lines[-1] if lines else f"stopped with exit status {code}"
+                console.print_json(error_document(self.error_doc, message, code))
             raise
         except BaseException as e:
             if isinstance(e, SystemExit):
