@@ -135,6 +135,23 @@ def test_cli_break_json():
     assert bug["first_divergence"] is not None
 
 
+def test_cli_break_that_runs_no_fault_checked_nothing_and_exits_5(monkeypatch, tmp_path):
+    """Every fault skipped: nothing was detected and nothing slipped through, which is no verdict: exit 5, in the
+    table, the JSON document and the JUnit report (every case skipped)."""
+    from kvbench.check import faults
+
+    monkeypatch.setattr(faults, "select_faults", lambda name, cache, tp=1: ([], {"mask": "not here"}))
+    args = "break all --model gpt2-tiny --weights random --new-tokens 4 --reference none".split()
+    xml = tmp_path / "b.xml"
+    r = CliRunner().invoke(app, [*args, "--json", "--junit-xml", str(xml)])
+    assert r.exit_code == 5, r.output
+    doc = json.loads(r.stdout)
+    assert doc["all_detected"] is False and doc["nothing_checked"] is True and doc["bugs"] == [], doc
+    assert 'tests="1"' in xml.read_text() and 'skipped="1"' in xml.read_text(), xml.read_text()
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 5 and "NOTHING CHECKED" in r.stdout and "mask: skipped (not here)" in r.output, r.output
+
+
 @pytest.mark.parametrize(
     "args, match",
     [

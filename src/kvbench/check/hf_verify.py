@@ -19,7 +19,7 @@ import torch
 from kvbench.check.causal import refuse_non_causal
 from kvbench.check.hf_policy import hf_policy_rows
 from kvbench.check.hf_subject import HFModel, HFSubject
-from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
+from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport, verdict
 from kvbench.check.lifecycle import LIFECYCLE
 from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks
 from kvbench.check.tp import RankBytes, hf_tp_rows
@@ -73,7 +73,7 @@ def run_hf_verify(
             policy, policy_notes = hf_policy_rows(subjects, prompts, new_tokens, report)
             rows += policy
     return VerifyReport(
-        passed=all(r.passed for r in rows if not r.skipped),
+        **verdict(rows),
         checks=rows,
         dtype=dtype_name(target.dtype),
         new_tokens=new_tokens,

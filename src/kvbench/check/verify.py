@@ -9,7 +9,7 @@ from dataclasses import asdict
 import torch
 
 from kvbench.check.gpt2_subject import REFERENCE, GPT2Model, GPT2Subject, Injection
-from kvbench.check.judge import LOW_PRECISION_NOTE, TP_NOTE, CheckRow, VerifyReport
+from kvbench.check.judge import LOW_PRECISION_NOTE, TP_NOTE, CheckRow, VerifyReport, verdict
 from kvbench.check.policy import policy_rows
 from kvbench.check.suite import CHECKS, SHORT_TOKENS, prompts_note, run_checks
 from kvbench.check.tp import RankBytes, rank_bytes_notes, tp_rows
@@ -76,7 +76,7 @@ def run_verify(
         notes.append(f"{TP_NOTE}; {tp.world} ranks ({tp.backend}), each held to the whole model in its own process")
         notes += rank_bytes_notes(held)
     return VerifyReport(
-        passed=all(r.passed for r in rows),
+        **verdict(rows),
         checks=rows,
         dtype=dtype_name(target.dtype),
         new_tokens=new_tokens,

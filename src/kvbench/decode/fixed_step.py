@@ -178,7 +178,8 @@ class FixedShapeDecoder:
         compile: str = "off",
         mask_rule: MaskRule = EXACT_MASK,
     ) -> None:
-        assert caches and all(isinstance(c, StaticGraphCache) for c in caches), "needs StaticGraphCache per layer"
+        # a StaticGraphCache per layer, or a plugin's behind its contract (caches/plugins.py CheckedCache)
+        assert caches and all(isinstance(getattr(c, "inner", c), StaticGraphCache) for c in caches), caches
         B, H, L, Dh = caches[0].k.shape
         device = caches[0].k.device
         self.model = model
