@@ -20,8 +20,10 @@ import datetime
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +130,11 @@ def launch(world: int, argv: list[str]) -> int:
         monitor_interval=0.1,
         logs_specs=DefaultLogsSpecs(log_dir=logs, redirects={r: Std.ALL for r in range(1, world)}),
     )
+    # the launcher installs handlers for these (to stop every rank) and leaves them: a library caller's stay its own
+    handled = [getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, n)]
+    before = (
+        {sig: signal.getsignal(sig) for sig in handled} if threading.current_thread() is threading.main_thread() else {}
+    )
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "kvbench", *argv)
         return 0
@@ -141,6 +148,9 @@ def launch(world: int, argv: list[str]) -> int:
         return 130
     finally:
         shutil.rmtree(logs, ignore_errors=True)
+        for sig, handler in before.items():
+            if handler is not None:  # None: a handler not installed from Python, left as the launcher put it
+                signal.signal(sig, handler)
 
 
 def _outcome(codes: dict[int, int], logs: Path) -> int:
