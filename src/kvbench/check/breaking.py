@@ -43,6 +43,7 @@ class BreakResult:
     checks: list[CheckRow] = field(default_factory=list)
     correct_text: str | None = None  # decoded, when a tokenizer is available
     faulty_text: str | None = None
+    location: str = ""  # where the first check that caught it went wrong, "<check>: <location>" (check/locate.py)
 
 
 def require_finite(model: GPT, prompts: list[list[int]], new_tokens: int, cache: str) -> None:
@@ -97,6 +98,7 @@ def break_fault(
         shown = f"in one process (tp 1) the faulty code passes {passed} of {len(judged)} verify checks"
     caught = [r.name for r in report.checks if not r.passed]
     caught_by = [c for c in TP_CHECKS if c in caught]
+    first = next((r for c in caught_by for r in report.checks if r.name == c and r.location), None)
     return BreakResult(
         name=name,
         summary=f.summary,
@@ -114,6 +116,7 @@ def break_fault(
         checks=report.checks,
         correct_text=decode(correct) if decode else None,
         faulty_text=decode(faulty) if decode else None,
+        location=f"{first.name}: {first.location}" if first is not None else "",
     )
 
 

@@ -60,6 +60,9 @@ class CheckRow:
     tolerance: str = ""  # the criterion applied, in words
     detail: str = ""  # what was compared, and why it passed or failed
     skipped: bool = False  # not run here (the detail says why); never fails the report
+    # a failing row: the first step, layer, head and cache slot whose K or V differs from the reference, or the
+    # first layer whose attention output differs with K/V equal (check/locate.py); "" otherwise
+    location: str = ""
 
 
 @dataclass
