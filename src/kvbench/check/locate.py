@@ -36,14 +36,17 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+from unittest.mock import patch
 
 import torch
 
 from kvbench.check.judge import TOLERANCES, CheckRow
-from kvbench.check.lifecycle import LIFECYCLE, SCENARIOS, Trace
+from kvbench.check.lifecycle import LIFECYCLE, SCENARIOS
+from kvbench.check.subject import Run
 
 SINGLE = ("logits", "greedy", "reference")  # the checks that share the single-prompt run
 
@@ -121,7 +124,7 @@ class Probe:
 
     def __init__(
         self,
-        calls: list[Call | None],
+        calls: Sequence[Call | None],
         ref: Reference,
         rtol: float,
         atol: float,
@@ -132,10 +135,22 @@ class Probe:
         self.calls, self.ref, self.rtol, self.atol = calls, ref, rtol, atol
         self.heads, self.rank, self.stop = heads, rank, stop
         self.i = -1
+        self.layers = 0  # layers of the current call whose cache returned to attention
         self.found: str | None = None
 
     def next_call(self) -> None:
         self.i += 1
+        self.layers = 0
+
+    def raised(self, n_layers: int) -> str:
+        """Where the run raised, in words, when nothing differed before: the call and the layer it had reached."""
+        i, at = self.i, f", layer {self.layers}"
+        if self.i < 0 or self.layers >= n_layers:  # after a call's last layer: in the next call, before its first
+            i, at = self.i + 1, ", before its first layer"
+        call = self.calls[i] if 0 <= i < len(self.calls) else None
+        if call is None:
+            return ""
+        return f"K/V and attention outputs equal the reference until the run raised in {call.label}{at}"
 
     def _call(self) -> Call | None:
         if self.found is not None or not 0 <= self.i < len(self.calls):
@@ -159,6 +174,7 @@ class Probe:
     def kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, read: int | None = None, windowed: bool = False) -> None:
         """What layer `layer`'s cache returned to attention, (B, h, S, Dh); `read`: the slots attention reads (the
         mask's count), where known; `windowed`: a sliding-window layer (fewer slots than columns hold the last)."""
+        self.layers += 1
         call = self._call()
         if call is None:
             return
@@ -271,22 +287,24 @@ def generate_calls(prompts: list[list[int]], tokens: list[list[int]], prefix: st
 
 
 class _Noted:
-    """A subject whose sessions note each forward call (rows, tokens, what it follows) for the location's words."""
+    """A subject whose sessions note each forward call as a correct cache holds it afterwards: the tokens written,
+    crop, fork and reorder applied to each row's sequence, and the call in words. The calls made before a run
+    raised stay noted."""
 
     def __init__(self, s, check: str) -> None:
         self._s, self.check = s, check
-        self.calls: list[tuple[int, int, str]] = []  # (rows, tokens, the call in words)
+        self.calls: list[Call] = []
 
     def __getattr__(self, name: str):
         return getattr(self._s, name)
 
     def open(self, batch: int, max_len: int) -> _NotedSession:
-        return _NotedSession(self, self._s.open(batch, max_len), "")
+        return _NotedSession(self, self._s.open(batch, max_len), "", [[] for _ in range(batch)])
 
 
 class _NotedSession:
-    def __init__(self, noted: _Noted, inner, whose: str) -> None:
-        self.noted, self.inner, self.whose = noted, inner, whose
+    def __init__(self, noted: _Noted, inner, whose: str, rows: list[list[int]]) -> None:
+        self.noted, self.inner, self.whose, self.rows = noted, inner, whose, rows
         self.op, self.since = "", 0
 
     def _did(self, op: str) -> None:
@@ -294,11 +312,11 @@ class _NotedSession:
 
     def forward(self, ids: list[list[int]]) -> torch.Tensor:
         self.since += 1
-        n = len(self.noted.calls) + 1
-        words = f"forward {n} of the {self.noted.check} scenario{self.whose}"
+        words = f"forward {len(self.noted.calls) + 1} of the {self.noted.check} scenario{self.whose}"
         if self.op:
             words += f", the {_ordinal(self.since)} after {self.op}"
-        self.noted.calls.append((len(ids), len(ids[0]), words))
+        self.rows = [r + list(t) for r, t in zip(self.rows, ids, strict=True)]
+        self.noted.calls.append(Call(words, [list(r) for r in self.rows], [0] * len(ids), len(ids[0])))
         return self.inner.forward(ids)
 
     def prepare_rollback(self) -> None:
@@ -306,27 +324,19 @@ class _NotedSession:
 
     def crop(self, length: int) -> None:
         self.inner.crop(length)
+        self.rows = [r[:length] for r in self.rows]
         self._did(f"crop({length})")
 
     def fork(self) -> _NotedSession:
-        twin = _NotedSession(self.noted, self.inner.fork(), " on the fork")
+        twin = _NotedSession(self.noted, self.inner.fork(), " on the fork", [list(r) for r in self.rows])
         twin._did("fork()")
         self._did("fork()")
         return twin
 
     def reorder(self, index: list[int]) -> None:
         self.inner.reorder(index)
+        self.rows = [list(self.rows[i]) for i in index]
         self._did(f"reorder({list(index)})")
-
-
-def scenario_calls(noted: _Noted, trace: Trace) -> list[Call]:
-    """The scenario's forward calls with the sequence each row held after it (the trace's rows are each call's, row
-    by row, a token at a time)."""
-    calls, off = [], 0
-    for B, T, words in noted.calls:
-        calls.append(Call(words, [trace.seqs[off + b * T + T - 1] for b in range(B)], [0] * B, T))
-        off += B * T
-    return calls
 
 
 # --- what the replays hook into: our GPT-2, a Hugging Face model -----------------------------------------------------
@@ -371,6 +381,7 @@ class GPT2Side:
         split = cfg.tp_size > 1
         self.heads = rank_heads(self.whole.config.n_head, cfg.tp_rank, cfg.tp_size) if split else None
         self.rank = cfg.tp_rank if split else None
+        self.head, self.n_layers = self.runner.lm_head, len(self.runner.transformer.h)  # what the run samples from
 
     @torch.inference_mode()
     def forward(self, seq: list[int]) -> dict:
@@ -423,7 +434,9 @@ class GPT2Side:
 def _attention_modules(model) -> list:
     """transformers' attention modules: they know their layer (`layer_idx`)."""
     return [
-        m for m in model.modules() if type(m).__name__.endswith("Attention") and getattr(m, "layer_idx", None) is not None
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("Attention") and getattr(m, "layer_idx", None) is not None
     ]
 
 
@@ -437,13 +450,12 @@ class HFSide:
         self.subject = s
         if "compile_config" in s.spec.generate_kwargs:  # the same cache, eager
             eager = next(
-                n
-                for n, c in HF_CACHES.items()
-                if c.build is s.spec.build and "compile_config" not in c.generate_kwargs
+                n for n, c in HF_CACHES.items() if c.build is s.spec.build and "compile_config" not in c.generate_kwargs
             )
             self.subject = copy.copy(s)
             self.subject.cache, self.subject.spec = eager, HF_CACHES[eager]
         self.runner, self.whole = s.loaded.model, s.model.loaded
+        self.head, self.n_layers = self.runner.get_output_embeddings(), len(_attention_modules(self.runner))
         self.heads = self.rank = None
         if s.loaded is not s.model.loaded:  # a tensor-parallel rank's shard
             import torch.distributed as dist
@@ -469,7 +481,7 @@ class HFSide:
             return key_states, value_states  # the whole sequence's, as the no-cache forward attends
 
         cache = DynamicCache(config=text_config(model))
-        cache.update = update  # this object records the forward's K/V and caches nothing
+        cache.update = update  # type: ignore[method-assign]  # this object records the forward's K/V, caches nothing
 
         def y(module, args, out):
             ys[module.layer_idx] = (out[0] if isinstance(out, tuple) else out)[0, :, None].float()  # (n, 1, C)
@@ -511,11 +523,10 @@ class HFSide:
 
         # a shard's attention output is its heads' share before the all-reduce: compared on one process only
         hooks = [] if self.heads is not None else [m.register_forward_hook(y) for m in _attention_modules(self.runner)]
-        Cache.update = update
         try:
-            yield
+            with patch.object(Cache, "update", update):  # every cache class's update goes through it meanwhile
+                yield
         finally:
-            Cache.update = real
             for h in hooks:
                 h.remove()
 
@@ -539,7 +550,7 @@ def _kv_tolerance(s) -> tuple[float, float]:
     return s.tol.rtol, TOLERANCES[s.model.dtype][1]
 
 
-def _replay(s, side, calls: list[Call | None], run: Callable[[], object]) -> str | None:
+def _replay(s, side, calls: Sequence[Call | None], run: Callable[[], object]) -> str | None:
     """`run` again with recording on, held to the reference over `calls`' sequences: the first difference, None
     when every compared call matches, or "" when the run raised before showing one (nothing can be said)."""
     ref = Reference([q for c in calls if c is not None for q in c.seqs], side.forward)
@@ -551,32 +562,50 @@ def _replay(s, side, calls: list[Call | None], run: Callable[[], object]) -> str
     except _Found:
         pass
     except s.crashes:  # the run raised where the row's did: what it showed before that stands
-        return probe.found or ""
+        return probe.found or probe.raised(side.n_layers)
     return probe.found
+
+
+def _chosen(s, side, rows: int, run: Callable[[], Run], skip: int = 0) -> list[list[int]]:
+    """The tokens a greedy run chose, per row (its first `skip` forward calls another run's). Where it raises, the
+    tokens its calls chose before that (each call's last logits' argmax) and a stand-in for the call that raised:
+    the replay's calls reach the one that raised, whose sequence the tokens before it give."""
+    picked: list[list[int]] = []
+    hook = side.head.register_forward_hook(lambda m, a, out: picked.append(out[:, -1].argmax(-1).tolist()))
+    try:
+        return run().tokens
+    except s.crashes:
+        return [[p[b] for p in picked[skip:]] + [0] for b in range(rows)]
+    finally:
+        hook.remove()
 
 
 def _where(s, side, check: str, prompts: list[list[int]], new: int, short: int) -> str | None:
     """The first difference of the run `check` made, None when there is none, "" when a run raised first."""
     e = side.subject
     if check in SINGLE:
-        first = e.generate([prompts[0]], new)
-        return _replay(s, side, generate_calls([prompts[0]], first.tokens), lambda: e.generate([prompts[0]], new))
+        tokens = _chosen(s, side, 1, partial(e.generate, [prompts[0]], new))
+        return _replay(s, side, generate_calls([prompts[0]], tokens), partial(e.generate, [prompts[0]], new))
     if check == "batched":
         runs = [(prompts, "")] + [([p], f"the prompt of {len(p)} tokens alone, ") for p in prompts]
         for batch, prefix in runs:
-            first = e.generate(batch, short)
-            found = _replay(s, side, generate_calls(batch, first.tokens, prefix), lambda b=batch: e.generate(b, short))
+            tokens = _chosen(s, side, len(batch), partial(e.generate, batch, short))
+            found = _replay(s, side, generate_calls(batch, tokens, prefix), partial(e.generate, batch, short))
             if found is not None:
                 return found
         return None
     if check == "cache_state":
-        first, _ = e.reused(prompts[0], prompts[1], short)
-        calls = [None] * short + generate_calls([prompts[1]], first.tokens, "on the reused cache, ")
-        return _replay(s, side, calls, lambda: e.reused(prompts[0], prompts[1], short))
+        reused = partial(e.reused, prompts[0], prompts[1], short)
+        tokens = _chosen(s, side, 1, lambda: reused()[0], skip=short)
+        calls = [None] * short + generate_calls([prompts[1]], tokens, "on the reused cache, ")
+        return _replay(s, side, calls, reused)
     if check in LIFECYCLE:
         noted = _Noted(e, check)
-        trace = SCENARIOS[check](noted, prompts, short)
-        return _replay(s, side, scenario_calls(noted, trace), lambda: SCENARIOS[check](_Noted(e, check), prompts, short))
+        try:
+            SCENARIOS[check](noted, prompts, short)
+        except s.crashes:  # the calls before it and the one that raised are noted: replayed up to there
+            pass
+        return _replay(s, side, noted.calls, lambda: SCENARIOS[check](_Noted(e, check), prompts, short))
     return None
 
 
