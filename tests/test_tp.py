@@ -353,6 +353,22 @@ def test_torchrun_starts_the_same_command_as_one_rank_each():
     assert wrong.returncode != 0 and "--tp 4, but 2 ranks were launched" in wrong.stderr
 
 
+# Where each rank sees the fault first (check/locate.py): a head the model numbers whole and the rank's own, the slot,
+# what it holds; or the rank whose attention reads slots the sequence does not fill.
+TP_LOCATIONS = {
+    "tp-neighbour-slice": [
+        "logits: rank 0: step 0 (prefill), layer 0, head 0 (rank 0's head 0) (+1 more), slot 0 (position 0): K differs",
+        "; it holds head 2's K; rank 1: step 0 (prefill), layer 0, head 2 (rank 1's head 0) (+1 more), slot 0",
+        "; it holds head 0's K",
+    ],
+    "tp-rank-crop": [
+        "rollback: rank 0: forward 5 of the rollback scenario, the first after crop(24), layer 1,",
+        "; rank 1: forward 5 of the rollback scenario, the first after crop(24), layer 0: K/V equal, but attention "
+        "reads 28 slots where the sequence fills 25",
+    ],
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["tp-neighbour-slice", "tp-rank-crop"])
 def test_faults_that_fire_only_across_ranks_are_caught_only_by_the_tp_rows(fault):
@@ -360,4 +376,6 @@ def test_faults_that_fire_only_across_ranks_are_caught_only_by_the_tp_rows(fault
     assert r.returncode == 0, r.stderr
     (bug,) = json.loads(r.stdout)["bugs"]
     assert bug["detected"] and bug["caught_by"], bug
+    for part in TP_LOCATIONS[fault]:
+        assert part in bug["location"], (part, bug["location"])
     assert "in one process (tp 1) the faulty code passes 8 of 8 verify checks" in bug["dormant_shown"]
