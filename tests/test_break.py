@@ -88,7 +88,12 @@ LOCATIONS = {
     ),
     "reset": (
         "cache_state",
-        ["on the reused cache, step 0 (prefill), layer 0", "slot 0 (position 0): K differs", "reads 30 slots where"],
+        [
+            "on the reused cache, step 0 (prefill), layer 0",
+            "slot 0 (position 0): K differs",
+            "holds the K the first prompt has",
+            "reads 30 slots",
+        ],
     ),
     "static-pointer": (
         "logits",

@@ -8,12 +8,14 @@ sequence is row p of that forward's. For a failing row the run its check made is
 
     logits, greedy, reference   the single-prompt run; step j is the forward that chose token j (step 0: the prefill)
     batched                     the left-padded batch, then each prompt alone when the batch matches the reference
-    cache_state                 the second prompt's run on the reused cache
+    cache_state                 the first prompt's run on the fresh cache, then the second's on the reused one
     rollback, fork, reorder, chunked_prefill    the scenario (check/lifecycle.py), forward by forward
 
 A replay runs twice: as the check ran it, which gives the tokens every row held (the sequences the reference is taken
 over), then with recording on, comparing as it goes and stopping at the first difference (under tensor parallelism
-every rank runs it to the end: the ranks' collectives must pair). What the cached side reads: for our GPT-2, what
+every rank runs it to the end: the ranks' collectives must pair). A run that raises is replayed up to the call that
+raised (the tokens chosen before it read from its logits; a scenario's sequences kept by its session): a difference
+before it is located as any other, and otherwise the location says where the run raised. What the cached side reads: for our GPT-2, what
 each layer's cache `update` returns to attention (wrapped for the one call; the fixed-shape step's slot writer too)
 and each head's attention output (the input of `c_proj`); for a Hugging Face model, what transformers'
 `Cache.update` returns for each layer and each attention module's output. Slots: with left padding a row's position
@@ -63,6 +65,7 @@ class Call:
     seqs: list[list[int]]  # per batch row: every token its cache holds after the call, in position order
     pads: list[int]  # per batch row: the columns before its position 0 (left padding)
     new: int  # tokens the call writes per row
+    whose: str = ""  # whose sequences these are, where the location should name them: "the first prompt"
 
     @property
     def cols(self) -> int:
@@ -77,16 +80,21 @@ class Reference:
     `forward(seq)` gives {layer: (K (H, n, Dh), V (H, n, Dh), Y)} fp32, Y each position's attention output per head
     (n, H, Dh), or (n, 1, C) where the heads are not separable, or None."""
 
-    def __init__(self, seqs: list[list[int]], forward: Callable[[list[int]], dict]) -> None:
+    def __init__(self, calls: Sequence[Call | None], forward: Callable[[list[int]], dict]) -> None:
+        seqs = {tuple(q) for c in calls if c is not None for q in c.seqs}
         self.longest: list[tuple[int, ...]] = []
-        for seq in sorted({tuple(s) for s in seqs}, key=len, reverse=True):
+        for seq in sorted(seqs, key=len, reverse=True):
             if not any(m[: len(seq)] == seq for m in self.longest):
                 self.longest.append(seq)
         self.values = {m: forward(list(m)) for m in self.longest}
+        self.whose = {self._longest(q): c.whose for c in calls if c is not None and c.whose for q in c.seqs}
+
+    def _longest(self, seq: list[int]) -> tuple[int, ...]:
+        t = tuple(seq)
+        return next(m for m in self.longest if m[: len(t)] == t)
 
     def of(self, seq: list[int]) -> dict:
-        t = tuple(seq)
-        return self.values[next(m for m in self.longest if m[: len(t)] == t)]
+        return self.values[self._longest(seq)]
 
 
 def _first_bad(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> tuple[int, int, float, int] | None:
@@ -237,6 +245,9 @@ class Probe:
                 return f"; it holds row {r}'s {name}"
         for m, values in self.ref.values.items():
             if len(m) > p and m[: len(seq)] != tuple(seq) and bool(near(values[layer][j][gh, p])):
+                whose = self.ref.whose.get(m)
+                if whose:
+                    return f"; it holds the {name} {whose} has at that position"
                 return f"; it holds the {name} another sequence of this run has at that position"
         return ""
 
@@ -270,7 +281,7 @@ class Probe:
 
 
 # --- the runs a group of rows made, replayed -------------------------------------------------------------------------
-def generate_calls(prompts: list[list[int]], tokens: list[list[int]], prefix: str = "") -> list[Call]:
+def generate_calls(prompts: list[list[int]], tokens: list[list[int]], prefix: str = "", whose: str = "") -> list[Call]:
     """The forward calls of a greedy run of `prompts` (left-padded) that chose `tokens`: the prefill, then one call
     per token but the last."""
     T = max(map(len, prompts))
@@ -281,6 +292,7 @@ def generate_calls(prompts: list[list[int]], tokens: list[list[int]], prefix: st
             [p + t[:j] for p, t in zip(prompts, tokens, strict=True)],
             pads,
             T if j == 0 else 1,
+            whose,
         )
         for j in range(len(tokens[0]))
     ]
@@ -553,7 +565,7 @@ def _kv_tolerance(s) -> tuple[float, float]:
 def _replay(s, side, calls: Sequence[Call | None], run: Callable[[], object]) -> str | None:
     """`run` again with recording on, held to the reference over `calls`' sequences: the first difference, None
     when every compared call matches, or "" when the run raised before showing one (nothing can be said)."""
-    ref = Reference([q for c in calls if c is not None for q in c.seqs], side.forward)
+    ref = Reference(calls, side.forward)
     rtol, atol = _kv_tolerance(s)
     probe = Probe(calls, ref, rtol, atol, side.heads, side.rank, stop=side.rank is None)
     try:
@@ -594,10 +606,12 @@ def _where(s, side, check: str, prompts: list[list[int]], new: int, short: int) 
             if found is not None:
                 return found
         return None
-    if check == "cache_state":
+    if check == "cache_state":  # the first prompt's run on the fresh cache is the single-prompt run's, shorter
+        before = _chosen(s, side, 1, partial(e.generate, [prompts[0]], short))
         reused = partial(e.reused, prompts[0], prompts[1], short)
-        tokens = _chosen(s, side, 1, lambda: reused()[0], skip=short)
-        calls = [None] * short + generate_calls([prompts[1]], tokens, "on the reused cache, ")
+        tokens = _chosen(s, side, 1, lambda: reused()[0], skip=len(before[0]))
+        calls = generate_calls([prompts[0]], before, "the first prompt, ", "the first prompt")
+        calls += generate_calls([prompts[1]], tokens, "on the reused cache, ")
         return _replay(s, side, calls, reused)
     if check in LIFECYCLE:
         noted = _Noted(e, check)
