@@ -631,7 +631,7 @@ def locate(s, rows: list[CheckRow], prompts: list[list[int]], new: int, short: i
         return
     try:
         found = _where(s, side, failing[0].name, prompts, new, short)
-    except s.crashes:  # the first run raised: the row says so already
+    except s.crashes:  # raised outside the runs a replay follows (the reference forward): nothing to say
         return
     if found == "":
         return
