@@ -9,6 +9,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -236,6 +237,16 @@ def test_a_cache_bug_is_located_in_a_hf_model(model_dirs, monkeypatch):
     assert not row.passed and row.location.startswith("step 1, layer 0, head 0 (+1 more), "), row
     assert f"slot {n} (position {n}): V differs from the reference by " in row.location, row.location
     assert row.location.endswith(f"; it holds position {n - 1}'s V"), row.location
+
+
+@pytest.mark.slow
+def test_generates_compiled_rows_count_their_compilations(model_dirs):
+    """static-compiled on the CPU: the row says what generate's torch.compile did during its runs, passing or not."""
+    loaded = load_hf(str(model_dirs["llama"]), CPU, torch.float32)
+    prompts = random_prompts(loaded.info.vocab_size, PROMPT, 3, seed=0)
+    (row,) = run_hf_verify(loaded, ["static-compiled"], prompts, NEW, checks=("logits",)).checks
+    counts = r"compiled \(generate's torch.compile\): [1-9]\d* compilation\(s\), \d+ recompile\(s\), \d+ graph break"
+    assert row.passed and re.search(counts, row.detail) and not row.location, row
 
 
 # --- remote code: positions from the cache length ------------------------------------------------------------------
