@@ -109,3 +109,4 @@ class ConfigResult:
     floor_bytes: floor.StepBytes | None = None  # the median decode step's bytes by source; None: no floor
     bandwidth: floor.Bandwidth | None = None  # what floor_ms divides by (interleaved: pooled over the rounds)
     profile: Profiled | None = None  # --profile: the trace of one more warm run and its top operators
+    ranks: list | None = None  # bench --tp, on rank 0: every rank's bench.tp.RankRow of this configuration

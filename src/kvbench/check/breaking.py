@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvbench.caches import get_cache_spec
 from kvbench.check.faults import get_fault
 from kvbench.check.gpt2_subject import full_logits, run
 from kvbench.check.judge import CheckRow, first_diff, not_finite
@@ -67,6 +68,11 @@ def require_finite(model: GPT, prompts: list[list[int]], new_tokens: int, cache:
     )
 
 
+def _label(row: CheckRow) -> str:
+    """A row's check as `caught_by` names it: `logits`, or `logits =policy` for a row held to the declared policy."""
+    return row.name + (" =policy" if row.policy else "")
+
+
 def break_fault(
     model: GPT,
     name: str,
@@ -89,7 +95,7 @@ def break_fault(
     assert f.applies_to(cache) and (tp is not None or not f.tp), (name, cache)
     assert not f.batched or len({len(p) for p in prompts}) >= 2, [len(p) for p in prompts]
     runner = model if tp is None else shard(model, tp.rank, tp.world)
-    require_finite(runner, prompts, new_tokens, cache)
+    require_finite(runner, prompts if get_cache_spec(cache).padding else prompts[:1], new_tokens, cache)
     assert f.demo is not None, f"the {name} fault has no demo"
     correct, faulty, shown, signature = f.demo(runner, f, prompts, new_tokens, cache)
     report = run_verify(model, [cache], prompts, new_tokens, reference, hf_dir, fault=f, tp=tp)
@@ -98,9 +104,9 @@ def break_fault(
         judged = [r for r in alone.checks if not r.skipped]
         passed = sum(r.passed for r in judged)
         shown = f"in one process (tp 1) the faulty code passes {passed} of {len(judged)} verify checks"
-    caught = [r.name for r in report.checks if not r.passed]
-    caught_by = [c for c in TP_CHECKS if c in caught]
-    first = next((r for c in caught_by for r in report.checks if r.name == c and r.location), None)
+    caught = [_label(r) for r in report.checks if not r.passed]
+    caught_by = [c for c in TP_CHECKS if c in caught] + [f"{c} =policy" for c in TP_CHECKS if f"{c} =policy" in caught]
+    first = next((r for c in caught_by for r in report.checks if _label(r) == c and r.location), None)
     return BreakResult(
         name=name,
         summary=f.summary,
@@ -118,7 +124,7 @@ def break_fault(
         checks=report.checks,
         correct_text=decode(correct) if decode else None,
         faulty_text=decode(faulty) if decode else None,
-        location=f"{first.name}: {first.location}" if first is not None else "",
+        location=f"{_label(first)}: {first.location}" if first is not None else "",
     )
 
 

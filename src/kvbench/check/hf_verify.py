@@ -17,6 +17,7 @@ from dataclasses import asdict
 import torch
 
 from kvbench.check.causal import refuse_non_causal
+from kvbench.check.hf_policy import hf_policy_rows
 from kvbench.check.hf_subject import HFModel, HFSubject
 from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
 from kvbench.check.lifecycle import LIFECYCLE
@@ -65,8 +66,12 @@ def run_hf_verify(
     with quiet_transformers():
         rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, report, baseline)
         held: list[RankBytes] = []
+        policy_notes: list[str] = []
         if tp is not None:
             rows, held = hf_tp_rows(subjects, rows, prompts[0], new_tokens, tp, report)
+        elif "logits" in checks:  # each lossy cache held to its own policy too, where one is declared
+            policy, policy_notes = hf_policy_rows(subjects, prompts, new_tokens, report)
+            rows += policy
     return VerifyReport(
         passed=all(r.passed for r in rows if not r.skipped),
         checks=rows,
@@ -75,7 +80,7 @@ def run_hf_verify(
         prompt_len=len(prompts[0]),
         batch_lens=lens,
         reference="transformers no-cache path (use_cache=False)",
-        notes=_notes(loaded, subjects, prompts, new_tokens, short_tokens) + _tp_notes(tp, held),
+        notes=_notes(loaded, subjects, prompts, new_tokens, short_tokens) + policy_notes + _tp_notes(tp, held),
         rank_cache_bytes=[asdict(b) | {"equal": b.equal} for b in held],
     )
 

@@ -60,8 +60,10 @@ class CheckRow:
     tolerance: str = ""  # the criterion applied, in words
     detail: str = ""  # what was compared, and why it passed or failed
     skipped: bool = False  # not run here (the detail says why); never fails the report
-    # a failing row: the first step, layer, head and cache slot whose K or V differs from the reference, or the
-    # first layer whose attention output differs with K/V equal (check/locate.py); "" otherwise
+    # held to the design's declared policy at the exact tolerance (check/policy.py), not to the full-precision model
+    policy: bool = False
+    # a failing row: where its cache first holds the wrong K or V (step, layer, head, slot), or the first layer whose
+    # attention output differs with K/V equal (check/locate.py; a policy row's: check/policy.py); "" otherwise
     location: str = ""
 
 

@@ -625,7 +625,7 @@ def _where(s, side, check: str, prompts: list[list[int]], new: int, short: int) 
 
 def locate(s, rows: list[CheckRow], prompts: list[list[int]], new: int, short: int) -> None:
     """Each failing row of one group (rows that share a run) gets the location of that run's first difference."""
-    failing = [r for r in rows if not r.passed and not r.skipped]
+    failing = [r for r in rows if not r.passed and not r.skipped and not r.location]  # a row located already stays
     side = _side(s) if failing and s.cached else None
     if side is None:
         return
