@@ -103,14 +103,21 @@ LOCATIONS = {
     "aliased-fork": ("fork", ["scenario on the fork, the second after fork(), layer 0", "slot 15 (position 15): K"]),
     "reorder-keys-only": ("reorder", ["the first after reorder([1, 1, 0]), row 0, layer 0", "V differs", "row 2's V"]),
     "chunk-causal": ("rollback", ["K/V equal; attention output differs first at layer 0 (forward 6 of the rollback"]),
+    # the lossy faults: caught by the rows held to the design's declared policy, located by check/policy.py
+    "int8-reorder-scales": ("reorder =policy", ["layer 0 K differs first at head 0, slot 0 (position 0)"]),
+    "int8-requantised-fork": ("fork =policy", ["layer 0 K differs first at head 0, slot 0 (position 0)"]),
+    "sink-evicts-one-more": ("", []),  # not caught at this size (test_every_fault_is_detected): nothing to locate
 }
+UNCAUGHT = {"sink-evicts-one-more"}
 
 
 def test_every_one_process_fault_has_its_location():
     assert sorted(LOCATIONS) == sorted(ONE_PROCESS)
 
 
-@pytest.mark.parametrize("name", ONE_PROCESS)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.xfail(reason="not caught")) if n in UNCAUGHT else n for n in ONE_PROCESS]
+)
 def test_each_fault_is_located_where_it_lives(results, name):
     """The location names the step, layer, head and slot a porter would inspect, or the layer whose attention reads
     the right K/V wrongly; every check that caught the fault carries its own."""
