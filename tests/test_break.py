@@ -80,6 +80,64 @@ def test_expected_checks_catch_each_fault(results):
     assert "logits" in results["static-pointer"].caught_by
 
 
+# Where each fault first shows (check/locate.py), on prompts of 5, 10 and 15 tokens: (the first check that caught it,
+# what its location says). The single-prompt run's prompt is 5 tokens: step 1 writes slot 5.
+LOCATIONS = {
+    "position": ("logits", ["step 1, layer 0, head 0", "slot 5 (position 5): K differs from the reference"]),
+    "mask": ("logits", ["K/V equal; attention output differs first at layer 0 (step 1, head 0", "query at position 5"]),
+    "padding": (
+        "batched",
+        [
+            "step 0 (prefill), row 1, layer 0",
+            "slot 5 (position 0, after 5 pad slots): K differs",
+            "holds position 5's K",
+        ],
+    ),
+    "reset": (
+        "cache_state",
+        [
+            "on the reused cache, step 0 (prefill), layer 0",
+            "slot 0 (position 0): K differs",
+            "holds the K the first prompt has",
+            "reads 30 slots",
+        ],
+    ),
+    "static-pointer": (
+        "logits",
+        ["step 1, layer 0", "slot 4 (position 4): K differs", "holds position 5's K; attention reads 5 slots where"],
+    ),
+    "stale-rollback": ("rollback", ["the second after crop(22), layer 0", "slot 23 (position 23): K differs"]),
+    "aliased-fork": ("fork", ["scenario on the fork, the second after fork(), layer 0", "slot 15 (position 15): K"]),
+    "reorder-keys-only": ("reorder", ["the first after reorder([1, 1, 0]), row 0, layer 0", "V differs", "row 2's V"]),
+    "chunk-causal": ("rollback", ["K/V equal; attention output differs first at layer 0 (forward 6 of the rollback"]),
+    # the lossy faults: caught by the rows held to the design's declared policy, located by check/policy.py
+    "int8-reorder-scales": ("reorder =policy", ["layer 0 K differs first at head 0, slot 0 (position 0)"]),
+    "int8-requantised-fork": ("fork =policy", ["layer 0 K differs first at head 0, slot 0 (position 0)"]),
+    "sink-evicts-one-more": ("", []),  # not caught at this size (test_every_fault_is_detected): nothing to locate
+}
+UNCAUGHT = {"sink-evicts-one-more"}
+
+
+def test_every_one_process_fault_has_its_location():
+    assert sorted(LOCATIONS) == sorted(ONE_PROCESS)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.xfail(reason="not caught")) if n in UNCAUGHT else n for n in ONE_PROCESS]
+)
+def test_each_fault_is_located_where_it_lives(results, name):
+    """The location names the step, layer, head and slot a porter would inspect, or the layer whose attention reads
+    the right K/V wrongly; every check that caught the fault carries its own."""
+    r = results[name]
+    check, parts = LOCATIONS[name]
+    assert r.location.startswith(f"{check}: "), r.location
+    for part in parts:
+        assert part in r.location, (part, r.location)
+    failing = [c for c in r.checks if not c.passed and not c.skipped]
+    assert failing and all(c.location for c in failing), [(c.name, c.location) for c in failing]
+    assert all(not c.location for c in r.checks if c.passed), "only failing rows are located"
+
+
 def test_position_bug_is_dormant_without_cache(model, prompts):
     ok = generate(model, [prompts[2]], N, cache="none").tokens
     bug = FAULTS["position"].rules
@@ -133,6 +191,12 @@ def test_cli_break_json():
     (bug,) = doc["bugs"]
     assert bug["name"] == "mask" and bug["detected"] and bug["caught_by"]
     assert bug["first_divergence"] is not None
+    assert bug["location"].startswith("logits: K/V equal; attention output differs first at layer 0"), bug
+    rows = {c["name"]: c for c in bug["checks"]}
+    assert rows["logits"]["location"].startswith("K/V equal; attention output differs first at layer 0 (step 1")
+    assert rows["cache_state"]["passed"] and rows["cache_state"]["location"] == ""
+    r = CliRunner().invoke(app, "break mask --model gpt2-tiny --weights random --new-tokens 4 --reference none".split())
+    assert "location (logits): K/V equal; attention output differs first at layer 0" in r.stdout, r.stdout
 
 
 def test_cli_break_that_runs_no_fault_checked_nothing_and_exits_5(monkeypatch, tmp_path):

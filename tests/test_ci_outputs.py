@@ -101,6 +101,7 @@ def test_verify_junit_failures_carry_the_detail_and_always_parse(tmp_path, raisi
         assert 'boom <&> "quoted" ]]> \\x1b[31mred\\x00 \\ud800 end' in f.text
         assert c["detail"].replace("\x1b", "\\x1b").replace("\x00", "\\x00").replace("\ud800", "\\ud800") in f.text
         assert f.get("message").startswith(f"{c['name']} on {c['cache']}: ")
+        assert c["location"] and f.text.endswith(f"\nlocation: {c['location']}"), (c["location"], f.text)
     assert by_name["verify.logits.dynamic"].find("failure") is None
 
 

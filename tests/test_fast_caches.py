@@ -2,6 +2,7 @@
 block accounting, and int8's quantisation bound. CUDA-graph tests run only where CUDA is available."""
 
 import os
+import re
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -13,7 +14,8 @@ from kvbench.caches.int8 import Int8Cache, dequantize, quantize
 from kvbench.caches.paged import BlockAllocator, PagedCache, paged_memory_report
 from kvbench.caches.static import StaticCache
 from kvbench.caches.static_graph import StaticGraphCache
-from kvbench.check.faults import FAULTS
+from kvbench.check.faults import FAULTS, get_fault
+from kvbench.check.verify import run_verify
 from kvbench.decode.fixed_step import FixedShapeDecoder, runner_for
 from kvbench.decode.generate import EXACT, generate
 from kvbench.errors import CacheOverflowError
@@ -364,6 +366,27 @@ def test_compiled_fixed_step_on_the_cpu_equals_static():
     ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
     assert got.tokens == ref.tokens
     torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_rows_count_their_compilations_and_a_failure_is_located_eagerly():
+    """verify --compile default: every row of static-graph says what torch.compile did during its runs (the single
+    prompt's step compiles once; the batch and each prompt alone recompile for their shapes); a failing compiled row
+    is located by the same run without compilation, and says so."""
+    model = _small_model()
+    counts = re.compile(r"compiled \(--compile default\): (\d+) compilation\(s\), (\d+) recompile\(s\), 0 graph break")
+    report = run_verify(model, ["static-graph"], PROMPTS, 8, "none", compile="default", checks=("logits", "batched"))
+    assert report.passed, report.checks
+    rows = {r.name: counts.search(r.detail) for r in report.checks}
+    assert rows["logits"] and rows["logits"].groups() == ("1", "0"), report.checks
+    assert rows["batched"] and int(rows["batched"][2]) >= 1, report.checks
+    report = run_verify(
+        model, ["static-graph"], PROMPTS, 8, "none", fault=get_fault("mask"), compile="default", checks=("logits",)
+    )
+    (row,) = report.checks
+    assert not row.passed and counts.search(row.detail), row
+    assert row.location.startswith("K/V equal; attention output differs first at layer 0 (step 1, "), row.location
+    assert row.location.endswith(" (replayed without compilation)"), row.location
 
 
 @pytest.mark.slow

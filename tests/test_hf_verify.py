@@ -9,6 +9,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import importlib.util
 import json
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -218,6 +219,40 @@ def test_low_precision_near_tie_is_reported_not_failed():
     assert row.passed and "near-tie" in row.detail and row.first_divergence == 1, row
     row = compare_tokens(**rows, dtype=torch.float32, what="x")
     assert not row.passed, row
+
+
+# --- where a failing row went wrong --------------------------------------------------------------------------------
+def test_a_cache_bug_is_located_in_a_hf_model(model_dirs, monkeypatch):
+    """transformers' DynamicLayer with a bug: each decode step stores the previous token's V again. The failing rows
+    say the first decode step's new slot holds the V of the position before it, at layer 0."""
+    from transformers.cache_utils import DynamicLayer
+
+    real = DynamicLayer.update
+
+    def lagging(self, key_states, value_states, *args, **kwargs):
+        if key_states.size(-2) == 1 and self.is_initialized:
+            value_states = self.values[..., -1:, :]  # (B, H, 1, Dh): the last stored V, not this token's
+        return real(self, key_states, value_states, *args, **kwargs)
+
+    monkeypatch.setattr(DynamicLayer, "update", lagging)
+    loaded = load_hf(str(model_dirs["llama"]), CPU, torch.float32)
+    prompts = random_prompts(loaded.info.vocab_size, PROMPT, 3, seed=0)
+    report = run_hf_verify(loaded, ["dynamic"], prompts, NEW, checks=("logits",))
+    (row,) = [r for r in report.checks if r.cache == "dynamic"]
+    n = len(prompts[0])  # step 1 writes slot n
+    assert not row.passed and row.location.startswith("step 1, layer 0, head 0 (+1 more), "), row
+    assert f"slot {n} (position {n}): V differs from the reference by " in row.location, row.location
+    assert row.location.endswith(f"; it holds position {n - 1}'s V"), row.location
+
+
+@pytest.mark.slow
+def test_generates_compiled_rows_count_their_compilations(model_dirs):
+    """static-compiled on the CPU: the row says what generate's torch.compile did during its runs, passing or not."""
+    loaded = load_hf(str(model_dirs["llama"]), CPU, torch.float32)
+    prompts = random_prompts(loaded.info.vocab_size, PROMPT, 3, seed=0)
+    (row,) = run_hf_verify(loaded, ["static-compiled"], prompts, NEW, checks=("logits",)).checks
+    counts = r"compiled \(generate's torch.compile\): [1-9]\d* compilation\(s\), \d+ recompile\(s\), \d+ graph break"
+    assert row.passed and re.search(counts, row.detail) and not row.location, row
 
 
 # --- remote code: positions from the cache length ------------------------------------------------------------------

@@ -567,6 +567,24 @@ def test_verify_fails_a_plugin_with_a_write_pointer_bug(plugin_dir):
         assert f"{check}/mycaches.pointer_bug:GrowingCache" in failed
 
 
+def test_a_plugin_with_a_write_pointer_bug_is_located(plugin_dir):
+    """The pointer left on the slot just written: step 2 overwrites step 1's slot. The failing rows say which slot
+    holds what, JSON and the grid's detail lines alike; the passing rows say nothing."""
+    ref = "mycaches.pointer_bug:GrowingCache"
+    args = ("verify", "--caches", ref, *TINY, "--new-tokens", 12, "--prompt-len", 9)
+    r = run(*args, "--json")
+    assert r.exit_code == 1, r.output
+    rows = {c["name"]: c for c in json.loads(r.stdout)["checks"] if c["cache"] == ref}
+    where = rows["logits"]["location"]
+    assert where.startswith("step 2, layer 0, head 0 (+3 more), slot 9 (position 9): K differs from the reference"), (
+        where
+    )
+    assert where.endswith("; it holds position 10's K; attention reads 10 slots where the sequence fills 11"), where
+    assert all(c["location"] == "" for c in rows.values() if c["passed"] or c["skipped"]), rows
+    r = run(*args)
+    assert "location: " + rows["logits"]["location"][:60] in r.stdout.replace("\n", ""), r.stdout
+
+
 def test_break_runs_faults_on_a_plugin(plugin_dir):
     r = run("break", "reset", "--cache", "mycaches.growing:GrowingCache", *TINY, "-n", 8, "--reference", "none")
     assert r.exit_code == 0, r.output

@@ -196,6 +196,21 @@ def test_a_missing_accelerate_names_the_extra(hf_models, monkeypatch):
     assert r.exit_code == 2 and 'pip install "kvbench[tp]"' in r.stderr, r.output
 
 
+@pytest.mark.parametrize(
+    "codes, want",
+    [
+        ({0: 1, 1: -signal.SIGTERM}, 1),  # a failing verdict; the launcher stopped rank 1 while it was exiting
+        ({0: 0, 1: 0}, 0),
+        ({0: 75, 1: -signal.SIGTERM}, 70),  # rank 0 lost its peer in a collective: rank 1 hung
+        ({0: 75, 1: 0}, 70),  # rank 1 left early
+    ],
+)
+def test_rank_zeros_verdict_stands_once_it_gave_one(tmp_path, codes, want):
+    from kvbench.distributed import _outcome
+
+    assert _outcome(codes, tmp_path) == want
+
+
 # --- the slow tier: every cache, real checkpoints' architectures, failures, faults ----------------------------------
 @pytest.mark.slow
 def test_every_builtin_cache_passes_under_tp2():
@@ -353,6 +368,55 @@ def test_torchrun_starts_the_same_command_as_one_rank_each():
     assert wrong.returncode != 0 and "--tp 4, but 2 ranks were launched" in wrong.stderr
 
 
+# Where each rank sees the fault first (check/locate.py): a head the model numbers whole and the rank's own, the slot,
+# what it holds; or the rank whose attention reads slots the sequence does not fill.
+TP_LOCATIONS = {
+    "tp-neighbour-slice": [
+        "logits: rank 0: step 0 (prefill), layer 0, head 0 (rank 0's head 0) (+1 more), slot 0 (position 0): K differs",
+        "; it holds head 2's K; rank 1: step 0 (prefill), layer 0, head 2 (rank 1's head 0) (+1 more), slot 0",
+        "; it holds head 0's K",
+    ],
+    "tp-rank-crop": [
+        "rollback: rank 0: forward 5 of the rollback scenario, the first after crop(24), layer 1,",
+        "; rank 1: forward 5 of the rollback scenario, the first after crop(24), layer 0: K/V equal, but attention "
+        "reads 28 slots where the sequence fills 25",
+    ],
+}
+
+
+@pytest.mark.slow
+def test_a_transformers_cache_bug_under_tp_is_located_on_each_rank(hf_models, tmp_path):
+    """transformers' DynamicLayer storing the previous token's V on decode steps, in every rank (sitecustomize on
+    PYTHONPATH): each rank names its own KV head and the model's, the slot, and what it holds."""
+    (tmp_path / "sitecustomize.py").write_text(
+        textwrap.dedent(
+            """
+            from transformers.cache_utils import DynamicLayer
+
+            real = DynamicLayer.update
+
+            def lagging(self, key_states, value_states, *args, **kwargs):
+                if key_states.size(-2) == 1 and self.is_initialized:
+                    value_states = self.values[..., -1:, :]
+                return real(self, key_states, value_states, *args, **kwargs)
+
+            DynamicLayer.update = lagging
+            """
+        )
+    )
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    args = ("verify", "--hf", hf_models / "llama", "--tp", 2, "-d", "cpu", *SMALL, "--caches", "dynamic", "--json")
+    r = kvbench(*args, env=env)
+    assert r.returncode == 1, r.stderr
+    rows = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    where = rows["logits"]["location"]  # a 12-token prompt: step 1 writes slot 12
+    assert where.startswith("rank 0: step 1, layer 0, head 0 (rank 0's head 0), slot 12 (position 12): V differs"), (
+        where
+    )
+    assert "; it holds position 11's V; rank 1: step 1, layer 0, head 1 (rank 1's head 0), slot 12 " in where, where
+    assert where.endswith("; it holds position 11's V"), where
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["tp-neighbour-slice", "tp-rank-crop"])
 def test_faults_that_fire_only_across_ranks_are_caught_only_by_the_tp_rows(fault):
@@ -360,4 +424,6 @@ def test_faults_that_fire_only_across_ranks_are_caught_only_by_the_tp_rows(fault
     assert r.returncode == 0, r.stderr
     (bug,) = json.loads(r.stdout)["bugs"]
     assert bug["detected"] and bug["caught_by"], bug
+    for part in TP_LOCATIONS[fault]:
+        assert part in bug["location"], (part, bug["location"])
     assert "in one process (tp 1) the faulty code passes 8 of 8 verify checks" in bug["dormant_shown"]

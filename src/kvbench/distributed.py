@@ -157,8 +157,10 @@ def _outcome(codes: dict[int, int], logs: Path) -> int:
     """The run's exit status from each rank's, with the one line that names the rank that failed first."""
     from kvbench import console
 
-    if all(c in (0, 1) for c in codes.values()):
-        return codes[0]  # every rank finished: rank 0 holds the verdict
+    if codes[0] in (0, 1):
+        # Rank 0 gave the verdict, which it reaches only with every rank's rows gathered: a rank the launcher stopped
+        # once rank 0 exited with 1 (a failing check) was only exiting.
+        return codes[0]
     own = [r for r, c in sorted(codes.items()) if c not in (0, 1, PEER_LOST) and c > 0]
     killed = [r for r, c in sorted(codes.items()) if c < 0]
     early = [r for r, c in sorted(codes.items()) if c in (0, 1)]

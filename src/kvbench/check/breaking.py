@@ -44,6 +44,7 @@ class BreakResult:
     checks: list[CheckRow] = field(default_factory=list)
     correct_text: str | None = None  # decoded, when a tokenizer is available
     faulty_text: str | None = None
+    location: str = ""  # where the first check that caught it went wrong, "<check>: <location>" (check/locate.py)
 
 
 def require_finite(model: GPT, prompts: list[list[int]], new_tokens: int, cache: str) -> None:
@@ -65,6 +66,11 @@ def require_finite(model: GPT, prompts: list[list[int]], new_tokens: int, cache:
         f"with no fault injected, {broken}, while the model's no-cache forward is finite: that cache itself is "
         f"broken, so no fault can be shown caught on it (kvbench verify --caches {cache} shows where)"
     )
+
+
+def _label(row: CheckRow) -> str:
+    """A row's check as `caught_by` names it: `logits`, or `logits =policy` for a row held to the declared policy."""
+    return row.name + (" =policy" if row.policy else "")
 
 
 def break_fault(
@@ -98,8 +104,9 @@ def break_fault(
         judged = [r for r in alone.checks if not r.skipped]
         passed = sum(r.passed for r in judged)
         shown = f"in one process (tp 1) the faulty code passes {passed} of {len(judged)} verify checks"
-    caught = [r.name + (" =policy" if r.policy else "") for r in report.checks if not r.passed]
+    caught = [_label(r) for r in report.checks if not r.passed]
     caught_by = [c for c in TP_CHECKS if c in caught] + [f"{c} =policy" for c in TP_CHECKS if f"{c} =policy" in caught]
+    first = next((r for c in caught_by for r in report.checks if _label(r) == c and r.location), None)
     return BreakResult(
         name=name,
         summary=f.summary,
@@ -117,6 +124,7 @@ def break_fault(
         checks=report.checks,
         correct_text=decode(correct) if decode else None,
         faulty_text=decode(faulty) if decode else None,
+        location=f"{_label(first)}: {first.location}" if first is not None else "",
     )
 
 

@@ -282,9 +282,9 @@ def mask_signature(model: GPT, prompt: list[int]) -> dict:
     assert isinstance(block, Block), type(block)
     attn = block.attn
     x = block.ln_1(tr.wte(nxt) + tr.wpe(torch.tensor([[T]], device=device)))  # (1, 1, C)
-    B, _, C = x.shape
-    q, k, _ = attn.c_attn(x).split(C, dim=2)
-    q, k = (t.view(B, 1, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k))  # (1, H, 1, Dh)
+    B, H, Dh = x.size(0), attn.n_head, attn.head_dim  # the heads this model holds (a shard's: its slice)
+    q, k, _ = attn.c_attn(x).split(H * Dh, dim=2)
+    q, k = (t.view(B, 1, H, Dh).transpose(1, 2) for t in (q, k))  # (1, H, 1, Dh)
     keys = torch.cat([caches[0].k, k], dim=2)  # (1, H, S, Dh), S = T + 1
     S = keys.size(2)
     eye = torch.eye(S, device=device, dtype=q.dtype).expand(1, attn.n_head, S, S)  # V = one-hot per key

@@ -62,7 +62,9 @@ class CheckRow:
     skipped: bool = False  # not run here (the detail says why); never fails the report
     # held to the design's declared policy at the exact tolerance (check/policy.py), not to the full-precision model
     policy: bool = False
-    location: str = ""  # where a failing row's cache first holds the wrong K or V (layer, head, slot), in words
+    # a failing row: where its cache first holds the wrong K or V (step, layer, head, slot), or the first layer whose
+    # attention output differs with K/V equal (check/locate.py; a policy row's: check/policy.py); "" otherwise
+    location: str = ""
 
 
 @dataclass

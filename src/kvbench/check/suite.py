@@ -30,6 +30,7 @@ from kvbench.check.judge import (
     skipped,
 )
 from kvbench.check.lifecycle import LIFECYCLE, lifecycle_rows
+from kvbench.check.locate import located
 from kvbench.check.subject import ReferencedModel, Run, Subject
 from kvbench.errors import KVBenchError, one_line
 
@@ -322,7 +323,7 @@ def _subject_rows(s: Subject, checks, prompts, new: int, short: int, model_fails
             for n in names:
                 yield skipped(s.cache, f"not judged: the model fails it without a cache (see {n}/none)", n)
             continue
-        for row in _guarded(s, names, fn):
+        for row in located(s, partial(_guarded, s, names, fn), prompts, new, short):
             measured = row.max_abs_diff is not None or row.first_divergence is not None
             if unjudged and not row.passed and measured:  # a difference, not a crash
                 err = f"max |dlogit| {row.max_abs_diff:.3g}; " if row.max_abs_diff is not None else ""

@@ -149,6 +149,10 @@ def merge(per_rank: list[list[CheckRow]]) -> list[CheckRow]:
             detail = "; ".join(f"rank {r}: {row.detail}" for r, row in failed)
         elif len(failed) > 1:
             detail += "".join(f"; rank {r}: {row.detail}" for r, row in failed[1:])
+        located = list(dict.fromkeys((r, row.location) for r, row in failed if row.location))
+        where = "; ".join(f"rank {r}: {loc}" for r, loc in located)
+        if len({loc for _, loc in located}) == 1:  # every failing rank located it alike
+            where = located[0][1]
         merged.append(
             CheckRow(
                 name=first.name,
@@ -159,6 +163,7 @@ def merge(per_rank: list[list[CheckRow]]) -> list[CheckRow]:
                 tolerance=first.tolerance,
                 detail=detail,
                 skipped=all(row.skipped for row in rows),
+                location=where,
             )
         )
     return merged

@@ -18,6 +18,12 @@ def _seq(text: str | None, tokens: list[int], first: int | None) -> str | Text:
     return Text(" ").join(Text(p) if isinstance(p, str) else p for p in parts)
 
 
+def _location(location: str) -> Text:
+    """`location (<check>): <where>` from the result's "<check>: <where>"."""
+    check, _, where = location.partition(": ")
+    return line(f"location ({check}): {where}")
+
+
 def render_break(r, verbose: bool = False) -> None:
     head = styled("detected", "green") if r.detected else styled("NOT detected", "bold red")
     out.rule(line(styled(r.name, "bold"), f": {r.summary}"), align="left")
@@ -29,6 +35,7 @@ def render_break(r, verbose: bool = False) -> None:
         line("faulty:  ", _seq(r.faulty_text, r.faulty_tokens, r.first_divergence)),
         line(f"signature: {r.signature}"),
         line(head, f" by verify: {', '.join(r.caught_by) if r.caught_by else 'no check failed'}"),
+        *([_location(r.location)] if r.location else []),
         line(f"fix: {r.fix}"),
         line(f"dormant: {r.dormant_where} ({r.dormant_shown})"),
     ]

@@ -1,6 +1,6 @@
 """How `kvbench verify` (and `verify --hf`) lays out its report: a grid of checks by caches, each cell a verdict and
-its figure; beneath it each failing cell's tolerance and detail, the skipped cells' reasons, the notes and the
-verdict line. `--verbose` lists every row's tolerance and detail in full instead."""
+its figure; beneath it each failing cell's tolerance and detail with where it went wrong (its location), the skipped
+cells' reasons, the notes and the verdict line. `--verbose` lists every row's tolerance and detail in full instead."""
 
 from __future__ import annotations
 
@@ -107,8 +107,13 @@ def _entry(row, verbose: bool, width: int) -> Text:
     head: list[str | Text] = [styled(_label(row), style)]
     if verbose:
         head += [" ", _result(row)]
-    where = f"; where: {row.location}" if row.location else ""
-    text = line(*head, f"{tol}: {row.detail or '-'}{where}")
+    text = line(*head, f"{tol}: {row.detail or '-'}")
+    return text if verbose else clipped(text, width, DETAIL_LINES, MORE)
+
+
+def _where(row, verbose: bool, width: int) -> Text:
+    """`  location: <where it went wrong>` beneath a failing row's entry, clipped unless `verbose`."""
+    text = line("  ", styled("location", "bold"), f": {row.location}")
     return text if verbose else clipped(text, width, DETAIL_LINES, MORE)
 
 
@@ -127,6 +132,8 @@ def verbose_rows(checks: list) -> None:
     """--verbose: every row, its verdict, tolerance and detail in full."""
     for r in checks:
         out.print(_entry(r, True, out.width))
+        if r.location:
+            out.print(_where(r, True, out.width))
 
 
 def render_verify(report, meta: dict, verbose: bool = False) -> None:
@@ -142,6 +149,8 @@ def render_verify(report, meta: dict, verbose: bool = False) -> None:
         for r in judged:
             if not r.passed:
                 out.print(_entry(r, verbose, width))
+                if r.location:
+                    out.print(_where(r, verbose, width))
         for text in _skips(skipped, width):
             out.print(text)
     for n in report.notes:

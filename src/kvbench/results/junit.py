@@ -137,7 +137,7 @@ def _row_text(r) -> str:
     diff = "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.3e}"
     return (
         f"check: {r.name}\ncache: {r.cache}\ntolerance: {r.tolerance}\nmax |dlogit|: {diff}\n"
-        f"first divergence: {diverge}\ndetail: {r.detail}"
+        f"first divergence: {diverge}\ndetail: {r.detail}" + (f"\nlocation: {r.location}" if r.location else "")
     )
 
 
