@@ -40,6 +40,8 @@ from kvbench.bench.settings import (
     check_fits_context,
 )
 from kvbench.bench.timing_stats import ALWAYS, TTFT_PERCENTILES, describe_ms, tpot_extra_columns
+from kvbench.caches import get_cache_spec
+from kvbench.check.distortion import measure_layers
 from kvbench.devices import memory_in_use, memory_peak, reset_peak_memory
 from kvbench.errors import KVBenchError, is_out_of_memory
 from kvbench.model.gpt2 import GPTConfig
@@ -263,6 +265,8 @@ class _Configuration:
         if profile_dir is not None:  # after every timed run: the profiler's overhead is in none of them
             key = {k: common[k] for k in ("engine", "cache", "prompt_len", "batch")}
             result.profile = profile_run(lambda: conf.run(ids, s.new_tokens), ids.device, profile_dir, key)
+        conf = None  # its caches go before the distortion pass allocates its own
+        add_distortion(result, model, ids, s.new_tokens)
         return result
 
 
@@ -284,6 +288,22 @@ def add_floor(result: ConfigResult, cfg, dtype: torch.dtype, bw: floor.Bandwidth
     ms, b = floor.decode_floor_ms(cfg, dtype, r.batch, r.prompt_len, r.new_tokens, traffic, bw, capacity)
     r.floor_ms, r.x_floor, r.step_bytes = ms, r.tpot_ms_median / ms, float(b.total)
     result.floor_bytes = b
+
+
+def add_distortion(result: ConfigResult, model, ids: torch.Tensor, new_tokens: int) -> None:
+    """A completed row of a lossy cache on our engine: its cost against the full-precision cache, teacher-forced
+    from the same prompt ids, after every timed run (check/distortion.py). A pass that raises leaves the columns
+    empty and says why in `distortion_failed`."""
+    r = result.summary
+    if r.engine != "kvbench" or get_cache_spec(r.cache).exact:
+        return
+    try:
+        d = measure_layers(model, r.cache, ids.tolist(), new_tokens)
+    except Exception as e:  # oom, or a plugin that raised: the timed row stands
+        result.distortion_failed = failure_status(e)
+        return
+    r.kl_mean, r.top1_agreement, r.mean_abs_dp = d.kl_mean, d.top1_agreement, d.mean_abs_dp
+    result.distortion = d
 
 
 def _reserved(device: torch.device) -> float:

@@ -1,5 +1,6 @@
 """Rendering `kvbench bench`: the prefill sweep's table, the `--fill random` table (decode cost against context,
-bench/context.py), the floor's caption both carry, and the closing line naming the files written."""
+bench/context.py), the floor's caption both carry, a line for each lossy row's distortion, and the closing line
+naming the files written."""
 
 from __future__ import annotations
 
@@ -131,6 +132,33 @@ def _print_table(title: str, cols: list[str], body: list[list], caption: str) ->
         out.print(styled(caption, "dim"))
 
 
+def distortion_lines(rows: list, meta: dict, label) -> None:
+    """A line for each lossy row measured against the full-precision cache (check/distortion.py), then what the
+    figures mean for these weights; each lossy row not measured, and why."""
+    shown = [r for r in rows if r.kl_mean == r.kl_mean]  # NaN: an exact cache, or not measured
+    for r in shown:
+        out.print(
+            line(
+                styled("distortion", "bold"),
+                f" {label(r)}: KL mean {r.kl_mean:.2g}; top-1 {r.top1_agreement:.1%}; mean |Δp| {r.mean_abs_dp:.2g}",
+            )
+        )
+    dist = meta.get("distortion", {})
+    for key, why in dist.get("not_measured", {}).items():
+        out.print(styled(f"distortion of {key} not measured: {why}", "red"))
+    if shown:
+        filled = "filled with the same random K/V and " if meta.get("fill") == "random" else ""
+        out.print(
+            styled(
+                f"distortion: against the full-precision static cache, both {filled}fed its greedy tokens "
+                "(teacher-forced); "
+                "KL(p_full || p_lossy) in nats, top-1: the same top token, |Δp|: the chosen token's probability "
+                f"moved; by token in distortion.csv, by depth in distortion.png and meta.json. {dist.get('note', '')}",
+                "dim",
+            )
+        )
+
+
 def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
     batches = list(dict.fromkeys(r.batch for r in rows))
     swept = len(batches) > 1  # a batch sweep: a batch column, and decode tokens/s across the batch
@@ -170,6 +198,9 @@ def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
             out.print(styled(f"{where}: {r.status}", "red"))
         elif r.flips and r.near_tie_flips < r.flips:
             out.print(styled(f"{where}: tokens {r.tokens_note}", "red"))
+    distortion_lines(
+        rows, meta, lambda r: f"{r.engine} {r.cache} prompt {r.prompt_len}" + (f" batch {r.batch}" if swept else "")
+    )
     observed = {f"{r.engine} {r.cache}": (r.sdpa_prefill, r.sdpa_decode) for r in rows if r.status == "ok"}
     kinds = sorted(set(observed.values()))
     if kinds:
@@ -238,6 +269,7 @@ def render_context(rows: list, meta: dict, run_dir, files: list) -> None:
     for r in rows:
         if r.status.startswith("error"):
             out.print(styled(f"{r.cache} context {r.context}: {r.status}", "red"))
+    distortion_lines(rows, meta, lambda r: f"{r.cache} context {r.context:,}")
     out.print(wrote_line(files, run_dir))
 
 
