@@ -76,7 +76,12 @@ def test_summary_pools_steps_by_depth_and_sequences():
     assert d.by_depth[0].kl_mean == (0 + 1 + 4 + 5) / 4 and d.by_depth[1].kl_max == 7
     assert d.by_depth[0].top1_agreement == 3 / 4 and d.by_depth[1].top1_agreement == 2 / 4
     assert d.kl_mean == 3.5 and d.kl_max == 7 and d.top1_agreement == 5 / 8 and d.mean_abs_dp == pytest.approx(0.35)
-    assert d.per_step == {"depth": [30, 31, 32, 33], "kl": [2, 3, 4, 5], "top1": [1, 0.5, 0, 1], "abs_dp": d.per_step["abs_dp"]}
+    assert d.per_step == {
+        "depth": [30, 31, 32, 33],
+        "kl": [2, 3, 4, 5],
+        "top1": [1, 0.5, 0, 1],
+        "abs_dp": d.per_step["abs_dp"],
+    }
     doc = d.as_dict()
     assert doc["bytes_saved"] == 75 and doc["bytes_saved_fraction"] == 0.75 and d.sequences == 2 and d.steps == 4
 
@@ -119,7 +124,9 @@ def test_exact_caches_cost_nothing_int8_a_little_and_a_coarse_quantiser_more(tin
     Dh = tiny_model.config.head_dim  # int8 stores Dh bytes + one fp32 scale per token per head, fp32 4 x Dh
     assert int8.kv_bytes / int8.reference_kv_bytes == (Dh + 4) / (4 * Dh), int8
 
-    full, coarse = _paths(tiny_model, prompts, 20, lambda cfg, B, n, dt, dev: CoarseCache(B, cfg.n_head, n, cfg.head_dim, dt, dev))
+    full, coarse = _paths(
+        tiny_model, prompts, 20, lambda cfg, B, n, dt, dev: CoarseCache(B, cfg.n_head, n, cfg.head_dim, dt, dev)
+    )
     steps = teacher_forced(full, coarse, prompts, 20)
     assert steps.kl.mean() > 10 * int8.kl_mean and not steps.top1.all()  # a coarser quantiser costs more
     # both paths were fed the full-precision path's greedy tokens, also where the coarse path would choose another
@@ -138,10 +145,16 @@ def test_teacher_forcing_follows_the_full_precision_path(tiny_model):
 # --- verify ------------------------------------------------------------------------------------------------------
 def test_verify_reports_each_lossy_cache_and_only_those(tiny_model):
     prompts = random_prompts(500, 10, 2, seed=0)
-    rep = run_verify(tiny_model, ["dynamic", "int8"], prompts, 8, reference="none", checks=("logits",), random_weights=True)
+    rep = run_verify(
+        tiny_model, ["dynamic", "int8"], prompts, 8, reference="none", checks=("logits",), random_weights=True
+    )
     assert list(rep.distortion) == ["int8"], rep.distortion
     d = rep.distortion["int8"]
-    assert d["steps"] == 8 and sum(b["steps"] for b in d["by_depth"]) == 8 and d["per_step"]["depth"] == list(range(10, 18))
+    assert (
+        d["steps"] == 8
+        and sum(b["steps"] for b in d["by_depth"]) == 8
+        and d["per_step"]["depth"] == list(range(10, 18))
+    )
     assert d["note"] == RANDOM_NOTE and d["reference"].startswith("static") and 0 < d["bytes_saved_fraction"] < 1
     schema = load_schema("verify")
     doc = {"schema_version": 1, "passed": rep.passed, "model": "m", "weights": "w", "device": "cpu", "dtype": "fp32"}
@@ -243,3 +256,32 @@ def test_verify_hf_quantized_cache_reports_its_distortion(tmp_path):
     assert set(d) == {"quantized-fp8"} and d["quantized-fp8"]["reference"].startswith("dynamic"), d
     fp8 = d["quantized-fp8"]
     assert fp8["kl_mean"] > 0 and fp8["kv_bytes"] is None and fp8["steps"] == 10, fp8
+
+
+def test_plot_labels_the_bytes_saved_and_leaves_zeros_off_its_log_axes(tmp_path):
+    """An eviction design is exact until it evicts: its zero KL and |Δp| bins are left off the log axes, not drawn
+    at an axis' edge, and the title says so."""
+    from kvbench.results import distortion_plot
+
+    rows = [
+        {"cache": c, "depth": d, "kl": kl, "top1_agreement": 1.0, "abs_dp": kl / 2}
+        for d in range(20, 200)
+        for c, kl in (("int8", 1e-3), ("evicting", 0.0 if d < 100 else 0.05))
+    ]
+    meta = {"distortion": {"note": RANDOM_NOTE, "rows": {"a": {"cache": "int8", "bytes_saved_fraction": 0.72}}}}
+    drawn = {}
+    real_savefig = distortion_plot.plt.Figure.savefig
+
+    def savefig(fig, path, **kw):
+        drawn["title"] = fig._suptitle.get_text()
+        drawn["lines"] = {ln.get_label(): list(ln.get_xdata()) for ln in fig.axes[0].get_lines()}
+        return real_savefig(fig, path, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distortion_plot.plt.Figure, "savefig", savefig)
+        path = distortion_plot.distortion_figure(pd.DataFrame(rows), meta, tmp_path / "distortion.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert "left off its log axis" in drawn["title"] and "describe this model only" in " ".join(drawn["title"].split())
+    assert set(drawn["lines"]) == {"int8: 72% fewer K/V bytes", "evicting"}
+    int8 = drawn["lines"]["int8: 72% fewer K/V bytes"]
+    assert min(drawn["lines"]["evicting"]) >= 64 and len(int8) == 4  # bins 16.., 32.., 64.., 128..: zeros before 64

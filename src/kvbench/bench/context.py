@@ -77,6 +77,10 @@ class ContextRow:
     def columns(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
+    def distortion_key(self) -> str:
+        """The row's name among meta.json's distortion rows."""
+        return f"{self.cache} context {self.context}"
+
 
 @dataclass
 class ContextDistortionRow:

@@ -79,6 +79,10 @@ class SummaryRow:
     # tpot_ms_pNN for each --percentiles value beyond 50 and 90 (columns after tpot_ms_std)
     tpot_ms_more: dict[str, float] = field(default_factory=dict)
 
+    def distortion_key(self) -> str:
+        """The row's name among meta.json's distortion rows."""
+        return f"{self.engine} {self.cache} prompt {self.prompt_len} batch {self.batch}"
+
     @classmethod
     def columns(cls, percentiles: list[float] | tuple[float, ...] = ()) -> list[str]:
         names = [f.name for f in fields(cls) if f.name != "tpot_ms_more"]

@@ -156,6 +156,7 @@ def run_sweep(
 
     def emit(c: _Configuration, bw: floor.Bandwidth = bandwidth) -> None:
         results.append(c.finish(refs, per_token * c.batch, bw, profile_dir if s.profile else None))
+        add_distortion(results[-1], model, c.ids, s.new_tokens)  # untimed, once finish has let the caches go
         fill_relative([r.summary for r in results])
         if on_result is not None:
             on_result(results[-1])
@@ -271,8 +272,6 @@ class _Configuration:
         if profile_dir is not None:  # after every timed run: the profiler's overhead is in none of them
             labels = {k: common[k] for k in ("engine", "cache", "prompt_len", "batch")}
             result.profile = profile_run(lambda: conf.run(ids, s.new_tokens), ids.device, profile_dir, labels)
-        conf = None  # its caches go before the distortion pass allocates its own
-        add_distortion(result, model, ids, s.new_tokens)
         return result
 
 
@@ -301,7 +300,7 @@ def add_distortion(result: ConfigResult, model, ids: torch.Tensor, new_tokens: i
     from the same prompt ids, after every timed run (check/distortion.py). A pass that raises leaves the columns
     empty and says why in `distortion_failed`."""
     r = result.summary
-    if r.engine != "kvbench" or get_cache_spec(r.cache).exact:
+    if r.status != "ok" or r.engine != "kvbench" or get_cache_spec(r.cache).exact:
         return
     try:
         d = measure_layers(model, r.cache, ids.tolist(), new_tokens)

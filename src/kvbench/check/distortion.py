@@ -55,17 +55,20 @@ class Path(Protocol):
 
 
 class CachePath:
-    """Our GPT-2 over its layer caches, one forward at a time, each call's positions after what the caches hold;
-    only the last token's logits are computed (a long prompt's rows would not fit a large batch)."""
+    """Our GPT-2 over its layer caches, one forward at a time. The path owns the positions: a call's tokens follow
+    the `held` tokens already written (a filled context) and every earlier call's, whatever the caches keep (an
+    eviction design holds fewer columns than the positions it has seen). Only the last token's logits are computed
+    (a long prompt's rows would not fit a large batch)."""
 
-    def __init__(self, model, caches: list) -> None:
-        self.model, self.caches = model, caches
+    def __init__(self, model, caches: list, held: int = 0) -> None:
+        self.model, self.caches, self.position = model, caches, held
 
     @torch.inference_mode()
     def forward(self, ids: list[list[int]]) -> torch.Tensor:
         device = self.model.lm_head.weight.device
         x = torch.tensor(ids, device=device)  # (B, T)
-        pos = (self.caches[0].length + torch.arange(x.size(1), device=device)).expand_as(x)  # (B, T)
+        pos = (self.position + torch.arange(x.size(1), device=device)).expand_as(x)  # (B, T)
+        self.position += x.size(1)
         return self.model(x, pos, self.caches, last_only=True)  # (B, 1, V)
 
 
@@ -172,7 +175,9 @@ def summarise(
         at = (depth >= lo) & (depth <= hi)  # (N,)
         k = kl[:, at]
         bins.append(
-            DepthBin(lo, hi, k.numel(), float(k.mean()), float(k.max()), float(top1[:, at].mean()), float(dp[:, at].mean()))
+            DepthBin(
+                lo, hi, k.numel(), float(k.mean()), float(k.max()), float(top1[:, at].mean()), float(dp[:, at].mean())
+            )
         )
     per_step = {
         "depth": list(steps.depth),
@@ -250,8 +255,9 @@ def measure_layers(
     size = context + len(first[0]) + new - 1  # what both hold at the end: the last step's token is never written
     full = make_caches(REFERENCE_CACHE, model.cache_config, len(first), size, w.dtype, w.device)
     lossy = make_caches(cache, model.cache_config, len(first), size, w.dtype, w.device)
+    assert full is not None and lossy is not None, f"{cache} holds no cache to measure"
     if fill is not None:
         fill(full + lossy)
-    steps = teacher_forced(CachePath(model, full), CachePath(model, lossy), first, new, context)
+    steps = teacher_forced(CachePath(model, full, context), CachePath(model, lossy, context), first, new, context)
     what = f"{REFERENCE_CACHE} (full precision), teacher-forced on its greedy tokens"
     return summarise(cache, steps, what, note, cache_nbytes(lossy), cache_nbytes(full))

@@ -71,7 +71,8 @@ def run_hf_verify(
         held: list[RankBytes] = []
         if tp is not None:
             rows, held = hf_tp_rows(subjects, rows, prompts[0], new_tokens, tp, report)
-        costs, raised = {}, []
+        costs: dict[str, dict] = {}
+        raised: list[str] = []
         if distortion and tp is None:
             full = HFSubject(target, HF_REFERENCE_CACHE)
             costs = measure_subjects(subjects, full, prompts[0], new_tokens, loaded.random, raised)

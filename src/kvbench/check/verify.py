@@ -63,7 +63,8 @@ def run_verify(
         rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row)
     else:
         rows, held = tp_rows(target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp)
-    costs, raised = {}, []
+    costs: dict[str, dict] = {}
+    raised: list[str] = []
     if distortion and fault is None and tp is None:
         full = GPT2Subject(target, REFERENCE_CACHE)
         costs = measure_subjects(subjects, full, prompts[0], new_tokens, random_weights, raised)

@@ -136,17 +136,22 @@ def _print_table(title: str, cols: list[str], body: list[list], caption: str) ->
 
 
 def distortion_lines(rows: list, meta: dict, label) -> None:
-    """A line for each lossy row measured against the full-precision cache (check/distortion.py), then what the
-    figures mean for these weights; each lossy row not measured, and why."""
+    """A line for each lossy row measured against the full-precision cache (check/distortion.py), with the bytes it
+    saves, then what the figures mean for these weights; each lossy row not measured, and why."""
     shown = [r for r in rows if r.kl_mean == r.kl_mean]  # NaN: an exact cache, or not measured
+    dist = meta.get("distortion", {})
     for r in shown:
+        d = dist.get("rows", {}).get(r.distortion_key(), {})
+        saved = ""
+        if d.get("bytes_saved") is not None and d.get("reference_kv_bytes"):
+            saved = f"; saves {d['bytes_saved_fraction']:.0%} of static's {console.fmt_bytes(d['reference_kv_bytes'])}"
         out.print(
             line(
                 styled("distortion", "bold"),
-                f" {label(r)}: KL mean {r.kl_mean:.2g}; top-1 {r.top1_agreement:.1%}; mean |Δp| {r.mean_abs_dp:.2g}",
+                f" {label(r)}: KL mean {r.kl_mean:.2g}; top-1 {r.top1_agreement:.1%}; "
+                f"mean |Δp| {r.mean_abs_dp:.2g}{saved}",
             )
         )
-    dist = meta.get("distortion", {})
     for key, why in dist.get("not_measured", {}).items():
         out.print(styled(f"distortion of {key} not measured: {why}", "red"))
     if shown:

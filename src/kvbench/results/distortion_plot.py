@@ -36,20 +36,34 @@ def _bins(sub: pd.DataFrame) -> pd.DataFrame:
     return sub.groupby(lo)[["depth", "kl", "top1_agreement", "abs_dp"]].mean().sort_values("depth")
 
 
+def _saved(meta: dict, cache: str) -> str:
+    """What `cache` saves against the full-precision cache over the run's rows (meta.json's distortion rows)."""
+    rows = meta.get("distortion", {}).get("rows", {}).values()
+    saved = [r["bytes_saved_fraction"] for r in rows if r.get("cache") == cache and r.get("bytes_saved_fraction")]
+    if not saved:
+        return cache
+    lo, hi = f"{min(saved):.0%}", f"{max(saved):.0%}"
+    return f"{cache}: {lo if lo == hi else f'{lo}-{hi}'} fewer K/V bytes"
+
+
 def distortion_figure(rows: pd.DataFrame, meta: dict, path: Path) -> Path:
     """The three panels from distortion.csv's rows (cache, depth, kl, top1_agreement, abs_dp), one colour per
-    cache in registry order."""
+    cache in registry order, each labelled with the bytes it saves. A zero (an eviction design before it evicts)
+    has no place on a log axis: those points and bins are left off the KL and |Δp| panels, and the title says so."""
     caches = sorted(rows.cache.unique(), key=lambda c: list(CACHES).index(c) if c in CACHES else 99)
     fig, axes = plt.subplots(1, 3, figsize=(15, 5.2))
     depths = sorted(rows.depth.unique())
+    zeros = False
     for cache in caches:
         sub = rows[rows.cache == cache]
-        binned, colour = _bins(sub), _colour(cache)
+        binned, colour, label = _bins(sub), _colour(cache), _saved(meta, cache)
         for ax, (col, _, _, log) in zip(axes, PANELS, strict=True):
             if col != "top1_agreement":  # per token, top-1 of one sequence is 0 or 1: only its bins say anything
                 shown = sub[sub[col] > 0] if log else sub
                 ax.scatter(shown.depth, shown[col], s=6, color=colour, alpha=0.25, linewidths=0)
-            ax.plot(binned.depth, binned[col], color=colour, marker="o", markersize=5, linewidth=1.6, label=cache)
+            line = binned[binned[col] > 0] if log else binned
+            zeros |= len(line) < len(binned)
+            ax.plot(line.depth, line[col], color=colour, marker="o", markersize=5, linewidth=1.6, label=label)
     for ax, (col, ylabel, title, log) in zip(axes, PANELS, strict=True):
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _context_label(x)))
@@ -68,7 +82,9 @@ def distortion_figure(rows: pd.DataFrame, meta: dict, path: Path) -> Path:
     note = textwrap.fill(dist.get("note", ""), 150)
     fig.suptitle(
         f"Lossy caches vs the full-precision static cache, teacher-forced, by depth — {_title(meta)}{filled}\n"
-        f"dots: each token (mean over the batch's sequences); lines: power-of-two depth bins\n{note}",
+        f"dots: each token (mean over the batch's sequences); lines: power-of-two depth bins"
+        + ("; a bin of KL or |Δp| 0 (identical distributions) is left off its log axis" if zeros else "")
+        + f"\n{note}",
         fontsize=10,
     )
     fig.tight_layout()

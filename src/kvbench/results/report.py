@@ -241,7 +241,7 @@ class BenchRecorder:
                 DistortionRow(r.engine, r.cache, r.prompt_len, r.batch, i + 1, *step)
                 for i, step in enumerate(_steps(result.distortion))
             ]
-        self._add_distortion(result, f"{r.engine} {r.cache} prompt {r.prompt_len} batch {r.batch}", DistortionRow)
+        self._add_distortion(result, r.distortion_key(), DistortionRow)
 
     def _add_distortion(self, result, key: str, row_type) -> None:
         """A lossy row's distortion: its depth bins and bytes in meta.json (or why it was not measured), its tokens
@@ -256,7 +256,7 @@ class BenchRecorder:
             meta.setdefault("not_measured", {})[key] = result.distortion_failed
         else:
             d = result.distortion.as_dict()
-            meta["rows"][key] = {k: v for k, v in d.items() if k not in ("per_step", "note", "cache")}
+            meta["rows"][key] = {k: v for k, v in d.items() if k not in ("per_step", "note")}
         write_csv(self.run_dir / "distortion.csv", row_type.columns(), self.distortion_rows)
 
     def _add_profile(self, r, profiled) -> None:
@@ -390,7 +390,7 @@ class ContextRecorder(BenchRecorder):
                 ContextDistortionRow(r.cache, r.context, r.batch, i + 1, *step)
                 for i, step in enumerate(_steps(result.distortion))
             ]
-        self._add_distortion(result, f"{r.cache} context {r.context}", ContextDistortionRow)
+        self._add_distortion(result, r.distortion_key(), ContextDistortionRow)
 
     def add_empty(self) -> None:
         write_csv(self.run_dir / "summary.csv", ContextRow.columns(), [])
