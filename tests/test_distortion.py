@@ -201,7 +201,7 @@ def test_bench_columns_csv_and_plot(tmp_path):
     assert meta["distortion"]["note"] == RANDOM_NOTE and "distortion.png" in meta["plots"]
     assert set(meta["distortion"]["rows"]) == {"kvbench int8 prompt 6 batch 1", "kvbench int8 prompt 12 batch 1"}
     assert (out / "distortion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "distortion kvbench int8 prompt 6: KL mean" in r.stdout and "describe this model only" in r.stdout
+    assert "distortion int8 prompt 6: KL mean" in r.stdout and "describe this model only" in r.stdout
 
 
 def test_bench_without_a_lossy_cache_writes_no_distortion(tmp_path):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from rich.text import Text
 
-from kvbench.console import clipped, err, fitted, fmt_bytes, line, out, styled
+from kvbench.console import clipped, err, fitted, fmt_bytes, fmt_share, line, out, styled
 
 if TYPE_CHECKING:
     from kvbench.check.judge import CheckRow
@@ -119,14 +119,14 @@ def _skips(skipped: list, width: int) -> list[Text]:
 
 
 def distortion_line(cache: str, d: dict) -> Text:
-    """One lossy cache's cost in one line: KL mean and max, top-1 agreement, mean |Δp|, the bytes it saves."""
+    """One lossy cache's cost in one line: KL mean and max, top-1 agreement, mean |Δp|, the bytes it saves against
+    the full-precision cache holding the same tokens."""
     saved = ""
     if d.get("bytes_saved") is not None:
-        ref = d["reference"].split()[0]
-        saved = f"; saves {d['bytes_saved_fraction']:.0%} of {ref}'s {fmt_bytes(d['reference_kv_bytes'])}"
+        saved = f"; saves {d['bytes_saved_fraction']:.0%} of {fmt_bytes(d['reference_kv_bytes'])}"
     return line(
         styled("distortion", "bold"),
-        f" {cache}: KL mean {d['kl_mean']:.2g}, max {d['kl_max']:.2g}; top-1 {d['top1_agreement']:.1%}; "
+        f" {cache}: KL mean {d['kl_mean']:.2g}, max {d['kl_max']:.2g}; top-1 {fmt_share(d['top1_agreement'])}; "
         f"mean |Δp| {d['mean_abs_dp']:.2g}{saved}",
     )
 
