@@ -285,3 +285,62 @@ def test_plot_labels_the_bytes_saved_and_leaves_zeros_off_its_log_axes(tmp_path)
     assert set(drawn["lines"]) == {"int8: 72% fewer K/V bytes", "evicting"}
     int8 = drawn["lines"]["int8: 72% fewer K/V bytes"]
     assert min(drawn["lines"]["evicting"]) >= 64 and len(int8) == 4  # bins 16.., 32.., 64.., 128..: zeros before 64
+
+
+@pytest.fixture
+def lossy_plugin(tmp_path, monkeypatch):
+    """A plugin design declaring exact=False (a static cache storing K and V rounded to multiples of 0.25), as any
+    new lossy design does: the distortion code knows no design by name."""
+    import sys
+    import textwrap
+
+    pkg = tmp_path / "lossyplug"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "caches.py").write_text(
+        textwrap.dedent(
+            '''
+            """A lossy plugin for the tests."""
+            from kvbench.caches.static import StaticCache
+
+            class Coarse(StaticCache):
+                """K and V rounded to multiples of 0.25."""
+                exact = False
+                logit_atol = 100.0
+                logit_rtol = 1.0
+                min_greedy_agreement = 0.0
+
+                def __init__(self, config, batch, max_len, dtype, device):
+                    super().__init__(batch, config.n_head, max_len, config.head_dim, dtype, device)
+
+                def update(self, k, v, positions):
+                    return super().update((k * 4).round() / 4, (v * 4).round() / 4, positions)
+            '''
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "lossyplug.caches:Coarse"
+    for name in [m for m in sys.modules if m.startswith("lossyplug")]:
+        del sys.modules[name]
+
+
+def test_any_design_declaring_exact_false_is_measured(lossy_plugin, tiny_model):
+    """verify's and bench's passes pick up a plugin's lossy design as they pick up int8."""
+    prompts = random_prompts(500, 8, 2, seed=0)
+    rep = run_verify(tiny_model, ["int8", lossy_plugin], prompts, 12, reference="none", checks=("logits",))
+    d = rep.distortion
+    assert list(d) == ["int8", lossy_plugin] and rep.passed, d
+    assert d[lossy_plugin]["kl_mean"] > 10 * d["int8"]["kl_mean"] > 0 and d[lossy_plugin]["bytes_saved"] == 0
+    coarse = measure_layers(tiny_model, lossy_plugin, prompts[:1], 6)
+    assert coarse.kl_mean > 0 and coarse.steps == 6 and coarse.bytes_saved == 0
+
+
+@pytest.mark.slow
+def test_verify_json_carries_a_plugins_distortion(lossy_plugin):
+    """The command end to end: --json's distortion member, valid against the schema, the weights' note in it."""
+    args = ["verify", *TINY, "--caches", lossy_plugin, "--prompt-len", "8", "-n", "12", "--reference", "none", "--json"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    jsonschema.Draft202012Validator(load_schema("verify")).validate(doc)
+    assert list(doc["distortion"]) == [lossy_plugin] and doc["distortion"][lossy_plugin]["note"] == RANDOM_NOTE
