@@ -25,6 +25,7 @@ its output replaced (`$ echo $?` prints the exit status of the command before it
     python scripts/docs_outputs.py              # rewrite every marked block
     python scripts/docs_outputs.py --check      # exit 1 listing the blocks whose output changed
     python scripts/docs_outputs.py docs/memory.md --list
+    python scripts/docs_outputs.py docs/verify.md --match int8,sink   # only the blocks whose command has this
 
 --check compares with timing figures ignored (a number followed by ms, s, tokens/s or GB/s).
 """
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("files", nargs="*", type=Path, help="Markdown files (default: README.md and docs/*.md)")
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 listing the blocks that differ")
     p.add_argument("--list", action="store_true", help="list the marked blocks and their commands")
+    p.add_argument("--match", default="", help="only the blocks whose command contains this text")
     args = p.parse_args(argv)
     files = [f.resolve() for f in args.files] or [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     if args.list:
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("examples", "configs"):
             (folder / name).symlink_to(ROOT / name)
         for f in files:  # each file rewritten as soon as its blocks have run, so an interrupted run keeps them
-            blocks = [b for b in find_blocks(f) if not b.recorded]
+            blocks = [b for b in find_blocks(f) if not b.recorded and args.match in b.command]
             for b in blocks:
                 print(f"{b.where}: {b.command}", file=sys.stderr, flush=True)
                 new, problems = rerun(b, folder)

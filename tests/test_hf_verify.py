@@ -94,6 +94,8 @@ def invoke(*args: str):
 
 
 LOOKUP_DEFECT = "generate(prompt_lookup_num_tokens=3) raised IndexError: index_copy_(): index"
+# optimum-quanto's quantised tensors refuse copy.deepcopy, transformers' fork (reproduced in docs/caches.md)
+QUANTO_COPY_DEFECT = "only works for subclass types that implement clone()"
 
 
 def _dynamic_reset_works() -> bool:
@@ -151,6 +153,9 @@ def test_every_check_passes(reports, family):
             # transformers' own prompt-lookup decoding overruns the StaticCache generate allocates (reproduced in
             # docs/verify.md); the rollback itself is exact
             assert not r.passed and r.max_abs_diff <= 1e-5, r
+            continue
+        if r.name == "fork" and r.cache == "quantized-quanto":
+            assert not r.passed and QUANTO_COPY_DEFECT in r.detail, r
             continue
         assert r.passed, r
         if HF_CACHES[r.cache].lossy is None and r.name in ("logits", "greedy"):

@@ -315,6 +315,40 @@ def test_bench_run_carries_the_lossy_rows_distortion(bench_run):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
+def test_bench_tp_ranks_read_and_say_gloo_measures_no_speed(screen, width):
+    from kvbench.bench.tp import GLOO_TIMING, RankRow
+    from kvbench.caches import CACHES
+    from kvbench.cli.bench_render import render_ranks
+
+    s = screen(width)
+    meta = {"tp": {"ranks": 2, "backend": "gloo", "timing": GLOO_TIMING}}
+    same = dict(engine="kvbench", prompt_len=512, ranks=2, backend="gloo", device="cpu", timing=GLOO_TIMING)
+    figures = dict(ttft_ms=123.4, tpot_ms_median=56.78, kv_slots=528, kv_cache_bytes=12_345_678, peak_mem_mib=1234.0)
+    more = dict(weights_mib=300.0, collective_ms=98.7, collective_calls=384, run_ms=345.6, collective_share=0.29)
+    rows = [  # a design that stores more than the planner models (paged) shows the planner's figure
+        RankRow(
+            **same,
+            **figures,
+            **more,
+            cache=c,
+            batch=b,
+            rank=r,
+            planned_kv_cache_bytes=12_345_678.0 + (c == "paged"),
+            planned_equal=c != "paged",
+        )
+        for c in CACHES
+        for b in (1, 64)
+        for r in (0, 1)
+    ]
+    render_ranks(rows, meta)
+    text = " ".join(assert_reads(s).split())
+    heads = {str(c.header) for t in s.tables for c in t.columns}
+    assert {"rank", "KV bytes", "planner", "collectives", "batch"} <= heads, heads
+    assert "equal" in text and "12,345,679" in text
+    assert "timings in both tables are not a speed measurement: gloo on a CPU" in text
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 def test_compare_reads(screen, bench_run, tmp_path, width):
     from kvbench.cli.compare import render_compare, run_compare
 

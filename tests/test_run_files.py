@@ -174,6 +174,8 @@ IDENTITY_CHANGES = {
         "device name CPU (x86_64, 1 threads) -> CPU (arm64",
     ),
     "huge pages asked for": ({"host__huge_pages__THP_MEM_ALLOC_ENABLE": "0"}, "THP_MEM_ALLOC_ENABLE 1 -> 0"),
+    # a run from before bench --tp records no tp: one process
+    "tensor-parallel ranks": ({"settings__tp": 2}, "tensor-parallel ranks 1 -> 2"),
 }
 
 

@@ -256,6 +256,18 @@ def generate_rules(o: Any, n_prompts: int) -> None:
     draft_rules(o.draft, o.draft_tokens, o.ngram, o.cache, n_prompts, o.temperature, o.compile)
 
 
+def padding_rule(cache: str, lengths: Sequence[int]) -> None:
+    """Prompts of different lengths run as a left-padded batch; a design that evicts by position (`padding=False`
+    on its spec: its slots are positions, not columns) takes none."""
+    from kvbench.caches import get_cache_spec
+
+    if len(set(lengths)) > 1 and not get_cache_spec(cache).padding:
+        raise KVBenchError(
+            f"cache {cache} evicts by position and takes no left-padded batch, but the prompts encode to "
+            f"{', '.join(map(str, lengths))} tokens: give prompts of one length, or run them one at a time"
+        )
+
+
 CHECKED_NEW_TOKENS = 2  # verify and break: the logits check (and a fault) needs at least one decode step
 
 
@@ -379,8 +391,11 @@ def bench_rules(s: Any) -> None:
             f"--order {s.order!r}: use sequential (each configuration's runs back to back, the default) or "
             "interleaved (timed runs in rounds over the configurations of a prompt length)"
         )
+    tp_rules(s.tp, s.tp_timeout, s.compile)
     if s.fill == "random":
         _random_fill_rules(s)
+    if s.tp > 1:
+        _tp_bench_rules(s)
     for e in s.engine:
         if not any(ENGINES[e].supports(c) for c in s.caches):
             runs = [c for c in ("none", "dynamic", "static") if ENGINES[e].supports(c)]
@@ -388,6 +403,37 @@ def bench_rules(s: Any) -> None:
                 f"engine {e} runs none of the caches asked for ({', '.join(s.caches)}): it runs "
                 f"{', '.join(runs)}; add one of them to --caches or drop {e} from --engine"
             )
+
+
+def _tp_bench_rules(s: Any) -> None:
+    """bench --tp N (N > 1): what the ranks cannot run in step is refused before any rank starts."""
+    others = [e for e in s.engine if e != "kvbench"]
+    if others:
+        raise KVBenchError(
+            f"--engine {','.join(others)} with --tp {s.tp}: transformers' engines cannot split GPT-2 (it has no "
+            "tensor-parallel plan in transformers); use --engine kvbench, or --hf SOURCE for a model transformers "
+            "splits itself"
+        )
+    if s.fill == "random":
+        raise KVBenchError(f"--fill random with --tp {s.tp}: the context sweep runs in one process; drop --tp")
+    if s.order != "sequential":
+        raise KVBenchError(
+            f"--order interleaved with --tp {s.tp}: ranks hold one configuration at a time; use --order sequential"
+        )
+    if s.profile:
+        raise KVBenchError(f"--profile with --tp {s.tp}: the profiler traces one process; drop --profile or --tp")
+
+
+def bench_hf_tp_rules(tp: int, caches: list[str]) -> None:
+    """bench --hf --tp N: no compiled decode step (one is not built for the collectives between ranks)."""
+    from kvbench.hf.caches import compiles
+
+    compiled = [c for c in caches if compiles(c)]
+    if tp > 1 and compiled:
+        raise KVBenchError(
+            f"--caches {','.join(compiled)} with --tp {tp}: the compiled decode step is not built for the "
+            f"all-reduce between ranks; drop {','.join(compiled)} (static runs the same cache eagerly)"
+        )
 
 
 def bench_hf_rules(raw: dict, given: dict, config: Any) -> None:

@@ -48,6 +48,7 @@ class RunTiming:
     bytes_copied: int | None
     tokens: list[list[int]]
     logits: list[torch.Tensor] | None = None  # (B, V) fp32 per token; only in the untimed run that explains flips
+    cache_slots: int | None = None  # token slots per sequence of transformers' cache at the end (None: not read)
 
 
 class Configuration(Protocol):
@@ -65,9 +66,11 @@ class Configuration(Protocol):
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers, each storage counted once (tied or shared weights)."""
+    """Bytes of a module's parameters and buffers, each storage counted once (tied or shared weights); of a model
+    split by transformers' tensor parallelism, this rank's shards (a DTensor's local tensor)."""
     seen: dict[int, int] = {}
     for t in (*module.parameters(), *module.buffers()):
+        t = t.to_local() if hasattr(t, "to_local") else t
         s = t.untyped_storage()
         seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
     return sum(seen.values())

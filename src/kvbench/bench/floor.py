@@ -218,7 +218,7 @@ def step_bytes(
     slot = 2 * cfg.n_layer * batch * cfg.n_embd * elt  # K + V of one token position, all layers
     q8 = 2 * cfg.n_layer * batch * (cfg.n_embd + cfg.n_head * scale)  # int8 + one scale per head
     t = traffic or UNKNOWN_TRAFFIC
-    slots = cap if t.whole_buffer else L
+    slots = cap if t.whole_buffer else (t.slots(L) if t.slots is not None else L)
     return StepBytes(
         weights=weight_bytes(cfg, elt, batch),
         kv=slots * slot,

@@ -35,7 +35,7 @@ from kvbench.bench.settings import (
 )
 from kvbench.check.hf_subject import HFModel, cache_unsupported, forward_inputs
 from kvbench.check.judge import tolerance
-from kvbench.hf.caches import HF_CACHES, TIMED, generate_kwargs, parse_bench_caches
+from kvbench.hf.caches import HF_CACHES, TIMED, compiles, generate_kwargs, parse_bench_caches
 from kvbench.hf.engine import compiled_decode, timed_generate
 from kvbench.hf.introspect import quiet_transformers
 from kvbench.hf.models import HFShape, LoadedHF
@@ -53,7 +53,7 @@ def _generate(loaded: LoadedHF, ids: torch.Tensor, new_tokens: int, kwargs: dict
     """Greedy-generate exactly `new_tokens` for the (B, T) prompt `ids`, timed per token (hf_engine.timed_generate)."""
     with quiet_transformers():
         t = timed_generate(loaded.model, ids, new_tokens, loaded.pad_token_id, record_logits, **kwargs)
-    return RunTiming(t.ttft_s, t.step_s, t.total_s, t.cache_bytes, None, t.tokens, t.logits)
+    return RunTiming(t.ttft_s, t.step_s, t.total_s, t.cache_bytes, None, t.tokens, t.logits, t.cache_slots)
 
 
 class _HFModelConfiguration:
@@ -147,7 +147,10 @@ def hf_bench_settings(config, given: dict) -> BenchSettings:
     # are transformers' (parse_bench_caches)
     s = BenchSettings(**raw, caches=["none"], engine=["kvbench"])
     validate.bench_rules(s)
+    if caches is None and s.tp > 1:  # every timed cache but a compiled one (validate.bench_hf_tp_rules)
+        caches = [c for c in TIMED if not compiles(c)]
     s.caches, s.engine = parse_bench_caches(caches), ["hf"]
+    validate.bench_hf_tp_rules(s.tp, s.caches)
     return s
 
 

@@ -209,7 +209,8 @@ def _measure_one(
     caches, allocated, peak_extra = _allocate_and_fill(cname, cfg, batch, ctx, dtype, dev, predicted)
     measured = cache_nbytes(caches)
     pformat = planner_format(cspec, fmt)
-    expected = 0 if caches is None else bytes_per_sequence(spec, pformat, ctx) * batch
+    held = cspec.holds(ctx) if cspec.holds is not None else ctx  # an evicting design holds fewer
+    expected = 0 if caches is None else bytes_per_sequence(spec, pformat, held) * batch
     diff = measured - expected
     return MeasureRow(
         cache=cname,
@@ -221,7 +222,8 @@ def _measure_one(
         peak_extra_bytes=peak_extra,
         difference=diff,
         exact=diff == 0,
-        explanation=_explain(cspec, caches is None, diff, expected, measured, predicted, spec, fmt, batch),
+        explanation=(f"the planner's figure for the {held:,} tokens of {ctx:,} it holds; " if held != ctx else "")
+        + _explain(cspec, caches is None, diff, expected, measured, predicted, spec, fmt, batch),
     )
 
 

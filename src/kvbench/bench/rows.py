@@ -142,3 +142,4 @@ class ConfigResult:
     profile: Profiled | None = None  # --profile: the trace of one more warm run and its top operators
     distortion: Distortion | None = None  # a lossy row's cost against the full-precision path
     distortion_failed: str = ""  # why a lossy row's distortion was not measured (failure_status)
+    ranks: list | None = None  # bench --tp, on rank 0: every rank's bench.tp.RankRow of this configuration

@@ -22,6 +22,8 @@ from kvbench.options import (
     model_option,
     option,
     seed_option,
+    tp_option,
+    tp_timeout_option,
     weights_option,
 )
 
@@ -121,7 +123,13 @@ class BenchSettings:
         help="TPOT percentiles written to summary.csv as tpot_ms_pNN, comma-separated, each strictly between 0 "
         "and 100 (default: 50,90,99; the median and p90 columns are always written).",
     )
+    # tensor-parallel ranks: every rank runs the sweep on its shard, rank 0 writes the run folder (bench/tp.py)
+    tp: int = tp_option()
+    tp_timeout: float = tp_timeout_option()
 
+
+# Under --tp N the default engine is ours alone: transformers' engines cannot split GPT-2 (it has no TP plan there).
+TP_DEFAULTS = {"engine": lambda: ["kvbench"]}
 
 # With --fill random a sweep times decode steps at long contexts (bench/context.py): no `none` (nothing to fill), only our
 # engine (transformers' generate cannot start from a filled cache), and a few dozen steps per context.
@@ -184,6 +192,9 @@ def coerce(raw: dict, where: str) -> dict:
         elif kind is bool:
             if not isinstance(value, bool):
                 raise KVBenchError(f"{where}: {key} must be true or false, got {value!r}")
+        elif kind is float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise KVBenchError(f"{where}: {key} must be a number, got {value!r}")
         elif not isinstance(value, str):
             raise KVBenchError(f"{where}: {key} must be a string, got {value!r}")
         out[key] = value
@@ -207,8 +218,11 @@ def resolve_config_path(path: str | Path) -> Path:
 
 def load_settings(path: str | Path | None, given: dict) -> BenchSettings:
     """Defaults < the TOML file at `path` < `given` (the options given on the command line, by field name; None
-    values are not given), checked (validate.bench_rules)."""
-    s = BenchSettings(**read_settings(path, given))
+    values are not given), checked (validate.bench_rules). Under --tp the engine defaults to kvbench's alone."""
+    raw = read_settings(path, given)
+    if raw.get("tp", 1) > 1:
+        raw.update({k: make() for k, make in TP_DEFAULTS.items() if k not in raw})
+    s = BenchSettings(**raw)
     validate.bench_rules(s)
     return s
 

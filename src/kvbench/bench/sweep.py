@@ -132,14 +132,17 @@ def run_sweep(
     bandwidth: floor.Bandwidth | None = None,
     oversized: dict[int, str] | None = None,
     profile_dir: Path | None = None,
+    ranks=None,
 ) -> list[ConfigResult]:
     """Run every configuration of `s` on `model`; returns (and streams through `on_result`) one result each.
     bandwidth: the device's, for every row's floor; measured here (once) when not given. oversized: batch sizes
     predicted not to fit the device (settings.check_sizes), each made an `oom` row with its reason, not run.
-    profile_dir: with s.profile, where each configuration's trace goes (bench/profile.py)."""
+    profile_dir: with s.profile, where each configuration's trace goes (bench/profile.py). ranks: this process is
+    one rank of a tensor-parallel sweep (bench/tp.py): `model` is its shard, a configuration that raises ends the
+    sweep, rows have no floor, and rank 0's results carry every rank's row (ConfigResult.ranks)."""
     device = model.lm_head.weight.device
     check_fits_context(s, model.config.block_size, model.config.name)
-    if bandwidth is None:
+    if bandwidth is None and ranks is None:
         bandwidth = floor.measure_bandwidth(device)
     if engines is None:
         engines = build_engines(model, s.engine, s.compile)
@@ -154,7 +157,7 @@ def run_sweep(
     refs: dict[tuple[int, int], list[list[int]]] = {}  # kvbench none's tokens per (prompt, batch): the reference
     results: list[ConfigResult] = []
 
-    def emit(c: _Configuration, bw: floor.Bandwidth = bandwidth) -> None:
+    def emit(c: _Configuration, bw: floor.Bandwidth | None = bandwidth) -> None:
         results.append(c.finish(refs, per_token * c.batch, bw, profile_dir if s.profile else None))
         add_distortion(results[-1], model, c.ids, s.new_tokens)  # untimed, once finish has let the caches go
         fill_relative([r.summary for r in results])
@@ -166,7 +169,14 @@ def run_sweep(
         shared = dict(prompt_len=p, new_tokens=s.new_tokens, batch=b, dtype=dtype_name, device=device_label)
         group = [
             _Configuration(
-                model, engines[e], ids.to(device), s, progress, dict(engine=e, cache=c, **shared), oversized.get(b)
+                model,
+                engines[e],
+                ids.to(device),
+                s,
+                progress,
+                dict(engine=e, cache=c, **shared),
+                oversized.get(b),
+                ranks,
             )
             for p_, b_, e, c in configs
             if (p_, b_) == (p, b)
@@ -202,8 +212,8 @@ class _Configuration:
     row. In interleaved order only the back-to-back runs (cold and warm-up) record peak memory: during the rounds
     the other configurations' caches are allocated too."""
 
-    def __init__(self, model, engine, ids, s, progress, common, oversized: str | None = None) -> None:
-        self.model, self.engine, self.ids, self.s = model, engine, ids, s
+    def __init__(self, model, engine, ids, s, progress, common, oversized: str | None = None, ranks=None) -> None:
+        self.model, self.engine, self.ids, self.s, self.ranks = model, engine, ids, s, ranks
         self.progress, self.common, self.batch = progress, common, common["batch"]
         self.label = f"{common['engine']} {common['cache']} prompt {common['prompt_len']}" + (
             f" batch {self.batch}" if len(s.batch) > 1 else ""
@@ -236,10 +246,14 @@ class _Configuration:
                     max_len = self.common["prompt_len"] + self.s.new_tokens
                     self.conf = self.engine.configure(cache, self.batch, max_len)
                 reset_peak_memory(device)
+                if self.ranks is not None:  # every rank starts the run together: its clock times the run alone
+                    self.ranks.in_step()
                 t = self.conf.run(self.ids, self.s.new_tokens)
                 if len(self.runs) < self.back_to_back:  # a CPU resident set can shrink below its baseline
                     self.peaks.append((max(memory_peak(device) - self.base, 0.0), _reserved(device)))
             except Exception as e:
+                if self.ranks is not None:  # the other ranks are in this run's collectives: end the sweep
+                    raise
                 self.failure = failure_status(e)  # oom, or a plugin raised: the sweep goes on
                 break
             self.runs.append(t)
@@ -250,7 +264,7 @@ class _Configuration:
                 torch.cuda.empty_cache()
             self.progress.advance(self.n_runs - len(self.runs), f"{self.label}: {self.failure}")
 
-    def finish(self, refs, bpt, bandwidth, profile_dir: Path | None = None) -> ConfigResult:
+    def finish(self, refs, bpt, bandwidth: floor.Bandwidth | None, profile_dir: Path | None = None) -> ConfigResult:
         model, engine, ids, s, common = self.model, self.engine, self.ids, self.s, self.common
         cache, prompt_len, conf, runs = common["cache"], common["prompt_len"], self.conf, self.runs
         self.conf = None  # the row holds what it needs; the cache goes when this returns
@@ -267,8 +281,11 @@ class _Configuration:
         except Exception as e:  # a diagnosis, not a measurement: say it failed, keep the row
             sdpa = {"prefill": f"unknown ({type(e).__name__})", "decode": ""}
         result = _summarise(common, runs, s, self.peaks, engine.weight_bytes(), conf.capture_s, tokens, sdpa, bpt)
-        add_floor(result, model.config, model.lm_head.weight.dtype, bandwidth, runs[-1].cache_bytes)
+        if bandwidth is not None:  # none under tensor parallelism: a rank's step is not one device's floor
+            add_floor(result, model.config, model.lm_head.weight.dtype, bandwidth, runs[-1].cache_bytes)
         result.bandwidth = bandwidth
+        if self.ranks is not None:  # after every timed run: the collectives' clock synchronises around each
+            result.ranks = self.ranks.measure(conf, ids, s.new_tokens, result.summary)
         if profile_dir is not None:  # after every timed run: the profiler's overhead is in none of them
             labels = {k: common[k] for k in ("engine", "cache", "prompt_len", "batch")}
             result.profile = profile_run(lambda: conf.run(ids, s.new_tokens), ids.device, profile_dir, labels)

@@ -5,7 +5,9 @@
     static        static.py        preallocated buffers + write pointer
     static-graph  static_graph.py  static buffers + a fixed-shape decode step (one CUDA graph replay per token)
     paged         paged.py         a pool of 16-token blocks + block tables
-    int8          int8.py          int8 K/V with per-token per-head scales (lossy)
+    int8          int8.py          int8 K/V with per-token per-head scales (lossy; declares its roundtrip)
+    sink          sink.py          the first S tokens and a window of the last W, the rest evicted (StreamingLLM;
+                                   lossy; declares what a query may read); sink-S-W for another split
 
 CLI choices, bench sweeps and test parametrisation all iterate `CACHES`. A cache from outside the repository joins
 it with a `mod:obj` reference wherever a cache name is accepted, or through the `kvbench.caches` entry-point group of
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.caches import dynamic, int8, paged, plugins, static, static_graph
+from kvbench.caches import dynamic, int8, paged, plugins, sink, static, static_graph
 from kvbench.caches.base import CacheSpec, LayerCache, Traffic
 from kvbench.caches.plugins import missing_lifecycle
 from kvbench.errors import KVBenchError
@@ -44,7 +46,7 @@ NONE = CacheSpec(
 # One registry of caches: the built-in designs. Plugins are loaded on first use into PLUGINS (get_cache_spec), so
 # "every cache" stays what `parse_cache_names("all")` says: built-ins plus installed entry points.
 CACHES: dict[str, CacheSpec] = {
-    s.name: s for s in (NONE, dynamic.SPEC, static.SPEC, static_graph.SPEC, paged.SPEC, int8.SPEC)
+    s.name: s for s in (NONE, dynamic.SPEC, static.SPEC, static_graph.SPEC, paged.SPEC, int8.SPEC, sink.SPEC)
 }
 BUILTIN = tuple(CACHES)
 PLUGINS: dict[str, CacheSpec] = {}
@@ -57,6 +59,10 @@ def get_cache_spec(name: str) -> CacheSpec:
         return CACHES[name]
     if name in PLUGINS:
         return PLUGINS[name]
+    split = sink.variant(name)  # sink-S-W: the sink design with another split
+    if split is not None:
+        PLUGINS[name] = split
+        return split
     if plugins.is_reference(name):
         spec = plugins.load_reference(name)
     else:

@@ -5,12 +5,15 @@ The contract (one object per layer):
                                          (B, H, S, Dh) with the filled slots first (S >= length)
     length        tokens (columns) filled so far
     capacity      slots available, or None when the cache grows without bound
+    key_positions optional: a cache that evicts sets it after each update to the positions of the slots it returned,
+                  (B, S) long, -1 for an unused slot; attention then masks by position (model/gpt2.py AttentionMask)
     reset()       forget everything, keep the allocation for reuse
     nbytes        bytes of tensor storage held or reserved right now
     bytes_copied  bytes of already-cached history copied by updates (the price of torch.cat)
 
 The lifecycle (every built-in design; optional for a plugin, see `missing_lifecycle` in plugins.py):
-    crop(n)         keep columns 0..n-1 (B, H, n, Dh), forget the rest; the next update writes at column n.
+    crop(n)         keep columns 0..n-1 (B, H, n, Dh), forget the rest; the next update writes at column n. (A cache
+                    that evicts keeps the first n tokens written: every position < n it still holds.)
                     crop(0) empties it and it stays usable; n outside 0..length is a KVBenchError, never a clamp.
                     Attention never reads a forgotten column again.
     fork() -> cache an independent cache with the same contents (and counters): a write to either never shows in
@@ -73,14 +76,17 @@ class LayerCache:
         """Keep batch rows `index` (1-D, may repeat and drop rows) in that order: batch size becomes len(index)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement reorder")
 
-    def check_crop(self, length: int) -> int:
-        """`length` for crop as an int in 0..self.length; anything else is an error naming both numbers."""
+    def check_crop(self, length: int, written: int | None = None) -> int:
+        """`length` for crop as an int in 0..self.length (0..written for a cache that evicts: the tokens written so
+        far); anything else is an error naming both numbers."""
         try:
             n = operator.index(length)
         except TypeError:
             raise KVBenchError(f"crop({length!r}): the length must be an integer") from None
-        if isinstance(length, bool) or not 0 <= n <= self.length:
-            raise KVBenchError(f"crop({length!r}) outside 0..{self.length}: the cache holds {self.length} tokens")
+        top = self.length if written is None else written
+        if isinstance(length, bool) or not 0 <= n <= top:
+            held = f"the cache holds {top} tokens" if written is None else f"{top} tokens were written"
+            raise KVBenchError(f"crop({length!r}) outside 0..{top}: {held}")
         return n
 
     def check_index(self, index: torch.Tensor, batch: int | None, device: torch.device | None) -> torch.Tensor:
@@ -132,7 +138,8 @@ class Traffic:
 
     At context L (slots holding tokens, this step's included), with `slot` the bytes of one token's K and V (all
     layers, the whole batch, the model's dtype) and `q8` the same in int8 plus one scale per head:
-    attention reads `slot` bytes for each of L slots (each of the buffer's `capacity` slots when `whole_buffer`),
+    attention reads `slot` bytes for each of L slots (each of the buffer's `capacity` slots when `whole_buffer`,
+    `slots(L)` of them when the design evicts),
     this token's write is `write(slot, q8)`, and the design moves `extra(L, slot, q8)` on top (copies, gathers,
     dequantisation). The design's own minimum: temporaries an implementation allocates on the way are overhead.
     """
@@ -141,6 +148,7 @@ class Traffic:
     whole_buffer: bool = False  # attention reads every slot of its buffer (masked), not only the filled ones
     extra: Callable[[int, int, int], int] = _no_extra  # (L, slot, q8) -> bytes
     write: Callable[[int, int], int] = _one_slot  # (slot, q8) -> bytes of this token's K/V write
+    slots: Callable[[int], int] | None = None  # L -> the slots attention reads at context L (None: L)
 
 
 UNKNOWN_TRAFFIC = Traffic("design traffic unknown (a plugin): weights and K/V of L slots only")
@@ -170,6 +178,18 @@ class CacheSpec:
     # Its decode step runs as one fixed-shape function over StaticGraphCache buffers (decode/fixed_step.py), which can be
     # compiled (--compile) and, on CUDA, captured as a CUDA graph; the layer caches must be StaticGraphCache.
     fixed_step: bool = False
+    # A lossy design's policy, declared so `verify` holds it to an exact reference (check/policy.py): the reference
+    # applies these to every token and nothing else, and the design must match it at the exact tolerance.
+    # roundtrip: what it stores for each token's K or V, (B, H, T, Dh) -> the same shape (quantise, then dequantise).
+    roundtrip: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # visible: which cached positions a query may still read (an eviction policy), (q_pos (B, T), k_pos (B, S)) ->
+    # (B, T, S) bool on top of the causal rule; the model applies it in attention, by position, for this design.
+    visible: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # It takes a left-padded batch (False: a design that evicts by position, whose slots are not columns).
+    padding: bool = True
+    # The tokens a sequence holds between steps at a context of L, for a design that evicts (the planner's figure
+    # for it, memory --measure); None: all L.
+    holds: Callable[[int], int] | None = None
 
 
 def cache_nbytes(caches: list[LayerCache] | None) -> int:

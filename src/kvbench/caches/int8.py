@@ -95,6 +95,13 @@ class Int8Cache(LayerCache):
         return self.k_q.nbytes + self.v_q.nbytes + self.k_scale.nbytes + self.v_scale.nbytes
 
 
+def roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """What the cache stores for K or V (B, H, T, Dh), as attention reads it: quantised per (sequence, head, token)
+    row with its scale in the scale dtype, then dequantised (the declaration verify holds it to)."""
+    q, scale = quantize(x, scale_dtype_for(x.dtype))
+    return dequantize(q, scale, x.dtype)
+
+
 def make_int8_cache(config: GPTConfig, batch: int, max_len: int, dtype: torch.dtype, device) -> Int8Cache:
     return Int8Cache(batch, config.n_head, max_len, config.head_dim, dtype, device)
 
@@ -104,6 +111,7 @@ SPEC = CacheSpec(
     "int8 K/V with per-token, per-head absmax scales, dequantised for attention (lossy)",
     make_int8_cache,
     exact=False,
+    roundtrip=roundtrip,
     # Measured in fp32 on random weights (docs/performance.md): max |logit error| 0.0017-0.09, at most 1.5% of
     # the logit scale, and greedy agreement >= 0.98 (every flip a near-tie) over gpt2 (std 0.02 and 0.05),
     # gpt2-tiny (std 0.02 and 0.1) and the test config. A real bug (wrong slot, lost scale) moves logits by O(1).

@@ -38,7 +38,7 @@ from kvbench.thirdparty import contained, did
 
 ENTRY_POINT_GROUP = "kvbench.caches"
 ATTRIBUTES = ("update", "reset", "length", "capacity", "nbytes", "bytes_copied")
-SPEC_FIELDS = ("exact", "logit_atol", "logit_rtol", "min_greedy_agreement")
+SPEC_FIELDS = ("exact", "logit_atol", "logit_rtol", "min_greedy_agreement", "roundtrip", "visible", "padding", "holds")
 _PROBE = GPTConfig(block_size=16, vocab_size=16, n_layer=1, n_head=2, n_embd=8, name="probe")
 
 
@@ -107,7 +107,12 @@ def wrap(obj: object, name: str) -> CacheSpec:
     if spec.factory is None:
         raise PluginError(f"cache plugin {name!r}: its CacheSpec has no factory")
     _check_stated(spec, name)
-    checked = dataclasses.replace(spec, factory=_checked_factory(spec.factory, name, not spec.fixed_step))
+    checked = dataclasses.replace(
+        spec,
+        factory=_checked_factory(spec.factory, name, not spec.fixed_step, evicts=spec.visible is not None),
+        roundtrip=_checked_policy(spec.roundtrip, name, "roundtrip"),
+        visible=_checked_policy(spec.visible, name, "visible"),
+    )
     probe(checked)
     return checked
 
@@ -130,15 +135,44 @@ def _check_stated(spec: CacheSpec, name: str) -> None:
         raise bad("min_greedy_agreement", v, "a fraction from 0 to 1")
     if spec.traffic is not None and not isinstance(spec.traffic, Traffic):
         raise bad("traffic", spec.traffic, "a kvbench.caches.Traffic or None")
+    for field in ("roundtrip", "visible", "holds"):  # its policy (check/policy.py) and what it holds (the planner)
+        value = getattr(spec, field)
+        if value is not None and not callable(value):
+            raise bad(field, value, "a function or None")
+    if not isinstance(spec.padding, bool):
+        raise bad("padding", spec.padding, "True or False")
     if spec.storage_dtype is not None and spec.storage_dtype not in SPELLINGS:
         raise bad("storage_dtype", spec.storage_dtype, f"None or one of {', '.join(SPELLINGS)}")
+
+
+def _checked_policy(fn, name: str, field: str):
+    """A plugin's declared roundtrip or visible, contained and held to its shape: roundtrip (B, H, T, Dh) -> the
+    same; visible (q (B, T), k (B, S)) -> (B, T, S) bool."""
+    if fn is None:
+        return None
+
+    def fail(what: str) -> PluginError:
+        return PluginError(f"cache plugin {name!r}: its {field} {what}")
+
+    def call(*args):
+        with contained(lambda e: fail(did("call", e))):
+            out = fn(*args)
+        want = args[0].shape if field == "roundtrip" else (*args[0].shape, args[1].size(-1))
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(want):
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise fail(f"returned {shape}, expected a tensor of shape {tuple(want)}")
+        if field == "visible" and out.dtype != torch.bool:
+            raise fail(f"returned {out.dtype}, expected a boolean mask")
+        return out
+
+    return call
 
 
 def _inherited(cls: type, field: str) -> bool:
     return any(field in vars(base) for base in cls.__mro__[1:] if base not in (LayerCache, object))
 
 
-def _checked_factory(factory, name: str, wrap_calls: bool):
+def _checked_factory(factory, name: str, wrap_calls: bool, evicts: bool = False):
     def fail(what: str) -> PluginError:
         return PluginError(f"cache plugin {name!r}: {what}")
 
@@ -148,7 +182,7 @@ def _checked_factory(factory, name: str, wrap_calls: bool):
         missing = [a for a in ATTRIBUTES if not _has(cache, a)]
         if missing:
             raise fail(f"its cache object has no {', '.join(missing)}")
-        checked = CheckedCache(cache, name)
+        checked = CheckedCache(cache, name, evicts)
         _ = checked.capacity  # read once here: a negative or non-integer capacity is refused before any run
         if checked.length != 0:
             raise checked._fail(f"a new cache must be empty, but its length is {checked.length}")
@@ -175,7 +209,9 @@ def missing_lifecycle(cache_or_class: object) -> list[str]:
 
     A member is missing when it is absent, not callable, or inherited unchanged from `LayerCache` (whose versions
     raise NotImplementedError). A checked plugin cache is judged by the plugin's own object."""
-    target = cache_or_class.inner if isinstance(cache_or_class, CheckedCache) else cache_or_class
+    target = cache_or_class
+    while not isinstance(target, type) and hasattr(target, "inner"):  # a checked or recorded cache: the one inside
+        target = target.inner
     cls = target if isinstance(target, type) else type(target)
     missing = []
     for name in LIFECYCLE:
@@ -190,8 +226,10 @@ class CheckedCache(LayerCache):
     """A plugin's cache behind the contract: every call checked and contained (see `contained`), every failure one
     line naming the plugin."""
 
-    def __init__(self, inner, name: str) -> None:
-        self.inner, self.name = inner, name
+    def __init__(self, inner, name: str, evicts: bool = False) -> None:
+        # evicts: the design declares `visible`, so an update may drop tokens and each slot's position is read
+        # from its key_positions
+        self.inner, self.name, self.evicts = inner, name, evicts
 
     def _fail(self, what: str) -> PluginError:
         return PluginError(f"cache plugin {self.name!r} broke the cache contract: {what}")
@@ -223,12 +261,31 @@ class CheckedCache(LayerCache):
                 raise self._fail(f"update returned {label} on {t.device}, attention runs on {k.device}")
         if k_out.shape != v_out.shape:
             raise self._fail(f"update returned k {tuple(k_out.shape)} and v {tuple(v_out.shape)} of different shapes")
-        if length < before:
+        if self.evicts:
+            self._check_positions(B, k_out.size(2))
+        elif length < before:
             raise self._fail(f"length went from {before} to {length!r} after an update of {T} token(s)")
         capacity = self.capacity
         if capacity is not None and length > capacity:
             raise self._fail(f"length {length} exceeds its capacity {capacity} after an update of {T} token(s)")
         return k_out, v_out
+
+    def _check_positions(self, B: int, S: int) -> None:
+        pos = self._get("key_positions")
+        if not isinstance(pos, torch.Tensor) or tuple(pos.shape) != (B, S) or pos.is_floating_point():
+            shape = tuple(pos.shape) if isinstance(pos, torch.Tensor) else type(pos).__name__
+            raise self._fail(f"an evicting cache's key_positions is {shape} after update, expected ({B}, {S}) integers")
+
+    @property
+    def key_positions(self) -> torch.Tensor | None:
+        """The position of each slot the last update returned, (B, S): an evicting design's only."""
+        return self._get("key_positions") if self.evicts else None
+
+    @property
+    def written(self) -> int:
+        """Tokens written so far (an evicting design: one past the latest position it holds)."""
+        pos = self.key_positions
+        return self.length if pos is None or pos.numel() == 0 else int(pos.max()) + 1
 
     def reset(self) -> None:
         with self._calling("reset"):
@@ -244,11 +301,11 @@ class CheckedCache(LayerCache):
         return getattr(self.inner, member)
 
     def crop(self, length: int) -> None:
-        n = self.check_crop(length)
+        n = self.check_crop(length, self.written if self.evicts else None)
         crop = self._lifecycle("crop")
         with self._calling(f"crop({n})"):
             crop(n)
-        if self.length != n:
+        if self.length > n if self.evicts else self.length != n:  # an evicting cache holds at most the first n
             raise self._fail(f"length is {self.length} after crop({n})")
 
     def fork(self) -> CheckedCache:
@@ -260,7 +317,7 @@ class CheckedCache(LayerCache):
         missing = [a for a in ATTRIBUTES if not _has(other, a)]
         if missing:
             raise self._fail(f"fork returned an object with no {', '.join(missing)}")
-        checked = CheckedCache(other, self.name)
+        checked = CheckedCache(other, self.name, self.evicts)
         if checked.length != length:
             raise self._fail(f"fork holds {checked.length} tokens, the cache it was forked from {length}")
         return checked

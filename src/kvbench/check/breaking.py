@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvbench.caches import get_cache_spec
 from kvbench.check.faults import get_fault
 from kvbench.check.gpt2_subject import full_logits, run
 from kvbench.check.judge import CheckRow, first_diff, not_finite
@@ -88,7 +89,7 @@ def break_fault(
     assert f.applies_to(cache) and (tp is not None or not f.tp), (name, cache)
     assert not f.batched or len({len(p) for p in prompts}) >= 2, [len(p) for p in prompts]
     runner = model if tp is None else shard(model, tp.rank, tp.world)
-    require_finite(runner, prompts, new_tokens, cache)
+    require_finite(runner, prompts if get_cache_spec(cache).padding else prompts[:1], new_tokens, cache)
     assert f.demo is not None, f"the {name} fault has no demo"
     correct, faulty, shown, signature = f.demo(runner, f, prompts, new_tokens, cache)
     report = run_verify(model, [cache], prompts, new_tokens, reference, hf_dir, fault=f, tp=tp)
@@ -97,8 +98,8 @@ def break_fault(
         judged = [r for r in alone.checks if not r.skipped]
         passed = sum(r.passed for r in judged)
         shown = f"in one process (tp 1) the faulty code passes {passed} of {len(judged)} verify checks"
-    caught = [r.name for r in report.checks if not r.passed]
-    caught_by = [c for c in TP_CHECKS if c in caught]
+    caught = [r.name + (" =policy" if r.policy else "") for r in report.checks if not r.passed]
+    caught_by = [c for c in TP_CHECKS if c in caught] + [f"{c} =policy" for c in TP_CHECKS if f"{c} =policy" in caught]
     return BreakResult(
         name=name,
         summary=f.summary,

@@ -11,6 +11,9 @@ Each fault is a buggy rule or a buggy cache, passed from outside into the very l
     aliased-fork    AliasedFork           a StaticCache whose fork shares its storage
     reorder-keys-only  KeysOnlyReorder    a StaticCache whose reorder moves K rows but not V rows
     chunk-causal    ChunkCausal           SDPA's causal flag for a chunk of T > 1 queries over past + T keys
+    int8-reorder-scales  HalfScalesReorder   an int8 reorder that rounds the scales it moves (lossy: policy rows)
+    int8-requantised-fork  RequantisedFork  an int8 fork that quantises its copy twice (lossy: policy rows)
+    sink-evicts-one-more  EvictsOneMore   a sink eviction one token early (lossy: policy rows)
     tp-neighbour-slice  NeighbourSlice    a rank's cache keeps the next rank's heads from a K/V hand-off (--tp only)
     tp-rank-crop    RankZeroCrop          a rollback cropped on rank 0 only (--tp only)
 Each fault's `demo` runs the correct and the faulty path side by side and measures the bug's signature;
@@ -25,7 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvbench.caches import sink
 from kvbench.caches.dynamic import DynamicCache
+from kvbench.caches.int8 import Int8Cache, dequantize, quantize
+from kvbench.caches.sink import SinkCache
 from kvbench.caches.static import StaticCache
 from kvbench.check.gpt2_subject import GPT2Model, GPT2Subject, fresh_caches, run
 from kvbench.check.lifecycle import SCENARIOS
@@ -157,6 +163,41 @@ class RankZeroCrop(DynamicCache):
             super().crop(length)
 
 
+class HalfScalesReorder(Int8Cache):
+    """BUG on purpose: reorder moves the scales through an fp16 copy, rounding every scale to 11 bits: each value
+    of a reordered row moves by up to 1 part in 2,048, inside the loose bound, off the declared roundtrip."""
+
+    def reorder(self, index: torch.Tensor) -> None:
+        idx = self.check_index(index, self.k_q.size(0), self.k_q.device)
+        self.k_q, self.v_q = self.k_q.index_select(0, idx), self.v_q.index_select(0, idx)
+        for name in ("k_scale", "v_scale"):
+            scale = getattr(self, name)
+            setattr(self, name, scale.half().index_select(0, idx).to(scale.dtype))
+
+
+class RequantisedFork(Int8Cache):
+    """BUG on purpose: fork copies through the dequantised values and quantises them again with fp16 scales (a
+    serialisation path), so the copy's values round twice: a small error, inside the loose bound, off the policy."""
+
+    def fork(self) -> Int8Cache:
+        other = super().fork()
+        n = self.length
+        for q, sc in (("k_q", "k_scale"), ("v_q", "v_scale")):
+            x = dequantize(getattr(self, q)[:, :, :n], getattr(self, sc)[:, :, :n], torch.float16)
+            requant, scale = quantize(x, torch.float16)
+            getattr(other, q)[:, :, :n] = requant
+            getattr(other, sc)[:, :, :n] = scale.to(getattr(other, sc).dtype)
+        return other
+
+
+class EvictsOneMore(SinkCache):
+    """BUG on purpose: eviction keeps a window one token short (an off-by-one in `k > q - W`), so every query loses the
+    oldest position it should still read: inside the loose bound of an eviction policy, off its declaration."""
+
+    def _evict(self, first_query: torch.Tensor) -> None:
+        super()._evict(first_query + 1)
+
+
 class ChunkCausal(MaskRule):
     """BUG on purpose: SDPA's causal flag for a block of T > 1 queries over past + T keys (a chunk after the first,
     a block of draft tokens). SDPA aligns it top-left, so the block attends to the first keys, not its own past."""
@@ -174,6 +215,18 @@ def _layer(cls) -> Callable:
         return cls(batch, c.n_head, max_len, c.head_dim, dtype, device)
 
     return make
+
+
+def _half_scales_reorder(c: GPTConfig, batch: int, max_len: int, dtype, device) -> Int8Cache:
+    return HalfScalesReorder(batch, c.n_head, max_len, c.head_dim, dtype, device)
+
+
+def _requantised_fork(c: GPTConfig, batch: int, max_len: int, dtype, device) -> Int8Cache:
+    return RequantisedFork(batch, c.n_head, max_len, c.head_dim, dtype, device)
+
+
+def _evicts_one_more(c: GPTConfig, batch: int, max_len: int, dtype, device) -> SinkCache:
+    return EvictsOneMore(sink.DEFAULT_SINK, sink.DEFAULT_WINDOW)
 
 
 def _neighbour_slice(c: GPTConfig, batch: int, max_len: int, dtype, device) -> NeighbourSlice:
@@ -294,6 +347,17 @@ def demo_single(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache:
     correct, faulty, _ = _single(model, f, prompts[0], new, cache)
     shown = "shown below: every verify check passes in one process"
     return correct, faulty, shown, f"{f.signature}; shown: this rank's greedy tokens with the fault in"
+
+
+def demo_eviction(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: str) -> tuple:
+    """One prompt through the correct and the faulty cache; dormant: a run that fits the window (nothing evicted)."""
+    correct, faulty, _ = _single(model, f, prompts[0], new, cache)
+    held = sink.DEFAULT_SINK + sink.DEFAULT_WINDOW
+    short = prompts[0][: held // 2]
+    n = held - len(short)
+    same = run(model, [short], n, cache).tokens == run(model, [short], n, cache, f).tokens
+    shown = f"a run of {held} tokens (nothing evicted) gives the correct tokens through the faulty cache: {same}"
+    return correct, faulty, shown, f"{f.signature}; shown: greedy tokens once the context passes {held}"
 
 
 def demo_pointer(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: str) -> tuple:
@@ -468,6 +532,44 @@ FAULTS: dict[str, Fault] = {
         layer_cache=_rank_zero_crop,
         demo=demo_lifecycle("rollback"),
         tp=True,
+    ),
+    "int8-reorder-scales": Fault(
+        "int8-reorder-scales",
+        "an int8 cache's reorder rounds the scales it moves (an fp16 copy)",
+        "the int8 cache's reorder (an Int8Cache subclass, HalfScalesReorder)",
+        "after a beam reorder every value is off by up to 1 part in 2,048: logits move far less than the loose "
+        "bound; off the declared roundtrip",
+        "reorder every per-row buffer in its own dtype (index_select on the scales as stored)",
+        "greedy and sampling without beams, and the loose rows: the error hides under a lossy cache's own bound",
+        cache="int8",
+        any_cache=False,
+        layer_cache=_half_scales_reorder,
+        demo=demo_lifecycle("reorder"),
+    ),
+    "int8-requantised-fork": Fault(
+        "int8-requantised-fork",
+        "an int8 cache's fork quantises the dequantised values again (fp16 scales: double rounding)",
+        "the int8 cache's fork (an Int8Cache subclass, RequantisedFork)",
+        "the fork's values round twice: its continuation drifts by less than the loose bound; off the roundtrip",
+        "fork copies the stored int8 values and scales as they are (nothing is quantised twice)",
+        "every run that never forks, and the loose rows: the drift is smaller than the cache's own error",
+        cache="int8",
+        any_cache=False,
+        layer_cache=_requantised_fork,
+        demo=demo_lifecycle("fork"),
+    ),
+    "sink-evicts-one-more": Fault(
+        "sink-evicts-one-more",
+        "a sink cache's eviction keeps a window one token short",
+        "the sink cache's eviction (a SinkCache subclass, EvictsOneMore)",
+        "every query past the window loses the oldest position it should read: inside the loose bound of an eviction "
+        "policy; off its declared visibility",
+        "evict k <= q - W for the call's first query q (keep k > q - W), no earlier",
+        "any context within S + W tokens (nothing is evicted), and the loose rows: eviction moves logits anyway",
+        cache="sink",
+        any_cache=False,
+        layer_cache=_evicts_one_more,
+        demo=demo_eviction,
     ),
     "chunk-causal": Fault(
         "chunk-causal",

@@ -163,6 +163,8 @@ class GPT2Subject:
         self.model, self.cache, self.fault, self.compile = model, cache, fault, compile
         self.gpt = runner if runner is not None else model.gpt
         self.cached, self.exact = spec.factory is not None, spec.exact
+        self.pads = spec.padding  # it takes a left-padded batch
+        self.last_caches: list | None = None  # the layer caches of the last run or session (check/policy.py reads them)
         lossy = None if spec.exact else (spec.logit_rtol, spec.logit_atol)
         own: dict[str, Any] = dict(
             lossy=lossy, min_agreement=spec.min_greedy_agreement, source="its logit_atol, logit_rtol"
@@ -174,11 +176,14 @@ class GPT2Subject:
         return None
 
     def generate(self, prompts: list[list[int]], new: int) -> Run:
-        return as_run(run(self.gpt, prompts, new, self.cache, self.fault, compile=self.compile))
+        caches = fresh_caches(self.gpt, self.cache, len(prompts), max(map(len, prompts)) + new, self.fault)
+        self.last_caches = caches
+        return as_run(run(self.gpt, prompts, new, self.cache, self.fault, caches, self.compile))
 
     def reused(self, prev: list[int], prompt: list[int], new: int) -> tuple[Run, str]:
         gpt = self.gpt
         caches = fresh_caches(gpt, self.cache, 1, max(len(prev), len(prompt)) + new, self.fault)
+        self.last_caches = caches
         run(gpt, [prev], new, self.cache, self.fault, caches, self.compile)
         res = run(gpt, [prompt], new, self.cache, self.fault, caches, self.compile)  # generate resets them
         return as_run(res), "reused after another prompt"
@@ -186,6 +191,7 @@ class GPT2Subject:
     def open(self, batch: int, max_len: int) -> GPT2Session:
         caches = fresh_caches(self.gpt, self.cache, batch, max_len, self.fault)
         assert caches is not None, f"{self.cache} holds no cache to drive"
+        self.last_caches = caches
         return GPT2Session(self, caches)
 
     def generation_features(self, check: str) -> list[tuple[str, Callable, Callable]]:
@@ -213,20 +219,22 @@ class GPT2Subject:
 
 
 class GPT2Session:
-    """Our GPT-2 driven one forward at a time over its own caches, positions past + arange(T) per call."""
+    """Our GPT-2 driven one forward at a time over its own caches, positions held + arange(T) per call (the session
+    counts the tokens it wrote: a cache that evicts holds fewer slots than that)."""
 
-    def __init__(self, subject: GPT2Subject, caches: list) -> None:
-        self.subject, self.caches = subject, caches
+    def __init__(self, subject: GPT2Subject, caches: list, held: int = 0) -> None:
+        self.subject, self.caches, self.held = subject, caches, held
         self.gpt = subject.gpt
         self.rules = subject.fault.rules if subject.fault is not None else EXACT
+        self.visible = get_cache_spec(subject.cache).visible
 
     @torch.inference_mode()
     def forward(self, ids: list[list[int]]) -> torch.Tensor:
         device = self.gpt.lm_head.weight.device
         x = torch.tensor(ids, device=device)  # (B, T)
-        past = self.caches[0].length
-        pos = (past + torch.arange(x.size(1), device=device)).expand_as(x)  # (B, T)
-        return self.gpt(x, pos, self.caches, mask_rule=self.rules.mask).float().cpu()  # (B, T, V)
+        pos = (self.held + torch.arange(x.size(1), device=device)).expand_as(x)  # (B, T)
+        self.held += x.size(1)
+        return self.gpt(x, pos, self.caches, mask_rule=self.rules.mask, visible=self.visible).float().cpu()
 
     def prepare_rollback(self) -> None:
         """Nothing to prepare: every design can crop at any length."""
@@ -234,9 +242,12 @@ class GPT2Session:
     def crop(self, length: int) -> None:
         for c in self.caches:
             c.crop(length)
+        self.held = length
 
     def fork(self) -> GPT2Session:
-        return GPT2Session(self.subject, [c.fork() for c in self.caches])
+        copy = GPT2Session(self.subject, [c.fork() for c in self.caches], self.held)
+        self.subject.last_caches = copy.caches  # the copy is what a fork check writes into last
+        return copy
 
     def reorder(self, index: list[int]) -> None:
         idx = torch.tensor(index, device=self.gpt.lm_head.weight.device)

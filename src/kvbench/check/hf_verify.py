@@ -18,6 +18,7 @@ import torch
 
 from kvbench.check.causal import refuse_non_causal
 from kvbench.check.distortion import HF_REFERENCE_CACHE, measure_subjects
+from kvbench.check.hf_policy import hf_policy_rows
 from kvbench.check.hf_subject import HFModel, HFSubject
 from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
 from kvbench.check.lifecycle import LIFECYCLE
@@ -69,8 +70,12 @@ def run_hf_verify(
     with quiet_transformers():
         rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, report, baseline)
         held: list[RankBytes] = []
+        policy_notes: list[str] = []
         if tp is not None:
             rows, held = hf_tp_rows(subjects, rows, prompts[0], new_tokens, tp, report)
+        elif "logits" in checks:  # each lossy cache held to its own policy too, where one is declared
+            policy, policy_notes = hf_policy_rows(subjects, prompts, new_tokens, report)
+            rows += policy
         costs: dict[str, dict] = {}
         raised: list[str] = []
         if distortion and tp is None:
@@ -84,7 +89,7 @@ def run_hf_verify(
         prompt_len=len(prompts[0]),
         batch_lens=lens,
         reference="transformers no-cache path (use_cache=False)",
-        notes=_notes(loaded, subjects, prompts, new_tokens, short_tokens) + _tp_notes(tp, held) + raised,
+        notes=_notes(loaded, subjects, prompts, new_tokens, short_tokens) + policy_notes + _tp_notes(tp, held) + raised,
         rank_cache_bytes=[asdict(b) | {"equal": b.equal} for b in held],
         distortion=costs,
     )

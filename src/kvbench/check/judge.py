@@ -60,6 +60,9 @@ class CheckRow:
     tolerance: str = ""  # the criterion applied, in words
     detail: str = ""  # what was compared, and why it passed or failed
     skipped: bool = False  # not run here (the detail says why); never fails the report
+    # held to the design's declared policy at the exact tolerance (check/policy.py), not to the full-precision model
+    policy: bool = False
+    location: str = ""  # where a failing row's cache first holds the wrong K or V (layer, head, slot), in words
 
 
 @dataclass

@@ -254,6 +254,8 @@ def plan(s: Subject, checks: tuple[str, ...], prompts: list[list[int]], new: int
         return [checks_of[c](s, prompt, res) for c in single_names]
 
     def batched() -> list[CheckRow]:
+        if not getattr(s, "pads", True):
+            return [skipped(s.cache, "it evicts by position: it takes no left-padded batch", "batched")]
         batch = s.generate(prompts, short)
         return [check_batched(s, prompts, batch, [alone(i) for i in range(len(prompts))])]
 

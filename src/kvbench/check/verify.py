@@ -11,6 +11,7 @@ import torch
 from kvbench.check.distortion import REFERENCE_CACHE, measure_subjects
 from kvbench.check.gpt2_subject import REFERENCE, GPT2Model, GPT2Subject, Injection
 from kvbench.check.judge import LOW_PRECISION_NOTE, TP_NOTE, CheckRow, VerifyReport
+from kvbench.check.policy import policy_rows
 from kvbench.check.suite import CHECKS, SHORT_TOKENS, prompts_note, run_checks
 from kvbench.check.tp import RankBytes, rank_bytes_notes, tp_rows
 from kvbench.devices import dtype_name
@@ -61,6 +62,7 @@ def run_verify(
     if tp is None:
         subjects = [GPT2Subject(target, c, fault, compile) for c in caches]
         rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row)
+        rows += policy_rows(target, caches, prompts, new_tokens, min(short_tokens, new_tokens), fault, compile, on_row)
     else:
         rows, held = tp_rows(target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp)
     costs: dict[str, dict] = {}

@@ -3,13 +3,15 @@
 The command gathers its options into one BenchOptions and dispatches on the mode: a prefill sweep of our GPT-2, the
 same sweep of a Hugging Face model (--hf), or decode steps over random-filled caches (--fill random). Every mode
 makes each check that needs no weights before loading anything, and creates the run folder only once every check
-has passed.
+has passed. With --tp N (N > 1) the command checks, then launches N ranks of itself (kvbench.distributed), or runs
+as one when started by torchrun: every rank runs the sweep on its shard, rank 0 writes the run folder and reports.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvbench.bench.hf_sweep import BenchLoaded
+    from kvbench.bench.tp import Ranks
     from kvbench.model.weights import LoadedModel
 
 
@@ -80,6 +83,7 @@ class Prepared:
     notes: list[str]
     extra_meta: dict | None
     oversized: dict[int, str]  # batch sizes predicted not to fit the device: `oom` rows, not run
+    ranks: Ranks | None = None  # bench --tp: this rank's part of the sweep (bench/tp.py); None in one process
 
 
 @command(Given(BenchSettings), BenchOptions)
@@ -88,19 +92,46 @@ def bench(given: dict, opts: BenchOptions) -> None:
 
     With --hf SOURCE: transformers' own caches (none, dynamic, static, static-compiled) on any Hugging Face causal
     LM, in the same rows and files, its tokens checked against its own none."""
+    from kvbench import distributed
     from kvbench.results.rundir import check_export
 
     opts.given = given
     opts.export = check_export(opts.export)  # a bad format or file is refused before the run starts
     base_run = _baseline_run(opts)
     if opts.hf is not None:
-        prefill_sweep(opts, _prepare_hf(opts), base_run)
-        return
-    settings, out_dir = _gpt2_settings(opts)
-    if settings.fill == "random":
+        checked = _hf_checked(opts)
+        settings, out_dir = checked[0], checked[1]
+    else:
+        settings, out_dir = _gpt2_settings(opts)
+    rank = None
+    if settings.tp > 1:  # what cannot be split is refused before any rank starts
+        _check_tp_shape(opts, settings)
+        if not distributed.in_rank():
+            raise typer.Exit(distributed.launch(settings.tp, sys.argv[1:]))  # the ranks have reported
+        from kvbench.devices import resolve_device
+
+        rank = distributed.start(settings.tp, resolve_device(settings.device), settings.tp_timeout)
+    if opts.hf is not None:
+        prefill_sweep(opts, _prepare_hf(opts, checked, rank), base_run)
+    elif settings.fill == "random":
         random_fill_sweep(opts, settings, out_dir)
     else:
-        prefill_sweep(opts, _load_gpt2(settings, out_dir), base_run)
+        prefill_sweep(opts, _load_gpt2(settings, out_dir, rank), base_run)
+
+
+def _check_tp_shape(opts: BenchOptions, settings: BenchSettings) -> None:
+    """A model that cannot be split over --tp ranks: refused in one line, before any rank starts."""
+    from kvbench import validate
+
+    if opts.hf is None:
+        from kvbench.bench.settings import sweep_model_config
+
+        cfg = sweep_model_config(settings)
+        validate.tp_shape_rules(settings.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
+    else:
+        from kvbench.hf.tp import check_tp_model
+
+        check_tp_model(opts.hf, settings.tp, opts.trust_remote_code)
 
 
 def _baseline_run(opts: BenchOptions):
@@ -114,17 +145,24 @@ def _baseline_run(opts: BenchOptions):
     return None
 
 
-def _prepare_hf(opts: BenchOptions) -> Prepared:
-    """--hf: the same checks, folder, sweep and files as for our GPT-2; the model and its engine from cli/hf.py."""
+def _hf_checked(opts: BenchOptions) -> tuple:
+    """--hf: the same checks that need no model as for our GPT-2 (cli/hf.py), the baseline kept apart from --out.
+    Returns (settings, the run folder to create, device, dtype)."""
+    from kvbench.cli.hf import check_bench_hf
+
+    checked = check_bench_hf(opts.config, opts.given, opts.force)
+    _check_baseline(opts.baseline, checked[1])
+    check_export_target(opts.export, checked[1])
+    return checked
+
+
+def _prepare_hf(opts: BenchOptions, checked: tuple, rank=None) -> Prepared:
+    """--hf: the same folder, sweep and files as for our GPT-2; the model and its engine from cli/hf.py (under --tp
+    this rank's shard, split by transformers' plan)."""
     from kvbench.cli.hf import prepare_bench_hf
 
     assert opts.hf is not None, "--hf given"
-    prepared = Prepared(
-        *prepare_bench_hf(opts.hf, opts.config, opts.given, opts.force, opts.layers, opts.trust_remote_code)
-    )
-    _check_baseline(opts.baseline, prepared.out_dir)
-    check_export_target(opts.export, prepared.out_dir)
-    return prepared
+    return Prepared(*prepare_bench_hf(opts.hf, checked, opts.layers, opts.trust_remote_code, rank))
 
 
 def _gpt2_settings(opts: BenchOptions) -> tuple[BenchSettings, Path]:
@@ -141,16 +179,28 @@ def _gpt2_settings(opts: BenchOptions) -> tuple[BenchSettings, Path]:
     return settings, out_dir
 
 
-def _load_gpt2(settings: BenchSettings, out_dir: Path) -> Prepared:
+def _load_gpt2(settings: BenchSettings, out_dir: Path, rank=None) -> Prepared:
     """Load our GPT-2, check the sweep against the checkpoint's own shape (when --weights is a folder), build the
-    engines."""
+    engines. `rank`: this process is one rank of a tensor-parallel group (kvbench.distributed.Rank): the model is
+    loaded on the rank's device and the engine runs this rank's shard of it (model/tp.py)."""
+    from dataclasses import replace
+
     from kvbench.bench.engines import build_engines
     from kvbench.bench.settings import check_sizes, sweep_warnings
 
-    loaded, dev, dt = load_for_cli(settings.model, settings.weights, settings.device, settings.dtype, settings.seed)
+    device = settings.device if rank is None else str(rank.device)
+    loaded, dev, dt = load_for_cli(settings.model, settings.weights, device, settings.dtype, settings.seed)
     oversized = check_sizes(settings, loaded.config, dt, dev)
+    ranks = None
+    if rank is not None:  # the whole model gives way to this rank's shard
+        from kvbench.bench.tp import GPT2Ranks
+        from kvbench.model.tp import shard
+
+        loaded = replace(loaded, model=shard(loaded.model, rank.rank, rank.world))
+        ranks = GPT2Ranks(rank, dt, loaded.config)
     engines = build_engines(loaded.model, settings.engine, settings.compile)
-    return Prepared(settings, out_dir, loaded, dev, dt, engines, sweep_warnings(settings), None, oversized)
+    notes = sweep_warnings(settings)
+    return Prepared(settings, out_dir, loaded, dev, dt, engines, notes, None, oversized, ranks)
 
 
 def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
@@ -167,13 +217,28 @@ def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
     extra_meta = {
         **(p.extra_meta or {}),
         "configurations_planned": [{"engine": e, "cache": c, "prompt_len": n, "batch": b} for n, b, e, c in planned],
+        **({"tp": p.ranks.meta()} if p.ranks is not None else {}),
     }
     if base_run is not None:  # the whole baseline check before the sweep: the same identity, rows in common
         from kvbench.results.compare import check_baseline
 
         meta = {**report.run_meta(p.loaded, p.device, p.dtype, p.settings, config_path), **extra_meta}
         check_baseline(base_run, meta, [(e, c, n, b) for n, b, e, c in planned], opts.allow_env_change)
-    bandwidth = measure_bandwidth(p.device)
+    if p.ranks is not None and not p.ranks.reports:  # another rank: the same sweep, in step, writing nothing
+        from kvbench.devices import dtype_name
+
+        B.run_sweep(
+            p.loaded.model,
+            p.settings,
+            dtype_name(p.dtype),
+            report.device_label(p.device),
+            engines=p.engines,
+            oversized=p.oversized,
+            ranks=p.ranks,
+        )
+        return
+    # no floor under tensor parallelism (a rank's step is not one device's stream of the whole model)
+    bandwidth = measure_bandwidth(p.device) if p.ranks is None else None
     # only now: a rejected command leaves no folder behind
     with claimed_run_dir(p.out_dir, opts.force) as run_dir:
         for note in p.notes:  # after every error that could still stop the command
@@ -194,6 +259,7 @@ def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
                 bandwidth=bandwidth,
                 oversized=p.oversized,
                 profile_dir=run_dir / "profile",
+                ranks=p.ranks,
             ),
             p.engines,
         )
@@ -207,7 +273,7 @@ def _show_bench(opts: BenchOptions, recorder, run_dir, files: list[Path]) -> Non
     if opts.json_out:
         print_bench_json(recorder, opts.baseline, run_dir, opts.allow_env_change)
         return
-    render_bench(recorder.summary, recorder.meta, run_dir, files)
+    render_bench(recorder.summary, recorder.meta, run_dir, files, recorder.tp_rows)
     if recorder.profile_ops:
         render_profile(recorder.profile_ops)
     if opts.baseline is not None:  # the bench table is out first, whatever the comparison says

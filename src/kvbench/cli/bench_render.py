@@ -172,7 +172,9 @@ def distortion_lines(rows: list, meta: dict, label) -> None:
         )
 
 
-def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
+def render_bench(rows: list, meta: dict, run_dir, files: list, ranks: Sequence = ()) -> None:
+    """The bench table, its caption, the rows that failed or flipped, the SDPA backends; under --tp the per-rank
+    table (`ranks`: tp.csv's rows); then the files written."""
     batches = list(dict.fromkeys(r.batch for r in rows))
     swept = len(batches) > 1  # a batch sweep: a batch column, and decode tokens/s across the batch
     cols = [
@@ -203,6 +205,9 @@ def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
             f", {rows[0].new_tokens} new tokens, batch {','.join(map(str, batches))}, "
             f"{max(r.repeats for r in rows)} repeats"
         )
+    tp = meta.get("tp")
+    if tp:
+        title += f", tensor parallel over {tp['ranks']} ranks ({tp['backend']}): rank 0's figures"
     _print_table(title, cols, body, caption_text(meta, rows))
     _oom_lines(rows)
     for r in rows:
@@ -227,7 +232,62 @@ def render_bench(rows: list, meta: dict, run_dir, files: list) -> None:
                 "dim",
             )
         )
+    if tp:
+        render_ranks(list(ranks), meta)
     out.print(wrote_line(files, run_dir))
+
+
+def _planner_cell(r) -> object:
+    """The planner's bytes for the rank: `equal` when the measured bytes are exactly that, else the figure."""
+    if r.planned_equal is None:
+        return "-"
+    return styled("equal", "green") if r.planned_equal else f"{int(r.planned_kv_cache_bytes):,}"
+
+
+def render_ranks(rows: list, meta: dict) -> None:
+    """bench --tp: each rank's figures per configuration (tp.csv), and what CPU timings mean."""
+    tp = meta["tp"]
+    swept = len({r.batch for r in rows}) > 1
+    cols = [
+        "engine",
+        "cache",
+        "prompt",
+        *(["batch"] if swept else []),
+        "rank",
+        "TTFT ms",
+        "TPOT ms",
+        "KV bytes",
+        "planner",
+        "peak MiB",
+        "collectives",
+    ]
+    body = [
+        [
+            r.engine,
+            r.cache,
+            r.prompt_len,
+            *([r.batch] if swept else []),
+            r.rank,
+            _f(r.ttft_ms, ".1f"),
+            _f(r.tpot_ms_median, ".2f"),
+            _f(r.kv_cache_bytes, ",.0f"),
+            _planner_cell(r),
+            _f(r.peak_mem_mib, ".0f"),
+            "-" if r.collective_share != r.collective_share else f"{100 * r.collective_share:.0f}%",
+        ]
+        for r in rows
+    ]
+    title = f"per rank: tensor parallel over {tp['ranks']} ranks ({tp['backend']})"
+    caption = (
+        "TTFT, TPOT: each rank's own medians over the timed repeats. KV bytes: the K and V the rank's cache holds at "
+        "the end of a run; planner: kvbench memory's figure for one rank at the same slots per sequence, `equal` "
+        "when the two agree to the byte (else the planner's figure; - where it has none). peak: the rank's "
+        "weights + its peak above what it used before the configuration. collectives: the share of one more "
+        "run's time spent inside the collectives, the device synchronised around each."
+    )
+    _print_table(title, cols, body, caption)
+    if tp["backend"] != "nccl":
+        out.print(styled(f"timings in both tables are {tp['timing']}", "yellow"))
 
 
 def _mb(n: float) -> str:

@@ -129,6 +129,7 @@ def prepare(o: GenerateOptions) -> Prepared:
     for i, p in enumerate(ids):
         if not p:
             raise KVBenchError(f"prompt {i + 1} encodes to zero tokens")
+    validate.padding_rule(o.cache, [len(p) for p in ids])
     cfg = peek_config(o.model, o.weights)
     longest = max(map(len, ids))
     validate.fits_context(

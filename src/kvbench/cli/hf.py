@@ -25,31 +25,44 @@ def load_hf_for_cli(
     return load_hf(source, dev, dt, seed, layers, trust, init_std, run, check), dev, dt
 
 
-def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: int | None, trust: bool):
-    """`kvbench bench --hf` up to the sweep. First every check the GPT-2 bench makes before any work, in its order
-    (settings, the run folder and --force, device and dtype, the model's context and the device's memory, here read
-    from the model's config with no weight loaded), then the model. Nothing is created on disk here.
+def check_bench_hf(config, overrides: dict, force: bool):
+    """`kvbench bench --hf`, every check the GPT-2 bench makes before any work that needs no model, in its order:
+    settings, the run folder and --force, device and dtype. Nothing is created on disk here.
 
-    Returns (settings, run folder to create, the model as the sweep and the recorder read it, device, dtype,
-    engines, warnings, meta.json additions, the batch sizes predicted not to fit with their reasons)."""
-    from kvbench.bench.hf_sweep import (
-        HFModelEngine,
-        bench_meta,
-        bench_view,
-        check_sizes_hf,
-        hf_bench_settings,
-        sweep_warnings_hf,
-    )
-    from kvbench.check.causal import refuse_non_causal
+    Returns (settings, run folder to create, device, dtype)."""
+    from kvbench.bench.hf_sweep import hf_bench_settings
     from kvbench.devices import resolve_device, resolve_dtype
-    from kvbench.hf.models import load_hf
     from kvbench.results.rundir import check_run_dir, unique_default_run_dir
 
     settings = hf_bench_settings(config, overrides)
     default = str(unique_default_run_dir("bench"))
     out_dir = check_run_dir(settings.out if settings.out is not None else default, force)
     dev = resolve_device(settings.device)
-    dt = resolve_dtype(settings.dtype, dev)
+    return settings, out_dir, dev, resolve_dtype(settings.dtype, dev)
+
+
+def prepare_bench_hf(source: str, checked: tuple, layers: int | None, trust: bool, tp=None):
+    """`kvbench bench --hf` up to the sweep, after check_bench_hf (`checked`): the model's context and the device's
+    memory, read from the model's config with no weight loaded, then the model. `tp`: this process is one rank of a
+    tensor-parallel group (kvbench.distributed.Rank): the model is loaded split by transformers' plan, this rank's
+    shard on its device. Nothing is created on disk here.
+
+    Returns (settings, run folder to create, the model as the sweep and the recorder read it, device, dtype,
+    engines, warnings, meta.json additions, the batch sizes predicted not to fit with their reasons, and under
+    --tp this rank's part of the sweep: bench/tp.py)."""
+    from kvbench.bench.hf_sweep import (
+        HFModelEngine,
+        bench_meta,
+        bench_view,
+        check_sizes_hf,
+        sweep_warnings_hf,
+    )
+    from kvbench.check.causal import refuse_non_causal
+    from kvbench.hf.models import load_hf
+
+    settings, out_dir, dev, dt = checked
+    if tp is not None:
+        dev = tp.device
     if settings.threads is not None:
         import torch
 
@@ -64,6 +77,7 @@ def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: 
         trust,
         run=(min(settings.batch), longest),
         check=lambda shape: oversized.update(check_sizes_hf(settings, shape, dt, dev)),
+        tp=tp is not None,
     )
     refuse_non_causal(loaded)  # token agreement against recomputation means nothing otherwise
     engines = {"hf": HFModelEngine(loaded)}
@@ -72,6 +86,11 @@ def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: 
     notes = sweep_warnings_hf(settings, dev)
     if untimed:
         notes.append(f"{', '.join(untimed)} not timed: {engines['hf'].no_caches}")
+    ranks = None
+    if tp is not None:
+        from kvbench.bench.tp import HFRanks
+
+        ranks = HFRanks(tp, dt, loaded, layers)
     return (
         settings,
         out_dir,
@@ -82,4 +101,5 @@ def prepare_bench_hf(source: str, config, overrides: dict, force: bool, layers: 
         notes,
         bench_meta(loaded, settings, layers, trust),
         oversized,
+        ranks,
     )

@@ -57,7 +57,7 @@ def verify_row(row) -> None:
 
 
 def _label(row) -> str:
-    return f"{row.name}/{row.cache}" if row.name != "-" else f"{row.cache} (every check)"
+    return f"{row.name}/{_column(row)}" if row.name != "-" else f"{_column(row)} (every check)"
 
 
 def _cell(row) -> Text:
@@ -70,15 +70,15 @@ def _grid(checks: list, width: int, title: str) -> list:
     row named "-") shows skip in every check; a check not run on a cache shows "-"."""
     from kvbench.check.suite import TP_CHECKS as CHECKS
 
-    caches = list(dict.fromkeys(r.cache for r in checks))
+    caches = list(dict.fromkeys(_column(r) for r in checks))
     names = [r.name for r in checks if r.name != "-"]
     order = [c for c in CHECKS if c in names] + [n for n in dict.fromkeys(names) if n not in CHECKS]
     cells: dict[tuple[str, str], CheckRow] = {}
     for r in checks:
-        key = (r.name, r.cache)
+        key = (r.name, _column(r))
         if key not in cells or cells[key].passed or cells[key].skipped:  # a repeat never hides a failure
             cells[key] = r
-    whole = {r.cache: r for r in checks if r.name == "-"}
+    whole = {_column(r): r for r in checks if r.name == "-"}
     order = order or (["-"] if whole else [])
     rows = []
     for name in order:
@@ -88,6 +88,11 @@ def _grid(checks: list, width: int, title: str) -> list:
             row.append(_cell(r) if r is not None else styled("-", "dim"))
         rows.append(row)
     return fitted(title, ["check", *map(_header, caches)], rows, width)
+
+
+def _column(row) -> str:
+    """A row's column: its cache, or `cache =policy` for the rows held to the design's declared policy."""
+    return f"{row.cache} =policy" if getattr(row, "policy", False) else row.cache
 
 
 def _header(cache: str) -> str:
@@ -103,7 +108,8 @@ def _entry(row, verbose: bool, width: int) -> Text:
     head: list[str | Text] = [styled(_label(row), style)]
     if verbose:
         head += [" ", _result(row)]
-    text = line(*head, f"{tol}: {row.detail or '-'}")
+    where = f"; where: {row.location}" if row.location else ""
+    text = line(*head, f"{tol}: {row.detail or '-'}{where}")
     return text if verbose else clipped(text, width, DETAIL_LINES, MORE)
 
 

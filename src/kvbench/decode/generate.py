@@ -153,6 +153,8 @@ def _decoder(
     fresh ones for prompt + new tokens) and the forward it calls with `rules.mask`: the model itself, or a design's
     fixed-shape step function (static-graph: compiled, CUDA-graph captured)."""
     spec = get_cache_spec(cache)
+    # the caller's promise (validate.padding_rules): a design that evicts by position takes no left padding
+    assert batch.padding is None or spec.padding, f"cache {cache} takes no left-padded batch"
     if spec.factory is None:
         caches = None
     elif caches is None:
@@ -164,7 +166,7 @@ def _decoder(
         rules.reuse(caches)
     if caches is not None and spec.fixed_step:
         return caches, fixed_step.runner_for(model, caches, rules.mask, compile)
-    return caches, functools.partial(model, mask_rule=rules.mask)
+    return caches, functools.partial(model, mask_rule=rules.mask, visible=spec.visible)
 
 
 @torch.inference_mode()

@@ -69,6 +69,9 @@ def _backend_missing(backend: str) -> str | None:
     return f"its backend is not installed: pip install {pip}" if missing else None
 
 
+QUANTO_GROUP = 64  # transformers' QuantoQuantizedLayer q_group_size default
+
+
 def _quantized(backend: str) -> HFCache:
     def build(model, max_len):
         return QuantizedCache(backend=backend, config=text_config(model))
@@ -78,6 +81,15 @@ def _quantized(backend: str) -> HFCache:
             return "QuantizedCache holds full-attention layers only; this model has sliding-window layers"
         if info.recurrent:
             return "QuantizedCache holds full-attention layers only; this model has recurrent layers"
+        width = info.n_kv_heads * info.head_dim
+        if backend == "quanto" and width % QUANTO_GROUP:
+            # quanto quantises a (B, H, T, Dh) tensor in groups of 64 over H x T x Dh: with fewer values per token
+            # than a group, a call of an odd token count raises "Group size (64) must be a divisor of ..."
+            return (
+                f"quanto quantises groups of {QUANTO_GROUP} values and this model stores {width} per token and layer "
+                f"({info.n_kv_heads} key/value heads x {info.head_dim}): transformers' QuantizedCache raises on "
+                "calls of an odd token count"
+            )
         return _backend_missing(backend)
 
     # Sanity bounds, not quality measures: a wrong position, a stale or a missing token moves logits by about the
@@ -191,6 +203,11 @@ def parse_verify_caches(text: str | None, device: torch.device) -> list[str]:
             f"unknown cache {', '.join(map(repr, bad)) or repr(text)} for --hf; caches: {', '.join(HF_CACHES)}"
         )
     return list(dict.fromkeys(names))
+
+
+def compiles(name: str) -> bool:
+    """Whether generate compiles the decode step of this cache (its arguments carry a compile config)."""
+    return "compile_config" in HF_CACHES[name].generate_kwargs
 
 
 def parse_bench_caches(names: list[str] | None) -> list[str]:

@@ -86,6 +86,7 @@ class HFTiming:
     total_s: float
     cache_bytes: int | None  # bytes of HF's cache tensors at the end (None without a cache)
     logits: list[torch.Tensor] | None = None  # (B, V) fp32 on the CPU per generated token, when recorded
+    cache_slots: int | None = None  # token slots of the cache's largest layer at the end (None without a cache)
 
 
 def _token_clock(device: torch.device):
@@ -114,6 +115,13 @@ def _cache_nbytes(cache) -> int | None:
             if isinstance(t, torch.Tensor):
                 total += t.nbytes
     return total
+
+
+def _cache_slots(cache) -> int | None:
+    """Token slots of a transformers Cache's largest layer: what a growing layer holds, a static one is sized for."""
+    layers = getattr(cache, "layers", None) or []
+    slots = [k.size(-2) for x in layers if isinstance(k := getattr(x, "keys", None), torch.Tensor)]
+    return max(slots) if slots else None
 
 
 def _returned_cache(out):
@@ -165,6 +173,7 @@ def timed_generate(
         total_s=t1 - t0,
         cache_bytes=_cache_nbytes(_returned_cache(out)),
         logits=[x.float().cpu() for x in out.logits] if record_logits else None,  # (B, V) per token
+        cache_slots=_cache_slots(_returned_cache(out)),
     )
 
 

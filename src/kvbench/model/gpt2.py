@@ -12,6 +12,7 @@ Symbols used in shape comments:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -91,7 +92,8 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             # The one line of cache code in attention: store this call's K/V, get back what to attend over.
             k, v = cache.update(k, v, positions)  # (B, H, S, Dh)
-        attn_mask, is_causal = mask.for_keys(k.size(2))
+        # a cache that evicts says which positions its slots hold; every other cache's slot c is column c
+        attn_mask, is_causal = mask.for_keys(k.size(2), getattr(cache, "key_positions", None))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)  # (B, H, T, Dh)
         y = y.transpose(1, 2).contiguous().view(B, T, H * Dh)  # (B, T, H * Dh)
         return self.c_proj(y)  # (B, T, C)
@@ -133,6 +135,10 @@ class MaskRule:
 
 EXACT_MASK = MaskRule()
 
+# A cache design's declared visibility (caches/base.py CacheSpec.visible): which key positions each query position
+# may still read, (q_pos (B, T), k_pos (B, S)) -> (B, T, S) bool, applied on top of the causal rule.
+Visible = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 class AttentionMask:
     """Which key slots each query of this forward call may read, built once per call and shared by all layers.
@@ -143,19 +149,41 @@ class AttentionMask:
     - prefill without padding (T == S): SDPA's own causal flag, the fast path;
     - a decode step over a cache (T == 1) without padding: no mask at all, every cached key is in the past;
     - anything else (padding, chunked prefill, a fixed-size buffer): an explicit boolean mask (B, 1, T, S).
+    A design that declares `visible` (an eviction policy) has it applied on top, by position: column c of a row holds
+    position c (its padding-counted position when padded); a cache that evicts gives its slots' positions instead
+    (`key_positions`, (B, S)), and then a slot is read when its position is <= the query's and visible to it.
     """
 
-    def __init__(self, T: int, n_valid: int, padding: torch.Tensor | None, rule: MaskRule = EXACT_MASK):
+    def __init__(
+        self,
+        T: int,
+        n_valid: int,
+        padding: torch.Tensor | None,
+        rule: MaskRule = EXACT_MASK,
+        visible: Visible | None = None,
+        positions: torch.Tensor | None = None,
+    ):
         self.T, self.n_valid, self.padding, self.rule = T, n_valid, padding, rule
+        self.visible, self.positions = visible, positions  # positions: this call's queries (B, T)
         self._built: dict[int, torch.Tensor] = {}
 
-    def for_keys(self, S: int) -> tuple[torch.Tensor | None, bool]:
-        """(attn_mask, is_causal) for SDPA over S key slots."""
+    def for_keys(self, S: int, key_positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, bool]:
+        """(attn_mask, is_causal) for SDPA over S key slots (`key_positions`: an evicting cache's, (B, S))."""
+        if key_positions is not None:
+            return self.rule.adjust(self.T, S, self._by_position(key_positions), False)
         return self.rule.adjust(self.T, S, *self._exact(S))
+
+    def _by_position(self, k_pos: torch.Tensor) -> torch.Tensor:
+        assert self.padding is None and self.positions is not None, "an evicting cache takes no left padding"
+        q = self.positions  # (B, T)
+        allowed = (k_pos[:, None, :] <= q[:, :, None]) & (k_pos[:, None, :] >= 0)  # (B, T, S) causal by position
+        if self.visible is not None:
+            allowed = allowed & self.visible(q, k_pos)
+        return allowed[:, None]  # (B, 1, T, S)
 
     def _exact(self, S: int) -> tuple[torch.Tensor | None, bool]:
         assert S >= self.n_valid, f"attention got {S} key slots but {self.n_valid} are filled"
-        if self.padding is None and S == self.n_valid:
+        if self.padding is None and S == self.n_valid and self.visible is None:
             if self.T == S:
                 return None, self.T > 1
             if self.T == 1:
@@ -175,6 +203,13 @@ class AttentionMask:
             if S > pad.size(1):
                 pad = F.pad(pad, (0, S - pad.size(1)), value=False)  # (B, S)
             allowed = allowed & pad[:, None, None, :]  # (B, 1, T, S)
+        if self.visible is not None:
+            assert self.positions is not None, "a declared visibility needs the queries' positions"
+            if self.padding is None:
+                k_pos = cols[None, :].expand(self.positions.size(0), S)  # (B, S): column c holds position c
+            else:
+                k_pos = (F.pad(self.padding, (0, max(S - self.padding.size(1), 0))).cumsum(-1) - 1)[:, :S]  # (B, S)
+            allowed = allowed & self.visible(self.positions, k_pos)[:, None]  # (B, 1, T, S)
         # A query whose row is all False (a left-pad query reading only pads) would give NaN; let it read itself.
         # Such rows belong to padding and are never sampled from.
         self_col = cols[None, :] == q_cols[:, None]  # (T, S)
@@ -246,6 +281,7 @@ class GPT(nn.Module):
         padding_mask: torch.Tensor | None = None,
         last_only: bool = False,
         mask_rule: MaskRule = EXACT_MASK,
+        visible: Visible | None = None,
     ) -> torch.Tensor:
         """Logits for every input token.
 
@@ -255,13 +291,14 @@ class GPT(nn.Module):
         column the caches hold plus this call's. Returns (B, T, V), or (B, 1, V) for the last token with
         `last_only` (what generation samples from: it skips the vocabulary projection of every other position).
         mask_rule: what attention hands SDPA from the mask built here (MaskRule; the exact one by default).
+        visible: the cache design's declared visibility (an eviction policy), applied on top of the causal rule.
         """
         B, T = idx.shape
         assert positions.shape == (B, T), f"positions {tuple(positions.shape)} must match idx {(B, T)}"
         past = caches[0].length if caches is not None else 0
         if padding_mask is not None:
             assert padding_mask.shape == (B, past + T), f"padding_mask {tuple(padding_mask.shape)} != {(B, past + T)}"
-        mask = AttentionMask(T, past + T, padding_mask, mask_rule)
+        mask = AttentionMask(T, past + T, padding_mask, mask_rule, visible, positions)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             x = block(x, positions, None if caches is None else caches[i], mask)

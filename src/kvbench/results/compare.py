@@ -44,6 +44,7 @@ from kvbench.results.environment import (
     check_environment,
     context_fields,
     load_warning,
+    tp_warning,
 )
 from kvbench.results.runs import KEY, Run, load_run, row_label, run_level
 from kvbench.results.stats import (
@@ -263,7 +264,7 @@ def compare_runs(
         candidate_git=cand.meta.get("git"),
         context=context_fields(base.meta, cand.meta, threshold),
         unfinished=[u for u in (unfinished(base, "baseline"), unfinished(cand, "candidate")) if u],
-        warnings=[w for w in (load_warning(base.meta, cand.meta),) if w],
+        warnings=[w for w in (load_warning(base.meta, cand.meta), tp_warning(base.meta, cand.meta)) if w],
     )
 
 

@@ -144,6 +144,19 @@ def load_warning(base_meta: dict, cand_meta: dict) -> str | None:
     )
 
 
+def tp_warning(base_meta: dict, cand_meta: dict) -> str | None:
+    """A line when either run is tensor-parallel on gloo (bench --tp on a CPU), whose timings measure no speed."""
+    gloo = [
+        role for role, m in (("baseline", base_meta), ("candidate", cand_meta)) if _dig(m, ("tp", "backend")) == "gloo"
+    ]
+    if not gloo:
+        return None
+    return (
+        f"the {' and the '.join(gloo)} ran tensor-parallel on gloo (a CPU), where each all-reduce costs about a "
+        "millisecond of a shared core: such timings are not a speed measurement, and neither is their comparison"
+    )
+
+
 # Identity: what the user or the software chose for a run. Timings are comparable only when it is the same, so a
 # difference is refused (unless --allow-env-change). The kvbench version and git commit are left out on purpose:
 # they are what a comparison is about.
@@ -158,7 +171,11 @@ IDENTITY = (
     ("CUDA", ("versions", "cuda")),
     ("torch threads", ("versions", "torch_threads")),
     ("THP_MEM_ALLOC_ENABLE", ("host", "huge_pages", "THP_MEM_ALLOC_ENABLE")),  # huge pages asked for, as set
+    # bench --tp: rank 0's timings include the collectives between ranks, which one process has none of
+    ("tensor-parallel ranks", ("settings", "tp")),
 )
+# What an identity field means where a run's meta.json does not record it (a run from before the field existed).
+IDENTITY_DEFAULTS = {"tensor-parallel ranks": 1}
 # Context: what was measured or found on the machine at run time (whether the kernel actually gave huge pages to a
 # fresh buffer depends on fragmentation and load; the read bandwidth moves with load). Shown side by side and
 # warned about when it differs, never a reason to refuse.
@@ -200,7 +217,8 @@ def environment_changes(base_meta: dict, cand_meta: dict) -> list[EnvChange]:
     """Every identity field whose value differs between the two meta.json files."""
     changes = []
     for name, path in IDENTITY:
-        b, c = _dig(base_meta, path), _dig(cand_meta, path)
+        b, c = (_dig(meta, path) for meta in (base_meta, cand_meta))
+        b, c = (IDENTITY_DEFAULTS.get(name) if v is None else v for v in (b, c))
         if b != c:
             changes.append(EnvChange(name, None if b is None else str(b), None if c is None else str(c)))
     return changes

@@ -26,6 +26,7 @@ from kvbench.bench.profile import OpRow
 from kvbench.bench.rows import DistortionRow, StepRow, SummaryRow
 from kvbench.bench.settings import settings_dict
 from kvbench.bench.sweep import fill_relative
+from kvbench.bench.tp import RankRow
 from kvbench.check.distortion import REFERENCE_CACHE, weights_note
 from kvbench.devices import cpu_peak_resettable, device_name, dtype_name
 from kvbench.jsonio import SCHEMA_VERSION
@@ -200,6 +201,7 @@ class BenchRecorder:
     ) -> None:
         self._start(run_dir, loaded, device, dtype, settings, config_path)
         self.profile_ops: list[OpRow] = []  # --profile: every configuration's top operators (profile_ops.csv)
+        self.tp_rows: list[RankRow] = []  # --tp: every rank's row of every configuration (tp.csv)
         self.meta.update(
             fill="prefill",
             peak_memory_note=PEAK_NOTE[
@@ -233,6 +235,7 @@ class BenchRecorder:
                 rounds = self.meta["floor"].setdefault("by_prompt_len", {})  # interleaved: probed every round
                 swept = len(self.meta["settings"].get("batch", [])) > 1
                 rounds[f"{r.prompt_len} batch {r.batch}" if swept else str(r.prompt_len)] = result.bandwidth.as_dict()
+        self.tp_rows += result.ranks or []
         self._write_bench_csvs()
         if result.profile is not None:
             self._add_profile(r, result.profile)
@@ -275,6 +278,8 @@ class BenchRecorder:
         )
         write_csv(self.run_dir / "steps.csv", StepRow.columns(), self.steps)
         write_csv(self.run_dir / "ttft.csv", TTFTRow.columns(), self.ttfts)
+        if "tp" in self.meta:
+            write_csv(self.run_dir / "tp.csv", RankRow.columns(), self.tp_rows)
 
     def frames(self):
         import pandas as pd  # with the plots: a command refused before any work does not load it
@@ -305,6 +310,7 @@ class BenchRecorder:
         names = ["summary.csv", "steps.csv", "ttft.csv", "meta.json"] + (
             ["profile_ops.csv", "profile"] if self.profile_ops else []
         )
+        names += ["tp.csv"] if "tp" in self.meta else []
         return [self.run_dir / n for n in names] + self._distortion_csv() + pngs
 
     def _distortion_csv(self) -> list[Path]:
@@ -343,16 +349,21 @@ class BenchRecorder:
         self._write_bench_csvs()
 
     def json_doc(self) -> dict:
-        rows = [
-            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.record().items()}
-            for r in self.summary
-        ]
-        return {
+        rows = [_nulls(r.record()) for r in self.summary]
+        doc = {
             "schema_version": SCHEMA_VERSION,
             "run_dir": str(self.run_dir),
             "meta": self.meta,
             "summary": rows,
         }
+        if "tp" in self.meta:  # tp.csv's rows
+            doc["tp"] = [_nulls(asdict(r)) for r in self.tp_rows]
+        return doc
+
+
+def _nulls(record: dict) -> dict:
+    """A CSV row for JSON: NaN (an empty cell) as null."""
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()}
 
 
 # --- bench --fill random: decode cost against context --------------------------------------------------------------

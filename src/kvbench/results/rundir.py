@@ -63,6 +63,7 @@ BENCH_FILES = (
     "context.png",
     "batch.png",
     "profile_ops.csv",
+    "tp.csv",
 )
 # bench --profile's traces (*.trace.json); --force removes the traces, not the folder's other files
 PROFILE_DIR = "profile"

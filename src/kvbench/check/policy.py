@@ -1,0 +1,350 @@
+"""Lossy caches held to an exact reference: the design's own declared policy, applied to every token, nothing else.
+
+A lossy design declares on its CacheSpec what it stores for each token (`roundtrip`: quantise, then dequantise) and
+which positions a query may still read (`visible`: an eviction policy). The reference is that policy and nothing
+else: `PolicyCache`, which keeps every token it is given, passed through the roundtrip, in order (no scale buffers,
+no slots, no eviction), while the model masks attention by the design's visibility. It is driven through exactly the
+runs the design is (the same loop, the same session operations: prefill, decode steps, drafts and crops, forks,
+reorders, chunks), so each token's K and V come from the same floats on both sides and land on the same side of every
+rounding boundary: the design must match it at the exact tolerance (check/judge.py), on every check:
+
+    logits, greedy                             N greedy tokens of the first prompt: every step's logits, every token
+    batched                                    the left-padded batch (a design that takes one)
+    cache_state                                the cache reused after another prompt, against a fresh reference
+    rollback, fork, reorder, chunked_prefill   the lifecycle scenarios (check/lifecycle.py): every logit row
+
+Those rows (`policy=True`) stand beside the loose rows against the full-precision model, which show what the policy
+costs. A failing row names where the stored K or V first differs (layer, head, slot and position) or says the K and V
+are the policy's and the model reads them otherwise.
+
+Why step-matched and not one no-cache forward with the policy applied inside: that forward computes each token's K
+and V from floats that differ in the last bit from a decode step's (other GEMM shapes), so a quantised value can land
+one step away, on the other side of a rounding boundary, and everything downstream drifts by that step's effect. The
+logits row measures it (`flips`: stored values of the one-forward reference one quantisation step away from the
+step-matched one's, among all compared): rounding, not a cache bug, and never judged by widening a tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.caches import CacheSpec, LayerCache, get_cache_spec
+from kvbench.caches.dynamic import DynamicCache
+from kvbench.check.judge import CheckRow, allclose_err, compare_tokens, first_diff, first_off, skipped, tolerance
+from kvbench.check.lifecycle import LIFECYCLE, NEEDS, SCENARIOS, Trace
+from kvbench.check.subject import Unsupported
+from kvbench.decode.generate import EXACT, DecodeRules
+from kvbench.errors import KVBenchError, one_line
+
+POLICY_CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)
+
+
+def declares_policy(spec: CacheSpec) -> bool:
+    return spec.roundtrip is not None or spec.visible is not None
+
+
+class PolicyCache(DynamicCache):
+    """The reference: every token's K and V passed through the design's roundtrip, kept in order, forgotten only when
+    a rollback crops them; nothing evicted (the model masks by the design's visibility)."""
+
+    def __init__(self, roundtrip: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        super().__init__()
+        self.roundtrip = roundtrip
+
+    def update(self, k, v, positions):
+        if self.roundtrip is not None:
+            k, v = self.roundtrip(k), self.roundtrip(v)
+        return super().update(k, v, positions)
+
+    def fork(self) -> PolicyCache:
+        other = PolicyCache(self.roundtrip)
+        other.__dict__.update({**super().fork().__dict__, "roundtrip": self.roundtrip})
+        return other
+
+
+class Recorded(LayerCache):
+    """A layer cache that remembers what its last update returned (the K and V attention read) and the positions of
+    its slots; everything else reads through."""
+
+    def __init__(self, inner: LayerCache) -> None:  # no counters of its own
+        self.inner = inner
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None  # (B, S): each returned slot's position
+
+    def update(self, k, v, positions):
+        self.k, self.v = self.inner.update(k, v, positions)
+        held = getattr(self.inner, "key_positions", None)
+        if held is None:  # slot c holds column c: this call's positions continue the earlier ones
+            start = positions[:, :1] - (self.k.size(2) - positions.size(1))
+            held = start + torch.arange(self.k.size(2), device=positions.device)[None]
+        self.positions = held.clone()
+        return self.k, self.v
+
+    @property
+    def key_positions(self):
+        return getattr(self.inner, "key_positions", None)
+
+    length = property(lambda self: self.inner.length)  # type: ignore[assignment]
+    capacity = property(lambda self: self.inner.capacity)  # type: ignore[assignment]
+    bytes_copied = property(lambda self: self.inner.bytes_copied)  # type: ignore[assignment]
+    nbytes = property(lambda self: self.inner.nbytes)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def crop(self, length: int) -> None:
+        self.inner.crop(length)
+
+    def fork(self) -> Recorded:
+        return Recorded(self.inner.fork())
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.inner.reorder(index)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The policy as an injected cache (check/gpt2_subject.py Injection): the correct loop, PolicyCache layers."""
+
+    roundtrip: Callable[[torch.Tensor], torch.Tensor] | None
+    rules: DecodeRules = EXACT
+
+    def layer_cache(self, config, batch: int, max_len: int, dtype, device) -> LayerCache:
+        return Recorded(PolicyCache(self.roundtrip))
+
+
+@dataclass(frozen=True)
+class Recording:
+    """The design as it runs (its fault too, when one is injected), each layer recorded."""
+
+    design: Callable | None  # the design's own layer factory, or the fault's
+    rules: DecodeRules
+
+    def layer_cache(self, config, batch: int, max_len: int, dtype, device) -> LayerCache:
+        assert self.design is not None, "a cached design"
+        return Recorded(self.design(config, batch, max_len, dtype, device))
+
+
+# --- where the K and V first differ ---------------------------------------------------------------------------------
+def locate(got: list, want: list, rtol: float, atol: float, visible=None, upto: int | None = None) -> str:
+    """Where the design first holds its K or V otherwise than the reference does, in words: a position the last
+    query may still read (the design's `visible`) that it no longer holds, or the first layer, tensor, head and slot
+    whose value differs (slots matched by position: the reference keeps every position); positions from `upto` on
+    (where the runs' tokens part) are left out. Else: the K and V are the policy's and attention reads them otherwise."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g.k is None or w.k is None:
+            continue
+        held = [int(p) for p in g.positions[0].tolist()]
+        kept = [int(p) for p in w.positions[0].tolist() if upto is None or p < upto]
+        if visible is not None and held:
+            q = torch.tensor([[max(held)]])
+            readable = [p for p in kept if p <= q and bool(visible(q, torch.tensor([[p]]))[0, 0, 0])]
+            lost = [p for p in readable if p not in held]
+            if lost:
+                return f"layer {i} no longer holds position {lost[0]}, which the query at {max(held)} may still read"
+        index = {p: j for j, p in enumerate(w.positions[0].tolist())}
+        for name, a, b in (("K", g.k, w.k), ("V", g.v, w.v)):
+            for slot, p in enumerate(held):
+                if p < 0 or (upto is not None and p >= upto) or p not in index:
+                    continue
+                x, y = a[:, :, slot].float(), b[:, :, index[p]].float()  # (B, H, Dh)
+                bad = ((x - y).abs() > atol + rtol * y.abs().amax(-1, keepdim=True)).any(-1)  # (B, H)
+                if bool(bad.any()):
+                    row, head = (int(t) for t in bad.nonzero()[0])
+                    err = float((x - y).abs()[row, head].max())
+                    return (
+                        f"layer {i} {name} differs first at head {head}, slot {slot} (position {p}): |delta| {err:.3g}"
+                    )
+    return "K/V equal to the policy's; attention reads them otherwise (its mask or positions)"
+
+
+# --- the rows -----------------------------------------------------------------------------------------------------------
+def policy_rows(
+    target, caches: list[str], prompts, new: int, short: int, fault=None, compile: str = "off", on_row=None
+) -> list[CheckRow]:
+    """Every check of POLICY_CHECKS for each cache in `caches` that declares a policy, against the reference."""
+    rows: list[CheckRow] = []
+    for name in caches:
+        spec = get_cache_spec(name)
+        if spec.factory is None or spec.fixed_step or not declares_policy(spec):
+            continue
+        for row in _rows_of(target, name, spec, prompts, new, short, fault, compile):
+            row.policy = True
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+    return rows
+
+
+def _subjects(target, name: str, spec: CacheSpec, fault, compile: str):
+    from kvbench.check.gpt2_subject import GPT2Subject
+
+    rules = fault.rules if fault is not None else EXACT
+    design = fault.layer_cache if fault is not None and fault.layer_cache is not None else spec.factory
+    design_subject = GPT2Subject(target, name, Recording(design, rules), compile)
+    reference = GPT2Subject(target, name, Reference(spec.roundtrip), "off")
+    exact = tolerance(target.dtype)
+    for s in (design_subject, reference):
+        s.tol = exact  # the policy is exact: the dtype's own tolerance, no lossy bound
+    return design_subject, reference
+
+
+def _rows_of(target, name, spec, prompts, new, short, fault, compile) -> list[CheckRow]:
+    d, r = _subjects(target, name, spec, fault, compile)
+    tol = d.tol
+    rows: list[CheckRow] = []
+
+    def guarded(checks: tuple[str, ...], fn) -> None:
+        try:
+            rows.extend(fn())
+        except Unsupported as e:
+            rows.extend(skipped(name, str(e), c) for c in checks)
+        except (KVBenchError, AssertionError, RuntimeError) as e:
+            why = f"the run raised {one_line(e)}"
+            rows.extend(
+                CheckRow(name=c, cache=name, passed=False, tolerance="runs without error", detail=why) for c in checks
+            )
+
+    guarded(("logits", "greedy"), lambda: _generated(d, r, target, prompts[0], new, tol, spec))
+    if spec.padding:
+        guarded(("batched",), lambda: [_batch(d, r, prompts, short, tol)])
+    else:
+        rows.append(skipped(name, "it evicts by position: it takes no left-padded batch", "batched"))
+    guarded(("cache_state",), lambda: [_reused(d, r, prompts, short, tol)])
+    for check in LIFECYCLE:
+        missing = d.missing_lifecycle(NEEDS[check])
+        if missing:
+            rows.append(skipped(name, missing, check))
+            continue
+        guarded((check,), lambda check=check: [_scenario(d, r, check, prompts, short, tol)])
+    return rows
+
+
+def _generated(d, r, target, prompt, new, tol, spec) -> list[CheckRow]:
+    got, want = d.generate([prompt], new), r.generate([prompt], new)
+    w_caches = r.last_caches  # the full run's, before any replay
+    upto = first_diff(want.tokens[0], got.tokens[0])
+    n = len(got.tokens[0]) if upto is None else upto + 1
+    ok, err = allclose_err(got.logits[0, :n], want.logits[0, :n], tol.rtol, tol.atol)
+    what = f"{len(got.tokens[0])} greedy steps vs the policy's reference, step for step"
+    first = None if ok else first_off(got.logits[0, :n], want.logits[0, :n], tol)
+    detail = what + (f"; first off at step {first}" if first is not None else "")
+    detail += _flips(target, prompt, want.tokens[0], spec, w_caches, tol)
+    where = ""
+    if not ok or upto is not None:  # replayed up to the step that went wrong: the caches as that step read them
+        step = first if first is not None else upto
+        assert step is not None
+        d.generate([prompt], step + 1), r.generate([prompt], step + 1)
+        where = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, spec.visible)
+    logits = CheckRow(
+        name="logits",
+        cache=d.cache,
+        passed=ok,
+        max_abs_diff=err,
+        tolerance=tol.words,
+        detail=detail,
+        location="" if ok else where,
+    )
+    greedy = compare_tokens(
+        name="greedy",
+        cache=d.cache,
+        dtype=target.dtype,
+        want=want.tokens[0],
+        got=got.tokens[0],
+        want_rows=want.logits[0],
+        got_rows=got.logits[0],
+        what=f"{len(got.tokens[0])} greedy tokens vs the policy's",
+        tol=tol,
+        want_where="the policy's reference",
+        got_where="the design",
+    )
+    if not greedy.passed:
+        greedy.location = where
+    return [logits, greedy]
+
+
+@torch.inference_mode()
+def _flips(target, prompt, tokens, spec, step_matched, tol) -> str:
+    """The one-forward reference (every token's K and V from one forward over the whole sequence, the policy
+    applied inside) against the step-matched one: how many stored values land a rounding step apart."""
+    if spec.roundtrip is None:
+        return ""
+    gpt = target.gpt
+    seq = prompt + tokens[:-1]
+    caches = [Recorded(PolicyCache(spec.roundtrip)) for _ in range(gpt.config.n_layer)]
+    device = gpt.lm_head.weight.device
+    ids = torch.tensor([seq], device=device)
+    gpt(ids, torch.arange(len(seq), device=device)[None], caches, visible=spec.visible)
+    apart = total = 0
+    for one, step in zip(caches, step_matched, strict=True):
+        for a, b in ((one.k, step.k), (one.v, step.v)):
+            assert a is not None and b is not None, "every layer ran"
+            b = b[:, :, : a.size(2)]
+            noise = 1e-5 * b.abs().amax(-1, keepdim=True)
+            apart += int(((a - b).abs() > noise).sum())
+            total += a.numel()
+    return f"; one no-cache forward with the policy inside: {apart:,} of {total:,} stored values differ (rounding flips and their drift)"
+
+
+def _batch(d, r, prompts, short, tol) -> CheckRow:
+    got, want = d.generate(prompts, short), r.generate(prompts, short)
+    ok, err = allclose_err(got.logits, want.logits, tol.rtol, tol.atol)
+    same = got.tokens == want.tokens
+    lens = ", ".join(str(len(p)) for p in prompts)
+    detail = f"lengths {lens} left-padded together, {short} tokens, vs the policy's" + (
+        "" if same else "; tokens differ"
+    )
+    row = CheckRow(
+        name="batched", cache=d.cache, passed=ok and same, max_abs_diff=err, tolerance=tol.words, detail=detail
+    )
+    if not row.passed:
+        row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible)
+    return row
+
+
+def _reused(d, r, prompts, short, tol) -> CheckRow:
+    (got, words), (want, _) = d.reused(prompts[0], prompts[1], short), r.reused(prompts[0], prompts[1], short)
+    ok, err = allclose_err(got.logits, want.logits, tol.rtol, tol.atol)
+    same = got.tokens == want.tokens
+    row = CheckRow(
+        name="cache_state",
+        cache=d.cache,
+        passed=ok and same,
+        max_abs_diff=err,
+        tolerance=tol.words,
+        detail=f"{words}, {short} tokens, vs the policy's reference reused the same way",
+    )
+    if not row.passed:
+        row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible)
+    return row
+
+
+def _scenario(d, r, check, prompts, short, tol) -> CheckRow:
+    got: Trace = SCENARIOS[check](d, prompts, short)
+    want: Trace = SCENARIOS[check](r, prompts, short)
+    n = next(
+        (i for i, (a, b) in enumerate(zip(got.seqs, want.seqs, strict=False)) if a != b),
+        min(len(got.seqs), len(want.seqs)),
+    )
+    a, b = torch.stack(got.rows[:n]), torch.stack(want.rows[:n])
+    ok, err = allclose_err(a, b, tol.rtol, tol.atol)
+    detail = f"{n} logit rows vs the policy's reference through the same scenario"
+    if n < len(want.seqs):
+        detail += f"; the runs part at row {n} (a different greedy choice)"
+    row = CheckRow(
+        name=check,
+        cache=d.cache,
+        passed=ok and n == len(want.seqs),
+        max_abs_diff=err,
+        tolerance=tol.words,
+        detail=detail,
+    )
+    if not row.passed:
+        first = first_off(a, b, tol)
+        row.detail += f"; first off at row {first}" if first is not None else ""
+        row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible)
+    return row

@@ -1,0 +1,334 @@
+"""Lossy caches held to their declared policy (check/policy.py): int8's roundtrip and the sink cache's visibility pass
+every policy row at the exact tolerance; faults that hide under the loose bound fail the policy rows, with where; a
+plugin written outside the repository declares its own policy and is held to it the same way."""
+
+import json
+import textwrap
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvbench.caches import get_cache_spec
+from kvbench.caches.sink import SinkCache, visible
+from kvbench.check.faults import FAULTS
+from kvbench.check.policy import POLICY_CHECKS
+from kvbench.check.verify import random_prompts, run_verify
+from kvbench.cli import app
+from kvbench.errors import KVBenchError
+
+N = 40  # past the sink cache's 4 + 32 tokens with the 32-token prompt: eviction happens
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_config):
+    return random_prompts(tiny_config.vocab_size, 32, 3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def report(tiny_model, prompts):
+    return run_verify(tiny_model, ["int8", "sink"], prompts, N, reference="none")
+
+
+def _rows(report, cache, policy):
+    return {r.name: r for r in report.checks if r.cache == cache and r.policy == policy}
+
+
+@pytest.mark.parametrize("cache", ["int8", "sink"])
+def test_a_declared_policy_passes_every_policy_row_at_the_exact_tolerance(report, cache):
+    rows = _rows(report, cache, policy=True)
+    assert set(rows) == set(POLICY_CHECKS)
+    for name, r in rows.items():
+        if cache == "sink" and name == "batched":
+            assert r.skipped and "left-padded" in r.detail
+            continue
+        assert r.passed and not r.skipped, r
+        assert r.tolerance in ("rtol 1e-05, atol 1e-05", "identical tokens"), r  # exact: no lossy bound
+    loose = _rows(report, cache, policy=False)
+    assert loose["logits"].tolerance.startswith("lossy")  # the loose rows stay beside them
+
+
+def test_int8_matches_its_reference_bit_for_bit_and_counts_the_one_forward_flips(report):
+    rows = _rows(report, "int8", policy=True)
+    assert rows["logits"].max_abs_diff == 0.0  # the same floats round the same way, step for step
+    assert "one no-cache forward with the policy inside" in rows["logits"].detail
+
+
+def test_the_sink_visibility_keeps_the_sinks_and_the_last_window():
+    q = torch.tensor([[10]])
+    k = torch.arange(11)[None]
+    assert visible(2, 4, q, k)[0, 0].tolist() == [True, True] + [False] * 5 + [True] * 4
+
+
+def test_the_sink_cache_holds_sinks_plus_window_between_steps():
+    c = SinkCache(2, 4)
+    k = torch.randn(1, 1, 6, 3)
+    c.update(k, k, torch.arange(6)[None])  # a prefill reads all six
+    assert c.key_positions[0].tolist() == list(range(6))
+    c.update(k[:, :, :1], k[:, :, :1], torch.tensor([[6]]))  # query 6 reads 0, 1 and 3..6
+    assert c.key_positions[0].tolist() == [0, 1, 3, 4, 5, 6] and c.length == 6
+    with pytest.raises(KVBenchError, match="evicted already"):  # query 5 would read position 2, evicted at 6
+        c.crop(5)
+    c.crop(6)  # query 6 reads 3..5 again: all held
+    assert c.key_positions[0].tolist() == [0, 1, 3, 4, 5] and c.length == 5
+
+
+def test_the_sink_cache_saves_memory_by_design():
+    spec = get_cache_spec("sink-4-64")  # S and W in the name
+    assert spec.name == "sink-4-64" and spec.visible is not None and not spec.padding
+    assert spec.holds(1000) == 68 and spec.holds(10) == 10
+
+
+def test_memory_measure_plans_the_tokens_a_sink_cache_holds():
+    from kvbench.bench.measure_memory import measure_caches
+
+    rep = measure_caches("gpt2-tiny", 2, 256, "fp16", "cpu", ["sink-4-8", "dynamic"])
+    sink, dynamic = rep.rows
+    L, H, Dh = 2, 4, 32  # gpt2-tiny
+    assert sink.predicted_bytes == 2 * L * 2 * H * 12 * Dh * 2  # K and V, layers, batch 2, 4 + 8 tokens, fp16
+    assert sink.measured_bytes - sink.predicted_bytes == L * 2 * 12 * 8  # one int64 position per slot
+    assert dynamic.exact and dynamic.predicted_bytes == 2 * L * 2 * H * 256 * Dh * 2
+    assert "12 tokens of 256 it holds" in sink.explanation
+
+
+def test_generate_refuses_prompts_of_different_lengths_for_a_design_that_evicts():
+    r = CliRunner().invoke(
+        app,
+        [*"generate -m gpt2-tiny -w random -d cpu --cache sink -n 4 --prompt hello".split(), "--prompt", "a b c d e"],
+    )
+    assert r.exit_code == 2 and "takes no left-padded batch" in r.output and "Traceback" not in r.output
+    one = CliRunner().invoke(app, "generate -m gpt2-tiny -w random -d cpu --cache sink -n 4 --prompt hello".split())
+    assert one.exit_code == 0, one.output
+
+
+@pytest.mark.parametrize("fault", ["int8-requantised-fork"])
+def test_a_fault_under_the_loose_bound_fails_only_the_policy_rows_with_where(tiny_model, prompts, fault):
+    from kvbench.check.breaking import break_fault
+
+    r = break_fault(tiny_model, fault, prompts, N, reference="none")
+    failed = [c for c in r.checks if not c.passed]
+    assert failed and all(c.policy for c in failed), [(c.name, c.policy) for c in failed]
+    assert all(c.location.startswith("layer ") for c in failed), [c.location for c in failed]
+    assert r.detected and all(name.endswith("=policy") for name in r.caught_by)
+
+
+# --- the slow tier: every lossy fault through the CLI; plugins ---------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [n for n, f in FAULTS.items() if f.cache in ("int8", "sink")])
+def test_every_lossy_fault_passes_the_loose_rows_and_is_caught_by_the_policy(fault):
+    r = CliRunner().invoke(
+        app,
+        ["break", fault, "-m", "gpt2-tiny", "-w", "random", "-d", "cpu", "-n", "60", "--reference", "none", "--json"],
+    )
+    assert r.exit_code == 0, r.output
+    (bug,) = json.loads(r.stdout)["bugs"]
+    failed = [c for c in bug["checks"] if not c["passed"]]
+    assert failed and all(c["policy"] for c in failed), failed
+    assert all(c["location"].startswith("layer ") for c in failed), failed
+
+
+PLUGIN = '''
+import torch
+from kvbench.caches import LayerCache
+
+def quantise(x):
+    """x (..., Dh) -> int4 per row: q in -7..7 and one fp32 scale."""
+    scale = x.abs().amax(-1, keepdim=True) / 7
+    q = torch.where(scale > 0, x / torch.where(scale > 0, scale, 1.0), 0.0).round().clamp(-7, 7)
+    return q.to(torch.int8), scale
+
+def roundtrip(x):
+    q, scale = quantise(x)
+    return (q.float() * scale).to(x.dtype)
+
+class Int4Tokens(LayerCache):
+    """int4 K/V with one scale per token and head (a plugin written outside kvbench)."""
+    exact = False
+    logit_atol, logit_rtol, min_greedy_agreement = 5.0, 1.0, 0.0
+    roundtrip = staticmethod(roundtrip)
+
+    def __init__(self, config, batch, max_len, dtype, device):
+        super().__init__()
+        self.q = self.s = None
+        self.dtype = dtype
+
+    def _deq(self, i):
+        return (self.q[i].float() * self.s[i]).to(self.dtype)
+
+    def update(self, k, v, positions):
+        (qk, sk), (qv, sv) = quantise(k), quantise(v)
+        if self.q is None:
+            self.q, self.s = [qk, qv], [sk, sv]
+        else:
+            self.q = [torch.cat([self.q[0], qk], 2), torch.cat([self.q[1], qv], 2)]
+            self.s = [torch.cat([self.s[0], sk], 2), torch.cat([self.s[1], sv], 2)]
+        self.length = self.q[0].size(2)
+        return self._deq(0), self._deq(1)
+
+    def reset(self):
+        super().reset()
+        self.q = self.s = None
+
+    def crop(self, length):
+        n = self.check_crop(length)
+        self.q, self.s = [t[:, :, :n] for t in self.q], [t[:, :, :n] for t in self.s]
+        self.length = n
+
+    def fork(self):
+        other = type(self).__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.q, other.s = [t.clone() for t in self.q], [t.clone() for t in self.s]
+        return other
+
+    def reorder(self, index):
+        idx = self.check_index(index, self.q[0].size(0), self.q[0].device)
+        self.q, self.s = [t.index_select(0, idx) for t in self.q], [t.index_select(0, idx) for t in self.s]
+
+    @property
+    def nbytes(self):
+        return 0 if self.q is None else sum(t.nbytes for t in self.q + self.s)
+
+class StaleScalesReorder(Int4Tokens):
+    """reorder moves the values, not the scales."""
+    def reorder(self, index):
+        idx = self.check_index(index, self.q[0].size(0), self.q[0].device)
+        self.q = [t.index_select(0, idx) for t in self.q]
+
+class RoundsTwiceFork(Int4Tokens):
+    """fork quantises the dequantised copy again, in fp16."""
+    def fork(self):
+        other = super().fork()
+        for i in range(2):
+            q, s = quantise(self._deq(i).half().float())
+            other.q[i], other.s[i] = q, s.half().float()
+        return other
+
+from kvbench.caches.sink import SinkCache
+
+def keeps_two_and_eight(q, k):
+    return (k[:, None, :] < 2) | (k[:, None, :] > q[:, :, None] - 8)
+
+class TwoAndEight(SinkCache):
+    """2 sinks and a window of 8 (an eviction plugin)."""
+    exact = False
+    logit_atol, logit_rtol, min_greedy_agreement = 50.0, 5.0, 0.0
+    visible = staticmethod(keeps_two_and_eight)
+    padding = False
+
+    def __init__(self, config, batch, max_len, dtype, device):
+        super().__init__(2, 8)
+
+class EvictsEarly(TwoAndEight):
+    """evicts one position more than it declares."""
+    def _evict(self, first_query):
+        super()._evict(first_query + 1)
+'''
+
+
+@pytest.fixture
+def int4_plugin(tmp_path, monkeypatch):
+    (tmp_path / "int4plug.py").write_text(textwrap.dedent(PLUGIN))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "int4plug"
+    import sys
+
+    sys.modules.pop("int4plug", None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "cls, passes, check",
+    [("Int4Tokens", True, None), ("StaleScalesReorder", False, "reorder"), ("RoundsTwiceFork", False, "fork")],
+)
+def test_a_plugin_quantiser_is_held_to_its_declared_roundtrip(tiny_model, prompts, int4_plugin, cls, passes, check):
+    rep = run_verify(tiny_model, [f"{int4_plugin}:{cls}"], prompts, N, reference="none")
+    loose = [r for r in rep.checks if not r.policy and not r.skipped]
+    policy = {r.name: r for r in rep.checks if r.policy}
+    assert all(r.passed for r in loose), [r for r in loose if not r.passed]  # under its own loose bound
+    if passes:
+        assert all(r.passed for r in policy.values()), [r for r in policy.values() if not r.passed]
+    else:
+        assert not policy[check].passed and policy[check].location.startswith("layer 0 K differs first"), policy[check]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls, passes", [("TwoAndEight", True), ("EvictsEarly", False)])
+def test_a_plugin_eviction_is_held_to_its_declared_visibility(tiny_model, prompts, int4_plugin, cls, passes):
+    rep = run_verify(tiny_model, [f"{int4_plugin}:{cls}"], prompts, N, reference="none")
+    policy = {r.name: r for r in rep.checks if r.policy and not r.skipped}
+    assert all(r.passed for r in rep.checks if not r.policy), [r for r in rep.checks if not r.passed and not r.policy]
+    if passes:
+        assert all(r.passed for r in policy.values()), [r for r in policy.values() if not r.passed]
+    else:
+        assert not policy["logits"].passed and "no longer holds position" in policy["logits"].location
+
+
+# --- transformers' QuantizedCache (quanto) held to its own schedule -------------------------------------------------
+@pytest.fixture(scope="module")
+def quanto_llama(tmp_path_factory):
+    pytest.importorskip("optimum.quanto")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kvbench.hf.models import load_hf
+
+    torch.manual_seed(0)
+    # 2 key/value heads x 32 = 64 values per token and layer: one quanto group (hf/caches.py QUANTO_GROUP)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    d = tmp_path_factory.mktemp("llama")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    return load_hf(str(d), torch.device("cpu"), torch.float32)
+
+
+def _quanto_policy(loaded, new=40):
+    from kvbench.check.hf_verify import run_hf_verify
+
+    prompts = random_prompts(256, 32, 3, seed=0)
+    rep = run_hf_verify(loaded, ["quantized-quanto"], prompts, new, checks=("logits",))
+    return {r.name: r for r in rep.checks if r.policy}, {r.name: r for r in rep.checks if not r.policy}
+
+
+@pytest.mark.slow
+def test_quanto_matches_its_schedule_exactly_where_full_precision_does_not(quanto_llama):
+    policy, loose = _quanto_policy(quanto_llama, new=150)  # past the 128-token residual: a flush happens
+    assert policy["logits"].passed and policy["logits"].max_abs_diff == 0.0, policy["logits"]
+    assert loose["logits"].max_abs_diff > 1e-3  # the policy's own loss, which only the loose row allows
+    assert policy["reorder"].passed and "absent in transformers" in policy["reorder"].detail
+
+
+@pytest.mark.slow
+def test_the_quanto_reorder_defect_is_caught_by_the_policy_row(quanto_llama, monkeypatch):
+    """transformers before PR #48700: reorder_cache reordered the full-precision residual only, leaving the
+    quantised states in the old batch order. Put back, the policy's reorder row fails and says so."""
+    from transformers.cache_utils import QuantizedLayer
+
+    def residual_only(self, beam_idx):
+        if self.keys is not None and self.keys.numel() > 0:
+            self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
+            self.values = self.values.index_select(0, beam_idx.to(self.values.device))
+
+    monkeypatch.setattr(QuantizedLayer, "reorder_cache", residual_only)
+    policy, _ = _quanto_policy(quanto_llama)
+    assert not policy["reorder"].passed and "is present in transformers" in policy["reorder"].detail
+    assert policy["logits"].passed  # the defect lives in reorder only
+
+
+def test_quanto_is_skipped_where_a_token_fills_no_quantisation_group():
+    """quanto quantises groups of 64 values: 2 key/value heads x 16 per token cannot form one, and transformers'
+    QuantizedCache then raises on calls of an odd token count. A skip naming why, not a crash row."""
+    from types import SimpleNamespace
+
+    from kvbench.hf.caches import HF_CACHES
+
+    info = SimpleNamespace(windowed=False, recurrent=False, n_kv_heads=2, head_dim=16)
+    why = HF_CACHES["quantized-quanto"].unavailable(info, torch.device("cpu"))
+    assert why is not None and "groups of 64 values" in why and "32 per token" in why
+    info.head_dim = 32
+    assert "groups of 64" not in (HF_CACHES["quantized-quanto"].unavailable(info, torch.device("cpu")) or "")
