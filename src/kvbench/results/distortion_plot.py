@@ -53,10 +53,11 @@ def distortion_figure(rows: pd.DataFrame, meta: dict, path: Path) -> Path:
     caches = sorted(rows.cache.unique(), key=lambda c: list(CACHES).index(c) if c in CACHES else 99)
     fig, axes = plt.subplots(1, 3, figsize=(15, 5.2))
     depths = sorted(rows.depth.unique())
-    zeros = False
+    zeros, lowest = False, 1.0  # lowest: the lowest binned top-1 (a token's own is 0 or 1)
     for cache in caches:
         sub = rows[rows.cache == cache]
         binned, colour, label = _bins(sub), _colour(cache), _saved(meta, cache)
+        lowest = min(lowest, float(binned.top1_agreement.min()))
         for ax, (col, _, _, log) in zip(axes, PANELS, strict=True):
             if col != "top1_agreement":  # per token, top-1 of one sequence is 0 or 1: only its bins say anything
                 shown = sub[sub[col] > 0] if log else sub
@@ -72,7 +73,7 @@ def distortion_figure(rows: pd.DataFrame, meta: dict, path: Path) -> Path:
         if log and (rows[col] > 0).any():
             ax.set_yscale("log")
         if col == "top1_agreement":
-            ax.set_ylim(min(0.9, float(rows[col].min()) - 0.02), 1.01)
+            ax.set_ylim(min(0.9, lowest - 0.02), 1.01)
             ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
         ax.grid(True, which="major", alpha=0.3)
         ax.set(xlabel="context depth (tokens the step reads)", ylabel=ylabel, title=title)
