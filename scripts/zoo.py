@@ -8,8 +8,9 @@ For each type it writes OUT/configs/<type>/config.json, runs `kvbench verify --h
 own process (a crash, a hang or an exit inside transformers cannot stop the sweep) and appends one row to
 OUT/zoo.csv as it finishes: type, exit code, seconds, verdict, failing rows, skip reasons, the refusal line. A rerun
 keeps the rows already there and runs only the missing types, writing every type's config either way (--fresh
-starts over). OUT/summary.md counts the verdicts: pass, pass with skips (grouped by reason), fail (the failing rows), refused (exit 2, its line), crashed
-(exit 70), timed out, and types whose default config transformers itself cannot build.
+starts over). OUT/summary.md counts the verdicts: pass, pass with skips (grouped by reason), nothing checked (exit 5:
+every row skipped), fail (the failing rows), refused (exit 2, its line), crashed (exit 70), timed out, and types whose
+default config transformers itself cannot build.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 FIELDS = ("type", "exit", "seconds", "verdict", "failing", "skips", "error")
-VERDICTS = ("pass", "pass with skips", "fail", "refused", "crashed", "timed out", "no config")
+VERDICTS = ("pass", "pass with skips", "nothing checked", "fail", "refused", "crashed", "timed out", "no config")
 
 
 def main(argv: list[str]) -> int:
@@ -183,7 +184,7 @@ def _judged(proc: subprocess.CompletedProcess) -> dict:
     err = _line(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "").removeprefix("error: ")
     if proc.returncode == 2:
         return {"verdict": "refused", "error": err}
-    if proc.returncode not in (0, 1):
+    if proc.returncode not in (0, 1, 5):  # 5: every row skipped, nothing checked
         return {"verdict": "crashed", "error": err}
     try:
         report = json.loads(proc.stdout)
@@ -193,6 +194,8 @@ def _judged(proc: subprocess.CompletedProcess) -> dict:
     failing = [f"{r['name']}/{r['cache']}" for r in rows if not r["passed"] and not r["skipped"]]
     skips = sorted({_reason(r["detail"]) for r in rows if r["skipped"]})
     verdict = "fail" if failing else ("pass with skips" if skips else "pass")
+    if proc.returncode == 5:
+        verdict = "nothing checked"
     return {"verdict": verdict, "failing": " ".join(failing), "skips": " | ".join(skips)}
 
 

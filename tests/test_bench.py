@@ -256,6 +256,30 @@ def test_ctrl_c_keeps_completed_rows_and_exits_130(tmp_path, monkeypatch):
     assert not list(out.glob(".*tmp*")), "a temporary file was left behind"
 
 
+@pytest.mark.parametrize("stop, code, line", [("ctrl-c", 130, "interrupted"), ("sigterm", 143, "terminated")])
+def test_an_interrupted_bench_json_prints_its_error_document(tmp_path, monkeypatch, stop, code, line):
+    """bench --json stopped mid-sweep (Ctrl-C, SIGTERM) keeps its rows and prints one JSON document, the error
+    document with the line said on stderr and the exit status."""
+    import signal
+
+    from kvbench.cli import bench as cli_bench
+
+    def interrupting_update(self, done, total, label):
+        if done == 2:
+            raise KeyboardInterrupt if stop == "ctrl-c" else cli_bench.Terminated(signal.SIGTERM)
+
+    monkeypatch.setattr(cli_bench._BenchProgress, "update", interrupting_update)
+    out = tmp_path / "run"
+    result, text = invoke(
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 4,8 --new-tokens 3 --repeats 1".split(),
+        *"--warmup 0 --caches none,static --engine kvbench --json --out".split(),
+        str(out),
+    )
+    assert result.exit_code == code, text
+    assert json.loads(result.stdout) == {"schema_version": 1, "error": line, "exit_code": code}
+    assert f"error: {line}" in result.stderr and json.loads((out / "meta.json").read_text())["status"] == "interrupted"
+
+
 @pytest.mark.parametrize(
     "error",
     [

@@ -277,3 +277,31 @@ def test_a_plugin_cache_out_of_memory_is_an_oom_row_not_a_broken_plugin(tmp_path
     assert result.exit_code == 0, text
     s = pd.read_csv(out / "summary.csv")
     assert list(zip(s.batch, s.status, strict=True)) == [(1, "ok"), (3, "oom")]
+
+
+def test_json_oom_rows_carry_every_summary_column_null(tmp_path, monkeypatch):
+    """bench --json's rows are summary.csv's: an oom row has the same --percentiles keys as an ok row (null), in
+    summary.csv's column order."""
+    (tmp_path / "hungry2.py").write_text(
+        "import torch\n"
+        "from kvbench.caches.dynamic import DynamicCache\n\n"
+        "class Hungry(DynamicCache):\n"
+        "    def __init__(self, config, batch, max_len, dtype, device):\n"
+        "        super().__init__()\n"
+        "        if batch >= 3:\n"
+        "            self.spare = torch.empty(1 << 50, dtype=torch.uint8)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    result, text = invoke(
+        "bench",
+        *TINY,
+        *"--prompt-len 8 --new-tokens 4 --batch 1,3 --caches hungry2:Hungry --engine kvbench --repeats 2".split(),
+        *"--warmup 0 --percentiles 95,99.9 --json --out".split(),
+        str(out),
+    )
+    assert result.exit_code == 0, text
+    ok, oom = json.loads(result.stdout)["summary"]
+    assert (ok["status"], oom["status"]) == ("ok", "oom")
+    assert list(ok) == list(oom) == list(pd.read_csv(out / "summary.csv").columns)
+    assert ok["tpot_ms_p95"] is not None and oom["tpot_ms_p95"] is None and oom["tpot_ms_p99.9"] is None, oom

@@ -7,6 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from kvbench.caches import get_cache_spec
 from kvbench.check.breaking import break_fault
 from kvbench.check.faults import FAULTS, get_fault, mask_signature
 from kvbench.check.verify import random_prompts, run_verify
@@ -33,7 +34,8 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def results(model, prompts):
-    return {name: break_fault(model, name, prompts, N) for name in ONE_PROCESS}
+    # the sink fault fires once the context passes the sink cache's 4 + 32 tokens
+    return {name: break_fault(model, name, prompts, 40 if FAULTS[name].cache == "sink" else N) for name in ONE_PROCESS}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +52,14 @@ def test_control_passes(control):
 def test_every_fault_is_detected(results, name):
     r = results[name]
     assert r.detected and r.caught_by, r.checks
+    assert r.fix and r.dormant_where and r.signature
+    if not get_cache_spec(FAULTS[name].cache).exact:  # under the loose bound: only the exact policy rows see it
+        assert all(c.endswith("=policy") for c in r.caught_by), r.caught_by
+        assert all(c.passed for c in r.checks if not c.policy and not c.skipped), r.checks
+        assert all(c.location for c in r.checks if c.policy and not c.passed), r.checks
+        return
     assert r.first_divergence is not None, "the faulty run must differ from the correct one"
     assert r.correct_tokens != r.faulty_tokens
-    assert r.fix and r.dormant_where and r.signature
 
 
 @pytest.mark.parametrize("name", ONE_PROCESS)
@@ -126,6 +133,23 @@ def test_cli_break_json():
     (bug,) = doc["bugs"]
     assert bug["name"] == "mask" and bug["detected"] and bug["caught_by"]
     assert bug["first_divergence"] is not None
+
+
+def test_cli_break_that_runs_no_fault_checked_nothing_and_exits_5(monkeypatch, tmp_path):
+    """Every fault skipped: nothing was detected and nothing slipped through, which is no verdict: exit 5, in the
+    table, the JSON document and the JUnit report (every case skipped)."""
+    from kvbench.check import faults
+
+    monkeypatch.setattr(faults, "select_faults", lambda name, cache, tp=1: ([], {"mask": "not here"}))
+    args = "break all --model gpt2-tiny --weights random --new-tokens 4 --reference none".split()
+    xml = tmp_path / "b.xml"
+    r = CliRunner().invoke(app, [*args, "--json", "--junit-xml", str(xml)])
+    assert r.exit_code == 5, r.output
+    doc = json.loads(r.stdout)
+    assert doc["all_detected"] is False and doc["nothing_checked"] is True and doc["bugs"] == [], doc
+    assert 'tests="1"' in xml.read_text() and 'skipped="1"' in xml.read_text(), xml.read_text()
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 5 and "NOTHING CHECKED" in r.stdout and "mask: skipped (not here)" in r.output, r.output
 
 
 @pytest.mark.parametrize(

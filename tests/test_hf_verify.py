@@ -9,6 +9,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import importlib.util
 import json
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pandas as pd
@@ -366,8 +367,9 @@ def test_remote_code_that_exits_while_loading_is_one_line(hostile_toys, tmp_path
     assert len(lines) == 1 and "Traceback" not in out, out
     assert str(hostile_toys[toy]) in lines[0] and message in lines[0], lines[0]
     assert not out_dir.exists(), out
-    # verify --json answers a refusal with one JSON document too; bench has no JSON output
-    assert json.loads(r.stdout)["error"] in lines[0] if command == "verify" else r.stdout == "", out
+    # --json answers a refusal with one JSON document too (verify's with passed false)
+    doc = json.loads(r.stdout)
+    assert doc["error"] in lines[0] and doc["exit_code"] == 2 and doc.get("passed", False) is False, out
 
 
 @pytest.mark.parametrize("command", ["verify", "bench"])
@@ -398,6 +400,116 @@ def test_remote_code_prints_go_to_stderr(hostile_toys):
     )
     assert r.exit_code == 0, out
     assert json.loads(r.stdout)["passed"] and "kvtoy forward" in r.stderr
+
+
+# --- whether a model keeps a KV cache is measured, not read from its forward's signature --------------------------
+# A GPT-2 subclass as remote code (auto_map): a forward taking `*args, **kwargs` hides what it accepts.
+WRAPPED = {
+    # the reproducer: drops the position ids generate passes (a left-padding bug), keeps the cache
+    "drops_positions": "    def forward(self, *args, position_ids=None, **kwargs):\n"
+    "        return super().forward(*args, **kwargs)\n",
+    # the same with the position ids passed on: correct (generate passes them since the signature names them)
+    "keeps_positions": "    def forward(self, *args, position_ids=None, **kwargs):\n"
+    "        return super().forward(*args, position_ids=position_ids, **kwargs)\n",
+    # really keeps no cache: every call recomputes, whatever it is given
+    "never_caches": "    def forward(self, *args, **kwargs):\n"
+    "        kwargs.pop('use_cache', None)\n"
+    "        for k in ('cache', 'past_key_values'):\n"
+    "            kwargs.pop(k, None)\n"
+    "        return super().forward(*args, use_cache=False, **kwargs)\n",
+}
+
+
+@pytest.fixture(scope="module")
+def wrapped_gpt2(hf_dir, tmp_path_factory) -> dict[str, Path]:
+    import shutil
+
+    base, out = tmp_path_factory.mktemp("wrapped"), {}
+    for name, forward in WRAPPED.items():
+        d = base / f"wrapped_{name}"  # a directory name of its own: transformers imports its code by that name
+        shutil.copytree(hf_dir, d)
+        code = "from transformers import GPT2LMHeadModel\n\n\nclass Wrapped(GPT2LMHeadModel):\n" + forward
+        (d / "modeling_wrapped.py").write_text(code)
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(
+            json.dumps({**cfg, "auto_map": {"AutoModelForCausalLM": "modeling_wrapped.Wrapped"}})
+        )
+        out[name] = d
+    return out
+
+
+def _wrapped_verify(d: Path, *extra: str):
+    return invoke(
+        "verify",
+        "--hf",
+        str(d),
+        *"--trust-remote-code --caches none,dynamic --prompt-len 8 --new-tokens 4 --json".split(),
+        *extra,
+    )
+
+
+def test_a_forward_taking_kwargs_is_checked_and_its_position_bug_caught(wrapped_gpt2):
+    """`forward(self, *args, position_ids=None, **kwargs)` names no cache, yet it keeps one: the rows run, and
+    the dropped position ids fail the batched row."""
+    r, out = _wrapped_verify(wrapped_gpt2["drops_positions"])
+    assert r.exit_code == 1, out
+    doc = json.loads(r.stdout)
+    assert not any(c["skipped"] and c["name"] == "-" for c in doc["checks"]), doc["checks"]
+    failed = {(c["name"], c["cache"]) for c in doc["checks"] if not c["passed"]}
+    assert ("batched", "none") in failed, failed
+    assert doc["passed"] is False and doc["nothing_checked"] is False, doc
+    r, out = _wrapped_verify(wrapped_gpt2["keeps_positions"])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["passed"] and not any(c["skipped"] for c in doc["checks"]), out
+
+
+def test_a_model_that_keeps_no_cache_checks_nothing_and_exits_5(wrapped_gpt2, tmp_path):
+    """A forward that returns no cache and fills none it is given has no KV cache, measured: every row skipped with
+    that reason, which is no pass: exit 5, `passed` false, every JUnit case skipped."""
+    xml = tmp_path / "v.xml"
+    r, out = _wrapped_verify(wrapped_gpt2["never_caches"], "--junit-xml", str(xml))
+    assert r.exit_code == 5, out
+    doc = json.loads(r.stdout)
+    assert doc["passed"] is False and doc["nothing_checked"] is True, doc
+    why = (
+        "Wrapped has no KV cache: a forward with use_cache=True returns no cache and leaves the cache it is given empty"
+    )
+    assert doc["checks"] and all(c["skipped"] and why in c["detail"] for c in doc["checks"]), doc["checks"]
+    root = ET.parse(xml).getroot()
+    assert root.get("tests") == root.get("skipped") == str(len(doc["checks"])), ET.tostring(root)
+    args = "--trust-remote-code --caches dynamic --prompt-len 8 --new-tokens 4".split()
+    r, out = invoke("verify", "--hf", str(wrapped_gpt2["never_caches"]), *args)
+    assert r.exit_code == 5 and "NOTHING CHECKED" in r.stdout and "no verdict, exit 5" in r.stdout, out
+
+
+# (a GPT-2 subclass's forward, what the measurement says: the model keeps a cache, or why not)
+MEASURED = [
+    ("def forward(self, *a, position_ids=None, **k): return super().forward(*a, **k)", None),
+    # ignores the cache it is given yet returns one: checked (and its rows fail)
+    ("def forward(self, cache=None, past_key_values=None, **k): return super().forward(**k)", None),
+    (
+        "def forward(self, input_ids, attention_mask=None): return super().forward(input_ids, use_cache=False)",
+        "neither",
+    ),
+    (
+        "def forward(self, cache=None, past_key_values=None, use_cache=None, **k):\n"
+        "        return super().forward(use_cache=False, **k)",
+        "returns no cache and leaves the cache it is given empty",
+    ),
+]
+
+
+@pytest.mark.parametrize("forward, why", MEASURED)
+def test_kv_cache_is_measured_from_a_forward(hf_dir, forward, why):
+    from transformers import GPT2LMHeadModel
+
+    from kvbench.hf.introspect import measured_no_cache
+
+    ns: dict = {}
+    exec(f"class M(GPT2LMHeadModel):\n    {forward}\n", {"GPT2LMHeadModel": GPT2LMHeadModel}, ns)
+    model = ns["M"].from_pretrained(hf_dir).eval()
+    got = measured_no_cache(model)
+    assert got == why if why is None else why in got, got
 
 
 # --- sources -------------------------------------------------------------------------------------------------------

@@ -40,10 +40,10 @@ def prompts():
 @pytest.mark.parametrize("cache", [c for c in CACHES if c != "none"])
 def test_every_built_in_cache_passes_the_lifecycle(model, prompts, cache):
     rep = run_verify(model, [cache], prompts, 20, reference="none", checks=LIFECYCLE)
-    assert [r.name for r in rep.checks] == list(LIFECYCLE), rep.checks
+    assert [r.name for r in rep.checks if not r.policy] == list(LIFECYCLE), rep.checks
     for r in rep.checks:
         assert r.passed and not r.skipped, r
-        if CACHES[cache].exact:
+        if CACHES[cache].exact or r.policy:  # a lossy design is exact to its own policy
             assert r.max_abs_diff <= 1e-5, r
 
 

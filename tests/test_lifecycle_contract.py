@@ -97,7 +97,9 @@ def test_crop_zero_empties_a_usable_cache(name):
 def test_crop_outside_the_filled_columns_is_an_error_naming_both(name, bad):
     cache = _cache(name)
     _fill(cache, 1, 10, seed=4)
-    with pytest.raises(KVBenchError, match=rf"crop\({bad}\) outside 0\.\.10: the cache holds 10 tokens"):
+    with pytest.raises(
+        KVBenchError, match=rf"crop\({bad}\) outside 0\.\.10: (the cache holds 10 tokens|10 tokens were written)"
+    ):
         cache.crop(bad)
     assert cache.length == 10, "a refused crop changes nothing"
 

@@ -7,6 +7,7 @@ planner.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -609,3 +610,47 @@ def test_repeated_contexts_and_models_are_planned_once():
     assert r.exit_code == 0, r.output
     (p,) = json.loads(r.stdout)["plans"]
     assert [row["ctx"] for row in p["rows"]] == [8192, 131072]
+
+
+def test_window_notes_and_working_read_as_english(tmp_path):
+    """'every layer uses an 8-token sliding window', 'a 4,096-token'; the max batch in the working has separators
+    like the table beside it."""
+    from kvbench.memory.planner import _a
+
+    assert [_a(n) for n in ("8", "11", "18", "80", "800", "8,192", "11,000", "4,096", "1,024", "110")] == [
+        "an", "an", "an", "an", "an", "an", "an", "a", "a", "a"
+    ]  # fmt: skip
+    cfg = {
+        "model_type": "mistral",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+        "max_position_embeddings": 64,
+        "sliding_window": 8,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(app, ["memory", "--config", str(tmp_path / "config.json"), "--ctx", "32"])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    assert "every layer uses an 8-token sliding window: past that length each holds only the last 8 tokens" in text
+    r = CliRunner().invoke(app, ["memory", "-m", "llama-3-8b", "--gpu", "h200", "--ctx", "16", "--json"])
+    fit = next(line for line in json.loads(r.stdout)["plans"][0]["rows"][0]["working"] if "max batch" in line)
+    assert re.search(r"max batch \d{1,3}(,\d{3})+ at", fit), fit
+
+
+def test_export_extra_says_one_timed_repeat_in_the_singular():
+    from types import SimpleNamespace
+
+    from kvbench.results.rundir import github_action_benchmark
+
+    row = SimpleNamespace(
+        status="ok", engine="kvbench", cache="static", prompt_len=8, batch=1, device="cpu", dtype="fp32",
+        tpot_ms_median=1.0, tpot_ms_p90=1.5, ttft_ms=2.0, ttft_ms_p90=2.5, repeats=1,
+    )  # fmt: skip
+    entries, _ = github_action_benchmark([row])
+    assert entries[0]["extra"] == "cpu fp32; 1 timed repeat; TPOT p90 1.5 ms", entries
+    entries, _ = github_action_benchmark([SimpleNamespace(**{**vars(row), "repeats": 3})])
+    assert entries[0]["extra"].startswith("cpu fp32; 3 timed repeats;")

@@ -169,3 +169,72 @@ def test_batch_list_errors():
         argv = ["memory", *(["-m", "llama-3-8b"] if "--all" not in args else []), *args]
         r = runner.invoke(app, argv)
         assert r.exit_code == 2 and message in r.stderr, r.stderr
+
+
+def test_moe_floor_reads_the_experts_a_step_routes_to_deepseek_v3_by_hand():
+    """DeepSeek-V3 (256 routed experts, top-8, 58 MoE layers of 3 x 7168 x 2048 per expert): at batch 1 a step
+    reads about 37.5B of its 671B parameters, so the floor on an H200 at tp 8 is about 2 ms, not 35 ms; at batch
+    32 (32 x 8 = 256) every expert is read. The working names the experts and the parameters."""
+    m = tomllib.loads(MODELS_TOML.read_text())["deepseek-v3"]
+    assert (m["experts"], m["experts_per_token"], m["moe_layers"], m["moe_intermediate"]) == (256, 8, 58, 2048)
+    expert = 3 * 7168 * 2048 * 58
+    active = 671_000_000_000 - 248 * expert
+    assert active == 37_525_878_272  # the published "37B activated"
+    doc = run_json("-m", "deepseek-v3", "--gpu", "h200", "--tp", 8, "--ctx", "8k", "--batch", "1,4,32,64")
+    rows = doc["plans"][0]["rows"]
+    for r, read in zip(rows, (8, 32, 256, 256), strict=True):
+        f = r["decode_floor"]
+        params = 671_000_000_000 - (256 - read) * expert
+        assert f["experts_read"] == read and f["weights_bytes"] == -(-params * 2 // 8), (r["batch"], f)
+        assert f"reads {read} of 256 routed experts per MoE layer" in f["working"], f["working"]
+        assert f"= {params:,} params read" in f["working"]
+    assert rows[0]["decode_floor"]["floor_ms"] == pytest.approx(2.074, abs=1e-3)
+    assert (
+        "every expert" in rows[2]["decode_floor"]["working"]
+        and "every expert" not in rows[1]["decode_floor"]["working"]
+    )
+    assert "every expert from batch 32" in " ".join(doc["plans"][0]["working"])
+
+
+def test_moe_floor_from_a_config_json_equals_the_preset_s_and_dense_models_read_every_weight(tmp_path):
+    """Mixtral's config.json (num_local_experts 8, num_experts_per_tok 2) gives the preset's floor; a config
+    whose tokens each take every expert, and a dense model, read every parameter each step."""
+    cfg = {
+        "model_type": "mixtral",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    args = ("--gpu", "h200", "--ctx", "8k", "--batch", "1,2,4")
+    floors = [r["decode_floor"] for r in run_json("--config", path, *args)["plans"][0]["rows"]]
+    preset = [r["decode_floor"] for r in run_json("-m", "mixtral-8x7b", *args)["plans"][0]["rows"]]
+    assert [f["weights_bytes"] for f in floors] == [f["weights_bytes"] for f in preset]
+    assert [f["experts_read"] for f in floors] == [2, 4, 8]
+    assert floors[0]["weights_bytes"] == 2 * (46_702_792_704 - 6 * 3 * 4096 * 14336 * 32)
+    cfg["num_experts_per_tok"] = 8
+    path.write_text(json.dumps(cfg))
+    f = run_json("--config", path, *args)["plans"][0]["rows"][0]["decode_floor"]
+    assert f["weights_bytes"] == 2 * 46_702_792_704 and f["experts_read"] is None
+    f = run_json("-m", "llama-3-8b", *args)["plans"][0]["rows"][0]["decode_floor"]
+    assert f["experts_read"] is None and "MoE" not in f["working"]
+
+
+def test_a_moe_preset_needs_its_routing_whole(tmp_path):
+    from kvbench.errors import KVBenchError
+    from kvbench.memory.presets import load_presets
+
+    text = MODELS_TOML.read_text()
+    broken = text.replace("experts_per_token = 8\nmoe_layers = 58\n", "moe_layers = 58\n", 1)
+    assert broken != text
+    (tmp_path / "m.toml").write_text(broken)
+    with pytest.raises(KVBenchError, match="needs all of experts, experts_per_token, moe_layers, moe_intermediate"):
+        load_presets(tmp_path / "m.toml")

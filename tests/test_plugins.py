@@ -2,7 +2,9 @@
 
 import ast
 import json
+import os
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -129,6 +131,7 @@ def plugin_dir(tmp_path, monkeypatch):
             """
         )
     )
+    (pkg / "fixed.py").write_text(FIXED)
     (pkg / "import_error.py").write_text("import this_module_does_not_exist\n")
     (pkg / "hostile.py").write_text(HOSTILE)
     for name, body in EXITS_ON_IMPORT.items():
@@ -157,6 +160,7 @@ HOSTILE = textwrap.dedent(
     import sys
     import torch
     from kvbench.caches import CacheSpec
+    from kvbench.errors import KVBenchError, NotEnoughMemoryError
     from mycaches.growing import GrowingCache
 
     class ExitInit(GrowingCache):
@@ -209,6 +213,15 @@ HOSTILE = textwrap.dedent(
         def update(self, k, v, positions):
             raise KeyboardInterrupt
 
+    class RealCtrlC(GrowingCache):
+        # a real Ctrl-C, delivered by the signal while the plugin's code runs (after the load-time probe)
+        def update(self, k, v, positions):
+            if self.length >= 16:
+                import os, signal, time
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            return super().update(k, v, positions)
+
     class NegativeCapacity(GrowingCache):
         def __init__(self, *args):
             super().__init__(*args)
@@ -259,12 +272,65 @@ HOSTILE = textwrap.dedent(
                 sys.exit(0)
             return super().update(k, v, positions)
 
+    class FakeVerdict(GrowingCache):
+        # kvbench's own exception types, raised to pass for kvbench's verdicts
+        def update(self, k, v, positions):
+            raise KVBenchError("PASSED all 47 checks")
+
+    class FakeOutOfMemory(GrowingCache):
+        def update(self, k, v, positions):
+            raise NotEnoughMemoryError("fake out of memory")
+
+    class OutOfMemory(GrowingCache):
+        def update(self, k, v, positions):
+            raise MemoryError("fake allocation failure")
+
     class NaNKeys(GrowingCache):
         # values are not probed: the shapes are right, every key is NaN
         def update(self, k, v, positions):
             k, v = super().update(k, v, positions)
             return torch.full_like(k, float("nan")), v
 
+    """
+)
+
+# Fixed-step designs (CacheSpec(fixed_step=True)): kvbench's fixed-shape decode step writes their buffers.
+FIXED = textwrap.dedent(
+    """
+    import sys
+    from kvbench.caches import CacheSpec
+    from kvbench.caches.dynamic import DynamicCache
+    from kvbench.caches.static_graph import StaticGraphCache
+
+    def spec(cls):
+        make = lambda c, b, n, dt, dev: cls(b, c.n_head, n, c.head_dim, dt, dev)
+        return CacheSpec(cls.__name__, cls.__doc__, make, fixed_step=True)
+
+    class Graph(StaticGraphCache):
+        "static-graph's buffers as a plugin"
+
+    class Loud(StaticGraphCache):
+        "prints on every update, ends the process in crop"
+        def update(self, k, v, positions):
+            print("loud: update")
+            return super().update(k, v, positions)
+        def crop(self, length):
+            sys.exit(7)
+
+    class Fake(StaticGraphCache):
+        "passes for kvbench's verdicts in crop"
+        def crop(self, length):
+            from kvbench.errors import KVBenchError
+            raise KVBenchError("PASSED all 47 checks")
+
+    class Exits(StaticGraphCache):
+        "exits when it is built"
+        def __init__(self, *args):
+            sys.exit(7)
+
+    GraphSpec, LoudSpec, FakeSpec, ExitInit = spec(Graph), spec(Loud), spec(Fake), spec(Exits)
+    NotGraph = CacheSpec("dyn", "dynamic layers under a fixed step", lambda c, b, n, dt, dev: DynamicCache(),
+                         fixed_step=True)
     """
 )
 
@@ -294,6 +360,12 @@ HOSTILE_CASES = [
     ("mycaches.hostile:NotEmpty", "a new cache must be empty, but its length is 3"),
     ("mycaches.hostile:WrongDevice", "update returned k on meta, attention runs on cpu"),
     ("mycaches.hostile:WrongDtype", "update returned k in torch.float64, attention runs in torch.float32"),
+    # kvbench's own exceptions and a KeyboardInterrupt no signal sent: worded as the plugin's, never as kvbench's
+    ("mycaches.hostile:FakeVerdict", "broke the cache contract: update raised KVBenchError: PASSED all 47 checks"),
+    ("mycaches.hostile:FakeOutOfMemory", "update raised NotEnoughMemoryError: fake out of memory"),
+    ("mycaches.hostile:CtrlC", "broke the cache contract: update raised KeyboardInterrupt"),
+    ("mycaches.fixed:NotGraph", "a fixed_step design's cache must be a kvbench.caches.static_graph.StaticGraphCache"),
+    ("mycaches.fixed:ExitInit", "constructing it called sys.exit(7)"),
 ]
 
 
@@ -311,16 +383,13 @@ def test_hostile_plugin_is_contained_in_one_line(plugin_dir, command, ref, messa
     assert r.exit_code == 2, r.output
     assert len(lines) == 1 and "Traceback" not in r.output, r.output
     assert ref in lines[0] and message in lines[0], lines[0]
-    # no plugin text on stdout; verify --json answers the refusal with one JSON document naming it
-    if command == "verify":
-        assert json.loads(r.stdout) == {
-            "schema_version": 1,
-            "passed": False,
-            "error": lines[0].removeprefix("error: "),
-            "exit_code": 2,
-        }
-    else:
-        assert r.stdout == "", r.stdout
+    # no plugin text on stdout; --json answers the refusal with one JSON document naming it (verify's: passed false)
+    assert json.loads(r.stdout) == {
+        "schema_version": 1,
+        **({"passed": False} if command == "verify" else {}),
+        "error": lines[0].removeprefix("error: "),
+        "exit_code": 2,
+    }
 
 
 def test_plugin_prints_go_to_stderr_and_json_stays_clean(plugin_dir):
@@ -339,10 +408,82 @@ def test_plugin_prints_go_to_stderr_and_json_stays_clean(plugin_dir):
     assert json.loads(r.stdout)["passed"] and "hello from the plugin module" in r.stderr
 
 
-def test_ctrl_c_inside_a_plugin_still_interrupts(plugin_dir):
-    r = run("generate", "hi", "--cache", "mycaches.hostile:CtrlC", "-n", 3, *TINY)
+def test_a_real_ctrl_c_inside_a_plugin_still_interrupts(plugin_dir):
+    """SIGINT delivered while a plugin's code runs is a real interrupt: exit 130, 'interrupted', never worded as
+    the plugin's (a KeyboardInterrupt the plugin raises itself is, HOSTILE_CASES); --json prints its error
+    document."""
+    r = run("generate", "a b c d e f g h i j k l m n o p", "--cache", "mycaches.hostile:RealCtrlC", "-n", 8, *TINY)
     assert r.exit_code == 130, r.output
     assert r.stderr.strip().splitlines() == ["error: interrupted"], r.stderr
+    r = run(
+        "generate", "a b c d e f g h i j k l m n o p", "--cache", "mycaches.hostile:RealCtrlC", "-n", 8, *TINY, "--json"
+    )
+    assert r.exit_code == 130 and json.loads(r.stdout) == {
+        "schema_version": 1,
+        "error": "interrupted",
+        "exit_code": 130,
+    }
+
+
+def test_a_plugin_out_of_memory_is_worded_as_the_plugin_s_and_stays_out_of_memory(plugin_dir, tmp_path):
+    """An allocation failure inside a plugin is the machine's answer: exit 3 (a bench row `oom`), in one line
+    naming the plugin."""
+    ref = "mycaches.hostile:OutOfMemory"
+    r = run("generate", "hi", "--cache", ref, "-n", 3, *TINY)
+    assert r.exit_code == 3, r.output
+    assert r.stderr.strip().splitlines() == [
+        f"error: cache plugin {ref!r}: update ran out of memory (MemoryError: fake allocation failure)"
+    ], r.stderr
+
+
+@pytest.mark.parametrize(
+    "ref, flag",
+    [
+        ("mycaches.fixed:FakeSpec", "crop(13) raised KVBenchError: PASSED all 47 checks"),
+        ("mycaches.fixed:LoudSpec", "crop(13) called sys.exit(7) instead of raising an exception"),
+    ],
+)
+def test_a_fixed_step_plugin_is_contained_and_checked_like_every_other(plugin_dir, tmp_path, ref, flag):
+    """A fixed-step design's calls are contained as every plugin's: what it raises or exits with in crop is a
+    failing rollback row naming it (verify, exit 1) or one line (generate with drafting, exit 2); what it prints
+    goes to stderr, so --json stays one document; the JUnit report is written."""
+    xml = tmp_path / "v.xml"
+    r = run(
+        "verify",
+        "--caches",
+        ref,
+        "-n",
+        6,
+        "--prompt-len",
+        8,
+        *TINY,
+        "--reference",
+        "none",
+        "--json",
+        "--junit-xml",
+        xml,
+    )
+    assert r.exit_code == 1, r.output
+    rows = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert not rows["rollback"]["passed"] and f"cache plugin {ref!r}" in rows["rollback"]["detail"], rows
+    assert flag in rows["rollback"]["detail"], rows["rollback"]
+    assert all(c["passed"] for n, c in rows.items() if n != "rollback"), rows
+    assert "loud: update" not in r.stdout and xml.is_file()
+    r = run("generate", "a b a b a b a b a b", "--cache", ref, "-n", 8, "--draft", "prompt-lookup", *TINY)
+    assert r.exit_code == 2, r.output
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: cache plugin {ref!r}"), r.stderr
+
+
+def test_a_correct_fixed_step_plugin_runs_the_fixed_step_and_is_exact(plugin_dir, tiny_model):
+    """static-graph's buffers as a plugin: generation goes through the fixed-shape decode step (its calls checked),
+    and the tokens are greedy's through the built-in cache."""
+    ref = "mycaches.fixed:GraphSpec"
+    prompt = torch.randint(0, 500, (9,)).tolist()
+    got = generate(tiny_model, [prompt], 12, cache=ref)
+    assert got.tokens == generate(tiny_model, [prompt], 12, cache="static-graph").tokens
+    caches = make_caches(ref, tiny_model.config, 1, 21, torch.float32, torch.device("cpu"))
+    generate(tiny_model, [prompt], 12, cache=ref, caches=caches)
+    assert caches[0].runner is not None and caches[0].runner.fixed_steps == 11, caches[0].runner
 
 
 def test_plugin_that_exits_mid_run(plugin_dir, tmp_path):
@@ -542,3 +683,88 @@ def test_a_plugin_whose_logits_are_not_finite(plugin_dir):
     assert (
         len(lines) == 1 and "while the model's no-cache forward is finite: that cache itself is broken" in (lines[0])
     ), r.stderr
+
+
+# Writes that go around sys.stdout: to the interpreter's own stdout, a logging handler bound to it at import, and
+# file descriptor 1 itself (what native code's printf does). A subprocess each: fd 1 is the process's, which pytest's
+# capture and CliRunner both replace.
+RAW_WRITERS = textwrap.dedent(
+    """
+    import logging, os, sys
+    from kvbench.caches.dynamic import DynamicCache
+    from kvbench.caches.static_graph import StaticGraphCache
+    from kvbench.caches import CacheSpec
+
+    log = logging.getLogger("raw")
+    log.addHandler(logging.StreamHandler(sys.__stdout__))
+    log.setLevel(logging.INFO)
+
+    def loud(where):
+        sys.__stdout__.write(f"RAW {where}\\n"); sys.__stdout__.flush()
+        log.info("LOG %s", where)
+        os.write(1, f"FD1 {where}\\n".encode())
+
+    class C(DynamicCache):
+        def __init__(self, config, batch, max_len, dtype, device):
+            loud("init"); super().__init__()
+        def update(self, k, v, positions):
+            loud("update"); return super().update(k, v, positions)
+        def crop(self, n):
+            loud("crop"); super().crop(n)
+
+    class G(StaticGraphCache):
+        def update(self, k, v, positions):
+            loud("update"); return super().update(k, v, positions)
+
+    F = CacheSpec("g", "fixed step, loud", lambda c, b, n, dt, dev: G(b, c.n_head, n, c.head_dim, dt, dev),
+                  fixed_step=True)
+    """
+)
+
+
+def _kvbench(tmp_path, *args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT / 'src'}", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "kvbench", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("generate", "a b a b a b a b a b", "-n", 8, "--no-stop", "--draft", "prompt-lookup", "--cache", "rw:C"),
+        ("generate", "hi", "-n", 4, "--cache", "rw:F"),
+        ("verify", "--caches", "rw:C,rw:F", "-n", 6, "--prompt-len", 8, "--reference", "none"),
+    ],
+)
+def test_under_json_nothing_a_plugin_writes_reaches_stdout(tmp_path, args):
+    """`sys.__stdout__`, a logging handler bound at import and file descriptor 1 itself all reach stderr under
+    --json: stdout is the one document, which parses; the writes are on stderr."""
+    (tmp_path / "rw.py").write_text(RAW_WRITERS)
+    r = _kvbench(tmp_path, *args, *TINY, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc.get("passed", True) is True, doc
+    for what in ("RAW", "LOG", "FD1"):
+        assert what in r.stderr and what not in r.stdout, (what, r.stdout[:200], r.stderr[-500:])
+    r = _kvbench(tmp_path, *args, *TINY)  # without --json stdout is the plugin's to write to as well
+    assert r.returncode == 0 and "FD1" in r.stdout, r.stderr
+
+
+@pytest.mark.slow
+def test_a_plugin_that_calls_os_exit_cannot_be_contained(tmp_path):
+    """What the docs say: os._exit ends the process on the spot, with the plugin's status and no document."""
+    (tmp_path / "ox.py").write_text(
+        "import os\nfrom kvbench.caches.dynamic import DynamicCache\n"
+        "class C(DynamicCache):\n    def __init__(self, *a):\n        super().__init__()\n"
+        "    def update(self, *a):\n        os._exit(9)\n"
+    )
+    r = _kvbench(tmp_path, "generate", "hi", "-n", 3, "--cache", "ox:C", *TINY, "--json")
+    assert r.returncode == 9 and r.stdout == "", r

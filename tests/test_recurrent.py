@@ -305,14 +305,15 @@ def test_verify_hf_skips_a_model_without_a_kv_cache(model_dirs):
         *"--caches none,dynamic,static --prompt-len 6 --new-tokens 3".split(),
     ]
     r = CliRunner().invoke(app, [*args, "--json"])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 5, r.output  # every row skipped: nothing checked, no pass
     doc = json.loads(r.stdout)
+    assert doc["passed"] is False and doc["nothing_checked"] is True, doc
     assert [c["cache"] for c in doc["checks"]] == ["none", "dynamic", "static"], doc["checks"]
     for c in doc["checks"]:
         assert c["skipped"] and c["detail"] == "mamba keeps a recurrent state, no KV cache", c
     assert doc["hf"]["layers"] == ["recurrent", "recurrent"], doc["hf"]
     r = CliRunner().invoke(app, args)
-    assert r.exit_code == 0 and "NOTHING CHECKED: all 3 row(s) skipped" in r.stdout, r.output
+    assert r.exit_code == 5 and "NOTHING CHECKED: all 3 row(s) skipped" in r.stdout, r.output
     assert "full attention" not in r.stdout and "no attention, so no KV cache" in r.stdout, r.stdout
 
 

@@ -32,6 +32,7 @@ ROWS = (("kvbench", "dynamic", 8), ("kvbench", "static", 8), ("kvbench", "static
 def meta_doc(**changes) -> dict:
     """A meta.json as bench writes it, reduced to what compare reads."""
     meta = {
+        "schema_version": 1,
         "status": "complete",
         "model": "gpt2-tiny",
         "weights": "random(seed=0, std=0.02)",
@@ -113,12 +114,17 @@ def files_in(*folders: Path) -> dict:
     return {p: p.read_bytes() for f in folders for p in sorted(f.rglob("*")) if p.is_file()}
 
 
-def assert_one_line(r, text: str, needle: str) -> None:
+def assert_one_line(r, text: str, needle: str, document: bool = False) -> None:
+    """Refused in one line, exit 2; stdout empty, or with `document` (--format json) the error document alone."""
     lines = r.stderr.strip().splitlines()
     assert r.exit_code == 2, text
     assert len(lines) == 1 and lines[0].startswith("error: "), text
     assert needle in lines[0], text
-    assert "Traceback" not in r.output and r.stdout == "", text
+    assert "Traceback" not in r.output, text
+    if document:
+        assert json.loads(r.stdout) == {"schema_version": 1, "error": lines[0].removeprefix("error: "), "exit_code": 2}
+    else:
+        assert r.stdout == "", text
 
 
 def strict_json(text: str):
@@ -309,7 +315,7 @@ def test_a_number_out_of_its_range_is_one_line_naming_file_line_and_column(runs,
     edit(cand if side == "candidate" else base)
     before = files_in(base, cand)
     r, text = invoke("compare", base, cand, "--format", "json")
-    assert_one_line(r, text, needle)
+    assert_one_line(r, text, needle, document=True)
     assert r.stderr.startswith(f"error: {side}"), text
     assert files_in(base, cand) == before  # no compare.png or compare.json written
 
@@ -576,3 +582,71 @@ def test_a_row_of_the_wrong_width_after_blank_lines_is_named_by_its_line(runs, q
     (cand / "steps.csv").write_text("".join(lines))
     r, text = invoke("compare", base, cand)
     assert_one_line(r, text, "steps.csv line 7 has 4 fields, the header 7")
+
+
+# --- a batch sweep's files without their batch column; meta.json's schema_version ------------------------------------
+@pytest.mark.parametrize("name", ["steps.csv", "ttft.csv"])
+def test_a_batch_sweep_whose_csv_lacks_batch_is_refused_naming_the_file(tmp_path, name):
+    """meta.json lists several batch sizes: a steps.csv or ttft.csv without `batch` would pool every size into each
+    row, so it is refused naming the file; with one batch size (runs older than batch sweeps) it is read as before."""
+    base = make_run(tmp_path / "base", settings__batch=[1, 4])
+    cand = make_run(tmp_path / "cand", settings__batch=[1, 4])
+    steps = pd.read_csv(cand / "steps.csv")
+    ttft = steps[steps.step == 1].rename(columns={"latency_ms": "ttft_ms"}).drop(columns=["step"])
+    ttft.to_csv(cand / "ttft.csv", index=False)
+    frame = steps if name == "steps.csv" else ttft
+    frame.drop(columns=["batch"]).to_csv(cand / name, index=False)
+    r, text = invoke("compare", base, cand)
+    assert_one_line(r, text, f"candidate {cand}: {name} has no batch column, but meta.json lists several batch sizes")
+    assert "[1, 4]" in r.stderr, text
+    r, text = invoke("compare", base, cand, "--format", "json")
+    assert r.exit_code == 2 and json.loads(r.stdout)["exit_code"] == 2, text
+    single = make_run(tmp_path / "single", settings__batch=[1])
+    pd.read_csv(single / "steps.csv").drop(columns=["batch"]).to_csv(single / "steps.csv", index=False)
+    r, text = invoke("compare", make_run(tmp_path / "old"), single)
+    assert r.exit_code == 0, text
+
+
+@pytest.mark.parametrize(
+    "version, needle",
+    [
+        (2, "schema_version 2 is newer than the 1 this kvbench reads"),
+        (10**30, f"schema_version {10**30} is newer than the 1 this kvbench reads"),
+        (0, "schema_version is 0, not a version kvbench writes"),
+        (-1, "schema_version is -1, not a version"),
+        ("1", "schema_version is '1', not a version"),
+        (True, "schema_version is True, not a version"),
+        (1.0, "schema_version is 1.0, not a version"),
+        (1e30, "schema_version is 1e+30, not a version"),
+        (None, "schema_version is None, not a version"),
+        ([1], "schema_version is [1], not a version"),
+    ],
+)
+@pytest.mark.parametrize("role", ["baseline", "candidate"])
+def test_a_schema_version_this_kvbench_does_not_read_is_refused(runs, version, needle, role):
+    """A version this kvbench does not know is refused in one line naming the file, either side, files untouched."""
+    base, cand = runs
+    folder = base if role == "baseline" else cand
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["schema_version"] = version
+    (folder / "meta.json").write_text(json.dumps(meta))
+    before = files_in(base, cand)
+    r, text = invoke("compare", base, cand)
+    assert_one_line(r, text, f"{role} {folder / 'meta.json'}: {needle}")
+    assert files_in(base, cand) == before
+
+
+def test_a_run_without_schema_version_is_read_as_version_1_with_a_warning(runs):
+    """Runs from before kvbench wrote schema_version (the committed results/ folders) still compare: one warning
+    line naming the file."""
+    base, cand = runs
+    meta = json.loads((base / "meta.json").read_text())
+    del meta["schema_version"]
+    (base / "meta.json").write_text(json.dumps(meta))
+    r, text = invoke("compare", base, cand)
+    assert r.exit_code == 0, text
+    warnings = [line for line in r.stderr.splitlines() if "schema_version" in line]
+    assert warnings == [
+        f"warning: baseline {base / 'meta.json'} has no schema_version (a run from before kvbench recorded it): "
+        "read as version 1"
+    ], text

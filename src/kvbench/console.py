@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import errno
 import functools
+import io
 import os
 import sys
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from rich import box
@@ -82,9 +84,18 @@ def line(*parts: str | Text) -> Text:
     return Text.assemble(*(escape_controls(p) if isinstance(p, str) else p for p in parts))
 
 
+_SAID: list[str] = []  # the error lines said so far (the CLI's error document repeats the last one)
+
+
 def error(message: str) -> None:
     """One red line on stderr: the whole user-facing error. The message is literal text."""
+    _SAID.append(_one_line(message))
     err.print(line(styled("error:", "bold red"), " ", _one_line(message)), soft_wrap=True)
+
+
+def errors_said() -> list[str]:
+    """The error lines said on stderr so far, oldest first."""
+    return list(_SAID)
 
 
 def warn(message: str) -> None:
@@ -119,10 +130,114 @@ def stdout_is_devnull() -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+_DOCUMENT: list = []  # where print_json writes while a --json command runs (json_stdout), innermost last
+
+
+_PRINTED = [0]  # JSON documents printed by this process (or by the processes it started, stdout_inherited)
+
+
 def print_json(doc: Any) -> None:
     """One JSON document on stdout and nothing else (for scripts and CI): strict JSON, NaN and infinities null."""
-    sys.stdout.write(json_text(doc) + "\n")
+    stream = _DOCUMENT[-1] if _DOCUMENT else sys.stdout
+    _PRINTED[0] += 1
+    stream.write(json_text(doc) + "\n")
+    stream.flush()
+
+
+def documents_printed() -> int:
+    """How many JSON documents this process has printed so far (the CLI prints an error document where a --json
+    command ended without one)."""
+    return _PRINTED[0]
+
+
+@contextmanager
+def json_stdout(active: bool = True):
+    """While a --json command runs, stdout carries its one JSON document and nothing else, whatever else runs: what
+    is printed (`print`, `sys.stdout`), written to `sys.__stdout__` or to file descriptor 1 itself (native code, a
+    logging handler bound to the process's stdout) goes to stderr, and `print_json` writes the document to the real
+    stdout, kept aside on a descriptor of its own. Everything is put back when the block ends. A process that ends
+    itself with `os._exit()` writes no document: nothing in a process can contain that."""
+    if not active:
+        yield
+        return
     sys.stdout.flush()
+    shown, saved, document = sys.stdout, _dup(1), None
+    if saved is not None:
+        if _fileno(shown) == 1:  # the process's own stdout: the document goes to the descriptor kept aside
+            document = os.fdopen(os.dup(saved), "w", encoding=shown.encoding or "utf-8")
+        _stderr_onto(1)
+    _DOCUMENT.append(document if document is not None else shown)
+    _KEPT.append(saved)
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout = shown
+        _DOCUMENT.pop()
+        _KEPT.pop()
+        if document is not None:
+            with suppress(OSError):  # a reader that went away: the document's own write has said so
+                document.close()
+        if saved is not None:
+            _flush_writes_to_fd1()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+_KEPT: list = []  # the real stdout's descriptor kept aside by json_stdout (None where fd 1 was closed)
+
+
+@contextmanager
+def stdout_inherited():
+    """Inside json_stdout: descriptor 1 back on the real stdout for the block, for processes started in it that
+    write the document themselves (tensor-parallel ranks: rank 0 reports) and guard their own descriptor 1."""
+    saved = _KEPT[-1] if _KEPT else None
+    if saved is None:
+        yield
+        return
+    _flush_writes_to_fd1()
+    os.dup2(saved, 1)
+    try:
+        yield
+    finally:
+        _PRINTED[0] += 1  # the processes started in the block wrote the document (or their error document)
+        _stderr_onto(1)
+
+
+def _flush_writes_to_fd1() -> None:
+    """What was buffered on its way to descriptor 1 (Python's `sys.__stdout__`, C's stdio: a native printf) is
+    written out now, to where descriptor 1 points while it was written."""
+    with suppress(OSError, ValueError, AttributeError):
+        if sys.__stdout__ is not None:
+            sys.__stdout__.flush()
+    with suppress(ImportError, OSError, AttributeError, TypeError):  # no C library to ask (not POSIX)
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+
+
+def _dup(fd: int) -> int | None:
+    try:
+        return os.dup(fd)
+    except OSError:  # closed (`kvbench ... >&-`)
+        return None
+
+
+def _fileno(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # captured or replaced
+        return None
+
+
+def _stderr_onto(fd: int) -> None:
+    """Descriptor `fd` onto stderr's, or onto /dev/null where stderr is closed."""
+    try:
+        os.dup2(2, fd)
+    except OSError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
 
 
 def table(title: str, columns: list[str], rows: list[list[Any]], caption: str | None = None) -> Table:

@@ -17,6 +17,11 @@ class NotEnoughMemoryError(KVBenchError):
     machine is too small."""
 
 
+class ContainedOutOfMemory(NotEnoughMemoryError):
+    """An allocation that failed inside third-party code (a cache plugin, a model's own code), worded as that code's
+    (kvbench.thirdparty): an allocation failure all the same (`is_out_of_memory`)."""
+
+
 class CacheOverflowError(KVBenchError):
     """A fixed-capacity cache was asked to hold more tokens than it has slots for."""
 
@@ -39,9 +44,9 @@ _DEVICE_OOM_TEXT = ("out of memory",)
 def is_out_of_memory(e: BaseException) -> bool:
     """An allocation failure on any device: torch's OutOfMemoryError (matched by name, so torch is not imported
     here), Python's MemoryError, or an exception whose text is the CPU, CUDA or MPS allocator's. A KVBenchError is
-    never one: it is a refusal already explained."""
+    never one (it is a refusal already explained) but for ContainedOutOfMemory, one worded as third-party code's."""
     if isinstance(e, KVBenchError):
-        return False
+        return isinstance(e, ContainedOutOfMemory)
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
         return True
     text = str(e)

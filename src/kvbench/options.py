@@ -113,12 +113,10 @@ def tokenizer_option() -> Any:
 
 
 def junit_option() -> Any:
-    from pathlib import Path
-
     return option(
         "--junit-xml",
         default=None,
-        cli_type=Path | None,
+        cli_type=str | None,  # as typed: '' stays empty (a Path would read it as '.')
         help="Also write the verdict as JUnit XML to this file (one test case per row), for CI test reports; "
         "written when checks fail too, and as one error case when the run is refused.",
     )

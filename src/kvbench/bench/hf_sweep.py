@@ -33,7 +33,7 @@ from kvbench.bench.settings import (
     read_settings,
     settings_dict,
 )
-from kvbench.check.hf_subject import HFModel, cache_unsupported, forward_inputs
+from kvbench.check.hf_subject import HFModel, forward_inputs
 from kvbench.check.judge import tolerance
 from kvbench.hf.caches import HF_CACHES, TIMED, compiles, generate_kwargs, parse_bench_caches
 from kvbench.hf.engine import compiled_decode, timed_generate
@@ -86,8 +86,8 @@ class HFModelEngine:
     def __init__(self, loaded: LoadedHF) -> None:
         self.loaded = loaded
         self.configured: set[str] = set()  # the caches this engine has prepared (for describe)
-        self.no_caches = cache_unsupported(loaded)  # why transformers' caches do not apply, or None
         self.model = HFModel(loaded)
+        self.no_caches = self.model.caches_unsupported  # why transformers' caches do not apply, or None
 
     def supports(self, cache: str) -> bool:
         return cache in TIMED and (cache == "none" or self.no_caches is None)

@@ -14,10 +14,12 @@ The lifecycle members (`crop`, `fork`, `reorder`) are optional: a plugin without
 `missing_lifecycle` names what it lacks, so verify's lifecycle checks give those a skip row. Those it has are
 checked like the rest (arguments validated before the call, the length it reports after).
 
-A plugin's code is contained (kvbench.thirdparty): importing its module, building its cache, every per-layer call
-and a spec's decode runner. Whatever it raises, including `sys.exit()` and other BaseExceptions, becomes one
-PluginError naming the plugin and what it was doing (Ctrl-C still interrupts), and what it prints goes to stderr, so
-stdout stays kvbench's own (one JSON document under --json).
+A plugin's code is contained (kvbench.thirdparty): importing its module, building its cache, and every call into
+its cache, a fixed-step design's included (`CacheSpec(fixed_step=True)`: its caches must be `StaticGraphCache`s,
+whose buffers kvbench's fixed-shape decode step writes, decode/fixed_step.py). Whatever it raises, including
+`sys.exit()`, other BaseExceptions and kvbench's own exception types, becomes one PluginError naming the plugin and
+what it was doing (Ctrl-C still interrupts; an allocation failure stays out of memory, worded as the plugin's), and
+what it prints goes to stderr, so stdout stays kvbench's own (one JSON document under --json).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from importlib import metadata
 import torch
 
 from kvbench.caches.base import LIFECYCLE, CacheSpec, LayerCache, Traffic
+from kvbench.caches.static_graph import StaticGraphCache
 from kvbench.dtypes import SPELLINGS
-from kvbench.errors import KVBenchError, one_line
+from kvbench.errors import KVBenchError, is_out_of_memory, one_line
 from kvbench.model.gpt2 import GPTConfig
 from kvbench.thirdparty import contained, did
 
@@ -109,7 +112,7 @@ def wrap(obj: object, name: str) -> CacheSpec:
     _check_stated(spec, name)
     checked = dataclasses.replace(
         spec,
-        factory=_checked_factory(spec.factory, name, not spec.fixed_step, evicts=spec.visible is not None),
+        factory=_checked_factory(spec.factory, name, spec.fixed_step, evicts=spec.visible is not None),
         roundtrip=_checked_policy(spec.roundtrip, name, "roundtrip"),
         visible=_checked_policy(spec.visible, name, "visible"),
     )
@@ -172,13 +175,18 @@ def _inherited(cls: type, field: str) -> bool:
     return any(field in vars(base) for base in cls.__mro__[1:] if base not in (LayerCache, object))
 
 
-def _checked_factory(factory, name: str, wrap_calls: bool, evicts: bool = False):
+def _checked_factory(factory, name: str, fixed_step: bool, evicts: bool = False):
     def fail(what: str) -> PluginError:
         return PluginError(f"cache plugin {name!r}: {what}")
 
     def build(config, batch, max_len, dtype, device):
         with contained(lambda e: fail(did("constructing it", e))):
             cache = factory(config, batch, max_len, dtype, device)
+        if fixed_step and not isinstance(cache, StaticGraphCache):
+            raise fail(
+                f"a fixed_step design's cache must be a kvbench.caches.static_graph.StaticGraphCache (the fixed-shape "
+                f"decode step writes its buffers), its factory returned a {type(cache).__name__}"
+            )
         missing = [a for a in ATTRIBUTES if not _has(cache, a)]
         if missing:
             raise fail(f"its cache object has no {', '.join(missing)}")
@@ -186,20 +194,24 @@ def _checked_factory(factory, name: str, wrap_calls: bool, evicts: bool = False)
         _ = checked.capacity  # read once here: a negative or non-integer capacity is refused before any run
         if checked.length != 0:
             raise checked._fail(f"a new cache must be empty, but its length is {checked.length}")
-        return checked if wrap_calls else cache
+        return checked
 
     return build
 
 
+class _Raised(Exception):
+    """Reading an attribute of a plugin's object raised something other than AttributeError."""
+
+
 def _has(obj: object, attr: str) -> bool:
+    """Does the plugin's object have `attr`? One that raises (or exits) when read has it: the call-time check
+    reports what it raises. A real Ctrl-C still interrupts."""
     try:
-        with contained(lambda e: e):  # the plugin's prints to stderr; anything it raises is answered below
+        with contained(lambda e: e if isinstance(e, AttributeError) else _Raised()):  # its prints to stderr
             getattr(obj, attr)
     except AttributeError:
         return False
-    except KeyboardInterrupt:
-        raise
-    except BaseException:  # the attribute exists but raised (or exited): the call-time check reports it
+    except _Raised:
         return True
     return True
 
@@ -235,7 +247,12 @@ class CheckedCache(LayerCache):
         return PluginError(f"cache plugin {self.name!r} broke the cache contract: {what}")
 
     def _calling(self, doing: str) -> contained:
-        return contained(lambda e: self._fail(did(doing, e)))
+        return contained(lambda e: self._raised(doing, e))
+
+    def _raised(self, doing: str, e: BaseException) -> PluginError:
+        if is_out_of_memory(e):  # the machine's answer, not a broken contract (contained keeps it out of memory)
+            return PluginError(f"cache plugin {self.name!r}: {did(doing, e)}")
+        return self._fail(did(doing, e))
 
     def _get(self, attr: str):
         with self._calling(f"reading {attr}"):
@@ -371,6 +388,20 @@ class CheckedCache(LayerCache):
             raise self._fail(f"{attr} must be a non-negative int, got {value!r}")
         return value
 
+    @property
+    def runner(self):
+        """A fixed-step design's decode runner (decode/fixed_step.py), kept on the plugin's StaticGraphCache; other
+        designs have none."""
+        if not isinstance(self.inner, StaticGraphCache):
+            raise AttributeError("runner")
+        with self._calling("reading runner"):
+            return getattr(self.inner, "runner", None)
+
+    @runner.setter
+    def runner(self, value) -> None:
+        with self._calling("setting runner"):
+            self.inner.runner = value
+
     def __getattr__(self, attr: str):  # anything else (a design's own tensors) reads through
         if attr == "inner":
             raise AttributeError(attr)
@@ -389,8 +420,7 @@ def probe(spec: CacheSpec) -> None:
     B, H, Dh = 2, _PROBE.n_head, _PROBE.head_dim
     assert spec.factory is not None, f"{spec.name} holds no cache to probe"
     cache = spec.factory(_PROBE, B, 8, torch.float32, torch.device("cpu"))
-    if not isinstance(cache, CheckedCache):  # plugins with their own decode runner are checked here only
-        cache = CheckedCache(cache, spec.name)
+    assert isinstance(cache, CheckedCache), f"{spec.name}: probe a spec whose factory is checked (wrap)"
     g = torch.Generator().manual_seed(0)
     for start, T in ((0, 3), (3, 1)):
         k, v = (torch.randn(B, H, T, Dh, generator=g) for _ in range(2))

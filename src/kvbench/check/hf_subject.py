@@ -12,14 +12,14 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 
 from kvbench.check.judge import tolerance
 from kvbench.check.subject import NoCache, Run, Unsupported
 from kvbench.hf.caches import HF_CACHES, generate_kwargs, reuse_kwargs
-from kvbench.hf.introspect import cache_kwarg, returned_cache
+from kvbench.hf.introspect import cache_kwarg, measured_no_cache, returned_cache
 from kvbench.hf.models import LoadedHF
 
 NO_CACHE_SOURCE = "generate(use_cache=False)"
@@ -85,6 +85,11 @@ class HFModel:
         self._full: dict[tuple, torch.Tensor] = {}
         self._nocache: dict[tuple, Run] = {}
 
+    @cached_property
+    def caches_unsupported(self) -> str | None:
+        """`cache_unsupported` of the model, measured once."""
+        return cache_unsupported(self.loaded)
+
     def full_logits(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
         key = (tuple(prompt), tuple(tokens))
         if key not in self._full:
@@ -138,7 +143,7 @@ class HFSubject:
         self.cache_layers: list[str] | None = None  # what the first cached run built
 
     def unavailable(self) -> str | None:
-        why = cache_unsupported(self.model.loaded)  # the no-cache path too: it is only the caches' baseline
+        why = self.model.caches_unsupported  # the no-cache path too: it is only the caches' baseline
         if why or not self.cached:
             return why
         info = self.model.loaded.info
@@ -174,11 +179,9 @@ class HFSubject:
 
 
 def cache_unsupported(loaded: LoadedHF) -> str | None:
-    """Why transformers' Cache classes do not apply to this model at all, read from the model; None if they do."""
+    """Why transformers' Cache classes do not apply to this model at all, read from the model (whether it keeps a
+    KV cache is measured: introspect.measured_no_cache); None if they do."""
     model, info = loaded.model, loaded.info
-    params = inspect.signature(model.forward).parameters
-    if not {"cache", "past_key_values"} & set(params):
-        return f"{info.architecture} has no KV cache: its forward takes no cache, every step recomputes the prefix"
     if info.recurrent and not info.kv_layers:
         return f"{info.model_type} keeps a recurrent state, no KV cache"
     # transformers types this classmethod's cls as its GenerativePreTrainedModel protocol, which mypy finds no model
@@ -188,6 +191,9 @@ def cache_unsupported(loaded: LoadedHF) -> str | None:
             f"{info.architecture} keeps a cache of its own: transformers builds no DynamicCache or StaticCache for "
             "it and ignores cache_implementation (GenerationMixin._supports_default_dynamic_cache() is False)"
         )
+    why = measured_no_cache(model)
+    if why is not None:
+        return f"{info.architecture} has no KV cache: {why}, so every step recomputes the prefix"
     return None
 
 

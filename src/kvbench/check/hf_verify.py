@@ -20,7 +20,7 @@ from kvbench.check.causal import refuse_non_causal
 from kvbench.check.distortion import HF_REFERENCE_CACHE, measure_subjects
 from kvbench.check.hf_policy import hf_policy_rows
 from kvbench.check.hf_subject import HFModel, HFSubject
-from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
+from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport, verdict
 from kvbench.check.lifecycle import LIFECYCLE
 from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks
 from kvbench.check.tp import RankBytes, hf_tp_rows
@@ -82,7 +82,7 @@ def run_hf_verify(
             full = HFSubject(target, HF_REFERENCE_CACHE)
             costs = measure_subjects(subjects, full, prompts[0], new_tokens, loaded.random, raised)
     return VerifyReport(
-        passed=all(r.passed for r in rows if not r.skipped),
+        **verdict(rows),
         checks=rows,
         dtype=dtype_name(target.dtype),
         new_tokens=new_tokens,

@@ -67,7 +67,7 @@ class CheckRow:
 
 @dataclass
 class VerifyReport:
-    passed: bool
+    passed: bool  # every judged row passed, and some row was judged (`verdict`)
     checks: list[CheckRow]
     dtype: str
     new_tokens: int
@@ -79,6 +79,14 @@ class VerifyReport:
     rank_cache_bytes: list[dict] = field(default_factory=list)
     # each lossy cache's cost against the full-precision path, by cache (check/distortion.py Distortion.as_dict)
     distortion: dict[str, dict] = field(default_factory=dict)
+    nothing_checked: bool = False  # every row was skipped: no verdict either way
+
+
+def verdict(rows: list[CheckRow]) -> dict[str, bool]:
+    """A report's `passed` and `nothing_checked` for `rows`: skipped rows never fail, and a run that skipped every
+    row checked nothing, which is no pass."""
+    judged = [r for r in rows if not r.skipped]
+    return {"passed": bool(judged) and all(r.passed for r in judged), "nothing_checked": not judged}
 
 
 def skipped(cache: str, why: str, name: str = "-") -> CheckRow:

@@ -164,15 +164,23 @@ def locate(got: list, want: list, rtol: float, atol: float, visible=None, upto: 
 
 # --- the rows -----------------------------------------------------------------------------------------------------------
 def policy_rows(
-    target, caches: list[str], prompts, new: int, short: int, fault=None, compile: str = "off", on_row=None
+    target,
+    caches: list[str],
+    prompts,
+    new: int,
+    short: int,
+    fault=None,
+    compile: str = "off",
+    on_row=None,
+    checks: tuple[str, ...] = POLICY_CHECKS,
 ) -> list[CheckRow]:
-    """Every check of POLICY_CHECKS for each cache in `caches` that declares a policy, against the reference."""
+    """Each of `checks` in POLICY_CHECKS for each cache in `caches` that declares a policy, against the reference."""
     rows: list[CheckRow] = []
     for name in caches:
         spec = get_cache_spec(name)
         if spec.factory is None or spec.fixed_step or not declares_policy(spec):
             continue
-        for row in _rows_of(target, name, spec, prompts, new, short, fault, compile):
+        for row in _rows_of(target, name, spec, prompts, new, short, fault, compile, checks):
             row.policy = True
             rows.append(row)
             if on_row is not None:
@@ -193,12 +201,14 @@ def _subjects(target, name: str, spec: CacheSpec, fault, compile: str):
     return design_subject, reference
 
 
-def _rows_of(target, name, spec, prompts, new, short, fault, compile) -> list[CheckRow]:
+def _rows_of(target, name, spec, prompts, new, short, fault, compile, wanted) -> list[CheckRow]:
     d, r = _subjects(target, name, spec, fault, compile)
     tol = d.tol
     rows: list[CheckRow] = []
 
     def guarded(checks: tuple[str, ...], fn) -> None:
+        if not set(checks) & set(wanted):
+            return
         try:
             rows.extend(fn())
         except Unsupported as e:
@@ -212,10 +222,10 @@ def _rows_of(target, name, spec, prompts, new, short, fault, compile) -> list[Ch
     guarded(("logits", "greedy"), lambda: _generated(d, r, target, prompts[0], new, tol, spec))
     if spec.padding:
         guarded(("batched",), lambda: [_batch(d, r, prompts, short, tol)])
-    else:
+    elif "batched" in wanted:
         rows.append(skipped(name, "it evicts by position: it takes no left-padded batch", "batched"))
     guarded(("cache_state",), lambda: [_reused(d, r, prompts, short, tol)])
-    for check in LIFECYCLE:
+    for check in (c for c in LIFECYCLE if c in wanted):
         missing = d.missing_lifecycle(NEEDS[check])
         if missing:
             rows.append(skipped(name, missing, check))

@@ -10,7 +10,7 @@ import torch
 
 from kvbench.check.distortion import REFERENCE_CACHE, measure_subjects
 from kvbench.check.gpt2_subject import REFERENCE, GPT2Model, GPT2Subject, Injection
-from kvbench.check.judge import LOW_PRECISION_NOTE, TP_NOTE, CheckRow, VerifyReport
+from kvbench.check.judge import LOW_PRECISION_NOTE, TP_NOTE, CheckRow, VerifyReport, verdict
 from kvbench.check.policy import policy_rows
 from kvbench.check.suite import CHECKS, SHORT_TOKENS, prompts_note, run_checks
 from kvbench.check.tp import RankBytes, rank_bytes_notes, tp_rows
@@ -62,7 +62,8 @@ def run_verify(
     if tp is None:
         subjects = [GPT2Subject(target, c, fault, compile) for c in caches]
         rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row)
-        rows += policy_rows(target, caches, prompts, new_tokens, min(short_tokens, new_tokens), fault, compile, on_row)
+        short = min(short_tokens, new_tokens)
+        rows += policy_rows(target, caches, prompts, new_tokens, short, fault, compile, on_row, checks)
     else:
         rows, held = tp_rows(target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp)
     costs: dict[str, dict] = {}
@@ -86,7 +87,7 @@ def run_verify(
         notes += rank_bytes_notes(held)
     notes += raised
     return VerifyReport(
-        passed=all(r.passed for r in rows),
+        **verdict(rows),
         checks=rows,
         dtype=dtype_name(target.dtype),
         new_tokens=new_tokens,

@@ -8,7 +8,8 @@ one; `kvbench.cli` imports them so they register on `app`.
 
 Exit codes (`exit_code`, the one mapping): 0 success; 1 a verdict that failed (raised by the command as
 typer.Exit(1)); 2 bad input (KVBenchError, or a usage error Click found); 3 out of memory (NotEnoughMemoryError or
-an allocation failure); 70 a kvbench bug (anything else); 75 a tensor-parallel rank whose peer failed first (the run's
+an allocation failure); 5 nothing checked (verify or break skipped every row: no verdict, as pytest exits 5 when no
+test ran); 70 a kvbench bug (anything else); 75 a tensor-parallel rank whose peer failed first (the run's
 status is the failing rank's, see kvbench.distributed); 130 interrupted (Ctrl-C); 141 stdout closed by its reader.
 """
 
@@ -43,6 +44,7 @@ from kvbench.errors import (
 )
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import flag_of
+from kvbench.thirdparty import watching_signals
 
 # The click that Typer runs on: vendored as typer._click in recent Typer, the click package before.
 click = getattr(typer_core, "_click", None) or __import__("click")
@@ -50,6 +52,7 @@ click = getattr(typer_core, "_click", None) or __import__("click")
 FAILED = 1  # a verdict that failed: a check, a fault not detected, a regression
 BAD_INPUT = 2  # KVBenchError: a wrong command, a bad file or value
 OUT_OF_MEMORY = 3  # the command was right, the machine too small
+NOTHING_CHECKED = 5  # verify or break skipped every row: no verdict either way (pytest's "no tests ran")
 BUG = 70  # anything else: a kvbench bug (EX_SOFTWARE)
 INTERRUPTED = 130  # 128 + SIGINT
 # The reader of stdout went away early (`kvbench ... | head -1`): 128 + SIGPIPE, what a shell reports for a program
@@ -90,16 +93,27 @@ def exit_code(e: BaseException) -> tuple[int, str | None]:
 
 
 class KVBenchCommand(TyperCommand):
-    """A command whose every exception becomes one line on stderr and its exit status (`exit_code`); under --json
-    stdout also gets the command's error document, so a script reading it always gets one."""
+    """A command whose every exception becomes one line on stderr and its exit status (`exit_code`). Under --json
+    (compare: --format json) stdout carries one JSON document on every exit: where the command ended without
+    printing its own (refused, out of memory, interrupted), the boundary prints its error document,
+    `error_document`."""
 
-    error_doc: dict | None = None  # the document's verdict keys for a refused run, e.g. {"passed": False}
+    error_doc: dict = {}  # the document's verdict keys for a refused run, e.g. {"passed": False}
 
     def invoke(self, ctx):
+        printed, said = console.documents_printed(), len(console.errors_said())
+        json_out = prints_json(ctx.params)
         try:
             check_environment()
-            return super().invoke(ctx)
-        except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+            with watching_signals(), console.json_stdout(json_out):
+                return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, click.exceptions.ClickException) as e:
+            code = getattr(e, "exit_code", None)
+            if json_out and code not in (None, 0) and console.documents_printed() == printed:
+                # ended by the command itself without its document (bench stopped by SIGTERM): its line was said
+                lines = console.errors_said()[said:]
+                message = lines[-1] if lines else f"stopped with exit status {code}"
+                console.print_json(error_document(self.error_doc, message, code))
             raise
         except BaseException as e:
             if isinstance(e, SystemExit):
@@ -109,13 +123,33 @@ class KVBenchCommand(TyperCommand):
                 raise
             if code == STDOUT_CLOSED:
                 console.stdout_closed()
-            elif self.error_doc is not None and ctx.params.get("json_out"):
-                console.print_json(
-                    {"schema_version": SCHEMA_VERSION, **self.error_doc, "error": message, "exit_code": code}
-                )
+            elif json_out and console.documents_printed() == printed:
+                console.print_json(error_document(self.error_doc, message, code))
             if message is not None:
                 console.error(message)
             raise typer.Exit(code) from None
+
+
+def error_document(verdict: dict, message: str | None, code: int) -> dict:
+    """The --json document of a command that ended without its own: schema_version, the command's verdict keys
+    (verify's `passed`, break's `all_detected`: false), the one line said on stderr and the exit status. Every
+    schema (`kvbench schema KIND`) has this variant: a document with `error` has these keys only."""
+    return {"schema_version": SCHEMA_VERSION, **verdict, "error": message, "exit_code": code}
+
+
+def _asks_json(args: list[str]) -> bool:
+    """A command line Click refused asks for a JSON document: --json, or --format json / -f json / --format=json
+    (read from the words, since the refused line was never parsed)."""
+    words = [str(a) for a in args]
+    if "--" in words:
+        words = words[: words.index("--")]
+    pairs = zip(words, [*words[1:], ""], strict=True)
+    return "--json" in words or any((a in ("--format", "-f") and b == "json") or a == "--format=json" for a, b in pairs)
+
+
+def prints_json(params: dict) -> bool:
+    """The command prints one JSON document: --json (compare: --format json)."""
+    return bool(params.get("json_out")) or params.get("fmt") == "json"
 
 
 class KVBenchGroup(TyperGroup):
@@ -142,8 +176,15 @@ class KVBenchGroup(TyperGroup):
             sys.exit(0)
         except click.exceptions.ClickException as e:
             where = f" (see: {e.ctx.command_path} --help)" if getattr(e, "ctx", None) is not None else ""
+            code = BAD_INPUT if isinstance(e, click.exceptions.UsageError) else e.exit_code
+            words = [str(a) for a in (sys.argv[1:] if args is None else args)]
+            command = getattr(getattr(e, "ctx", None), "command", None)
+            if not isinstance(command, KVBenchCommand):  # an error Click raised with no context: the command named
+                command = self.commands.get(next((w for w in words if not w.startswith("-")), ""))
+            if isinstance(command, KVBenchCommand) and _asks_json(words):
+                console.print_json(error_document(command.error_doc, e.format_message() + where, code))
             console.error(e.format_message() + where)
-            sys.exit(BAD_INPUT if isinstance(e, click.exceptions.UsageError) else e.exit_code)
+            sys.exit(code)
         except (typer.Abort, getattr(click.exceptions, "Abort", typer.Abort)):  # where click has its own
             console.error("aborted")
             sys.exit(INTERRUPTED)
@@ -225,7 +266,7 @@ def command(*sources: type | Given, name: str | None = None, error_doc: dict | N
         run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         run.__annotations__ = {p.name: p.annotation for p in params}
         del run.__wrapped__  # Typer reads the signature above, not the function's own
-        cls = type(f"{fn.__name__}Command", (KVBenchCommand,), {"error_doc": error_doc})
+        cls = type(f"{fn.__name__}Command", (KVBenchCommand,), {"error_doc": error_doc or {}})
         app.command(name=name, cls=cls)(run)
         return fn
 

@@ -451,6 +451,9 @@ def _signals_interrupt():
         return
 
     def stop(signum, frame):
+        from kvbench.thirdparty import note_signal
+
+        note_signal()  # a real interrupt, even where it lands inside a plugin's code
         raise Terminated(signum)
 
     sigs = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
@@ -496,13 +499,22 @@ class _BenchProgress:
         self._task: TaskID | None = None
 
     def __enter__(self) -> _BenchProgress:
-        self._progress.__enter__()
+        if self._shown():
+            self._progress.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._progress.__exit__(*exc)
+        if self._shown():
+            self._progress.__exit__(*exc)
+
+    def _shown(self) -> bool:
+        """Drawn only on an interactive stderr: the bar is transient, and elsewhere (a file, a pipe, CI's log) all
+        Rich would leave of it is an empty line."""
+        return err.is_interactive
 
     def update(self, done: int, total: int, label: str) -> None:
+        if not self._shown():
+            return
         if self._task is None:
             self._task = self._progress.add_task(label, total=total)
         self._progress.update(self._task, completed=done, total=total, description=label)

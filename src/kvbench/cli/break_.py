@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import typer
 
 from kvbench import console, options
-from kvbench.cli.app import command, load_for_checks
+from kvbench.cli.app import NOTHING_CHECKED, command, load_for_checks
 from kvbench.cli.break_render import render_break, render_break_summary
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
@@ -43,16 +42,16 @@ class BreakOptions:
     tp: int = options.tp_option()
     tp_timeout: float = options.tp_timeout_option()
     json_out: bool = options.json_option()
-    junit_xml: Path | None = options.junit_option()
+    junit_xml: str | None = options.junit_option()
     verbose: bool = options.verbose_option()
 
 
-@command(BreakOptions, name="break")
+@command(BreakOptions, name="break", error_doc={"all_detected": False})
 def break_(o: BreakOptions) -> None:
     """Inject the classic KV-cache bugs and show verify catching each.
 
     Runs correct and faulty code side by side on the same model and prompt. Exit 0 when every injected fault was
-    detected by verify, 1 when any slipped through."""
+    detected by verify, 1 when any slipped through, 5 when every fault was skipped."""
     from kvbench import distributed, validate
     from kvbench.results import junit
 
@@ -67,7 +66,8 @@ def break_(o: BreakOptions) -> None:
 
             cfg = peek_config(o.model, o.weights)
             validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
-            exit_code = distributed.launch(o.tp, sys.argv[1:])
+            with console.stdout_inherited():  # rank 0 prints the --json document
+                exit_code = distributed.launch(o.tp, sys.argv[1:])
         else:
             results, skipped, meta = _run_faults(o, clock, reports)
     if exit_code is not None:  # the ranks have reported
@@ -82,13 +82,16 @@ def break_(o: BreakOptions) -> None:
         console.print_json(
             {
                 "schema_version": SCHEMA_VERSION,
-                "all_detected": all(r.detected for r in results),
+                "all_detected": bool(results) and all(r.detected for r in results),
+                "nothing_checked": not results,
                 **meta,
                 "bugs": [asdict(r) for r in results],
             }
         )
     else:
         render_break_summary(results)
+    if not results:
+        raise typer.Exit(NOTHING_CHECKED)
     if not all(r.detected for r in results):
         raise typer.Exit(1)
 

@@ -50,6 +50,14 @@ def _caught(r) -> str:
 
 
 def render_break_summary(results: list) -> None:
+    if not results:  # nothing slipped through because nothing ran: say so, not a detection count
+        out.print(
+            line(
+                styled("NOTHING CHECKED", "bold yellow"),
+                ": every fault was skipped (see the notes); no verdict, exit 5",
+            )
+        )
+        return
     rows = [
         [
             r.name,

@@ -49,7 +49,8 @@ def row_lines(p: ModelPlan, r: PlanRow) -> list[str]:
     if p.gpu is not None:
         lines.append(_fit_line(r, p.gpu))
     if r.decode_floor is not None:
-        lines.append(floor_line(r))
+        moe = experts_line(p.model, r)
+        lines += [moe, floor_line(r)] if moe else [floor_line(r)]
     return lines
 
 
@@ -69,6 +70,22 @@ def plan_warnings(p: ModelPlan) -> list[str]:
     if p.gpu is None or p.gpu.available > 0:
         return list(p.warnings)
     return [*p.warnings, f"{p.model.name}: {gpu_line(p.gpu)}: no room for any cache"]
+
+
+def experts_line(spec: ModelSpec, r: PlanRow) -> str | None:
+    """A mixture of experts' decode step: which routed experts it reads, and so how many parameters (the floor's
+    weights term); None for a dense model."""
+    f = r.decode_floor
+    if f is None or f.experts_read is None or spec.params is None:
+        return None
+    unread = spec.experts - f.experts_read
+    rule = f"min({spec.experts}, {r.batch} x top-{spec.experts_per_token})"
+    rule += ": every expert" if not unread else ""
+    return (
+        f"  MoE step at batch {r.batch} reads {f.experts_read} of {spec.experts} routed experts per MoE layer "
+        f"({rule}): {fmt_int(spec.params)} params - {unread} unread x {fmt_int(spec.expert_params)} per expert "
+        f"= {fmt_int(spec.params - unread * spec.expert_params)} params read"
+    )
 
 
 def floor_line(r: PlanRow) -> str:
@@ -200,9 +217,18 @@ def _rate(bw: PeakBandwidth) -> str:
 def _floor_plan_line(p: ModelPlan, bw: PeakBandwidth) -> str:
     write = next((r.decode_floor.kv_write_bytes_per_sequence for r in p.rows if r.decode_floor), 0)
     where = " per GPU, every GPU at once (communication not counted)" if p.tp > 1 else ""
+    spec = p.model
+    moe = (
+        f"; weights: what the step reads, for a mixture of experts all but the routed experts its tokens cannot "
+        f"reach (dense layers, attention, routers and shared experts, and min({spec.experts}, batch x "
+        f"top-{spec.experts_per_token}) of the {spec.experts} routed experts per MoE layer: every expert from batch "
+        f"{-(-spec.experts // spec.experts_per_token)})"
+        if spec.experts
+        else ""
+    )
     return (
         f"decode floor per step = (weights + K/V of every sequence at the context + this token's K/V write "
-        f"{fmt_int(write)} B per sequence){where} / bandwidth {_rate(bw)}"
+        f"{fmt_int(write)} B per sequence){where} / bandwidth {_rate(bw)}{moe}"
     )
 
 
@@ -251,7 +277,7 @@ def _fit_line(r: PlanRow, budget: GPUBudget) -> str:
         longest = f"max context {'>= ' if at_limit else ''}{fmt_int(r.max_ctx)}{at_limit}"
     return (
         f"  fits: {fmt_bytes(r.bytes_per_gpu)} {'<=' if r.fits else '>'} {fmt_bytes(max(budget.available, 0))} "
-        f"available; max batch {r.max_batch} at {fmt_tokens(r.ctx)}; {longest} at batch {r.batch}"
+        f"available; max batch {r.max_batch if r.max_batch is None else fmt_int(r.max_batch)} at {fmt_tokens(r.ctx)}; {longest} at batch {r.batch}"
     )
 
 
@@ -316,7 +342,9 @@ def plan_json(p: ModelPlan) -> dict:
     for r, row in zip(p.rows, doc["rows"], strict=True):
         row = _with(row, "max_ctx_at_limit", "working", row_lines(p, r))
         if r.decode_floor is not None:
-            row["decode_floor"] = _with(row["decode_floor"], "tokens_per_s", "working", floor_line(r))
+            moe = experts_line(p.model, r)
+            working = f"{moe.strip()}; {floor_line(r).strip()}" if moe else floor_line(r)
+            row["decode_floor"] = _with(row["decode_floor"], "tokens_per_s", "working", working)
         rows.append(row)
     doc["rows"] = rows
     return doc

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
-from pathlib import Path
 
 import typer
 
 from kvbench import console, options
-from kvbench.cli.app import command, load_for_checks
+from kvbench.cli.app import NOTHING_CHECKED, command, load_for_checks
 from kvbench.cli.verify_render import render_verify, verify_row
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import option
@@ -44,7 +42,7 @@ class VerifyOptions:
     hf: str | None = options.hf_option()
     trust_remote_code: bool = options.trust_option()
     layers: int | None = options.layers_option()
-    junit_xml: Path | None = options.junit_option()
+    junit_xml: str | None = options.junit_option()
     verbose: bool = options.verbose_option()
 
 
@@ -53,7 +51,7 @@ def verify(o: VerifyOptions) -> None:
     """Prove cached decoding equals full recomputation, for every cache, against Hugging Face.
 
     With --hf SOURCE: the same checks on any Hugging Face causal LM, for each of transformers' own caches, against
-    its own no-cache path. Exit 0 when every check passes, 1 when any fails. In fp16/bf16 a token flip at a
+    its own no-cache path. Exit 0 when every check passes, 1 when any fails, 5 when every row was skipped. In fp16/bf16 a token flip at a
     near-tie that the logit error explains is reported, not failed."""
     from kvbench import distributed, validate
     from kvbench.results import junit
@@ -62,12 +60,13 @@ def verify(o: VerifyOptions) -> None:
     reports = not distributed.in_rank() or distributed.global_rank() == 0  # under --tp, rank 0 reports
     clock = junit.RowClock(None if o.json_out or not reports else verify_row)
     exit_code = None
-    with _json_safe(o.json_out), junit.errors_reported(o.junit_xml if reports else None, "verify", clock):
+    with junit.errors_reported(o.junit_xml if reports else None, "verify", clock):
         junit_path = junit.check_junit_path(o.junit_xml) if reports else None
         validate.verify_rules(o)
         if launching:
             _check_tp_shape(o)
-            exit_code = distributed.launch(o.tp, sys.argv[1:])
+            with console.stdout_inherited():  # rank 0 prints the --json document
+                exit_code = distributed.launch(o.tp, sys.argv[1:])
         else:
             report, meta = _verify_hf(o, clock) if o.hf is not None else _verify_gpt2(o, clock)
     if exit_code is not None:  # the ranks have reported
@@ -82,6 +81,8 @@ def verify(o: VerifyOptions) -> None:
         console.print_json({"schema_version": SCHEMA_VERSION, "passed": report.passed, **meta, **asdict(report)})
     else:
         render_verify(report, meta, o.verbose)
+    if report.nothing_checked:
+        raise typer.Exit(NOTHING_CHECKED)
     if not report.passed:
         raise typer.Exit(1)
 
@@ -98,17 +99,6 @@ def _check_tp_shape(o: VerifyOptions) -> None:
         from kvbench.hf.tp import check_tp_model
 
         check_tp_model(o.hf, o.tp, o.trust_remote_code)
-
-
-@contextmanager
-def _json_safe(json_out: bool):
-    """With --json, stdout carries one JSON document whatever happens: a model's own print() goes to stderr while
-    it runs (a refusal's error document is printed by the CLI's error boundary)."""
-    if not json_out:
-        yield
-        return
-    with redirect_stdout(sys.stderr):
-        yield
 
 
 def _verify_gpt2(o: VerifyOptions, on_row):

@@ -189,7 +189,7 @@ def render_verify(report, meta: dict, verbose: bool = False) -> None:
         out.print(
             line(
                 styled("NOTHING CHECKED", "bold yellow"),
-                f": all {len(skipped)} row(s) skipped (see the rows)",
+                f": all {len(skipped)} row(s) skipped (see the rows); no verdict, exit 5",
             )
         )
     else:

@@ -80,8 +80,9 @@ class _DeviceMask:
     def __init__(self, allowed: torch.Tensor, rule: MaskRule) -> None:
         self.allowed, self.rule = allowed, rule  # (B, 1, 1, L) bool
 
-    def for_keys(self, S: int) -> tuple[torch.Tensor | None, bool]:
+    def for_keys(self, S: int, key_positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, bool]:
         assert S == self.allowed.size(-1), f"fixed-shape step got {S} key slots, buffer has {self.allowed.size(-1)}"
+        assert key_positions is None, "the fixed-shape step's buffers are columns: it evicts nothing"
         return self.rule.adjust(1, S, self.allowed, False)
 
 
@@ -177,7 +178,8 @@ class FixedShapeDecoder:
         compile: str = "off",
         mask_rule: MaskRule = EXACT_MASK,
     ) -> None:
-        assert caches and all(isinstance(c, StaticGraphCache) for c in caches), "needs StaticGraphCache per layer"
+        # a StaticGraphCache per layer, or a plugin's behind its contract (caches/plugins.py CheckedCache)
+        assert caches and all(isinstance(getattr(c, "inner", c), StaticGraphCache) for c in caches), caches
         B, H, L, Dh = caches[0].k.shape
         device = caches[0].k.device
         self.model = model

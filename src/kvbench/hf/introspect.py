@@ -132,6 +132,39 @@ def returned_cache(out):
     return getattr(out, "cache" if "cache" in names else "past_key_values", None)
 
 
+@torch.no_grad()
+def measured_no_cache(model) -> str | None:
+    """Why the model keeps no KV cache, measured (not read from its forward's signature, which `**kwargs` hides):
+    a two-token forward with `use_cache=True` returns no cache, and one given a DynamicCache leaves it empty. None
+    when either shows a cache, or when the forward raises for another reason than refusing those keywords (the
+    checks then run and report what it raises)."""
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)  # (1, 2)
+    plain = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": True}
+    refused = []
+    for given in (None, _empty_cache(model)):
+        kw = plain if given is None else {**plain, cache_kwarg(): given}
+        try:
+            out = model(**kw)
+        except Exception as e:  # a forward that takes no such keyword refuses it; anything else is the checks' to show
+            if "unexpected keyword argument" not in str(e):
+                return None
+            refused.append(e)
+            continue
+        if returned_cache(out) is not None or (given is not None and given.get_seq_length() > 0):
+            return None
+    if len(refused) == 2:
+        return "its forward takes neither use_cache nor a cache"
+    return "a forward with use_cache=True returns no cache and leaves the cache it is given empty"
+
+
+def _empty_cache(model) -> DynamicCache:
+    try:
+        return DynamicCache(config=model.config.get_text_config(decoder=True))
+    except Exception:  # a custom config DynamicCache cannot read: the layers are made as they are used
+        return DynamicCache()
+
+
 def describe(model) -> HFModelInfo:
     """Read the facts the checks depend on from the loaded model (not from guesses about its family)."""
     cfg = model.config.get_text_config(decoder=True)

@@ -248,6 +248,7 @@ def spec_from_fields(cfg: dict[str, Any], src: Source) -> ModelSpec:
     # counted on the meta device where transformers can
     dense = state is None and not any(f"{a}_per_layer" in cfg for a in PER_LAYER_KEYS)
     params = estimate_params(cfg, Shape(n_layers, n_heads, n_kv, hd, hidden)) if dense else None
+    routing = routed_experts(cfg, n_layers, hidden, model_type) if params is not None else (0, 0, 0)
     notes = [src.note] if src.note else []
     if not max_ctx and n_attn:
         notes.append("config.json gives no max_position_embeddings: beyond-context warnings are off")
@@ -275,6 +276,9 @@ def spec_from_fields(cfg: dict[str, Any], src: Source) -> ModelSpec:
         note="; ".join(notes),
         **_state_fields(state, n_layers),
         layer_kv=layer_kv,
+        experts=routing[0],
+        experts_per_token=routing[1],
+        expert_params=routing[2],
     )
 
 
@@ -378,6 +382,18 @@ def _moe_layers(cfg: dict[str, Any], n_layers: int) -> int:
         step = _int(cfg, "interleave_moe_layer_step") or 1
         return len(range(step - 1, n_layers, step))
     return n_layers  # Mixtral and the like: every layer
+
+
+def routed_experts(cfg: dict[str, Any], n_layers: int, hidden: int, model_type: str) -> tuple[int, int, int]:
+    """A mixture of experts' routing, for the decode floor (planner.step_params): routed experts per MoE layer,
+    the top-k each token activates (num_experts_per_tok) and one routed expert's parameters over the MoE layers,
+    as `_mlp` counts them. Zeros for a dense model, or where every token takes every expert."""
+    experts, k, n_moe = _experts(cfg), _int(cfg, "num_experts_per_tok"), _moe_layers(cfg, n_layers)
+    inter = _int(cfg, "moe_intermediate_size") or _int(cfg, "intermediate_size", "n_inner", "ffn_hidden_size")
+    if not n_moe or not k or k >= experts or not inter:
+        return 0, 0, 0
+    mats = 2 if model_type in NOT_GATED else 3
+    return experts, k, n_moe * mats * hidden * inter
 
 
 def _shared_expert(cfg: dict[str, Any], hidden: int, mats: int) -> int:

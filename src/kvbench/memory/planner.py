@@ -14,8 +14,12 @@ so `batch / floor` is a ceiling on tokens per second for the batch (and `1 / flo
 the ones `kvbench bench` calls step bytes (bench/floor.py): K/V read is the cache at `ctx` tokens (this step's
 token included), the write is one more token's K/V. Not counted: activations, logits, the design's own extra
 traffic (copies, dequantisation), tensor-parallel communication, and the re-write of a recurrent state (it is read
-once, as part of the cache). Weights are all the parameters, once: a step reads only its batch's rows of an input
-embedding table (bench counts those rows), and an MoE step reads only the experts its tokens route to.
+once, as part of the cache). Weights are all the parameters, once (a step reads only its batch's rows of an input
+embedding table; bench counts those rows), but for a mixture of experts (`step_params`): a step reads the dense
+layers, attention, the routers and the shared experts, and in each MoE layer the routed experts its tokens pick,
+min(experts, batch x top-k) of them: the top-k at batch 1, every expert only once batch x top-k reaches the expert
+count (tokens spread over distinct experts, as load-balanced routing tends to; a batch whose tokens share experts
+reads fewer).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class DecodeFloor:
     tokens_per_s_per_sequence: float  # 1 / floor: each sequence gains one token per step
     tokens_per_s: float  # batch / floor: the whole batch's tokens per second (aggregate)
     kv_write_bytes_per_sequence: int = 0  # one sequence's share of kv_write_bytes: one token's K/V on one GPU
+    experts_read: int | None = None  # MoE: routed experts the step reads per MoE layer (step_params); None: dense
 
 
 @dataclass
@@ -169,16 +174,24 @@ def _window_note(spec: ModelSpec) -> str:
     n, w = spec.n_windowed, fmt_int(spec.sliding_window)
     # a hybrid: only attention layers have a window
     attn = "attention " if spec.model_layers is not None else ""
-    which = f"every {attn}layer" if n == spec.n_layers else f"{n} of {spec.n_layers} {attn}layers"
+    every = n == spec.n_layers
+    which = f"every {attn}layer uses" if every else f"{n} of {spec.n_layers} {attn}layers use"
     if spec.window_kind == "chunked":
         return (
-            f"{which} use {w}-token chunked attention: each attends only within its own chunk, so those layers "
-            f"hold at most {w} tokens (a cache that ignores the chunks holds all of them)"
+            f"{which} {w}-token chunked attention: each attends only within its own chunk, so "
+            f"{'each holds' if every else 'those layers hold'} at most {w} tokens (a cache that ignores "
+            f"the chunks holds all of them)"
         )
     return (
-        f"{which} use a {w}-token sliding window: past that length those layers hold only the last {w} tokens "
-        f"(a windowed cache; a cache that ignores the window holds all of them)"
+        f"{which} {_a(w)} {w}-token sliding window: past that length {'each holds' if every else 'those layers hold'} "
+        f"only the last {w} tokens (a windowed cache; a cache that ignores the window holds all of them)"
     )
+
+
+def _a(number: str) -> str:
+    """The article before a number as it is read aloud: an 8-, an 11-, an 18-, an 800-token window; a 4,096-."""
+    lead = number.split(",")[0]
+    return "an" if lead.startswith("8") or lead in ("11", "18") else "a"
 
 
 def _notes(spec: ModelSpec, fmt: KVFormat, per_token: int) -> list[str]:
@@ -325,6 +338,19 @@ def plan(
     return p
 
 
+def experts_read(spec: ModelSpec, batch: int) -> int:
+    """Routed experts a decode step of `batch` sequences reads per MoE layer: min(experts, batch x top-k)."""
+    return min(spec.experts, batch * spec.experts_per_token)
+
+
+def step_params(spec: ModelSpec, batch: int) -> int | None:
+    """Parameters one decode step of `batch` sequences reads: all of them for a dense model; for a mixture of
+    experts, all but the routed experts no token of the step can route to."""
+    if spec.params is None or not spec.experts:
+        return spec.params
+    return spec.params - (spec.experts - experts_read(spec, batch)) * spec.expert_params
+
+
 def floor_for(batch: int, weights: int, kv_read: int, write_per_seq: int, bw: PeakBandwidth) -> DecodeFloor:
     """The floor of one step of `batch` sequences, from per-GPU bytes: the weights, the cache read at the context,
     and this token's K/V write for each sequence."""
@@ -357,4 +383,11 @@ def attach_floors(plan: ModelPlan, bw: PeakBandwidth | None) -> None:
     spec, fmt = plan.model, get_kv_format(plan.kv_dtype)
     write = bytes_per_sequence(spec, fmt, 1, plan.kv_heads_per_gpu) if spec.kv_cache else 0
     for r in plan.rows:
-        r.decode_floor = floor_for(r.batch, plan.weights_bytes_per_gpu, r.bytes_per_gpu, write, bw)
+        weights = plan.weights_bytes_per_gpu
+        read = step_params(spec, r.batch)
+        if spec.experts and read is not None:  # the experts this step can route to, on one GPU
+            read_bytes = -(-read * weight_bits(plan.weights_dtype) // 8)
+            weights = -(-read_bytes // plan.tp)
+        r.decode_floor = floor_for(r.batch, weights, r.bytes_per_gpu, write, bw)
+        if spec.experts:
+            r.decode_floor.experts_read = experts_read(spec, r.batch)

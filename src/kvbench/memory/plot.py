@@ -11,6 +11,7 @@ each batch. Right, the most sequences that fit against context. matplotlib is im
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from kvbench.memory.formulas import bytes_per_sequence, state_bytes
 from kvbench.memory.planner import max_context
 from kvbench.memory.spec import get_kv_format
 from kvbench.memory.units import MAX_TOKENS, GiB, fmt_tokens
+from kvbench.results.rundir import write_output
 
 POINTS = 64  # contexts drawn per curve, evenly spaced on the log axis
 
@@ -228,6 +230,8 @@ def write_capacity_plot(plans: list, path: Path) -> CapacityChart:
     kv = plans[0].kv_dtype
     fig.suptitle(f"KV cache ({kv}) and weights ({plans[0].weights_dtype}) on {gpu.label}", fontsize=11)
     fig.tight_layout(rect=(0, 0.07, 1, 0.96))
-    fig.savefig(path, dpi=120)
+    png = io.BytesIO()  # drawn in memory, then written as every output is (a FIFO streamed, a file atomically)
+    fig.savefig(png, dpi=120, format="png")
     plt.close(fig)
+    write_output(Path(path), png.getvalue(), "--plot")
     return chart

@@ -40,7 +40,12 @@ _MODEL_OPTIONAL = (
     "wrapper",
     "vision_params",
     "note",
+    "experts",
+    "experts_per_token",
+    "moe_layers",
+    "moe_intermediate",
 )
+_MOE = ("experts", "experts_per_token", "moe_layers", "moe_intermediate")
 _LIMITS = {"layers": MAX_LAYERS, "max_context": MAX_TOKENS, "sliding_window": MAX_TOKENS, "params": 10**15}
 
 
@@ -102,6 +107,7 @@ def _model(name: str, t: Any, path: Path) -> ModelSpec:
     vision = t.get("vision_params")
     if vision is not None and (not isinstance(vision, int) or isinstance(vision, bool) or vision < 1):
         raise KVBenchError(f"vision_params = {vision!r} in {where} must be a positive whole number")
+    moe = _moe(t, ints, where)
     return ModelSpec(
         name=name,
         source=str(t["source"]),
@@ -119,7 +125,29 @@ def _model(name: str, t: Any, path: Path) -> ModelSpec:
         vision_params=vision,
         resolved_by="preset",
         note=str(t.get("note", "")),
+        experts=moe[0],
+        experts_per_token=moe[1],
+        expert_params=moe[2],
     )
+
+
+def _moe(t: dict[str, Any], ints: dict[str, int], where: str) -> tuple[int, int, int]:
+    """A mixture-of-experts preset's routing (all four keys or none): `experts` routed experts per MoE layer, of
+    which each token activates `experts_per_token`, in `moe_layers` layers, each expert a gated MLP of width
+    `moe_intermediate` (3 x hidden x moe_intermediate parameters). Returns (experts, top-k, one routed expert's
+    parameters over the MoE layers); zeros for a dense model."""
+    given = [k for k in _MOE if k in t]
+    if not given:
+        return 0, 0, 0
+    if len(given) != len(_MOE):
+        raise KVBenchError(f"{where}: a mixture-of-experts model needs all of {', '.join(_MOE)}")
+    v = {k: _positive_int(t, k, where) for k in _MOE}
+    if v["experts_per_token"] >= v["experts"] or v["moe_layers"] > ints["layers"]:
+        raise KVBenchError(f"{where}: experts_per_token must be below experts, moe_layers at most layers")
+    expert_params = 3 * ints["hidden"] * v["moe_intermediate"] * v["moe_layers"]
+    if (v["experts"] - v["experts_per_token"]) * expert_params >= ints["params"]:
+        raise KVBenchError(f"{where}: its experts hold more parameters than params ({ints['params']:,})")
+    return v["experts"], v["experts_per_token"], expert_params
 
 
 def load_presets(path: Path | None = None) -> dict[str, ModelSpec]:

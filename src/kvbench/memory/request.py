@@ -125,9 +125,10 @@ class Options:
         help="Memory bandwidth for the decode floor, e.g. 3.35TB/s or 2TiB/s (TB = 10^12 B); overrides the --gpu's "
         "listed figure, or alone names a custom device.",
     )
-    plot: Path | None = option(
+    plot: str | None = option(
         "--plot",
         default=None,
+        cli_type=str | None,  # as typed: '' stays empty (a Path would read it as '.')
         help="Write the capacity chart (KV GiB and max batch against context) to FILE.png.",
     )
 
@@ -192,11 +193,17 @@ def _bandwidth(o: Options, gpu: GPUSpec | None) -> PeakBandwidth | None:
 def _plot_path(o: Options) -> Path | None:
     if o.plot is None:
         return None
-    if o.plot.suffix.lower() != ".png":
-        raise KVBenchError(f"--plot {o.plot} must name a .png file")
-    if not o.plot.parent.is_dir():
-        raise KVBenchError(f"--plot {o.plot}: no such directory {o.plot.parent}")
-    return o.plot
+    if not o.plot.strip():
+        raise KVBenchError("--plot is empty; give a .png file path, e.g. capacity.png")
+    plot = Path(o.plot).expanduser()
+    if plot.suffix.lower() != ".png":
+        raise KVBenchError(f"--plot {plot} must name a .png file")
+    if not plot.parent.is_dir():
+        raise KVBenchError(f"--plot {plot}: no such directory {plot.parent}")
+    from kvbench.results.rundir import output_kind
+
+    output_kind(plot, "--plot")  # a folder, a block device or a socket refused before any work
+    return plot
 
 
 def _gpu(o: Options) -> tuple[GPUSpec | None, int | None]:

@@ -54,6 +54,10 @@ class ModelSpec:
     # per_layer_config: Gemma 4's full-attention layers have their own head_dim); empty: every layer has
     # n_kv_heads x head_dim
     layer_kv: tuple[tuple[int, int], ...] = ()
+    # Mixture of experts: a decode step reads only the routed experts its tokens pick (planner.step_params)
+    experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    experts_per_token: int = 0  # routed experts each token activates per MoE layer (top-k)
+    expert_params: int = 0  # parameters of one routed expert, summed over the MoE layers
 
     def __post_init__(self) -> None:
         assert self.n_layers >= 0 and self.hidden_size > 0, f"{self.name}: layers {self.n_layers}"

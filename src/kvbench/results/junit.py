@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.errors import KVBenchError, one_line
-from kvbench.results.rundir import atomic_write_text
+from kvbench.results.rundir import output_kind, write_output
 
 # Characters outside XML 1.0's Char production: C0 controls but tab, newline and carriage return; surrogates;
 # U+FFFE and U+FFFF.
@@ -87,11 +87,12 @@ def suite_xml(suite: Suite) -> str:
 
 
 def write_suite(path: Path, suite: Suite) -> None:
-    """Write the report atomically: a reader sees the previous file or the complete new one."""
-    atomic_write_text(Path(path), suite_xml(suite))
+    """Write the report atomically: a reader sees the previous file or the complete new one (a FIFO or a device,
+    /dev/stdout, is written as a stream, never replaced: rundir.output_kind)."""
+    write_output(Path(path), suite_xml(suite).encode("utf-8"), "--junit-xml")
 
 
-def check_junit_path(path: Path | None, command: str = "verify") -> Path | None:
+def check_junit_path(path: str | Path | None, command: str = "verify") -> Path | None:
     """--junit-xml PATH checked before any work: not a folder, in a folder that exists and can be written."""
     if path is None:
         return None
@@ -102,6 +103,11 @@ def check_junit_path(path: Path | None, command: str = "verify") -> Path | None:
         raise JUnitPathError(f"--junit-xml {p} is a folder; give a file path, e.g. {p / f'kvbench-{command}.xml'}")
     if not p.parent.is_dir():
         raise JUnitPathError(f"--junit-xml {p}: the folder {p.parent} does not exist; create it or choose another path")
+    try:
+        if output_kind(p, "--junit-xml") == "stream":  # written in place: no file is made beside it
+            return p
+    except KVBenchError as e:
+        raise JUnitPathError(str(e)) from None
     try:  # a file can be made there (permissions alone do not say: root, read-only or virtual file systems)
         with tempfile.NamedTemporaryFile(dir=p.parent, prefix=".kvbench-junit-"):
             pass
@@ -154,7 +160,7 @@ def break_suite(results: list, skipped: list[tuple[str, str]], meta: dict, secon
 
 
 @contextmanager
-def errors_reported(path: Path | None, command: str, clock: RowClock):
+def errors_reported(path: str | Path | None, command: str, clock: RowClock):
     """With a report path, a run stopped by an error (a refusal, running out of memory: exit 2) still leaves a
     report: one error case with the message. A path that is itself refused (a folder, a missing folder) gets none;
     Ctrl-C none either."""

@@ -349,7 +349,9 @@ class BenchRecorder:
         self._write_bench_csvs()
 
     def json_doc(self) -> dict:
-        rows = [_nulls(r.record()) for r in self.summary]
+        """The --json document: summary.csv's rows with its columns, empty cells as null (an oom or error row's
+        tpot_ms_pNN included), and under --tp tp.csv's rows."""
+        rows = [_nulls(self._columns(r.record())) for r in self.summary]
         doc = {
             "schema_version": SCHEMA_VERSION,
             "run_dir": str(self.run_dir),
@@ -359,6 +361,13 @@ class BenchRecorder:
         if "tp" in self.meta:  # tp.csv's rows
             doc["tp"] = [_nulls(asdict(r)) for r in self.tp_rows]
         return doc
+
+    def _columns(self, record: dict) -> dict:
+        """A summary row as summary.csv has it: every column, in its order (NaN where the row has no value)."""
+        names = SummaryRow.columns(self.percentiles)
+        if not set(record) <= set(names):  # another kind of row (--fill random's): its own keys
+            return record
+        return {c: record.get(c, math.nan) for c in names}
 
 
 def _nulls(record: dict) -> dict:

@@ -18,6 +18,7 @@ import csv
 import io
 import math
 import os
+import stat
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import asdict
@@ -197,14 +198,50 @@ def writing_into(folder: Path):
         raise KVBenchError(f"cannot write into {folder} ({e.strerror or e})") from None
 
 
+def output_kind(path: Path, flag: str | None = None) -> str:
+    """What an output path names, for a write that must never replace what it should not: "file" (a regular file,
+    through any symbolic links, or none yet: written atomically in place of the file the links lead to, the links
+    kept) or "stream" (a FIFO, a character device such as /dev/null, or anything under /dev or /proc such as
+    /dev/stdout: opened and written as it is, never replaced). A folder, a block device or a socket is refused in
+    one line naming `flag` (the option the path came from)."""
+    label = f"{flag} {path}" if flag else str(path)
+    try:
+        mode = os.stat(path).st_mode  # through symbolic links
+    except FileNotFoundError:  # a new file (or a link to one)
+        return "file"
+    except OSError as e:
+        raise KVBenchError(f"{label}: cannot be written ({e.strerror or e})") from None
+    if stat.S_ISREG(mode):
+        special = str(Path(path).absolute()).startswith(("/dev/", "/proc/"))  # /dev/stdout onto a file: its fd
+        return "stream" if special else "file"
+    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode):
+        return "stream"
+    what = "a folder" if stat.S_ISDIR(mode) else "a block device" if stat.S_ISBLK(mode) else "a socket"
+    raise KVBenchError(f"{label} is {what}; give a regular file, a FIFO or a character device (/dev/stdout)")
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with writing_into(path.parent):
-        with tmp.open("w", encoding="utf-8", newline="") as f:
-            f.write(text)
+    write_output(path, text.encode("utf-8"))
+
+
+def write_output(path: Path, data: bytes, flag: str | None = None) -> None:
+    """Write `data` to `path` (`output_kind`): a regular or new file atomically (a reader sees the previous file or
+    the complete new one; a symbolic link stays a link), a FIFO or a device as a stream, nothing else ever."""
+    if output_kind(path, flag) == "stream":
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            raise KVBenchError(f"{f'{flag} ' if flag else ''}{path}: cannot be written ({e.strerror or e})") from None
+        return
+    real = Path(os.path.realpath(path))
+    tmp = real.with_name(f".{real.name}.tmp-{os.getpid()}")
+    with writing_into(real.parent):
+        with tmp.open("wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, real)
 
 
 def _cell(v: Any) -> Any:
@@ -244,20 +281,33 @@ def check_export(export: tuple[str, Path] | None) -> tuple[str, Path] | None:
     p = Path(path).expanduser()
     if not str(path).strip() or p.is_dir():
         raise KVBenchError(f"--export {fmt} {str(path)!r}: give a file path, e.g. bench-output.json")
+    output_kind(p, f"--export {fmt}")  # a block device or a socket refused before the run
     return fmt, p
 
 
 def check_export_target(export: tuple[str, Path] | None, run_dir: Path) -> None:
     """Once the run folder is known: the export goes into a folder that exists (or into the run folder, made when
-    the run starts), and is none of the files the run itself writes there."""
+    the run starts), and is none of the files the run itself writes there, nor any file of another kvbench run
+    folder (one holding a meta.json, its profile/ folder included). Paths are compared resolved: a symbolic link
+    or `..` spells the same folder."""
     if export is None:
         return
     fmt, p = export
-    inside = p.absolute().parent == Path(run_dir).expanduser().absolute()
-    if inside and (p.name in BENCH_FILES or p.name in (PROFILE_DIR, "compare.json", "compare.png")):
+    target = Path(os.path.realpath(p))  # the file a write would replace: links followed, `..` folded
+    own = Path(os.path.realpath(Path(run_dir).expanduser()))
+    inside = target.parent == own
+    if inside and (target.name in BENCH_FILES or target.name in (PROFILE_DIR, "compare.json", "compare.png")):
         raise KVBenchError(
-            f"--export {fmt} {p}: that is the run's own {p.name}; give the export another name, e.g. "
+            f"--export {fmt} {p}: that is the run's own {target.name}; give the export another name, e.g. "
             f"{p.parent / 'bench-output.json'}"
+        )
+    folder = target.parent.parent if target.parent.name == PROFILE_DIR else target.parent
+    if folder == own and target.parent != own:
+        raise KVBenchError(f"--export {fmt} {p}: that is inside the run's own {PROFILE_DIR}/; choose another path")
+    if folder != own and (folder / "meta.json").is_file():
+        raise KVBenchError(
+            f"--export {fmt} {p}: {folder} is a kvbench run folder (it has a meta.json), whose files kvbench never "
+            "replaces; choose a path outside it"
         )
     if not inside and not p.parent.is_dir():
         raise KVBenchError(
@@ -282,7 +332,7 @@ def github_action_benchmark(rows: list) -> tuple[list[dict], list[str]]:
         if r.status != "ok":
             skipped.append(f"{_label(r)} ({r.status})")
             continue
-        where = f"{r.device} {r.dtype}; {r.repeats} timed repeats"
+        where = f"{r.device} {r.dtype}; {r.repeats} timed repeat{'' if r.repeats == 1 else 's'}"
         for metric, value, p90 in (
             ("TPOT", r.tpot_ms_median, r.tpot_ms_p90),
             ("TTFT", getattr(r, "ttft_ms", None), getattr(r, "ttft_ms_p90", None)),
@@ -299,5 +349,5 @@ def write_export(export: tuple[str, Path], rows: list) -> tuple[Path, int, list[
     fmt, path = export
     assert fmt in FORMATS, fmt
     entries, skipped = github_action_benchmark(rows)
-    atomic_write_text(path, json_text(entries) + "\n")
+    write_output(path, (json_text(entries) + "\n").encode("utf-8"), f"--export {fmt}")
     return path, len(entries), skipped

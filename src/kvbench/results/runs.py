@@ -376,6 +376,7 @@ def load_run(path: str | Path, role: str) -> Run:
             f"{what} is not a kvbench run folder (no {', '.join(absent)}); give a folder written by kvbench bench"
         )
     meta = _read_json(p / "meta.json", role)
+    _check_schema_version(meta, p / "meta.json", role)
     _check_meta(meta, f"{role}: {p / 'meta.json'}")
     summary = _read_csv(p / "summary.csv", role, SUMMARY_REQUIRED)
     steps = _read_csv(p / "steps.csv", role, STEPS_REQUIRED)
@@ -405,11 +406,45 @@ def load_run(path: str | Path, role: str) -> Run:
         line = int(steps.attrs["lines"][np.flatnonzero(no_latency)[0]])
         raise KVBenchError(f"{what}: steps.csv line {line} has no latency_ms (a truncated file?)")
     ttft = _read_ttft(p / "ttft.csv", role) if (p / "ttft.csv").is_file() else None
+    if level["batch"] is None:  # a batch sweep: each step and TTFT must say its batch, or sizes would be pooled
+        for name, df in (("steps.csv", steps), ("ttft.csv", ttft)):
+            if df is not None and "batch" not in df.columns:
+                raise KVBenchError(
+                    f"{what}: {name} has no batch column, but meta.json lists several batch sizes "
+                    f"({_shown(_field(meta, ('settings', 'batch')))}): its rows cannot be told apart by batch"
+                )
     dup = summary.duplicated(list(KEY))
     if dup.any():
         r = summary[dup].iloc[0]
         raise KVBenchError(f"{what}: summary.csv has two rows for {row_label(r)}; rows are matched on {', '.join(KEY)}")
     return Run(p, meta, summary, steps, ttft)
+
+
+def _check_schema_version(meta: dict, path: Path, role: str) -> None:
+    """meta.json's schema_version read as the docs promise: this kvbench's version is read; a newer one (a key
+    removed, renamed or retyped since) or one that is no version at all is refused; none at all (runs from before
+    kvbench wrote it) is read as version 1, with a warning."""
+    from kvbench import console
+    from kvbench.jsonio import SCHEMA_VERSION
+
+    if "schema_version" not in meta:
+        console.warn(
+            f"{role} {path} has no schema_version (a run from before kvbench recorded it): read as version "
+            f"{SCHEMA_VERSION}"
+        )
+        return
+    v = meta["schema_version"]
+    if isinstance(v, int) and not isinstance(v, bool) and v == SCHEMA_VERSION:
+        return
+    if isinstance(v, int) and not isinstance(v, bool) and v > SCHEMA_VERSION:
+        raise KVBenchError(
+            f"{role} {path}: schema_version {_shown(v)} is newer than the {SCHEMA_VERSION} this kvbench reads (a key was "
+            "removed, renamed or changed type since); compare it with the kvbench that wrote it"
+        )
+    raise KVBenchError(
+        f"{role} {path}: schema_version is {_shown(v)}, not a version kvbench writes (this kvbench writes and reads "
+        f"the whole number {SCHEMA_VERSION})"
+    )
 
 
 def _read_ttft(path: Path, role: str) -> pd.DataFrame:
