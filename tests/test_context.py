@@ -136,9 +136,15 @@ def test_cli_random_fill_sweep_end_to_end(tmp_path):
     assert bw["used"] == "read" and bw["read_gbps"] > 0 and bw["copy_gbps"] > 0 and bw["nbytes"] == 16 << 20
     assert ((s.floor_ms - 1e3 * s.step_bytes / (bw["gbps"] * 1e9)).abs() < 1e-6 * s.floor_ms).all()
     assert (out / "context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert meta["plots"] == ["context.png"]
+    assert meta["plots"] == ["context.png", "distortion.png"]  # the second: int8, a lossy cache, ran
     steps = pd.read_csv(out / "steps.csv")
     assert len(steps) == 6 * 2 * 4 and set(steps.step) == {1, 2, 3, 4}
+    lossy = s.cache == "int8"  # its cost against static at each context, both filled with the same K/V
+    assert (s[lossy].kl_mean > 0).all() and s[~lossy][["kl_mean", "top1_agreement", "mean_abs_dp"]].isna().all().all()
+    tokens = pd.read_csv(out / "distortion.csv")
+    assert len(tokens) == 2 * 4 and (tokens.depth == tokens.context + tokens.token).all()
+    assert set(meta["distortion"]["rows"]) == {"int8 context 64", "int8 context 256"}
+    assert "distortion int8 context 256: KL mean" in result.stdout
 
 
 def test_cli_random_fill_interrupted_keeps_rows(tmp_path, monkeypatch):

@@ -289,6 +289,29 @@ def test_bench_reads(screen, bench_run, width):
     assert "capture ms" not in heads  # no configuration captured a graph: a column of dashes says nothing
     assert "batch 1," in " ".join(text.split("\n")[:2])  # one batch size: said in the title
     assert "x floor = TPOT / floor" in " ".join(text.split())  # the caption, beneath as prose
+    assert "distortion int8 prompt 8: KL mean" in " ".join(text.split())  # the lossy row's cost, beneath
+
+
+def test_bench_run_carries_the_lossy_rows_distortion(bench_run):
+    """The columns filled for kvbench int8 only, its tokens in distortion.csv, distortion.png written, meta.json
+    valid (test_distortion.py runs the same end to end in the slow tier)."""
+    import json
+
+    import jsonschema
+
+    from kvbench.jsonio import load_schema
+
+    out = bench_run[0]
+    s = pd.read_csv(out / "summary.csv")
+    lossy = (s.engine == "kvbench") & (s.cache == "int8")
+    assert lossy.sum() == 2 and (s[lossy].kl_mean > 0).all() and (s[lossy].top1_agreement > 0.5).all()
+    assert s[~lossy][["kl_mean", "top1_agreement", "mean_abs_dp"]].isna().all().all()
+    steps = pd.read_csv(out / "distortion.csv")
+    assert len(steps) == 2 * 4 and (steps.depth == steps.prompt_len + steps.token - 1).all()
+    assert (out / "distortion.png").read_bytes()[:4] == b"\x89PNG"
+    meta = json.loads((out / "meta.json").read_text())
+    jsonschema.Draft202012Validator(load_schema("bench")).validate(meta)
+    assert set(meta["distortion"]["rows"]) == {"kvbench int8 prompt 8 batch 1", "kvbench int8 prompt 16 batch 1"}
 
 
 @pytest.mark.parametrize("width", WIDTHS)

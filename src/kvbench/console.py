@@ -425,6 +425,11 @@ def cell(x: Any) -> Text:
     return x if isinstance(x, Text) else Text(escape_controls(str(x)))
 
 
+def fmt_share(x: float) -> str:
+    """A fraction as a percentage with one decimal, 100% as itself: 99.5%, 100%."""
+    return "100%" if x == 1 else f"{x:.1%}"
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

@@ -12,10 +12,15 @@ configuration for timing only (random weights, never a checkpoint).
 Per (context, cache) the caches are allocated once; each of the `warmup + repeats` runs resets them, fills them to
 the context and times `new_tokens` decode steps from there, so warm-ups have exactly the shapes of the timed runs.
 The median, 10th and 90th percentiles are over every timed step of every timed run.
+
+A lossy cache's row also carries its distortion at that context (check/distortion.py), untimed, after its timed
+runs: it and the full-precision `static` cache are filled with the same random K/V and fed the same tokens. Random
+K/V read by random weights describe this model and this fill only: the figures show how the loss moves with depth.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -28,6 +33,7 @@ from kvbench.bench.engines import KVBenchEngine
 from kvbench.bench.sweep import failure_status
 from kvbench.bench.timing_stats import describe_ms
 from kvbench.caches import get_cache_spec, make_caches
+from kvbench.check.distortion import Distortion, measure_layers
 from kvbench.decode import fixed_step
 from kvbench.devices import synchronize
 from kvbench.errors import KVBenchError
@@ -61,6 +67,33 @@ class ContextRow:
     design_bytes: int  # of which the design's own copies (torch.cat, gathers, dequantisation)
     kv_cache_mib: float  # bytes the caches hold or reserve
     repeats: int  # timed repeats behind the medians
+    # A lossy cache against the full-precision `static` cache, both filled with the same random K/V, teacher-forced
+    # on that cache's greedy tokens (measure_distortion); empty for exact caches. As SummaryRow's.
+    kl_mean: float = math.nan
+    top1_agreement: float = math.nan
+    mean_abs_dp: float = math.nan
+
+    @classmethod
+    def columns(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def distortion_key(self) -> str:
+        """The row's name among meta.json's distortion rows."""
+        return f"{self.cache} context {self.context}"
+
+
+@dataclass
+class ContextDistortionRow:
+    """One teacher-forced step of a lossy cache at a filled context (distortion.csv)."""
+
+    cache: str
+    context: int
+    batch: int
+    token: int  # 1..new_tokens: the step after the context's first fed token is token 1
+    depth: int  # tokens its step reads: context + token
+    kl: float  # as DistortionRow's (bench/rows.py)
+    top1_agreement: float
+    abs_dp: float
 
     @classmethod
     def columns(cls) -> list[str]:
@@ -85,6 +118,8 @@ class ContextStepRow:
 class ContextResult:
     summary: ContextRow
     steps: list[ContextStepRow]
+    distortion: Distortion | None = None  # a lossy cache's cost at this context
+    distortion_failed: str = ""  # why a lossy cache's distortion was not measured (failure_status)
 
 
 def fill_random(caches: list, model: GPT, batch: int, context: int, generator: torch.Generator) -> None:
@@ -122,6 +157,19 @@ def time_decode(
         synchronize(device)
         out.append(time.perf_counter() - t0)
     return out
+
+
+DISTORTION_SEED = 1  # added to --seed: every lossy cache at a context reads the same K/V, apart from the timed fills
+
+
+def measure_distortion(model: GPT, cache: str, context: int, new_tokens: int, batch: int, seed: int) -> Distortion:
+    """Cache `cache` against the full-precision `static` cache, both filled with the same random K/V to `context`
+    (fill_random), then fed one seeded random token and teacher-forced for `new_tokens` steps (check/distortion.py).
+    The K/V and the token depend on `seed` and `context` only: every cache at a context is measured on the same."""
+    g = torch.Generator().manual_seed(seed + DISTORTION_SEED)
+    first = torch.randint(0, model.config.vocab_size, (batch, 1), generator=g).tolist()  # (B, 1)
+    fill = lambda caches: fill_random(caches, model, batch, context, g)  # noqa: E731
+    return measure_layers(model, cache, first, new_tokens, context, fill)
 
 
 def median_step_bytes(model: GPT, cache: str, context: int, new_tokens: int, batch: int) -> floor.StepBytes:
@@ -176,9 +224,26 @@ def run_context_sweep(
                 for i, t in enumerate(run)
             ]
             results.append(ContextResult(row, steps))
+            if status == "ok" and not get_cache_spec(cache).exact:
+                _add_distortion(results[-1], model, new_tokens, batch, seed)
             if on_result:
                 on_result(results[-1])
     return results
+
+
+def _add_distortion(result: ContextResult, model: GPT, new_tokens: int, batch: int, seed: int) -> None:
+    """A lossy cache's row at a context: its cost against the full-precision cache (measure_distortion), after its
+    timed runs; a pass that raises leaves the columns empty and says why in `distortion_failed`."""
+    r = result.summary
+    try:
+        d = measure_distortion(model, r.cache, r.context, new_tokens, batch, seed)
+    except Exception as e:  # oom, or a plugin that raised: the timed row stands
+        result.distortion_failed = failure_status(e)
+    else:
+        r.kl_mean, r.top1_agreement, r.mean_abs_dp = d.kl_mean, d.top1_agreement, d.mean_abs_dp
+        result.distortion = d
+    if model.lm_head.weight.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _measure(

@@ -1,13 +1,16 @@
 """The rows a bench sweep writes: one SummaryRow per configuration (summary.csv), one StepRow per timed decode step
-(steps.csv), and what a finished configuration hands back (ConfigResult). docs/bench.md describes every column."""
+(steps.csv), one DistortionRow per generated token of a lossy row (distortion.csv), and what a finished configuration
+hands back (ConfigResult). docs/bench.md describes every column."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 from kvbench.bench import floor
 from kvbench.bench.profile import Profiled
 from kvbench.bench.timing_stats import tpot_extra_columns
+from kvbench.check.distortion import Distortion
 
 
 # --- rows --------------------------------------------------------------------------------------------------------
@@ -68,8 +71,17 @@ class SummaryRow:
     sdpa_prefill: str  # SDPA backend(s) the prefill's attention calls got
     sdpa_decode: str  # SDPA backend(s) the decode steps' attention calls got
     repeats: int  # timed repeats behind the medians
+    # A lossy cache against the full-precision `static` cache, teacher-forced on that cache's greedy tokens from the
+    # same prompt ids (check/distortion.py), per token in distortion.csv; empty for exact caches and transformers.
+    kl_mean: float = math.nan  # KL(p_full || p_lossy) in nats, every token of every sequence
+    top1_agreement: float = math.nan  # fraction of tokens whose top choice is the full-precision path's
+    mean_abs_dp: float = math.nan  # mean |Δp|: how far the probability of the full-precision path's token moved
     # tpot_ms_pNN for each --percentiles value beyond 50 and 90 (columns after tpot_ms_std)
     tpot_ms_more: dict[str, float] = field(default_factory=dict)
+
+    def distortion_key(self) -> str:
+        """The row's name among meta.json's distortion rows."""
+        return f"{self.engine} {self.cache} prompt {self.prompt_len} batch {self.batch}"
 
     @classmethod
     def columns(cls, percentiles: list[float] | tuple[float, ...] = ()) -> list[str]:
@@ -100,6 +112,25 @@ class StepRow:
 
 
 @dataclass
+class DistortionRow:
+    """One generated token of a lossy row, teacher-forced against the full-precision path (distortion.csv)."""
+
+    engine: str
+    cache: str
+    prompt_len: int
+    batch: int
+    token: int  # 1..new_tokens (token 1 is read from the prefill's last row)
+    depth: int  # tokens its step reads: prompt_len + token - 1
+    kl: float  # KL(p_full || p_lossy) in nats, averaged over the batch's sequences
+    top1_agreement: float  # fraction of the batch's sequences whose top choice is the full-precision path's
+    abs_dp: float  # |Δp| of the full-precision path's token, averaged over the sequences
+
+    @classmethod
+    def columns(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass
 class ConfigResult:
     """One configuration finished: its summary row, its timed steps, and its TTFTs (for cumulative plots)."""
 
@@ -109,4 +140,6 @@ class ConfigResult:
     floor_bytes: floor.StepBytes | None = None  # the median decode step's bytes by source; None: no floor
     bandwidth: floor.Bandwidth | None = None  # what floor_ms divides by (interleaved: pooled over the rounds)
     profile: Profiled | None = None  # --profile: the trace of one more warm run and its top operators
+    distortion: Distortion | None = None  # a lossy row's cost against the full-precision path
+    distortion_failed: str = ""  # why a lossy row's distortion was not measured (failure_status)
     ranks: list | None = None  # bench --tp, on rank 0: every rank's bench.tp.RankRow of this configuration

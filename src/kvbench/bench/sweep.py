@@ -41,6 +41,8 @@ from kvbench.bench.settings import (
     check_fits_context,
 )
 from kvbench.bench.timing_stats import ALWAYS, TTFT_PERCENTILES, describe_ms, tpot_extra_columns
+from kvbench.caches import get_cache_spec
+from kvbench.check.distortion import measure_layers
 from kvbench.devices import memory_in_use, memory_peak, reset_peak_memory
 from kvbench.errors import KVBenchError, is_out_of_memory
 from kvbench.model.gpt2 import GPTConfig
@@ -157,6 +159,7 @@ def run_sweep(
 
     def emit(c: _Configuration, bw: floor.Bandwidth | None = bandwidth) -> None:
         results.append(c.finish(refs, per_token * c.batch, bw, profile_dir if s.profile else None))
+        add_distortion(results[-1], model, c.ids, s.new_tokens)  # untimed, once finish has let the caches go
         fill_relative([r.summary for r in results])
         if on_result is not None:
             on_result(results[-1])
@@ -307,6 +310,22 @@ def add_floor(result: ConfigResult, cfg, dtype: torch.dtype, bw: floor.Bandwidth
     ms, b = floor.decode_floor_ms(cfg, dtype, r.batch, r.prompt_len, r.new_tokens, traffic, bw, capacity)
     r.floor_ms, r.x_floor, r.step_bytes = ms, r.tpot_ms_median / ms, float(b.total)
     result.floor_bytes = b
+
+
+def add_distortion(result: ConfigResult, model, ids: torch.Tensor, new_tokens: int) -> None:
+    """A completed row of a lossy cache on our engine: its cost against the full-precision cache, teacher-forced
+    from the same prompt ids, after every timed run (check/distortion.py). A pass that raises leaves the columns
+    empty and says why in `distortion_failed`."""
+    r = result.summary
+    if r.status != "ok" or r.engine != "kvbench" or get_cache_spec(r.cache).exact:
+        return
+    try:
+        d = measure_layers(model, r.cache, ids.tolist(), new_tokens)
+    except Exception as e:  # oom, or a plugin that raised: the timed row stands
+        result.distortion_failed = failure_status(e)
+        return
+    r.kl_mean, r.top1_agreement, r.mean_abs_dp = d.kl_mean, d.top1_agreement, d.mean_abs_dp
+    result.distortion = d
 
 
 def _reserved(device: torch.device) -> float:

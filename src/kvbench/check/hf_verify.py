@@ -17,6 +17,7 @@ from dataclasses import asdict
 import torch
 
 from kvbench.check.causal import refuse_non_causal
+from kvbench.check.distortion import HF_REFERENCE_CACHE, measure_subjects
 from kvbench.check.hf_policy import hf_policy_rows
 from kvbench.check.hf_subject import HFModel, HFSubject
 from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport, verdict
@@ -42,11 +43,14 @@ def run_hf_verify(
     on_row: Callable[[CheckRow], None] | None = None,
     tp=None,
     shard: LoadedHF | None = None,
+    distortion: bool = True,
 ) -> VerifyReport:
     """Run `checks` for every cache in `caches` (names in HF_CACHES) on `prompts` (prompts[0] is the single-prompt
     checks' prompt; all of them form the batch; prompts[1] is cache_state's second prompt). `tp`: this process is
     one rank (kvbench.distributed.Rank) and `shard` its split of the model: the cached runs go through it, held to
-    `loaded` (the whole model); rank 0's report holds every rank's rows, with rank_cache (check/tp.py)."""
+    `loaded` (the whole model); rank 0's report holds every rank's rows, with rank_cache (check/tp.py).
+    `distortion`: each lossy cache's cost against the model with transformers' `dynamic` cache on prompts[0]
+    (check/distortion.py; not under `tp`)."""
     lens = [len(p) for p in prompts]
     unknown = [c for c in caches if c not in HF_CACHES]
     assert not unknown, f"unknown caches {unknown}"
@@ -72,6 +76,11 @@ def run_hf_verify(
         elif "logits" in checks:  # each lossy cache held to its own policy too, where one is declared
             policy, policy_notes = hf_policy_rows(subjects, prompts, new_tokens, report)
             rows += policy
+        costs: dict[str, dict] = {}
+        raised: list[str] = []
+        if distortion and tp is None:
+            full = HFSubject(target, HF_REFERENCE_CACHE)
+            costs = measure_subjects(subjects, full, prompts[0], new_tokens, loaded.random, raised)
     return VerifyReport(
         **verdict(rows),
         checks=rows,
@@ -80,8 +89,9 @@ def run_hf_verify(
         prompt_len=len(prompts[0]),
         batch_lens=lens,
         reference="transformers no-cache path (use_cache=False)",
-        notes=_notes(loaded, subjects, prompts, new_tokens, short_tokens) + policy_notes + _tp_notes(tp, held),
+        notes=_notes(loaded, subjects, prompts, new_tokens, short_tokens) + policy_notes + _tp_notes(tp, held) + raised,
         rank_cache_bytes=[asdict(b) | {"equal": b.equal} for b in held],
+        distortion=costs,
     )
 
 

@@ -79,6 +79,8 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
     # under --tp: each rank's cache bytes per design beside the planner's figure (check/tp.py RankBytes)
     rank_cache_bytes: list[dict] = field(default_factory=list)
+    # each lossy cache's cost against the full-precision path, by cache (check/distortion.py Distortion.as_dict)
+    distortion: dict[str, dict] = field(default_factory=dict)
     nothing_checked: bool = False  # every row was skipped: no verdict either way
 
 

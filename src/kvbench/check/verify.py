@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 import torch
 
+from kvbench.check.distortion import REFERENCE_CACHE, measure_subjects
 from kvbench.check.gpt2_subject import REFERENCE, GPT2Model, GPT2Subject, Injection
 from kvbench.check.judge import LOW_PRECISION_NOTE, TP_NOTE, CheckRow, VerifyReport, verdict
 from kvbench.check.policy import policy_rows
@@ -40,12 +41,16 @@ def run_verify(
     on_row: Callable[[CheckRow], None] | None = None,
     compile: str = "off",
     tp: Rank | None = None,
+    distortion: bool = True,
+    random_weights: bool = False,
 ) -> VerifyReport:
     """Run `checks` for every cache in `caches` on `prompts` (prompts[0] is the single-prompt checks' prompt; all
     of them form the batch). `fault` injects a bug (faults.Fault) into every cached run. `compile`: how a fixed-shape
     decode step runs (fixed_step.COMPILE_MODES). `tp`: this process is one rank of a tensor-parallel group: the
     cached runs go through its shard (check/tp.py), every rank runs this, and rank 0's report holds every rank's
-    rows (the other ranks' reports hold their own)."""
+    rows (the other ranks' reports hold their own). `distortion`: each lossy cache's cost against the full-precision
+    `static` cache on prompts[0] (check/distortion.py; not with a fault or under `tp`), its note saying what the
+    figures mean for `random_weights`."""
     lens = [len(p) for p in prompts]
     # the caller's promise (validate.verify_rules, validate.fits_context)
     assert reference in ("hf", "none") and max(lens) + new_tokens <= model.config.block_size, (
@@ -61,6 +66,11 @@ def run_verify(
         rows += policy_rows(target, caches, prompts, new_tokens, short, fault, compile, on_row, checks)
     else:
         rows, held = tp_rows(target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp)
+    costs: dict[str, dict] = {}
+    raised: list[str] = []
+    if distortion and fault is None and tp is None:
+        full = GPT2Subject(target, REFERENCE_CACHE)
+        costs = measure_subjects(subjects, full, prompts[0], new_tokens, random_weights, raised)
     notes = [
         prompts_note(prompts, new_tokens, short_tokens, target.hf is not None),
         "no-cache path = one causal forward over prompt + generated tokens (row T-1+i is step i of the no-cache loop)",
@@ -75,6 +85,7 @@ def run_verify(
     if tp is not None:
         notes.append(f"{TP_NOTE}; {tp.world} ranks ({tp.backend}), each held to the whole model in its own process")
         notes += rank_bytes_notes(held)
+    notes += raised
     return VerifyReport(
         **verdict(rows),
         checks=rows,
@@ -85,4 +96,5 @@ def run_verify(
         reference=REFERENCE if target.hf is not None else "none",
         notes=notes,
         rank_cache_bytes=[asdict(b) | {"equal": b.equal} for b in held],
+        distortion=costs,
     )

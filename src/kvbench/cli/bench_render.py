@@ -1,5 +1,6 @@
 """Rendering `kvbench bench`: the prefill sweep's table, the `--fill random` table (decode cost against context,
-bench/context.py), the floor's caption both carry, and the closing line naming the files written."""
+bench/context.py), the floor's caption both carry, a line for each lossy row's distortion, and the closing line
+naming the files written."""
 
 from __future__ import annotations
 
@@ -134,6 +135,43 @@ def _print_table(title: str, cols: list[str], body: list[list], caption: str) ->
         out.print(styled(caption, "dim"))
 
 
+def _tokens(n: int) -> str:
+    """A context as --prompt-len takes it: 4k for 4,096; 1,000 as itself."""
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
+
+
+def distortion_lines(rows: list, meta: dict, label) -> None:
+    """A line for each lossy row measured against the full-precision cache (check/distortion.py), with the bytes it
+    saves, then what the figures mean for these weights; each lossy row not measured, and why."""
+    shown = [r for r in rows if r.kl_mean == r.kl_mean]  # NaN: an exact cache, or not measured
+    dist = meta.get("distortion", {})
+    for r in shown:
+        d = dist.get("rows", {}).get(r.distortion_key(), {})
+        saved = ""
+        if d.get("bytes_saved") is not None and d.get("reference_kv_bytes"):
+            saved = f"; saves {d['bytes_saved_fraction']:.0%} of {console.fmt_bytes(d['reference_kv_bytes'])}"
+        out.print(
+            line(
+                styled("distortion", "bold"),
+                f" {label(r)}: KL mean {r.kl_mean:.2g}; top-1 {console.fmt_share(r.top1_agreement)}; "
+                f"mean |Δp| {r.mean_abs_dp:.2g}{saved}",
+            )
+        )
+    for key, why in dist.get("not_measured", {}).items():
+        out.print(styled(f"distortion of {key} not measured: {why}", "red"))
+    if shown:
+        filled = "filled with the same random K/V and " if meta.get("fill") == "random" else ""
+        out.print(
+            styled(
+                f"distortion: against the full-precision static cache, both {filled}fed its greedy tokens "
+                "(teacher-forced); "
+                "KL(p_full || p_lossy) in nats, top-1: the same top token, |Δp|: the chosen token's probability "
+                f"moved; by token in distortion.csv, by depth in distortion.png and meta.json. {dist.get('note', '')}",
+                "dim",
+            )
+        )
+
+
 def render_bench(rows: list, meta: dict, run_dir, files: list, ranks: Sequence = ()) -> None:
     """The bench table, its caption, the rows that failed or flipped, the SDPA backends; under --tp the per-rank
     table (`ranks`: tp.csv's rows); then the files written."""
@@ -178,6 +216,8 @@ def render_bench(rows: list, meta: dict, run_dir, files: list, ranks: Sequence =
             out.print(styled(f"{where}: {r.status}", "red"))
         elif r.flips and r.near_tie_flips < r.flips:
             out.print(styled(f"{where}: tokens {r.tokens_note}", "red"))
+    # only kvbench rows are measured: the engine goes without saying
+    distortion_lines(rows, meta, lambda r: f"{r.cache} prompt {r.prompt_len}" + (f" batch {r.batch}" if swept else ""))
     observed = {f"{r.engine} {r.cache}": (r.sdpa_prefill, r.sdpa_decode) for r in rows if r.status == "ok"}
     kinds = sorted(set(observed.values()))
     if kinds:
@@ -301,6 +341,7 @@ def render_context(rows: list, meta: dict, run_dir, files: list) -> None:
     for r in rows:
         if r.status.startswith("error"):
             out.print(styled(f"{r.cache} context {r.context}: {r.status}", "red"))
+    distortion_lines(rows, meta, lambda r: f"{r.cache} context {_tokens(r.context)}")
     out.print(wrote_line(files, run_dir))
 
 

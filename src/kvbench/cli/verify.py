@@ -134,6 +134,7 @@ def _verify_gpt2(o: VerifyOptions, on_row):
         on_row=on_row,
         compile=o.compile,
         tp=rank,
+        random_weights=loaded.random,
     )
     meta = {
         "model": loaded.config.name,

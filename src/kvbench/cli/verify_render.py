@@ -1,6 +1,7 @@
 """How `kvbench verify` (and `verify --hf`) lays out its report: a grid of checks by caches, each cell a verdict and
 its figure; beneath it each failing cell's tolerance and detail with where it went wrong (its location), the skipped
-cells' reasons, the notes and the verdict line. `--verbose` lists every row's tolerance and detail in full instead."""
+cells' reasons, a line of figures for each lossy cache's distortion, the notes and the verdict line. `--verbose` lists
+every row's tolerance and detail in full instead."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from rich.text import Text
 
-from kvbench.console import clipped, err, fitted, line, out, styled
+from kvbench.console import clipped, err, fitted, fmt_bytes, fmt_share, line, out, styled
 
 if TYPE_CHECKING:
     from kvbench.check.judge import CheckRow
@@ -128,6 +129,32 @@ def _skips(skipped: list, width: int) -> list[Text]:
     ]
 
 
+def distortion_line(cache: str, d: dict) -> Text:
+    """One lossy cache's cost in one line: KL mean and max, top-1 agreement, mean |Δp|, the bytes it saves against
+    the full-precision cache holding the same tokens."""
+    saved = ""
+    if d.get("bytes_saved") is not None:
+        saved = f"; saves {d['bytes_saved_fraction']:.0%} of {fmt_bytes(d['reference_kv_bytes'])}"
+    return line(
+        styled("distortion", "bold"),
+        f" {cache}: KL mean {d['kl_mean']:.2g}, max {d['kl_max']:.2g}; top-1 {fmt_share(d['top1_agreement'])}; "
+        f"mean |Δp| {d['mean_abs_dp']:.2g}{saved}",
+    )
+
+
+def distortion_notes(costs: dict[str, dict]) -> list[str]:
+    """What the distortion lines measured and what they mean for these weights, each said once."""
+    if not costs:
+        return []
+    first = next(iter(costs.values()))
+    return [
+        f"distortion: each lossy cache against {first['reference']}, {first['steps']} steps on the first prompt; "
+        "KL(p_full || p_lossy) in nats, top-1: the same top token, |Δp|: the chosen token's probability moved; "
+        "by depth in --json",
+        *dict.fromkeys(d["note"] for d in costs.values()),
+    ]
+
+
 def verbose_rows(checks: list) -> None:
     """--verbose: every row, its verdict, tolerance and detail in full."""
     for r in checks:
@@ -153,7 +180,10 @@ def render_verify(report, meta: dict, verbose: bool = False) -> None:
                     out.print(_where(r, verbose, width))
         for text in _skips(skipped, width):
             out.print(text)
-    for n in report.notes:
+    costs = getattr(report, "distortion", {})
+    for cache, d in costs.items():
+        out.print(distortion_line(cache, d))
+    for n in report.notes + distortion_notes(costs):
         out.print(styled(f"- {n}", "dim"))
     also = f" ({len(skipped)} row(s) skipped: see the rows)" if skipped else ""
     failed = [f"{r.name}/{r.cache}" for r in judged if not r.passed]

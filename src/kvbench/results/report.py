@@ -21,12 +21,13 @@ import torch
 from kvbench import __version__
 from kvbench.bench import hugepages
 from kvbench.bench.backends import sdpa_settings
-from kvbench.bench.context import FILL_NOTE, ContextRow, ContextStepRow
+from kvbench.bench.context import FILL_NOTE, ContextDistortionRow, ContextRow, ContextStepRow
 from kvbench.bench.profile import OpRow
-from kvbench.bench.rows import StepRow, SummaryRow
+from kvbench.bench.rows import DistortionRow, StepRow, SummaryRow
 from kvbench.bench.settings import settings_dict
 from kvbench.bench.sweep import fill_relative
 from kvbench.bench.tp import RankRow
+from kvbench.check.distortion import REFERENCE_CACHE, weights_note
 from kvbench.devices import cpu_peak_resettable, device_name, dtype_name
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.results.environment import cpu_facts, cuda_facts, load_average
@@ -119,6 +120,16 @@ FLOOR_NOTE = (
 )
 
 
+DISTORTION_NOTE = (
+    f"each lossy cache's row against the full-precision {REFERENCE_CACHE} cache, both fed the same tokens: the "
+    "prompt (--fill random: the same random K/V, then one seeded random token), then at every step the token the "
+    f"full-precision path chose. kl: KL(p_{REFERENCE_CACHE} || p_lossy) of the next-token distributions in nats; "
+    "top1_agreement: the same top token; abs_dp: |change| in the probability of the full-precision path's token; "
+    "depth: the tokens a step reads. Untimed, after the row's timed runs; per token in distortion.csv, by "
+    "power-of-two depth bins here"
+)
+
+
 def floor_meta(bandwidth) -> dict:
     return {"bandwidth": bandwidth.as_dict(), "note": FLOOR_NOTE, "steps": {}}
 
@@ -181,6 +192,7 @@ class BenchRecorder:
         self.steps: list = []
         self.ttfts: list[TTFTRow] = []
         self.percentiles = list(getattr(settings, "percentiles", ()))  # the tpot_ms_pNN columns (SummaryRow)
+        self.distortion_rows: list = []  # each lossy row's tokens (distortion.csv)
         self.plot_notes: list[str] = []  # plots not drawn, and why (finish)
         self.meta = run_meta(loaded, device, dtype, settings, config_path)
 
@@ -227,6 +239,28 @@ class BenchRecorder:
         self._write_bench_csvs()
         if result.profile is not None:
             self._add_profile(r, result.profile)
+        if result.distortion is not None:
+            self.distortion_rows += [
+                DistortionRow(r.engine, r.cache, r.prompt_len, r.batch, i + 1, *step)
+                for i, step in enumerate(_steps(result.distortion))
+            ]
+        self._add_distortion(result, r.distortion_key(), DistortionRow)
+
+    def _add_distortion(self, result, key: str, row_type) -> None:
+        """A lossy row's distortion: its depth bins and bytes in meta.json (or why it was not measured), its tokens
+        in distortion.csv, rewritten now."""
+        if result.distortion is None and not result.distortion_failed:
+            return
+        meta = self.meta.setdefault(
+            "distortion",
+            {"note": weights_note(bool(self.meta.get("random_weights"))), "definition": DISTORTION_NOTE, "rows": {}},
+        )
+        if result.distortion is None:
+            meta.setdefault("not_measured", {})[key] = result.distortion_failed
+        else:
+            d = result.distortion.as_dict()
+            meta["rows"][key] = {k: v for k, v in d.items() if k not in ("per_step", "note")}
+        write_csv(self.run_dir / "distortion.csv", row_type.columns(), self.distortion_rows)
 
     def _add_profile(self, r, profiled) -> None:
         """--profile: the configuration's trace listed in meta.json, its top operators added to profile_ops.csv."""
@@ -271,12 +305,27 @@ class BenchRecorder:
         summary, steps = self.frames()
         with writing_into(self.run_dir):
             pngs = plots.write_plots(self.run_dir, summary, steps, self.meta, self.plot_notes)
+            pngs += self._distortion_plot()
         self._plotted(pngs)
         names = ["summary.csv", "steps.csv", "ttft.csv", "meta.json"] + (
             ["profile_ops.csv", "profile"] if self.profile_ops else []
         )
         names += ["tp.csv"] if "tp" in self.meta else []
-        return [self.run_dir / n for n in names] + pngs
+        return [self.run_dir / n for n in names] + self._distortion_csv() + pngs
+
+    def _distortion_csv(self) -> list[Path]:
+        return [self.run_dir / "distortion.csv"] if (self.run_dir / "distortion.csv").exists() else []
+
+    def _distortion_plot(self) -> list[Path]:
+        """distortion.png, when a lossy row was measured (results/distortion_plot.py)."""
+        if not self.distortion_rows:
+            return []
+        import pandas as pd
+
+        from kvbench.results.distortion_plot import distortion_figure
+
+        frame = pd.DataFrame([asdict(r) for r in self.distortion_rows])
+        return [distortion_figure(frame, self.meta, self.run_dir / "distortion.png")]
 
     def _close(self, status: str) -> None:
         """The run's end in meta.json: its status, when, what completed, the load average now."""
@@ -355,6 +404,13 @@ class ContextRecorder(BenchRecorder):
         self.steps.extend(result.steps)
         write_csv(self.run_dir / "summary.csv", ContextRow.columns(), self.summary)
         write_csv(self.run_dir / "steps.csv", ContextStepRow.columns(), self.steps)
+        r = result.summary
+        if result.distortion is not None:
+            self.distortion_rows += [
+                ContextDistortionRow(r.cache, r.context, r.batch, i + 1, *step)
+                for i, step in enumerate(_steps(result.distortion))
+            ]
+        self._add_distortion(result, r.distortion_key(), ContextDistortionRow)
 
     def add_empty(self) -> None:
         write_csv(self.run_dir / "summary.csv", ContextRow.columns(), [])
@@ -371,5 +427,13 @@ class ContextRecorder(BenchRecorder):
         summary = pd.DataFrame([asdict(r) for r in self.summary], columns=ContextRow.columns())
         with writing_into(self.run_dir):
             pngs = plots.write_context_plots(self.run_dir, summary, self.meta)
+            pngs += self._distortion_plot()
         self._plotted(pngs)
-        return [self.run_dir / n for n in ("summary.csv", "steps.csv", "meta.json")] + pngs
+        names = ("summary.csv", "steps.csv", "meta.json")
+        return [self.run_dir / n for n in names] + self._distortion_csv() + pngs
+
+
+def _steps(d) -> list[tuple]:
+    """A Distortion's steps as (depth, kl, top1_agreement, abs_dp), each averaged over the sequences."""
+    s = d.per_step
+    return list(zip(s["depth"], s["kl"], s["top1"], s["abs_dp"], strict=True))
