@@ -33,13 +33,15 @@ test-all: $(STAMP)
 verify: $(STAMP)
 	$(BIN)/kvbench verify --weights random --device cpu
 
+# ruff's lint and format checks, and mypy over src/ (its settings in pyproject.toml).
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
+	$(BIN)/mypy
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests
-	$(BIN)/ruff check --fix src tests
+	$(BIN)/ruff format src tests scripts
+	$(BIN)/ruff check --fix src tests scripts
 
 # A short tour on the default device (about 3 minutes on a 2-core CPU once .venv exists): generate, verify, break, a small bench
 # and the memory planner. Real GPT-2 when the hub (or its local cache) is reachable; clearly labelled random weights

@@ -20,7 +20,7 @@ from typing import Any
 
 from rich import box
 from rich.cells import cell_len
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
@@ -148,7 +148,7 @@ def fitted(
     rows: list[list[Any]],
     width: int,
     keys: int = 1,
-    justify: list[str] | None = None,
+    justify: list[JustifyMethod] | None = None,
     header: bool = True,
     wrap: tuple[int | str, ...] = (),
 ) -> list[Text | Table]:
@@ -231,7 +231,8 @@ def _split(columns: list[int], keys: int, one: list[int], layout) -> list[list[i
             for a in range(k - 1, b):
                 if best[k - 1][a][0] < float("inf") and fits(a, b):
                     best[k][b] = min(best[k][b], (max(best[k - 1][a][0], width(a, b)), a))
-    parts, b = [], n
+    parts: list[list[int]] = []
+    b = n
     for k in range(count, 0, -1):
         a = best[k][b][1]
         parts.insert(0, head + rest[a:b])
@@ -309,7 +310,7 @@ def cell(x: Any) -> Text:
     return x if isinstance(x, Text) else Text(escape_controls(str(x)))
 
 
-def fmt_bytes(n: int) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

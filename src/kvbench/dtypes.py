@@ -46,7 +46,7 @@ def canonical(text: str, flag: str, names: Sequence[str] = FLOATS, extra: Sequen
     if key in extra:
         return key
     name = _CANONICAL.get(key)
-    if name in names:
+    if name is not None and name in names:
         return name
     raise KVBenchError(
         f"unknown {flag} {text!r}; use {accepted(names, extra)} (case-insensitive; a torch. prefix is allowed)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Literal
 
 from kvbench.errors import KVBenchError, is_out_of_memory, one_line
 
@@ -22,13 +23,13 @@ class contained:
 
     __slots__ = ("fail", "saved")
 
-    def __init__(self, fail: Callable[[BaseException], Exception]) -> None:
+    def __init__(self, fail: Callable[[BaseException], BaseException]) -> None:
         self.fail = fail
 
     def __enter__(self) -> None:
         self.saved, sys.stdout = sys.stdout, sys.stderr
 
-    def __exit__(self, kind, e, tb) -> bool:
+    def __exit__(self, kind, e, tb) -> Literal[False]:
         sys.stdout = self.saved
         if e is None or isinstance(e, KVBenchError | KeyboardInterrupt) or is_out_of_memory(e):
             return False

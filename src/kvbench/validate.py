@@ -142,6 +142,8 @@ def fits_context(
     """Each prompt length + `new_tokens` within `context` (past_context); else one context_error naming every one
     that is not. One prompt: '{what} P + new tokens N = T exceeds ...'; a sweep's list of prompt lengths:
     '{what} + new tokens exceeds ...: P + N = T, ...'."""
+    if context is None:  # no configured maximum: nothing to pass
+        return
     n = (lambda x: f"{x:,}") if grouped else str
     if isinstance(prompt_len, int):
         if past_context(prompt_len + new_tokens, context):

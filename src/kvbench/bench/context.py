@@ -201,6 +201,7 @@ def _measure(
     held, failure = 0, None
     try:
         layers = make_caches(cache, model.cache_config, batch, context + new_tokens, dt, dev)
+        assert layers is not None, "a random fill needs a cache (run_context_sweep refuses none)"
         for _ in range(runs):
             for c in layers:
                 c.reset()

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from kvbench.bench.agreement import reference_logits
 from kvbench.caches import get_cache_spec, make_caches
 from kvbench.caches.base import UNKNOWN_TRAFFIC, Traffic
+from kvbench.caches.static_graph import StaticGraphCache
 from kvbench.check.judge import tolerance
 from kvbench.decode.fixed_step import FixedShapeDecoder
 from kvbench.decode.generate import generate
@@ -46,6 +48,20 @@ class RunTiming:
     bytes_copied: int | None
     tokens: list[list[int]]
     logits: list[torch.Tensor] | None = None  # (B, V) fp32 per token; only in the untimed run that explains flips
+
+
+class Configuration(Protocol):
+    """What an engine's `configure` returns: one configuration, prepared once, run many times."""
+
+    @property
+    def capture_s(self) -> float | None:
+        """Seconds spent capturing CUDA graphs (None: none captured, or not measured apart)."""
+
+    def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False) -> RunTiming:
+        """One whole generation of `new_tokens` for the (B, T) prompt `ids`, timed."""
+
+    def probe(self, ids: torch.Tensor) -> None:
+        """Prefill + one decode step through the same code path, eagerly (backends.watch_sdpa)."""
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
@@ -99,6 +115,7 @@ class _KVBenchConfiguration:
         B, T = ids.shape
         caches = make_caches(self.cache, self.model.cache_config, B, T + 2, w.dtype, w.device)
         if get_cache_spec(self.cache).fixed_step:
+            assert caches is not None and isinstance(caches[0], StaticGraphCache), f"{self.cache}: StaticGraphCache"
             caches[0].runner = FixedShapeDecoder(self.model, caches, graph=False)
         generate(self.model, ids.tolist(), 2, cache=self.cache, caches=caches)
 
@@ -226,7 +243,11 @@ class HFCompiledEngine(HFEngine):
 
 
 # One registry of engines: the CLI's --engine choices and the sweep iterate it.
-ENGINES: dict[str, type] = {"kvbench": KVBenchEngine, "hf": HFEngine, "hf-compiled": HFCompiledEngine}
+ENGINES: dict[str, type[KVBenchEngine] | type[HFEngine]] = {
+    "kvbench": KVBenchEngine,
+    "hf": HFEngine,
+    "hf-compiled": HFCompiledEngine,
+}
 
 
 def build_engines(model, names: list[str], compile: str = "off") -> dict:

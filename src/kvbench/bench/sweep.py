@@ -26,13 +26,14 @@ import statistics
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kvbench.bench import floor
 from kvbench.bench.agreement import TokenCheck, check_tokens
 from kvbench.bench.backends import watch_sdpa
-from kvbench.bench.engines import ENGINES, build_engines
+from kvbench.bench.engines import ENGINES, Configuration, RunTiming, build_engines
 from kvbench.bench.profile import profile_run
 from kvbench.bench.rows import ConfigResult, StepRow, SummaryRow
 from kvbench.bench.settings import (
@@ -51,7 +52,7 @@ def seed_copy_estimate(bytes_per_token: int, n0: int, n1: int) -> float:
 
 
 def _nan_row(**kw) -> SummaryRow:
-    base = {f.name: math.nan for f in fields(SummaryRow) if f.name != "tpot_ms_more"}
+    base: dict[str, Any] = {f.name: math.nan for f in fields(SummaryRow) if f.name != "tpot_ms_more"}
     base.update(flips=0, near_tie_flips=0, tokens_note="", sdpa_prefill="", sdpa_decode="", repeats=0)
     base.update(kw)
     return SummaryRow(**base)
@@ -207,7 +208,11 @@ class _Configuration:
         self.n_runs = s.warmup + s.repeats
         # runs made back to back (all of them in sequential order; cold and warm-ups, at least one, interleaved)
         self.back_to_back = self.n_runs if s.order == "sequential" else max(s.warmup, 1)
-        self.conf, self.runs, self.peaks, self.failure, self.base = None, [], [], None, 0.0
+        self.conf: Configuration | None = None  # made by the first run
+        self.runs: list[RunTiming] = []
+        self.peaks: list[tuple[float, float]] = []  # (peak above the base, reserved) of the back-to-back runs
+        self.failure: str | None = None
+        self.base = 0.0
         self.oversized = oversized  # predicted not to fit the device: an `oom` row with this reason, never run
         if oversized is not None:
             self.failure = "oom"
@@ -249,6 +254,7 @@ class _Configuration:
         if self.failure is not None:
             note = f"not run: {self.oversized}" if self.oversized else ""
             return ConfigResult(_nan_row(**common, status=self.failure, tokens_note=note), [], [])
+        assert conf is not None, "a configuration that did not fail ran"
         key = (prompt_len, self.batch)
         if engine.token_reference and cache == "none":
             refs.setdefault(key, runs[0].tokens)
@@ -261,8 +267,8 @@ class _Configuration:
         add_floor(result, model.config, model.lm_head.weight.dtype, bandwidth, runs[-1].cache_bytes)
         result.bandwidth = bandwidth
         if profile_dir is not None:  # after every timed run: the profiler's overhead is in none of them
-            key = {k: common[k] for k in ("engine", "cache", "prompt_len", "batch")}
-            result.profile = profile_run(lambda: conf.run(ids, s.new_tokens), ids.device, profile_dir, key)
+            labels = {k: common[k] for k in ("engine", "cache", "prompt_len", "batch")}
+            result.profile = profile_run(lambda: conf.run(ids, s.new_tokens), ids.device, profile_dir, labels)
         return result
 
 
@@ -325,13 +331,14 @@ def _summarise(common, runs, s, peaks, weights, capture_s, tokens: TokenCheck, s
     last, mib, batch = timed[-1], 2**20, common["batch"]
     ttft = describe_ms([t.ttft_s for t in timed], TTFT_PERCENTILES)
     tpot = describe_ms(steps, sorted({*ALWAYS, *s.percentiles}))  # median and p90, and those asked for
+    ttft_columns: dict[str, Any] = {f"ttft_ms_{k}": v for k, v in ttft.items()}
     row = SummaryRow(
         **common,
         status="ok",
         ttft_ms=ttft["p50"],
         tpot_ms_median=tpot["p50"],
         tpot_ms_p90=tpot["p90"],
-        **{f"ttft_ms_{k}": v for k, v in ttft.items()},
+        **ttft_columns,
         tpot_ms_mean=tpot["mean"],
         tpot_ms_std=tpot["std"],
         tpot_ms_more={c: tpot[c.removeprefix("tpot_ms_")] for c in tpot_extra_columns(s.percentiles)},

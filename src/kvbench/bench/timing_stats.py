@@ -56,7 +56,7 @@ def describe_ms(seconds: list[float], percentiles: tuple[float, ...] | list[floa
     names = ["mean", "std", *map(percentile_name, percentiles)]
     if x.size == 0:
         return dict.fromkeys(names, math.nan)
-    qs = np.percentile(x, list(percentiles)) if percentiles else []
+    qs = np.percentile(x, list(percentiles)) if percentiles else np.array([])
     out = {"mean": float(x.mean()), "std": float(x.std(ddof=1)) if x.size > 1 else math.nan}
     out.update({percentile_name(q): float(v) for q, v in zip(percentiles, qs, strict=True)})
     return out

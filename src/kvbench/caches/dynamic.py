@@ -40,7 +40,7 @@ class DynamicCache(LayerCache):
         n = self.check_crop(length)
         if n == 0:
             self.k = self.v = None  # the next update is a first write again
-        elif self.k is not None:
+        elif self.k is not None and self.v is not None:
             self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]  # views (B, H, n, Dh)
         self.length = n
 
@@ -51,7 +51,7 @@ class DynamicCache(LayerCache):
         return other
 
     def reorder(self, index: torch.Tensor) -> None:
-        if self.k is None:  # empty: no rows yet (the next update sets the batch); the index is still checked
+        if self.k is None or self.v is None:  # empty: no rows yet (the next update sets the batch); index checked
             self.check_index(index, None, None)
             return
         idx = self.check_index(index, self.k.size(0), self.k.device)
@@ -59,7 +59,7 @@ class DynamicCache(LayerCache):
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+        return 0 if self.k is None or self.v is None else self.k.nbytes + self.v.nbytes
 
 
 SPEC = CacheSpec(

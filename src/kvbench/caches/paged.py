@@ -126,7 +126,7 @@ class PagedCache(LayerCache):
         self.pool = BlockPool(num_blocks, block_size, n_head, head_dim, dtype, device)
         self.tables: list[list[int]] = [[] for _ in range(batch)]  # block ids per sequence, in token order
         self.seq_lens = [0] * batch
-        self.capacity = max_len if max_len is not None else num_blocks * block_size // batch
+        self.capacity: int = max_len if max_len is not None else num_blocks * block_size // batch
         max_blocks = -(-self.capacity // block_size)
         self.block_table = torch.zeros(batch, max_blocks, dtype=torch.long, device=device)  # (B, max_blocks)
 

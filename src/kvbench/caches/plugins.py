@@ -23,6 +23,7 @@ stdout stays kvbench's own (one JSON document under --json).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 from importlib import metadata
@@ -67,9 +68,13 @@ def load_reference(ref: str) -> CacheSpec:
 
     with contained(cannot_import):
         module = importlib.import_module(module_name)
+
+    def cannot_read(part: str, e: BaseException) -> PluginError:
+        return PluginError(f"cache plugin {ref!r}: {did(f'reading {part!r}', e)}")
+
     obj = module
     for part in attr.split("."):
-        with contained(lambda e, part=part: PluginError(f"cache plugin {ref!r}: {did(f'reading {part!r}', e)}")):
+        with contained(functools.partial(cannot_read, part)):
             found = hasattr(obj, part)
             obj = getattr(obj, part) if found else obj
         if not found:
@@ -285,6 +290,11 @@ class CheckedCache(LayerCache):
             raise self._fail(f"capacity must be a non-negative int or None, got {cap!r}")
         return cap
 
+    @capacity.setter
+    def capacity(self, value: int | None) -> None:
+        with self._calling("setting capacity"):
+            self.inner.capacity = value
+
     @property
     def nbytes(self) -> int:
         return self._int("nbytes")
@@ -292,6 +302,11 @@ class CheckedCache(LayerCache):
     @property
     def bytes_copied(self) -> int:
         return self._int("bytes_copied")
+
+    @bytes_copied.setter
+    def bytes_copied(self, value: int) -> None:
+        with self._calling("setting bytes_copied"):
+            self.inner.bytes_copied = value
 
     def _int(self, attr: str) -> int:
         value = self._get(attr)
@@ -307,6 +322,7 @@ class CheckedCache(LayerCache):
 
 def probe_layer(spec: CacheSpec) -> LayerCache:
     """One layer of the design on the probe's tiny CPU config: what it implements can be asked of it."""
+    assert spec.factory is not None, f"{spec.name} holds no cache to probe"
     return spec.factory(_PROBE, 1, 4, torch.float32, torch.device("cpu"))
 
 
@@ -314,6 +330,7 @@ def probe(spec: CacheSpec) -> None:
     """Prefill 3 tokens and decode 1 on a tiny CPU config: catches a broken plugin before a long run starts.
     Shapes and members only: whether the values (and the write pointer) are right is what `verify` checks."""
     B, H, Dh = 2, _PROBE.n_head, _PROBE.head_dim
+    assert spec.factory is not None, f"{spec.name} holds no cache to probe"
     cache = spec.factory(_PROBE, B, 8, torch.float32, torch.device("cpu"))
     if not isinstance(cache, CheckedCache):  # plugins with their own decode runner are checked here only
         cache = CheckedCache(cache, spec.name)

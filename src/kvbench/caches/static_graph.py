@@ -24,7 +24,8 @@ class StaticGraphCache(StaticCache):
 
     def __init__(self, batch, n_head, max_len, head_dim, dtype, device) -> None:
         super().__init__(batch, n_head, max_len, head_dim, dtype, device)
-        self.runner = None  # the fixed_step.FixedShapeDecoder built for these buffers, if any
+        # the decode/fixed_step.FixedShapeDecoder built for these buffers, if any (a cache knows no runner class)
+        self.runner: object | None = None
 
     def update(self, k, v, positions):
         k_view, v_view = super().update(k, v, positions)
@@ -44,6 +45,7 @@ class StaticGraphCache(StaticCache):
 
     def fork(self) -> StaticGraphCache:
         other = super().fork()
+        assert isinstance(other, StaticGraphCache)  # StaticCache.fork copies the object, its class included
         other.runner = None  # the runner (and its graph) is built for this cache's buffers, not the fork's
         return other
 

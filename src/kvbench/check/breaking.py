@@ -50,6 +50,7 @@ def require_finite(model: GPT, prompts: list[list[int]], new_tokens: int, cache:
     for that reason alone, so a fault would look caught when nothing was shown. One line saying which is not finite:
     the model itself (no cache), or only the cache carrying the faults."""
     res = run(model, prompts, new_tokens, cache)
+    assert res.logits is not None, "run records the logits"
     broken = not_finite([(f"the correct run through the {cache} cache", torch.stack(res.logits))])
     if broken is None:
         return
@@ -88,9 +89,10 @@ def break_fault(
     assert not f.batched or len({len(p) for p in prompts}) >= 2, [len(p) for p in prompts]
     runner = model if tp is None else shard(model, tp.rank, tp.world)
     require_finite(runner, prompts, new_tokens, cache)
+    assert f.demo is not None, f"the {name} fault has no demo"
     correct, faulty, shown, signature = f.demo(runner, f, prompts, new_tokens, cache)
     report = run_verify(model, [cache], prompts, new_tokens, reference, hf_dir, fault=f, tp=tp)
-    if f.tp and tp.rank == 0:  # dormant in one process: every check passes there
+    if f.tp and tp is not None and tp.rank == 0:  # dormant in one process: every check passes there
         alone = run_verify(model, [cache], prompts, new_tokens, reference, hf_dir, fault=f)
         judged = [r for r in alone.checks if not r.skipped]
         passed = sum(r.passed for r in judged)

@@ -40,7 +40,7 @@ from kvbench.decode.generate import (
     left_pad,
 )
 from kvbench.errors import KVBenchError
-from kvbench.model.gpt2 import GPT, GPTConfig, MaskRule
+from kvbench.model.gpt2 import GPT, Block, GPTConfig, MaskRule
 
 
 # --- the buggy rules and the buggy cache ------------------------------------------------------------------------
@@ -207,6 +207,13 @@ class Fault:
         return cache != "none" and (self.any_cache or cache == self.cache)
 
 
+def _caches(model: GPT, cache: str, batch: int, max_len: int, fault: Fault | None = None) -> list:
+    """fresh_caches of a design that holds a cache (a fault never runs on `none`: Fault.applies_to)."""
+    caches = fresh_caches(model, cache, batch, max_len, fault)
+    assert caches is not None, f"{cache} holds no cache"
+    return caches
+
+
 @torch.inference_mode()
 def mask_signature(model: GPT, prompt: list[int]) -> dict:
     """The `mask` bug measured on the model's real layer-0 queries and keys for the first decode step (hook-free:
@@ -214,12 +221,14 @@ def mask_signature(model: GPT, prompt: list[int]) -> dict:
     attention weights themselves, so we read the distribution each causal flag produces."""
     device = model.lm_head.weight.device
     T = len(prompt)
-    caches = fresh_caches(model, "dynamic", 1, T + 1)
+    caches = _caches(model, "dynamic", 1, T + 1)
     ids = torch.tensor([prompt], device=device)
     logits = model(ids, torch.arange(T, device=device)[None], caches)
     nxt = logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
-    tr, attn = model.transformer, model.transformer.h[0].attn
-    x = tr.h[0].ln_1(tr.wte(nxt) + tr.wpe(torch.tensor([[T]], device=device)))  # (1, 1, C)
+    tr, block = model.transformer, model.transformer.h[0]
+    assert isinstance(block, Block), type(block)
+    attn = block.attn
+    x = block.ln_1(tr.wte(nxt) + tr.wpe(torch.tensor([[T]], device=device)))  # (1, 1, C)
     B, _, C = x.shape
     q, k, _ = attn.c_attn(x).split(C, dim=2)
     q, k = (t.view(B, 1, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k))  # (1, H, 1, Dh)
@@ -259,7 +268,7 @@ def demo_reuse(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: 
     prompt, other = prompts[0], prompts[1]
     # room for both prompts' tokens: the bug keeps the first one's, and a fixed-capacity cache must show stale
     # columns, not overflow
-    caches = fresh_caches(model, cache, 1, len(other) + len(prompt) + 2 * new)
+    caches = _caches(model, cache, 1, len(other) + len(prompt) + 2 * new)
     run(model, [other], new, cache, f, caches)
     stale = caches[0].length
     faulty = run(model, [prompt], new, cache, f, caches).tokens[0]
@@ -276,7 +285,7 @@ def demo_reuse(model: GPT, f: Fault, prompts: list[list[int]], new: int, cache: 
 
 def _single(model: GPT, f: Fault, prompt: list[int], new: int, cache: str) -> tuple[list[int], list[int], list]:
     correct = run(model, [prompt], new, cache).tokens[0]
-    caches = fresh_caches(model, cache, 1, len(prompt) + new, f)
+    caches = _caches(model, cache, 1, len(prompt) + new, f)
     return correct, run(model, [prompt], new, cache, f, caches).tokens[0], caches
 
 

@@ -12,7 +12,7 @@ GPT2LMHeadModel with the same weights, by the `reference` row of cache `none`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers import GPT2LMHeadModel
@@ -34,8 +34,11 @@ class Injection(Protocol):
     """What a check runs with in place of the correct code (faults.Fault): the loop's rules, and optionally a layer
     cache factory (config, batch, max_len, dtype, device) in place of the design's own."""
 
-    rules: DecodeRules
-    layer_cache: Callable | None
+    @property
+    def rules(self) -> DecodeRules: ...
+
+    @property
+    def layer_cache(self) -> Callable | None: ...
 
 
 def fresh_caches(model: GPT, cache: str, batch: int, max_len: int, fault: Injection | None = None) -> list | None:
@@ -62,11 +65,12 @@ def run(
     rules and caches passed in."""
     if caches is None:
         caches = fresh_caches(model, cache, len(prompts), max(map(len, prompts)) + new, fault)
-    kw = {} if fault is None else {"rules": fault.rules}
-    return generate(model, prompts, new, cache=cache, record_logits=True, caches=caches, compile=compile, **kw)
+    rules = EXACT if fault is None else fault.rules
+    return generate(model, prompts, new, cache=cache, record_logits=True, caches=caches, rules=rules, compile=compile)
 
 
 def as_run(res: GenerationResult) -> Run:
+    assert res.logits is not None, "a check's run records its logits"
     return Run(res.tokens, torch.stack(res.logits, dim=1))  # (B, N, V)
 
 
@@ -87,7 +91,8 @@ def hf_reference(model: GPT, hf_dir: str | None = None):
     if hf_dir is None:
         return to_hf_model(model, attn_implementation="eager", dtype=torch.float32)
     hf = GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
-    return hf.to(model.lm_head.weight.device).eval()
+    # transformers wraps `to` with functools.wraps(nn.Module.to), which its types leave unbound (self unfilled)
+    return hf.to(model.lm_head.weight.device).eval()  # type: ignore[arg-type]
 
 
 @torch.inference_mode()
@@ -143,7 +148,7 @@ class GPT2Subject:
     held to the whole model in this process)."""
 
     # an invariant tripped inside a run (a model assert, a cache overflow): a failed row, not a traceback
-    crashes = (KVBenchError, AssertionError, RuntimeError)
+    crashes: tuple[type[BaseException], ...] = (KVBenchError, AssertionError, RuntimeError)
 
     def __init__(
         self,
@@ -159,7 +164,9 @@ class GPT2Subject:
         self.gpt = runner if runner is not None else model.gpt
         self.cached, self.exact = spec.factory is not None, spec.exact
         lossy = None if spec.exact else (spec.logit_rtol, spec.logit_atol)
-        own = dict(lossy=lossy, min_agreement=spec.min_greedy_agreement, source="its logit_atol, logit_rtol")
+        own: dict[str, Any] = dict(
+            lossy=lossy, min_agreement=spec.min_greedy_agreement, source="its logit_atol, logit_rtol"
+        )
         self.tol = tolerance(model.dtype, tp=tp, **own)
         self.reference_tol = tolerance(model.dtype, reference=True, **own)
 
@@ -177,7 +184,9 @@ class GPT2Subject:
         return as_run(res), "reused after another prompt"
 
     def open(self, batch: int, max_len: int) -> GPT2Session:
-        return GPT2Session(self, fresh_caches(self.gpt, self.cache, batch, max_len, self.fault))
+        caches = fresh_caches(self.gpt, self.cache, batch, max_len, self.fault)
+        assert caches is not None, f"{self.cache} holds no cache to drive"
+        return GPT2Session(self, caches)
 
     def generation_features(self, check: str) -> list[tuple[str, Callable, Callable]]:
         """`rollback`: `generate --draft prompt-lookup` (drafts verified in one forward, the rest cropped) against
@@ -195,7 +204,9 @@ class GPT2Subject:
         return [("generate --draft prompt-lookup", drafted, plain)]
 
     def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
-        layer = fresh_caches(self.gpt, self.cache, 1, 1, self.fault)[0]
+        caches = fresh_caches(self.gpt, self.cache, 1, 1, self.fault)
+        assert caches is not None, f"{self.cache} holds no cache to probe"
+        layer = caches[0]
         lacks = [m for m in members if m in missing_lifecycle(layer)]
         name = type(getattr(layer, "inner", layer)).__name__
         return f"{name} has no {', '.join(lacks)} (an optional member of the cache contract)" if lacks else None

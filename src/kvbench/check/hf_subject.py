@@ -76,7 +76,7 @@ def full_logits(loaded: LoadedHF, prompt: list[int], tokens: list[int]) -> torch
 class HFModel:
     """A loaded Hugging Face model as the model under test; its no-cache runs memoised, shared by every cache."""
 
-    reference_name = None  # the model is its own reference
+    reference_name: str | None = None  # the model is its own reference
 
     def __init__(self, loaded: LoadedHF) -> None:
         self.loaded = loaded
@@ -127,7 +127,7 @@ class HFSubject:
     this process)."""
 
     # transformers raises many types (ValueError, RuntimeError, IndexError, ...): each is a failed row
-    crashes = (Exception,)
+    crashes: tuple[type[BaseException], ...] = (Exception,)
 
     def __init__(self, model: HFModel, cache: str, runner: LoadedHF | None = None, tp: int = 1) -> None:
         self.model, self.cache, self.spec = model, cache, HF_CACHES[cache]
@@ -150,21 +150,25 @@ class HFSubject:
             self.cache_layers = res.cache_layers
         return res
 
+    def _build(self, max_len: int):
+        assert self.spec.build is not None, f"{self.cache} builds no cache object"
+        return self.spec.build(self.loaded.model, max_len)
+
     def reused(self, prev: list[int], prompt: list[int], new: int) -> tuple[Run, str]:
-        obj = self.spec.build(self.loaded.model, max(len(prev), len(prompt)) + new)
+        obj = self._build(max(len(prev), len(prompt)) + new)
         kw = {cache_kwarg(): obj, **reuse_kwargs(self.cache)}
         generate_run(self.loaded, [prev], new, **kw)
         obj.reset()
         return generate_run(self.loaded, [prompt], new, **kw), f"a {type(obj).__name__} reset() and reused"
 
     def open(self, batch: int, max_len: int) -> HFSession:
-        return HFSession(self.loaded, self.spec.build(self.loaded.model, max_len))
+        return HFSession(self.loaded, self._build(max_len))
 
     def generation_features(self, check: str) -> list[tuple[str, Callable, Callable]]:
         return generation_features(self, check)
 
     def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
-        obj = self.spec.build(self.loaded.model, 8)
+        obj = self._build(8)
         lacks = [m for m in members if m in HF_MEMBER and not hasattr(obj, HF_MEMBER[m])]
         return f"{type(obj).__name__} has no {', '.join(HF_MEMBER[m] for m in lacks)}" if lacks else None
 
@@ -177,7 +181,9 @@ def cache_unsupported(loaded: LoadedHF) -> str | None:
         return f"{info.architecture} has no KV cache: its forward takes no cache, every step recomputes the prefix"
     if info.recurrent and not info.kv_layers:
         return f"{info.model_type} keeps a recurrent state, no KV cache"
-    if not type(model)._supports_default_dynamic_cache():
+    # transformers types this classmethod's cls as its GenerativePreTrainedModel protocol, which mypy finds no model
+    # class to satisfy
+    if not type(model)._supports_default_dynamic_cache():  # type: ignore[misc]
         return (
             f"{info.architecture} keeps a cache of its own: transformers builds no DynamicCache or StaticCache for "
             "it and ignores cache_implementation (GenerationMixin._supports_default_dynamic_cache() is False)"

@@ -21,7 +21,7 @@ from kvbench.check.hf_subject import HFModel, HFSubject
 from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
 from kvbench.check.lifecycle import LIFECYCLE
 from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks
-from kvbench.check.tp import hf_tp_rows
+from kvbench.check.tp import RankBytes, hf_tp_rows
 from kvbench.devices import dtype_name
 from kvbench.hf.caches import HF_CACHES
 from kvbench.hf.introspect import HFModelInfo, quiet_transformers
@@ -64,7 +64,7 @@ def run_hf_verify(
     report = on_row if tp is None or tp.rank == 0 else None
     with quiet_transformers():
         rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, report, baseline)
-        held = []
+        held: list[RankBytes] = []
         if tp is not None:
             rows, held = hf_tp_rows(subjects, rows, prompts[0], new_tokens, tp, report)
     return VerifyReport(

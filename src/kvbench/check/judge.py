@@ -136,11 +136,12 @@ def allclose_err(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> 
     return bool((diff <= atol + rtol * scale).all()), float(diff.max()) if diff.numel() else 0.0
 
 
-def first_off(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> int | None:
-    """The first row (step) of (N, V) logits outside the tolerance, or None."""
+def first_off(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> int:
+    """The first row (step) of (N, V) logits outside the tolerance, where allclose_err found one."""
     per_step = (got - want).abs() > tol.atol + tol.rtol * want.abs().amax(-1, keepdim=True)  # (N, V)
     off = per_step.any(-1).nonzero()
-    return int(off[0, 0]) if off.numel() else None
+    assert off.numel(), "every row within the tolerance: allclose_err passed these logits"
+    return int(off[0, 0])
 
 
 def near_tie(ref_row: torch.Tensor, got_row: torch.Tensor) -> tuple[bool, float, float]:

@@ -73,7 +73,7 @@ def rollback(s: Subject, prompts: list[list[int]], new: int) -> Trace:
     trace, (prompt, other) = Trace(), _longest(prompts, 2)
     session = s.open(1, len(prompt) + 3 * new + 8)
     session.prepare_rollback()
-    hist = []
+    hist: list[int] = []
     tok = _step(session, trace, [hist], [prompt])[0]
     tok = _decode(session, trace, hist, tok, max(2, new // 4))
     draft = [tok, *(prompt * 6)[1:6]]  # one forward over 6 draft tokens, as a prompt lookup proposes them

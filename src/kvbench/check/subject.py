@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -53,15 +53,20 @@ class Model(Protocol):
         """The no-cache path's N tokens for `prompt` (`cached`: the tokens the cached run chose, for a path that
         reads them teacher-forced)."""
 
-    def reference_logits(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-        """The independent implementation's (T + N - 1, V) logits over the same tokens (reference_name set)."""
-
     def unjudged(self, longest: int) -> str | None:
         """Why a difference in a run of `longest` tokens (prompt + new) cannot be judged exact, or None: the model
         makes a discontinuous choice over keys (a sparse top-k indexer), so rounding may change which it keeps."""
 
     def left_padding_note(self) -> str:
         """Why padded rows may differ on the no-cache path, in words (what the model lacks)."""
+
+
+@runtime_checkable
+class ReferencedModel(Model, Protocol):
+    """A model with an independent implementation of the same weights (reference_name set): the reference row."""
+
+    def reference_logits(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        """The independent implementation's (T + N - 1, V) logits over the same tokens."""
 
     def continuation(self, prompt: list[int], new: int) -> list[int]:
         """Any N tokens that follow `prompt` (the no-cache path is held to the reference over them)."""
@@ -93,10 +98,15 @@ class Subject(Protocol):
 
     cache: str  # the name rows carry
     cached: bool  # False: the model's no-cache path
-    model: Model
     tol: Tolerance  # cached vs recomputed logits
     reference_tol: Tolerance  # against the model's independent implementation
-    crashes: tuple[type[BaseException], ...]  # what a run may raise and a row reports as a failure
+
+    @property
+    def model(self) -> Model: ...
+
+    @property
+    def crashes(self) -> tuple[type[BaseException], ...]:
+        """What a run may raise and a row reports as a failure."""
 
     def unavailable(self) -> str | None:
         """Why this subject cannot run here (a skip row), or None."""

@@ -14,7 +14,8 @@ with the exception, never a traceback.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 
 from kvbench.check.judge import (
     CACHED,
@@ -29,7 +30,7 @@ from kvbench.check.judge import (
     skipped,
 )
 from kvbench.check.lifecycle import LIFECYCLE, lifecycle_rows
-from kvbench.check.subject import Run, Subject
+from kvbench.check.subject import ReferencedModel, Run, Subject
 from kvbench.errors import KVBenchError, one_line
 
 CHECKS = ("logits", "greedy", "reference", "batched", "cache_state", *LIFECYCLE)
@@ -85,12 +86,13 @@ def check_greedy(s: Subject, prompt: list[int], res: Run) -> CheckRow:
 def check_reference(s: Subject, prompt: list[int], res: Run | None, new: int = 0) -> CheckRow:
     """Our logits against the independent implementation over the same tokens (teacher-forced). The no-cache path
     (`res` None): every position of one forward over a continuation; a cache: the logits of each generated step."""
-    tol, T = s.reference_tol, len(prompt)
-    tokens = res.tokens[0] if res is not None else s.model.continuation(prompt, new)
-    ours_full = s.model.full_logits(prompt, tokens)
-    theirs = s.model.reference_logits(prompt, tokens)
+    tol, T, model = s.reference_tol, len(prompt), s.model
+    assert isinstance(model, ReferencedModel), f"{type(model).__name__} has no reference (plan() asks for none)"
+    tokens = res.tokens[0] if res is not None else model.continuation(prompt, new)
+    ours_full = model.full_logits(prompt, tokens)
+    theirs = model.reference_logits(prompt, tokens)
     ours = ours_full if res is None else res.logits[0]
-    where = f"{s.model.reference_name}'s reference (ours are finite)"
+    where = f"{model.reference_name}'s reference (ours are finite)"
     bad = not_finite([(NO_CACHE, ours_full), (CACHED, ours), (where, theirs)])
     if bad:
         return CheckRow(name="reference", cache=s.cache, passed=False, tolerance=tol.words, detail=bad)
@@ -154,7 +156,7 @@ def check_batched(s: Subject, prompts: list[list[int]], batch: Run, solo: list[R
                 sum(x == y for x, y in zip(r.tokens[0], batch.tokens[b], strict=True)) / n for b, r in enumerate(solo)
             )
             what += f"; worst row: {agree:.0%} of {n} tokens agree"
-    err = max(r.max_abs_diff for r in rows)
+    err = max(r.max_abs_diff for r in rows if r.max_abs_diff is not None)  # all of them: the logits are finite
     return CheckRow(
         name="batched",
         cache=s.cache,
@@ -191,7 +193,7 @@ def _batched_by_bound(s: Subject, prompts: list[list[int]], batch: Run, what: st
     what = what.replace("vs alone", "vs no cache alone on the same tokens")
     what += f"; beyond the bound for length {', '.join(map(str, bad))}" if bad else ""
     what += f"; worst step {max(rel for _, rel in rows):.1%} of its row scale"
-    err = max(r.max_abs_diff for r, _ in rows)
+    err = max(r.max_abs_diff for r, _ in rows if r.max_abs_diff is not None)  # all of them: `unjudged` is None
     return CheckRow(name="batched", cache=s.cache, passed=not bad, max_abs_diff=err, tolerance=s.tol.words, detail=what)
 
 
@@ -261,14 +263,14 @@ def plan(s: Subject, checks: tuple[str, ...], prompts: list[list[int]], new: int
     has_ref = s.model.reference_name is not None
     wanted = [c for c in ("logits", "greedy") if s.cached] + (["reference"] if has_ref else [])
     single_names = [c for c in wanted if c in checks]
-    groups = [(single_names, single), (["batched"], batched)]
+    groups: list[tuple[list[str], Callable[[], list[CheckRow]]]] = [(single_names, single), (["batched"], batched)]
     groups += [(["cache_state"], cache_state)] if s.cached else []
-    groups += [([c], lambda c=c: lifecycle_rows(s, c, prompts, short)) for c in LIFECYCLE if s.cached]
+    groups += [([c], partial(lifecycle_rows, s, c, prompts, short)) for c in LIFECYCLE if s.cached]
     return [(names, fn) for names, fn in groups if names and all(n in checks for n in names)]
 
 
 def run_checks(
-    subjects: list[Subject],
+    subjects: Sequence[Subject],
     prompts: list[list[int]],
     new_tokens: int,
     checks: tuple[str, ...],

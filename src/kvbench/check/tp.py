@@ -17,8 +17,9 @@ rank that failed says which rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -60,11 +61,15 @@ class Recording(LayerCache):
 
 
 @torch.inference_mode()
-def filled(gpt, make_caches: Callable[[int], list], tokens: list[int], prompt_len: int, mask_rule) -> list[Recording]:
+def filled(
+    gpt, make_caches: Callable[[int], list | None], tokens: list[int], prompt_len: int, mask_rule
+) -> list[Recording]:
     """Caches of one design filled by `gpt` over `tokens`: the first `prompt_len` in one prefill, then one decode
     step per token, positions explicit; each layer's last returned K/V recorded."""
     device = gpt.lm_head.weight.device
-    caches = [Recording(c) for c in make_caches(len(tokens))]
+    made = make_caches(len(tokens))
+    assert made is not None, "a cached design (rank_cache runs only for caches)"
+    caches = [Recording(c) for c in made]
     steps = [tokens[:prompt_len], *([t] for t in tokens[prompt_len:])]
     past = 0
     for step in steps:
@@ -75,10 +80,22 @@ def filled(gpt, make_caches: Callable[[int], list], tokens: list[int], prompt_le
     return caches
 
 
+class Held(Protocol):
+    """What compare_slices reads of one layer's cache: the K and V attention last read, (B, H, slots, Dh), and
+    how many of those slots hold tokens."""
+
+    @property
+    def k(self) -> torch.Tensor | None: ...
+    @property
+    def v(self) -> torch.Tensor | None: ...
+    @property
+    def length(self) -> int: ...
+
+
 def compare_slices(
     cache: str,
-    got: list[Recording],
-    want: list[Recording],
+    got: Sequence[Held],
+    want: Sequence[Held],
     heads: range | list[range],
     rtol: float,
     atol: float,
@@ -101,6 +118,7 @@ def compare_slices(
                 detail=f"{what}: layer {i} holds {g.length} tokens, the one-process cache {L}",
             )
         for name, a, b in (("K", g.k, w.k), ("V", g.v, w.v)):
+            assert a is not None and b is not None, f"layer {i} was never written"
             a = a[:, :, :L].float().cpu()  # (B, h, L, Dh)
             b = b[:, heads.start : heads.stop, :L].float().cpu()  # (B, h, L, Dh)
             diff = (a - b).abs()
@@ -326,7 +344,9 @@ def hf_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankByt
     return row, None if planned is None else RankBytes(tp.rank, s.cache, held, measured, planned)
 
 
-def tp_rows(target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp) -> list[CheckRow]:
+def tp_rows(
+    target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp
+) -> tuple[list[CheckRow], list[RankBytes]]:
     """Every check of the suite, and rank_cache, for each cache on this rank's shard of `target`'s model; rank 0
     returns every rank's rows merged, the other ranks their own."""
     from kvbench.check.gpt2_subject import GPT2Subject

@@ -11,7 +11,7 @@ import torch
 from kvbench.check.gpt2_subject import REFERENCE, GPT2Model, GPT2Subject, Injection
 from kvbench.check.judge import LOW_PRECISION_NOTE, TP_NOTE, CheckRow, VerifyReport
 from kvbench.check.suite import CHECKS, SHORT_TOKENS, prompts_note, run_checks
-from kvbench.check.tp import rank_bytes_notes, tp_rows
+from kvbench.check.tp import RankBytes, rank_bytes_notes, tp_rows
 from kvbench.devices import dtype_name
 from kvbench.distributed import Rank
 from kvbench.model.gpt2 import GPT
@@ -52,7 +52,7 @@ def run_verify(
         lens,
     )
     target = GPT2Model(model, reference if "reference" in checks else "none", hf_dir)
-    held = []
+    held: list[RankBytes] = []
     if tp is None:
         subjects = [GPT2Subject(target, c, fault, compile) for c in caches]
         rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, on_row)

@@ -22,13 +22,18 @@ import sys
 import typing
 from dataclasses import MISSING
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from typer import core as typer_core
 from typer.core import TyperCommand, TyperGroup
 
 from kvbench import __version__, console
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbench.model.weights import LoadedModel
 from kvbench.errors import (
     KVBenchError,
     NotEnoughMemoryError,
@@ -279,7 +284,9 @@ def quiet_libraries() -> None:
 
 
 # --- loading our GPT-2 for a command -------------------------------------------------------------------------------
-def load_for_cli(model: str | None, weights: str, device: str, dtype: str, seed: int, init_std: float = 0.02):
+def load_for_cli(
+    model: str | None, weights: str, device: str, dtype: str, seed: int, init_std: float = 0.02
+) -> tuple[LoadedModel, torch.device, torch.dtype]:
     """Resolve device and dtype, load the model, and show the random-weights warning once. Shared by commands."""
     from kvbench.devices import resolve_device, resolve_dtype
     from kvbench.model.weights import load_model

@@ -13,6 +13,7 @@ import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -24,6 +25,12 @@ from kvbench.console import err
 from kvbench.errors import KVBenchError
 from kvbench.options import option
 from kvbench.results.rundir import check_export_target
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbench.bench.hf_sweep import BenchLoaded
+    from kvbench.model.weights import LoadedModel
 
 
 @dataclass
@@ -66,9 +73,9 @@ class Prepared:
 
     settings: BenchSettings
     out_dir: Path
-    loaded: object
-    device: object
-    dtype: object
+    loaded: LoadedModel | BenchLoaded
+    device: torch.device
+    dtype: torch.dtype
     engines: dict
     notes: list[str]
     extra_meta: dict | None
@@ -111,6 +118,7 @@ def _prepare_hf(opts: BenchOptions) -> Prepared:
     """--hf: the same checks, folder, sweep and files as for our GPT-2; the model and its engine from cli/hf.py."""
     from kvbench.cli.hf import prepare_bench_hf
 
+    assert opts.hf is not None, "--hf given"
     prepared = Prepared(
         *prepare_bench_hf(opts.hf, opts.config, opts.given, opts.force, opts.layers, opts.trust_remote_code)
     )
@@ -408,7 +416,7 @@ class _BenchProgress:
     """A Rich progress bar over the sweep's runs (warm-ups included), on stderr so --json stdout stays clean."""
 
     def __init__(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
         self._progress = Progress(
             TextColumn("[bold]bench[/]"),
@@ -419,7 +427,7 @@ class _BenchProgress:
             console=err,
             transient=True,
         )
-        self._task = None
+        self._task: TaskID | None = None
 
     def __enter__(self) -> _BenchProgress:
         self._progress.__enter__()

@@ -3,7 +3,10 @@ bench/context.py), the floor's caption both carry, and the closing line naming t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rich import box
+from rich.console import JustifyMethod
 from rich.table import Table
 
 from kvbench import console
@@ -20,7 +23,7 @@ def _times(x: float) -> str:
     return _f(x, ".2f") + ("" if x != x else "x")
 
 
-def floor_caption(meta: dict, rows: list) -> str:
+def floor_caption(meta: dict, rows: Sequence) -> str:
     bw = meta.get("floor", {}).get("bandwidth")
     if not bw:
         return ""
@@ -59,7 +62,7 @@ def _tokens_cell(r):
     return styled(text + " !", "bold red")
 
 
-def caption_text(meta: dict, rows: list = ()) -> str:
+def caption_text(meta: dict, rows: Sequence = ()) -> str:
     """The table's footer: what every column includes, cold and warm defined."""
     cuda = meta["device"].startswith("cuda")
     hf = "hf" in meta  # bench --hf: the model's own caches, its `none` the token reference
@@ -123,7 +126,7 @@ def _print_table(title: str, cols: list[str], body: list[list], caption: str) ->
     width needs (each repeating the configuration), and the caption beneath as prose."""
     cols, body, same = shared_columns(cols, body, names=("engine", "prompt"))
     keys = sum(1 for c in cols[: len(KEYS)] if c in KEYS)
-    justify = ["left" if c in ("engine", "cache") else "right" for c in cols]
+    justify: list[JustifyMethod] = ["left" if c in ("engine", "cache") else "right" for c in cols]
     title += "".join(f", {s}" for s in same)
     for x in fitted(title, cols, body, out.width, keys=keys, justify=justify):
         out.print(x)

@@ -4,6 +4,7 @@ their tolerance and detail in full."""
 
 from __future__ import annotations
 
+from rich.console import JustifyMethod
 from rich.text import Text
 
 from kvbench.cli.verify_render import verbose_rows
@@ -60,7 +61,8 @@ def render_break_summary(results: list) -> None:
         for r in results
     ]
     cols = ["fault", "cache", "detected", "caught by", "diverges at"]
-    title, justify = "kvbench break: injected faults", ["left"] * 4 + ["right"]
+    title = "kvbench break: injected faults"
+    justify: list[JustifyMethod] = ["left", "left", "left", "left", "right"]
     for t in fitted(title, cols, rows, out.width, justify=justify, wrap=("caught by",)):
         out.print(t)
     n = sum(r.detected for r in results)

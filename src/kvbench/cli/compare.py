@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
+from rich.console import JustifyMethod
 
 from kvbench import console
 from kvbench.cli.app import command
@@ -246,7 +247,7 @@ def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
     cols, rows, same = shared_columns(cols, rows, names=("engine", "prompt"))
     _render_header(c, same)
     keys = sum(1 for k in cols[:4] if k in ("engine", "cache", "prompt", "batch"))
-    justify = ["left" if k in ("engine", "cache") else "right" for k in cols]
+    justify: list[JustifyMethod] = ["left" if k in ("engine", "cache") else "right" for k in cols]
     for x in fitted(None, cols, rows, out.width, keys=keys, justify=justify):
         out.print(x)
     out.print(styled(caption, "dim"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvbench import console, options
 from kvbench.cli.app import command, load_for_cli
@@ -11,6 +12,13 @@ from kvbench.console import fitted, line, out, styled
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import option
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbench.decode.generate import Sampler
+    from kvbench.model.tokenizer import Tokenizer
+    from kvbench.model.weights import LoadedModel
 
 
 def read_prompts(prompt: str | None, prompts: list[str] | None, prompts_file: Path | None) -> list[str]:
@@ -97,12 +105,12 @@ class Prepared:
     """What a generation runs on: the prompts, their token ids, the sampler and the loaded model."""
 
     texts: list[str]
-    tok: object
+    tok: Tokenizer
     ids: list[list[int]]
-    sampler: object
-    loaded: object
-    device: object
-    dtype: object
+    sampler: Sampler
+    loaded: LoadedModel
+    device: torch.device
+    dtype: torch.dtype
 
 
 def prepare(o: GenerateOptions) -> Prepared:
@@ -254,7 +262,8 @@ class TextStream:
     suffix, so a character split across two byte-level tokens appears once it is complete."""
 
     def __init__(self, tokenizer, prompt: str) -> None:
-        self.tok, self.ids, self.shown = tokenizer, [], ""
+        self.tok, self.shown = tokenizer, ""
+        self.ids: list[int] = []
         out.print(styled(prompt, "bold"), end="")
 
     def push(self, ids: list[int]) -> None:
@@ -280,7 +289,7 @@ def render_generation(doc: dict, streamed: bool) -> None:
     s, t, c, d = doc["settings"], doc["timings"], doc["cache"], doc.get("draft")
     tpot = t["tpot_ms_median"]
     tpot_note = "decode steps only" if d is None else "each forward's time over the tokens it produced"
-    rows = [
+    rows: list[list[Any]] = [
         [
             "model / weights",
             line(

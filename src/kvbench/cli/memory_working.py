@@ -74,6 +74,7 @@ def plan_warnings(p: ModelPlan) -> list[str]:
 def floor_line(r: PlanRow) -> str:
     """The decode floor of one row: the step's bytes over the bandwidth, and the tokens/s it allows."""
     f = r.decode_floor
+    assert f is not None, "a row with a decode floor"
     return (
         f"  decode floor at {fmt_tokens(r.ctx)} x {r.batch}: (weights {fmt_int(f.weights_bytes)} B + K/V read "
         f"{fmt_int(f.kv_read_bytes)} B + K/V write {r.batch} x {fmt_int(f.kv_write_bytes_per_sequence)} B) = "
@@ -94,6 +95,7 @@ def _vector(fmt: KVFormat, n: int) -> str:
 def _per_token(spec: ModelSpec, fmt: KVFormat, kv_heads: int, total: int, label: str) -> str:
     """The per-token formula with this model's numbers, one line."""
     if spec.is_mla:
+        assert spec.kv_lora_rank is not None and spec.qk_rope_head_dim is not None, f"{spec.name}: MLA widths"
         n = spec.kv_lora_rank + spec.qk_rope_head_dim
         return (
             f"{label}: ({spec.kv_lora_rank} kv_lora_rank + {spec.qk_rope_head_dim} qk_rope_head_dim) x "
@@ -174,6 +176,8 @@ def _state_line(p: ModelPlan, spec: ModelSpec, fmt: KVFormat) -> str:
 def _weights_line(p: ModelPlan, spec: ModelSpec) -> str:
     approx = "~" if spec.params_estimated else ""
     wbits, weights = weight_bits(p.weights_dtype), p.weights_bytes
+    # the plan counts weights from the parameters, split over the GPUs
+    assert spec.params is not None and weights is not None and p.weights_bytes_per_gpu is not None
     line = (
         f"weights: {approx}{fmt_int(spec.params)} params x {wbits / 8:g} B ({p.weights_dtype}) = {fmt_bytes(weights)}"
     )
@@ -230,6 +234,7 @@ def _kv_sequence(p: ModelPlan, r: PlanRow) -> str:
         return f"{fmt_tokens(ctx)}: {terms} = {per_seq}"
     if held == ctx * spec.n_layers:
         return f"{fmt_tokens(ctx)}: {fmt_int(p.bytes_per_token)} B/token x {fmt_int(ctx)} tokens = {per_seq}"
+    assert spec.sliding_window is not None, f"{spec.name}: fewer tokens held than ctx x layers without a window"
     return (
         f"{fmt_tokens(ctx)}: {spec.n_full} full layers x {fmt_int(ctx)} tokens + {spec.n_windowed} "
         f"{spec.window_kind} layers x min({fmt_int(ctx)}, {fmt_int(spec.sliding_window)}) tokens = {fmt_int(held)} "
@@ -240,10 +245,10 @@ def _kv_sequence(p: ModelPlan, r: PlanRow) -> str:
 def _fit_line(r: PlanRow, budget: GPUBudget) -> str:
     if r.max_ctx_unbounded:
         longest = "unbounded context (" + ("no KV cache" if r.tokens_held == 0 else "every layer windowed") + ")"
-    elif r.max_ctx_at_limit:
-        longest = f"max context >= {fmt_int(r.max_ctx)} (searched up to {fmt_int(MAX_TOKENS)})"
     else:
-        longest = f"max context {fmt_int(r.max_ctx)}"
+        assert r.max_ctx is not None, "a bounded max context is a number"
+        at_limit = f" (searched up to {fmt_int(MAX_TOKENS)})" if r.max_ctx_at_limit else ""
+        longest = f"max context {'>= ' if at_limit else ''}{fmt_int(r.max_ctx)}{at_limit}"
     return (
         f"  fits: {fmt_bytes(r.bytes_per_gpu)} {'<=' if r.fits else '>'} {fmt_bytes(max(budget.available, 0))} "
         f"available; max batch {r.max_batch} at {fmt_tokens(r.ctx)}; {longest} at batch {r.batch}"

@@ -158,6 +158,7 @@ def _verify_gpt2(o: VerifyOptions, on_row):
 
 def _verify_hf(o: VerifyOptions, on_row):
     """`kvbench verify --hf`: load, run every check on every cache, return (report, meta) for the renderers."""
+    assert o.hf is not None, "--hf given"
     from kvbench.check.hf_verify import run_hf_verify
     from kvbench.check.verify import random_prompts
     from kvbench.cli.app import CHECK_INIT_STD

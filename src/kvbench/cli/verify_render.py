@@ -4,9 +4,14 @@ verdict line. `--verbose` lists every row's tolerance and detail in full instead
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.text import Text
 
 from kvbench.console import clipped, err, fitted, line, out, styled
+
+if TYPE_CHECKING:
+    from kvbench.check.judge import CheckRow
 
 # A failing cell's tolerance and detail beneath the grid: at most this many lines without --verbose.
 DETAIL_LINES = 3
@@ -67,7 +72,7 @@ def _grid(checks: list, width: int, title: str) -> list:
     caches = list(dict.fromkeys(r.cache for r in checks))
     names = [r.name for r in checks if r.name != "-"]
     order = [c for c in CHECKS if c in names] + [n for n in dict.fromkeys(names) if n not in CHECKS]
-    cells: dict[tuple[str, str], object] = {}
+    cells: dict[tuple[str, str], CheckRow] = {}
     for r in checks:
         key = (r.name, r.cache)
         if key not in cells or cells[key].passed or cells[key].skipped:  # a repeat never hides a failure
@@ -94,7 +99,9 @@ def _entry(row, verbose: bool, width: int) -> Text:
     """`check/cache (tolerance): detail`, in full with `verbose` (and the row's verdict), else clipped."""
     style = "bold red" if not row.passed and not row.skipped else "bold"
     tol = f" ({row.tolerance})" if row.tolerance and row.tolerance != "skipped" else ""
-    head = [styled(_label(row), style)] + ([" ", _result(row)] if verbose else [])
+    head: list[str | Text] = [styled(_label(row), style)]
+    if verbose:
+        head += [" ", _result(row)]
     text = line(*head, f"{tol}: {row.detail or '-'}")
     return text if verbose else clipped(text, width, DETAIL_LINES, MORE)
 

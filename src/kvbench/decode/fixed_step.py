@@ -35,6 +35,8 @@ from __future__ import annotations
 import time
 import types
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -112,7 +114,7 @@ _compiled_step = None
 _frozen_step: tuple | None = None  # (weakref to the model, its frozen key, the step compiled for it)
 
 
-def _compiled(mode: str, model: GPT, key: tuple) -> object:
+def _compiled(mode: str, model: GPT, key: tuple) -> Callable[..., torch.Tensor]:
     """The compiled step. "default" is shared by every runner (its graph reads the weights as inputs). "max" is
     compiled from a fresh copy of the function for each model and weights version: its weights are constants, and
     Dynamo keeps compiled code per code object, so one shared by two models would serve the first one's weights.
@@ -130,7 +132,9 @@ def _compiled(mode: str, model: GPT, key: tuple) -> object:
         fresh = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         # Dynamo's guards on the model's modules cost ~0.5 ms a call; this step is already keyed on everything of
         # the model it reads (identity, parameter storage and versions), so only tensor guards stay.
-        guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        guards: dict[str, str | int | bool | Callable[..., Any]] = {
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        }
         compiled = torch.compile(fresh, dynamic=False, options=guards)
 
         def step(*args):
@@ -168,7 +172,7 @@ class FixedShapeDecoder:
     def __init__(
         self,
         model: GPT,
-        caches: list[StaticGraphCache],
+        caches: list,
         graph: bool | None = None,
         compile: str = "off",
         mask_rule: MaskRule = EXACT_MASK,
@@ -272,7 +276,9 @@ class FixedShapeDecoder:
         if self.use_graph:
             if self.graph is None:
                 self._capture()
+            assert self.graph is not None, "_capture records the graph"
             self.graph.replay()
+            assert self.out is not None, "the graph's static output, recorded with it"
             logits = self.out.clone()  # the static output is overwritten by the next replay
         else:
             logits = self._run()

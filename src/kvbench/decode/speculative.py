@@ -117,6 +117,7 @@ def speculative_generate(
     P = batch.ids.size(1)
     assert 1 <= max_new_tokens and P + max_new_tokens <= model.config.block_size, (P, max_new_tokens)
     caches = make_caches(cache, model.cache_config, 1, P + max_new_tokens, model.lm_head.weight.dtype, device)
+    assert caches is not None, f"{cache} holds no cache to crop (validate.draft_rules)"
     greedy = Sampler()
 
     text = list(prompts[0])  # prompt + every token produced so far

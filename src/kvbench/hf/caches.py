@@ -46,7 +46,7 @@ def compile_config() -> CompileConfig:
     """generate's default compile of the decode step (CompileConfig()), allowed on every device: transformers
     compiles automatically only on CUDA, XPU, TPU and Neuron."""
     cfg = CompileConfig()
-    cfg._compile_all_devices = True
+    cfg._compile_all_devices = True  # type: ignore[assignment]  # transformers declares it `= None`, unannotated
     return cfg
 
 

@@ -43,7 +43,8 @@ def build_hf_model(model: GPT):
     Built on the meta device, so transformers' random init never runs and nothing is allocated on the host; then
     every parameter is assigned from our state dict: already on the device, already in the target dtype."""
     c = model.config
-    cfg = GPT2Config(
+    # attn_implementation: taken by the __init__ transformers wraps around its config dataclasses, not in their types
+    cfg = GPT2Config(  # type: ignore[call-arg]
         vocab_size=c.vocab_size,
         n_positions=c.block_size,
         n_embd=c.n_embd,

@@ -22,6 +22,7 @@ import inspect
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -40,6 +41,13 @@ from kvbench.memory.units import fmt_bytes
 from kvbench.model.weights import hub_reachable
 from kvbench.thirdparty import contained, did
 from kvbench.validate import context_error, past_context
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedModel
+
+    class CausalLM(PreTrainedModel, GenerationMixin):
+        """What loading gives: a transformers model with `generate`, of the class its config names."""
+
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -60,7 +68,7 @@ NOT_A_PREFIX_FORWARD = {
 
 @dataclass
 class LoadedHF:
-    model: object  # a transformers PreTrainedModel with GenerationMixin, eval mode, on its device
+    model: CausalLM  # a transformers PreTrainedModel with GenerationMixin, eval mode, on its device
     source: str  # as given
     weights: str  # for every output: a path, "hub:org/name", or "random(transformers init, ...)"
     random: bool
@@ -140,8 +148,9 @@ def _refuse_unloadable(doc: dict, where: str, trust_remote_code: bool) -> None:
         )
 
 
-def _shrink(config, layers: int | None, where: str) -> tuple[int, int]:
-    """Keep the first `layers` decoder layers (and their entries in per-layer lists). Returns (kept, of)."""
+def _shrink(config, layers: int | None, where: str) -> tuple[int | None, int | None]:
+    """Keep the first `layers` decoder layers (and their entries in per-layer lists). Returns (kept, of): the
+    config's own count twice without `layers` (None where it has no num_hidden_layers)."""
     text = config.get_text_config(decoder=True)
     total = getattr(text, "num_hidden_layers", None)
     if layers is None:
@@ -163,7 +172,7 @@ def _shrink(config, layers: int | None, where: str) -> tuple[int, int]:
 class _Resolved:
     """SOURCE resolved to a config, before any weights are read."""
 
-    config: object  # transformers' config, --layers applied
+    config: Any  # transformers' config (a PretrainedConfig subclass), --layers applied
     where: str  # what transformers reads: a directory or a hub id
     kwargs: dict  # trust_remote_code (and local_files_only for a hub id)
     weights: str | None  # the checkpoint: "hub:org/name" or a path; None: random weights from a config file
@@ -307,8 +316,9 @@ def refuse_incomplete(info: dict, where: str, kept: int | None = None) -> None:
         )
     missing = set(info.get("missing_keys") or ())
     if missing:
-        layers = [_layer_index(k) for k in missing]
-        first = min(layers) if None not in layers else 0  # the checkpoint holds layers 0 .. first-1 in full
+        layers = [i for i in map(_layer_index, missing) if i is not None]
+        # the checkpoint holds layers 0 .. first-1 in full
+        first = min(layers) if len(layers) == len(missing) else 0
         hint = f", or --layers {first} to keep the layers it holds" if first else ""
         raise KVBenchError(
             f"{where}: the checkpoint lacks {len(missing)} of the model's tensors ({names(missing)}); transformers "
@@ -475,7 +485,7 @@ def _neutral_generation_config(model) -> int:
 def check_length(info: HFModelInfo, total: int, what: str, fix: str) -> None:
     """Hold a run of `total` tokens (longest prompt + new tokens, spelled out in `what`) to the model's configured
     context (validate.past_context, validate.context_error)."""
-    if not past_context(total, info.context):
+    if info.context is None or not past_context(total, info.context):
         return
     why = (
         f"learned absolute positions: the model has no embedding past position {info.context - 1}"

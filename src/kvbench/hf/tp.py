@@ -46,8 +46,8 @@ def check_tp_model(source: str, tp: int, trust_remote_code: bool) -> None:
         )
     text = getattr(config, "get_text_config", lambda: config)()
     heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if heads is not None and splits_attention(plan):
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
         validate.tp_shape_rules(tp, f"{Path(source).name} ({config.model_type})", heads, kv_heads)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from kvbench.errors import KVBenchError
 from kvbench.memory.spec import ModelSpec
@@ -80,6 +80,10 @@ def _first(cfg: dict[str, Any], keys: tuple[str, ...]) -> tuple[str | None, Any]
     return None, None
 
 
+@overload
+def cfg_int(cfg: dict[str, Any], keys: tuple[str, ...], path: Path, required: Literal[True] = True) -> int: ...
+@overload
+def cfg_int(cfg: dict[str, Any], keys: tuple[str, ...], path: Path, required: bool) -> int | None: ...
 def cfg_int(cfg: dict[str, Any], keys: tuple[str, ...], path: Path, required: bool = True) -> int | None:
     key, value = _first(cfg, keys)
     if key is None:
@@ -128,7 +132,7 @@ def head_dim(cfg: dict[str, Any], hidden: int, n_heads: int, path: Path) -> int:
     return hd
 
 
-def mla(cfg: dict[str, Any], path: Path) -> dict[str, int | None]:
+def mla(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     """MLA (DeepSeek-V2/V3): the cache holds the kv_lora_rank latent plus the shared RoPE key."""
     lora = cfg_int(cfg, ("kv_lora_rank",), path, required=False)
     if lora is None:
@@ -379,10 +383,11 @@ def _moe_layers(cfg: dict[str, Any], n_layers: int) -> int:
 def _shared_expert(cfg: dict[str, Any], hidden: int, mats: int) -> int:
     """Always-on experts beside the routed ones (DeepSeek, Qwen2-MoE, Llama 4), per MoE layer."""
     moe_inter = _int(cfg, "moe_intermediate_size") or 0
-    if _int(cfg, "n_shared_experts"):
-        return mats * hidden * moe_inter * _int(cfg, "n_shared_experts")
-    if _int(cfg, "shared_expert_intermediate_size"):
-        return mats * hidden * _int(cfg, "shared_expert_intermediate_size") + hidden  # + its sigmoid gate
+    shared, shared_inter = _int(cfg, "n_shared_experts"), _int(cfg, "shared_expert_intermediate_size")
+    if shared:
+        return mats * hidden * moe_inter * shared
+    if shared_inter:
+        return mats * hidden * shared_inter + hidden  # + its sigmoid gate
     if str(cfg.get("model_type", "")).startswith("llama4"):
         return mats * hidden * (_int(cfg, "intermediate_size") or 0)
     return 0
@@ -428,7 +433,7 @@ def estimate_vision_params(vision: dict[str, Any]) -> int | None:
     h, inter = _int(vision, "hidden_size"), _int(vision, "intermediate_size")
     layers = _int(vision, "num_hidden_layers")
     patch, image = _int(vision, "patch_size"), _int(vision, "image_size")
-    if None in (h, inter, layers, patch, image):
+    if h is None or inter is None or layers is None or patch is None or image is None:
         return None
     clip = vision["model_type"] == "clip_vision_model"  # a class token and a pre-norm besides SigLIP's layout
     positions = (image // patch) ** 2 + (1 if clip else 0)

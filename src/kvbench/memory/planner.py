@@ -121,9 +121,12 @@ def gpu_budget(
     gpu: GPUSpec | None, gpu_mem: int | None, overhead: str, weights_per_gpu: int, gpu_mem_text: str = ""
 ) -> GPUBudget | None:
     """Memory - allowance - weights: the bytes each GPU has for the cache (None when no GPU was given)."""
-    if gpu is None and gpu_mem is None:
+    if gpu is not None:
+        memory = gpu.memory
+    elif gpu_mem is not None:
+        memory = gpu_mem
+    else:
         return None
-    memory = gpu.memory if gpu else gpu_mem
     reserve, _ = parse_overhead(overhead, memory)
     label = f"{gpu.label} ({gpu.nominal})" if gpu else f"--gpu-mem {gpu_mem_text or fmt_bytes(memory)}"
     return GPUBudget(
@@ -162,6 +165,7 @@ def max_context(
 
 
 def _window_note(spec: ModelSpec) -> str:
+    assert spec.sliding_window is not None, f"{spec.name}: windowed layers without a window"
     n, w = spec.n_windowed, fmt_int(spec.sliding_window)
     # a hybrid: only attention layers have a window
     attn = "attention " if spec.model_layers is not None else ""
@@ -192,6 +196,7 @@ def _notes(spec: ModelSpec, fmt: KVFormat, per_token: int) -> list[str]:
     if spec.sliding_layers:
         notes.append(_window_note(spec))
     if spec.is_mla and spec.qk_nope_head_dim and spec.v_head_dim:
+        assert spec.qk_rope_head_dim is not None, f"{spec.name}: an MLA latent without its RoPE key width"
         expanded = spec.n_layers * spec.n_kv_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim)
         notes.append(
             f"MLA caches the {spec.kv_lora_rank}+{spec.qk_rope_head_dim} latent (vLLM, SGLang, DeepSeek's own code "
@@ -287,11 +292,12 @@ def plan(
     weights_gpu = None if weights is None else -(-weights // tp)
     budget = gpu_budget(gpu, gpu_mem, overhead, weights_gpu or 0, gpu_mem_text)
     rows = [_row(spec, _Sizes(fmt, kvh, b, budget, state, state_gpu), ctx) for b in batches for ctx in contexts]
+    trained = spec.max_context
     warnings = [
-        f"{spec.name}: {fmt_int(ctx)} tokens is beyond the {fmt_int(spec.max_context)} it was trained for "
+        f"{spec.name}: {fmt_int(ctx)} tokens is beyond the {fmt_int(trained)} it was trained for "
         f"(max_position_embeddings); computed anyway"
         for ctx in contexts
-        if past_context(ctx, spec.max_context)
+        if trained is not None and past_context(ctx, trained)
     ]
     p = ModelPlan(
         model=spec,

@@ -164,6 +164,7 @@ def _memory_panel(ax, chart: CapacityChart, colors: dict, styles: dict) -> None:
         fontsize=8,
     )
     for i, s in enumerate(x for x in chart.series if x.max_ctx):
+        assert s.max_ctx is not None
         ax.plot([s.max_ctx], [chart.usable_gib], "o", color=colors[s.model], ms=6, mec="black", mew=0.6)
         ax.axvline(s.max_ctx, color=colors[s.model], lw=0.7, ls=":", alpha=0.8)
         right = s.max_ctx > s.contexts[-1] ** 0.8 * s.contexts[0] ** 0.2  # the last fifth: label to the left

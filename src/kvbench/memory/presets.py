@@ -96,7 +96,7 @@ def _model(name: str, t: Any, path: Path) -> ModelSpec:
         raise KVBenchError(f"top-level key {name!r} in {path} must be a [table] describing one model")
     _check_keys(t, _MODEL_REQUIRED, _MODEL_OPTIONAL, where)
     ints = {k: _positive_int(t, k, where) for k in _MODEL_REQUIRED[2:]}
-    mla = {k: _positive_int(t, k, where) for k in _MODEL_OPTIONAL[3:7] if k in t}
+    mla: dict[str, Any] = {k: _positive_int(t, k, where) for k in _MODEL_OPTIONAL[3:7] if k in t}
     if ("kv_lora_rank" in mla) != ("qk_rope_head_dim" in mla):
         raise KVBenchError(f"{where}: an MLA model needs both kv_lora_rank and qk_rope_head_dim")
     vision = t.get("vision_params")

@@ -202,8 +202,9 @@ def _plot_path(o: Options) -> Path | None:
 def _gpu(o: Options) -> tuple[GPUSpec | None, int | None]:
     gpu = get_gpu(o.gpu) if o.gpu is not None else None
     gpu_mem = parse_bytes(o.gpu_mem) if o.gpu_mem is not None else None
-    if gpu is not None or gpu_mem is not None:
-        parse_overhead(o.overhead or DEFAULT_OVERHEAD, gpu.memory if gpu else gpu_mem)
+    memory = gpu.memory if gpu is not None else gpu_mem
+    if memory is not None:
+        parse_overhead(o.overhead or DEFAULT_OVERHEAD, memory)
     return gpu, gpu_mem
 
 

@@ -121,7 +121,8 @@ class ModelSpec:
     def layer_vectors(self, kv_heads: int | None = None, layer: int | None = None) -> tuple[int, int]:
         """(vectors, elements per vector) one layer caches per token: 2 x kv_heads of head_dim, or one MLA latent.
         `layer`: that layer's own shape where they differ (layer_kv)."""
-        if self.is_mla:
+        if self.kv_lora_rank is not None:  # MLA
+            assert self.qk_rope_head_dim is not None, f"{self.name}: an MLA latent without its RoPE key width"
             return 1, self.kv_lora_rank + self.qk_rope_head_dim
         heads, dim = self.layer_shape(layer, kv_heads)
         return 2 * heads, dim
@@ -129,12 +130,16 @@ class ModelSpec:
     def tokens_held(self, layer: int, ctx: int) -> int:
         """Tokens layer `layer` must keep for a sequence of ctx tokens: all of them, or the window."""
         if layer in self.sliding_layers:
+            assert self.sliding_window is not None  # __post_init__: windowed layers have a window
             return min(ctx, self.sliding_window)
         return ctx
 
     def held(self, ctx: int) -> int:
         """Tokens held per sequence summed over layers: full layers hold ctx, windowed ones min(ctx, window)."""
-        windowed = self.n_windowed * min(ctx, self.sliding_window) if self.sliding_layers else 0
+        windowed = 0
+        if self.sliding_layers:
+            assert self.sliding_window is not None  # __post_init__: windowed layers have a window
+            windowed = self.n_windowed * min(ctx, self.sliding_window)
         return self.n_full * ctx + windowed
 
 

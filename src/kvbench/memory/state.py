@@ -115,7 +115,7 @@ def _int(cfg: dict[str, Any], *keys: str) -> int | None:
 def _num(cfg: dict[str, Any], *keys: str) -> float | None:
     for k in keys:
         v = cfg.get(k)
-        if type(v) in (int, float) and v > 0:
+        if (type(v) is int or type(v) is float) and v > 0:
             return v
     return None
 
@@ -146,11 +146,11 @@ def _mamba(cfg: dict[str, Any], model_type: str) -> tuple[int, str] | None:
             f"{heads} heads x {head_dim} head_dim x {d_state} d_state"
         )
     expand = _num(cfg, "expand", "mamba_expand")
-    inner = _int(cfg, "intermediate_size") if model_type in ("mamba", "falcon_mamba") else None
-    inner = inner or (int(expand * hidden) if expand else None)
-    if inner is None:
+    given = _int(cfg, "intermediate_size") if model_type in ("mamba", "falcon_mamba") else None
+    d_inner = given or (int(expand * hidden) if expand else None)
+    if d_inner is None:
         return None
-    return inner * (d_state + d_conv), (f"{fmt_int(inner)} d_inner x ({d_state} d_state + {d_conv} conv_kernel)")
+    return d_inner * (d_state + d_conv), (f"{fmt_int(d_inner)} d_inner x ({d_state} d_state + {d_conv} conv_kernel)")
 
 
 def _gated_delta(cfg: dict[str, Any]) -> tuple[int, str] | None:
@@ -158,7 +158,7 @@ def _gated_delta(cfg: dict[str, Any]) -> tuple[int, str] | None:
     kh, vh = _int(cfg, "linear_num_key_heads"), _int(cfg, "linear_num_value_heads")
     dk, dv = _int(cfg, "linear_key_head_dim"), _int(cfg, "linear_value_head_dim")
     conv = _int(cfg, "linear_conv_kernel_dim")
-    if None in (kh, vh, dk, dv, conv):
+    if kh is None or vh is None or dk is None or dv is None or conv is None:
         return None
     n = (2 * kh * dk + vh * dv) * conv + vh * dk * dv
     return n, f"(2 x {kh} x {dk} + {vh} x {dv}) x {conv} conv_kernel + {vh} value heads x {dk} x {dv}"
@@ -166,9 +166,9 @@ def _gated_delta(cfg: dict[str, Any]) -> tuple[int, str] | None:
 
 def _rwkv(cfg: dict[str, Any]) -> tuple[int, str] | None:
     hidden = _int(cfg, "hidden_size")
-    att = _int(cfg, "attention_hidden_size") or hidden
     if hidden is None:
         return None
+    att = _int(cfg, "attention_hidden_size") or hidden
     return 2 * hidden + 3 * att, f"2 x {hidden} hidden + 3 x {att} attention_hidden_size"
 
 

@@ -81,7 +81,7 @@ class CausalSelfAttention(nn.Module):
         # the heads this module computes: all of them (a tensor-parallel shard holds a slice, model/tp.py)
         self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
         self.c_attn = Conv1D(cfg.n_embd, 3 * cfg.n_embd)  # fused Q, K, V
-        self.c_proj = Conv1D(cfg.n_embd, cfg.n_embd)
+        self.c_proj: nn.Module = Conv1D(cfg.n_embd, cfg.n_embd)  # a RowParallel on a tensor-parallel shard
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache, mask: AttentionMask) -> torch.Tensor:
         B, T, _ = x.shape
@@ -101,7 +101,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.c_fc = Conv1D(cfg.n_embd, 4 * cfg.n_embd)
-        self.c_proj = Conv1D(4 * cfg.n_embd, cfg.n_embd)
+        self.c_proj: nn.Module = Conv1D(4 * cfg.n_embd, cfg.n_embd)  # a RowParallel on a tensor-parallel shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's tanh-GELU
@@ -182,11 +182,20 @@ class AttentionMask:
         return allowed
 
 
+class Transformer(nn.ModuleDict):
+    """GPT's `transformer`: a ModuleDict (its parameters keep GPT-2's names), with its members' types declared."""
+
+    wte: nn.Embedding
+    wpe: nn.Embedding
+    h: nn.ModuleList
+    ln_f: nn.LayerNorm
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
-        self.transformer = nn.ModuleDict(
+        self.transformer = Transformer(
             dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
                 wpe=nn.Embedding(cfg.block_size, cfg.n_embd),

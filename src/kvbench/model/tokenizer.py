@@ -28,7 +28,7 @@ ENV_VAR = "KVBENCH_TOKENIZER"
 
 @dataclass
 class Tokenizer:
-    encoding: object  # tiktoken.Encoding
+    encoding: tiktoken.Encoding
     source: str  # where the ranks came from, recorded in outputs
 
     @property
@@ -136,13 +136,12 @@ def _from_path(path: Path, label: str):
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
     """From `path` (--tokenizer), else $KVBENCH_TOKENIZER, else the ranks file shipped with kvbench."""
-    label = None
     if path is not None:
         label = f"--tokenizer {path}"
     elif os.environ.get(ENV_VAR):
         path = os.environ[ENV_VAR]
         label = f"{ENV_VAR}={path}"
-    if path is not None:
-        p = Path(path).expanduser()
-        return Tokenizer(_from_path(p, label), str(p))
-    return Tokenizer(_from_path(GPT2_RANKS, str(GPT2_RANKS)), "bundled:gpt2.tiktoken")
+    else:
+        return Tokenizer(_from_path(GPT2_RANKS, str(GPT2_RANKS)), "bundled:gpt2.tiktoken")
+    p = Path(path).expanduser()
+    return Tokenizer(_from_path(p, label), str(p))

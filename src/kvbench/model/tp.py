@@ -21,13 +21,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from kvbench.devices import synchronize
-from kvbench.model.gpt2 import GPT, Conv1D
+from kvbench.model.gpt2 import GPT, MLP, CausalSelfAttention, Conv1D
 
 
 class Collectives:
@@ -105,11 +106,11 @@ def shard(model: GPT, rank: int, world: int) -> GPT:
     part = copy.deepcopy(model)
     heads, width = rank_heads(H, rank, world), 4 * C // world
     for block in part.transformer.h:
-        attn, mlp = block.attn, block.mlp
+        attn, mlp = cast(CausalSelfAttention, block.attn), cast(MLP, block.mlp)
         attn.c_attn = _columns(attn.c_attn, head_columns(C, Dh, heads))
-        attn.c_proj = _rows(attn.c_proj, heads.start * Dh, heads.stop * Dh)
+        attn.c_proj = _rows(cast(Conv1D, attn.c_proj), heads.start * Dh, heads.stop * Dh)
         attn.n_head = len(heads)
         mlp.c_fc = _columns(mlp.c_fc, torch.arange(rank * width, (rank + 1) * width))
-        mlp.c_proj = _rows(mlp.c_proj, rank * width, (rank + 1) * width)
+        mlp.c_proj = _rows(cast(Conv1D, mlp.c_proj), rank * width, (rank + 1) * width)
     part.cache_config = dataclasses.replace(cfg, n_head=H // world, n_embd=C // world, tp_rank=rank, tp_size=world)
     return part

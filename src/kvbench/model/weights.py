@@ -151,7 +151,8 @@ def to_hf_model(model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtyp
     from transformers import GPT2Config, GPT2LMHeadModel
 
     c, weight = model.config, model.lm_head.weight
-    cfg = GPT2Config(
+    # attn_implementation: taken by the __init__ transformers wraps around its config dataclasses, not in their types
+    cfg = GPT2Config(  # type: ignore[call-arg]
         vocab_size=c.vocab_size,
         n_positions=c.block_size,
         n_embd=c.n_embd,
@@ -174,7 +175,8 @@ def to_hf_model(model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtyp
     missing = [k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))]
     assert not missing and not unexpected, f"inverse port mismatch: missing {missing}, unexpected {unexpected}"
     hf.tie_weights()
-    return hf.to(device=weight.device, dtype=dtype or weight.dtype).eval()
+    # transformers wraps `to` with functools.wraps(nn.Module.to), which its types leave unbound (self unfilled)
+    return hf.to(device=weight.device, dtype=dtype or weight.dtype).eval()  # type: ignore[call-arg]
 
 
 def load_from_dir(directory: Path) -> tuple[GPT, GPTConfig]:

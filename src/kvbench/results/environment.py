@@ -17,6 +17,7 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvbench.errors import KVBenchError
 
@@ -70,7 +71,7 @@ def cuda_facts(device) -> dict:
         return {"processes": None, "clocks": None, "note": f"NVML did not start: {e}"}
     try:
         handle = _handle(pynvml, device)
-        out = {"processes": _processes(pynvml, handle), "clocks": _clocks(pynvml, handle), "note": None}
+        out: dict[str, Any] = {"processes": _processes(pynvml, handle), "clocks": _clocks(pynvml, handle), "note": None}
     except pynvml.NVMLError as e:
         out = {"processes": None, "clocks": None, "note": f"NVML could not read the device: {e}"}
     finally:
@@ -187,7 +188,7 @@ class ContextField:
     differs: bool
 
 
-def _dig(doc: dict, path: tuple[str, ...]):
+def _dig(doc: Any, path: tuple[str, ...]):
     for k in path:
         if not isinstance(doc, dict):
             return None

@@ -178,7 +178,7 @@ class RowClock:
     """Passed as a run's `on_row`: notes each row's share of the run (the time since the row before it, the first
     since the clock started), then hands the row on to `then`."""
 
-    def __init__(self, then=None):
+    def __init__(self, then=None) -> None:
         self.then = then
         self.start = self.last = time.perf_counter()
         self.seconds: list[float] = []

@@ -37,7 +37,7 @@ ENGINE_LABEL = {"kvbench": "kvbench", "hf": "transformers", "hf-compiled": "tran
 ENGINE_ORDER = list(ENGINE_STYLE)
 
 
-def _colour(cache: str) -> str:
+def _colour(cache: str) -> tuple[float, float, float, float]:
     names = list(CACHES)
     i = names.index(cache) if cache in names else len(names)
     return plt.get_cmap("tab10")(i % 10)

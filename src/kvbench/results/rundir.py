@@ -30,7 +30,9 @@ from kvbench.jsonio import json_text
 try:
     import fcntl
 except ImportError:  # not POSIX: no advisory locks (see _lock)
-    fcntl = None
+    ADVISORY_LOCKS = False
+else:
+    ADVISORY_LOCKS = True
 
 
 def default_run_dir(kind: str = "bench") -> Path:
@@ -111,7 +113,7 @@ def _lock(p: Path) -> int | None:
     """Lock `p` for this run (an advisory lock the kernel drops when the process ends, however it ends); the open
     lock file's descriptor. KVBenchError when another run holds it. Where there are no advisory locks (not POSIX),
     None: the exclusive mkdir and the emptiness check in claimed_run_dir remain."""
-    if fcntl is None:
+    if not ADVISORY_LOCKS:
         return None
     try:
         fd = os.open(p / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -127,7 +129,7 @@ def _lock(p: Path) -> int | None:
 
 def _locked_by_another(p: Path) -> bool:
     """Does a running bench hold `p`'s lock?"""
-    if fcntl is None:
+    if not ADVISORY_LOCKS:
         return False
     try:
         fd = os.open(p / RUN_LOCK, os.O_RDONLY)

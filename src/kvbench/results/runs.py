@@ -20,6 +20,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -238,6 +239,7 @@ def _parse_csv(text: str, path: Path, what: str) -> tuple[list[str], pd.DataFram
         for row in reader:
             if not row:
                 continue
+            assert header is not None  # a row follows the header
             if len(row) != len(header):
                 raise _wrong_width(path, what, reader.line_num, len(row), len(header))
             rows.append(row)
@@ -279,7 +281,7 @@ def _to_numbers(df: pd.DataFrame, col: str, path: Path, what: str) -> None:
 
 
 def _field(meta: dict, path: tuple[str, ...]):
-    doc = meta
+    doc: Any = meta
     for k in path:
         if not isinstance(doc, dict):
             return None
@@ -339,7 +341,9 @@ def _check_meta(meta: dict, where: str) -> None:
 
 def run_level(meta: dict) -> dict:
     """The KEY fields one bench run has a single value for, from its (checked) meta.json."""
-    settings = meta.get("settings") if isinstance(meta.get("settings"), dict) else {}
+    settings = meta.get("settings")
+    if not isinstance(settings, dict):
+        settings = {}
     return {
         "model": meta.get("model"),
         "weights": weights_kind(meta.get("weights")),

@@ -179,6 +179,7 @@ def compare_ttft(
     if why is not None:
         nan = math.nan
         return nan, TTFTComparison(0, 0, nan, nan, nan, nan, nan, why)
+    assert xb is not None and xc is not None  # `why` says when either is missing
     ratio, lo, hi = median_ratio_ci(xb, xc, 1 - alpha, n_boot, seed)
     p = mann_whitney_p(xb, xc)
     if smallest_p(len(xb), len(xc)) >= alpha:
