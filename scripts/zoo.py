@@ -2,7 +2,7 @@
 """`kvbench verify --hf` over every causal LM type in transformers, each as a tiny random config (kvbench.hf.tiny).
 
     python scripts/zoo.py [--out results/zoo] [--types llama,gpt2] [--caches none,dynamic,static]
-                          [--new-tokens 100] [--timeout 300] [--tp N]
+                          [--new-tokens 100] [--timeout 300] [--tp N] [--summary]
 
 For each type it writes OUT/configs/<type>/config.json, runs `kvbench verify --hf <it> --device cpu --json` in its
 own process (a crash, a hang or an exit inside transformers cannot stop the sweep) and appends one row to
@@ -10,7 +10,8 @@ OUT/zoo.csv as it finishes: type, exit code, seconds, verdict, failing rows, ski
 keeps the rows already there and runs only the missing types, writing every type's config either way (--fresh
 starts over; delete a type's row to run it again). OUT/summary.md counts the verdicts: pass, pass with skips
 (grouped by reason), fail (the failing rows), refused (exit 2, its line), crashed (exit 70), timed out, and types
-whose default config transformers itself cannot build.
+whose default config transformers itself cannot build. --summary writes OUT/summary.md from the rows OUT/zoo.csv
+holds and runs nothing: the summary of a sweep still running, or stopped part way, says how many types it covers.
 
 --tp N (default OUT: results/zoo-tp) sweeps the types whose config class declares a tensor-parallel plan
 (`base_model_tp_plan`), each made tiny with heads and key/value heads that divide by N where the family allows. Every
@@ -51,9 +52,16 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         _fail(f"--out {out}: {e.strerror or e}")
     table = out / "zoo.csv"
+    if args.summary and not table.exists():
+        _fail(f"--summary: {table} does not exist (the sweep writes it)")
     types = _types(args.types, model_types(tp_plan=args.tp > 1), args.tp)
     _same_options(out / "zoo.json", args)
     done = {} if args.fresh or not table.exists() else _finished(table)
+    if args.summary:
+        rows = [done[t] for t in types if t in done]
+        (out / "summary.md").write_text(summary(rows, args, of=len(types)))
+        print(f"wrote {out / 'summary.md'}: {len(rows)} of {len(types)} types have a row in {table}")
+        return 0
     if not table.exists() or args.fresh:
         with table.open("w", newline="") as f:
             csv.DictWriter(f, FIELDS).writeheader()
@@ -145,7 +153,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, default=300, help="seconds per type")
     p.add_argument("--fresh", action="store_true", help="start over instead of keeping finished types")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: each type saved, then verify --tp N")
+    p.add_argument("--summary", action="store_true", help="write summary.md from the rows zoo.csv holds; run nothing")
     args = p.parse_args(argv)
+    if args.summary and args.fresh:
+        p.error("--summary reads the rows zoo.csv holds; --fresh would drop them")
     if args.new_tokens < 2 or args.timeout < 1:
         p.error("--new-tokens must be >= 2 (a decode step) and --timeout >= 1 second")
     if args.tp < 1:
@@ -264,17 +275,23 @@ def _line(text: str) -> str:
     return " ".join(str(text).split())[:400]
 
 
-def summary(rows: list[dict], args) -> str:
+def summary(rows: list[dict], args, of: int | None = None) -> str:
+    """The summary of `rows`; `of`: how many types the sweep covers, when `rows` may be fewer (a partial table)."""
     counts = Counter(r["verdict"] for r in rows)
     tp = f" --tp {args.tp}" if args.tp > 1 else ""
     which = " with a tensor-parallel plan" if args.tp > 1 else ""
     how = ", each saved and split by transformers' plan" if args.tp > 1 else ""
+    left = 0 if of is None else of - len(rows)
+    partial = (
+        [f"Partial: {len(rows)} of {of} types have a row; the same command runs the other {left}.", ""] if left else []
+    )
     lines = [
         f"# `kvbench verify --hf{tp}` over transformers' causal-LM types{which}",
         "",
         f"Command: `python scripts/zoo.py{tp} --caches {args.caches} --new-tokens {args.new_tokens}` "
         f"({len(rows)} types, tiny random configs from kvbench.hf.tiny{how}, CPU, fp32).",
         "",
+        *partial,
         "| verdict | types |",
         "|---|---|",
         *[f"| {v} | {counts[v]} |" for v in VERDICTS if counts[v]],
