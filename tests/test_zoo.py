@@ -133,6 +133,22 @@ def test_sparse_top_k_attention_is_judged_exactly_within_top_k_and_explained_bey
     assert all(r.passed for r in rows.values())
 
 
+def test_quantized_caches_skip_a_layer_kind_transformers_quantizes_not(tmp_path):
+    """transformers' QuantizedCache raises on any layer kind but full attention, DSA's `indexed_attention`
+    included: those rows skip with the kind named rather than fail (or, under --tp, end the run)."""
+    from kvbench.hf.caches import HF_CACHES
+
+    loaded, rows, report = verify(tmp_path, "axk2", caches=("quantized-fp8",), checks=("logits",))
+    assert "indexed_attention" in loaded.info.config_layer_types
+    row = rows["-", "quantized-fp8"]
+    assert report.passed and row.skipped, row
+    assert row.detail == "QuantizedCache holds full-attention layers only; this model has indexed_attention layers"
+    llama = load_hf(str(config_file(tmp_path, "llama")), CPU, torch.float32).info
+    assert set(llama.config_layer_types) == {"full_attention"} and not HF_CACHES["quantized-fp8"].unavailable(
+        llama, CPU
+    )
+
+
 @pytest.mark.parametrize(
     "model_type, as_decoder, message",
     [

@@ -78,6 +78,8 @@ def _quantized(backend: str) -> HFCache:
             return "QuantizedCache holds full-attention layers only; this model has sliding-window layers"
         if info.recurrent:
             return "QuantizedCache holds full-attention layers only; this model has recurrent layers"
+        if others := sorted(set(info.config_layer_types) - {"full_attention"}):
+            return f"QuantizedCache holds full-attention layers only; this model has {', '.join(others)} layers"
         return _backend_missing(backend)
 
     # Sanity bounds, not quality measures: a wrong position, a stale or a missing token moves logits by about the
