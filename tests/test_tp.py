@@ -467,3 +467,30 @@ def test_the_planners_figure_is_left_out_where_the_planner_cannot_size_the_model
     llama = planned_hf_rank_bytes(SimpleNamespace(source=str(tmp_path / "llama")), 10, 2, torch.float32)
     assert llama == 2 * 2 * 1 * 16 * 4 * 10  # 2 layers x K and V x 1 of 2 KV heads x head_dim 16 x 4 B
     assert planned_hf_rank_bytes(SimpleNamespace(source=str(tmp_path / "axk2")), 10, 2, torch.float32) is None
+
+
+def test_a_check_that_raises_on_a_rank_ends_the_run_naming_the_check():
+    """Under --tp nothing a check raises becomes a row (the other ranks would wait in a collective this rank never
+    reaches): the run ends, exit 70, with a line naming the check, the cache and the exception, not a kvbench bug."""
+    from types import SimpleNamespace
+
+    from kvbench.check.suite import _guarded
+    from kvbench.check.tp import IN_STEP
+    from kvbench.cli.app import BUG, exit_code
+    from kvbench.errors import CheckRaised, KVBenchError
+
+    def boom():
+        raise RuntimeError("The size of tensor a (13) must match the size of tensor b (16)")
+
+    rank = SimpleNamespace(cache="dynamic", crashes=IN_STEP)
+    with pytest.raises(CheckRaised) as e:
+        _guarded(rank, ["rollback"], boom)
+    code, line = exit_code(e.value)
+    assert code == BUG and line is not None and "kvbench bug" not in line
+    assert line.startswith("rollback/dynamic raised RuntimeError: The size of tensor a (13)"), line
+    assert "verify without --tp reports it as a failed row" in line
+    with pytest.raises(KVBenchError):  # a refusal stays a refusal
+        _guarded(rank, ["logits"], lambda: (_ for _ in ()).throw(KVBenchError("no")))
+    alone = SimpleNamespace(cache="dynamic", crashes=(Exception,))  # one process: the check's failed row
+    (row,) = _guarded(alone, ["rollback"], boom)
+    assert not row.passed and row.detail.startswith("the run raised RuntimeError: The size of tensor a (13)")

@@ -31,7 +31,7 @@ from kvbench.check.judge import (
 )
 from kvbench.check.lifecycle import LIFECYCLE, lifecycle_rows
 from kvbench.check.subject import ReferencedModel, Run, Subject
-from kvbench.errors import KVBenchError, one_line
+from kvbench.errors import CheckRaised, KVBenchError, is_out_of_memory, one_line
 
 CHECKS = ("logits", "greedy", "reference", "batched", "cache_state", *LIFECYCLE)
 RANK_CACHE = "rank_cache"  # tensor-parallel runs add it: each rank's cache against its slice (check/tp.py)
@@ -234,6 +234,17 @@ def _guarded(s: Subject, names: list[str], fn: Callable[[], list[CheckRow]]) -> 
         return [
             CheckRow(name=n, cache=s.cache, passed=False, tolerance="runs without error", detail=why) for n in names
         ]
+    except Exception as e:
+        from kvbench.distributed import peer_lost
+
+        if s.crashes or isinstance(e, KVBenchError) or is_out_of_memory(e) or peer_lost(e):
+            raise
+        # a tensor-parallel rank catches nothing (kvbench.check.tp.IN_STEP): what ends it is named here
+        rows = " ".join(f"{n}/{s.cache}" for n in names)
+        raise CheckRaised(
+            f"{rows} raised {one_line(e)}: under --tp a check that raises ends the run (this rank cannot go on to "
+            "the collectives the other ranks wait in); verify without --tp reports it as a failed row"
+        ) from e
 
 
 def plan(s: Subject, checks: tuple[str, ...], prompts: list[list[int]], new: int, short: int) -> list[tuple]:
