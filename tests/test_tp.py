@@ -469,11 +469,14 @@ def test_the_planners_figure_is_left_out_where_the_planner_cannot_size_the_model
     assert planned_hf_rank_bytes(SimpleNamespace(source=str(tmp_path / "axk2")), 10, 2, torch.float32) is None
 
 
-def test_a_check_that_raises_on_a_rank_ends_the_run_naming_the_check():
-    """Under --tp nothing a check raises becomes a row (the other ranks would wait in a collective this rank never
-    reaches): the run ends, exit 70, with a line naming the check, the cache and the exception, not a kvbench bug."""
+def test_a_check_that_raises_on_a_rank_ends_the_run_naming_the_check(monkeypatch):
+    """Under --tp a check that raised on one rank cannot become a row (the other ranks would wait in a collective
+    this rank never reaches): the run ends, exit 70, with a line naming the check, the cache and the exception, not
+    a kvbench bug. Where every rank raised in the same check (a Hugging Face model's own defect: every rank runs the
+    same code), it is that check's failed row on each, as without --tp."""
     from types import SimpleNamespace
 
+    from kvbench import distributed
     from kvbench.check.suite import _guarded
     from kvbench.check.tp import IN_STEP
     from kvbench.cli.app import BUG, exit_code
@@ -491,6 +494,24 @@ def test_a_check_that_raises_on_a_rank_ends_the_run_naming_the_check():
     assert "verify without --tp reports it as a failed row" in line
     with pytest.raises(KVBenchError):  # a refusal stays a refusal
         _guarded(rank, ["logits"], lambda: (_ for _ in ()).throw(KVBenchError("no")))
+    asked = []
+    monkeypatch.setattr(distributed, "raised_together", lambda step: asked.append(step) or step == "rollback/dynamic")
+    hf = SimpleNamespace(cache="dynamic", crashes=IN_STEP, together=True)
+    (row,) = _guarded(hf, ["rollback"], boom)
+    assert not row.passed and row.detail.endswith("(on every rank)") and asked == ["rollback/dynamic"]
+    with pytest.raises(CheckRaised):  # another rank did not raise in it
+        _guarded(SimpleNamespace(cache="static", crashes=IN_STEP, together=True), ["rollback"], boom)
     alone = SimpleNamespace(cache="dynamic", crashes=(Exception,))  # one process: the check's failed row
     (row,) = _guarded(alone, ["rollback"], boom)
     assert not row.passed and row.detail.startswith("the run raised RuntimeError: The size of tensor a (13)")
+
+
+def test_a_verdict_stands_when_the_launcher_stops_ranks_after_rank_0_reported(tmp_path, capsys):
+    """torch's launcher stops the other ranks as soon as one exits 1 (a failed verdict): rank 0 reported only after
+    every rank's rows reached it, so the verdict stands; a rank stopped before rank 0 finished is still named."""
+    from kvbench.distributed import _outcome
+
+    assert _outcome({0: 1, 1: -15}, tmp_path) == 1 and _outcome({0: 0, 1: 1}, tmp_path) == 0
+    assert capsys.readouterr().err == ""
+    assert _outcome({0: -15, 1: 1}, tmp_path) == 70
+    assert "rank 0 did not reach a collective within the timeout" in capsys.readouterr().err

@@ -214,6 +214,37 @@ def test_the_sweep_writes_rows_as_it_goes_and_resumes(tmp_path):
     assert len((out / "zoo.csv").read_text().splitlines()) == 4
 
 
+@pytest.mark.slow  # scripts/zoo.py --tp 2: each type saved, then two ranks launched
+def test_the_tp_sweep_saves_each_model_and_splits_it_over_two_ranks(tmp_path):
+    """zoo.py --tp 2 runs the types with a tensor-parallel plan, each saved (every rank loads the same weights)
+    and checked by `verify --hf DIR --tp 2`: CodeGen passes; Doge's plan keeps its dynamic mask's heads whole while
+    it splits the attention by head, so its first forward on a rank raises, and the row names the check that did."""
+    out = tmp_path / "zoo-tp"
+    cmd = [sys.executable, str(ROOT / "scripts" / "zoo.py"), "--tp", "2", "--out", str(out)]
+    cmd += ["--new-tokens", "4", "--caches", "dynamic", "--types", "codegen,doge"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == 0, first.stderr
+    rows = (out / "zoo.csv").read_text().splitlines()
+    assert rows[1].startswith("codegen,0,") and ",pass," in rows[1], rows
+    assert rows[2].startswith("doge,70,") and ",crashed," in rows[2], rows
+    assert (
+        "batched/none raised RuntimeError" in rows[2]
+        and "under --tp a check that does not raise on every rank ends the run" in rows[2]
+    )
+    assert (out / "models" / "codegen" / "config.json").exists() and (out / "configs" / "doge" / "config.json").exists()
+    summary = (out / "summary.md").read_text()
+    assert summary.startswith("# `kvbench verify --hf --tp 2` over transformers' causal-LM types with a tensor")
+    assert "| pass | 1 |" in summary and "| crashed | 1 |" in summary and "Partial" not in summary
+    assert json.loads((out / "zoo.json").read_text()) == {"caches": "dynamic", "new_tokens": 4, "tp": 2}
+    (out / "zoo.csv").write_text("\n".join(rows[:2]) + "\n")  # doge's row deleted: the summary of what is left
+    partial = subprocess.run([*cmd, "--summary"], capture_output=True, text=True, env=env, timeout=120)
+    assert partial.returncode == 0 and "1 of 2 types have a row" in partial.stdout, partial.stderr
+    assert "Partial: 1 of 2 types have a row" in (out / "summary.md").read_text()
+    refused = subprocess.run([*cmd[:-1], "gpt2"], capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode == 2 and "whose config declares base_model_tp_plan (--tp)" in refused.stderr
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     return subprocess.run(

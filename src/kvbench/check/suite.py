@@ -235,15 +235,22 @@ def _guarded(s: Subject, names: list[str], fn: Callable[[], list[CheckRow]]) -> 
             CheckRow(name=n, cache=s.cache, passed=False, tolerance="runs without error", detail=why) for n in names
         ]
     except Exception as e:
-        from kvbench.distributed import peer_lost
+        from kvbench.distributed import peer_lost, raised_together
 
         if s.crashes or isinstance(e, KVBenchError) or is_out_of_memory(e) or peer_lost(e):
             raise
-        # a tensor-parallel rank catches nothing (kvbench.check.tp.IN_STEP): what ends it is named here
+        # a tensor-parallel rank catches nothing (kvbench.check.tp.IN_STEP): the step is a failed row only where
+        # every rank raised in it (kvbench.distributed.raised_together); else what ends the run is named here
         rows = " ".join(f"{n}/{s.cache}" for n in names)
+        if getattr(s, "together", False) and raised_together(rows):
+            why = f"the run raised {one_line(e)} (on every rank)"
+            return [
+                CheckRow(name=n, cache=s.cache, passed=False, tolerance="runs without error", detail=why) for n in names
+            ]
         raise CheckRaised(
-            f"{rows} raised {one_line(e)}: under --tp a check that raises ends the run (this rank cannot go on to "
-            "the collectives the other ranks wait in); verify without --tp reports it as a failed row"
+            f"{rows} raised {one_line(e)}: under --tp a check that does not raise on every rank ends the run (this "
+            "rank cannot go on to the collectives the other ranks wait in); verify without --tp reports it as a "
+            "failed row"
         ) from e
 
 

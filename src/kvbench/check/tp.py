@@ -379,15 +379,22 @@ def hf_tp_rows(
 ) -> tuple[list[CheckRow], list[RankBytes]]:
     """A Hugging Face model's rows on this rank with rank_cache for each cache that ran, then gathered: rank 0
     returns every rank's rows merged and every rank's cache bytes, the other ranks their own."""
+    from kvbench.check.suite import _guarded
     from kvbench.distributed import gather
 
     ran = {r.cache for r in rows if not r.skipped}
     held: list[RankBytes] = []
     for s in subjects:
         if s.cached and s.cache in ran:
-            row, nbytes = hf_rank_cache(s, prompt, new, tp)
+            measured: list[RankBytes | None] = [None]
+
+            def rank_cache(s=s, measured=measured) -> list[CheckRow]:
+                row, measured[0] = hf_rank_cache(s, prompt, new, tp)
+                return [row]
+
+            (row,) = _guarded(s, [RANK_CACHE], rank_cache)  # raised on every rank: a failed row, as the checks'
             rows.append(row)
-            held += [nbytes] if nbytes is not None else []
+            held += [b for b in measured if b is not None]
             if on_row is not None:
                 on_row(row)
     per_rank = gather((rows, held))
