@@ -11,7 +11,7 @@ TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbench-installed
 
-.PHONY: install test test-all verify lint format demo bench-quick bench-gpu zoo clean
+.PHONY: install test test-all verify lint format demo bench-quick bench-gpu zoo zoo-tp clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,12 @@ demo: $(STAMP)
 # sweep resumes with the same command without --fresh.
 zoo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/zoo.py --out results/zoo --new-tokens 32 --fresh
+
+# verify --hf --tp 2 on every causal-LM type with a tensor-parallel plan, each saved, then split over two ranks (over
+# two hours on a 2-core CPU), afresh: results/zoo-tp/zoo.csv and summary.md (docs/zoo-tp.md). An interrupted sweep
+# resumes with the same command without --fresh.
+zoo-tp: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python scripts/zoo.py --tp 2 --out results/zoo-tp --new-tokens 32 --fresh
 
 bench-quick: $(STAMP)
 	$(BIN)/kvbench bench --config configs/bench/quick.toml

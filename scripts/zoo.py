@@ -2,15 +2,23 @@
 """`kvbench verify --hf` over every causal LM type in transformers, each as a tiny random config (kvbench.hf.tiny).
 
     python scripts/zoo.py [--out results/zoo] [--types llama,gpt2] [--caches none,dynamic,static]
-                          [--new-tokens 100] [--timeout 300]
+                          [--new-tokens 100] [--timeout 300] [--tp N] [--summary]
 
 For each type it writes OUT/configs/<type>/config.json, runs `kvbench verify --hf <it> --device cpu --json` in its
 own process (a crash, a hang or an exit inside transformers cannot stop the sweep) and appends one row to
 OUT/zoo.csv as it finishes: type, exit code, seconds, verdict, failing rows, skip reasons, the refusal line. A rerun
 keeps the rows already there and runs only the missing types, writing every type's config either way (--fresh
-starts over). OUT/summary.md counts the verdicts: pass, pass with skips (grouped by reason), nothing checked (exit 5:
-every row skipped), fail (the failing rows), refused (exit 2, its line), crashed (exit 70), timed out, and types whose
-default config transformers itself cannot build.
+starts over; delete a type's row to run it again). OUT/summary.md counts the verdicts: pass, pass with skips
+(grouped by reason), nothing checked (exit 5: every row skipped), fail (the failing rows), refused (exit 2, its
+line), crashed (exit 70), timed out, and types whose default config transformers itself cannot build. --summary writes OUT/summary.md from the rows OUT/zoo.csv
+holds and runs nothing: the summary of a sweep still running, or stopped part way, says how many types it covers.
+
+--tp N (default OUT: results/zoo-tp) sweeps the types whose config class declares a tensor-parallel plan
+(`base_model_tp_plan`), each made tiny with heads and key/value heads that divide by N where the family allows. Every
+rank must load the same weights, so each type's random model (the weights `verify --hf config.json` draws) is first
+saved with save_pretrained to OUT/models/<type>/ in a process of its own, then checked with `kvbench verify --hf
+OUT/models/<type> --tp N --device cpu --json`; a model that cannot be built is the row of that step (kvbench's
+refusal line, or the crash). The seconds column counts both steps.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import contextlib
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,17 +41,27 @@ VERDICTS = ("pass", "pass with skips", "nothing checked", "fail", "refused", "cr
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    from functools import partial
+
     from kvbench.hf.tiny import model_types, tiny_config
 
+    tiny_config = partial(tiny_config, tp=args.tp)
     out = Path(args.out)
     try:
         (out / "configs").mkdir(parents=True, exist_ok=True)
     except OSError as e:
         _fail(f"--out {out}: {e.strerror or e}")
     table = out / "zoo.csv"
-    types = _types(args.types, model_types())
+    if args.summary and not table.exists():
+        _fail(f"--summary: {table} does not exist (the sweep writes it)")
+    types = _types(args.types, model_types(tp_plan=args.tp > 1), args.tp)
     _same_options(out / "zoo.json", args)
     done = {} if args.fresh or not table.exists() else _finished(table)
+    if args.summary:
+        rows = [done[t] for t in types if t in done]
+        (out / "summary.md").write_text(summary(rows, args, of=len(types)))
+        print(f"wrote {out / 'summary.md'}: {len(rows)} of {len(types)} types have a row in {table}")
+        return 0
     if not table.exists() or args.fresh:
         with table.open("w", newline="") as f:
             csv.DictWriter(f, FIELDS).writeheader()
@@ -74,15 +93,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _types(text: str | None, known: list[str]) -> list[str]:
-    """--types: model types transformers maps to a causal LM, each once; all of them when not given."""
+def _types(text: str | None, known: list[str], tp: int) -> list[str]:
+    """--types: model types transformers maps to a causal LM (with a tensor-parallel plan under --tp), each once;
+    all of them when not given."""
     if text is None:
         return known
     types = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
     unknown = [t for t in types if t not in known]
     if not types or unknown:
         what = f"unknown model type(s) {', '.join(unknown[:3])}" if unknown else "no model type"
-        _fail(f"--types names {what}; the types are those of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+        which = " whose config declares base_model_tp_plan (--tp)" if tp > 1 else ""
+        _fail(f"--types names {what}; the types are those of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES{which}")
     return types
 
 
@@ -97,7 +118,7 @@ def _same_options(path: Path, args) -> None:
         parse_verify_caches(args.caches, torch.device("cpu"))
     except KVBenchError as e:
         _fail(f"--caches: {e}")
-    options = {"caches": args.caches, "new_tokens": args.new_tokens}
+    options = {"caches": args.caches, "new_tokens": args.new_tokens} | ({"tp": args.tp} if args.tp > 1 else {})
     if path.exists() and not args.fresh and (path.parent / "zoo.csv").exists():
         try:
             earlier = json.loads(path.read_text())
@@ -125,15 +146,23 @@ def _finished(table: Path) -> dict[str, dict]:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="results/zoo")
+    p.add_argument("--out", default=None, help="default: results/zoo, or results/zoo-tp with --tp")
     p.add_argument("--types", default=None, help="comma-separated model types (default: all)")
     p.add_argument("--caches", default="none,dynamic,static")
     p.add_argument("--new-tokens", type=int, default=100)
     p.add_argument("--timeout", type=int, default=300, help="seconds per type")
     p.add_argument("--fresh", action="store_true", help="start over instead of keeping finished types")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: each type saved, then verify --tp N")
+    p.add_argument("--summary", action="store_true", help="write summary.md from the rows zoo.csv holds; run nothing")
     args = p.parse_args(argv)
+    if args.summary and args.fresh:
+        p.error("--summary reads the rows zoo.csv holds; --fresh would drop them")
     if args.new_tokens < 2 or args.timeout < 1:
         p.error("--new-tokens must be >= 2 (a decode step) and --timeout >= 1 second")
+    if args.tp < 1:
+        p.error("--tp must be >= 1 (1: no tensor parallelism)")
+    if args.out is None:
+        args.out = "results/zoo-tp" if args.tp > 1 else "results/zoo"
     return args
 
 
@@ -145,31 +174,71 @@ def _run_type(t: str, tiny_config, out: Path, args) -> dict:
     except Exception as e:  # transformers' own default config for this type does not build
         row.update(exit="", seconds=0, verdict="no config", error=_line(f"{type(e).__name__}: {e}"))
         return row
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvbench",
-        "verify",
-        "--hf",
-        str(path),
-        "--device",
-        "cpu",
-        "--caches",
-        args.caches,
-        "--new-tokens",
-        str(args.new_tokens),
-        "--json",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    verify = ["verify", "--hf", str(path), "--device", "cpu", "--caches", args.caches]
+    verify += ["--new-tokens", str(args.new_tokens), "--json"]
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-    except subprocess.TimeoutExpired:
-        row.update(exit="", seconds=args.timeout, verdict="timed out")
-        return row
+    if args.tp > 1:  # every rank loads the same weights: the random model saved first, in a process of its own
+        model = out / "models" / t
+        saved = _run([__file__, "--save", str(path), str(model)], args.timeout)
+        if saved is None or saved.returncode != 0:
+            return _ended(row, saved, t0, args.timeout)
+        verify[2] = str(model)
+        verify += ["--tp", str(args.tp), "--tp-timeout", str(args.timeout)]
+    proc = _run(["-m", "kvbench", *verify], args.timeout - (time.perf_counter() - t0))
+    return _ended(row, proc, t0, args.timeout)
+
+
+def _ended(row: dict, proc: subprocess.CompletedProcess | None, t0: float, timeout: int) -> dict:
+    """The row of a type whose last step ended with `proc` (None: the type ran past its timeout)."""
+    if proc is None:
+        return {**row, "exit": "", "seconds": timeout, "verdict": "timed out"}
     row["seconds"] = round(time.perf_counter() - t0, 1)
     row["exit"] = proc.returncode
     return {**row, **_judged(proc)}
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess | None:
+    """`python *args` in a session of its own, its output captured; None when it outlived `timeout` seconds. Past
+    it, or when the sweep is interrupted, it is stopped as Ctrl-C would stop it (SIGTERM: kvbench's launcher then
+    ends its ranks, which run in sessions of their own), and killed 30 s later if it is still there."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cmd = [sys.executable, *args]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=max(timeout, 1))
+    except BaseException as e:  # the timeout, or Ctrl-C: nothing it started outlives the sweep
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        if isinstance(e, subprocess.TimeoutExpired):
+            return None
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _save(config: str, model: str) -> int:
+    """`zoo.py --save CONFIG DIR`: the random model `verify --hf CONFIG` checks (its seed and init scale) saved to
+    DIR with save_pretrained; a refusal is kvbench's one line and exit 2, as verify's own."""
+    import torch
+
+    from kvbench.cli.app import CHECK_INIT_STD
+    from kvbench.errors import KVBenchError
+    from kvbench.hf.models import load_hf
+
+    try:
+        loaded = load_hf(config, torch.device("cpu"), torch.float32, init_std=CHECK_INIT_STD)
+    except KVBenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    loaded.model.save_pretrained(model)
+    return 0
 
 
 def _write_config(t: str, tiny_config, out: Path) -> Path:
@@ -208,14 +277,23 @@ def _line(text: str) -> str:
     return " ".join(str(text).split())[:400]
 
 
-def summary(rows: list[dict], args) -> str:
+def summary(rows: list[dict], args, of: int | None = None) -> str:
+    """The summary of `rows`; `of`: how many types the sweep covers, when `rows` may be fewer (a partial table)."""
     counts = Counter(r["verdict"] for r in rows)
+    tp = f" --tp {args.tp}" if args.tp > 1 else ""
+    which = " with a tensor-parallel plan" if args.tp > 1 else ""
+    how = ", each saved and split by transformers' plan" if args.tp > 1 else ""
+    left = 0 if of is None else of - len(rows)
+    partial = (
+        [f"Partial: {len(rows)} of {of} types have a row; the same command runs the other {left}.", ""] if left else []
+    )
     lines = [
-        "# `kvbench verify --hf` over transformers' causal-LM types",
+        f"# `kvbench verify --hf{tp}` over transformers' causal-LM types{which}",
         "",
-        f"Command: `python scripts/zoo.py --caches {args.caches} --new-tokens {args.new_tokens}` "
-        f"({len(rows)} types, tiny random configs from kvbench.hf.tiny, CPU, fp32).",
+        f"Command: `python scripts/zoo.py{tp} --caches {args.caches} --new-tokens {args.new_tokens}` "
+        f"({len(rows)} types, tiny random configs from kvbench.hf.tiny{how}, CPU, fp32).",
         "",
+        *partial,
         "| verdict | types |",
         "|---|---|",
         *[f"| {v} | {counts[v]} |" for v in VERDICTS if counts[v]],
@@ -242,6 +320,8 @@ def summary(rows: list[dict], args) -> str:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--save"]:  # one step of a --tp sweep, in its own process (see _save)
+        sys.exit(_save(*sys.argv[2:4]))
     try:
         sys.exit(main(sys.argv[1:]))
     except KeyboardInterrupt:  # the rows of every finished type are already in zoo.csv

@@ -427,3 +427,157 @@ def test_faults_that_fire_only_across_ranks_are_caught_only_by_the_tp_rows(fault
     for part in TP_LOCATIONS[fault]:
         assert part in bug["location"], (part, bug["location"])
     assert "in one process (tp 1) the faulty code passes 8 of 8 verify checks" in bug["dormant_shown"]
+
+
+# --- a Hugging Face model's rank_cache: which heads each rank's cache layer holds (check/tp.py) ----------------------
+class _Layer:
+    """A transformers cache layer's plain keys and values, (B, H, slots, Dh)."""
+
+    def __init__(self, k: torch.Tensor) -> None:
+        self.keys, self.values = k, 2 * k
+
+    def get_seq_length(self) -> int:
+        return self.keys.size(2)
+
+
+def test_a_rank_holds_its_share_of_a_layers_heads_or_every_head_where_the_plan_keeps_attention_whole():
+    """transformers' plan splits some models' attention by head and keeps others' whole on every rank (a plan of
+    the experts alone, or a split projection's output gathered): rank_cache compares what each layer holds."""
+    from kvbench.check.tp import _Held, compare_slices, held_heads
+
+    whole = [torch.randn(1, 4, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    want = [_Held(_Layer(k)) for k in whole]
+    split = [_Held(_Layer(k[:, 2:])) for k in whole]  # rank 1 of 2: heads 2-3 of each layer
+    assert held_heads(split, want, 1, 2) == [range(2, 4)] * 2
+    mixed = [_Held(_Layer(whole[0])), split[1]]  # layer 0 kept whole, layer 1 split
+    heads = held_heads(mixed, want, 1, 2)
+    assert heads == [range(4), range(2, 4)]
+    row = compare_slices("dynamic", mixed, want, heads, 1e-5, 1e-5, 1)
+    assert row.passed and "heads by layer 0-3, 2-3" in row.detail, row.detail
+    wrong = [_Held(_Layer(whole[0])), _Held(_Layer(whole[1][:, :2]))]  # layer 1 holds rank 0's heads
+    row = compare_slices("dynamic", wrong, want, held_heads(wrong, want, 1, 2), 1e-5, 1e-5, 1)
+    assert not row.passed and "layer 1 K differs first at head 2" in row.detail, row.detail
+    odd = [_Held(_Layer(whole[0][:, :3])), split[1]]
+    assert held_heads(odd, want, 0, 2) == (
+        "rank 0's cache layer 0 holds 3 heads: neither its 1/2 share of the one-process cache's 4 nor all of them"
+    )
+
+
+def test_a_quantized_layer_is_not_read_as_plain_keys_and_values():
+    """transformers' fp8 cache layer keeps its tokens quantized; its `keys` is an empty placeholder."""
+    from transformers.cache_utils import DynamicLayer, Fp8QuantizedLayer
+
+    from kvbench.check.tp import _plain
+
+    k = torch.randn(1, 2, 3, 4)
+    fp8, plain = Fp8QuantizedLayer(), DynamicLayer()
+    for layer in (fp8, plain):
+        layer.update(k, k)
+        layer.update(k, k)
+    assert _plain(plain) and not _plain(fp8)
+
+
+@pytest.mark.parametrize(
+    "model_type, splits",
+    [
+        ("llama", True),  # layers.*.self_attn.k_proj
+        ("gpt_neox", True),  # layers.*.attention.query_key_value
+        ("codegen", True),  # h.*.attn.qkv_proj
+        ("deepseek_v2", True),  # layers.*.self_attn.kv_b_proj
+        ("afmoe", False),  # the experts alone
+        ("deepseek_v4", False),  # the experts alone: one shared KV head, replicated
+        ("nemotron_h", False),  # layers.*.mixer.experts
+    ],
+)
+def test_a_plan_that_names_no_attention_module_keeps_attention_whole(model_type, splits):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from kvbench.hf.tp import splits_attention
+
+    assert splits_attention(CONFIG_MAPPING[model_type].base_model_tp_plan) is splits
+
+
+def test_rank_cache_skips_a_cache_of_layers_without_plain_keys_and_values(monkeypatch):
+    """A linear-attention (or quantized) layer holds no keys and values to slice: rank_cache is skipped, saying
+    which layers, and no bytes are compared (the row and the bytes travel together to rank 0)."""
+    from types import SimpleNamespace
+
+    from transformers.cache_utils import DynamicLayer, Fp8QuantizedLayer
+
+    from kvbench.check import hf_subject, tp
+    from kvbench.check.judge import tolerance
+
+    k = torch.randn(1, 2, 3, 4)
+    layers = [DynamicLayer(), Fp8QuantizedLayer()]
+    for layer in layers:
+        layer.update(k, k)
+    run = SimpleNamespace(tokens=[[5, 6]], cache=SimpleNamespace(layers=layers))
+    monkeypatch.setattr(hf_subject, "generate_run", lambda *a, **kw: run)
+    subject = SimpleNamespace(cache="dynamic", loaded=None, model=SimpleNamespace(loaded=None), cached=True)
+    subject.tol = tolerance(torch.float32, tp=2)
+    row, held = tp.hf_rank_cache(subject, [1, 2, 3], 2, SimpleNamespace(rank=0, world=2))
+    assert row.skipped and "DynamicLayer, Fp8QuantizedLayer holds no plain keys" in row.detail and held is None
+
+
+def test_the_planners_figure_is_left_out_where_the_planner_cannot_size_the_model(tmp_path):
+    """`memory` refuses a layer kind it cannot size (DSA's indexed attention): verify --tp reports no bytes for it
+    rather than refusing the run."""
+    from types import SimpleNamespace
+
+    from kvbench.check.tp import planned_hf_rank_bytes
+    from kvbench.hf.tiny import tiny_config
+
+    for name in ("llama", "axk2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(tiny_config(name), default=str))
+    llama = planned_hf_rank_bytes(SimpleNamespace(source=str(tmp_path / "llama")), 10, 2, torch.float32)
+    assert llama == 2 * 2 * 1 * 16 * 4 * 10  # 2 layers x K and V x 1 of 2 KV heads x head_dim 16 x 4 B
+    assert planned_hf_rank_bytes(SimpleNamespace(source=str(tmp_path / "axk2")), 10, 2, torch.float32) is None
+
+
+def test_a_check_that_raises_on_a_rank_ends_the_run_naming_the_check(monkeypatch):
+    """Under --tp a check that raised on one rank cannot become a row (the other ranks would wait in a collective
+    this rank never reaches): the run ends, exit 70, with a line naming the check, the cache and the exception, not
+    a kvbench bug. Where every rank raised in the same check (a Hugging Face model's own defect: every rank runs the
+    same code), it is that check's failed row on each, as without --tp."""
+    from types import SimpleNamespace
+
+    from kvbench import distributed
+    from kvbench.check.suite import _guarded
+    from kvbench.check.tp import IN_STEP
+    from kvbench.cli.app import BUG, exit_code
+    from kvbench.errors import CheckRaised, KVBenchError
+
+    def boom():
+        raise RuntimeError("The size of tensor a (13) must match the size of tensor b (16)")
+
+    rank = SimpleNamespace(cache="dynamic", crashes=IN_STEP)
+    with pytest.raises(CheckRaised) as e:
+        _guarded(rank, ["rollback"], boom)
+    code, line = exit_code(e.value)
+    assert code == BUG and line is not None and "kvbench bug" not in line
+    assert line.startswith("rollback/dynamic raised RuntimeError: The size of tensor a (13)"), line
+    assert "verify without --tp reports it as a failed row" in line
+    with pytest.raises(KVBenchError):  # a refusal stays a refusal
+        _guarded(rank, ["logits"], lambda: (_ for _ in ()).throw(KVBenchError("no")))
+    asked = []
+    monkeypatch.setattr(distributed, "raised_together", lambda step: asked.append(step) or step == "rollback/dynamic")
+    hf = SimpleNamespace(cache="dynamic", crashes=IN_STEP, together=True)
+    (row,) = _guarded(hf, ["rollback"], boom)
+    assert not row.passed and row.detail.endswith("(on every rank)") and asked == ["rollback/dynamic"]
+    with pytest.raises(CheckRaised):  # another rank did not raise in it
+        _guarded(SimpleNamespace(cache="static", crashes=IN_STEP, together=True), ["rollback"], boom)
+    alone = SimpleNamespace(cache="dynamic", crashes=(Exception,))  # one process: the check's failed row
+    (row,) = _guarded(alone, ["rollback"], boom)
+    assert not row.passed and row.detail.startswith("the run raised RuntimeError: The size of tensor a (13)")
+
+
+def test_a_verdict_stands_when_the_launcher_stops_ranks_after_rank_0_reported(tmp_path, capsys):
+    """torch's launcher stops the other ranks as soon as one exits 1 (a failed verdict): rank 0 reported only after
+    every rank's rows reached it, so the verdict stands; a rank stopped before rank 0 finished is still named."""
+    from kvbench.distributed import _outcome
+
+    assert _outcome({0: 1, 1: -15}, tmp_path) == 1 and _outcome({0: 0, 1: 1}, tmp_path) == 0
+    assert capsys.readouterr().err == ""
+    assert _outcome({0: -15, 1: 1}, tmp_path) == 70
+    assert "rank 0 did not reach a collective within the timeout" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import csv
 import json
 import subprocess
 import sys
@@ -133,6 +134,22 @@ def test_sparse_top_k_attention_is_judged_exactly_within_top_k_and_explained_bey
     assert all(r.passed for r in rows.values())
 
 
+def test_quantized_caches_skip_a_layer_kind_transformers_quantizes_not(tmp_path):
+    """transformers' QuantizedCache raises on any layer kind but full attention, DSA's `indexed_attention`
+    included: those rows skip with the kind named rather than fail (or, under --tp, end the run)."""
+    from kvbench.hf.caches import HF_CACHES
+
+    loaded, rows, report = verify(tmp_path, "axk2", caches=("quantized-fp8",), checks=("logits",))
+    assert "indexed_attention" in loaded.info.config_layer_types
+    row = rows["-", "quantized-fp8"]
+    assert report.passed and row.skipped, row
+    assert row.detail == "QuantizedCache holds full-attention layers only; this model has indexed_attention layers"
+    llama = load_hf(str(config_file(tmp_path, "llama")), CPU, torch.float32).info
+    assert set(llama.config_layer_types) == {"full_attention"} and not HF_CACHES["quantized-fp8"].unavailable(
+        llama, CPU
+    )
+
+
 @pytest.mark.parametrize(
     "model_type, as_decoder, message",
     [
@@ -196,6 +213,39 @@ def test_the_sweep_writes_rows_as_it_goes_and_resumes(tmp_path):
     )
     assert again.returncode == 0 and "openai-gpt" not in again.stdout and "cpmant: refused" in again.stdout
     assert len((out / "zoo.csv").read_text().splitlines()) == 4
+
+
+@pytest.mark.slow  # scripts/zoo.py --tp 2: each type saved, then two ranks launched
+def test_the_tp_sweep_saves_each_model_and_splits_it_over_two_ranks(tmp_path):
+    """zoo.py --tp 2 runs the types with a tensor-parallel plan, each saved (every rank loads the same weights)
+    and checked by `verify --hf DIR --tp 2`: CodeGen passes; Doge's plan keeps its dynamic mask's heads whole while
+    it splits the attention by head, so every forward raises on every rank: each check its failed row, naming it;
+    Sarvam-MoE's checkpoint holds q, k and v fused, and transformers shards the fused tensor before it splits it,
+    so the split model does not load: refused, with transformers' line."""
+    out = tmp_path / "zoo-tp"
+    cmd = [sys.executable, str(ROOT / "scripts" / "zoo.py"), "--tp", "2", "--out", str(out)]
+    cmd += ["--new-tokens", "4", "--caches", "dynamic", "--types", "codegen,doge,sarvam_moe"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert first.returncode == 0, first.stderr
+    rows = list(csv.DictReader((out / "zoo.csv").open()))
+    verdicts = [(r["type"], r["exit"], r["verdict"]) for r in rows]
+    assert verdicts == [("codegen", "0", "pass"), ("doge", "1", "fail"), ("sarvam_moe", "2", "refused")], rows
+    assert rows[2]["error"].startswith("cannot load ") and "automatic conversion of the weights" in rows[2]["error"]
+    assert rows[1]["failing"].startswith("logits/dynamic greedy/dynamic") and "rank_cache/dynamic" in rows[1]["failing"]
+    assert (out / "models" / "codegen" / "config.json").exists() and (out / "configs" / "doge" / "config.json").exists()
+    summary = (out / "summary.md").read_text()
+    assert summary.startswith("# `kvbench verify --hf --tp 2` over transformers' causal-LM types with a tensor")
+    assert "| pass | 1 |" in summary and "| fail | 1 |" in summary and "| refused | 1 |" in summary
+    assert "Partial" not in summary
+    assert json.loads((out / "zoo.json").read_text()) == {"caches": "dynamic", "new_tokens": 4, "tp": 2}
+    lines = (out / "zoo.csv").read_text().splitlines()
+    (out / "zoo.csv").write_text("\n".join(lines[:2]) + "\n")  # two rows deleted: the summary of what is left
+    partial = subprocess.run([*cmd, "--summary"], capture_output=True, text=True, env=env, timeout=120)
+    assert partial.returncode == 0 and "1 of 3 types have a row" in partial.stdout, partial.stderr
+    assert "Partial: 1 of 3 types have a row; the same command runs the other 2." in (out / "summary.md").read_text()
+    gpt2 = subprocess.run([*cmd[:-1], "gpt2"], capture_output=True, text=True, env=env, timeout=120)
+    assert gpt2.returncode == 2 and "whose config declares base_model_tp_plan (--tp)" in gpt2.stderr
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -34,6 +34,9 @@ from kvbench.errors import KVBenchError
 # says nothing, so the run's one line names the rank that caused it (EX_TEMPFAIL).
 PEER_LOST = 75
 DEFAULT_TIMEOUT_S = 300  # a collective that waits longer means a rank is lost (loading gpt2-xl on one core: ~60 s)
+# How long a rank whose step raised waits for the others to say they raised in it too (raised_together).
+TOGETHER_TIMEOUT_S = 60
+_TOGETHER: dict = {}  # "group": the process group raised_together asks on, made by start()
 
 
 def in_rank() -> bool:
@@ -74,7 +77,27 @@ def start(world: int, device, timeout_s: float) -> Rank:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    wait = datetime.timedelta(seconds=min(timeout_s, TOGETHER_TIMEOUT_S))
+    _TOGETHER["group"] = dist.new_group(backend="gloo", timeout=wait)  # every rank makes it, in the same order
     return Rank(dist.get_rank(), dist.get_world_size(), device, backend)
+
+
+def raised_together(step: str) -> bool:
+    """Asked by a rank whose `step` (a check on a cache) raised: did every rank raise in that same step? Then every
+    rank stopped between the same two collectives and the run can go on, the step a failed row on each. It is asked
+    on a process group of its own, so it never pairs with a collective a rank that did not raise waits in: that
+    rank never asks, and this one gets False within TOGETHER_TIMEOUT_S (or the collective timeout, if shorter)."""
+    import torch.distributed as dist
+
+    group = _TOGETHER.get("group")
+    if group is None or not dist.is_initialized():
+        return False
+    steps: list[object] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(steps, step, group=group)
+    except Exception:  # a rank that did not raise here: it never asked
+        return False
+    return all(s == step for s in steps)
 
 
 def peer_lost(e: BaseException) -> bool:
@@ -157,9 +180,11 @@ def _outcome(codes: dict[int, int], logs: Path) -> int:
     """The run's exit status from each rank's, with the one line that names the rank that failed first."""
     from kvbench import console
 
-    if codes[0] in (0, 1):
-        # Rank 0 gave the verdict, which it reaches only with every rank's rows gathered: a rank the launcher stopped
-        # once rank 0 exited with 1 (a failing check) was only exiting.
+    if all(c in (0, 1) for c in codes.values()):
+        return codes[0]  # every rank finished: rank 0 holds the verdict
+    if codes[0] in (0, 1) and all(c in (0, 1) or c < 0 for c in codes.values()):
+        # rank 0 reports only once every rank's rows reached it: a rank stopped after that (the launcher stops the
+        # others as soon as one exits 1, a failed verdict) had nothing left to do
         return codes[0]
     own = [r for r, c in sorted(codes.items()) if c not in (0, 1, PEER_LOST) and c > 0]
     killed = [r for r, c in sorted(codes.items()) if c < 0]

@@ -26,6 +26,12 @@ class CacheOverflowError(KVBenchError):
     """A fixed-capacity cache was asked to hold more tokens than it has slots for."""
 
 
+class CheckRaised(Exception):
+    """A check whose run raised on one tensor-parallel rank, with the check, the cache and what was raised in one
+    line. It ends the run (the CLI exits 70): this rank cannot go on to collectives the others may already wait in,
+    where verify without --tp reports the same exception as the check's failed row."""
+
+
 def one_line(e: BaseException) -> str:
     """An exception in one line for the user: 'ValueError: its first line', or the type alone when it says nothing.
     A first line that only introduces what follows ('Validation error for field x:') keeps the next line."""

@@ -133,6 +133,8 @@ class HFSubject:
 
     # transformers raises many types (ValueError, RuntimeError, IndexError, ...): each is a failed row
     crashes: tuple[type[BaseException], ...] = (Exception,)
+    # under --tp (crashes then empty): a step that raised on every rank is a failed row (suite._guarded)
+    together = False
 
     def __init__(self, model: HFModel, cache: str, runner: LoadedHF | None = None, tp: int = 1) -> None:
         self.model, self.cache, self.spec = model, cache, HF_CACHES[cache]

@@ -64,7 +64,7 @@ def run_hf_verify(
         from kvbench.check.tp import IN_STEP
 
         for s in subjects:
-            s.crashes = IN_STEP
+            s.crashes, s.together = IN_STEP, True
     baseline = HFSubject(target, "none")  # what the model itself does without a cache (run_checks)
     report = on_row if tp is None or tp.rank == 0 else None
     with quiet_transformers():

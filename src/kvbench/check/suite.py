@@ -32,7 +32,7 @@ from kvbench.check.judge import (
 from kvbench.check.lifecycle import LIFECYCLE, lifecycle_rows
 from kvbench.check.locate import located
 from kvbench.check.subject import ReferencedModel, Run, Subject
-from kvbench.errors import KVBenchError, one_line
+from kvbench.errors import CheckRaised, KVBenchError, is_out_of_memory, one_line
 
 CHECKS = ("logits", "greedy", "reference", "batched", "cache_state", *LIFECYCLE)
 RANK_CACHE = "rank_cache"  # tensor-parallel runs add it: each rank's cache against its slice (check/tp.py)
@@ -235,6 +235,24 @@ def _guarded(s: Subject, names: list[str], fn: Callable[[], list[CheckRow]]) -> 
         return [
             CheckRow(name=n, cache=s.cache, passed=False, tolerance="runs without error", detail=why) for n in names
         ]
+    except Exception as e:
+        from kvbench.distributed import peer_lost, raised_together
+
+        if s.crashes or isinstance(e, KVBenchError) or is_out_of_memory(e) or peer_lost(e):
+            raise
+        # a tensor-parallel rank catches nothing (kvbench.check.tp.IN_STEP): the step is a failed row only where
+        # every rank raised in it (kvbench.distributed.raised_together); else what ends the run is named here
+        rows = " ".join(f"{n}/{s.cache}" for n in names)
+        if getattr(s, "together", False) and raised_together(rows):
+            why = f"the run raised {one_line(e)} (on every rank)"
+            return [
+                CheckRow(name=n, cache=s.cache, passed=False, tolerance="runs without error", detail=why) for n in names
+            ]
+        raise CheckRaised(
+            f"{rows} raised {one_line(e)}: under --tp a check that does not raise on every rank ends the run (this "
+            "rank cannot go on to the collectives the other ranks wait in); verify without --tp reports it as a "
+            "failed row"
+        ) from e
 
 
 def plan(s: Subject, checks: tuple[str, ...], prompts: list[list[int]], new: int, short: int) -> list[tuple]:

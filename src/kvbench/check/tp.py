@@ -7,7 +7,9 @@ tolerance (check/judge.py). One check exists only here:
 
     rank_cache   the K and V each rank's cache holds, layer by layer, against its slice of the heads of the same
                  cache design filled by the whole model over the same tokens (prefill, then one decode step per
-                 token): a head stored on the wrong rank fails here even where the tokens agree
+                 token): a head stored on the wrong rank fails here even where the tokens agree. A Hugging Face
+                 layer whose attention transformers' plan keeps whole on every rank (a plan that splits only the
+                 MLP or the experts, or gathers a split projection's output) holds every head: all of them compared
 
 Rank 0 gathers every rank's rows and merges them: a row passes when it passes on every rank, and the detail of a
 rank that failed says which rank.
@@ -91,13 +93,21 @@ class Held(Protocol):
 
 
 def compare_slices(
-    cache: str, got: Sequence[Held], want: Sequence[Held], heads: range, rtol: float, atol: float, rank: int
+    cache: str,
+    got: Sequence[Held],
+    want: Sequence[Held],
+    heads: range | list[range],
+    rtol: float,
+    atol: float,
+    rank: int,
 ) -> CheckRow:
-    """Each layer's K and V on this rank against `heads` of the whole model's: the first layer, tensor, head and
-    slot outside (rtol, atol) of that head's scale, or a pass with the largest difference."""
-    what = f"rank {rank}'s cache (heads {heads.start}-{heads.stop - 1}) vs the one-process cache's slice"
+    """Each layer's K and V on this rank against `heads` of the whole model's (one range for every layer, or one
+    per layer): the first layer, tensor, head and slot outside (rtol, atol) of that head's scale, or a pass with the
+    largest difference."""
+    by_layer = heads if isinstance(heads, list) else [heads] * len(want)
+    what = f"rank {rank}'s cache ({_heads_text(by_layer)}) vs the one-process cache's slice"
     worst = 0.0
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+    for i, (g, w, heads) in enumerate(zip(got, want, by_layer, strict=True)):
         L = w.length
         if g.length != L:
             return CheckRow(
@@ -134,6 +144,12 @@ def compare_slices(
         tolerance=f"rtol {rtol:g}, atol {atol:g}",
         detail=f"{what}: equal",
     )
+
+
+def _heads_text(by_layer: list[range]) -> str:
+    """'heads 0-1', or each layer's heads where layers differ."""
+    spans = [f"{h.start}-{h.stop - 1}" for h in by_layer]
+    return f"heads {spans[0]}" if len(set(spans)) <= 1 else f"heads by layer {', '.join(spans)}"
 
 
 def merge(per_rank: list[list[CheckRow]]) -> list[CheckRow]:
@@ -232,6 +248,13 @@ def gpt2_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankB
     return row, RankBytes(tp.rank, s.cache, held, sum(c.nbytes for c in got), planned)
 
 
+def _plain(layer) -> bool:
+    """Does a transformers cache layer keep its keys and values as plain (B, H, slots, Dh) tensors? (A quantized
+    layer keeps its tokens elsewhere, in its own format: fp8's `keys` is an empty placeholder.)"""
+    k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+    return isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == v.dim() == 4
+
+
 class _Held:
     """One transformers cache layer's keys and values as compare_slices reads a Recording."""
 
@@ -241,22 +264,48 @@ class _Held:
         self.length = min(int(held), self.k.size(2))
 
 
+def held_heads(mine: list[_Held], whole: list[_Held], rank: int, world: int) -> list[range] | str:
+    """The heads of each of the whole model's cache layers that this rank's layer holds: its contiguous 1/world
+    share where transformers' plan splits the layer's attention by head, every head where the plan keeps the
+    attention whole on each rank; or, for the first layer that holds neither, why (a failed rank_cache)."""
+    from kvbench.model.tp import rank_heads
+
+    out = []
+    for i, (g, w) in enumerate(zip(mine, whole, strict=True)):
+        h, n = g.k.size(1), w.k.size(1)
+        if h == n:
+            out.append(range(n))
+        elif h * world == n:
+            out.append(rank_heads(n, rank, world))
+        else:
+            return (
+                f"rank {rank}'s cache layer {i} holds {h} heads: neither its 1/{world} share of the one-process "
+                f"cache's {n} nor all of them"
+            )
+    return out
+
+
 def planned_hf_rank_bytes(loaded, tokens: int, tp: int, dtype) -> int | None:
     """The planner's bytes for one rank's cache of a Hugging Face model (its config.json resolved as `memory
-    --model DIR` resolves it) holding `tokens` tokens, under transformers' tensor-parallel rule; None when the
-    source is not a local directory."""
+    --model DIR` resolves it) holding `tokens` tokens, under transformers' tensor-parallel rule (tp = 1: a rank
+    that holds every head); None when the source is not a local directory, or when the planner cannot size the
+    model (`memory --model DIR` says why: its refusal is not the checks' verdict)."""
     from pathlib import Path
 
     from kvbench.devices import dtype_name
+    from kvbench.errors import KVBenchError
     from kvbench.memory.config import resolve_local
     from kvbench.memory.formulas import bytes_per_sequence, kv_heads_per_gpu
     from kvbench.memory.spec import get_kv_format
 
     if not Path(loaded.source).expanduser().is_dir():
         return None
-    spec = resolve_local(loaded.source).spec
-    fmt = get_kv_format(dtype_name(dtype))
-    return bytes_per_sequence(spec, fmt, tokens, kv_heads_per_gpu(spec, tp, "transformers"))
+    try:
+        spec = resolve_local(loaded.source).spec
+        heads = kv_heads_per_gpu(spec, tp, "transformers")
+    except KVBenchError:
+        return None
+    return bytes_per_sequence(spec, get_kv_format(dtype_name(dtype)), tokens, heads)
 
 
 def hf_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankBytes | None]:
@@ -266,7 +315,6 @@ def hf_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankByt
     from kvbench.check.hf_subject import generate_run
     from kvbench.check.judge import skipped
     from kvbench.hf.caches import generate_kwargs
-    from kvbench.model.tp import rank_heads
 
     kw = generate_kwargs(s.cache)
     got, want = generate_run(s.loaded, [prompt], new, **kw), generate_run(s.model.loaded, [prompt], new, **kw)
@@ -278,21 +326,25 @@ def hf_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankByt
             RANK_CACHE,
         ), None
     layers = [list(getattr(r.cache, "layers", None) or []) for r in (got, want)]
-    plain = all(getattr(x, "keys", None) is not None for x in layers[0] + layers[1])
+    plain = all(_plain(x) for x in layers[0] + layers[1])
     if not layers[0] or not plain:
         kinds = sorted({type(x).__name__ for x in layers[0]}) or [type(got.cache).__name__]
         why = f"{', '.join(kinds)} holds no plain keys and values per layer to compare"
         return skipped(s.cache, why, RANK_CACHE), None
-    heads = rank_heads(s.model.loaded.info.n_kv_heads, tp.rank, tp.world)
     exact = not s.tol.lossy
     rtol = s.tol.rtol if exact else max(s.tol.rtol, LOSSY_SLICE_RTOL)
-    mine = [_Held(x) for x in layers[0]]
-    row = compare_slices(s.cache, mine, [_Held(x) for x in layers[1]], heads, rtol, 1e-5, tp.rank)
-    if s.cache != "dynamic":
+    mine, whole = [_Held(x) for x in layers[0]], [_Held(x) for x in layers[1]]
+    heads = held_heads(mine, whole, tp.rank, tp.world)
+    tolerance = f"rtol {rtol:g}, atol 1e-5"
+    if isinstance(heads, str):
+        return CheckRow(name=RANK_CACHE, cache=s.cache, passed=False, tolerance=tolerance, detail=heads), None
+    row = compare_slices(s.cache, mine, whole, heads, rtol, 1e-5, tp.rank)
+    every = [len(h) == w.k.size(1) for h, w in zip(heads, whole, strict=True)]
+    if s.cache != "dynamic" or len(set(every)) > 1:  # the planner holds one rule for every layer
         return row, None
     held = len(prompt) + new - 1  # generate never writes its last token
     dtype = s.model.dtype
-    planned = planned_hf_rank_bytes(s.model.loaded, held, tp.world, dtype)
+    planned = planned_hf_rank_bytes(s.model.loaded, held, 1 if every[0] else tp.world, dtype)
     measured = sum(h.k.nbytes + h.v.nbytes for h in mine)
     return row, None if planned is None else RankBytes(tp.rank, s.cache, held, measured, planned)
 
@@ -332,15 +384,22 @@ def hf_tp_rows(
 ) -> tuple[list[CheckRow], list[RankBytes]]:
     """A Hugging Face model's rows on this rank with rank_cache for each cache that ran, then gathered: rank 0
     returns every rank's rows merged and every rank's cache bytes, the other ranks their own."""
+    from kvbench.check.suite import _guarded
     from kvbench.distributed import gather
 
     ran = {r.cache for r in rows if not r.skipped}
     held: list[RankBytes] = []
     for s in subjects:
         if s.cached and s.cache in ran:
-            row, nbytes = hf_rank_cache(s, prompt, new, tp)
+            measured: list[RankBytes | None] = [None]
+
+            def rank_cache(s=s, measured=measured) -> list[CheckRow]:
+                row, measured[0] = hf_rank_cache(s, prompt, new, tp)
+                return [row]
+
+            (row,) = _guarded(s, [RANK_CACHE], rank_cache)  # raised on every rank: a failed row, as the checks'
             rows.append(row)
-            held += [nbytes] if nbytes is not None else []
+            held += [b for b in measured if b is not None]
             if on_row is not None:
                 on_row(row)
     per_rank = gather((rows, held))

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     from kvbench.model.weights import LoadedModel
 from kvbench.errors import (
+    CheckRaised,
     KVBenchError,
     NotEnoughMemoryError,
     is_out_of_host_memory,
@@ -78,6 +79,8 @@ def exit_code(e: BaseException) -> tuple[int, str | None]:
         return OUT_OF_MEMORY, str(e)
     if isinstance(e, KVBenchError):
         return BAD_INPUT, str(e)
+    if isinstance(e, CheckRaised):
+        return BUG, f"{e} (--verbose shows the traceback)"
     if isinstance(e, KeyboardInterrupt):
         return INTERRUPTED, "interrupted"
     if isinstance(e, BrokenPipeError):

@@ -81,6 +81,8 @@ def _quantized(backend: str) -> HFCache:
             return "QuantizedCache holds full-attention layers only; this model has sliding-window layers"
         if info.recurrent:
             return "QuantizedCache holds full-attention layers only; this model has recurrent layers"
+        if others := sorted(set(info.config_layer_types) - {"full_attention"}):
+            return f"QuantizedCache holds full-attention layers only; this model has {', '.join(others)} layers"
         width = info.n_kv_heads * info.head_dim
         if backend == "quanto" and width % QUANTO_GROUP:
             # quanto quantises a (B, H, T, Dh) tensor in groups of 64 over H x T x Dh: with fewer values per token

@@ -49,6 +49,9 @@ class HFModelInfo:
     kv_widths: list[int] = field(default_factory=list)
     # a sparse-attention indexer (DeepSeek's DSA and kin): each query attends to the top `sparse_topk` keys only
     sparse_topk: int | None = None
+    # per layer, the kinds the config names as transformers' caches read them (`full_attention`,
+    # `sliding_attention`, `indexed_attention`, ...): QuantizedCache refuses every kind but full_attention
+    config_layer_types: list[str] = field(default_factory=list)
 
     @property
     def kv_elements(self) -> int:
@@ -203,7 +206,18 @@ def describe(model) -> HFModelInfo:
         transformers_version=transformers.__version__,
         kv_widths=[k * d for k, d in zip(kv, dims, strict=True)],
         sparse_topk=next((v for k in SPARSE_TOPK_KEYS if type(v := getattr(cfg, k, None)) is int), None),
+        config_layer_types=_config_layer_types(cfg),
     )
+
+
+def _config_layer_types(cfg) -> list[str]:
+    """The layer kinds transformers' caches read from a config (cache_utils.get_layer_types_and_kwargs); none
+    where this transformers has no such reader or cannot read the config."""
+    read = getattr(cache_utils, "get_layer_types_and_kwargs", None)
+    try:
+        return [str(t) for t in read(cfg)[0]] if read is not None else []
+    except Exception:  # a custom config the reader does not understand
+        return []
 
 
 def per_layer(cfg, name: str, n_layers: int) -> list:

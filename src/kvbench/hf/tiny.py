@@ -9,12 +9,17 @@ keeps the first layer of every distinct kind, so a hybrid model keeps one layer 
 and full, dense and MoE); per-layer index lists are remapped onto the kept layers. The decoder of an encoder-decoder
 family and a BERT-like encoder are written as `AutoModelForCausalLM` uses them as decoders (`is_decoder` set).
 `FIXES` holds what a type's default config leaves unusable (None where its model needs a number).
+
+`tiny_config(model_type, tp=N)` is the same config split-able over N tensor-parallel ranks where the family allows:
+attention heads and key/value heads multiples of N (at N = 2 the defaults already are). A family built on one
+key/value head keeps it (its model reads no other count), and `verify --tp` refuses it in one line.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 from typing import Any
 
 HIDDEN, FF, MOE_FF, LAYERS, HEADS, HEAD_DIM, VOCAB, POSITIONS, WINDOW = 64, 128, 32, 2, 4, 16, 1024, 512, 16
@@ -245,21 +250,25 @@ INIT: dict[str, dict] = {
 NEEDS_DECODER_FLAG = ("bert-generation",)
 
 
-def model_types() -> list[str]:
-    """Every model type transformers maps to a causal LM class, in its own order."""
+def model_types(tp_plan: bool = False) -> list[str]:
+    """Every model type transformers maps to a causal LM class, in its own order; with `tp_plan`, those whose
+    config class declares a tensor-parallel plan (`base_model_tp_plan`: what `verify --hf --tp` can split)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    types = list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return [t for t in types if getattr(CONFIG_MAPPING[t], "base_model_tp_plan", None)] if tp_plan else types
 
 
-def tiny_config(model_type: str, as_decoder: bool = True) -> dict:
+def tiny_config(model_type: str, as_decoder: bool = True, tp: int = 1) -> dict:
     """The tiny config.json of `model_type` (see the module docstring). `as_decoder=False` keeps the family's
-    own `is_decoder` / `is_encoder_decoder` flags (what `verify --hf` should refuse)."""
+    own `is_decoder` / `is_encoder_decoder` flags (what `verify --hf` should refuse); `tp`: heads and key/value
+    heads that divide over `tp` ranks."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
     config = AutoConfig.for_model(model_type, **INIT.get(model_type, {}))
-    tiny = _merge(shrink(config.to_dict()), FIXES.get(model_type, {}))
+    tiny = _merge(shrink(config.to_dict(), tp=tp), FIXES.get(model_type, {}))
     tiny["model_type"] = model_type
     if as_decoder and tiny.get("is_encoder_decoder"):
         tiny.update(is_encoder_decoder=False, is_decoder=True, add_cross_attention=False)
@@ -269,9 +278,11 @@ def tiny_config(model_type: str, as_decoder: bool = True) -> dict:
     return tiny
 
 
-def shrink(d: dict, text: bool = True) -> dict:
-    """One config dict made tiny: sizes by field name, nested configs likewise, per-layer lists cut."""
+def shrink(d: dict, text: bool = True, tp: int = 1) -> dict:
+    """One config dict made tiny: sizes by field name, nested configs likewise, per-layer lists cut; head counts
+    that divide over `tp` ranks."""
     d = {k: v for k, v in copy.deepcopy(d).items() if k not in DROPPED}
+    heads, kv_heads = math.lcm(HEADS, tp), math.lcm(2, tp)  # 4 and 2 up to tp 2; kv_heads divides heads
     count_key = next((k for k in LAYER_COUNTS if type(d.get(k)) is int), None)
     n = d[count_key] if count_key else 0
     keep = _kept_layers(d, n)
@@ -280,11 +291,13 @@ def shrink(d: dict, text: bool = True) -> dict:
     out: dict = {}
     for k, v in d.items():
         if isinstance(v, dict) and k.endswith("_config") and k not in UNTOUCHED:
-            out[k] = shrink(v, text=k in TEXT_CONFIGS)
+            out[k] = shrink(v, text=k in TEXT_CONFIGS, tp=tp)
         elif k in LAYER_COUNTS and type(v) is int:
             out[k] = len(keep) if k == count_key else min(v, LAYERS)
         elif k in KV_HEADS and gqa and (type(v) is int or (v is None and k == "num_key_value_heads")):
-            out[k] = HEADS if mla else (1 if v == 1 else 2)  # MLA expands keys per query head; 1 stays MQA
+            out[k] = heads if mla else (1 if v == 1 else kv_heads)  # MLA expands keys per query head; 1 stays MQA
+        elif k in HEAD_COUNTS and type(v) is int:
+            out[k] = heads
         elif k in VOCABS and type(v) is int:
             out[k] = min(v, VOCAB) if text else v
         elif k in SIZES and type(v) is int:
@@ -300,7 +313,7 @@ def shrink(d: dict, text: bool = True) -> dict:
     if text and type(out.get("vocab_size")) is int:
         _special_ids_in(out, out["vocab_size"])
     if n and len(keep) < n:
-        _cut_layers(out, n, keep)
+        _cut_layers(out, n, keep, tp)
     return out
 
 
@@ -320,7 +333,7 @@ def _kept_layers(d: dict, n: int) -> list[int]:
     return sorted(keep)
 
 
-def _cut_layers(out: dict, n: int, keep: list[int]) -> None:
+def _cut_layers(out: dict, n: int, keep: list[int], tp: int) -> None:
     for k, v in list(out.items()):
         if k in INDEX_LISTS and isinstance(v, list):
             out[k] = [j for j, i in enumerate(keep) if i in v]
@@ -330,21 +343,21 @@ def _cut_layers(out: dict, n: int, keep: list[int]) -> None:
     if isinstance(overrides, dict):  # Gemma 4: a layer's own head_dim etc., kept different from the global value
         width = max(map(len, overrides), default=1)
         out["per_layer_config"] = {
-            str(j).zfill(width): _layer_override(overrides[key])
+            str(j).zfill(width): _layer_override(overrides[key], tp)
             for j, i in enumerate(keep)
             for key in overrides
             if int(key) == i
         }
 
 
-def _layer_override(v: dict) -> dict:
+def _layer_override(v: dict, tp: int) -> dict:
     """A layer's own values, shrunk, and kept different from the global ones where they were (head_dim 32, not 16)."""
-    tiny = shrink(v)
+    tiny = shrink(v, tp=tp)
     for k, x in v.items():
         if type(x) is int and k in HEAD_DIMS:
             tiny[k] = 2 * HEAD_DIM
         elif type(x) is int and k in KV_HEADS:
-            tiny[k] = HEADS  # per-layer MLA overrides keep key/value heads = query heads
+            tiny[k] = math.lcm(HEADS, tp)  # per-layer MLA overrides keep key/value heads = query heads
         elif type(x) is int and k == "kv_lora_rank":
             tiny[k] = 16
     return tiny

@@ -3,10 +3,12 @@
 transformers shards a model whose config class declares `base_model_tp_plan` when it is loaded with
 `from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))` inside a process group: the attention
 projections column-wise by head, the output projections row-wise, so rank r holds KV heads [r*Hkv/N, (r+1)*Hkv/N)
-and its cache holds exactly those. What it does not check, kvbench refuses before any rank starts: a model with no
-plan, heads or KV heads that do not divide by N (transformers loads those without a warning and fails in the first
-forward, transformers #48307), weights that would differ between ranks (a bare config.json), and a missing
-`accelerate`, which transformers' TP loading needs.
+and its cache holds exactly those. A plan that names no attention module (one that splits only the MLP or the
+experts) keeps attention whole on every rank, and every rank's cache holds every head. What transformers does not
+check, kvbench refuses before any rank starts: a model with no plan, heads or KV heads that do not divide by N where
+the plan splits attention (transformers loads those without a warning and fails in the first forward, transformers
+#48307), weights that would differ between ranks (a bare config.json), and a missing `accelerate`, which
+transformers' TP loading needs.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ def check_tp_model(source: str, tp: int, trust_remote_code: bool) -> None:
         )
     text = getattr(config, "get_text_config", lambda: config)()
     heads = getattr(text, "num_attention_heads", None)
-    if heads is not None:
+    if heads is not None and splits_attention(plan):
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         validate.tp_shape_rules(tp, f"{Path(source).name} ({config.model_type})", heads, kv_heads)
+
+
+def splits_attention(plan: dict[str, str]) -> bool:
+    """Does a tensor-parallel plan name an attention module (`layers.*.self_attn.k_proj`, `h.*.attn.qkv_proj`,
+    `layers.*.attention.query_key_value`, ...)? A plan that does not keeps attention whole on every rank."""
+    return any(part.endswith(("attn", "attention")) for key in plan for part in key.split("."))
