@@ -327,7 +327,9 @@ def test_quanto_is_skipped_where_a_token_fills_no_quantisation_group():
 
     from kvbench.hf.caches import HF_CACHES
 
-    info = SimpleNamespace(windowed=False, recurrent=False, n_kv_heads=2, head_dim=16)
+    info = SimpleNamespace(
+        windowed=False, recurrent=False, config_layer_types=["full_attention"], n_kv_heads=2, head_dim=16
+    )
     why = HF_CACHES["quantized-quanto"].unavailable(info, torch.device("cpu"))
     assert why is not None and "groups of 64 values" in why and "32 per token" in why
     info.head_dim = 32
