@@ -4,6 +4,7 @@ import ast
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -412,6 +413,8 @@ def test_a_real_ctrl_c_inside_a_plugin_still_interrupts(plugin_dir):
     """SIGINT delivered while a plugin's code runs is a real interrupt: exit 130, 'interrupted', never worded as
     the plugin's (a KeyboardInterrupt the plugin raises itself is, HOSTILE_CASES); --json prints its error
     document."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        pytest.skip("this test process ignores SIGINT (started in the background): no Ctrl-C can reach it")
     r = run("generate", "a b c d e f g h i j k l m n o p", "--cache", "mycaches.hostile:RealCtrlC", "-n", 8, *TINY)
     assert r.exit_code == 130, r.output
     assert r.stderr.strip().splitlines() == ["error: interrupted"], r.stderr
@@ -423,6 +426,17 @@ def test_a_real_ctrl_c_inside_a_plugin_still_interrupts(plugin_dir):
         "error": "interrupted",
         "exit_code": 130,
     }
+
+
+def test_a_keyboard_interrupt_a_plugin_raises_where_sigint_is_ignored_is_the_plugin_s(plugin_dir):
+    """A process started in the background ignores SIGINT: no Ctrl-C can reach it, so a KeyboardInterrupt from a
+    plugin's code there is the plugin's own, worded as such (exit 2), not an interrupt."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        r = run("generate", "hi", "--cache", "mycaches.hostile:CtrlC", "-n", 3, *TINY)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert r.exit_code == 2 and "update raised KeyboardInterrupt" in r.output, r.output
 
 
 def test_a_plugin_out_of_memory_is_worded_as_the_plugin_s_and_stays_out_of_memory(plugin_dir, tmp_path):

@@ -60,6 +60,15 @@ def watching_signals():
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _real_interrupt(seen: int) -> bool:
+    """A KeyboardInterrupt is real when a signal delivered it since `seen` (watching), or, unwatched, unless the
+    process ignores SIGINT (started in the background: no Ctrl-C can reach it, so the exception is the code's own)."""
+    if _Signals.watching:
+        return _Signals.seen != seen
+    main = threading.current_thread() is threading.main_thread()
+    return not (main and signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+
+
 _WORDED = object()  # marks an error `contained` raised, so an enclosing block passes it on as worded
 
 
@@ -83,7 +92,7 @@ class contained:
         sys.stdout = self.saved
         if e is None:
             return False
-        if isinstance(e, KeyboardInterrupt) and (not _Signals.watching or _Signals.seen != self.seen):
+        if isinstance(e, KeyboardInterrupt) and _real_interrupt(self.seen):
             return False  # a real interrupt: Ctrl-C still stops the run
         if getattr(e, "_worded_by", None) is _WORDED:
             return False  # already worded by a contained block inside this one (remote generate -> forward)
