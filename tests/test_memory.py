@@ -246,6 +246,40 @@ def save(tmp_path, cfg, name):
     return d / "config.json"
 
 
+def test_a_window_of_zero_is_no_window(tmp_path):
+    """Qwen2-MoE's default config writes sliding_window 0 beside use_sliding_window false: no window, not a refusal;
+    layer_types naming sliding layers with a window of 0 is refused in one line."""
+    from transformers import Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        vocab_size=256,
+        sliding_window=0,
+        use_sliding_window=False,
+    )
+    s = resolve_config(save(tmp_path, cfg, "qwen2_moe")).spec
+    assert not s.sliding_layers
+    raw = {
+        "model_type": "mistral-like",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+        "sliding_window": 0,
+        "layer_types": ["sliding_attention"] * 2,
+    }
+    (tmp_path / "w.json").write_text(json.dumps(raw))
+    with pytest.raises(KVBenchError, match="sliding_window (= 0 is not a positive|is missing or 0)"):
+        resolve_config(tmp_path / "w.json")
+
+
 def test_config_llama3_8b(tmp_path, presets):
     from transformers import LlamaConfig
 
@@ -618,8 +652,17 @@ def test_window_notes_and_working_read_as_english(tmp_path):
     from kvbench.memory.planner import _a
 
     assert [_a(n) for n in ("8", "11", "18", "80", "800", "8,192", "11,000", "4,096", "1,024", "110")] == [
-        "an", "an", "an", "an", "an", "an", "an", "a", "a", "a"
-    ]  # fmt: skip
+        "an",
+        "an",
+        "an",
+        "an",
+        "an",
+        "an",
+        "an",
+        "a",
+        "a",
+        "a",
+    ]
     cfg = {
         "model_type": "mistral",
         "num_hidden_layers": 2,
@@ -647,9 +690,19 @@ def test_export_extra_says_one_timed_repeat_in_the_singular():
     from kvbench.results.rundir import github_action_benchmark
 
     row = SimpleNamespace(
-        status="ok", engine="kvbench", cache="static", prompt_len=8, batch=1, device="cpu", dtype="fp32",
-        tpot_ms_median=1.0, tpot_ms_p90=1.5, ttft_ms=2.0, ttft_ms_p90=2.5, repeats=1,
-    )  # fmt: skip
+        status="ok",
+        engine="kvbench",
+        cache="static",
+        prompt_len=8,
+        batch=1,
+        device="cpu",
+        dtype="fp32",
+        tpot_ms_median=1.0,
+        tpot_ms_p90=1.5,
+        ttft_ms=2.0,
+        ttft_ms_p90=2.5,
+        repeats=1,
+    )
     entries, _ = github_action_benchmark([row])
     assert entries[0]["extra"] == "cpu fp32; 1 timed repeat; TPOT p90 1.5 ms", entries
     entries, _ = github_action_benchmark([SimpleNamespace(**{**vars(row), "repeats": 3})])

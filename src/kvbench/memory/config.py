@@ -81,11 +81,12 @@ _INT_FIELDS: dict[str, tuple[int, int]] = {
             "n_ctx",
             "seq_length",
             "max_sequence_length",
-            "sliding_window",
             "attention_chunk_size",
         ),
         (1, MAX_TOKENS),
     ),
+    # 0: no window (Qwen2-MoE's default config writes sliding_window 0 beside use_sliding_window false)
+    "sliding_window": (0, MAX_TOKENS),
     "vocab_size": (1, MAX_VOCAB),
     **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok"), (1, MAX_EXPERTS)),
     **dict.fromkeys(("n_shared_experts", "first_k_dense_replace", "max_window_layers"), (0, MAX_LAYERS)),

@@ -160,8 +160,8 @@ def _from_layer_types(cfg: dict[str, Any], n_layers: int, path: Path) -> dict[st
     kind = kinds.pop()
     field_name = "attention_chunk_size" if kind == "chunked" else "sliding_window"
     size = cfg_int(cfg, (field_name,), path, required=False)
-    if size is None:
-        raise KVBenchError(f"{path}: layer_types has {kind} layers but {field_name} is missing")
+    if not size:
+        raise KVBenchError(f"{path}: layer_types has {kind} layers but {field_name} is missing or 0")
     layers = tuple(i for i, t in enumerate(types) if LAYER_KINDS[t] == kind)
     return {"sliding_window": size, "sliding_layers": layers, "window_kind": kind}
 
@@ -188,7 +188,7 @@ def windows(cfg: dict[str, Any], model_type: str, n_layers: int, path: Path, res
     if not resolved and cfg.get("use_sliding_window") is False:  # Qwen2: sliding_window is set but off
         return {}
     window = cfg_int(cfg, ("sliding_window",), path, required=False)
-    if window is not None:
+    if window:  # 0: no window
         layers = tuple(range(n_layers)) if resolved else _family_rule(cfg, model_type, n_layers)
         return {"sliding_window": window, "sliding_layers": layers, "window_kind": "sliding"}
     chunk = cfg_int(cfg, ("attention_chunk_size",), path, required=False)
