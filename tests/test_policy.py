@@ -334,3 +334,12 @@ def test_quanto_is_skipped_where_a_token_fills_no_quantisation_group():
     assert why is not None and "groups of 64 values" in why and "32 per token" in why
     info.head_dim = 32
     assert "groups of 64" not in (HF_CACHES["quantized-quanto"].unavailable(info, torch.device("cpu")) or "")
+
+
+def test_an_eviction_design_runs_when_named_not_by_default():
+    """sink strays from full attention by design (its policy rows judge it): in --caches all and when named, not in
+    the default set, so `kvbench verify` on a deep model is not failed by the policy's own cost."""
+    from kvbench.caches import parse_cache_names
+
+    assert "sink" not in parse_cache_names(None) and "int8" in parse_cache_names(None)
+    assert "sink" in parse_cache_names("all") and parse_cache_names("sink,dynamic") == ["sink", "dynamic"]

@@ -78,10 +78,12 @@ def get_cache_spec(name: str) -> CacheSpec:
 
 
 def parse_cache_names(text: str | None) -> list[str]:
-    """'none,dynamic' -> ['none', 'dynamic']; None or 'all' -> every built-in cache plus installed plugins.
-    Unknown names are errors; a name given twice runs once."""
+    """'none,dynamic' -> ['none', 'dynamic']; 'all' -> every built-in cache plus installed plugins; None -> those
+    of them in the default set (CacheSpec.by_default). Unknown names are errors; a name given twice runs once."""
     if text is None or text.strip() == "all":
         names = [*BUILTIN, *(n for n in plugins.entry_point_names() if n not in BUILTIN)]
+        if text is None:
+            names = [n for n in names if get_cache_spec(n).by_default]
     else:
         names = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
         if not names:

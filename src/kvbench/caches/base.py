@@ -190,6 +190,9 @@ class CacheSpec:
     # The tokens a sequence holds between steps at a context of L, for a design that evicts (the planner's figure
     # for it, memory --measure); None: all L.
     holds: Callable[[int], int] | None = None
+    # In the default set of caches (no --caches given). False: run when named or with --caches all (an eviction
+    # design: how far it strays from full attention is the policy's choice, not a verdict; its policy rows judge it).
+    by_default: bool = True
 
 
 def cache_nbytes(caches: list[LayerCache] | None) -> int:

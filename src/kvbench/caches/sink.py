@@ -160,6 +160,7 @@ def spec(sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW) -> CacheSpec:
         visible=functools.partial(visible, sink, window),
         padding=False,
         holds=lambda L: min(L, held),
+        by_default=False,
     )
 
 

@@ -21,7 +21,7 @@ class VerifyOptions:
     caches: str | None = option(
         "--caches",
         default=None,
-        help="Comma-separated caches to check (default: all). With --hf: none, dynamic, static, "
+        help="Comma-separated caches to check (default: every built-in but sink; all: every one). With --hf: none, dynamic, static, "
         "static-compiled, offloaded, offloaded_static, quantized-quanto, quantized-hqq, quantized-fp8.",
     )
     prompt_len: int = option("--prompt-len", default=32, help="Tokens in the longest prompt.")
