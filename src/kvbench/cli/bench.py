@@ -107,7 +107,9 @@ def bench(given: dict, opts: BenchOptions) -> None:
     if settings.tp > 1:  # what cannot be split is refused before any rank starts
         _check_tp_shape(opts, settings)
         if not distributed.in_rank():
-            raise typer.Exit(distributed.launch(settings.tp, sys.argv[1:]))  # the ranks have reported
+            with console.stdout_inherited():  # rank 0 prints the --json document
+                code = distributed.launch(settings.tp, sys.argv[1:])
+            raise typer.Exit(code)  # the ranks have reported
         from kvbench.devices import resolve_device
 
         rank = distributed.start(settings.tp, resolve_device(settings.device), settings.tp_timeout)
