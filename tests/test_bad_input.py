@@ -78,6 +78,14 @@ CASES = {
     "bad reference": (["verify", "--reference", "tf"], "--reference must be hf or none"),
     "bad device": (["generate", "hi", "--device", ""], "unknown device ''"),
     "unknown fault": (["break", "mask2"], "unknown fault 'mask2'"),
+    "break sink fault in a short run": (
+        ["break", "sink-evicts-one-more", "-n", "10"],
+        "fires only past 36 tokens of context",
+    ),
+    "break sink fault on another cache": (
+        ["break", "sink-evicts-one-more", "--cache", "dynamic"],
+        "lives in the sink cache; it cannot run on 'dynamic'",
+    ),
     # files
     "prompts file not UTF-8": (["generate", "--prompts-file", "{latin1.txt}"], "is not UTF-8 text"),
     "prompts file is a folder": (["generate", "--prompts-file", "{folder}"], "is a directory, not a file"),

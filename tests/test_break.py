@@ -32,10 +32,16 @@ def prompts() -> list[list[int]]:
     return random_prompts(CFG.vocab_size, 15, 3, seed=1)[::-1]  # lengths 5, 10, 15: shortest shown
 
 
+def _new_tokens(name: str, prompts) -> int:
+    """N, or for a fault that fires only past a context (the sink's 4 + 32 tokens) one token more than it needs:
+    the shown prompt plus the new tokens pass it by one, so the boundary break refuses below is the real one."""
+    past = FAULTS[name].fires_past
+    return N if not past else past + 1 - len(prompts[0])
+
+
 @pytest.fixture(scope="module")
 def results(model, prompts):
-    # the sink fault fires once the context passes the sink cache's 4 + 32 tokens
-    return {name: break_fault(model, name, prompts, 40 if FAULTS[name].cache == "sink" else N) for name in ONE_PROCESS}
+    return {name: break_fault(model, name, prompts, _new_tokens(name, prompts)) for name in ONE_PROCESS}
 
 
 @pytest.fixture(scope="module")
@@ -111,20 +117,27 @@ LOCATIONS = {
     "reorder-keys-only": ("reorder", ["the first after reorder([1, 1, 0]), row 0, layer 0", "V differs", "row 2's V"]),
     "chunk-causal": ("rollback", ["K/V equal; attention output differs first at layer 0 (forward 6 of the rollback"]),
     # the lossy faults: caught by the rows held to the design's declared policy, located by check/policy.py
-    "int8-reorder-scales": ("reorder =policy", ["layer 0 K differs first at head 0, slot 0 (position 0)"]),
-    "int8-requantised-fork": ("fork =policy", ["layer 0 K differs first at head 0, slot 0 (position 0)"]),
-    "sink-evicts-one-more": ("", []),  # not caught at this size (test_every_fault_is_detected): nothing to locate
+    "int8-reorder-scales": (
+        "reorder =policy",
+        ["the caches at the end of the reorder scenario, layer 0 K differs first at head 0, slot 0 (position 0)"],
+    ),
+    "int8-requantised-fork": (
+        "fork =policy",
+        ["the caches at the end of the fork scenario, layer 0 K differs first at head 0, slot 0 (position 0)"],
+    ),
+    # the run passes the sink's 4 + 32 tokens by one: the last step's query (position 35) loses position 4
+    "sink-evicts-one-more": (
+        "logits =policy",
+        ["step 31, layer 0 no longer holds position 4, which the query at 35 may still read"],
+    ),
 }
-UNCAUGHT = {"sink-evicts-one-more"}
 
 
 def test_every_one_process_fault_has_its_location():
     assert sorted(LOCATIONS) == sorted(ONE_PROCESS)
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.xfail(reason="not caught")) if n in UNCAUGHT else n for n in ONE_PROCESS]
-)
+@pytest.mark.parametrize("name", ONE_PROCESS)
 def test_each_fault_is_located_where_it_lives(results, name):
     """The location names the step, layer, head and slot a porter would inspect, or the layer whose attention reads
     the right K/V wrongly; every check that caught the fault carries its own."""
@@ -199,12 +212,28 @@ def test_cli_break_json():
     assert "location (logits): K/V equal; attention output differs first at layer 0" in r.stdout, r.stdout
 
 
+def test_a_fault_that_fires_past_the_run_is_skipped_or_refused(results, prompts):
+    """The sink fault fires once a run's context passes 4 + 32 tokens (the fixture's run passes it by one token and
+    is caught): `break all` on a shorter run skips it with the reason, `break sink-evicts-one-more` refuses it, each
+    saying how many new tokens it needs."""
+    from kvbench.check.faults import select_faults
+
+    assert results["sink-evicts-one-more"].detected
+    assert sum(map(len, prompts[:1])) + _new_tokens("sink-evicts-one-more", prompts) == 37
+    names, why = select_faults("all", None, 1, (5, 31))
+    assert "sink-evicts-one-more" not in names and "mask" in names, names
+    assert why["sink-evicts-one-more"].endswith("the bug is dormant: use --new-tokens 32 or more"), why
+    assert "sink-evicts-one-more" in select_faults("all", None, 1, (5, 32))[0]
+    with pytest.raises(KVBenchError, match=r"^the sink-evicts-one-more fault fires only past 36 tokens of context"):
+        select_faults("sink-evicts-one-more", None, 1, (6, 30))
+
+
 def test_cli_break_that_runs_no_fault_checked_nothing_and_exits_5(monkeypatch, tmp_path):
     """Every fault skipped: nothing was detected and nothing slipped through, which is no verdict: exit 5, in the
     table, the JSON document and the JUnit report (every case skipped)."""
     from kvbench.check import faults
 
-    monkeypatch.setattr(faults, "select_faults", lambda name, cache, tp=1: ([], {"mask": "not here"}))
+    monkeypatch.setattr(faults, "select_faults", lambda name, cache, tp=1, context=None: ([], {"mask": "not here"}))
     args = "break all --model gpt2-tiny --weights random --new-tokens 4 --reference none".split()
     xml = tmp_path / "b.xml"
     r = CliRunner().invoke(app, [*args, "--json", "--junit-xml", str(xml)])

@@ -3,6 +3,7 @@ every policy row at the exact tolerance; faults that hide under the loose bound 
 plugin written outside the repository declares its own policy and is held to it the same way."""
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -108,7 +109,8 @@ def test_a_fault_under_the_loose_bound_fails_only_the_policy_rows_with_where(tin
     r = break_fault(tiny_model, fault, prompts, N, reference="none")
     failed = [c for c in r.checks if not c.passed]
     assert failed and all(c.policy for c in failed), [(c.name, c.policy) for c in failed]
-    assert all(c.location.startswith("layer ") for c in failed), [c.location for c in failed]
+    where = "the caches at the end of the fork scenario, layer 0 K differs first at head 0, slot 0 (position 0)"
+    assert [c.location.split(":")[0] for c in failed] == [where], [c.location for c in failed]
     assert r.detected and all(name.endswith("=policy") for name in r.caught_by)
 
 
@@ -124,7 +126,8 @@ def test_every_lossy_fault_passes_the_loose_rows_and_is_caught_by_the_policy(fau
     (bug,) = json.loads(r.stdout)["bugs"]
     failed = [c for c in bug["checks"] if not c["passed"]]
     assert failed and all(c["policy"] for c in failed), failed
-    assert all(c["location"].startswith("layer ") for c in failed), failed
+    # the step (logits, greedy) or the moment (batched, cache_state, a scenario's end) whose caches hold it, then where
+    assert all(re.match(r"(step \d+|the .+), layer \d+ ", c["location"]) for c in failed), failed
 
 
 PLUGIN = '''
@@ -248,7 +251,8 @@ def test_a_plugin_quantiser_is_held_to_its_declared_roundtrip(tiny_model, prompt
     if passes:
         assert all(r.passed for r in policy.values()), [r for r in policy.values() if not r.passed]
     else:
-        assert not policy[check].passed and policy[check].location.startswith("layer 0 K differs first"), policy[check]
+        where = f"the caches at the end of the {check} scenario, layer 0 K differs first"
+        assert not policy[check].passed and policy[check].location.startswith(where), policy[check]
 
 
 @pytest.mark.slow
@@ -260,7 +264,8 @@ def test_a_plugin_eviction_is_held_to_its_declared_visibility(tiny_model, prompt
     if passes:
         assert all(r.passed for r in policy.values()), [r for r in policy.values() if not r.passed]
     else:
-        assert not policy["logits"].passed and "no longer holds position" in policy["logits"].location
+        assert not policy["logits"].passed, policy["logits"]
+        assert re.match(r"step \d+, layer 0 no longer holds position \d+", policy["logits"].location), policy["logits"]
 
 
 # --- transformers' QuantizedCache (quanto) held to its own schedule -------------------------------------------------

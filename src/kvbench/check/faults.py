@@ -255,6 +255,7 @@ class Fault:
     # (model, fault, prompts, new, cache) -> (correct tokens, faulty tokens, dormant shown, signature measured)
     demo: Callable[..., tuple] | None = None
     tp: bool = False  # fires only across tensor-parallel ranks (break --tp 2 or more); in one process it is dormant
+    fires_past: int = 0  # fires only once a run's context (prompt + new tokens) exceeds this many tokens
 
     def applies_to(self, cache: str) -> bool:
         return cache != "none" and (self.any_cache or cache == self.cache)
@@ -570,6 +571,7 @@ FAULTS: dict[str, Fault] = {
         any_cache=False,
         layer_cache=_evicts_one_more,
         demo=demo_eviction,
+        fires_past=sink.DEFAULT_SINK + sink.DEFAULT_WINDOW,
     ),
     "chunk-causal": Fault(
         "chunk-causal",
@@ -595,10 +597,13 @@ def parse_fault_names(name: str) -> list[str]:
     return list(FAULTS) if name.strip() == "all" else [get_fault(name).name]
 
 
-def select_faults(name: str, cache: str | None, tp: int = 1) -> tuple[list[str], dict[str, str]]:
+def select_faults(
+    name: str, cache: str | None, tp: int = 1, context: tuple[int, int] | None = None
+) -> tuple[list[str], dict[str, str]]:
     """(the faults `name` runs on `cache` across `tp` ranks, {fault skipped: why}): a fault that lives inside another
-    cache design, or that fires only across tensor-parallel ranks when tp is 1. A single fault that cannot run is
-    refused."""
+    cache design, that fires only across tensor-parallel ranks when tp is 1, or that fires only past a longer
+    context than the run's (`context`: the shown prompt's length and the new tokens). A single fault that cannot run
+    is refused."""
     names = parse_fault_names(name)
     if cache == "none":
         raise KVBenchError("--cache none: the faults live in cached decoding; name a cache")
@@ -609,11 +614,20 @@ def select_faults(name: str, cache: str | None, tp: int = 1) -> tuple[list[str],
             why[n] = f"the bug lives inside the {f.cache} cache, not in {cache}"
         elif f.tp and tp == 1:
             why[n] = "it fires only across tensor-parallel ranks: run it with --tp 2 (or more)"
+        elif context is not None and sum(context) <= f.fires_past:
+            prompt, new = context
+            why[n] = (
+                f"it fires only past {f.fires_past} tokens of context, and this run's prompt of {prompt} tokens and "
+                f"{new} new ones stay within them, where the bug is dormant: use --new-tokens {f.fires_past + 1 - prompt} "
+                "or more"
+            )
     if why and name.strip() != "all":
         f = FAULTS[name.strip()]
         if f.tp and tp == 1:
             raise KVBenchError(
                 f"the {f.name} fault fires only across tensor-parallel ranks: run it with --tp 2 (or more)"
             )
-        raise KVBenchError(f"the {f.name} fault lives in the {f.cache} cache; it cannot run on {cache!r}")
+        if cache is not None and not f.applies_to(cache):
+            raise KVBenchError(f"the {f.name} fault lives in the {f.cache} cache; it cannot run on {cache!r}")
+        raise KVBenchError(f"the {f.name} fault {why[f.name].removeprefix('it ')}")
     return [n for n in names if n not in why], why

@@ -130,16 +130,20 @@ class Recording:
 
 
 # --- where the K and V first differ ---------------------------------------------------------------------------------
-def locate(got: list, want: list, rtol: float, atol: float, visible=None, upto: int | None = None) -> str:
-    """Where the design first holds its K or V otherwise than the reference does, in words: a position the last
-    query may still read (the design's `visible`) that it no longer holds, or the first layer, tensor, head and slot
-    whose value differs (slots matched by position: the reference keeps every position); positions from `upto` on
-    (where the runs' tokens part) are left out. Else: the K and V are the policy's and attention reads them otherwise."""
+def locate(got: list, want: list, rtol: float, atol: float, visible=None, when: str = "") -> str:
+    """Where the design first holds its K or V otherwise than the reference does, in words, after `when` (the step
+    or the moment whose caches these are): a position the last query may still read (the design's `visible`) that
+    it no longer holds, or the first layer, tensor, head and slot whose value differs (slots matched by position: the
+    reference keeps every position). Else: the K and V are the policy's and attention reads them otherwise."""
+    return when + _where(got, want, rtol, atol, visible)
+
+
+def _where(got: list, want: list, rtol: float, atol: float, visible) -> str:
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         if g.k is None or w.k is None:
             continue
         held = [int(p) for p in g.positions[0].tolist()]
-        kept = [int(p) for p in w.positions[0].tolist() if upto is None or p < upto]
+        kept = [int(p) for p in w.positions[0].tolist()]
         if visible is not None and held:
             q = torch.tensor([[max(held)]])
             readable = [p for p in kept if p <= q and bool(visible(q, torch.tensor([[p]]))[0, 0, 0])]
@@ -149,7 +153,7 @@ def locate(got: list, want: list, rtol: float, atol: float, visible=None, upto: 
         index = {p: j for j, p in enumerate(w.positions[0].tolist())}
         for name, a, b in (("K", g.k, w.k), ("V", g.v, w.v)):
             for slot, p in enumerate(held):
-                if p < 0 or (upto is not None and p >= upto) or p not in index:
+                if p < 0 or p not in index:
                     continue
                 x, y = a[:, :, slot].float(), b[:, :, index[p]].float()  # (B, H, Dh)
                 bad = ((x - y).abs() > atol + rtol * y.abs().amax(-1, keepdim=True)).any(-1)  # (B, H)
@@ -249,7 +253,7 @@ def _generated(d, r, target, prompt, new, tol, spec) -> list[CheckRow]:
         step = first if first is not None else upto
         assert step is not None
         d.generate([prompt], step + 1), r.generate([prompt], step + 1)
-        where = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, spec.visible)
+        where = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, spec.visible, f"step {step}, ")
     logits = CheckRow(
         name="logits",
         cache=d.cache,
@@ -312,7 +316,8 @@ def _batch(d, r, prompts, short, tol) -> CheckRow:
         name="batched", cache=d.cache, passed=ok and same, max_abs_diff=err, tolerance=tol.words, detail=detail
     )
     if not row.passed:
-        row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible)
+        when = f"the batch after its {short} tokens, "
+        row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible, when)
     return row
 
 
@@ -329,7 +334,8 @@ def _reused(d, r, prompts, short, tol) -> CheckRow:
         detail=f"{words}, {short} tokens, vs the policy's reference reused the same way",
     )
     if not row.passed:
-        row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible)
+        when = f"the reused cache after its {short} tokens, "
+        row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible, when)
     return row
 
 
@@ -356,5 +362,6 @@ def _scenario(d, r, check, prompts, short, tol) -> CheckRow:
     if not row.passed:
         first = first_off(a, b, tol)
         row.detail += f"; first off at row {first}" if first is not None else ""
-        row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible)
+        when = f"the caches at the end of the {check} scenario, "
+        row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible, when)
     return row

@@ -285,11 +285,16 @@ def held_heads(mine: list[_Held], whole: list[_Held], rank: int, world: int) -> 
     return out
 
 
-def planned_hf_rank_bytes(loaded, tokens: int, tp: int, dtype) -> int | None:
+def planned_hf_rank_bytes(loaded, tokens: int, tp: int, dtype, between_steps: bool = False) -> int | None:
     """The planner's bytes for one rank's cache of a Hugging Face model (its config.json resolved as `memory
     --model DIR` resolves it) holding `tokens` tokens, under transformers' tensor-parallel rule (tp = 1: a rank
     that holds every head); None when the source is not a local directory, or when the planner cannot size the
-    model (`memory --model DIR` says why: its refusal is not the checks' verdict)."""
+    model (`memory --model DIR` says why: its refusal is not the checks' verdict).
+
+    The planner holds a windowed layer at its window W, what a step reads and what a static cache allocates.
+    `between_steps`: the bytes transformers' dynamic cache keeps between two forwards instead, where a windowed
+    layer (DynamicSlidingWindowLayer) keeps the last W - 1 tokens (each forward's new token joins them: W again)."""
+    from dataclasses import replace
     from pathlib import Path
 
     from kvbench.devices import dtype_name
@@ -305,6 +310,10 @@ def planned_hf_rank_bytes(loaded, tokens: int, tp: int, dtype) -> int | None:
         heads = kv_heads_per_gpu(spec, tp, "transformers")
     except KVBenchError:
         return None
+    if between_steps and spec.sliding_window is not None and spec.sliding_layers:
+        if spec.sliding_window == 1:  # nothing kept between steps; the planner holds no window of 0
+            return None
+        spec = replace(spec, sliding_window=spec.sliding_window - 1)
     return bytes_per_sequence(spec, get_kv_format(dtype_name(dtype)), tokens, heads)
 
 
@@ -344,7 +353,7 @@ def hf_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankByt
         return row, None
     held = len(prompt) + new - 1  # generate never writes its last token
     dtype = s.model.dtype
-    planned = planned_hf_rank_bytes(s.model.loaded, held, 1 if every[0] else tp.world, dtype)
+    planned = planned_hf_rank_bytes(s.model.loaded, held, 1 if every[0] else tp.world, dtype, between_steps=True)
     measured = sum(h.k.nbytes + h.v.nbytes for h in mine)
     return row, None if planned is None else RankBytes(tp.rank, s.cache, held, measured, planned)
 

@@ -66,6 +66,7 @@ def break_(o: BreakOptions) -> None:
 
             cfg = peek_config(o.model, o.weights)
             validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
+            _chosen(o, cfg, warn=False)  # a fault that cannot run is refused before any rank starts
             with console.stdout_inherited():  # rank 0 prints the --json document
                 exit_code = distributed.launch(o.tp, sys.argv[1:])
         else:
@@ -96,37 +97,48 @@ def break_(o: BreakOptions) -> None:
         raise typer.Exit(1)
 
 
+def _chosen(o: BreakOptions, cfg, warn: bool = True):
+    """(the cache named, the faults that run, {fault skipped: why}, the tokenizer, the prompts): the faults chosen for
+    this run's cache, ranks and context (the shown prompt, prompts[0], plus the new tokens)."""
+    from kvbench import validate
+    from kvbench.caches import get_cache_spec
+    from kvbench.check.breaking import break_prompts
+    from kvbench.check.faults import select_faults
+
+    cache = get_cache_spec(o.cache).name if o.cache is not None else None
+    select_faults(o.name, cache, o.tp)  # a fault that cannot run on this cache or rank count: before the tokenizer
+    validate.fits_context("a one-token prompt", 1, o.new_tokens, cfg.block_size, "use fewer --new-tokens")
+    tok = _tokenizer(o.tokenizer, warn)
+    prompts = break_prompts(tok, cfg.vocab_size, o.prompt, o.batch, o.seed)
+    validate.fits_context(
+        "longest batch prompt (after padding)",
+        max(map(len, prompts)),
+        o.new_tokens,
+        cfg.block_size,
+        "use fewer --new-tokens or a shorter --prompt",
+    )
+    names, why = select_faults(o.name, cache, o.tp, (len(prompts[0]), o.new_tokens))
+    return cache, names, why, tok, prompts
+
+
 def _run_faults(o: BreakOptions, on_fault, reports: bool = True):
     """Each chosen fault against the correct path, each result passed to `on_fault` as it completes:
     (results, [(fault, why skipped)], meta). Under --tp, every rank runs them (rank 0 renders: `reports`)."""
-    from kvbench import validate
-    from kvbench.caches import get_cache_spec
-    from kvbench.check.breaking import break_fault, break_prompts
-    from kvbench.check.faults import select_faults
+    from kvbench.check.breaking import break_fault
     from kvbench.model.weights import peek_config
 
-    cache = get_cache_spec(o.cache).name if o.cache is not None else None
-    names, why = select_faults(o.name, cache, o.tp)
     cfg = peek_config(o.model, o.weights)
-    validate.fits_context("a one-token prompt", 1, o.new_tokens, cfg.block_size, "use fewer --new-tokens")
+    cache, names, why, tok, prompts = _chosen(o, cfg, warn=reports)
     device, rank = o.device, None
     if o.tp > 1:  # one rank of the group: join it first, on its own device
-        from kvbench import distributed
+        from kvbench import distributed, validate
         from kvbench.devices import resolve_device
 
         validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
         rank = distributed.start(o.tp, resolve_device(o.device), o.tp_timeout)
         device = str(rank.device)
     loaded, dev, dt, hf_dir = load_for_checks(o.model, o.weights, device, o.dtype, o.seed)
-    tok = _tokenizer(o.tokenizer)
-    prompts = break_prompts(tok, loaded.config.vocab_size, o.prompt, o.batch, o.seed)
-    validate.fits_context(
-        "longest batch prompt (after padding)",
-        max(map(len, prompts)),
-        o.new_tokens,
-        loaded.config.block_size,
-        "use fewer --new-tokens or a shorter --prompt",
-    )
+    assert loaded.config.vocab_size == cfg.vocab_size, "the prompts were drawn for the model's vocabulary"
     decode = tok.decode if tok is not None else None
     results = []
     for n in names:
@@ -140,8 +152,8 @@ def _run_faults(o: BreakOptions, on_fault, reports: bool = True):
     return results, list(why.items()), meta
 
 
-def _tokenizer(name: str | None):
-    """The tokenizer for showing text; without one (and none named) the faults run on random ids."""
+def _tokenizer(name: str | None, warn: bool = True):
+    """The tokenizer for showing text; without one (and none named) the faults run on random ids (said when `warn`)."""
     from kvbench.model.tokenizer import load_tokenizer
 
     try:
@@ -149,5 +161,6 @@ def _tokenizer(name: str | None):
     except KVBenchError as e:
         if name is not None:
             raise
-        console.warn(f"no tokenizer ({e}); showing random prompts and token ids instead of text")
+        if warn:
+            console.warn(f"no tokenizer ({e}); showing random prompts and token ids instead of text")
         return None
