@@ -584,3 +584,27 @@ def test_a_verdict_stands_when_the_launcher_stops_ranks_after_rank_0_reported(tm
     assert capsys.readouterr().err == ""
     assert _outcome({0: -15, 1: 1}, tmp_path) == 70
     assert "rank 0 did not reach a collective within the timeout" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_check_that_raises_on_every_rank_is_its_failed_row_located_up_to_the_raise(tmp_path):
+    """Doge under transformers' plan: its dynamic mask keeps every head on each rank while the attention is split by
+    head, so every forward raises on every rank. Each check is its failed row, and its location is found by the same
+    replay as in one process (every rank raises at the same call, so their collectives stay paired): the K/V and
+    attention outputs equal the reference until the layer that raised."""
+    from kvbench.hf.models import load_hf
+    from kvbench.hf.tiny import tiny_config
+
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.json").write_text(json.dumps(tiny_config("doge", tp=2), default=str))
+    load_hf(
+        str(tmp_path / "config" / "config.json"), torch.device("cpu"), torch.float32, init_std=0.02
+    ).model.save_pretrained(tmp_path / "doge")
+    r = kvbench("verify", "--hf", tmp_path / "doge", "--tp", 2, "-d", "cpu", "-n", 4, "--caches", "dynamic", "--json")
+    assert r.returncode == 1, r.stderr
+    failed = [c for c in json.loads(r.stdout)["checks"] if not c["passed"]]
+    assert {c["name"] for c in failed} >= {"logits", "greedy", "batched", "rollback", "rank_cache"}, failed
+    for c in failed:
+        assert c["detail"].startswith("the run raised RuntimeError") and "(on every rank)" in c["detail"], c
+        if c["name"] != "rank_cache":  # a run of the suite's, replayed
+            assert c["location"].startswith("K/V and attention outputs equal the reference until the run raised in")

@@ -216,11 +216,6 @@ def test_the_sweep_writes_rows_as_it_goes_and_resumes(tmp_path):
 
 
 @pytest.mark.slow  # scripts/zoo.py --tp 2: each type saved, then two ranks launched
-@pytest.mark.xfail(
-    reason="known defect, open: under load Doge's check that raises on every rank can end the run (exit 70) "
-    "before the ranks agree it is a failed row",
-    strict=False,
-)
 def test_the_tp_sweep_saves_each_model_and_splits_it_over_two_ranks(tmp_path):
     """zoo.py --tp 2 runs the types with a tensor-parallel plan, each saved (every rank loads the same weights)
     and checked by `verify --hf DIR --tp 2`: CodeGen passes; Doge's plan keeps its dynamic mask's heads whole while

@@ -82,6 +82,15 @@ def start(world: int, device, timeout_s: float) -> Rank:
     return Rank(dist.get_rank(), dist.get_world_size(), device, backend)
 
 
+def barrier() -> None:
+    """Every rank waits here for the others (the collective timeout applies): called before the checks start, so a
+    rank that loaded its models minutes later than another under load does not make a step that raises on every
+    rank look, to raised_together's shorter wait, like one that raised on one rank only."""
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
 def raised_together(step: str) -> bool:
     """Asked by a rank whose `step` (a check on a cache) raised: did every rank raise in that same step? Then every
     rank stopped between the same two collectives and the run can go on, the step a failed row on each. It is asked

@@ -62,9 +62,11 @@ def run_hf_verify(
     subjects = [HFSubject(target, c, runner=shard, tp=world) for c in caches]
     if tp is not None:
         from kvbench.check.tp import IN_STEP
+        from kvbench.distributed import barrier
 
         for s in subjects:
             s.crashes, s.together = IN_STEP, True
+        barrier()  # the ranks start the checks together
     baseline = HFSubject(target, "none")  # what the model itself does without a cache (run_checks)
     report = on_row if tp is None or tp.rank == 0 else None
     with quiet_transformers():

@@ -51,6 +51,7 @@ from kvbench.check.lifecycle import LIFECYCLE, SCENARIOS
 from kvbench.check.subject import Run
 
 SINGLE = ("logits", "greedy", "reference")  # the checks that share the single-prompt run
+EVERY_RANK = " (on every rank)"  # ends the detail of a row whose run raised on every tensor-parallel rank (suite.py)
 
 
 class _Found(Exception):
@@ -629,10 +630,17 @@ def locate(s, rows: list[CheckRow], prompts: list[list[int]], new: int, short: i
     side = _side(s) if failing and s.cached else None
     if side is None:
         return
+    crashes = s.crashes
+    if getattr(s, "together", False) and all(r.detail.endswith(EVERY_RANK) for r in failing):
+        # the run raised on every rank at the same call (suite._guarded): each rank's replay raises there too, so
+        # every rank catches it as one process does, and their collectives stay paired
+        s.crashes = (Exception,)
     try:
         found = _where(s, side, failing[0].name, prompts, new, short)
     except s.crashes:  # raised outside the runs a replay follows (the reference forward): nothing to say
         return
+    finally:
+        s.crashes = crashes
     if found == "":
         return
     eager = side.subject is not s

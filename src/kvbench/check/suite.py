@@ -30,7 +30,7 @@ from kvbench.check.judge import (
     skipped,
 )
 from kvbench.check.lifecycle import LIFECYCLE, lifecycle_rows
-from kvbench.check.locate import located
+from kvbench.check.locate import EVERY_RANK, located
 from kvbench.check.subject import ReferencedModel, Run, Subject
 from kvbench.errors import CheckRaised, KVBenchError, is_out_of_memory, one_line
 
@@ -244,7 +244,7 @@ def _guarded(s: Subject, names: list[str], fn: Callable[[], list[CheckRow]]) -> 
         # every rank raised in it (kvbench.distributed.raised_together); else what ends the run is named here
         rows = " ".join(f"{n}/{s.cache}" for n in names)
         if getattr(s, "together", False) and raised_together(rows):
-            why = f"the run raised {one_line(e)} (on every rank)"
+            why = f"the run raised {one_line(e)}{EVERY_RANK}"
             return [
                 CheckRow(name=n, cache=s.cache, passed=False, tolerance="runs without error", detail=why) for n in names
             ]

@@ -365,9 +365,10 @@ def tp_rows(
     returns every rank's rows merged, the other ranks their own."""
     from kvbench.check.gpt2_subject import GPT2Subject
     from kvbench.check.suite import run_checks
-    from kvbench.distributed import gather
+    from kvbench.distributed import barrier, gather
     from kvbench.model.tp import shard
 
+    barrier()  # the ranks start the checks together
     report = on_row if tp.rank == 0 else None
     runner = shard(target.gpt, tp.rank, tp.world)
     subjects = [GPT2Subject(target, c, fault, compile, runner=runner, tp=tp.world) for c in caches]
