@@ -608,3 +608,18 @@ def test_a_check_that_raises_on_every_rank_is_its_failed_row_located_up_to_the_r
         assert c["detail"].startswith("the run raised RuntimeError") and "(on every rank)" in c["detail"], c
         if c["name"] != "rank_cache":  # a run of the suite's, replayed
             assert c["location"].startswith("K/V and attention outputs equal the reference until the run raised in")
+
+
+def test_rank_bytes_that_differ_from_the_planner_say_why():
+    """A design whose layout the planner's generic format does not model (paged: whole blocks of 16 tokens) shows
+    the difference and its own reason; the exact designs say "equal to the byte"."""
+    from kvbench.check.tp import RankBytes, rank_bytes_notes
+
+    held = [RankBytes(r, "static", 131, 134_144, 134_144) for r in (0, 1)]
+    held += [RankBytes(r, "paged", 131, 147_456, 134_144) for r in (0, 1)]
+    static, paged = rank_bytes_notes(held)
+    assert static == "static cache per rank at 131 tokens: rank 0 134,144 B, rank 1 134,144 B; equal to the byte " + (
+        "(planner: 134,144 B)"
+    )
+    assert paged.startswith("paged cache per rank at 131 tokens: rank 0 147,456 B, rank 1 147,456 B; planner: ")
+    assert "134,144 B (+13,312 B on rank 0: the pool rounds each sequence up to whole blocks of 16 tokens" in paged

@@ -419,15 +419,20 @@ def hf_tp_rows(
 
 
 def rank_bytes_notes(held: list[RankBytes]) -> list[str]:
-    """One line per design: each rank's cache bytes and the planner's figure for a rank."""
+    """One line per design: each rank's cache bytes and the planner's figure for a rank; where they differ, the
+    design's own layout, which the planner's generic format does not model, says why (its `memory_note`)."""
+    from kvbench.caches import get_cache_spec
+
     lines = []
     for cache in dict.fromkeys(b.cache for b in held):
         mine = [b for b in held if b.cache == cache]
         got = ", ".join(f"rank {b.rank} {b.measured_bytes:,} B" for b in mine)
-        same = all(b.equal for b in mine)
-        verdict = "equal to the byte" if same else f"planner: {mine[0].planned_bytes:,} B (differs)"
-        lines.append(
-            f"{cache} cache per rank at {mine[0].tokens} tokens: {got}; {verdict}"
-            + (f" (planner: {mine[0].planned_bytes:,} B)" if same else "")
-        )
+        planned = mine[0].planned_bytes
+        if all(b.equal for b in mine):
+            verdict = f"equal to the byte (planner: {planned:,} B)"
+        else:
+            note = get_cache_spec(cache).memory_note  # only a design of ours differs (an HF row: dynamic)
+            why = f": {note}" if note else ""
+            verdict = f"planner: {planned:,} B ({mine[0].measured_bytes - planned:+,} B on rank {mine[0].rank}{why})"
+        lines.append(f"{cache} cache per rank at {mine[0].tokens} tokens: {got}; {verdict}")
     return lines
