@@ -7,7 +7,7 @@ A block of command output is marked by an HTML comment on the line before its op
     <!-- output: kvbench memory --all --ctx 8k,128k (head 6; tail 1) -->
     <!-- output: transcript -->
 
-The command runs through bash in a temporary folder (holding links to the repository's examples/ and configs/), on
+The command runs through bash in a temporary folder (holding links to the repository's examples/, configs/ and scripts/), on
 a pseudo-terminal 100 columns wide, with this repository's .venv/bin first on PATH, HF_HUB_OFFLINE=1, NO_COLOR=1 and
 OMP_NUM_THREADS=1 (one torch thread, so the outputs do not depend on the machine's cores): what a user at such a
 terminal sees (stdout and stderr as they interleave, a progress bar as it is left) replaces the block. Options, in parentheses at the end of the marker, separated by ';':
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     differ = []
     with tempfile.TemporaryDirectory(prefix="kvbench-docs-") as tmp:
         folder = Path(tmp)
-        for name in ("examples", "configs"):
+        for name in ("examples", "configs", "scripts"):
             (folder / name).symlink_to(ROOT / name)
         for f in files:  # each file rewritten as soon as its blocks have run, so an interrupted run keeps them
             blocks = [b for b in find_blocks(f) if not b.recorded and args.match in b.command]
