@@ -322,7 +322,34 @@ def test_the_quanto_reorder_defect_is_caught_by_the_policy_row(quanto_llama, mon
     monkeypatch.setattr(QuantizedLayer, "reorder_cache", residual_only)
     policy, _ = _quanto_policy(quanto_llama)
     assert not policy["reorder"].passed and "is present in transformers" in policy["reorder"].detail
+    # the two rows' quantised prefix is read in the old order: row 0 holds row 1's K from the first slot
+    where = "the decode step after reorder_cache([1, 0]), layer 0 K differs first at row 0, head 0, slot 0: |delta| "
+    assert policy["reorder"].location.startswith(where), policy["reorder"].location
     assert policy["logits"].passed  # the defect lives in reorder only
+
+
+@pytest.mark.slow
+def test_a_quantised_cache_that_strays_from_its_schedule_is_located(quanto_llama, monkeypatch):
+    """A QuantizedLayer that returns slot 40's V off by 1e-3 of itself once it holds more than 40 tokens (far inside
+    the loose bound): the logits policy row fails at the first step that reads it and names the layer, tensor and
+    slot the step read otherwise than the schedule's reference."""
+    from transformers.cache_utils import QuantizedLayer
+
+    update = QuantizedLayer.update
+
+    def strays(self, k, v, *args, **kwargs):
+        K, V = update(self, k, v, *args, **kwargs)
+        if V.shape[-2] > 40:
+            V = V.clone()
+            V[..., 40, :] *= 1.001
+        return K, V
+
+    monkeypatch.setattr(QuantizedLayer, "update", strays)
+    policy, loose = _quanto_policy(quanto_llama)
+    assert loose["logits"].passed and not policy["logits"].passed, (loose["logits"], policy["logits"])
+    # the prompt is 32 tokens: the step that first holds 41 reads slot 40 (step 9)
+    where = "step 9, layer 0 V differs first at row 0, head 0, slot 40: |delta| "
+    assert policy["logits"].location.startswith(where), policy["logits"].location
 
 
 def test_quanto_is_skipped_where_a_token_fills_no_quantisation_group():

@@ -13,6 +13,10 @@ tolerance, and what is left against full precision is the policy's own loss.
              answers whether the installed transformers has the defect of its PR #48700 (reorder_cache leaving the
              quantised states in the old batch order), reproduced in plain transformers in docs/caches.md.
 
+A failing row is located: the K and V each layer's `update` returned to attention at the step that went wrong
+(logits: the run replayed up to its first step off), design against reference, name the first layer, K or V, row,
+head and slot that differ, or say the K/V are the policy's and attention reads them otherwise.
+
 Caches with no reference here (hqq, fp8) keep the loose rows only; the report's notes say so.
 """
 
@@ -24,6 +28,7 @@ import torch
 
 from kvbench.check.hf_subject import cache_kwarg, generate_run
 from kvbench.check.judge import CheckRow, Tolerance, allclose_err, first_diff, first_off, tolerance
+from kvbench.check.locate import first_bad
 
 
 def make_layer(backend) -> object:
@@ -136,6 +141,40 @@ def hf_policy_rows(subjects, prompts: list[list[int]], new: int, on_row=None) ->
     return rows, note
 
 
+def _recorded(cache) -> list[dict]:
+    """Wrap each layer's `update` of `cache` (a transformers Cache) so the K and V it last returned to attention are
+    kept: one dict per layer, its "kv" (K, V), each (B, H, slots, Dh)."""
+    kept: list[dict] = [{} for _ in cache.layers]
+    for layer, box in zip(cache.layers, kept, strict=True):
+
+        def update(k, v, *args, _update=layer.update, _box=box, **kwargs):
+            K, V = _update(k, v, *args, **kwargs)
+            _box["kv"] = (K, V)
+            return K, V
+
+        layer.update = update
+    return kept
+
+
+def _where(got: list[dict], want: list[dict], tol: Tolerance, when: str) -> str:
+    """The first layer, K or V, row, head and slot whose value the design returned to attention otherwise than the
+    reference did, after `when`; else the K/V are the policy's and attention reads them otherwise."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if "kv" not in g or "kv" not in w:
+            continue
+        for name, a, b in zip("KV", g["kv"], w["kv"], strict=True):
+            if a.shape != b.shape:
+                return (
+                    f"{when}layer {i} returns {name} of shape {tuple(a.shape)} where the policy's is {tuple(b.shape)}"
+                )
+            for row in range(a.size(0)):
+                bad = first_bad(a[row].float(), b[row].float(), tol.rtol, tol.atol)  # (H, slots, Dh)
+                if bad is not None:
+                    slot, head, err, _ = bad
+                    return f"{when}layer {i} {name} differs first at row {row}, head {head}, slot {slot}: |delta| {err:.3g}"
+    return f"{when}K/V equal to the policy's; attention reads them otherwise"
+
+
 def _logits(s, design, reference, prompts, new, tol: Tolerance) -> CheckRow:
     got = generate_run(s.loaded, [prompts[0]], new, **{cache_kwarg(): design()})
     want = generate_run(s.loaded, [prompts[0]], new, **{cache_kwarg(): reference()})
@@ -143,11 +182,19 @@ def _logits(s, design, reference, prompts, new, tol: Tolerance) -> CheckRow:
     n = len(got.tokens[0]) if upto is None else upto + 1
     ok, err = allclose_err(got.logits[0, :n], want.logits[0, :n], tol.rtol, tol.atol)
     detail = f"{len(got.tokens[0])} greedy steps vs the policy's reference (its schedule, the backend's functions)"
+    row = CheckRow(name="logits", cache=s.cache, passed=ok, max_abs_diff=err, tolerance=tol.words, detail=detail)
     if not ok:
-        detail += f"; first off at step {first_off(got.logits[0, :n], want.logits[0, :n], tol)}"
+        step = first_off(got.logits[0, :n], want.logits[0, :n], tol)
+        row.detail += f"; first off at step {step}"
+        assert step is not None, "logits off somewhere"
+        caches = design(), reference()
+        kept = [_recorded(c) for c in caches]
+        for c in caches:  # replayed up to the step that went wrong: the K/V that step read
+            generate_run(s.loaded, [prompts[0]], step + 1, **{cache_kwarg(): c})
+        row.location = _where(kept[0], kept[1], tol, f"step {step}, ")
     elif upto is not None:
-        detail += f"; tokens part at step {upto} (a near-tie: the logits agree up to it)"
-    return CheckRow(name="logits", cache=s.cache, passed=ok, max_abs_diff=err, tolerance=tol.words, detail=detail)
+        row.detail += f"; tokens part at step {upto} (a near-tie: the logits agree up to it)"
+    return row
 
 
 @torch.inference_mode()
@@ -161,10 +208,11 @@ def _reorder(s, design, reference, prompts, new, tol: Tolerance) -> CheckRow:
     ids = torch.tensor([prompts[0][:T], prompts[1][:T]], device=device)  # (2, T)
     swap = torch.tensor([1, 0], device=device)
     step = ids[:, -1:].index_select(0, swap)  # (2, 1): each row's own last token, in the new order
-    logits = []
+    logits, kept = [], []
     for make in (design, reference):
         cache = make()
         model(input_ids=ids, past_key_values=cache, use_cache=True)
+        kept.append(_recorded(cache))  # the decode step's K/V, after the reorder
         cache.reorder_cache(swap)
         pos = torch.full((2, 1), T, device=device)
         out = model(input_ids=step, past_key_values=cache, use_cache=True, position_ids=pos)
@@ -176,4 +224,7 @@ def _reorder(s, design, reference, prompts, new, tol: Tolerance) -> CheckRow:
         f"eagerly: transformers PR #48700's defect (quantised states left unreordered) is {verdict} in "
         f"transformers {transformers.__version__}"
     )
-    return CheckRow(name="reorder", cache=s.cache, passed=ok, max_abs_diff=err, tolerance=tol.words, detail=detail)
+    row = CheckRow(name="reorder", cache=s.cache, passed=ok, max_abs_diff=err, tolerance=tol.words, detail=detail)
+    if not ok:
+        row.location = _where(kept[0], kept[1], tol, "the decode step after reorder_cache([1, 0]), ")
+    return row

@@ -98,7 +98,7 @@ class Reference:
         return self.values[self._longest(seq)]
 
 
-def _first_bad(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> tuple[int, int, float, int] | None:
+def first_bad(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> tuple[int, int, float, int] | None:
     """got, want (h, m, D): the first index along m where some head's vector is outside atol + rtol x that head's
     largest |want| (NaN is outside), as (index, first such head, its largest |delta|, heads outside there)."""
     if got.numel() == 0:
@@ -199,7 +199,7 @@ class Probe:
             for j, (name, got) in enumerate((("K", k), ("V", v))):
                 g = got[b, :, pad + lo - off : pad + hi - off].float()  # (h, m, Dh)
                 w = self._mine(ref[j])[:, lo:hi]  # (h, m, Dh)
-                bad = _first_bad(g, w, self.rtol, self.atol)
+                bad = first_bad(g, w, self.rtol, self.atol)
                 if bad is not None:
                     p = lo + bad[0]
                     firsts.append((pad + p - off, b, j, name, p, bad, g[bad[1], bad[0]]))
@@ -268,7 +268,7 @@ class Probe:
             i0 = max(0, -q0)
             g = y[b, i0:].float().transpose(0, 1)  # (h, m, D)
             w = want[q0 + i0 : q0 + T].transpose(0, 1)  # (H, m, D)
-            bad = _first_bad(g, self._mine(w) if per_head else w, self.rtol, self.atol)
+            bad = first_bad(g, self._mine(w) if per_head else w, self.rtol, self.atol)
             if bad is not None:
                 firsts.append((q0 + i0 + bad[0], b, bad))
         if firsts:
