@@ -27,11 +27,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
+from transformers import GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
 
 from kvbench.devices import synchronize
 from kvbench.hf.caches import generate_kwargs
 from kvbench.model.gpt2 import GPT
+from kvbench.model.weights import hf_gpt2_config
 
 # Our caches that transformers has by the same name (hf/caches.py selects each in generate).
 ENGINE_CACHES = ("none", "dynamic", "static")
@@ -42,24 +43,7 @@ def build_hf_model(model: GPT):
 
     Built on the meta device, so transformers' random init never runs and nothing is allocated on the host; then
     every parameter is assigned from our state dict: already on the device, already in the target dtype."""
-    c = model.config
-    # attn_implementation: taken by the __init__ transformers wraps around its config dataclasses, not in their types
-    cfg = GPT2Config(  # type: ignore[call-arg]
-        vocab_size=c.vocab_size,
-        n_positions=c.block_size,
-        n_embd=c.n_embd,
-        n_layer=c.n_layer,
-        n_head=c.n_head,
-        layer_norm_epsilon=c.layer_norm_epsilon,
-        activation_function="gelu_new",
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        attn_implementation="sdpa",
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    cfg = hf_gpt2_config(model.config, "sdpa")
     with torch.device("meta"):
         hf = GPT2LMHeadModel(cfg)
     sd = {k: t for k, t in model.state_dict().items() if k != "lm_head.weight"}  # lm_head is tied to wte

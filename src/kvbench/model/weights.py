@@ -143,16 +143,14 @@ def port_hf_state_dict(model: GPT, hf: dict[str, torch.Tensor], source: str) -> 
             dst.copy_(w)
 
 
-def to_hf_model(model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtype | None = None):
-    """The inverse port: a transformers GPT2LMHeadModel holding `model`'s weights (a plain copy, lm_head tied), on
-    the model's device, in `dtype` (default: the model's), eval mode.
-    Used as the independent reference (`verify`) and as the `hf` engine (`bench`)."""
+def hf_gpt2_config(c: GPTConfig, attn_implementation: str = "sdpa"):
+    """transformers' GPT2Config for our config: the same shapes, GPT-2's tanh GELU, no dropout, no special tokens
+    (generation stops where it is told, pad id 0)."""
     # here, not at the top: transformers takes seconds to import, and only the commands that compare with it need it
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config
 
-    c, weight = model.config, model.lm_head.weight
     # attn_implementation: taken by the __init__ transformers wraps around its config dataclasses, not in their types
-    cfg = GPT2Config(  # type: ignore[call-arg]
+    return GPT2Config(  # type: ignore[call-arg]
         vocab_size=c.vocab_size,
         n_positions=c.block_size,
         n_embd=c.n_embd,
@@ -168,6 +166,16 @@ def to_hf_model(model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtyp
         eos_token_id=None,
         pad_token_id=0,
     )
+
+
+def to_hf_model(model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtype | None = None):
+    """The inverse port: a transformers GPT2LMHeadModel holding `model`'s weights (a plain copy, lm_head tied), on
+    the model's device, in `dtype` (default: the model's), eval mode.
+    Used as the independent reference (`verify`) and as the `hf` engine (`bench`)."""
+    from transformers import GPT2LMHeadModel
+
+    weight = model.lm_head.weight
+    cfg = hf_gpt2_config(model.config, attn_implementation)
     hf = GPT2LMHeadModel(cfg)
     # lm_head.weight is tied to wte in both models
     sd = {k: t for k, t in model.state_dict().items() if k != "lm_head.weight"}
