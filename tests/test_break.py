@@ -119,11 +119,11 @@ LOCATIONS = {
     # the lossy faults: caught by the rows held to the design's declared policy, located by check/policy.py
     "int8-reorder-scales": (
         "reorder =policy",
-        ["the caches at the end of the reorder scenario, layer 0 K differs first at head 0, slot 0 (position 0)"],
+        ["forward 2 of the reorder scenario, layer 0 K differs first at head 0, slot 0 (position 0)"],
     ),
     "int8-requantised-fork": (
         "fork =policy",
-        ["the caches at the end of the fork scenario, layer 0 K differs first at head 0, slot 0 (position 0)"],
+        ["forward 2 of the fork scenario, layer 0 K differs first at head 0, slot 0 (position 0)"],
     ),
     # the run passes the sink's 4 + 32 tokens by one: the last step's query (position 35) loses position 4
     "sink-evicts-one-more": (

@@ -109,7 +109,7 @@ def test_a_fault_under_the_loose_bound_fails_only_the_policy_rows_with_where(tin
     r = break_fault(tiny_model, fault, prompts, N, reference="none")
     failed = [c for c in r.checks if not c.passed]
     assert failed and all(c.policy for c in failed), [(c.name, c.policy) for c in failed]
-    where = "the caches at the end of the fork scenario, layer 0 K differs first at head 0, slot 0 (position 0)"
+    where = "forward 2 of the fork scenario, layer 0 K differs first at head 0, slot 0 (position 0)"
     assert [c.location.split(":")[0] for c in failed] == [where], [c.location for c in failed]
     assert r.detected and all(name.endswith("=policy") for name in r.caught_by)
 
@@ -126,8 +126,10 @@ def test_every_lossy_fault_passes_the_loose_rows_and_is_caught_by_the_policy(fau
     (bug,) = json.loads(r.stdout)["bugs"]
     failed = [c for c in bug["checks"] if not c["passed"]]
     assert failed and all(c["policy"] for c in failed), failed
-    # the step (logits, greedy) or the moment (batched, cache_state, a scenario's end) whose caches hold it, then where
-    assert all(re.match(r"(step \d+|the .+), layer \d+ ", c["location"]) for c in failed), failed
+    # the step (logits, greedy), the moment (batched, cache_state) or a scenario's forward that read it, then where
+    assert all(
+        re.match(r"(step \d+|the .+|forward \d+ of the \w+ scenario), layer \d+ ", c["location"]) for c in failed
+    ), failed
 
 
 PLUGIN = '''
@@ -251,8 +253,8 @@ def test_a_plugin_quantiser_is_held_to_its_declared_roundtrip(tiny_model, prompt
     if passes:
         assert all(r.passed for r in policy.values()), [r for r in policy.values() if not r.passed]
     else:
-        where = f"the caches at the end of the {check} scenario, layer 0 K differs first"
-        assert not policy[check].passed and policy[check].location.startswith(where), policy[check]
+        where = rf"forward \d+ of the {check} scenario, layer 0 K differs first"
+        assert not policy[check].passed and re.match(where, policy[check].location), policy[check]
 
 
 @pytest.mark.slow

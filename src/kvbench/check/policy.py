@@ -27,7 +27,7 @@ step-matched one's, among all compared): rounding, not a cache bug, and never ju
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,12 +65,30 @@ class PolicyCache(DynamicCache):
         return other
 
 
+@dataclass
+class Call:
+    """What one layer's update returned to attention: K and V (B, H, S, Dh) and each slot's position (B, S)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass
+class Log:
+    """Every layer update of a run in call order, while `on` (a lifecycle scenario: its forwards are located)."""
+
+    on: bool = False
+    calls: list[Call] = field(default_factory=list)
+
+
 class Recorded(LayerCache):
     """A layer cache that remembers what its last update returned (the K and V attention read) and the positions of
     its slots; everything else reads through."""
 
-    def __init__(self, inner: LayerCache) -> None:  # no counters of its own
+    def __init__(self, inner: LayerCache, log: Log | None = None) -> None:  # no counters of its own
         self.inner = inner
+        self.log = log
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None  # (B, S): each returned slot's position
@@ -82,6 +100,8 @@ class Recorded(LayerCache):
             start = positions[:, :1] - (self.k.size(2) - positions.size(1))
             held = start + torch.arange(self.k.size(2), device=positions.device)[None]
         self.positions = held.clone()
+        if self.log is not None and self.log.on:
+            self.log.calls.append(Call(self.k.clone(), self.v.clone(), self.positions))
         return self.k, self.v
 
     @property
@@ -100,7 +120,7 @@ class Recorded(LayerCache):
         self.inner.crop(length)
 
     def fork(self) -> Recorded:
-        return Recorded(self.inner.fork())
+        return Recorded(self.inner.fork(), self.log)
 
     def reorder(self, index: torch.Tensor) -> None:
         self.inner.reorder(index)
@@ -112,9 +132,10 @@ class Reference:
 
     roundtrip: Callable[[torch.Tensor], torch.Tensor] | None
     rules: DecodeRules = EXACT
+    log: Log = field(default_factory=Log)
 
     def layer_cache(self, config, batch: int, max_len: int, dtype, device) -> LayerCache:
-        return Recorded(PolicyCache(self.roundtrip))
+        return Recorded(PolicyCache(self.roundtrip), self.log)
 
 
 @dataclass(frozen=True)
@@ -123,10 +144,11 @@ class Recording:
 
     design: Callable | None  # the design's own layer factory, or the fault's
     rules: DecodeRules
+    log: Log = field(default_factory=Log)
 
     def layer_cache(self, config, batch: int, max_len: int, dtype, device) -> LayerCache:
         assert self.design is not None, "a cached design"
-        return Recorded(self.design(config, batch, max_len, dtype, device))
+        return Recorded(self.design(config, batch, max_len, dtype, device), self.log)
 
 
 # --- where the K and V first differ ---------------------------------------------------------------------------------
@@ -138,8 +160,11 @@ def locate(got: list, want: list, rtol: float, atol: float, visible=None, when: 
     return when + _where(got, want, rtol, atol, visible)
 
 
-def _where(got: list, want: list, rtol: float, atol: float, visible) -> str:
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+EQUAL = "K/V equal to the policy's; attention reads them otherwise (its mask or positions)"
+
+
+def _where(got: list, want: list, rtol: float, atol: float, visible, first_layer: int = 0) -> str:
+    for i, (g, w) in enumerate(zip(got, want, strict=True), start=first_layer):
         if g.k is None or w.k is None:
             continue
         held = [int(p) for p in g.positions[0].tolist()]
@@ -163,7 +188,7 @@ def _where(got: list, want: list, rtol: float, atol: float, visible) -> str:
                     return (
                         f"layer {i} {name} differs first at head {head}, slot {slot} (position {p}): |delta| {err:.3g}"
                     )
-    return "K/V equal to the policy's; attention reads them otherwise (its mask or positions)"
+    return EQUAL
 
 
 # --- the rows -----------------------------------------------------------------------------------------------------------
@@ -340,8 +365,15 @@ def _reused(d, r, prompts, short, tol) -> CheckRow:
 
 
 def _scenario(d, r, check, prompts, short, tol) -> CheckRow:
-    got: Trace = SCENARIOS[check](d, prompts, short)
-    want: Trace = SCENARIOS[check](r, prompts, short)
+    logs = d.fault.log, r.fault.log  # the Recording and the Reference (_subjects)
+    for log in logs:
+        log.on, log.calls = True, []
+    try:
+        got: Trace = SCENARIOS[check](d, prompts, short)
+        want: Trace = SCENARIOS[check](r, prompts, short)
+    finally:
+        for log in logs:
+            log.on = False
     n = next(
         (i for i, (a, b) in enumerate(zip(got.seqs, want.seqs, strict=False)) if a != b),
         min(len(got.seqs), len(want.seqs)),
@@ -362,6 +394,18 @@ def _scenario(d, r, check, prompts, short, tol) -> CheckRow:
     if not row.passed:
         first = first_off(a, b, tol)
         row.detail += f"; first off at row {first}" if first is not None else ""
-        when = f"the caches at the end of the {check} scenario, "
-        row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible, when)
+        row.location = _forward(logs, check, d.gpt.config.n_layer, tol, get_cache_spec(d.cache).visible)
     return row
+
+
+def _forward(logs: tuple[Log, Log], check: str, n_layer: int, tol, visible) -> str:
+    """The first forward of a scenario, and in it the first layer, whose K or V the design returned otherwise than
+    the reference did (the two ran the same operations, so their layer updates pair in call order)."""
+    got, want = logs[0].calls, logs[1].calls
+    for i, (g, w) in enumerate(zip(got, want, strict=False)):
+        where = _where([g], [w], tol.rtol, tol.atol, visible, first_layer=i % n_layer)
+        if where != EQUAL:
+            return f"forward {i // n_layer + 1} of the {check} scenario, {where}"
+    if len(got) != len(want):
+        return f"the design's {check} scenario made {len(got)} layer updates, the policy's {len(want)}"
+    return f"{EQUAL}, at every forward of the {check} scenario"
