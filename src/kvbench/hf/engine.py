@@ -32,6 +32,7 @@ from transformers import GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
 from kvbench.devices import synchronize
 from kvbench.hf.caches import generate_kwargs
 from kvbench.model.gpt2 import GPT
+from kvbench.model.hf_config import hf_gpt2_config
 
 # Our caches that transformers has by the same name (hf/caches.py selects each in generate).
 ENGINE_CACHES = ("none", "dynamic", "static")
@@ -42,8 +43,6 @@ def build_hf_model(model: GPT):
 
     Built on the meta device, so transformers' random init never runs and nothing is allocated on the host; then
     every parameter is assigned from our state dict: already on the device, already in the target dtype."""
-    from kvbench.model.weights import hf_gpt2_config  # here: model.weights -> validate -> bench.engines -> this
-
     cfg = hf_gpt2_config(model.config, "sdpa")
     with torch.device("meta"):
         hf = GPT2LMHeadModel(cfg)
