@@ -82,6 +82,10 @@ CASES = {
         ["break", "sink-evicts-one-more", "-n", "10"],
         "fires only past 36 tokens of context",
     ),
+    "break sink fault, a one-token prompt": (
+        ["break", "sink-evicts-one-more", "--prompt", "x", "-n", "2"],
+        "this run's prompt of 1 token and 2 new ones stay within them",
+    ),
     "break sink fault on another cache": (
         ["break", "sink-evicts-one-more", "--cache", "dynamic"],
         "lives in the sink cache; it cannot run on 'dynamic'",

@@ -617,9 +617,9 @@ def select_faults(
         elif context is not None and sum(context) <= f.fires_past:
             prompt, new = context
             why[n] = (
-                f"it fires only past {f.fires_past} tokens of context, and this run's prompt of {prompt} tokens and "
-                f"{new} new ones stay within them, where the bug is dormant: use --new-tokens {f.fires_past + 1 - prompt} "
-                "or more"
+                f"it fires only past {f.fires_past} tokens of context, and this run's prompt of {prompt} token"
+                f"{'s' * (prompt != 1)} and {new} new one{'s' * (new != 1)} stay within them, where the bug is dormant: "
+                f"use --new-tokens {f.fires_past + 1 - prompt} or more"
             )
     if why and name.strip() != "all":
         f = FAULTS[name.strip()]
