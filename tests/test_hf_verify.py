@@ -143,6 +143,11 @@ def test_every_check_passes(reports, family):
     ran = {r.cache for r in rep.checks if not r.skipped}
     assert {"none", "dynamic", "static"} <= ran, rep.checks
     for r in rep.checks:
+        if r.name == "fork" and r.cache == "quantized-quanto":
+            # optimum-quanto's defect, reported as its own and not judged (hf/known.py)
+            assert r.skipped and "a known defect of optimum-quanto" in r.detail, r
+            assert QUANTO_COPY_DEFECT in r.detail, r
+            continue
         if r.skipped:
             assert r.passed and r.detail, r
             continue
@@ -155,9 +160,6 @@ def test_every_check_passes(reports, family):
             # transformers' own prompt-lookup decoding overruns the StaticCache generate allocates (reproduced in
             # docs/verify.md); the rollback itself is exact
             assert not r.passed and r.max_abs_diff <= 1e-5, r
-            continue
-        if r.name == "fork" and r.cache == "quantized-quanto":
-            assert not r.passed and QUANTO_COPY_DEFECT in r.detail, r
             continue
         assert r.passed, r
         if HF_CACHES[r.cache].lossy is None and r.name in ("logits", "greedy"):

@@ -211,11 +211,11 @@ def _reorder(s, design, reference, prompts, new, tol: Tolerance) -> CheckRow:
     logits, kept = [], []
     for make in (design, reference):
         cache = make()
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(): cache})
         kept.append(_recorded(cache))  # the decode step's K/V, after the reorder
         cache.reorder_cache(swap)
         pos = torch.full((2, 1), T, device=device)
-        out = model(input_ids=step, past_key_values=cache, use_cache=True, position_ids=pos)
+        out = model(input_ids=step, use_cache=True, position_ids=pos, **{cache_kwarg(): cache})
         logits.append(out.logits[:, -1].float().cpu())  # (2, V)
     ok, err = allclose_err(logits[0], logits[1], tol.rtol, tol.atol)
     verdict = "absent" if ok else "present"

@@ -20,6 +20,7 @@ from kvbench.check.judge import tolerance
 from kvbench.check.subject import NoCache, Run, Unsupported
 from kvbench.hf.caches import HF_CACHES, generate_kwargs, reuse_kwargs
 from kvbench.hf.introspect import cache_kwarg, measured_no_cache, returned_cache
+from kvbench.hf.known import known_defect
 from kvbench.hf.models import LoadedHF
 
 NO_CACHE_SOURCE = "generate(use_cache=False)"
@@ -144,6 +145,9 @@ class HFSubject:
         self.reference_tol = self.tol
         self.cache_layers: list[str] | None = None  # what the first cached run built
 
+    def known(self, check: str, detail: str) -> str | None:
+        return known_defect(self.spec.known, check, detail, self.model.loaded.info)
+
     def unavailable(self) -> str | None:
         why = self.model.caches_unsupported  # the no-cache path too: it is only the caches' baseline
         if why or not self.cached:
@@ -210,6 +214,12 @@ def crop_to(cache, length: int, held: int) -> None:
     cache.crop(length - held if name == "tokens_to_remove" else length)
 
 
+def _recording_state(layer) -> bool:
+    """A linear-attention (recurrent) layer recording its past (transformers 5.25+): it can be cropped only by as
+    many tokens as it recorded in the last forward."""
+    return bool(getattr(layer, "record_past", False)) and hasattr(layer, "recurrent_states")
+
+
 class HFSession:
     """A Hugging Face model driven one forward at a time over one transformers Cache object, no padding: the model
     places each call after what the cache holds and builds its own causal mask and positions (releases whose forward
@@ -219,12 +229,19 @@ class HFSession:
         self.loaded, self.cache, self.held = loaded, cache, held
         self.device = next(loaded.model.parameters()).device
 
-    def prepare_rollback(self) -> None:
+    def prepare_rollback(self, most: int) -> None:
         """What transformers' own speculative decoding does before drafting: layers that can record their past
-        (sliding-window layers) keep what a rollback across the window needs."""
+        (sliding-window layers; from transformers 5.25 linear-attention layers too) keep what a rollback needs. A
+        linear layer records the recurrent state after each of the last `recurrent_states_to_keep` tokens of a
+        forward (5.25 added the argument; left at its default of None, every hybrid's first forward raises)."""
         for layer in getattr(self.cache, "layers", []):
-            if hasattr(layer, "activate_past_recording"):
-                layer.activate_past_recording()
+            record = getattr(layer, "activate_past_recording", None)
+            if record is None:
+                continue
+            if "recurrent_states_to_keep" in inspect.signature(record).parameters:
+                record(recurrent_states_to_keep=most)
+            else:
+                record()
 
     @torch.no_grad()
     def forward(self, ids: list[list[int]]) -> torch.Tensor:
@@ -245,7 +262,11 @@ class HFSession:
                 f"transformers declares this {type(self.cache).__name__} not croppable after {self.held} tokens "
                 f"(Cache.is_croppable False: {', '.join(layers)} cannot restore what a rollback would need)"
             )
-        crop_to(self.cache, length, self.held)
+        if length == 0 and any(_recording_state(x) for x in getattr(self.cache, "layers", [])):
+            # a recurrent layer restores a recorded state, and only within the last forward: starting over is reset()
+            self.cache.reset()
+        else:
+            crop_to(self.cache, length, self.held)
         self.held = length
 
     def fork(self) -> HFSession:

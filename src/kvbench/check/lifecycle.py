@@ -23,6 +23,7 @@ from kvbench.check.subject import Session, Subject, Unsupported
 from kvbench.errors import one_line
 
 LIFECYCLE = ("rollback", "fork", "reorder", "chunked_prefill")
+DRAFT = 6  # the draft rollback writes in one forward and then crops back by half
 NEEDS = {"rollback": ("crop",), "fork": ("fork",), "reorder": ("reorder",), "chunked_prefill": ()}
 
 
@@ -72,13 +73,13 @@ def _decode(session: Session, trace: Trace, history: list[int], first: int, n: i
 def rollback(s: Subject, prompts: list[list[int]], new: int) -> Trace:
     trace, (prompt, other) = Trace(), _longest(prompts, 2)
     session = s.open(1, len(prompt) + 3 * new + 8)
-    session.prepare_rollback()
+    session.prepare_rollback(DRAFT)
     hist: list[int] = []
     tok = _step(session, trace, [hist], [prompt])[0]
     tok = _decode(session, trace, hist, tok, max(2, new // 4))
-    draft = [tok, *(prompt * 6)[1:6]]  # one forward over 6 draft tokens, as a prompt lookup proposes them
+    draft = [tok, *(prompt * DRAFT)[1:DRAFT]]  # one forward over the draft, as a prompt lookup proposes it
     _step(session, trace, [hist], [draft])
-    keep = len(hist) - len(draft) + 3  # accept the first 3 draft tokens, forget 3
+    keep = len(hist) - DRAFT // 2  # accept the first half of the draft, forget the rest
     session.crop(keep)
     del hist[keep:]
     _decode(session, trace, hist, draft[3], max(2, new // 2))

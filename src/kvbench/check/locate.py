@@ -332,8 +332,8 @@ class _NotedSession:
         self.noted.calls.append(Call(words, [list(r) for r in self.rows], [0] * len(ids), len(ids[0])))
         return self.inner.forward(ids)
 
-    def prepare_rollback(self) -> None:
-        self.inner.prepare_rollback()
+    def prepare_rollback(self, most: int) -> None:
+        self.inner.prepare_rollback(most)
 
     def crop(self, length: int) -> None:
         self.inner.crop(length)
@@ -484,6 +484,7 @@ class HFSide:
 
         from kvbench.check.hf_subject import forward_inputs
         from kvbench.hf.caches import text_config
+        from kvbench.hf.introspect import cache_kwarg
 
         model = self.whole.model
         kv: dict[int, tuple] = {}
@@ -505,8 +506,8 @@ class HFSide:
             model(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_kwarg(): cache},
                 **forward_inputs(model, ids),
             )
         finally:

@@ -79,9 +79,9 @@ class Session(Protocol):
         """Write (B, T) tokens after what the cache holds, every row the same count; (B, T, V) fp32 logits on the
         CPU."""
 
-    def prepare_rollback(self) -> None:
+    def prepare_rollback(self, most: int) -> None:
         """Prepare a fresh cache for drafts that may be rolled back, as the library's own speculative decoding
-        does."""
+        does: no rollback will remove more than `most` tokens, all written by the last forward."""
 
     def crop(self, length: int) -> None:
         """Keep the first `length` columns (speculative decoding's rollback)."""
@@ -110,6 +110,10 @@ class Subject(Protocol):
 
     def unavailable(self) -> str | None:
         """Why this subject cannot run here (a skip row), or None."""
+
+    def known(self, check: str, detail: str) -> str | None:
+        """A known defect of a library under this subject that explains a failing `check` (its row's `detail`): the
+        row is reported as that library's and not judged; None for a failure that is the subject's own."""
 
     def generate(self, prompts: list[list[int]], new: int) -> Run:
         """Greedy generation of exactly `new` tokens, left-padded, through this cache (a fresh one)."""

@@ -343,9 +343,11 @@ def _subject_rows(s: Subject, checks, prompts, new: int, short: int, model_fails
             continue
         for row in located(s, partial(_guarded, s, names, fn), prompts, new, short):
             measured = row.max_abs_diff is not None or row.first_divergence is not None
+            err = f"max |dlogit| {row.max_abs_diff:.3g}; " if row.max_abs_diff is not None else ""
             if unjudged and not row.passed and measured:  # a difference, not a crash
-                err = f"max |dlogit| {row.max_abs_diff:.3g}; " if row.max_abs_diff is not None else ""
                 row = skipped(s.cache, f"not judged exact: {unjudged}; measured: {err}{row.detail}", row.name)
+            elif not row.passed and not row.skipped and (defect := s.known(row.name, row.detail)):
+                row = skipped(s.cache, f"not judged: {defect}; measured: {err}{row.detail}", row.name)
             yield row
 
 

@@ -15,6 +15,7 @@ from transformers import CompileConfig, DynamicCache, QuantizedCache, StaticCach
 
 from kvbench.caches.base import Traffic
 from kvbench.errors import KVBenchError
+from kvbench.hf.known import QUANTO_DEEPCOPY, STATIC_ROLLBACK_ON_RECURRENT, KnownDefect
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class HFCache:
     default_on_cpu: bool = True  # False: only when named in --caches on the CPU (too slow to run by default)
     timed: bool = False  # bench --hf times it
     traffic: Traffic | None = None  # what a decode step moves (the floor); None: unknown or no cache
+    known: tuple[KnownDefect, ...] = ()  # the libraries' defects a failing row of it may be (hf/known.py)
 
 
 def text_config(model):
@@ -106,6 +108,7 @@ def _quantized(backend: str) -> HFCache:
         build,
         lossy=(rtol, 0.1),
         unavailable=unavailable,
+        known=(QUANTO_DEEPCOPY,) if backend == "quanto" else (),
     )
 
 
@@ -143,6 +146,7 @@ HF_CACHES: dict[str, HFCache] = {
             _static,
             timed=True,
             traffic=STATIC_TRAFFIC,
+            known=(STATIC_ROLLBACK_ON_RECURRENT,),
         ),
         HFCache(
             "static-compiled",
@@ -153,6 +157,7 @@ HF_CACHES: dict[str, HFCache] = {
             default_on_cpu=False,
             timed=True,
             traffic=STATIC_TRAFFIC,
+            known=(STATIC_ROLLBACK_ON_RECURRENT,),
         ),
         HFCache(
             "offloaded",

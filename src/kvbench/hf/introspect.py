@@ -154,11 +154,21 @@ def measured_no_cache(model) -> str | None:
                 return None
             refused.append(e)
             continue
-        if returned_cache(out) is not None or (given is not None and given.get_seq_length() > 0):
+        if returned_cache(out) is not None or (given is not None and held_tokens(given) > 0):
             return None
     if len(refused) == 2:
         return "its forward takes neither use_cache nor a cache"
     return "a forward with use_cache=True returns no cache and leaves the cache it is given empty"
+
+
+def held_tokens(cache) -> int:
+    """The most tokens any layer of a transformers Cache holds. Not `cache.get_seq_length()`: from transformers
+    5.25 it reads layer 0 alone, which in a hybrid may be a recurrent layer counting nothing (RecurrentGemma keeps
+    its state in module buffers) or counting in a 0-dim tensor."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return int(cache.get_seq_length())
+    return max(int(x.get_seq_length()) if hasattr(x, "get_seq_length") else 0 for x in layers)
 
 
 def _empty_cache(model) -> DynamicCache:

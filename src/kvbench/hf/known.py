@@ -1,0 +1,81 @@
+"""Defects of the libraries under a `verify --hf` row that kvbench knows, each with the versions it holds for and a
+plain reproducer (docs/verify.md#known-defects-of-the-libraries-kvbench-runs). A failing row that one of them explains
+is reported as that library's, with what was measured, and never decides the model's verdict: the model under test
+did not cause it and cannot fix it. A defect fixed upstream stops matching by version, and a row that passes is
+never touched.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+if TYPE_CHECKING:
+    from kvbench.hf.introspect import HFModelInfo
+
+
+def installed(package: str) -> Version | None:
+    """The installed version of `package`, or None when it is not installed or its version is unreadable (a
+    package uninstalled with its files left behind reads as 'N/A')."""
+    try:
+        return Version(importlib.metadata.version(package))
+    except (importlib.metadata.PackageNotFoundError, InvalidVersion):
+        return None
+
+
+@dataclass(frozen=True)
+class KnownDefect:
+    library: str  # the distribution whose defect it is (its installed version is what `versions` reads)
+    versions: str  # the versions it holds for, a PEP 440 specifier set ("" for every version seen so far)
+    checks: tuple[str, ...]  # the checks it makes fail
+    what: str  # the defect, in one line
+    reproducer: str  # where the plain reproducer is
+    upstream: str = ""  # its upstream status, when known
+    signature: str = ""  # words the failing row's detail carries ("": any failure of those checks)
+    applies: Callable[[HFModelInfo], bool] = lambda info: True  # the models it reaches
+
+    def explains(self, check: str, detail: str, info: HFModelInfo) -> bool:
+        version = installed(self.library)
+        in_range = version is not None and SpecifierSet(self.versions).contains(version, prereleases=True)
+        return check in self.checks and self.signature in detail and in_range and self.applies(info)
+
+    def words(self) -> str:
+        version = installed(self.library)
+        upstream = f"; upstream: {self.upstream}" if self.upstream else ""
+        return (
+            f"a known defect of {self.library} {version} (holds for {self.versions or 'every version seen'}): "
+            f"{self.what} (reproducer: {self.reproducer}{upstream})"
+        )
+
+
+STATIC_ROLLBACK_ON_RECURRENT = KnownDefect(
+    "transformers",
+    ">=5.25",
+    ("rollback",),
+    "recording a linear-attention layer's past (activate_past_recording) turns StaticCache.is_compileable off, and "
+    "create_causal_mask then skips a one-token query's mask, so the decode step attends to the StaticCache's empty "
+    "slots (before 5.25 these caches declared themselves not croppable and the row was skipped)",
+    "docs/verify.md#known-defects-of-the-libraries-kvbench-runs",
+    applies=lambda info: any("recurrent" in t for t in info.layer_types),
+)
+
+QUANTO_DEEPCOPY = KnownDefect(
+    "optimum-quanto",
+    "",
+    ("fork",),
+    "copy.deepcopy of a QuantizedCache with the quanto backend raises: quanto's quantized tensors are wrapper "
+    "subclasses that implement no clone(), which torch's default __deepcopy__ needs",
+    "docs/verify.md#known-defects-of-the-libraries-kvbench-runs",
+    signature="deepcopy",
+)
+
+
+def known_defect(defects: tuple[KnownDefect, ...], check: str, detail: str, info: HFModelInfo) -> str | None:
+    """The words of the first of `defects` that explains a failing `check` (its row's `detail`) on this model, or
+    None."""
+    return next((d.words() for d in defects if d.explains(check, detail, info)), None)
