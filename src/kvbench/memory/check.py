@@ -4,7 +4,8 @@ transformers builds the model on the meta device (shapes, no memory), allocates 
 and runs one decode step, so every layer's K and V tensors take the shapes the model's attention really writes.
 Their bytes are summed per layer kind (full attention, sliding window, chunked) and held against the planner's.
 Where they differ, one line says why: a different set of layers of that kind, more tokens held, or K/V wider than
-the model needs (Falcon-40B's attention broadcasts its 8 KV groups to all 128 heads before caching them).
+the model needs (in transformers before 5.25, Falcon-40B's attention broadcast its 8 KV groups to all 128 heads
+before caching them).
 torch and transformers are imported here, only when --check is asked for.
 """
 
