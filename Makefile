@@ -1,25 +1,41 @@
 # kvbench: `make demo` and `make test` do all the set-up on a fresh machine (they create .venv when needed).
 #
-# torch is pinned to the version kvbench was tested with. pip takes a local CPU wheel where one is configured
-# (CI) and PyPI's default build elsewhere; choose another build with e.g.
-#   make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"
+# .venv holds exactly the versions the suite last passed with: torch as TORCH_SPEC pins it, then every other package
+# from requirements.lock (made by `make lock`; docs/development.md says when). pip takes a local CPU wheel of torch
+# where one is configured (CI) and PyPI's default build elsewhere; choose another build with e.g.
+#   make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 TEST_WORKERS ?= 2
+LOCK := requirements.lock
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbench-installed
 
-.PHONY: install test test-all verify lint format demo bench-quick bench-gpu zoo zoo-tp clean
+.PHONY: install lock test test-all test-compat verify lint format demo bench-quick bench-gpu zoo zoo-tp zoo-diff clean
 
-$(STAMP): pyproject.toml
+# The lock's packages without resolving anything (--no-deps: the lock is the resolution), then kvbench itself.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_SPEC)
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps -r $(LOCK)
+	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# requirements.lock afresh from pyproject.toml's ranges (kvbench's dependencies and its dev extras), for every Python
+# kvbench supports and every platform, with uv's resolver; torch (installed by TORCH_SPEC) and the CUDA packages of
+# PyPI's torch build are left out, the rest resolved against TORCH_SPEC's torch.
+lock:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q uv
+	echo "$(TORCH_SPEC)" > $(VENV)/torch-constraint.txt
+	$(BIN)/python -m uv pip compile pyproject.toml --extra dev --universal --python-version 3.10 --no-annotate \
+		--no-emit-package torch -c $(VENV)/torch-constraint.txt --custom-compile-command "make lock" \
+		-o $(VENV)/lock.txt -q
+	grep -vE '^(nvidia-|cuda-|triton)' $(VENV)/lock.txt > $(LOCK)
 
 # The default tier (every test not marked slow) on pytest-xdist workers, each test module whole on one worker.
 test: $(STAMP)
@@ -28,6 +44,13 @@ test: $(STAMP)
 # Both tiers: the default one and the slow one (wheel build, zoo.py, gpu_check.sh, compiled steps, fresh Pythons).
 test-all: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+
+# The tests that read transformers, and verify with verify --hf on a tiny Llama, at the lowest transformers
+# pyproject.toml declares and at the newest on PyPI, each in a venv of its own (.venv-compat-*): a release after the
+# locked one is a report (its changed facts are skips naming them), not a red suite. Not in CI: it reaches PyPI for
+# whatever is newest. Other releases: bash scripts/compat.sh 5.20.2 newest
+test-compat: $(STAMP)
+	TORCH_SPEC="$(TORCH_SPEC)" PYTHON=$(PYTHON) bash scripts/compat.sh lowest newest
 
 # What a project's CI runs: every registered cache proven exact on the CPU (gpt2 architecture, random weights).
 verify: $(STAMP)
@@ -55,7 +78,7 @@ demo: $(STAMP)
 	$(BIN)/kvbench memory --model llama-3-8b --ctx 8k,128k
 
 # verify --hf on every causal-LM type transformers has, each as a tiny random config (about 30 minutes on a 2-core
-# CPU), afresh: results/zoo/zoo.csv (a row per type as it finishes) and summary.md (docs/verify.md). An interrupted
+# CPU), afresh: results/zoo/zoo.csv (a row per type as it finishes) and summary.md (docs/zoo.md). An interrupted
 # sweep resumes with the same command without --fresh.
 zoo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/zoo.py --out results/zoo --new-tokens 32 --fresh
@@ -65,6 +88,12 @@ zoo: $(STAMP)
 # resumes with the same command without --fresh.
 zoo-tp: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/zoo.py --tp 2 --out results/zoo-tp --new-tokens 32 --fresh
+
+# The rows of a sweep (SWEEP: its folder, with zoo.csv) that moved against the committed results/zoo/zoo.csv, each
+# classed from results/zoo/triage.toml; writes SWEEP/diff.md, exits 1 while a moved row is untriaged (docs/zoo.md).
+SWEEP ?= /tmp/zoo-next
+zoo-diff: $(STAMP)
+	$(BIN)/python scripts/zoo.py --baseline results/zoo/zoo.csv --out $(SWEEP)
 
 bench-quick: $(STAMP)
 	$(BIN)/kvbench bench --config configs/bench/quick.toml
