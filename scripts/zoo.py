@@ -3,6 +3,7 @@
 
     python scripts/zoo.py [--out results/zoo] [--types llama,gpt2] [--caches none,dynamic,static]
                           [--new-tokens 100] [--timeout 300] [--tp N] [--summary]
+    python scripts/zoo.py --baseline results/zoo/zoo.csv [--out DIR | --against CSV] [--triage TOML]
 
 For each type it writes OUT/configs/<type>/config.json, runs `kvbench verify --hf <it> --device cpu --json` in its
 own process (a crash, a hang or an exit inside transformers cannot stop the sweep) and appends one row to
@@ -12,6 +13,15 @@ starts over; delete a type's row to run it again). OUT/summary.md counts the ver
 (grouped by reason), nothing checked (exit 5: every row skipped), fail (the failing rows), refused (exit 2, its
 line), crashed (exit 70), timed out, and types whose default config transformers itself cannot build. --summary writes OUT/summary.md from the rows OUT/zoo.csv
 holds and runs nothing: the summary of a sweep still running, or stopped part way, says how many types it covers.
+
+--baseline CSV compares the sweep in OUT/zoo.csv (or --against CSV) with an earlier one and runs nothing: it prints
+the rows that moved (verdict, failing rows, skip reasons or refusal line), the types new in the sweep and those gone
+from it, each with a class. A row the triage file names (default: triage.toml beside the baseline; its format is in
+the committed results/zoo/triage.toml) takes that file's classes; any other moved row a provisional `better`, `worse`
+or `changed`, untriaged. It writes the same as a Markdown table to diff.md (in --out when given, else beside the
+sweep's table) and exits 0 when every moved row is triaged, 1 when one is not, 2 when a table or the triage file is
+not one. A sweep records the transformers and torch it ran under and the kvbench commit in zoo.json, beside its table;
+the diff's header shows them.
 
 --tp N (default OUT: results/zoo-tp) sweeps the types whose config class declares a tensor-parallel plan
 (`base_model_tp_plan`), each made tiny with heads and key/value heads that divide by N where the family allows. Every
@@ -26,8 +36,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,10 +49,13 @@ from pathlib import Path
 
 FIELDS = ("type", "exit", "seconds", "verdict", "failing", "skips", "error")
 VERDICTS = ("pass", "pass with skips", "nothing checked", "fail", "refused", "crashed", "timed out", "no config")
+RECORDED = ("transformers", "torch", "kvbench_commit")  # zoo.json's record of what the sweep ran under
 
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    if args.baseline:
+        return diff(args)
     from functools import partial
 
     from kvbench.hf.tiny import model_types, tiny_config
@@ -108,7 +123,8 @@ def _types(text: str | None, known: list[str], tp: int) -> list[str]:
 
 
 def _same_options(path: Path, args) -> None:
-    """--caches checked as verify checks it, and a resumed table's settings kept: rows of two settings never mix."""
+    """--caches checked as verify checks it, and a resumed table's settings and release kept: rows of two settings
+    or two releases never mix. A table started afresh records its settings and versions (_versions)."""
     import torch
 
     from kvbench.errors import KVBenchError
@@ -119,14 +135,47 @@ def _same_options(path: Path, args) -> None:
     except KVBenchError as e:
         _fail(f"--caches: {e}")
     options = {"caches": args.caches, "new_tokens": args.new_tokens} | ({"tp": args.tp} if args.tp > 1 else {})
-    if path.exists() and not args.fresh and (path.parent / "zoo.csv").exists():
+    resumed = not args.fresh and (path.parent / "zoo.csv").exists()
+    if resumed and path.exists():
         try:
             earlier = json.loads(path.read_text())
         except (OSError, ValueError):
             earlier = None
-        if earlier != options:
-            _fail(f"{path.parent} was made with other settings ({path.name}: {earlier}); rerun with them, or --fresh")
-    path.write_text(json.dumps(options) + "\n")
+        settings = {k: v for k, v in earlier.items() if k not in RECORDED} if isinstance(earlier, dict) else earlier
+        if settings != options:
+            _fail(f"{path.parent} was made with other settings ({path.name}: {settings}); rerun with them, or --fresh")
+        if not args.summary:
+            _same_release(path, earlier)
+        return  # kept as it was made: the versions are those the table was started with
+    # a table already there without a zoo.json holds rows of unknown versions: only the settings are recorded
+    path.write_text(json.dumps(options | ({} if resumed or args.summary else _versions())) + "\n")
+
+
+def _versions() -> dict:
+    """What a sweep runs under, recorded beside its table: transformers, torch, and kvbench's commit ("-dirty" when
+    src/ has uncommitted changes; None outside a git checkout)."""
+    from importlib.metadata import version
+
+    root = Path(__file__).resolve().parents[1]
+    git = ["git", "-C", str(root)]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "-uno", "--", "src"], capture_output=True)
+        kvbench = commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        kvbench = None
+    return {"transformers": version("transformers"), "torch": version("torch"), "kvbench_commit": kvbench}
+
+
+def _same_release(path: Path, earlier: dict) -> None:
+    """A resumed table keeps the transformers and torch it was started with: rows of two releases never mix."""
+    now = _versions()
+    for package in ("transformers", "torch"):
+        if earlier.get(package, now[package]) != now[package]:
+            _fail(
+                f"{path.parent} was made with {package} {earlier[package]} ({path.name}), this is {now[package]}: "
+                "rows of two releases never mix; rerun with --fresh, or into another --out"
+            )
 
 
 def _fail(message: str) -> None:
@@ -154,9 +203,17 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="start over instead of keeping finished types")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: each type saved, then verify --tp N")
     p.add_argument("--summary", action="store_true", help="write summary.md from the rows zoo.csv holds; run nothing")
+    p.add_argument("--baseline", default=None, help="a zoo.csv to compare the sweep with; runs nothing")
+    p.add_argument("--against", default=None, help="with --baseline: the sweep's zoo.csv (default: OUT/zoo.csv)")
+    p.add_argument("--triage", default=None, help="with --baseline: the triage file (default: beside the baseline)")
     args = p.parse_args(argv)
     if args.summary and args.fresh:
         p.error("--summary reads the rows zoo.csv holds; --fresh would drop them")
+    if args.baseline and (args.summary or args.fresh or args.types):
+        p.error("--baseline compares two tables and runs nothing: --summary, --fresh and --types do not apply")
+    if not args.baseline and (args.against or args.triage):
+        p.error("--against and --triage go with --baseline")
+    args.out_given = args.out is not None
     if args.new_tokens < 2 or args.timeout < 1:
         p.error("--new-tokens must be >= 2 (a decode step) and --timeout >= 1 second")
     if args.tp < 1:
@@ -319,11 +376,267 @@ def summary(rows: list[dict], args, of: int | None = None) -> str:
     return "\n".join(lines)
 
 
+# ---- --baseline: the rows that moved between two sweeps, each classed ----
+
+TRIAGE_CLASSES = ("transformers defect", "transformers fix", "transformers change", "kvbench reading")
+TRIAGE_KEYS = ("types", "transformers", "class", "note", "reproducer", "upstream")
+# how far a verdict is from a clean pass; a move between two verdicts of one rank is `changed`
+RANK = {"pass": 0, "pass with skips": 1, "nothing checked": 2, "fail": 2, "refused": 2}
+RANK |= {"crashed": 3, "timed out": 3, "no config": 3}
+
+
+def diff(args) -> int:
+    """--baseline: print the rows that moved and write diff.md; 1 when one of them is untriaged."""
+    from kvbench.errors import KVBenchError
+
+    sweep = Path(args.against or Path(args.out) / "zoo.csv")
+    baseline = Path(args.baseline)
+    triage = Path(args.triage) if args.triage else baseline.parent / "triage.toml"
+    out = Path(args.out) if args.out_given or not args.against else sweep.parent
+    try:
+        old = read_table(baseline, f"--baseline {baseline}")
+        new = read_table(sweep, f"--against {sweep}" if args.against else f"the sweep {sweep}")
+        if baseline.resolve() == sweep.resolve():
+            _fail(f"--baseline {baseline} is the sweep's own table; --out or --against names the new sweep")
+        entries = read_triage(triage, f"--triage {triage}") if args.triage or triage.exists() else []
+    except KVBenchError as e:
+        _fail(str(e))
+    made = {"baseline": _recorded(baseline), "sweep": _recorded(sweep)}
+    rows = moved(old, new, entries, made["sweep"].get("transformers"))
+    head = _diff_head(baseline, sweep, made, triage if args.triage or triage.exists() else None)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "diff.md").write_text(diff_markdown(rows, head, len(new)))
+    except OSError as e:
+        _fail(f"cannot write {out / 'diff.md'}: {e.strerror or e}")
+    print("\n".join([*head, "", *_diff_text(rows, len(new)), f"wrote {out / 'diff.md'}"]))
+    return 1 if any(not r["triaged"] for r in rows) else 0
+
+
+def read_table(path: Path, label: str) -> dict[str, dict]:
+    """A zoo.csv's rows by type; a file that is not one is one line (KVBenchError), naming the line at fault."""
+    from kvbench.errors import KVBenchError
+    from kvbench.files import read_text
+
+    reader = csv.DictReader(io.StringIO(read_text(path, label, 64 * 2**20, "a zoo table")))
+    rows: dict[str, dict] = {}
+    try:
+        if tuple(reader.fieldnames or ()) != FIELDS:
+            raise KVBenchError(f"{label} is not a zoo table (columns {', '.join(FIELDS)})")
+        for row in reader:
+            where = f"{label} line {reader.line_num}"
+            if None in row or None in row.values():
+                raise KVBenchError(f"{where} does not have the {len(FIELDS)} columns of a zoo row")
+            if not row["type"]:
+                raise KVBenchError(f"{where} has no type")
+            if row["verdict"] not in VERDICTS:
+                raise KVBenchError(f"{where}: verdict {row['verdict']!r} is not one of {', '.join(VERDICTS)}")
+            if row["type"] in rows:
+                raise KVBenchError(f"{where}: {row['type']} has a row already")
+            rows[row["type"]] = row
+    except csv.Error as e:
+        raise KVBenchError(f"{label} line {reader.line_num} is not CSV: {e}") from None
+    return rows
+
+
+def read_triage(path: Path, label: str) -> list[dict]:
+    """The [[triage]] tables of a triage file (format: results/zoo/triage.toml), each checked; one line if not."""
+    from kvbench.errors import KVBenchError
+    from kvbench.files import load_toml
+
+    doc = load_toml(path, label, noun="a triage file")
+    if set(doc) - {"triage"} or not isinstance(doc.get("triage", []), list):
+        raise KVBenchError(f"{label}: a triage file holds [[triage]] tables only (found {', '.join(sorted(doc))})")
+    for n, entry in enumerate(doc.get("triage", []), 1):
+        where = f"{label}, [[triage]] {n}"
+        if not isinstance(entry, dict):
+            raise KVBenchError(f"{where} is not a table")
+        unknown = sorted(set(entry) - set(TRIAGE_KEYS))
+        if unknown:
+            raise KVBenchError(f"{where}: unknown key {unknown[0]!r} (the keys: {', '.join(TRIAGE_KEYS)})")
+        types = entry.get("types")
+        if not types or not isinstance(types, list) or not all(isinstance(t, str) and t for t in types):
+            raise KVBenchError(f"{where}: `types` must be a list of model types")
+        if entry.get("class") not in TRIAGE_CLASSES:
+            raise KVBenchError(f"{where}: `class` must be one of {', '.join(TRIAGE_CLASSES)}")
+        for key in TRIAGE_KEYS[1:]:
+            if not isinstance(entry.get(key, ""), str):
+                raise KVBenchError(f"{where}: `{key}` must be text, in quotes")
+        if not entry.get("note"):
+            raise KVBenchError(f"{where}: `note` is required: what moved and why")
+        if entry["class"] == "transformers defect" and not entry.get("reproducer"):
+            raise KVBenchError(f"{where}: a transformers defect needs a `reproducer` (a script or a snippet)")
+    return doc.get("triage", [])
+
+
+def _recorded(table: Path) -> dict:
+    """The zoo.json beside a table (its settings and the versions it ran under); {} when absent or unreadable."""
+    try:
+        doc = json.loads((table.parent / "zoo.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def moved(old: dict[str, dict], new: dict[str, dict], entries: list[dict], release: str | None) -> list[dict]:
+    """Each type whose row moved, new or gone, in the sweep's order: its two rows (None where absent), what moved,
+    its classes and whether it is triaged (a new or gone type is, by its class)."""
+    rows = []
+    for t in [*new, *(t for t in old if t not in new)]:
+        before, after = old.get(t), new.get(t)
+        changes = _changes(before, after) if before and after else []
+        if before and after and before["verdict"] == after["verdict"] and not changes:
+            continue
+        found = [e for e in entries if t in e["types"] and _applies(e.get("transformers"), release)]
+        automatic = ["new type"] if before is None else ["removed type"] if after is None else []
+        classes = list(dict.fromkeys(automatic + [e["class"] for e in found]))
+        row = {"type": t, "before": before, "after": after, "changes": changes, "entries": found}
+        rows.append(row | {"classes": classes or [_direction(before, after)], "triaged": bool(classes)})
+    return rows
+
+
+def _applies(wanted: str | None, release: str | None) -> bool:
+    """A triage entry for `wanted` ("5.25.0", or "5.25" for every 5.25.x; None: any) covers a sweep of `release`."""
+    return wanted is None or (release is not None and (release == wanted or release.startswith(wanted + ".")))
+
+
+def _parts(row: dict, field: str) -> set[str]:
+    sep = " | " if field == "skips" else " "
+    return {p.strip() for p in row[field].split(sep) if p.strip()}
+
+
+def _error(row: dict) -> str:
+    """The refusal line as compared: without the folder its sweep wrote the config to, or the rank that said it."""
+    text = re.sub(r"^rank \d+: ", "", row["error"])
+    return re.sub(rf"\S*?((?:configs|models)/{re.escape(row['type'])})\b", r"\1", text)
+
+
+def _changes(before: dict, after: dict) -> list[str]:
+    """What moved between two rows of a type besides the verdict, one line each (the seconds are not compared)."""
+    old, new = _parts(before, "failing"), _parts(after, "failing")
+    failing = [*(f"+{p}" for p in sorted(new - old)), *(f"-{p}" for p in sorted(old - new))]
+    changes = [f"failing: {' '.join(failing)}"] if failing else []
+    old, new = _parts(before, "skips"), _parts(after, "skips")
+    changes += [f"new skip: {p}" for p in sorted(new - old)] + [f"skip gone: {p}" for p in sorted(old - new)]
+    if _error(before) != _error(after):
+        changes += [f"error was: {before['error'] or '(none)'}", f"error now: {after['error'] or '(none)'}"]
+    return changes
+
+
+def _direction(before: dict, after: dict) -> str:
+    """The provisional class of an untriaged row: better or worse by verdict, then by the failing rows and the skip
+    reasons (fewer is better); `changed` when neither way."""
+    a, b = RANK[before["verdict"]], RANK[after["verdict"]]
+    if a != b:
+        return "better" if b < a else "worse"
+    if before["verdict"] == after["verdict"]:
+        for field in ("failing", "skips"):
+            old, new = _parts(before, field), _parts(after, field)
+            if old != new:
+                return "better" if new < old else "worse" if new > old else "changed"
+    return "changed"
+
+
+def _made_with(recorded: dict) -> str:
+    shown = [f"{k} {recorded[k]}" for k in ("transformers", "torch") if recorded.get(k)]
+    if recorded.get("kvbench_commit"):
+        shown.append(f"kvbench {recorded['kvbench_commit']}")
+    return ", ".join(shown) or "versions not recorded"
+
+
+def _diff_head(baseline: Path, sweep: Path, made: dict, triage: Path | None) -> list[str]:
+    head = [
+        f"baseline: {baseline} ({_made_with(made['baseline'])})",
+        f"sweep:    {sweep} ({_made_with(made['sweep'])})",
+        f"triage:   {triage if triage else 'none (every moved row is untriaged)'}",
+    ]
+    settings = [{k: v for k, v in m.items() if k not in RECORDED} for m in made.values()]
+    if all(settings) and settings[0] != settings[1]:
+        flags = [" ".join(f"--{k.replace('_', '-')} {v}" for k, v in s.items()) for s in settings]
+        head += ["note: the two ran with other settings, and rows may move for that alone:"]
+        head += [f"  baseline {flags[0]}", f"  sweep    {flags[1]}"]
+    return head
+
+
+def _counts(rows: list[dict], of: int) -> str:
+    new, gone = sum(r["before"] is None for r in rows), sum(r["after"] is None for r in rows)
+    untriaged = sum(not r["triaged"] for r in rows)
+    return (
+        f"{len(rows)} rows moved ({of} types in the sweep): {new} new, {gone} removed, "
+        f"{len(rows) - untriaged} triaged, {untriaged} untriaged"
+    )
+
+
+def _verdicts(row: dict) -> str:
+    return " -> ".join(r["verdict"] if r else "(absent)" for r in (row["before"], row["after"]))
+
+
+def _diff_text(rows: list[dict], of: int) -> list[str]:
+    if not rows:
+        return [f"nothing moved: the {of} types of the sweep have the baseline's rows"]
+    lines = [_counts(rows, of), ""]
+    for r in rows:
+        lines += [f"{r['type']}: {_verdicts(r)}", f"  class: {_label(r)}"]
+        lines += [f"  {c}" if len(c) <= 96 else f"  {c[:93]}..." for c in map(_line, r["changes"])]
+    return lines
+
+
+def _label(row: dict) -> str:
+    """A moved row's classes: `transformers defect + kvbench reading`, or `worse, untriaged`."""
+    return " + ".join(row["classes"]) + ("" if row["triaged"] else ", untriaged")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _finding(n: int, entry: dict) -> list[str]:
+    """One triage finding under the diff's table: its class, the types it names, its note, reproducer and status."""
+    pad = " " * len(f"{n}. ")  # a list item's continuation lines
+    lines = [f"{n}. **{entry['class']}** ({', '.join(entry['types'])}): {entry['note']}"]
+    reproducer = entry.get("reproducer", "").strip()
+    if "\n" in reproducer:  # a snippet
+        lines += [f"{pad}- reproducer:", "", f"{pad}  ```python", *[f"{pad}  {x}" for x in reproducer.splitlines()]]
+        lines += [f"{pad}  ```", ""]
+    elif reproducer:
+        lines.append(f"{pad}- reproducer: `{reproducer}`")
+    if entry.get("upstream"):
+        lines.append(f"{pad}- upstream: {entry['upstream']}")
+    return lines
+
+
+def diff_markdown(rows: list[dict], head: list[str], of: int) -> str:
+    """diff.md: the moved rows as a table, each triage finding they cite written once beneath it."""
+    lines = ["# Zoo rows that moved", "", *[f"- {h.strip()}" for h in head], ""]
+    if not rows:
+        return "\n".join([*lines, f"Nothing moved: the {of} types of the sweep have the baseline's rows.", ""])
+    cited = list({id(e): e for r in rows for e in r["entries"]}.values())  # in order of first citation
+    number = {id(e): n for n, e in enumerate(cited, 1)}
+    lines += [
+        _counts(rows, of) + ".",
+        "",
+        "| type | class | verdict | what moved | findings |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        what = "<br>".join(_cell(c) for c in r["changes"])
+        refs = ", ".join(str(number[id(e)]) for e in r["entries"])
+        lines.append(f"| {r['type']} | {_label(r)} | {_verdicts(r)} | {what} | {refs} |")
+    if cited:
+        lines += ["", "## Findings (the triage file's)", ""]
+        for n, e in enumerate(cited, 1):
+            lines += _finding(n, e)
+    return "\n".join([*lines, ""])
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--save"]:  # one step of a --tp sweep, in its own process (see _save)
         sys.exit(_save(*sys.argv[2:4]))
     try:
         sys.exit(main(sys.argv[1:]))
+    except BrokenPipeError:  # stdout's reader (head, less) stopped reading: nothing more to say, and no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)  # as a shell reports a process that SIGPIPE ended
     except KeyboardInterrupt:  # the rows of every finished type are already in zoo.csv
         print(
             "zoo.py: interrupted; every finished type's row is in its zoo.csv (rerun to resume)",

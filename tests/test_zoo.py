@@ -2,7 +2,7 @@
 decoder with transformers' caches (per-layer head_dim, positions of its own, no left padding, no KV cache, a cache of
 its own, a recurrent state, sparse top-k attention, not causal at all, not runnable alone), each from the tiny config
 `kvbench.hf.tiny` writes, checked against plain transformers where kvbench claims a defect. The whole zoo is
-`make zoo` (scripts/zoo.py)."""
+`make zoo` (scripts/zoo.py); its release watch, `zoo.py --baseline`, is tested here on hand-written tables."""
 
 import os
 
@@ -28,6 +28,19 @@ from kvbench.hf.tiny import model_types, tiny_config
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 SHORT = ("logits", "greedy", "batched", "cache_state")
+
+
+def _zoo_script():
+    """scripts/zoo.py as a module: its main() and the functions behind --baseline, called in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("zoo_script", ROOT / "scripts" / "zoo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+zoo = _zoo_script()
 
 
 def config_file(tmp_path: Path, model_type: str, as_decoder: bool = True) -> Path:
@@ -241,7 +254,10 @@ def test_the_tp_sweep_saves_each_model_and_splits_it_over_two_ranks(tmp_path):
     assert summary.startswith("# `kvbench verify --hf --tp 2` over transformers' causal-LM types with a tensor")
     assert "| pass | 1 |" in summary and "| fail | 1 |" in summary and "| refused | 1 |" in summary
     assert "Partial" not in summary
-    assert json.loads((out / "zoo.json").read_text()) == {"caches": "dynamic", "new_tokens": 4, "tp": 2}
+    recorded = json.loads((out / "zoo.json").read_text())
+    settings = {k: v for k, v in recorded.items() if k not in zoo.RECORDED}
+    assert settings == {"caches": "dynamic", "new_tokens": 4, "tp": 2}
+    assert recorded["transformers"] and recorded["torch"]
     lines = (out / "zoo.csv").read_text().splitlines()
     (out / "zoo.csv").write_text("\n".join(lines[:2]) + "\n")  # two rows deleted: the summary of what is left
     partial = subprocess.run([*cmd, "--summary"], capture_output=True, text=True, env=env, timeout=120)
@@ -411,3 +427,210 @@ def test_an_exception_whose_first_line_introduces_the_next_keeps_it():
     e = ValueError("Validation error for field 'index_topk':\n    TypeError: must be an int\nmore")
     assert one_line(e) == "ValueError: Validation error for field 'index_topk': TypeError: must be an int"
     assert one_line(ValueError("first\nsecond")) == "ValueError: first" and one_line(ValueError()) == "ValueError"
+
+
+# ---- zoo.py --baseline: the rows that moved between two sweeps, each classed (hand-written tables, no sweep) ----
+
+NOT_CROPPABLE = "transformers declares this DynamicCache not croppable"
+HEADER = "type,exit,seconds,verdict,failing,skips,error\n"
+ENTRY = '[[triage]]\ntypes = ["a"]\n'
+
+
+def _row(t, verdict="pass", failing="", skips="", error="", seconds="1.0"):
+    code = {"pass": 0, "pass with skips": 0, "fail": 1, "nothing checked": 5, "refused": 2}.get(verdict, "")
+    row = {"type": t, "exit": code, "seconds": seconds, "verdict": verdict}
+    return row | {"failing": failing, "skips": skips, "error": error}
+
+
+def _table(folder: Path, rows: list[dict], transformers: str | None = None) -> Path:
+    """A zoo.csv of `rows` in `folder`, with a zoo.json recording `transformers` when given."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / "zoo.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, zoo.FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    if transformers:
+        recorded = {"caches": "none,dynamic,static", "new_tokens": 32, "transformers": transformers, "torch": "2.13.0"}
+        (folder / "zoo.json").write_text(json.dumps(recorded))
+    return folder / "zoo.csv"
+
+
+BASELINE = [
+    _row("llama"),
+    _row("gpt2"),
+    _row("bamba", "pass with skips", skips=NOT_CROPPABLE),
+    _row("jamba", "fail", failing="chunked_prefill/dynamic"),
+    _row("xlm", "refused", error="/tmp/a/configs/xlm/config.json: xlm appends a mask token"),
+    _row("gone"),
+]
+SWEEP = [
+    _row("llama", seconds="9.9"),  # only the time moved: not a moved row
+    _row("gpt2", "fail", failing="logits/static"),
+    _row("bamba", "fail", failing="rollback/dynamic rollback/static"),
+    _row("jamba", "fail", failing="chunked_prefill/dynamic rollback/static"),
+    _row("xlm", "refused", error="zoo525/configs/xlm/config.json: xlm appends a mask token"),  # another --out only
+    _row("fresh"),
+]
+TRIAGE = """
+[[triage]]
+types = ["bamba", "jamba"]
+transformers = "5.25"
+class = "kvbench reading"
+note = "kvbench now passes recurrent_states_to_keep"
+
+[[triage]]
+types = ["bamba"]
+transformers = "5.25"
+class = "transformers defect"
+note = "recording turns StaticCache's compileability off"
+reproducer = "python results/zoo/repros-5.25/static_rec3.py results/zoo/configs/bamba"
+"""
+
+
+def _diff(tmp_path, capsys, sweep=SWEEP, release="5.25.0", triage=TRIAGE, against=False):
+    """zoo.py --baseline over BASELINE (transformers 5.24.0, TRIAGE beside it) and `sweep` (`release`), the sweep
+    named by --out, or by --against (then diff.md goes beside it)."""
+    base = _table(tmp_path / "base", BASELINE, "5.24.0")
+    (tmp_path / "base" / "triage.toml").write_text(triage)
+    new = _table(tmp_path / "new", sweep, release)
+    code = zoo.main(["--baseline", str(base), *(["--against", str(new)] if against else ["--out", str(new.parent)])])
+    return code, capsys.readouterr().out
+
+
+def test_the_diff_prints_each_moved_row_with_its_class_and_the_versions(tmp_path, capsys):
+    code, out = _diff(tmp_path, capsys)
+    assert "(transformers 5.24.0, torch 2.13.0)" in out and "(transformers 5.25.0, torch 2.13.0)" in out
+    assert "5 rows moved (6 types in the sweep): 1 new, 1 removed, 4 triaged, 1 untriaged" in out
+    lines = out.splitlines()
+    assert "bamba: pass with skips -> fail" in lines and "  class: kvbench reading + transformers defect" in lines
+    assert "  failing: +rollback/dynamic +rollback/static" in lines and f"  skip gone: {NOT_CROPPABLE}" in lines
+    rows = "\n".join(lines)
+    assert rows.count("\n  class: ") == 5  # gpt2, bamba, jamba, fresh, gone
+    assert "jamba: fail -> fail\n  class: kvbench reading\n  failing: +rollback/static\n" in rows
+    assert "gpt2: pass -> fail\n  class: worse, untriaged\n" in rows
+    assert "fresh: (absent) -> pass\n  class: new type\ngone: pass -> (absent)\n  class: removed type\n" in rows
+    assert not any(line.startswith(("llama", "xlm")) for line in lines)  # the seconds, the --out folder: not moves
+    assert code == 1  # gpt2 is untriaged; a new or removed type is classed by that alone
+    table = (tmp_path / "new" / "diff.md").read_text()
+    assert "| gpt2 | worse, untriaged | pass -> fail | failing: +logits/static |  |" in table
+    assert "| bamba | kvbench reading + transformers defect | pass with skips -> fail |" in table
+    assert table.count("recording turns StaticCache's compileability off") == 1  # a finding once, cited by number
+    assert "   - reproducer: `python results/zoo/repros-5.25/static_rec3.py results/zoo/configs/bamba`" in table
+
+
+def test_the_diff_exits_0_once_every_moved_row_is_triaged(tmp_path, capsys):
+    fixed = [_row("gpt2") if r["type"] == "gpt2" else r for r in SWEEP]
+    code, out = _diff(tmp_path, capsys, fixed, against=True)
+    assert code == 0 and "0 untriaged" in out and (tmp_path / "new" / "diff.md").exists(), out
+    code, out = _diff(tmp_path, capsys, BASELINE)
+    assert code == 0 and "nothing moved: the 6 types of the sweep have the baseline's rows" in out
+
+
+def test_a_triage_entry_holds_for_its_release_only(tmp_path, capsys):
+    code, out = _diff(tmp_path, capsys, SWEEP, "5.26.0")
+    assert code == 1 and "bamba: pass with skips -> fail\n  class: worse, untriaged\n" in out, out
+    code, out = _diff(tmp_path, capsys, SWEEP, "5.26.0", TRIAGE.replace('transformers = "5.25"\n', ""))
+    assert code == 1 and "bamba: pass with skips -> fail\n  class: kvbench reading + transformers defect" in out
+
+
+@pytest.mark.parametrize(
+    "before, after, label",
+    [
+        (_row("t", "pass"), _row("t", "fail", failing="logits/static"), "worse"),
+        (_row("t", "refused", error="not causal"), _row("t", "pass"), "better"),
+        (_row("t", "pass with skips", skips=NOT_CROPPABLE), _row("t", "nothing checked", skips="no KV cache"), "worse"),
+        (_row("t", "fail", failing="a/dynamic b/static"), _row("t", "fail", failing="b/static"), "better"),
+        (_row("t", "fail", failing="b/static"), _row("t", "fail", failing="b/static a/dynamic"), "worse"),
+        (_row("t", "fail", failing="a/dynamic"), _row("t", "fail", failing="b/static"), "changed"),
+        (_row("t", "fail", failing="a/dynamic"), _row("t", "nothing checked", skips="no KV cache"), "changed"),
+        (_row("t", "pass with skips", skips=f"x | {NOT_CROPPABLE}"), _row("t", "pass with skips", skips="x"), "better"),
+        (_row("t", "refused", error="cannot load: A"), _row("t", "refused", error="cannot load: B"), "changed"),
+    ],
+)
+def test_an_untriaged_row_gets_a_provisional_class(before, after, label):
+    (row,) = zoo.moved({"t": before}, {"t": after}, [], None)
+    assert row["classes"] == [label] and not row["triaged"]
+
+
+@pytest.mark.parametrize(
+    "where, text, message",
+    [
+        ("baseline", "type,verdict\nllama,pass\n", "is not a zoo table (columns type, exit, seconds"),
+        ("baseline", f"{HEADER}llama,0,1\n", "line 2 does not have the 7"),
+        ("baseline", f"{HEADER}llama,0,1,great,,,\n", "line 2: verdict 'great' is not one of pass"),
+        ("baseline", f"{HEADER}a,0,1,pass,,,\na,0,1,pass,,,\n", "line 3: a has a row already"),
+        ("baseline", None, "zoo.csv: file not found"),
+        ("baseline", b"\xff\xfe", "is not UTF-8 text"),
+        ("triage", f'{ENTRY}class = "kvbench reading"\nnote = "n"\nwhy = 1\n', "unknown key 'why'"),
+        ("triage", f'{ENTRY}class = "transformers defect"\nnote = "n"\n', "needs a `reproducer`"),
+        ("triage", f'{ENTRY}class = "bug"\nnote = "n"\n', "`class` must be one of"),
+        ("triage", f'{ENTRY}class = "kvbench reading"\nnote = "n"\ntransformers = 5.25\n', "must be text, in quotes"),
+        ("triage", '[[triage]]\ntypes = "a"\nclass = "kvbench reading"\nnote = "n"\n', "`types` must be a list"),
+        ("triage", "[a\n", "is not valid TOML"),
+    ],
+)
+def test_the_diff_refuses_a_table_or_triage_file_that_is_not_one_in_one_line(tmp_path, capsys, where, text, message):
+    base = _table(tmp_path / "base", BASELINE)
+    path = base if where == "baseline" else tmp_path / "base" / "triage.toml"
+    if text is None:
+        path.unlink()
+    elif isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    _table(tmp_path / "new", SWEEP)
+    with pytest.raises(SystemExit) as e:
+        zoo.main(["--baseline", str(base), "--out", str(tmp_path / "new")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_the_diff_refuses_bad_input_in_one_line_from_the_command_line(tmp_path):
+    """The wiring, once: a garbled baseline is exit 2 and one line, no traceback, in a fresh Python; so is a
+    baseline that is the sweep's own table."""
+    garbled = tmp_path / "zoo.csv"
+    garbled.write_text("type,exit\nllama,0\n")
+    sweep = _table(tmp_path / "new", SWEEP)
+    script = [sys.executable, str(ROOT / "scripts" / "zoo.py"), "--baseline"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for baseline, message in ((garbled, "is not a zoo table"), (sweep, "is the sweep's own table")):
+        r = subprocess.run([*script, str(baseline), "--against", str(sweep)], capture_output=True, text=True, env=env)
+        assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        assert "Traceback" not in r.stderr and not r.stdout
+
+
+def test_the_committed_triage_file_is_valid_and_its_reproducers_exist():
+    entries = zoo.read_triage(ROOT / "results" / "zoo" / "triage.toml", "triage.toml")
+    assert {e["class"] for e in entries} == set(zoo.TRIAGE_CLASSES)
+    for e in entries:
+        scripts = re.findall(r"results/zoo/repros-[\w.]+/\w+\.py", e.get("reproducer", ""))
+        assert not e.get("reproducer") or scripts, e
+        assert all((ROOT / s).is_file() for s in scripts), scripts
+
+
+def _options(tmp_path, **kw):
+    import argparse
+
+    args = {"caches": "none,dynamic", "new_tokens": 4, "tp": 1, "fresh": False, "summary": False} | kw
+    return argparse.Namespace(**args)
+
+
+def test_a_sweep_records_its_versions_and_a_resumed_one_keeps_its_release(tmp_path, capsys):
+    import transformers
+
+    path = tmp_path / "zoo.json"
+    zoo._same_options(path, _options(tmp_path))
+    recorded = json.loads(path.read_text())
+    assert recorded["caches"] == "none,dynamic" and recorded["transformers"] == transformers.__version__
+    assert recorded["torch"].split("+")[0] == torch.__version__.split("+")[0] and "kvbench_commit" in recorded
+    (tmp_path / "zoo.csv").write_text(",".join(zoo.FIELDS) + "\n")
+    zoo._same_options(path, _options(tmp_path))  # a resumed table, the same release: kept as made
+    assert json.loads(path.read_text()) == recorded
+    path.write_text(json.dumps(recorded | {"transformers": "5.0.0"}))
+    with pytest.raises(SystemExit):
+        zoo._same_options(path, _options(tmp_path))
+    assert "was made with transformers 5.0.0 (zoo.json), this is" in capsys.readouterr().err
+    zoo._same_options(path, _options(tmp_path, summary=True))  # --summary runs nothing: the rows stay as they are
+    path.write_text('{"caches": "none,dynamic", "new_tokens": 4}')  # made before versions were recorded
+    zoo._same_options(path, _options(tmp_path))
+    assert json.loads(path.read_text()) == {"caches": "none,dynamic", "new_tokens": 4}  # nothing claimed for it
