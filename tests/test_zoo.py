@@ -73,6 +73,24 @@ def test_every_causal_lm_type_has_a_tiny_config():
     assert tiny_config("bart", as_decoder=False)["is_encoder_decoder"]
 
 
+def test_layer_index_lists_follow_the_cut():
+    """Lists of layer indices are re-indexed to the layers kept, and a list whose values name each layer's source of
+    K/V points at kept layers (transformers' Kolibri validates both)."""
+    from kvbench.hf.tiny import _cut_layers
+
+    out = {"index_layers": [4, 14], "kv_source_layers": [0, 1, 2, 3, 4, 5, 6, 4], "moe_layers": [1, 4]}
+    _cut_layers(out, 8, [0, 4, 7], tp=1)
+    assert out == {"index_layers": [1], "kv_source_layers": [0, 1, 1], "moe_layers": [1]}
+    out = {"kv_source_layers": [0, 1, 0, 3]}
+    _cut_layers(out, 4, [1, 2], tp=1)  # layer 2's source (0) is cut away: it becomes its own source
+    assert out == {"kv_source_layers": [0, 1]}
+    if "kolibri1_1" in model_types():  # transformers 5.25+
+        c = tiny_config("kolibri1_1")
+        from transformers import AutoConfig
+
+        AutoConfig.for_model(c.pop("model_type"), **c)  # its own validators accept the cut
+
+
 def test_plain_decoder_passes_every_row(tmp_path):
     _, rows, report = verify(tmp_path, "llama")
     assert report.passed and not any(r.skipped for r in rows.values()), rows

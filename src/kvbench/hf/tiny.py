@@ -136,8 +136,11 @@ SPECIAL_IDS = {
 KIND_LISTS = _names("layer_types layers_block_type block_types attention_layers attn_layers mlp_layer_types")
 INDEX_LISTS = _names("""
     moe_layers full_attn_idxs mlp_only_layers hybrid_layer_ids attn_layer_indices local_layer_ids ple_layer_ids
-    mtp_local_layer_ids
+    mtp_local_layer_ids index_layers
 """)
+# per-layer lists whose values are layer indices (each layer's source of K/V): kept layers re-indexed, a source cut
+# away replaced by the layer itself
+LAYER_REFS = _names("kv_source_layers")
 TEXT_CONFIGS = ("text_config", "decoder_config", "language_config", "llm_config")
 UNTOUCHED = ("rope_scaling", "rope_parameters", "quantization_config")
 DROPPED = _names("""
@@ -157,6 +160,7 @@ FIXES: dict[str, dict] = {
         "use_mamba_kernels": False,
     },
     "bamba": {"attn_layer_indices": [1]},
+    "kolibri1_1": {"index_num_heads": 1},  # at most the query heads one key head serves
     "zamba": {
         "num_hidden_layers": 4,
         "attn_layer_period": 2,
@@ -337,6 +341,8 @@ def _cut_layers(out: dict, n: int, keep: list[int], tp: int) -> None:
     for k, v in list(out.items()):
         if k in INDEX_LISTS and isinstance(v, list):
             out[k] = [j for j, i in enumerate(keep) if i in v]
+        elif k in LAYER_REFS and isinstance(v, list) and len(v) == n:
+            out[k] = [keep.index(v[i]) if v[i] in keep else j for j, i in enumerate(keep)]
         elif isinstance(v, list) and len(v) == n:
             out[k] = [FF] * len(keep) if k == "intermediate_size" else [v[i] for i in keep]
     overrides = out.get("per_layer_config")
