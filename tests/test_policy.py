@@ -74,6 +74,75 @@ def test_the_sink_cache_holds_sinks_plus_window_between_steps():
     assert c.key_positions[0].tolist() == [0, 1, 3, 4, 5] and c.length == 5
 
 
+EDGES = [(s, w) for s in (0, 1, 4) for w in (1, 2, 3, 32)]
+
+
+def _streaming(sink: int, window: int):
+    """StreamingLLM written out by hand: query q reads the first `sink` positions and the last `window` up to q."""
+
+    def reads(q_pos, k_pos):
+        q, k = q_pos[:, :, None], k_pos[:, None, :]
+        return (k < sink) | ((k > q - window) & (k <= q))
+
+    return reads
+
+
+@pytest.mark.parametrize("sink, window", EDGES)
+@pytest.mark.parametrize("prompt_len", [1, 5])
+@torch.inference_mode()
+def test_a_sink_cache_holds_and_reads_what_a_streaming_cache_must(tiny_model, sink, window, prompt_len):
+    """Between decode steps the cache holds exactly the sinks and the last W positions, and every step's logits equal
+    one no-cache forward whose attention is masked by the rule written out by hand (not the design's `visible`)."""
+    spec = get_cache_spec(f"sink-{sink}-{window}")
+    ids = torch.randint(
+        0, tiny_model.config.vocab_size, (1, prompt_len + 12), generator=torch.Generator().manual_seed(1)
+    )
+    n = ids.size(1)
+    caches = [spec.factory(tiny_model.config, 1, n, torch.float32, "cpu") for _ in range(tiny_model.config.n_layer)]
+    steps = [tiny_model(ids[:, :prompt_len], torch.arange(prompt_len)[None], caches, visible=spec.visible)[0, -1]]
+    for t in range(prompt_len, n):
+        steps.append(tiny_model(ids[:, t : t + 1], torch.tensor([[t]]), caches, visible=spec.visible)[0, -1])
+        want = [k for k in range(t + 1) if k < sink or k > t - window]
+        for c in caches:
+            assert c.key_positions[0].tolist() == want, (t, c.key_positions)
+            assert c.length == len(want) <= sink + window and c.written == t + 1
+    hand = tiny_model(ids, torch.arange(n)[None], None, visible=_streaming(sink, window))[0, prompt_len - 1 :]
+    full = tiny_model(ids, torch.arange(n)[None])[0, prompt_len - 1 :]
+    got = torch.stack(steps)
+    torch.testing.assert_close(got, hand, rtol=1e-5, atol=1e-5)
+    if prompt_len + 12 > sink + window:  # it evicted: the hand rule is not full attention, so the test can tell
+        assert (got - full).abs().max() > 1e-3
+
+
+def test_every_sink_edge_passes_its_policy_rows(tiny_model):
+    names = [f"sink-{s}-{w}" for s, w in EDGES]
+    prompts = random_prompts(tiny_model.config.vocab_size, 8, 3, seed=0)
+    rep = run_verify(tiny_model, names, prompts, 16, reference="none", distortion=False)
+    policy = [r for r in rep.checks if r.policy and not r.skipped]
+    assert {r.cache for r in policy} == set(names) and len(policy) == len(names) * (len(POLICY_CHECKS) - 1)
+    assert all(r.passed for r in policy), [(r.cache, r.name, r.location) for r in policy if not r.passed]
+
+
+def test_a_crop_that_leaves_a_sink_cache_no_slot_keeps_counting_what_was_written():
+    """No sinks and a window of 1: a crop to the newest position forgets every slot; the cache still knows the next
+    query's position, so another crop is checked against it and the next update continues."""
+    c = SinkCache(0, 1)
+    kv = torch.randn(1, 2, 1, 4)
+    for t in range(6):
+        c.update(kv, kv, torch.tensor([[t]]))
+    assert c.key_positions[0].tolist() == [5] and c.written == 6
+    c.crop(5)  # query 5 reads only itself: nothing held is needed
+    assert c.length == 0 and c.written == 5
+    with pytest.raises(KVBenchError, match=r"crop\(6\) outside 0..5"):
+        c.crop(6)
+    c.crop(4)
+    assert c.written == 4 and c.length == 0
+    c.update(kv, kv, torch.tensor([[4]]))
+    assert c.key_positions[0].tolist() == [4] and c.written == 5
+    f = c.fork()
+    assert f.written == 5 and f.key_positions[0].tolist() == [4]
+
+
 def test_the_sink_cache_saves_memory_by_design():
     spec = get_cache_spec("sink-4-64")  # S and W in the name
     assert spec.name == "sink-4-64" and spec.visible is not None and not spec.padding

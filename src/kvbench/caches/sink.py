@@ -46,9 +46,13 @@ class SinkCache(LayerCache):
         self.k: torch.Tensor | None = None  # (B, H, S, Dh)
         self.v: torch.Tensor | None = None
         self.key_positions: torch.Tensor | None = None  # (B, S)
+        # tokens written so far (the next query's position): counted, not read off the newest slot, since a crop can
+        # leave no slot at all (no sinks, and a window the crop empties)
+        self.written = 0
 
     def update(self, k, v, positions):
         self._evict(positions[:, :1])  # what the call's first query can no longer read
+        self.written = int(positions[0, -1]) + 1
         if self.k is None:
             self.k, self.v, self.key_positions = k, v, positions.clone()
         else:
@@ -84,6 +88,7 @@ class SinkCache(LayerCache):
     def reset(self) -> None:
         super().reset()
         self.k = self.v = self.key_positions = None
+        self.written = 0
 
     def crop(self, length: int) -> None:
         """Forget every position >= length; refused when a position the next query (at `length`) may read was
@@ -102,18 +107,14 @@ class SinkCache(LayerCache):
                 f"(the window keeps the last {self.window}); a sink cache rolls back within its window only"
             )
         self._keep(pos < n)
-
-    @property
-    def written(self) -> int:
-        """Tokens written so far: one past the latest position held (an unpadded sequence starts at 0)."""
-        return 0 if self.key_positions is None else int(self.key_positions[0, -1]) + 1
+        self.written = n
 
     def fork(self) -> SinkCache:
         other = SinkCache(self.sink, self.window)
         if self.k is not None:
             k, v, pos = self._held()
             other.k, other.v, other.key_positions = k.clone(), v.clone(), pos.clone()
-        other.length, other.bytes_copied = self.length, self.bytes_copied
+        other.length, other.bytes_copied, other.written = self.length, self.bytes_copied, self.written
         return other
 
     def reorder(self, index: torch.Tensor) -> None:
