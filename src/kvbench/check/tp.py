@@ -24,21 +24,47 @@ from typing import Protocol
 import torch
 
 from kvbench.caches import LayerCache
-from kvbench.check.judge import CheckRow
+from kvbench.check.judge import CheckRow, tolerance
 from kvbench.check.suite import RANK_CACHE
 
 
 class Recording(LayerCache):
-    """A layer cache that remembers what its last update returned: the K and V attention read, (B, H, S, Dh)."""
+    """A layer cache that remembers what each update returned: the K and V attention read at every step, (B, H, S,
+    Dh) each, copied (a design may return views of buffers a later step writes)."""
 
     def __init__(self, inner: LayerCache) -> None:  # noqa: D107  (no LayerCache counters of its own)
         self.inner = inner
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.steps: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (K, V, length after the update)
+        self.given: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # what each update was given
+        self.slot_positions: list[torch.Tensor | None] = []  # an evicting design's slot positions after each
 
     def update(self, k, v, positions):
-        self.k, self.v = self.inner.update(k, v, positions)
-        return self.k, self.v
+        self.given.append((k.detach().clone(), v.detach().clone(), positions.detach().clone()))
+        k, v = self.inner.update(k, v, positions)
+        self.steps.append((k.detach().clone(), v.detach().clone(), self.inner.length))
+        held = getattr(self.inner, "key_positions", None)  # (B, S): an evicting design's slots
+        self.slot_positions.append(None if held is None else held[0].detach().clone())
+        return k, v
+
+    @classmethod
+    def replayed(cls, steps: list[tuple[torch.Tensor, torch.Tensor, int]]) -> Recording:
+        """A recording of another process's steps (what compare_steps reads)."""
+        out = cls.__new__(cls)
+        out.steps = steps
+        return out
+
+    @property
+    def k(self) -> torch.Tensor | None:
+        return self.steps[-1][0] if self.steps else None
+
+    @property
+    def v(self) -> torch.Tensor | None:
+        return self.steps[-1][1] if self.steps else None
+
+    @property
+    def key_positions(self) -> torch.Tensor | None:
+        """An evicting design's slot positions (the model masks by them), passed through."""
+        return getattr(self.inner, "key_positions", None)
 
     @property
     def length(self) -> int:  # type: ignore[override]
@@ -62,10 +88,11 @@ class Recording(LayerCache):
 
 @torch.inference_mode()
 def filled(
-    gpt, make_caches: Callable[[int], list | None], tokens: list[int], prompt_len: int, mask_rule
+    gpt, make_caches: Callable[[int], list | None], tokens: list[int], prompt_len: int, mask_rule, visible=None
 ) -> list[Recording]:
     """Caches of one design filled by `gpt` over `tokens`: the first `prompt_len` in one prefill, then one decode
-    step per token, positions explicit; each layer's last returned K/V recorded."""
+    step per token, positions explicit, read through the design's `visible` (an evicting design's policy); what every
+    layer's update returned at every step recorded."""
     device = gpt.lm_head.weight.device
     made = make_caches(len(tokens))
     assert made is not None, "a cached design (rank_cache runs only for caches)"
@@ -75,7 +102,7 @@ def filled(
     for step in steps:
         ids = torch.tensor([step], device=device)  # (1, T)
         pos = past + torch.arange(len(step), device=device)[None]  # (1, T)
-        gpt(ids, pos, caches, mask_rule=mask_rule)
+        gpt(ids, pos, caches, mask_rule=mask_rule, visible=visible)
         past += len(step)
     return caches
 
@@ -100,50 +127,103 @@ def compare_slices(
     rtol: float,
     atol: float,
     rank: int,
+    every_slot: bool = False,
+    when: str = "",
+    against: str = "the one-process cache's slice",
+    mine: str = "",
 ) -> CheckRow:
     """Each layer's K and V on this rank against `heads` of the whole model's (one range for every layer, or one
     per layer): the first layer, tensor, head and slot outside (rtol, atol) of that head's scale, or a pass with the
-    largest difference."""
+    largest difference. The slots holding tokens are compared; `every_slot`: every slot attention was given, the
+    count included (slots past the length are masked, so a stale one there is invisible to the logits). `when`:
+    the step, for the detail."""
     by_layer = heads if isinstance(heads, list) else [heads] * len(want)
-    what = f"rank {rank}'s cache ({_heads_text(by_layer)}) vs the one-process cache's slice"
+    mine = mine or f"rank {rank}'s cache"
+    what = f"{mine} ({_heads_text(by_layer)}) vs {against}"
+    tolerance = f"rtol {rtol:g}, atol {atol:g}"
+
+    def failed(detail: str, diff: float | None = None) -> CheckRow:
+        return CheckRow(
+            name=RANK_CACHE,
+            cache=cache,
+            passed=False,
+            max_abs_diff=diff,
+            tolerance=tolerance,
+            detail=f"{what}: {detail}",
+        )
+
     worst = 0.0
     for i, (g, w, heads) in enumerate(zip(got, want, by_layer, strict=True)):
         L = w.length
         if g.length != L:
-            return CheckRow(
-                name=RANK_CACHE,
-                cache=cache,
-                passed=False,
-                tolerance=f"rtol {rtol:g}, atol {atol:g}",
-                detail=f"{what}: layer {i} holds {g.length} tokens, the one-process cache {L}",
-            )
+            return failed(f"{when}layer {i} holds {g.length} tokens, the one-process cache {L}")
         for name, a, b in (("K", g.k, w.k), ("V", g.v, w.v)):
             assert a is not None and b is not None, f"layer {i} was never written"
-            a = a[:, :, :L].float().cpu()  # (B, h, L, Dh)
-            b = b[:, heads.start : heads.stop, :L].float().cpu()  # (B, h, L, Dh)
+            if every_slot and a.size(2) != b.size(2):
+                return failed(
+                    f"{when}layer {i} {name} gives attention {a.size(2)} slots, the one-process cache {b.size(2)}"
+                )
+            n = a.size(2) if every_slot else L
+            a = a[:, :, :n].float().cpu()  # (B, h, n, Dh)
+            b = b[:, heads.start : heads.stop, :n].float().cpu()  # (B, h, n, Dh)
             diff = (a - b).abs()
             bound = atol + rtol * b.abs().amax(dim=(-2, -1), keepdim=True)  # (B, h, 1, 1): each head's scale
             bad = (diff > bound).nonzero()
             if bad.numel():
                 _, h, t, _ = (int(x) for x in bad[0])
-                return CheckRow(
-                    name=RANK_CACHE,
-                    cache=cache,
-                    passed=False,
-                    max_abs_diff=float(diff.max()),
-                    tolerance=f"rtol {rtol:g}, atol {atol:g}",
-                    detail=f"{what}: layer {i} {name} differs first at head {heads.start + h} (this rank's {h}), "
-                    f"slot {t}: |delta| {float(diff[0, h, t].max()):.3g}",
+                past = f", past its {L} tokens" if t >= L else ""
+                return failed(
+                    f"{when}layer {i} {name} differs first at head {heads.start + h} (this rank's {h}), slot {t}"
+                    f"{past}: |delta| {float(diff[0, h, t].max()):.3g}",
+                    float(diff.max()),
                 )
             worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
     return CheckRow(
-        name=RANK_CACHE,
-        cache=cache,
-        passed=True,
-        max_abs_diff=worst,
-        tolerance=f"rtol {rtol:g}, atol {atol:g}",
-        detail=f"{what}: equal",
+        name=RANK_CACHE, cache=cache, passed=True, max_abs_diff=worst, tolerance=tolerance, detail=f"{what}: equal"
     )
+
+
+@dataclass
+class _Step:
+    """One step of a Recording as compare_slices reads it."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int
+
+
+def compare_steps(
+    cache: str, got: list[Recording], want: list[Recording], heads: range, rtol: float, atol: float, rank: int, **kw
+) -> CheckRow:
+    """compare_slices at every step both fills took (the prefill, then each decode step): a value wrong for a few
+    steps and right again shows, as does one wrong only before the last step."""
+    n = len(want[0].steps)
+    if any(len(g.steps) != n for g in got):
+        return CheckRow(
+            name=RANK_CACHE,
+            cache=cache,
+            passed=False,
+            detail=f"rank {rank}'s cache took {len(got[0].steps)} updates where the one-process cache took {n}",
+        )
+    worst = 0.0
+    for j in range(n):
+        when = "the prefill, " if j == 0 else f"decode step {j}, "
+        row = compare_slices(
+            cache,
+            [_Step(*g.steps[j]) for g in got],
+            [_Step(*w.steps[j]) for w in want],
+            heads,
+            rtol,
+            atol,
+            rank,
+            when=when,
+            **kw,
+        )
+        if not row.passed:
+            return row
+        worst = max(worst, row.max_abs_diff or 0.0)
+    row.max_abs_diff = worst
+    return row
 
 
 def _heads_text(by_layer: list[range]) -> str:
@@ -157,14 +237,14 @@ def merge(per_rank: list[list[CheckRow]]) -> list[CheckRow]:
     merged = []
     for rows in zip(*per_rank, strict=True):
         first = rows[0]
-        failed = [(r, row) for r, row in enumerate(rows) if not row.passed]
+        failed = sorted(((r, row) for r, row in enumerate(rows) if not row.passed), key=lambda x: _earliest(x[1]))
         diffs = [row.max_abs_diff for row in rows if row.max_abs_diff is not None]
         steps = [row.first_divergence for row in rows if row.first_divergence is not None]
         detail = first.detail
         if failed and failed[0][0] != 0:
             detail = "; ".join(f"rank {r}: {row.detail}" for r, row in failed)
         elif len(failed) > 1:
-            detail += "".join(f"; rank {r}: {row.detail}" for r, row in failed[1:])
+            detail = failed[0][1].detail + "".join(f"; rank {r}: {row.detail}" for r, row in failed[1:])
         located = list(dict.fromkeys((r, row.location) for r, row in failed if row.location))
         where = "; ".join(f"rank {r}: {loc}" for r, loc in located)
         if len({loc for _, loc in located}) == 1:  # every failing rank located it alike
@@ -176,13 +256,26 @@ def merge(per_rank: list[list[CheckRow]]) -> list[CheckRow]:
                 passed=not failed,
                 max_abs_diff=max(diffs) if diffs else None,
                 first_divergence=min(steps) if steps else None,
-                tolerance=first.tolerance,
+                tolerance=failed[0][1].tolerance if failed else first.tolerance,
                 detail=detail,
                 skipped=all(row.skipped for row in rows),
                 location=where,
             )
         )
     return merged
+
+
+def _earliest(row: CheckRow) -> tuple[int, int]:
+    """(step, layer) of where a failing row went wrong, read from its location or detail: a rank's own fault comes
+    before what the all-reduce carried from it into the other ranks' later layers and steps."""
+    import re
+
+    text = row.location or row.detail
+    step = re.search(r"(?:forward|step) (\d+)", text)
+    layer = re.search(r"layer (\d+)", text)
+    big = 1 << 30
+    prefill = "the prefill" in text
+    return (0 if prefill else int(step.group(1)) if step else big, int(layer.group(1)) if layer else big)
 
 
 # Under tensor parallelism a run that raises on one rank cannot become a failed row: the other ranks would go on to
@@ -227,25 +320,99 @@ class RankBytes:
 
 def gpt2_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankBytes]:
     """`rank_cache` for our GPT-2 (a GPT2Subject running through this rank's shard): the greedy tokens of this
-    cache, teacher-forced through the shard's caches and through the whole model's, compared slice by slice; and
-    the bytes this rank's cache holds, beside the planner's figure."""
+    cache, teacher-forced through the shard's caches and through the whole model's, and what every layer's update
+    returned, at every step, held three ways:
+
+    - to what this rank's cache was given: the K and V each update received, replayed into a plain cache with the
+      design's declared roundtrip applied (check/policy.py PolicyCache), equal to what the design returned over the
+      tokens it holds (an evicting design's slots by their positions), at the dtype's tolerance: a cache that changes
+      what it stores (or stores it otherwise than its policy says) fails here whatever the other ranks do;
+    - to the same design on the whole model, its slice of the heads, every slot attention was given (a stale slot
+      past the length, or one too many, shows): an exact design at the dtype's tolerance, a lossy one within one
+      quantisation step (LOSSY_SLICE_RTOL of the head's scale: the shard's rounding may put a value across a
+      boundary), never its logit bound;
+    - the design on the whole model in this rank's process against the previous rank's (_same_in_every_process).
+
+    And the bytes this rank's cache holds, beside the planner's figure."""
+    from kvbench.caches import get_cache_spec
     from kvbench.check.gpt2_subject import fresh_caches
     from kvbench.model.gpt2 import EXACT_MASK
     from kvbench.model.tp import rank_heads
 
+    spec = get_cache_spec(s.cache)
     tokens = s.generate([prompt], new).tokens[0]
     seq = prompt + tokens[:-1]
     mask = s.fault.rules.mask if s.fault is not None else EXACT_MASK
-    got = filled(s.gpt, lambda n: fresh_caches(s.gpt, s.cache, 1, n, s.fault), seq, len(prompt), mask)
+    got = filled(s.gpt, lambda n: fresh_caches(s.gpt, s.cache, 1, n, s.fault), seq, len(prompt), mask, spec.visible)
     whole = s.model.gpt
-    want = filled(whole, lambda n: fresh_caches(whole, s.cache, 1, n), seq, len(prompt), EXACT_MASK)
+    want = filled(whole, lambda n: fresh_caches(whole, s.cache, 1, n), seq, len(prompt), EXACT_MASK, spec.visible)
     heads = rank_heads(whole.config.n_head, tp.rank, tp.world)
-    rtol = s.tol.rtol if s.exact else max(s.tol.rtol, LOSSY_SLICE_RTOL)
-    row = compare_slices(s.cache, got, want, heads, rtol, s.tol.atol if s.exact else 1e-5, tp.rank)
+    exact = tolerance(whole.lm_head.weight.dtype, tp=tp.world)  # the dtype's, whatever the design's logit bound
+    row = _held_as_given(s.cache, got, spec.roundtrip, exact.rtol, exact.atol, tp.rank)
+    if row.passed:
+        rtol = exact.rtol if s.exact else LOSSY_SLICE_RTOL
+        row = compare_steps(s.cache, got, want, heads, rtol, exact.atol, tp.rank, every_slot=True)
+    cross = _same_in_every_process(s.cache, want, whole.config.n_head, exact.rtol, exact.atol, tp)  # every rank
+    row = cross if row.passed and not cross.passed else row
     held = got[0].capacity or len(seq)
     dtype = whole.lm_head.weight.dtype
     planned = planned_rank_bytes(whole.config, s.cache, held, tp.world, dtype)
     return row, RankBytes(tp.rank, s.cache, held, sum(c.nbytes for c in got), planned)
+
+
+def _held_as_given(cache: str, got: list[Recording], roundtrip, rtol: float, atol: float, rank: int) -> CheckRow:
+    """What each layer's update returned against what it was given: the same inputs replayed into a PolicyCache
+    (every token kept, in order, through the design's roundtrip), compared over the tokens the design holds; an
+    evicting design's slots are matched by the positions it says they hold (`key_positions`)."""
+    from kvbench.check.policy import PolicyCache
+
+    replayed = []
+    for layer in got:
+        ref, steps = PolicyCache(roundtrip), []  # type: ignore[var-annotated]
+        for (k, v, positions), (_, _, n) in zip(layer.given, layer.steps, strict=True):
+            rk, rv = ref.update(k, v, positions)  # (B, h, every token so far, Dh)
+            where = layer.slot_positions[len(steps)]
+            if where is not None:  # an evicting design: its slots hold these positions
+                rk, rv = rk[:, :, where], rv[:, :, where]
+            steps.append((rk, rv, n))
+        replayed.append(Recording.replayed(steps))
+    return compare_steps(
+        cache,
+        got,
+        replayed,
+        range(got[0].steps[0][0].size(1)),
+        rtol,
+        atol,
+        rank,
+        against="what it was given (each update's K and V"
+        + (", the design's roundtrip applied)" if roundtrip else ")"),
+    )
+
+
+def _same_in_every_process(cache: str, want: list[Recording], n_head: int, rtol: float, atol: float, tp) -> CheckRow:
+    """The design on the whole model, this rank's process against the previous rank's, every slot at every step:
+    both run the same design over the same tokens, so they hold the same. A design that depends on the process it
+    runs in (a plugin that keys off the rank) corrupts this process's shard and its one-process reference alike, and
+    shows only here. Every rank takes part (a collective)."""
+    import torch.distributed as dist
+
+    steps = [[(k.cpu(), v.cpu(), n) for k, v, n in r.steps] for r in want]
+    every: list = [None] * tp.world
+    dist.all_gather_object(every, steps)
+    prev = (tp.rank - 1) % tp.world
+    theirs = [Recording.replayed(layer) for layer in every[prev]]
+    return compare_steps(
+        cache,
+        want,
+        theirs,
+        range(n_head),
+        rtol,
+        atol,
+        tp.rank,
+        every_slot=True,
+        mine=f"the design on the whole model in rank {tp.rank}'s process",
+        against=f"in rank {prev}'s (the same tokens: it depends on the process it runs in)",
+    )
 
 
 def _plain(layer) -> bool:
