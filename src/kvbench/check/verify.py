@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 import torch
 
+from kvbench.caches import get_cache_spec
 from kvbench.check.distortion import REFERENCE_CACHE, measure_subjects
 from kvbench.check.gpt2_subject import REFERENCE, GPT2Model, GPT2Subject, Injection
 from kvbench.check.judge import LOW_PRECISION_NOTE, TP_NOTE, CheckRow, VerifyReport, verdict
@@ -85,6 +86,12 @@ def run_verify(
     if tp is not None:
         notes.append(f"{TP_NOTE}; {tp.world} ranks ({tp.backend}), each held to the whole model in its own process")
         notes += rank_bytes_notes(held)
+        declared = [c for c in caches if get_cache_spec(c).roundtrip or get_cache_spec(c).visible]
+        if declared:
+            notes.append(
+                f"{', '.join(declared)}: the =policy rows run in one process (verify without --tp); under --tp "
+                "rank_cache holds each rank's stored values to the declared policy"
+            )
     notes += raised
     return VerifyReport(
         **verdict(rows),
