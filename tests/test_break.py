@@ -276,5 +276,7 @@ def test_reset_fault_on_a_fixed_capacity_cache_shows_stale_columns_not_an_overfl
     )
     assert r.exit_code == 0, r.output
     (bug,) = json.loads(r.stdout)["bugs"]
-    assert bug["detected"] and "cache_state" in bug["caught_by"], bug
+    # int8 is held to its declared roundtrip: its =policy row judges it (its loose row is the policy's cost)
+    caught = "cache_state =policy" if cache == "int8" else "cache_state"
+    assert bug["detected"] and caught in bug["caught_by"], bug
     assert "stale columns instead of 0" in bug["signature"] and "with 0 stale" not in bug["signature"]

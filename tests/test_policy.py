@@ -143,6 +143,37 @@ def test_a_crop_that_leaves_a_sink_cache_no_slot_keeps_counting_what_was_written
     assert f.written == 5 and f.key_positions[0].tolist() == [4]
 
 
+def test_a_design_held_to_its_policy_is_judged_by_it_not_by_a_loose_bound(tiny_model, prompts):
+    """sink-0-1 reads one token per query: far from full attention by declaration (its loose rows are past sink's
+    bound), exact to its policy. The verdict is its =policy rows'; the loose rows past the bound are reported (with
+    what they measured) and its distortion says what the policy costs."""
+    rep = run_verify(tiny_model, ["sink-0-1"], prompts, 16, reference="none")
+    loose = _rows(rep, "sink-0-1", policy=False)
+    past = [r for r in loose.values() if r.skipped and r.detail.startswith("not judged: held exactly to its policy")]
+    assert {"logits", "greedy"} <= {r.name for r in past}, loose  # the bound would have failed them
+    assert all("measured: max |dlogit|" in r.detail for r in past if r.name == "logits"), past
+    assert all(r.passed for r in _rows(rep, "sink-0-1", policy=True).values())
+    assert rep.passed and rep.distortion["sink-0-1"]["kl_mean"] > 0
+
+
+def test_only_a_design_whose_policy_rows_run_has_its_loose_rows_set_aside(tiny_model):
+    from kvbench.check.gpt2_subject import GPT2Model, GPT2Subject
+
+    target = GPT2Model(tiny_model, reference="none")
+    sink, int8 = GPT2Subject(target, "sink-2-3"), GPT2Subject(target, "int8")
+    assert sink.known("greedy", "12 greedy tokens vs no cache; 0% agree") and int8.known("logits", "decode steps")
+    assert sink.known("logits", "the run raised RuntimeError: boom") is None  # a crash is the design's own failure
+    assert GPT2Subject(target, "sink-2-3", tp=2).known("greedy", "0% agree") is None  # no =policy rows under --tp
+    assert GPT2Subject(target, "static").known("logits", "x") is None
+
+
+def test_a_lossy_plugin_that_declares_no_policy_is_still_judged_by_its_bound(tiny_model, prompts, int4_plugin):
+    rep = run_verify(tiny_model, [f"{int4_plugin}:Int4Unbounded"], prompts, 8, reference="none", distortion=False)
+    assert not any(r.policy for r in rep.checks)
+    failed = [r for r in rep.checks if not r.passed and not r.skipped]
+    assert failed and not rep.passed and "logits" in {r.name for r in failed}, rep.checks
+
+
 def test_the_sink_cache_saves_memory_by_design():
     spec = get_cache_spec("sink-4-64")  # S and W in the name
     assert spec.name == "sink-4-64" and spec.visible is not None and not spec.padding
@@ -291,6 +322,11 @@ class TwoAndEight(SinkCache):
 
     def __init__(self, config, batch, max_len, dtype, device):
         super().__init__(2, 8)
+
+class Int4Unbounded(Int4Tokens):
+    """the same int4 storage with no declared policy and a bound it cannot meet: judged by the bound alone."""
+    roundtrip = None
+    logit_atol, logit_rtol, min_greedy_agreement = 1e-6, 0.0, 1.0
 
 class EvictsEarly(TwoAndEight):
     """evicts one position more than it declares."""

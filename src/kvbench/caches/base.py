@@ -194,6 +194,14 @@ class CacheSpec:
     # design: how far it strays from full attention is the policy's choice, not a verdict; its policy rows judge it).
     by_default: bool = True
 
+    @property
+    def held_to_policy(self) -> bool:
+        """verify holds it exactly to a reference of its declared policy (the `=policy` rows, check/policy.py): a
+        cached design that declares `roundtrip` or `visible` and runs through the model's own step (not a fixed-step
+        design). Its distance from full precision is then its policy's cost (distortion), not a verdict."""
+        declared = self.roundtrip is not None or self.visible is not None
+        return self.factory is not None and not self.fixed_step and declared
+
 
 def cache_nbytes(caches: list[LayerCache] | None) -> int:
     return 0 if caches is None else sum(c.nbytes for c in caches)

@@ -42,10 +42,6 @@ from kvbench.errors import KVBenchError, one_line
 POLICY_CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)
 
 
-def declares_policy(spec: CacheSpec) -> bool:
-    return spec.roundtrip is not None or spec.visible is not None
-
-
 class PolicyCache(DynamicCache):
     """The reference: every token's K and V passed through the design's roundtrip, kept in order, forgotten only when
     a rollback crops them; nothing evicted (the model masks by the design's visibility)."""
@@ -207,7 +203,7 @@ def policy_rows(
     rows: list[CheckRow] = []
     for name in caches:
         spec = get_cache_spec(name)
-        if spec.factory is None or spec.fixed_step or not declares_policy(spec):
+        if not spec.held_to_policy:
             continue
         for row in _rows_of(target, name, spec, prompts, new, short, fault, compile, checks):
             row.policy = True
