@@ -363,3 +363,25 @@ def test_bench_hf_sizes_a_hybrid_cache_by_its_attention_layers(model_dirs):
     per_token = 2 * shape.info.n_kv_heads * shape.info.head_dim * 4  # one attention layer, fp32
     assert kv_bytes(shape, 10, 4) == 2 * 10 * per_token
     assert kv_bytes(shape_of("mamba"), 10, 4) == 0
+
+
+def test_a_cache_is_filled_when_any_layer_holds_tokens():
+    """A hybrid whose layer 0 is recurrent (RecurrentGemma keeps its state in module buffers, so its cache's layer 0
+    counts nothing from transformers 5.25) keeps a KV cache all the same: it is measured, and its rows run."""
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+    from kvbench.hf.introspect import cache_kwarg, held_tokens, measured_no_cache
+    from kvbench.hf.tiny import model_types, tiny_config
+
+    if "recurrent_gemma" not in model_types():
+        pytest.skip("this transformers has no recurrent_gemma")
+    c = tiny_config("recurrent_gemma")
+    cfg = AutoConfig.for_model(c.pop("model_type"), **c)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert measured_no_cache(model) is None
+    cache = DynamicCache(config=cfg)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), use_cache=True, **{cache_kwarg(): cache})
+    layers = [int(x.get_seq_length()) for x in cache.layers]
+    assert held_tokens(cache) == max(layers) == 5, layers
