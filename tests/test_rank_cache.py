@@ -147,3 +147,15 @@ def test_the_earliest_difference_comes_first_whichever_rank_found_it():
     (row,) = merge(rows)
     assert row.location == "rank 1: step 5, layer 0, head 2; rank 0: step 5, layer 1, head 0", row.location
     assert row.detail == "rank 1: d1; rank 0: d0", row.detail
+
+
+def test_a_gpt2_checkpoint_under_tp_is_pointed_at_kvbenchs_own_split(hf_dir):
+    """transformers has no tensor-parallel plan for GPT-2; kvbench's own GPT-2 splits it, on the same weights."""
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    r = CliRunner().invoke(app, ["verify", "--hf", str(hf_dir), "--tp", "2", "-d", "cpu", "-n", "4"])
+    assert r.exit_code == 2, r.output
+    assert "gpt2 has no tensor-parallel plan in transformers" in r.output
+    assert f"verify -m {hf_dir} --tp 2" in " ".join(r.output.split()), r.output

@@ -40,9 +40,14 @@ def check_tp_model(source: str, tp: int, trust_remote_code: bool) -> None:
     config = r.config
     plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
+        ours = (
+            f"; kvbench splits GPT-2 itself: verify -m {source} --tp {tp} (its own GPT-2 on these weights)"
+            if config.model_type == "gpt2"
+            else ""
+        )
         raise KVBenchError(
             f"--hf {source} --tp {tp}: {config.model_type} has no tensor-parallel plan in transformers "
-            "(its config declares no base_model_tp_plan), so transformers cannot split it"
+            f"(its config declares no base_model_tp_plan), so transformers cannot split it{ours}"
         )
     text = getattr(config, "get_text_config", lambda: config)()
     heads = getattr(text, "num_attention_heads", None)
