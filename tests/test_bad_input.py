@@ -20,6 +20,7 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
     (d / "latin1.txt").write_bytes(b"caf\xe9\n")
     (d / "folder").mkdir()
+    (d / "many_prompts.txt").write_text("hi\nhi there\n" * 50_000)  # 100,000 prompts of 1 and 2 tokens
 
     def checkpoint(name, cfg, weights=None):
         (d / name).mkdir()
@@ -90,6 +91,10 @@ CASES = {
         ["break", "sink-evicts-one-more", "--cache", "dynamic"],
         "lives in the sink cache; it cannot run on 'dynamic'",
     ),
+    "prompts of different lengths on sink, 100,000 of them": (
+        ["generate", "--prompts-file", "{many_prompts.txt}", "--cache", "sink"],
+        "the prompts encode to 1, 2, 1, 2, 1 and 99,995 more tokens: give prompts of one length",
+    ),
     # files
     "prompts file not UTF-8": (["generate", "--prompts-file", "{latin1.txt}"], "is not UTF-8 text"),
     "prompts file is a folder": (["generate", "--prompts-file", "{folder}"], "is a directory, not a file"),
@@ -129,6 +134,7 @@ def test_bad_input_is_one_line_exit_2_nothing_on_stdout(case, files):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+    assert len(lines[0]) < 500, f"a refusal line of {len(lines[0]):,} characters: {lines[0][:1000]}"
     assert r.stdout == "", r.stdout
     assert "Traceback" not in r.output
     assert "weights_only=False" not in r.output  # never advise loading pickled code

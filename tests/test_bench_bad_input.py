@@ -84,6 +84,39 @@ CASES = [
     ("batch-empty-list", ["--batch", ","], "--batch is empty"),
     ("batch-huge", ["--batch", HUGE], "--batch values must be at most 1,048,576"),
     ("batch-beyond-memory", ["--batch", "1000000", "--prompt-len", "512"], "more than the device's"),
+    # a list the user gave is named by its first few items and a count, however long it is
+    (
+        "prompt-len-100k-past-context",
+        ["--prompt-len", ",".join(map(str, range(1021, 101_021)))],
+        ": 1021 + 4 = 1025, 1022 + 4 = 1026, 1023 + 4 = 1027, 1024 + 4 = 1028, 1025 + 4 = 1029 and 99,995 more; "
+        "use --prompt-len <= 1020",
+    ),
+    (
+        "prompt-len-100k-below-one",
+        ["--prompt-len", ",".join(map(str, range(0, -100_000, -1)))],
+        "--prompt-len values must be >= 1, got 0, -1, -2, -3, -4 and 99,995 more",
+    ),
+    (
+        "batch-100k-below-one",
+        ["--batch", ",".join(map(str, range(0, -100_000, -1)))],
+        "--batch values must be >= 1, got 0, -1, -2, -3, -4 and 99,995 more",
+    ),
+    (
+        "fill-random-100k-batches",
+        ["--fill", "random", "--batch", ",".join(map(str, range(1, 100_001)))],
+        "got --batch 1,2,3,4,5 and 99,995 more; run one sweep per batch size",
+    ),
+    (
+        "config-seed-100k-list",
+        ["--config", _toml(f"seed = {list(range(100_000))}\n")],
+        "seed must be an integer, got [0, 1, 2, 3, 4 and 99,995 more]",
+    ),
+    (
+        "config-unknown-long-key",
+        ["--config", _toml("x" * 2_000 + " = 1\n")],
+        "x... (2,002 characters); known keys: model,",
+    ),
+    ("batch-100k-text", ["--batch", "a" * 100_000], "... (100,002 characters) (a k suffix"),
     ("repeats-zero", ["--repeats", "0"], "--repeats must be between 1 and"),
     ("repeats-huge", ["--repeats", HUGE], "--repeats must be between 1 and"),
     ("warmup-negative", ["--warmup", "-1"], "--warmup must be between 0 and"),
@@ -169,6 +202,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypatch, 
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), shown
     assert needle in lines[0], shown
+    assert len(lines[0]) < 500, f"a refusal line of {len(lines[0]):,} characters: {lines[0][:1000]}"
     assert "Traceback" not in result.output and not isinstance(result.exception, KeyError | AttributeError), shown
     assert result.stdout == "", shown
     assert not (work / "results").exists(), "a rejected command created a run folder"

@@ -2,9 +2,11 @@
 
 Library code raises `KVBenchError` with a message that names the bad value and the fix; the CLI turns it into a red
 one-line message on stderr and exit 2 (3 for `NotEnoughMemoryError`, a run too large for the machine). Internal invariants use `assert` instead. Other exceptions are read
-here too: in one line (`one_line`), and whether they are an allocation failure (`is_out_of_memory`). Nothing here
-imports torch.
+here too: in one line (`one_line`), and whether they are an allocation failure (`is_out_of_memory`). A value or a
+list the user gave is named in a line of bounded length (`listed`, `shown`). Nothing here imports torch.
 """
+
+from collections.abc import Iterable
 
 
 class KVBenchError(Exception):
@@ -30,6 +32,30 @@ class CheckRaised(Exception):
     """A check whose run raised on one tensor-parallel rank, with the check, the cache and what was raised in one
     line. It ends the run (the CLI exits 70): this rank cannot go on to collectives the others may already wait in,
     where verify without --tp reports the same exception as the check's failed row."""
+
+
+# A refusal names at most this many items of a list the user gave, then how many more there are.
+LISTED = 5
+# ... and shows at most this many characters of one value the user gave.
+SHOWN_CHARS = 120
+
+
+def listed(items: Iterable[object], sep: str = ", ", most: int = LISTED) -> str:
+    """Items of a user's list for an error line: all of them up to `most`, else the first `most` and a count,
+    '8, 9, 10, 11, 12 and 99,995 more', so a line stays short however long the list (each item as `shown`)."""
+    items = list(items)
+    head = sep.join(shown(x, repr_=False) for x in items[:most])
+    rest = len(items) - most
+    return f"{head} and {rest:,} more" if rest > 0 else head
+
+
+def shown(value: object, repr_: bool = True) -> str:
+    """One value the user gave, for an error line: its repr (`repr_`; else str), a list or tuple as `listed` in
+    brackets, and text longer than SHOWN_CHARS cut with its length ('...' (1,862,908 characters))."""
+    if isinstance(value, list | tuple) and len(value) > LISTED:
+        return f"[{listed(map(repr, value))}]"
+    text = repr(value) if repr_ else str(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
 
 
 def one_line(e: BaseException) -> str:

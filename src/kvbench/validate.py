@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, listed, shown
 
 # --- bounds, one per meaning -----------------------------------------------------------------------------------------
 SEED_MAX = 2**64 - 1  # what torch.Generator.manual_seed takes (a 64-bit unsigned seed)
@@ -44,7 +44,7 @@ MAX_TP = 1024  # --tp: ranks of one tensor-parallel group (the largest NVLink do
 def integer(name: str, value: object, lo: int | None = None, hi: int | None = None, why: str = "") -> int:
     """`value` as an int within [lo, hi]; bools and floats (even 3.0 from a TOML file) are refused, not truncated."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise KVBenchError(f"{name} must be an integer, got {value!r}")
+        raise KVBenchError(f"{name} must be an integer, got {shown(value)}")
     if lo is not None and value < lo:
         raise KVBenchError(f"{name} must be >= {lo}, got {value}" + (f" ({why})" if why else ""))
     if hi is not None and value > hi:
@@ -55,7 +55,7 @@ def integer(name: str, value: object, lo: int | None = None, hi: int | None = No
 def real(name: str, value: object, lo: float | None = None, hi: float | None = None) -> float:
     """A finite float within [lo, hi]: NaN and infinities are refused by name."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise KVBenchError(f"{name} must be a number, got {value!r}")
+        raise KVBenchError(f"{name} must be a number, got {shown(value)}")
     value = float(value)
     if not math.isfinite(value):
         raise KVBenchError(f"{name} must be a finite number, got {value}")
@@ -81,13 +81,13 @@ def run_batch(value: object, name: str = "--batch", least: int = 1, why: str = "
 
 def one_of(name: str, value: str, choices: Sequence[str], fix: str = "") -> str:
     if value not in choices:
-        raise KVBenchError(f"{name} {value!r}: use {' or '.join(choices)}" + (f" ({fix})" if fix else ""))
+        raise KVBenchError(f"{name} {shown(value)}: use {' or '.join(choices)}" + (f" ({fix})" if fix else ""))
     return value
 
 
 def reference(value: str) -> str:
     if value not in ("hf", "none"):
-        raise KVBenchError(f"--reference must be hf or none, got {value!r}")
+        raise KVBenchError(f"--reference must be hf or none, got {shown(value)}")
     return value
 
 
@@ -139,9 +139,9 @@ def fits_context(
     whose: str = "the model's",
     grouped: bool = True,
 ) -> None:
-    """Each prompt length + `new_tokens` within `context` (past_context); else one context_error naming every one
-    that is not. One prompt: '{what} P + new tokens N = T exceeds ...'; a sweep's list of prompt lengths:
-    '{what} + new tokens exceeds ...: P + N = T, ...'."""
+    """Each prompt length + `new_tokens` within `context` (past_context); else one context_error naming the ones
+    that are not (the first few and a count: errors.listed). One prompt: '{what} P + new tokens N = T exceeds ...';
+    a sweep's list of prompt lengths: '{what} + new tokens exceeds ...: P + N = T, ...'."""
     if context is None:  # no configured maximum: nothing to pass
         return
     n = (lambda x: f"{x:,}") if grouped else str
@@ -152,7 +152,7 @@ def fits_context(
         return
     bad = [p for p in prompt_len if past_context(p + new_tokens, context)]
     if bad:
-        sums = ", ".join(f"{n(p)} + {n(new_tokens)} = {n(p + new_tokens)}" for p in bad)
+        sums = listed(f"{n(p)} + {n(new_tokens)} = {n(p + new_tokens)}" for p in bad)
         raise context_error(f"{what} + new tokens", context, fix, whose, detail=sums, grouped=grouped)
 
 
@@ -264,7 +264,7 @@ def padding_rule(cache: str, lengths: Sequence[int]) -> None:
     if len(set(lengths)) > 1 and not get_cache_spec(cache).padding:
         raise KVBenchError(
             f"cache {cache} evicts by position and takes no left-padded batch, but the prompts encode to "
-            f"{', '.join(map(str, lengths))} tokens: give prompts of one length, or run them one at a time"
+            f"{listed(lengths)} tokens: give prompts of one length, or run them one at a time"
         )
 
 
@@ -359,7 +359,7 @@ def bench_rules(s: Any) -> None:
     if not s.batch:
         raise KVBenchError("--batch is empty; give one or more batch sizes, e.g. 1,4,16")
     if min(s.batch) < 1:
-        raise KVBenchError(f"--batch values must be >= 1, got {s.batch}")
+        raise KVBenchError(f"--batch values must be >= 1, got {listed(b for b in s.batch if b < 1)}")
     if max(s.batch) > MAX_RUN_BATCH:
         raise KVBenchError(f"--batch values must be at most {MAX_RUN_BATCH:,}, got {max(s.batch):,}")
     s.batch = list(dict.fromkeys(s.batch))
@@ -372,7 +372,7 @@ def bench_rules(s: Any) -> None:
     if not s.prompt_len:
         raise KVBenchError("--prompt-len is empty; give one or more prompt lengths, e.g. 16,128,512")
     if min(s.prompt_len) < 1:
-        raise KVBenchError(f"--prompt-len values must be >= 1, got {s.prompt_len}")
+        raise KVBenchError(f"--prompt-len values must be >= 1, got {listed(p for p in s.prompt_len if p < 1)}")
     s.prompt_len = list(dict.fromkeys(s.prompt_len))
     if not s.caches:
         raise KVBenchError("--caches is empty; name one or more caches, or 'all'")
@@ -501,7 +501,7 @@ def _random_fill_rules(s: Any) -> None:
         raise KVBenchError("--profile traces prefill sweeps; it does not apply to --fill random")
     if len(s.batch) > 1:
         raise KVBenchError(
-            f"--fill random sweeps contexts at one batch size, got --batch {','.join(map(str, s.batch))}; "
+            f"--fill random sweeps contexts at one batch size, got --batch {listed(s.batch, sep=',')}; "
             "run one sweep per batch size, or sweep batch sizes with a prefill sweep"
         )
     if s.percentiles != list(DEFAULT_PERCENTILES):

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from kvbench import files, validate
-from kvbench.errors import KVBenchError, NotEnoughMemoryError
+from kvbench.errors import KVBenchError, NotEnoughMemoryError, shown
 from kvbench.options import (
     compile_option,
     device_option,
@@ -152,7 +152,7 @@ def _whole(value, key: str, where: str) -> int:
     m = _INT_TEXT.fullmatch(value.strip()) if isinstance(value, str) else None
     if m:
         return int(m.group(1)) * (K if m.group(2) else 1)
-    raise KVBenchError(f"{where}: {key} must be whole numbers, got {value!r} (a k suffix is x1024: 4k = 4096)")
+    raise KVBenchError(f"{where}: {key} must be whole numbers, got {shown(value)} (a k suffix is x1024: 4k = 4096)")
 
 
 def _as_list(key: str, value, where: str, integers: bool) -> list:
@@ -163,7 +163,7 @@ def _as_list(key: str, value, where: str, integers: bool) -> list:
     if integers:
         return [_whole(v, key, where) for v in value]
     if not all(isinstance(v, str) for v in value):
-        raise KVBenchError(f"{where}: {key} must be names, got {value!r}")
+        raise KVBenchError(f"{where}: {key} must be names, got {shown(value)}")
     return [v.strip() for v in value if v.strip()]
 
 
@@ -178,7 +178,7 @@ def coerce(raw: dict, where: str) -> dict:
     out = {}
     for key, value in raw.items():
         if key not in SETTING_KEYS:
-            raise KVBenchError(f"{where}: unknown key {key!r}; known keys: {', '.join(SETTING_KEYS)}")
+            raise KVBenchError(f"{where}: unknown key {shown(key)}; known keys: {', '.join(SETTING_KEYS)}")
         kind = _TYPES[key]
         if kind == list[int]:
             value = _as_list(key, value, where, integers=True)
@@ -188,15 +188,15 @@ def coerce(raw: dict, where: str) -> dict:
             value = parse_percentiles(value, f"{where}: {key}")
         elif kind is int or kind == int | None:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise KVBenchError(f"{where}: {key} must be an integer, got {value!r}")
+                raise KVBenchError(f"{where}: {key} must be an integer, got {shown(value)}")
         elif kind is bool:
             if not isinstance(value, bool):
-                raise KVBenchError(f"{where}: {key} must be true or false, got {value!r}")
+                raise KVBenchError(f"{where}: {key} must be true or false, got {shown(value)}")
         elif kind is float:
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise KVBenchError(f"{where}: {key} must be a number, got {value!r}")
+                raise KVBenchError(f"{where}: {key} must be a number, got {shown(value)}")
         elif not isinstance(value, str):
-            raise KVBenchError(f"{where}: {key} must be a string, got {value!r}")
+            raise KVBenchError(f"{where}: {key} must be a string, got {shown(value)}")
         out[key] = value
     return out
 
