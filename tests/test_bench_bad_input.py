@@ -83,7 +83,7 @@ CASES = [
     ("batch-one-of-them-zero", ["--batch", "1,0,4"], "--batch values must be >= 1"),
     ("batch-empty-list", ["--batch", ","], "--batch is empty"),
     ("batch-huge", ["--batch", HUGE], "--batch values must be at most 1,048,576"),
-    ("batch-beyond-memory", ["--batch", "1000000", "--prompt-len", "512"], "more than the device's"),
+    ("batch-beyond-memory", ["--batch", "1000000", "--prompt-len", "512"], "GiB available; lower --batch (at most"),
     # a list the user gave is named by its first few items and a count, however long it is
     (
         "prompt-len-100k-past-context",

@@ -329,45 +329,78 @@ def sweep_kv_bytes(s: BenchSettings, kv_per_sequence: int, batch: int) -> int:
 
 
 def oversized_batches(
-    s: BenchSettings, weights: int, kv_per_sequence: int, total: int | None, what: str, fix: str = ""
+    s: BenchSettings,
+    weights: int,
+    kv_per_sequence: int,
+    total: int | None,
+    what: str,
+    fix: str = "",
+    step_per_sequence: int = 0,
+    available: bool = False,
 ) -> dict[int, str]:
-    """The batch sizes whose weights + KV cache exceed the device's memory, each with the reason: their rows are
-    `oom` without being run (an allocation that large fails, or on a CPU swaps for minutes first). When even the
-    smallest batch does not fit, the sweep is refused: nothing would run."""
+    """The batch sizes whose weights + KV cache (+ `step_per_sequence` per sequence: what a step holds beside the
+    cache) exceed `total`, each with the reason: their rows are `oom` without being run (an allocation that large
+    fails, or on a CPU swaps for minutes or wakes the kernel's OOM killer first). `total`: the device's memory, or
+    with `available` the memory free now; None: unknown, nothing is predicted. When even the smallest batch does not
+    fit, the sweep is refused, naming the largest batch that would: nothing would run."""
     if total is None:
         return {}
     gib, longest, out = 2**30, max(s.prompt_len) + s.new_tokens, {}
     for b in s.batch:
-        kv = sweep_kv_bytes(s, kv_per_sequence, b)
-        if weights + kv > total:
-            out[b] = (
-                f"batch {b} x {longest} tokens needs a {kv / gib:.1f} GiB KV cache plus {weights / gib:.1f} GiB "
-                f"of weights{what}, more than the device's {total / gib:.1f} GiB"
+        kv, step = sweep_kv_bytes(s, kv_per_sequence, b), b * step_per_sequence
+        if weights + kv + step > total:
+            out[b] = f"batch {b} x {longest:,} tokens needs " + (
+                f"a {kv / gib:.1f} GiB KV cache plus {weights / gib:.1f} GiB of weights{what}, more than the "
+                f"device's {total / gib:.1f} GiB"
+                if not available
+                else f"a {kv / gib:.1f} GiB KV cache + {step / gib:.1f} GiB for a step's logits and activations"
+                + (f" + {weights / gib:.1f} GiB of weights" if weights else " (beside the weights loaded)")
+                + f" = {(weights + kv + step) / gib:.1f} GiB, more than the {total / gib:.1f} GiB available"
             )
     if len(out) == len(s.batch):
-        raise NotEnoughMemoryError(f"--{out[min(s.batch)]}; lower --batch, --prompt-len or --new-tokens{fix}")
+        fits = (total - weights) // (sweep_kv_bytes(s, kv_per_sequence, 1) + step_per_sequence)
+        lower = f"lower --batch (at most {fits:,} fits)" if fits >= 1 else "lower --batch"
+        raise NotEnoughMemoryError(f"--{out[min(s.batch)]}; {lower}, --prompt-len or --new-tokens{fix}")
     return out
+
+
+# Beside the weights and the KV cache, a step of our loop holds, per sequence (measured on gpt2-tiny, CPU, fp32):
+# the logits, up to three copies of (vocabulary) fp32 values (this step's, the last step's until they are replaced,
+# transformers' fp32 copy in its generate), and the activations of the longest forward, about 12 widths per token (the
+# residual stream, a LayerNorm, Q/K/V, the MLP's two 4x-wide tensors: 10.5 measured at a 1,000-token prefill).
+LOGITS_COPIES = 3
+ACTIVATION_WIDTHS = 12
+
+
+def step_bytes_per_sequence(s: BenchSettings, cfg: GPTConfig, element_size: int) -> int:
+    """What one sequence's step holds beyond its KV cache: the logits and the activations of the longest forward,
+    the prompt's prefill (or with `none`, which recomputes the whole sequence every step, prompt + new tokens)."""
+    tokens = max(s.prompt_len) + (s.new_tokens if "none" in s.caches else 0)
+    return LOGITS_COPIES * cfg.vocab_size * 4 + ACTIVATION_WIDTHS * tokens * cfg.n_embd * element_size
 
 
 def check_sizes(
     s: BenchSettings, cfg: GPTConfig, dtype: torch.dtype, device: torch.device, weights_loaded: bool = False
 ) -> dict[int, str]:
-    """Before anything is allocated: prompts fit the context, and weights + the KV cache fit the device. Returns
-    the batch sizes predicted not to fit (oversized_batches); refuses the sweep when none fits.
-    weights_loaded: the model is already in memory (a random-fill sweep then compares only the cache with what is
-    still available)."""
+    """Before anything is allocated: prompts fit the context, and weights + the KV cache + what a step holds beside
+    it (step_bytes_per_sequence) fit the memory available now. Returns the batch sizes predicted not to fit
+    (oversized_batches); refuses the sweep when none fits.
+    weights_loaded: the model is already in memory, so what is still available is compared without it."""
     from kvbench import devices
 
     validate.compile_mode(s.compile, device.type)
     check_fits_context(s, cfg.block_size, cfg.name)
     elem = dtype.itemsize
-    weights = gpt2_parameters(cfg) * elem
+    weights = 0 if weights_loaded else gpt2_parameters(cfg) * elem
     per_sequence = (max(s.prompt_len) + s.new_tokens) * cfg.kv_bytes_per_token(elem)
     if s.fill == "random":
         kv = sweep_kv_bytes(s, per_sequence, s.batch[0])
-        _check_random_fill_memory(s, cfg, 0 if weights_loaded else weights, kv, device)
+        _check_random_fill_memory(s, cfg, weights, kv, device)
         return {}
-    return oversized_batches(s, weights, per_sequence, devices.device_memory_bytes(device), "")
+    free = devices.available_memory_bytes(device)
+    room, available = (free, True) if free is not None else (devices.device_memory_bytes(device), False)
+    step = step_bytes_per_sequence(s, cfg, elem)
+    return oversized_batches(s, weights, per_sequence, room, "", step_per_sequence=step, available=available)
 
 
 def settings_dict(s: BenchSettings) -> dict:

@@ -192,7 +192,7 @@ def _load_gpt2(settings: BenchSettings, out_dir: Path, rank=None) -> Prepared:
 
     device = settings.device if rank is None else str(rank.device)
     loaded, dev, dt = load_for_cli(settings.model, settings.weights, device, settings.dtype, settings.seed)
-    oversized = check_sizes(settings, loaded.config, dt, dev)
+    oversized = check_sizes(settings, loaded.config, dt, dev, weights_loaded=True)
     ranks = None
     if rank is not None:  # the whole model gives way to this rank's shard
         from kvbench.bench.tp import GPT2Ranks
