@@ -133,7 +133,7 @@ def stdout_is_devnull() -> bool:
 _DOCUMENT: list = []  # where print_json writes while a --json command runs (json_stdout), innermost last
 
 
-_PRINTED = [0]  # JSON documents printed by this process (or by the processes it started, stdout_inherited)
+_PRINTED = [0]  # JSON documents printed by this process (or by the processes it started: count_documents)
 
 
 def print_json(doc: Any) -> None:
@@ -148,6 +148,11 @@ def documents_printed() -> int:
     """How many JSON documents this process has printed so far (the CLI prints an error document where a --json
     command ended without one)."""
     return _PRINTED[0]
+
+
+def count_documents(n: int) -> None:
+    """`n` documents were printed on this process's stdout by a process it started (tensor-parallel rank 0)."""
+    _PRINTED[0] += n
 
 
 @contextmanager
@@ -190,7 +195,8 @@ _KEPT: list = []  # the real stdout's descriptor kept aside by json_stdout (None
 @contextmanager
 def stdout_inherited():
     """Inside json_stdout: descriptor 1 back on the real stdout for the block, for processes started in it that
-    write the document themselves (tensor-parallel ranks: rank 0 reports) and guard their own descriptor 1."""
+    write the document themselves (tensor-parallel ranks: rank 0 reports) and guard their own descriptor 1. What
+    they printed is counted by whoever knows (`count_documents`: the launcher, from rank 0's own account)."""
     saved = _KEPT[-1] if _KEPT else None
     if saved is None:
         yield
@@ -200,7 +206,6 @@ def stdout_inherited():
     try:
         yield
     finally:
-        _PRINTED[0] += 1  # the processes started in the block wrote the document (or their error document)
         _stderr_onto(1)
 
 

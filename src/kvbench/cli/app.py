@@ -9,17 +9,22 @@ one; `kvbench.cli` imports them so they register on `app`.
 Exit codes (`exit_code`, the one mapping): 0 success; 1 a verdict that failed (raised by the command as
 typer.Exit(1)); 2 bad input (KVBenchError, or a usage error Click found); 3 out of memory (NotEnoughMemoryError or
 an allocation failure); 5 nothing checked (verify or break skipped every row: no verdict, as pytest exits 5 when no
-test ran); 70 a kvbench bug (anything else); 75 a tensor-parallel rank whose peer failed first (the run's
-status is the failing rank's, see kvbench.distributed); 130 interrupted (Ctrl-C); 141 stdout closed by its reader.
+test ran); 70 a kvbench bug (anything else); 75 a tensor-parallel rank lost (killed by a signal, left without a
+word, hung past --tp-timeout; a rank whose peer was lost exits 75 too); 130 interrupted (Ctrl-C), 128 + the signal
+for SIGTERM and SIGHUP (`Terminated`); 141 stdout closed by its reader. A launched --tp run's status is the
+launcher's (kvbench.distributed.RanksFailed); its ranks report how they ended to it and say nothing themselves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import os
+import signal
 import sys
+import threading
 import typing
 from dataclasses import MISSING
 from pathlib import Path
@@ -45,7 +50,7 @@ from kvbench.errors import (
 )
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import flag_of
-from kvbench.thirdparty import watching_signals
+from kvbench.thirdparty import note_signal, watching_signals
 
 # The click that Typer runs on: vendored as typer._click in recent Typer, the click package before.
 click = getattr(typer_core, "_click", None) or __import__("click")
@@ -63,6 +68,42 @@ STDOUT_CLOSED = 141
 VERBOSE = {"on": False}  # set by the root --verbose flag
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP while a command runs: handled like Ctrl-C (a bench keeps its rows, --json prints its error
+    document, --junit-xml its error case), and the exit status is 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def line(self) -> str:
+        """The line said for it (and written as a report's error)."""
+        return "terminated" if self.signum == signal.SIGTERM else f"terminated ({self})"
+
+
+@contextlib.contextmanager
+def terminations_interrupt():
+    """While a command runs, SIGTERM and SIGHUP raise Terminated (a real interrupt, even where it lands inside a
+    plugin's code), where their handler is the default one: an ignored SIGHUP (nohup) stays ignored, and a
+    program's own handler stays its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        note_signal()
+        raise Terminated(signum)
+
+    sigs = [getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    old = {sig: signal.signal(sig, stop) for sig in sigs if signal.getsignal(sig) is signal.SIG_DFL}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def out_of_memory(e: BaseException) -> str | None:
     """One line for an allocation failure, CPU or GPU (errors.is_out_of_memory); None if `e` is something else."""
     if not is_out_of_memory(e):
@@ -75,20 +116,24 @@ def out_of_memory(e: BaseException) -> str | None:
 
 def exit_code(e: BaseException) -> tuple[int, str | None]:
     """The exit status for an exception that ended a command, and its one line for stderr (None: say nothing)."""
+    from kvbench import distributed
+
+    if isinstance(e, distributed.RanksFailed):  # a launched run: the launcher's line and status
+        return e.code, str(e)
     if isinstance(e, NotEnoughMemoryError):
         return OUT_OF_MEMORY, str(e)
+    if distributed.peer_lost(e):  # another rank failed first (launched by kvbench, the launcher names it)
+        return distributed.PEER_LOST, str(e) if isinstance(e, distributed.PeerLost) else distributed.lost_line()
     if isinstance(e, KVBenchError):
         return BAD_INPUT, str(e)
     if isinstance(e, CheckRaised):
         return BUG, f"{e} (--verbose shows the traceback)"
+    if isinstance(e, Terminated):
+        return 128 + e.signum, e.line
     if isinstance(e, KeyboardInterrupt):
         return INTERRUPTED, "interrupted"
     if isinstance(e, BrokenPipeError):
         return STDOUT_CLOSED, None
-    from kvbench import distributed
-
-    if distributed.peer_lost(e):  # another rank failed first: its line names it (distributed.launch)
-        return distributed.PEER_LOST, None
     oom = out_of_memory(e)
     if oom:
         return OUT_OF_MEMORY, oom
@@ -104,16 +149,20 @@ class KVBenchCommand(TyperCommand):
     error_doc: dict = {}  # the document's verdict keys for a refused run, e.g. {"passed": False}
 
     def invoke(self, ctx):
+        from kvbench import distributed
+
+        if distributed.status_dir() is not None:  # a rank kvbench launched: its launcher says the run's line
+            return self._invoke_rank(ctx)
         printed, said = console.documents_printed(), len(console.errors_said())
         json_out = prints_json(ctx.params)
         try:
             check_environment()
-            with watching_signals(), console.json_stdout(json_out):
+            with watching_signals(), terminations_interrupt(), console.json_stdout(json_out):
                 return super().invoke(ctx)
         except (typer.Exit, typer.Abort, click.exceptions.ClickException) as e:
             code = getattr(e, "exit_code", None)
             if json_out and code not in (None, 0) and console.documents_printed() == printed:
-                # ended by the command itself without its document (bench stopped by SIGTERM): its line was said
+                # ended by the command itself without its document: its line was said
                 lines = console.errors_said()[said:]
                 message = lines[-1] if lines else f"stopped with exit status {code}"
                 console.print_json(error_document(self.error_doc, message, code))
@@ -131,6 +180,57 @@ class KVBenchCommand(TyperCommand):
             if message is not None:
                 console.error(message)
             raise typer.Exit(code) from None
+
+    def _invoke_rank(self, ctx):
+        """One rank of a run kvbench launched: the command runs as anywhere, but how it ended (its status, its
+        line, whether rank 0 printed its document, where a signal found it) goes to the launcher
+        (distributed.record_end), which says the run's one line and prints its error document; the rank itself
+        says no error line. Rank 0 still prints its verdict (tables, the --json document, a failed bench's line)."""
+        from kvbench import distributed
+
+        distributed.stop_with_launcher()
+        printed = console.documents_printed()
+        code, line, kind, where = 0, None, "done", None
+        try:
+            with watching_signals(), terminations_interrupt(), console.json_stdout(prints_json(ctx.params)):
+                check_environment()
+                return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, click.exceptions.ClickException) as e:
+            code = getattr(e, "exit_code", None) or 0
+            kind = "done" if code in (0, FAILED, NOTHING_CHECKED) else "error"
+            raise
+        except BaseException as e:
+            if isinstance(e, SystemExit):
+                raise
+            code, line = exit_code(e)
+            kind = "lost" if code == distributed.PEER_LOST else "error"
+            if isinstance(e, KeyboardInterrupt):
+                kind, where = "stopped", _where(e)
+            if code == BUG and VERBOSE["on"]:
+                raise
+            if code == STDOUT_CLOSED:
+                console.stdout_closed()
+            raise typer.Exit(code) from None
+        finally:
+            distributed.record_end(code, line, kind, console.documents_printed() - printed, where)
+
+
+_HANDLERS = {"stop", "_interrupted"}  # the signal handlers that raise an interrupt (here, thirdparty, bench)
+
+
+def _where(e: BaseException) -> str | None:
+    """Where an interrupt found the command: 'module line N, in function' of the innermost frame that is not the
+    signal handler that raised it."""
+    frames, tb = [], e.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_globals.get("__name__", "?"), tb.tb_lineno, tb.tb_frame.f_code.co_name))
+        tb = tb.tb_next
+    while frames and frames[-1][0].startswith("kvbench.") and frames[-1][2] in _HANDLERS:
+        frames.pop()
+    if not frames:
+        return None
+    module, line, function = frames[-1]
+    return f"{module} line {line}, in {function}"
 
 
 def error_document(verdict: dict, message: str | None, code: int) -> dict:

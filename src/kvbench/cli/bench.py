@@ -21,7 +21,7 @@ import typer
 
 from kvbench import console, options
 from kvbench.bench.settings import BenchSettings
-from kvbench.cli.app import Given, command, load_for_cli
+from kvbench.cli.app import Given, Terminated, command, load_for_cli
 from kvbench.cli.bench_render import render_bench, render_context, render_profile
 from kvbench.console import err
 from kvbench.errors import KVBenchError
@@ -104,9 +104,10 @@ def bench(given: dict, opts: BenchOptions) -> None:
     else:
         settings, out_dir = _gpt2_settings(opts)
     rank = None
+    role = distributed.role(settings.tp)  # a --tp that torchrun did not launch is refused
     if settings.tp > 1:  # what cannot be split is refused before any rank starts
         _check_tp_shape(opts, settings)
-        if not distributed.in_rank():
+        if role.launches:
             with console.stdout_inherited():  # rank 0 prints the --json document
                 code = distributed.launch(settings.tp, sys.argv[1:])
             raise typer.Exit(code)  # the ranks have reported
@@ -124,6 +125,7 @@ def bench(given: dict, opts: BenchOptions) -> None:
 def _check_tp_shape(opts: BenchOptions, settings: BenchSettings) -> None:
     """A model that cannot be split over --tp ranks: refused in one line, before any rank starts."""
     from kvbench import validate
+    from kvbench.distributed import check_ranks_fit, weights_bytes
 
     if opts.hf is None:
         from kvbench.bench.settings import sweep_model_config
@@ -134,6 +136,7 @@ def _check_tp_shape(opts: BenchOptions, settings: BenchSettings) -> None:
         from kvbench.hf.tp import check_tp_model
 
         check_tp_model(opts.hf, settings.tp, opts.trust_remote_code)
+    check_ranks_fit(settings.tp, settings.device, weights_bytes(cfg if opts.hf is None else opts.hf))
 
 
 def _baseline_run(opts: BenchOptions):
@@ -387,15 +390,12 @@ def run_recorded(recorder, sweep, engines: dict | None = None) -> list[Path]:
     try:
         with _signals_interrupt(), bench_progress() as progress:
             sweep(progress.update)
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (Terminated): the CLI says the line and the status
         with _signals_ignored():  # a second Ctrl-C or a SIGTERM now would lose the rows' plots and meta.json
             recorder.finish("interrupted", engines)
         for text in recorder.plot_notes:
             console.note(text)
         console.note(f"interrupted: {len(recorder.summary)} completed configuration(s) kept in {recorder.run_dir}")
-        if isinstance(e, Terminated):
-            console.error("terminated")
-            raise typer.Exit(128 + e.signum) from None
         raise
     with _signals_ignored():
         files = recorder.finish("complete", engines)
@@ -431,14 +431,6 @@ def _validated(config, given: dict, force: bool):
 
         torch.set_num_threads(settings.threads)
     return settings, out_dir
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (or SIGHUP) during a sweep: handled like Ctrl-C (rows kept, meta.json says interrupted)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 def _in_main_thread() -> bool:

@@ -55,10 +55,10 @@ def break_(o: BreakOptions) -> None:
     from kvbench import distributed, validate
     from kvbench.results import junit
 
-    launching = o.tp > 1 and not distributed.in_rank()
-    reports = not distributed.in_rank() or distributed.global_rank() == 0  # under --tp, rank 0 reports
+    role = distributed.role(o.tp)  # launch the ranks, be one, or run alone; a --tp torchrun did not launch refused
+    launching, reports = role.launches, role.reports  # under --tp, rank 0 reports
     clock, exit_code = junit.RowClock(), None
-    with junit.errors_reported(o.junit_xml if reports else None, "break", clock):
+    with junit.errors_reported(o.junit_xml if role.writes_errors else None, "break", clock):
         junit_path = junit.check_junit_path(o.junit_xml, "break") if reports else None
         validate.break_rules(o)
         if launching:
@@ -67,6 +67,7 @@ def break_(o: BreakOptions) -> None:
             cfg = peek_config(o.model, o.weights)
             validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
             _chosen(o, cfg, warn=False)  # a fault that cannot run is refused before any rank starts
+            distributed.check_ranks_fit(o.tp, o.device, distributed.weights_bytes(cfg))
             with console.stdout_inherited():  # rank 0 prints the --json document
                 exit_code = distributed.launch(o.tp, sys.argv[1:])
         else:

@@ -56,11 +56,11 @@ def verify(o: VerifyOptions) -> None:
     from kvbench import distributed, validate
     from kvbench.results import junit
 
-    launching = o.tp > 1 and not distributed.in_rank()
-    reports = not distributed.in_rank() or distributed.global_rank() == 0  # under --tp, rank 0 reports
+    role = distributed.role(o.tp)  # launch the ranks, be one, or run alone; a --tp torchrun did not launch refused
+    launching, reports = role.launches, role.reports  # under --tp, rank 0 reports
     clock = junit.RowClock(None if o.json_out or not reports else verify_row)
     exit_code = None
-    with junit.errors_reported(o.junit_xml if reports else None, "verify", clock):
+    with junit.errors_reported(o.junit_xml if role.writes_errors else None, "verify", clock):
         junit_path = junit.check_junit_path(o.junit_xml) if reports else None
         validate.verify_rules(o)
         if launching:
@@ -90,6 +90,7 @@ def verify(o: VerifyOptions) -> None:
 def _check_tp_shape(o: VerifyOptions) -> None:
     """What cannot be split over --tp ranks is refused before any rank starts."""
     from kvbench import validate
+    from kvbench.distributed import check_ranks_fit, weights_bytes
     from kvbench.model.weights import peek_config
 
     if o.hf is None:
@@ -99,6 +100,7 @@ def _check_tp_shape(o: VerifyOptions) -> None:
         from kvbench.hf.tp import check_tp_model
 
         check_tp_model(o.hf, o.tp, o.trust_remote_code)
+    check_ranks_fit(o.tp, o.device, weights_bytes(cfg if o.hf is None else o.hf))
 
 
 def _verify_gpt2(o: VerifyOptions, on_row):

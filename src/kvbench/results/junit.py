@@ -161,14 +161,17 @@ def break_suite(results: list, skipped: list[tuple[str, str]], meta: dict, secon
 
 @contextmanager
 def errors_reported(path: str | Path | None, command: str, clock: RowClock):
-    """With a report path, a run stopped by an error (a refusal, running out of memory: exit 2) still leaves a
-    report: one error case with the message. A path that is itself refused (a folder, a missing folder) gets none;
-    Ctrl-C none either."""
+    """With a report path, a run stopped by an error (a refusal, running out of memory: exit 2) or by a signal
+    (Ctrl-C, SIGTERM, SIGHUP) still leaves a report: one error case with the line said on stderr. A path that is
+    itself refused (a folder, a missing folder) gets none."""
     try:
         yield
-    except Exception as e:
+    except (Exception, KeyboardInterrupt) as e:
         if path is not None and not isinstance(e, JUnitPathError):
-            message = str(e) if isinstance(e, KVBenchError) else one_line(e)
+            if isinstance(e, KeyboardInterrupt):  # the CLI's Terminated carries its line (SIGTERM: "terminated")
+                message = getattr(e, "line", "interrupted")
+            else:
+                message = str(e) if isinstance(e, KVBenchError) else one_line(e)
             with suppress(KVBenchError):  # the run's own error is the one to report
                 write_suite(Path(path).expanduser(), error_suite(command, message, clock.total()))
         raise
