@@ -397,6 +397,10 @@ def run_recorded(recorder, sweep, engines: dict | None = None) -> list[Path]:
             console.note(text)
         console.note(f"interrupted: {len(recorder.summary)} completed configuration(s) kept in {recorder.run_dir}")
         raise
+    except Exception:  # the run ended by an error (under --tp, a rank that failed): its rows kept, its end recorded
+        with _signals_ignored():
+            recorder.finish("failed", engines)
+        raise
     with _signals_ignored():
         files = recorder.finish("complete", engines)
     for text in recorder.plot_notes:
