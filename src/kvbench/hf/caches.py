@@ -5,12 +5,14 @@ engine on our GPT-2 all read it.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import transformers
+from packaging.version import InvalidVersion, Version
 from transformers import CompileConfig, DynamicCache, QuantizedCache, StaticCache, cache_utils
 
 from kvbench.caches.base import Traffic
@@ -59,16 +61,36 @@ def _needs_cuda(info, device) -> str | None:
 
 
 def _backend_missing(backend: str) -> str | None:
+    """Why the backend cannot run here, or None. A package must import and be installed with a version: a package
+    uninstalled with files left behind (optimum-quanto keeps the extension it built under optimum/quanto/) imports
+    as an empty namespace package, which transformers takes for installed with version 'N/A' and then fails on."""
     if backend == "fp8" and not hasattr(cache_utils, "Fp8QuantizedLayer"):
         return f"transformers {transformers.__version__} has no fp8 cache backend (later versions have it)"
     packages = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
-    module, pip = packages.get(backend, (None, None))
+    if backend not in packages:
+        return None
+    module, pip = packages[backend]
     try:
-        missing = module is not None and importlib.util.find_spec(module) is None
-    except ModuleNotFoundError:
-        # the parent package (optimum) is absent
-        missing = True
-    return f"its backend is not installed: pip install {pip}" if missing else None
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError:  # the parent package (optimum) is absent
+        spec = None
+    if spec is None:
+        return f"its backend is not installed: pip install {pip}"
+    try:
+        found = importlib.metadata.version(pip)
+    except importlib.metadata.PackageNotFoundError:
+        where = [*(spec.submodule_search_locations or []), spec.origin]  # a namespace package has no origin
+        return (
+            f"its backend is not installed: {module} imports (from {where[0]}) but no {pip} package is installed, "
+            f"files left behind by an uninstall; pip install {pip}"
+        )
+    try:
+        Version(found)
+    except InvalidVersion:
+        return (
+            f"its backend is unusable: {pip} is installed with version {found!r}; pip install --force-reinstall {pip}"
+        )
+    return None
 
 
 QUANTO_GROUP = 64  # transformers' QuantoQuantizedLayer q_group_size default
