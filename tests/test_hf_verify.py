@@ -904,6 +904,15 @@ def test_bench_hf_without_none_has_no_reference(model_dirs, tmp_path):
     assert pd.isna(row.token_agreement) and row.tokens_note.startswith("no reference: the model's own none"), row
 
 
+def test_thousands_of_unknown_verify_caches_are_one_short_line():
+    from kvbench.errors import KVBenchError
+    from kvbench.hf.caches import parse_verify_caches
+
+    with pytest.raises(KVBenchError) as e:
+        parse_verify_caches(",".join(f"c{i}" for i in range(100_000)), CPU)
+    assert "'c3', 'c4' and 99,995 more for --hf" in str(e.value) and len(str(e.value)) < 300, str(e.value)
+
+
 def _bad_bench_hf(tmp_path: Path, llama: Path) -> dict[str, tuple[list[str], str]]:
     earlier = tmp_path / "earlier"
     earlier.mkdir()
@@ -919,6 +928,10 @@ def _bad_bench_hf(tmp_path: Path, llama: Path) -> dict[str, tuple[list[str], str
         "engine hf-compiled": (["--hf", src, "--engine", "hf,hf-compiled"], "static-compiled"),
         "cache of ours": (["--hf", src, "--caches", "none,paged"], "unknown cache 'paged' for bench --hf"),
         "caches empty": (["--hf", src, "--caches", ""], "--caches is empty"),
+        "thousands of unknown caches": (
+            ["--hf", src, "--caches", ",".join(f"c{i}" for i in range(5000))],
+            "'c3', 'c4' and 4,995 more for bench --hf",
+        ),
         "beyond the context": (
             ["--hf", src, "--prompt-len", "8,250", "--new-tokens", "16"],
             "250 + 16 = 266",

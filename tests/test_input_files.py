@@ -381,3 +381,16 @@ def test_memory_check_of_thousands_of_layers_is_refused_before_it_runs(tmp_path)
     assert "x 2 contexts" in two and "give fewer --ctx values" in two, two
     r = CliRunner().invoke(app, ["memory", "--config", str(path), "--json"])  # the plan itself is unaffected
     assert r.exit_code == 0, r.output
+
+
+def test_a_key_of_a_million_characters_is_refused_as_fast_as_a_short_one(tmp_path):
+    """The too-deep scan looks for a run of dotted key parts; one long bare key must not make it quadratic (a key of
+    100,000 characters took minutes before the scan started only where a key can start)."""
+    import time
+
+    path = tmp_path / "sweep.toml"
+    path.write_text("k" * 1_000_000 + " = 1\n")
+    t0 = time.perf_counter()
+    r = CliRunner().invoke(app, ["bench", *BENCH, "--out", str(tmp_path / "run"), "--config", str(path)])
+    assert r.exit_code == 2 and "unknown key" in _one_error_line(r), r.output
+    assert time.perf_counter() - t0 < 60  # a margin for a loaded machine: the scan itself takes well under a second

@@ -35,7 +35,10 @@ MAX_DEPTH = 64  # objects, lists or tables inside one another: a Hugging Face co
 # A TOML key of more dotted parts than a config could nest (`a.a.a....`): tomllib's cost grows with the square of
 # the parts (100,000 of them take gigabytes), so such a file is refused before it is parsed.
 _KEY_PART = r"""(?:[A-Za-z0-9_-]+|"[^"\n]*"|'[^'\n]*')[ \t]*\.[ \t]*"""  # a bare or quoted key, then a dot
-_DOTTED_KEY = re.compile(f"(?:{_KEY_PART}){{{MAX_DEPTH}}}")
+# a match starts only where a key can start (not inside a run of key characters): from every position of a long run
+# the bare part would take the rest of the run and give it back a character at a time, a cost that grows with the
+# square of the run (a 100,000-character key: minutes)
+_DOTTED_KEY = re.compile(f"(?<![A-Za-z0-9_-])(?:{_KEY_PART}){{{MAX_DEPTH}}}")
 
 _CHUNK = MiB
 

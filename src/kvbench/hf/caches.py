@@ -16,7 +16,7 @@ from packaging.version import InvalidVersion, Version
 from transformers import CompileConfig, DynamicCache, QuantizedCache, StaticCache, cache_utils
 
 from kvbench.caches.base import Traffic
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, listed, shown
 from kvbench.hf.known import QUANTO_DEEPCOPY, STATIC_ROLLBACK_ON_RECURRENT, KnownDefect
 
 
@@ -229,7 +229,7 @@ def parse_verify_caches(text: str | None, device: torch.device) -> list[str]:
     bad = [n for n in names if n not in HF_CACHES]
     if bad or not names:
         raise KVBenchError(
-            f"unknown cache {', '.join(map(repr, bad)) or repr(text)} for --hf; caches: {', '.join(HF_CACHES)}"
+            f"unknown cache {listed(map(repr, bad)) or shown(text)} for --hf; caches: {', '.join(HF_CACHES)}"
         )
     return list(dict.fromkeys(names))
 
@@ -247,5 +247,5 @@ def parse_bench_caches(names: list[str] | None) -> list[str]:
         raise KVBenchError(f"--caches is empty; name one or more of {', '.join(TIMED)}, or 'all'")
     bad = [n for n in names if n not in TIMED]
     if bad:
-        raise KVBenchError(f"unknown cache {', '.join(map(repr, bad))} for bench --hf; caches: {', '.join(TIMED)}")
+        raise KVBenchError(f"unknown cache {listed(map(repr, bad))} for bench --hf; caches: {', '.join(TIMED)}")
     return list(dict.fromkeys(names))
