@@ -365,10 +365,10 @@ TP_LOCATIONS = {
         "; it holds head 2's K; rank 1: step 0 (prefill), layer 0, head 2 (rank 1's head 0) (+1 more), slot 0",
         "; it holds head 0's K",
     ],
-    "tp-rank-crop": [
-        "rollback: rank 0: forward 5 of the rollback scenario, the first after crop(24), layer 1,",
-        "; rank 1: forward 5 of the rollback scenario, the first after crop(24), layer 0: K/V equal, but attention "
-        "reads 28 slots where the sequence fills 25",
+    "tp-rank-crop": [  # rank 1's own fault (layer 0) first, then what the all-reduce carried into rank 0's layer 1
+        "rollback: rank 1: forward 5 of the rollback scenario, the first after crop(24), layer 0: K/V equal, but "
+        "attention reads 28 slots where the sequence fills 25",
+        "; rank 0: forward 5 of the rollback scenario, the first after crop(24), layer 1,",
     ],
 }
 
