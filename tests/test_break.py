@@ -119,7 +119,7 @@ LOCATIONS = {
     # the lossy faults: caught by the rows held to the design's declared policy, located by check/policy.py
     "int8-reorder-scales": (
         "reorder =policy",
-        ["forward 2 of the reorder scenario, layer 0 K differs first at head 0, slot 0 (position 0)"],
+        ["forward 2 of the reorder scenario, layer 0 K differs first at row 0, head 0, slot 0 (position 0)"],
     ),
     "int8-requantised-fork": (
         "fork =policy",

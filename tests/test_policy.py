@@ -328,6 +328,57 @@ class Int4Unbounded(Int4Tokens):
     roundtrip = None
     logit_atol, logit_rtol, min_greedy_agreement = 1e-6, 0.0, 1.0
 
+import os
+
+def grid(x):
+    return torch.round(x * 64) / 64
+
+class OffGrid(LayerCache):
+    """K/V on a 1/64 grid, one stored value of layer OFF_LAYER (head 1, position 20) OFF_BY off the grid once the
+    sequence holds more than 24 tokens: too small to move a logit by 1e-5."""
+    exact = False
+    logit_atol, logit_rtol, min_greedy_agreement = 0.5, 0.5, 0.5
+    roundtrip = staticmethod(grid)
+    layers = 0
+
+    def __init__(self, config, batch, max_len, dtype, device):
+        super().__init__()
+        self.k = self.v = None
+        self.layer = -1 if config.name == "probe" else OffGrid.layers % config.n_layer  # made n_layer at a time
+        OffGrid.layers += config.name != "probe"
+
+    def update(self, k, v, positions):
+        k, v = grid(k), grid(v)
+        self.k = k if self.k is None else torch.cat([self.k, k], 2)
+        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        self.length = self.k.size(2)
+        out = self.k
+        if self.layer == int(os.environ["OFF_LAYER"]) and self.length > 24:
+            out = self.k.clone()
+            out[:, 1, 20, 0] += float(os.environ["OFF_BY"])
+        return out, self.v
+
+    @property
+    def nbytes(self):
+        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+class NudgesAHeldKey(TwoAndEight):
+    """2 sinks and a window of 8, exactly as declared, but once past position 30 the third-newest K it returns at
+    the last layer is 1e-3 off."""
+    layers = 0
+
+    def __init__(self, config, batch, max_len, dtype, device):
+        super().__init__(config, batch, max_len, dtype, device)
+        self.last = config.name != "probe" and NudgesAHeldKey.layers % config.n_layer == config.n_layer - 1
+        NudgesAHeldKey.layers += config.name != "probe"
+
+    def update(self, k, v, positions):
+        k, v = super().update(k, v, positions)
+        if self.last and int(positions[0, -1]) > 30:
+            k = k.clone()
+            k[:, 1, -3, 2] += 1e-3
+        return k, v
+
 class EvictsEarly(TwoAndEight):
     """evicts one position more than it declares."""
     def _evict(self, first_query):
@@ -373,6 +424,35 @@ def test_a_plugin_eviction_is_held_to_its_declared_visibility(tiny_model, prompt
     else:
         assert not policy["logits"].passed, policy["logits"]
         assert re.match(r"step \d+, layer 0 no longer holds position \d+", policy["logits"].location), policy["logits"]
+
+
+@pytest.mark.parametrize(
+    "cls, env, where",
+    [
+        # 0.64 of a grid step at the last layer, 1e-4 at the first: neither moves a logit past the exact tolerance
+        ("OffGrid", {"OFF_LAYER": "2", "OFF_BY": "0.01"}, r"step 17, layer 2 K differs first at head 1, slot 20 "),
+        ("OffGrid", {"OFF_LAYER": "0", "OFF_BY": "1e-4"}, r"step 17, layer 0 K differs first at head 1, slot 20 "),
+        ("NudgesAHeldKey", {}, r"step 24, layer 2 K differs first at head 1, slot 7 \(position 29\)"),
+    ],
+)
+def test_a_stored_value_off_its_policy_fails_and_is_located_though_no_logit_moves(
+    tiny_model, int4_plugin, monkeypatch, cls, env, where
+):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    prompts = random_prompts(tiny_model.config.vocab_size, 8, 3, seed=0)
+    rep = run_verify(tiny_model, [f"{int4_plugin}:{cls}"], prompts, 32, reference="none", distortion=False)
+    logits = _rows(rep, f"{int4_plugin}:{cls}", policy=True)["logits"]
+    assert not logits.passed and "first off at step" not in logits.detail, logits  # the logits alone pass
+    assert re.match(where + r".*\|delta\| ", logits.location), logits.location
+    assert "a stored K or V is not the policy's" in logits.detail
+
+
+def test_the_stored_values_are_compared_at_every_layer_update_as_a_copy(report):
+    for cache in ("int8", "sink"):
+        rows = _rows(report, cache, policy=True)
+        for name in ("logits", "cache_state", "rollback", "fork", "reorder", "chunked_prefill"):
+            assert re.search(r"every stored K and V is the policy's \(\d+ layer updates", rows[name].detail), rows[name]
 
 
 # --- transformers' QuantizedCache (quanto) held to its own schedule -------------------------------------------------

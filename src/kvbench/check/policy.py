@@ -13,6 +13,11 @@ rounding boundary: the design must match it at the exact tolerance (check/judge.
     cache_state                                the cache reused after another prompt, against a fresh reference
     rollback, fork, reorder, chunked_prefill   the lifecycle scenarios (check/lifecycle.py): every logit row
 
+Every row also holds the design's stored K and V to the policy at every layer update (`Shadow`): each layer of the
+design runs beside a PolicyCache twin fed a copy of the same inputs, and what the design returns must be the twin's
+at the same positions as a copy is (the dtype's epsilon), holding every position the call's queries may read; a
+value off its policy too little to move a logit fails the row there.
+
 Those rows (`policy=True`) stand beside the loose rows against the full-precision model, which show what the policy
 costs. A failing row names where the stored K or V first differs (layer, head, slot and position) or says the K and V
 are the policy's and the model reads them otherwise.
@@ -35,6 +40,7 @@ from kvbench.caches import CacheSpec, LayerCache, get_cache_spec
 from kvbench.caches.dynamic import DynamicCache
 from kvbench.check.judge import CheckRow, allclose_err, compare_tokens, first_diff, first_off, skipped, tolerance
 from kvbench.check.lifecycle import LIFECYCLE, NEEDS, SCENARIOS, Trace
+from kvbench.check.locate import first_bad
 from kvbench.check.subject import Unsupported
 from kvbench.decode.generate import EXACT, DecodeRules
 from kvbench.errors import KVBenchError, one_line
@@ -78,18 +84,102 @@ class Log:
     calls: list[Call] = field(default_factory=list)
 
 
+Visible = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a design's declared visibility (CacheSpec.visible)
+
+
+@dataclass
+class Shadow:
+    """The design's stored K and V held at every layer update to the policy applied to the very same inputs: each
+    layer of the design has a PolicyCache twin fed a copy of what the design is fed (driven through the same crops,
+    forks, reorders and resets), so the two must agree as a copy does, compared by locate's rule (a head's vector
+    within atol + rtol x that head's largest value) at the dtype's epsilon. `first`: the first difference in words,
+    after `when(forward)`; "" while none."""
+
+    visible: Visible | None
+    rtol: float
+    atol: float = 0.0
+    n_layer: int = 0
+    calls: int = 0
+    first: str = ""
+    when: Callable[[int], str] = lambda forward: f"forward {forward + 1}, "
+
+    def start(self, when: Callable[[int], str]) -> None:
+        self.calls, self.first, self.when = 0, "", when
+
+    def compare(self, design: Recorded, twin: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor) -> None:
+        layer, forward = self.calls % self.n_layer, self.calls // self.n_layer
+        self.calls += 1
+        if self.first:
+            return
+        off = _stored_off(design, twin, positions, self.visible, self.rtol, self.atol)
+        if off:
+            self.first = f"{self.when(forward)}layer {layer} {off}"
+
+
+def _stored_off(design: Recorded, twin, positions: torch.Tensor, visible, rtol: float, atol: float) -> str:
+    """How one update's returned K/V depart from the twin's (the policy on the same inputs), or "": a position some
+    query of the call may read that the design no longer holds, a different number of tokens held, or the first
+    row, head and slot whose K or V is not the policy's."""
+    assert design.k is not None and design.v is not None and design.positions is not None, "an update ran"
+    tk, tv = twin  # (B, H, n, Dh): slot c holds column c, position c of an unpadded sequence
+    n = tk.size(2)
+    device = tk.device
+    if design.key_positions is not None:  # it evicts: its slots are positions, matched to the twin's columns
+        pos = design.positions[0].to(device)  # (S,) every row holds the same positions
+        cols = torch.arange(n, device=device)  # (n,)
+        q = positions[0].to(device)  # (T,) this call's queries
+        reads = cols[None, :] <= q[:, None]  # (T, n) causal by position
+        if visible is not None:
+            reads = reads & visible(q[None], cols[None])[0]
+        kept = torch.isin(cols, pos)
+        lost = (reads.any(0) & ~kept).nonzero()
+        if lost.numel():
+            p = int(lost[0, 0])
+            reader = int(q[reads[:, p].nonzero()[0, 0]])
+            return f"no longer holds position {p}, which the query at {reader} may still read"
+        slots = ((pos >= 0) & (pos < n)).nonzero()[:, 0]  # (m,)
+        want = pos.index_select(0, slots)  # the twin's column of each
+    else:  # slot c holds column c
+        held = design.inner.length
+        if held != n:
+            return f"holds {held} tokens, the policy's reference {n}"
+        slots = want = torch.arange(n, device=device)
+    for name, got, ref in (("K", design.k, tk), ("V", design.v, tv)):
+        a = got.to(device).index_select(2, slots).float()  # (B, H, m, Dh)
+        b = ref.index_select(2, want).float()
+        for row in range(a.size(0)):
+            bad = first_bad(a[row], b[row], rtol, atol)
+            if bad is not None:
+                i, head, err, _ = bad
+                slot = int(slots[i])
+                p = int(design.positions[row, slot])
+                where = f"row {row}, " if a.size(0) > 1 else ""
+                return f"{name} differs first at {where}head {head}, slot {slot} (position {p}): |delta| {err:.3g}"
+    return ""
+
+
 class Recorded(LayerCache):
     """A layer cache that remembers what its last update returned (the K and V attention read) and the positions of
-    its slots; everything else reads through."""
+    its slots; everything else reads through. With a `twin` (the policy's PolicyCache) and its `shadow`, every update
+    is held to the twin fed the same inputs."""
 
-    def __init__(self, inner: LayerCache, log: Log | None = None) -> None:  # no counters of its own
+    def __init__(
+        self,
+        inner: LayerCache,
+        log: Log | None = None,
+        twin: PolicyCache | None = None,
+        shadow: Shadow | None = None,
+    ) -> None:  # no counters of its own
         self.inner = inner
         self.log = log
+        self.twin, self.shadow = twin, shadow
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None  # (B, S): each returned slot's position
 
     def update(self, k, v, positions):
+        # the twin first, on copies: what the design does to its inputs cannot reach the policy's
+        twin = None if self.twin is None else self.twin.update(k.clone(), v.clone(), positions.clone())
         self.k, self.v = self.inner.update(k, v, positions)
         held = getattr(self.inner, "key_positions", None)
         if held is None:  # slot c holds column c: this call's positions continue the earlier ones
@@ -98,6 +188,8 @@ class Recorded(LayerCache):
         self.positions = held.clone()
         if self.log is not None and self.log.on:
             self.log.calls.append(Call(self.k.clone(), self.v.clone(), self.positions))
+        if twin is not None and self.shadow is not None:
+            self.shadow.compare(self, twin, positions)
         return self.k, self.v
 
     @property
@@ -111,15 +203,22 @@ class Recorded(LayerCache):
 
     def reset(self) -> None:
         self.inner.reset()
+        if self.twin is not None:
+            self.twin.reset()
 
     def crop(self, length: int) -> None:
         self.inner.crop(length)
+        if self.twin is not None:
+            self.twin.crop(length)
 
     def fork(self) -> Recorded:
-        return Recorded(self.inner.fork(), self.log)
+        twin = None if self.twin is None else self.twin.fork()
+        return Recorded(self.inner.fork(), self.log, twin, self.shadow)
 
     def reorder(self, index: torch.Tensor) -> None:
         self.inner.reorder(index)
+        if self.twin is not None:
+            self.twin.reorder(index)
 
 
 @dataclass(frozen=True)
@@ -136,15 +235,20 @@ class Reference:
 
 @dataclass(frozen=True)
 class Recording:
-    """The design as it runs (its fault too, when one is injected), each layer recorded."""
+    """The design as it runs (its fault too, when one is injected), each layer recorded and held, update by update,
+    to its twin (`shadow`)."""
 
     design: Callable | None  # the design's own layer factory, or the fault's
     rules: DecodeRules
+    roundtrip: Callable[[torch.Tensor], torch.Tensor] | None
+    shadow: Shadow
     log: Log = field(default_factory=Log)
 
     def layer_cache(self, config, batch: int, max_len: int, dtype, device) -> LayerCache:
         assert self.design is not None, "a cached design"
-        return Recorded(self.design(config, batch, max_len, dtype, device), self.log)
+        self.shadow.n_layer = config.n_layer
+        design = self.design(config, batch, max_len, dtype, device)
+        return Recorded(design, self.log, PolicyCache(self.roundtrip), self.shadow)
 
 
 # --- where the K and V first differ ---------------------------------------------------------------------------------
@@ -218,7 +322,9 @@ def _subjects(target, name: str, spec: CacheSpec, fault, compile: str):
 
     rules = fault.rules if fault is not None else EXACT
     design = fault.layer_cache if fault is not None and fault.layer_cache is not None else spec.factory
-    design_subject = GPT2Subject(target, name, Recording(design, rules), compile)
+    # a stored value is held as a copy is: to the dtype's epsilon of its head's scale
+    shadow = Shadow(spec.visible, torch.finfo(target.dtype).eps)
+    design_subject = GPT2Subject(target, name, Recording(design, rules, spec.roundtrip, shadow), compile)
     reference = GPT2Subject(target, name, Reference(spec.roundtrip), "off")
     exact = tolerance(target.dtype)
     for s in (design_subject, reference):
@@ -260,7 +366,9 @@ def _rows_of(target, name, spec, prompts, new, short, fault, compile, wanted) ->
 
 
 def _generated(d, r, target, prompt, new, tol, spec) -> list[CheckRow]:
+    shadow = _watch(d, lambda f: f"step {f}{' (prefill)' if f == 0 else ''}, ")
     got, want = d.generate([prompt], new), r.generate([prompt], new)
+    stored = shadow.first  # before any replay
     w_caches = r.last_caches  # the full run's, before any replay
     upto = first_diff(want.tokens[0], got.tokens[0])
     n = len(got.tokens[0]) if upto is None else upto + 1
@@ -268,9 +376,10 @@ def _generated(d, r, target, prompt, new, tol, spec) -> list[CheckRow]:
     what = f"{len(got.tokens[0])} greedy steps vs the policy's reference, step for step"
     first = None if ok else first_off(got.logits[0, :n], want.logits[0, :n], tol)
     detail = what + (f"; first off at step {first}" if first is not None else "")
+    detail += _stored_words(shadow, stored)
     detail += _flips(target, prompt, want.tokens[0], spec, w_caches, tol)
-    where = ""
-    if not ok or upto is not None:  # replayed up to the step that went wrong: the caches as that step read them
+    where = stored
+    if not stored and (not ok or upto is not None):  # replayed up to the step that went wrong: its caches
         step = first if first is not None else upto
         assert step is not None
         d.generate([prompt], step + 1), r.generate([prompt], step + 1)
@@ -278,11 +387,11 @@ def _generated(d, r, target, prompt, new, tol, spec) -> list[CheckRow]:
     logits = CheckRow(
         name="logits",
         cache=d.cache,
-        passed=ok,
+        passed=ok and not stored,
         max_abs_diff=err,
         tolerance=tol.words,
         detail=detail,
-        location="" if ok else where,
+        location="" if ok and not stored else where,
     )
     greedy = compare_tokens(
         name="greedy",
@@ -300,6 +409,20 @@ def _generated(d, r, target, prompt, new, tol, spec) -> list[CheckRow]:
     if not greedy.passed:
         greedy.location = where
     return [logits, greedy]
+
+
+def _watch(d, when: Callable[[int], str]) -> Shadow:
+    """The design's shadow (its Recording's), started for the run about to go: `when` names a forward."""
+    shadow: Shadow = d.fault.shadow
+    shadow.start(when)
+    return shadow
+
+
+def _stored_words(shadow: Shadow, stored: str) -> str:
+    """What the stored-value comparison found, for a row's detail."""
+    if stored:
+        return "; a stored K or V is not the policy's"
+    return f"; every stored K and V is the policy's ({shadow.calls} layer updates, to a copy's tolerance)"
 
 
 @torch.inference_mode()
@@ -326,6 +449,7 @@ def _flips(target, prompt, tokens, spec, step_matched, tol) -> str:
 
 
 def _batch(d, r, prompts, short, tol) -> CheckRow:
+    shadow = _watch(d, lambda f: f"step {f} of the batch, ")
     got, want = d.generate(prompts, short), r.generate(prompts, short)
     ok, err = allclose_err(got.logits, want.logits, tol.rtol, tol.atol)
     same = got.tokens == want.tokens
@@ -333,28 +457,38 @@ def _batch(d, r, prompts, short, tol) -> CheckRow:
     detail = f"lengths {lens} left-padded together, {short} tokens, vs the policy's" + (
         "" if same else "; tokens differ"
     )
+    detail += _stored_words(shadow, shadow.first)
     row = CheckRow(
-        name="batched", cache=d.cache, passed=ok and same, max_abs_diff=err, tolerance=tol.words, detail=detail
+        name="batched",
+        cache=d.cache,
+        passed=ok and same and not shadow.first,
+        max_abs_diff=err,
+        tolerance=tol.words,
+        detail=detail,
+        location=shadow.first,
     )
-    if not row.passed:
+    if not row.passed and not row.location:
         when = f"the batch after its {short} tokens, "
         row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible, when)
     return row
 
 
 def _reused(d, r, prompts, short, tol) -> CheckRow:
+    shadow = _watch(d, lambda f: f"forward {f + 1} of the two runs (a prompt, then another on the same caches), ")
     (got, words), (want, _) = d.reused(prompts[0], prompts[1], short), r.reused(prompts[0], prompts[1], short)
     ok, err = allclose_err(got.logits, want.logits, tol.rtol, tol.atol)
     same = got.tokens == want.tokens
     row = CheckRow(
         name="cache_state",
         cache=d.cache,
-        passed=ok and same,
+        passed=ok and same and not shadow.first,
         max_abs_diff=err,
         tolerance=tol.words,
-        detail=f"{words}, {short} tokens, vs the policy's reference reused the same way",
+        detail=f"{words}, {short} tokens, vs the policy's reference reused the same way"
+        + _stored_words(shadow, shadow.first),
+        location=shadow.first,
     )
-    if not row.passed:
+    if not row.passed and not row.location:
         when = f"the reused cache after its {short} tokens, "
         row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible, when)
     return row
@@ -362,6 +496,7 @@ def _reused(d, r, prompts, short, tol) -> CheckRow:
 
 def _scenario(d, r, check, prompts, short, tol) -> CheckRow:
     logs = d.fault.log, r.fault.log  # the Recording and the Reference (_subjects)
+    shadow = _watch(d, lambda f: f"forward {f + 1} of the {check} scenario, ")
     for log in logs:
         log.on, log.calls = True, []
     try:
@@ -379,18 +514,21 @@ def _scenario(d, r, check, prompts, short, tol) -> CheckRow:
     detail = f"{n} logit rows vs the policy's reference through the same scenario"
     if n < len(want.seqs):
         detail += f"; the runs part at row {n} (a different greedy choice)"
+    detail += _stored_words(shadow, shadow.first)
     row = CheckRow(
         name=check,
         cache=d.cache,
-        passed=ok and n == len(want.seqs),
+        passed=ok and n == len(want.seqs) and not shadow.first,
         max_abs_diff=err,
         tolerance=tol.words,
         detail=detail,
+        location=shadow.first,
     )
     if not row.passed:
         first = first_off(a, b, tol)
         row.detail += f"; first off at row {first}" if first is not None else ""
-        row.location = _forward(logs, check, d.gpt.config.n_layer, tol, get_cache_spec(d.cache).visible)
+        if not row.location:
+            row.location = _forward(logs, check, d.gpt.config.n_layer, tol, get_cache_spec(d.cache).visible)
     return row
 
 
