@@ -20,6 +20,44 @@ from kvbench.distributed import Rank
 from kvbench.model.gpt2 import GPT
 
 
+def run_bytes(cfg, batch: int, tokens: int, element_size: int, logit_copies: int = 3) -> int:
+    """A rough allowance for running `batch` sequences of `tokens` tokens on our GPT-2 (the same reckoning as
+    hf/models.run_bytes): K and V of every layer, twice (a cache and the copy a fork or a concatenation makes), the
+    logits of every position (fp32; a check keeps three copies: the cached run's, the no-cache forward's, the
+    reference's) and one attention's scores over the whole length."""
+    kv = 2 * cfg.n_layer * cfg.n_embd * tokens * batch * element_size
+    logits = logit_copies * batch * tokens * cfg.vocab_size * 4
+    scores = batch * cfg.n_head * tokens * tokens * 4
+    return 2 * kv + logits + scores
+
+
+def check_run_fits(
+    cfg, batch: int, tokens: int, dtype: torch.dtype, device: torch.device, what: str = "", logit_copies: int = 3
+) -> None:
+    """Before any weight is loaded: the weights and run_bytes against the memory available now (on the CPU, what
+    the kernel can give without swapping), so a run too large is one line and exit 3, not the kernel's OOM killer."""
+    from kvbench.devices import available_memory_bytes
+    from kvbench.distributed import weights_bytes
+    from kvbench.errors import NotEnoughMemoryError
+
+    free = available_memory_bytes(device)
+    elem = torch.empty((), dtype=dtype).element_size()
+    weights = weights_bytes(cfg) // 4 * elem
+    run = run_bytes(cfg, batch, tokens, elem, logit_copies)
+    if free is not None and weights + run > free:
+        gib = 2**30
+        raise NotEnoughMemoryError(
+            f"{what or f'--batch {batch} x {tokens} tokens (--prompt-len + --new-tokens)'} on {cfg.name} needs about "
+            f"{(weights + run) / gib:.1f} GiB (weights {weights / gib:.1f} + the caches, logits and attention scores "
+            f"{run / gib:.1f}), more than the {free / gib:.1f} GiB available; "
+            + (
+                "fewer or shorter prompts, or fewer --new-tokens"
+                if what
+                else "lower --batch, --prompt-len or --new-tokens"
+            )
+        )
+
+
 def random_prompts(vocab_size: int, prompt_len: int, batch: int, seed: int) -> list[list[int]]:
     """`batch` seeded random prompts of distinct lengths prompt_len, ..., about prompt_len / batch (first is the
     longest: it doubles as the single-prompt checks' prompt)."""

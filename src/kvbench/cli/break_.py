@@ -138,6 +138,11 @@ def _run_faults(o: BreakOptions, on_fault, reports: bool = True):
         validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
         rank = distributed.start(o.tp, resolve_device(o.device), o.tp_timeout)
         device = str(rank.device)
+    from kvbench.check.verify import check_run_fits
+    from kvbench.devices import resolve_device, resolve_dtype
+
+    run_on = resolve_device(device)
+    check_run_fits(cfg, len(prompts), max(map(len, prompts)) + o.new_tokens, resolve_dtype(o.dtype, run_on), run_on)
     loaded, dev, dt, hf_dir = load_for_checks(o.model, o.weights, device, o.dtype, o.seed)
     assert loaded.config.vocab_size == cfg.vocab_size, "the prompts were drawn for the model's vocabulary"
     decode = tok.decode if tok is not None else None

@@ -139,6 +139,12 @@ def prepare(o: GenerateOptions) -> Prepared:
         cfg.block_size,
         "use a shorter prompt or fewer --new-tokens",
     )
+    from kvbench.check.verify import check_run_fits
+    from kvbench.devices import resolve_device, resolve_dtype
+
+    run_on = resolve_device(o.device)
+    what = f"{len(ids):,} prompt(s) of up to {longest} tokens + {o.new_tokens} new"
+    check_run_fits(cfg, len(ids), longest + o.new_tokens, resolve_dtype(o.dtype, run_on), run_on, what, 1)
     loaded, dev, dt = load_for_cli(o.model, o.weights, o.device, o.dtype, o.seed)
     validate.compile_mode(o.compile, dev.type)
     vocab = loaded.config.vocab_size

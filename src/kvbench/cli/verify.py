@@ -123,6 +123,11 @@ def _verify_gpt2(o: VerifyOptions, on_row):
         validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
         rank = distributed.start(o.tp, resolve_device(o.device), o.tp_timeout)
         device = str(rank.device)
+    from kvbench.check.verify import check_run_fits
+    from kvbench.devices import resolve_device, resolve_dtype
+
+    run_on = resolve_device(device)
+    check_run_fits(cfg, o.batch, o.prompt_len + o.new_tokens, resolve_dtype(o.dtype, run_on), run_on)
     loaded, dev, dt, hf_dir = load_for_checks(o.model, o.weights, device, o.dtype, o.seed)
     validate.compile_mode(o.compile, dev.type)
     prompts = random_prompts(loaded.config.vocab_size, o.prompt_len, o.batch, o.seed)
