@@ -228,6 +228,35 @@ def test_a_fault_that_fires_past_the_run_is_skipped_or_refused(results, prompts)
         select_faults("sink-evicts-one-more", None, 1, (6, 30))
 
 
+@pytest.mark.parametrize("cache", ["sink", "sink-0-1", "sink-4-256"])
+def test_a_batched_fault_is_skipped_on_a_cache_that_takes_no_left_padded_batch(cache):
+    from kvbench.check.faults import FAULTS, select_faults
+
+    batched = [n for n, f in FAULTS.items() if f.batched]
+    assert batched == ["padding"]
+    names, why = select_faults("all", cache, 1, (6, 40))
+    assert "padding" not in names and "mask" in names and "position" in names, names
+    assert why["padding"] == (
+        f"it needs a left-padded batch, and {cache} takes none: it evicts by position, so its slots are positions, "
+        "not columns"
+    )
+    with pytest.raises(KVBenchError, match=rf"^the padding fault needs a left-padded batch, and {cache} takes none"):
+        select_faults("padding", cache, 1)
+    assert "padding" in select_faults("all", "dynamic", 1, (6, 40))[0]  # a cache that takes one runs it
+
+
+def test_cli_break_all_on_a_sink_cache_runs_what_applies_and_skips_padding():
+    args = "break all --cache sink --model gpt2-tiny --weights random --device cpu -n 4 --reference none --json"
+    r = CliRunner().invoke(app, args.split())
+    assert r.exit_code == 0, r.output  # every fault that runs is detected; none ends the run
+    doc = json.loads(r.stdout)
+    assert {b["name"] for b in doc["bugs"]} == {"position", "mask", "reset", "chunk-causal"}, doc["bugs"]
+    assert all(b["detected"] and b["cache"] == "sink" for b in doc["bugs"])
+    assert "padding: skipped (it needs a left-padded batch, and sink takes none" in r.output, r.output
+    one = CliRunner().invoke(app, args.replace("all", "padding").split())
+    assert one.exit_code == 2 and "takes none" in one.output and "Traceback" not in one.output, one.output
+
+
 def test_cli_break_that_runs_no_fault_checked_nothing_and_exits_5(monkeypatch, tmp_path):
     """Every fault skipped: nothing was detected and nothing slipped through, which is no verdict: exit 5, in the
     table, the JSON document and the JUnit report (every case skipped)."""

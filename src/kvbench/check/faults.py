@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbench.caches import sink
+from kvbench.caches import get_cache_spec, sink
 from kvbench.caches.dynamic import DynamicCache
 from kvbench.caches.int8 import Int8Cache, dequantize, quantize
 from kvbench.caches.sink import SinkCache
@@ -601,17 +601,23 @@ def select_faults(
     name: str, cache: str | None, tp: int = 1, context: tuple[int, int] | None = None
 ) -> tuple[list[str], dict[str, str]]:
     """(the faults `name` runs on `cache` across `tp` ranks, {fault skipped: why}): a fault that lives inside another
-    cache design, that fires only across tensor-parallel ranks when tp is 1, or that fires only past a longer
-    context than the run's (`context`: the shown prompt's length and the new tokens). A single fault that cannot run
-    is refused."""
+    cache design, that needs a left-padded batch on a cache that takes none (`CacheSpec.padding`), that fires only
+    across tensor-parallel ranks when tp is 1, or that fires only past a longer context than the run's (`context`:
+    the shown prompt's length and the new tokens). A single fault that cannot run is refused."""
     names = parse_fault_names(name)
     if cache == "none":
         raise KVBenchError("--cache none: the faults live in cached decoding; name a cache")
     why = {}
     for n in names:
         f = FAULTS[n]
+        carrier = cache or f.cache
         if cache is not None and not f.applies_to(cache):
             why[n] = f"the bug lives inside the {f.cache} cache, not in {cache}"
+        elif f.batched and not get_cache_spec(carrier).padding:
+            why[n] = (
+                f"it needs a left-padded batch, and {carrier} takes none: it evicts by position, so its slots are "
+                "positions, not columns"
+            )
         elif f.tp and tp == 1:
             why[n] = "it fires only across tensor-parallel ranks: run it with --tp 2 (or more)"
         elif context is not None and sum(context) <= f.fires_past:
