@@ -193,9 +193,12 @@ def _transformers_cache(path: Path) -> tuple[int, int]:
     T = 5
     with torch.no_grad():
         out = model(input_ids=torch.zeros(1, T, dtype=torch.long), use_cache=True)
-    cache = next(getattr(out, k) for k in ("cache", "past_key_values", "state") if getattr(out, k, None) is not None)
+    fields = ("cache", "past_key_values", "cache_params", "state")
+    cache = next(getattr(out, k) for k in fields if getattr(out, k, None) is not None)
     if isinstance(cache, list):  # RWKV: its state as a list of tensors
         return numel(cache), 0
+    if not hasattr(cache, "layers"):  # up to transformers 5.23, Mamba's own MambaCache (the `cache_params` field)
+        return sum(numel(getattr(cache, n, None)) for n in ("conv_states", "ssm_states", "recurrent_states")), 0
     state = sum(numel(getattr(layer, n, None)) for layer in cache.layers for n in ("conv_states", "recurrent_states"))
     kv = sum(
         layer.keys.numel() + layer.values.numel()

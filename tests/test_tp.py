@@ -454,6 +454,9 @@ def test_a_rank_holds_its_share_of_a_layers_heads_or_every_head_where_the_plan_k
 
 def test_a_quantized_layer_is_not_read_as_plain_keys_and_values():
     """transformers' fp8 cache layer keeps its tokens quantized; its `keys` is an empty placeholder."""
+    from transformers import cache_utils
+    if not hasattr(cache_utils, "Fp8QuantizedLayer"):
+        pytest.skip("transformers before 5.21 has no Fp8QuantizedLayer")
     from transformers.cache_utils import DynamicLayer, Fp8QuantizedLayer
 
     from kvbench.check.tp import _plain
@@ -471,21 +474,22 @@ def test_a_quantized_layer_is_not_read_as_plain_keys_and_values():
     [
         ("llama", True),  # layers.*.self_attn.k_proj
         ("gpt_neox", True),  # layers.*.attention.query_key_value
-        ("codegen", True),  # h.*.attn.qkv_proj
+        ("codegen", since({"4.0": None, "5.24": True})),  # h.*.attn.qkv_proj; no plan before 5.24
         ("deepseek_v2", True),  # layers.*.self_attn.kv_b_proj
-        ("afmoe", since({"4.0": False, "5.25": True})),  # the experts alone; 5.25's plan splits attention too
-        ("deepseek_v4", False),  # the experts alone: one shared KV head, replicated
-        ("nemotron_h", False),  # layers.*.mixer.experts
+        # the experts alone; 5.25's plan splits attention too; no plan before 5.21
+        ("afmoe", since({"4.0": None, "5.21": False, "5.25": True})),
+        ("deepseek_v4", since({"4.0": None, "5.21": False})),  # the experts alone: one shared KV head, replicated
+        ("nemotron_h", since({"4.0": None, "5.21": False})),  # layers.*.mixer.experts
     ],
 )
 def test_a_plan_that_names_no_attention_module_keeps_attention_whole(model_type, splits):
+    """`splits` None: the release declares no tensor-parallel plan for the type."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from kvbench.hf.tp import splits_attention
 
-    holds(
-        splits_attention(CONFIG_MAPPING[model_type].base_model_tp_plan), splits, f"{model_type}'s plan splits attention"
-    )
+    plan = CONFIG_MAPPING[model_type].base_model_tp_plan
+    holds(None if plan is None else splits_attention(plan), splits, f"{model_type}'s plan splits attention")
 
 
 def test_rank_cache_skips_a_cache_of_layers_without_plain_keys_and_values(monkeypatch):
@@ -493,6 +497,9 @@ def test_rank_cache_skips_a_cache_of_layers_without_plain_keys_and_values(monkey
     which layers, and no bytes are compared (the row and the bytes travel together to rank 0)."""
     from types import SimpleNamespace
 
+    from transformers import cache_utils
+    if not hasattr(cache_utils, "Fp8QuantizedLayer"):
+        pytest.skip("transformers before 5.21 has no Fp8QuantizedLayer")
     from transformers.cache_utils import DynamicLayer, Fp8QuantizedLayer
 
     from kvbench.check import hf_subject, tp

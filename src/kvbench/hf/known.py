@@ -55,11 +55,12 @@ class KnownDefect:
 
 STATIC_ROLLBACK_ON_RECURRENT = KnownDefect(
     "transformers",
-    ">=5.25",
+    ">=5.24",
     ("rollback",),
     "recording a linear-attention layer's past (activate_past_recording) turns StaticCache.is_compileable off, and "
     "create_causal_mask then skips a one-token query's mask, so the decode step attends to the StaticCache's empty "
-    "slots (before 5.25 these caches declared themselves not croppable and the row was skipped)",
+    "slots (before 5.25 most hybrids declared these caches not croppable and the row was skipped; LFM2's "
+    "convolution layers did not, and failed the same way)",
     "docs/verify.md#known-defects-of-the-libraries-kvbench-runs",
     applies=lambda info: any("recurrent" in t for t in info.layer_types),
 )
