@@ -659,6 +659,147 @@ def test_a_broken_plugin_is_one_line_naming_it(plugin_dir, ref, message):
     assert ref in lines[0] and message in lines[0]
 
 
+POLICIES = textwrap.dedent(
+    """
+    import torch
+    from kvbench.caches.sink import SinkCache
+    from kvbench.caches.static import StaticCache
+
+    def grid(x):
+        return torch.round(x * 64) / 64
+
+    class Grid(StaticCache):
+        \"\"\"K/V on a 1/64 grid, as declared.\"\"\"
+        exact, logit_atol, logit_rtol, min_greedy_agreement = False, 0.5, 0.5, 0.5
+        roundtrip = staticmethod(grid)
+        def __init__(self, config, batch, max_len, dtype, device):
+            super().__init__(batch, config.n_head, max_len, config.head_dim, dtype, device)
+        def update(self, k, v, positions):
+            return super().update(grid(k), grid(v), positions)
+
+    class Half(Grid):
+        roundtrip = staticmethod(lambda x: grid(x).half())
+    class Wider(Grid):
+        roundtrip = staticmethod(lambda x: grid(x).double())
+    class Meta(Grid):
+        roundtrip = staticmethod(lambda x: grid(x).to("meta"))
+    class NaN(Grid):
+        roundtrip = staticmethod(lambda x: grid(x) * float("nan"))
+    class Random(Grid):
+        roundtrip = staticmethod(lambda x: torch.round(x * 64 + torch.rand_like(x) - 0.5) / 64)
+    class Raises(Grid):
+        roundtrip = staticmethod(lambda x: 1 / 0)
+    class Listed(Grid):
+        roundtrip = staticmethod(lambda x: [grid(x)])
+
+    def two_and_eight(q, k):
+        return (k[:, None, :] < 2) | (k[:, None, :] > q[:, :, None] - 8)
+
+    class Window(SinkCache):
+        \"\"\"2 sinks and a window of 8, as declared.\"\"\"
+        exact, logit_atol, logit_rtol, min_greedy_agreement = False, 100.0, 100.0, 0.0
+        padding = False
+        visible = staticmethod(two_and_eight)
+        def __init__(self, config, batch, max_len, dtype, device):
+            super().__init__(2, 8)
+
+    class Nothing(Window):
+        visible = staticmethod(lambda q, k: torch.zeros(q.size(0), q.size(1), k.size(1), dtype=torch.bool))
+    class Flaky(Window):
+        visible = staticmethod(lambda q, k: two_and_eight(q, k) & (torch.rand(q.size(0), q.size(1), k.size(1)) > 0.1))
+    class Ints(Window):
+        visible = staticmethod(lambda q, k: two_and_eight(q, k).int())
+    class Late(Window):
+        \"\"\"hides a query's own position only from position 12 on: past what the probe asks.\"\"\"
+        visible = staticmethod(lambda q, k: two_and_eight(q, k) & ~((k[:, None, :] == q[:, :, None]) & (q[:, :, None] >= 12)))
+
+    class NoSinksWindowOfOne(SinkCache):
+        \"\"\"no sinks and a window of 1: a query reads only itself.\"\"\"
+        exact, logit_atol, logit_rtol, min_greedy_agreement = False, 100.0, 100.0, 0.0
+        padding = False
+        visible = staticmethod(lambda q, k: k[:, None, :] > q[:, :, None] - 1)
+        def __init__(self, config, batch, max_len, dtype, device):
+            super().__init__(0, 1)
+    """
+)
+
+
+@pytest.fixture
+def policies(plugin_dir):
+    (plugin_dir / "mycaches" / "policies.py").write_text(POLICIES)
+    return "mycaches.policies"
+
+
+@pytest.mark.parametrize(
+    "cls, message",
+    [
+        ("Half", "its roundtrip returned torch.float16, expected its input's torch.float32"),
+        ("Wider", "its roundtrip returned torch.float64, expected its input's torch.float32"),
+        ("Meta", "its roundtrip returned a tensor on meta for an input on cpu"),
+        ("NaN", "its roundtrip returned 48 non-finite values for finite inputs (NaN or inf)"),
+        ("Random", "its roundtrip is not deterministic: two calls on the same inputs returned different values"),
+        ("Raises", "its roundtrip call raised ZeroDivisionError: division by zero"),
+        ("Listed", "its roundtrip returned list, expected a tensor of shape (2, 2, 3, 4)"),
+        ("Nothing", "its visible hides a query's own position (the query at 0 may not read it)"),
+        ("Flaky", "its visible "),  # hides a position now and then, or answers differently twice
+        ("Ints", "its visible returned torch.int32, expected a boolean mask"),
+    ],
+)
+def test_a_broken_policy_declaration_is_refused_when_the_plugin_loads(policies, cls, message):
+    ref = f"{policies}:{cls}"
+    with pytest.raises(KVBenchError, match=rf"^cache plugin '{re.escape(ref)}': {re.escape(message)}"):
+        get_cache_spec(ref)
+
+
+def test_a_broken_policy_is_one_line_and_exit_2_on_the_command_line(policies):
+    for cls in ("Half", "Nothing"):
+        r = run("verify", "--caches", f"{policies}:{cls}", *TINY, "-n", 4, "--reference", "none")
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and "Traceback" not in r.output, r.output
+        assert f"cache plugin '{policies}:{cls}': its " in lines[0], lines
+
+
+def test_policies_declared_right_load_and_pass(policies, tiny_model):
+    from kvbench.check.verify import random_prompts, run_verify
+
+    for cls in ("Grid", "Window"):
+        spec = get_cache_spec(f"{policies}:{cls}")
+        assert spec.roundtrip is not None or spec.visible is not None
+    prompts = random_prompts(tiny_model.config.vocab_size, 8, 3, seed=0)
+    rep = run_verify(tiny_model, [f"{policies}:Grid", f"{policies}:Window"], prompts, 16, reference="none")
+    assert rep.passed, [r for r in rep.checks if not r.passed]
+
+
+def test_a_policy_that_breaks_its_contract_after_the_probe_fails_its_rows_naming_it(policies, tiny_model):
+    """Late hides a query's own position from position 12 on: it loads, and the policy rows that reach 12 fail,
+    naming the plugin and what its visible did, not a storage difference."""
+    from kvbench.check.verify import random_prompts, run_verify
+
+    ref = f"{policies}:Late"
+    prompts = random_prompts(tiny_model.config.vocab_size, 8, 3, seed=0)
+    rep = run_verify(tiny_model, [ref], prompts, 8, reference="none", distortion=False)
+    failed = [r for r in rep.checks if not r.passed and not r.skipped]
+    assert failed and not rep.passed
+    words = f"cache plugin '{ref}': its visible hides a query's own position (the query at 12 may not read it)"
+    assert all(words in r.detail for r in failed), [(r.name, r.detail) for r in failed]
+
+
+def test_an_evicting_plugin_that_a_crop_leaves_with_no_slot_still_crops_by_what_it_wrote(policies):
+    """No sinks and a window of 1: crop(5) after 6 tokens forgets every slot; the plugin's own count of what it wrote
+    is what the next crop is checked against (one past its newest slot would be nothing)."""
+    (layer,) = make_caches(
+        f"{policies}:NoSinksWindowOfOne", registry.GPTConfig(n_layer=1, n_head=2, n_embd=8), 1, 8, torch.float32, "cpu"
+    )
+    kv = torch.randn(1, 2, 1, 4)
+    for t in range(6):
+        layer.update(kv, kv, torch.tensor([[t]]))
+    layer.crop(5)
+    assert layer.length == 0 and layer.written == 5
+    layer.crop(4)
+    with pytest.raises(KVBenchError, match=r"crop\(5\) outside 0..4"):
+        layer.crop(5)
+
+
 def test_entry_point_plugins_join_all(plugin_dir, tmp_path, monkeypatch):
     """An installed package's `kvbench.caches` entry point is a cache name, and part of `all`."""
     dist = tmp_path / "mycaches-1.0.dist-info"

@@ -174,6 +174,21 @@ def test_a_lossy_plugin_that_declares_no_policy_is_still_judged_by_its_bound(tin
     assert failed and not rep.passed and "logits" in {r.name for r in failed}, rep.checks
 
 
+@pytest.mark.parametrize("visible", [lambda q, k: torch.zeros(q.size(0), q.size(1), k.size(1), dtype=torch.bool), None])
+def test_the_two_mask_paths_agree_on_every_query_even_one_that_may_read_nothing(visible):
+    """The mask built by column (a cache that keeps every slot: the policy's reference) and the one built by position
+    (a cache that evicts) give a query the same keys; a query its visibility leaves nothing reads itself on both."""
+    from kvbench.model.gpt2 import AttentionMask
+
+    q = torch.tensor([[2, 3, 4]])  # three queries over keys 0..4
+    mask = AttentionMask(3, 5, None, visible=visible or (lambda q, k: k[:, None, :] > q[:, :, None] - 2), positions=q)
+    by_column, _ = mask.for_keys(5)
+    by_position, _ = mask.for_keys(5, torch.arange(5)[None])
+    assert torch.equal(by_column, by_position), (by_column, by_position)
+    if visible is not None:
+        assert torch.equal(by_position[0, 0], torch.eye(5, dtype=torch.bool)[2:])  # each reads its own position
+
+
 def test_the_sink_cache_saves_memory_by_design():
     spec = get_cache_spec("sink-4-64")  # S and W in the name
     assert spec.name == "sink-4-64" and spec.visible is not None and not spec.padding

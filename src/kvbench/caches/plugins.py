@@ -7,8 +7,10 @@ when it sets them). Either way the plugin gets what built-in caches get: generat
 `memory --measure`.
 
 A plugin is held to the contract when it is loaded (a small probe on the CPU: attributes present, `update` returns
-(B, H, S, Dh) tensors with S >= length) and on every call after that (`CheckedCache`), so a plugin that breaks the
-contract fails with one line naming it and what it broke, never a traceback from inside it.
+(B, H, S, Dh) tensors with S >= length; a declared `roundtrip` or `visible` of the right shape, dtype and device,
+finite, letting each query read itself, and the same twice) and on every call after that (`CheckedCache`,
+`_checked_policy`), so a plugin that breaks the contract fails with one line naming it and what it broke, never a
+traceback from inside it.
 
 The lifecycle members (`crop`, `fork`, `reorder`) are optional: a plugin without them loads and runs, and
 `missing_lifecycle` names what it lacks, so verify's lifecycle checks give those a skip row. Those it has are
@@ -28,6 +30,7 @@ import dataclasses
 import functools
 import importlib
 import math
+from collections.abc import Callable
 from importlib import metadata
 
 import torch
@@ -117,6 +120,7 @@ def wrap(obj: object, name: str) -> CacheSpec:
         visible=_checked_policy(spec.visible, name, "visible"),
     )
     probe(checked)
+    probe_policy(checked)
     return checked
 
 
@@ -149,8 +153,10 @@ def _check_stated(spec: CacheSpec, name: str) -> None:
 
 
 def _checked_policy(fn, name: str, field: str):
-    """A plugin's declared roundtrip or visible, contained and held to its shape: roundtrip (B, H, T, Dh) -> the
-    same; visible (q (B, T), k (B, S)) -> (B, T, S) bool."""
+    """A plugin's declared roundtrip or visible, contained and held to what verify's policy rows and the model's
+    mask need of it, at every call: roundtrip (B, H, T, Dh) -> the same shape, dtype and device, finite where its
+    input is; visible (q (B, T), k (B, S)) -> a (B, T, S) bool mask on the queries' device that lets every query read
+    its own position. Whether it gives the same answer twice is probed when the plugin is loaded (`probe_policy`)."""
     if fn is None:
         return None
 
@@ -160,15 +166,55 @@ def _checked_policy(fn, name: str, field: str):
     def call(*args):
         with contained(lambda e: fail(did("call", e))):
             out = fn(*args)
-        want = args[0].shape if field == "roundtrip" else (*args[0].shape, args[1].size(-1))
+        first = args[0]
+        want = first.shape if field == "roundtrip" else (*first.shape, args[1].size(-1))
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(want):
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise fail(f"returned {shape}, expected a tensor of shape {tuple(want)}")
-        if field == "visible" and out.dtype != torch.bool:
-            raise fail(f"returned {out.dtype}, expected a boolean mask")
+        dtype = first.dtype if field == "roundtrip" else torch.bool
+        if out.dtype != dtype:
+            words = f"its input's {dtype}" if field == "roundtrip" else "a boolean mask"
+            raise fail(f"returned {out.dtype}, expected {words}")
+        if out.device != first.device:
+            raise fail(f"returned a tensor on {out.device} for an input on {first.device}")
+        if field == "roundtrip":
+            broken = ~torch.isfinite(out) & torch.isfinite(first)
+            if bool(broken.any()):
+                raise fail(f"returned {int(broken.sum())} non-finite values for finite inputs (NaN or inf)")
+        else:
+            q, k = first, args[1]
+            hidden = (k[:, None, :] == q[:, :, None]) & ~out  # (B, T, S): a query's own position, not read
+            if bool(hidden.any()):
+                b, t, _ = (int(i) for i in hidden.nonzero()[0])
+                raise fail(
+                    f"hides a query's own position (the query at {int(q[b, t])} may not read it): every query "
+                    "reads at least itself"
+                )
         return out
 
     return call
+
+
+def probe_policy(spec: CacheSpec) -> None:
+    """A declared roundtrip and visible called on the probe's inputs (each call checked, `_checked_policy`), twice:
+    the same answer both times, since the policy rows replay it as the reference of every step."""
+    B, H, Dh = 2, _PROBE.n_head, _PROBE.head_dim
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.arange(5).expand(B, 5), torch.arange(5).expand(B, 5)  # a prefill's queries over their own keys
+    decode = torch.full((B, 1), 7), torch.arange(8).expand(B, 8)  # one query over a longer past
+    calls: list[tuple[str, Callable | None, tuple[torch.Tensor, ...]]] = [
+        ("roundtrip", spec.roundtrip, (torch.randn(B, H, 3, Dh, generator=g) * 3,)),
+        *(("visible", spec.visible, args) for args in ((q, k), decode)),
+    ]
+    for field, fn, args in calls:
+        if fn is None:
+            continue
+        first, again = fn(*(a.clone() for a in args)), fn(*(a.clone() for a in args))
+        if not torch.equal(first, again):
+            raise PluginError(
+                f"cache plugin {spec.name!r}: its {field} is not deterministic: two calls on the same inputs "
+                "returned different values (the policy rows hold the design to it at every step)"
+            )
 
 
 def _inherited(cls: type, field: str) -> bool:
@@ -300,7 +346,11 @@ class CheckedCache(LayerCache):
 
     @property
     def written(self) -> int:
-        """Tokens written so far (an evicting design: one past the latest position it holds)."""
+        """Tokens written so far (an evicting design: its own count when it keeps one as an int `written`, as
+        SinkCache does, since a crop can leave it no slot; else one past the latest position it holds)."""
+        own = self._get("written") if _has(self.inner, "written") else None
+        if isinstance(own, int) and not isinstance(own, bool) and own >= 0:
+            return own
         pos = self.key_positions
         return self.length if pos is None or pos.numel() == 0 else int(pos.max()) + 1
 

@@ -179,6 +179,8 @@ class AttentionMask:
         allowed = (k_pos[:, None, :] <= q[:, :, None]) & (k_pos[:, None, :] >= 0)  # (B, T, S) causal by position
         if self.visible is not None:
             allowed = allowed & self.visible(q, k_pos)
+        # as _build: a query that may read nothing reads its own position (never an empty row)
+        allowed = allowed | (~allowed.any(-1, keepdim=True) & (k_pos[:, None, :] == q[:, :, None]))
         return allowed[:, None]  # (B, 1, T, S)
 
     def _exact(self, S: int) -> tuple[torch.Tensor | None, bool]:
