@@ -256,6 +256,8 @@ class Fault:
     demo: Callable[..., tuple] | None = None
     tp: bool = False  # fires only across tensor-parallel ranks (break --tp 2 or more); in one process it is dormant
     fires_past: int = 0  # fires only once a run's context (prompt + new tokens) exceeds this many tokens
+    # hides under a lossy design's own bound: only the =policy rows catch it, and they run in one process (not --tp)
+    policy_only: bool = False
 
     def applies_to(self, cache: str) -> bool:
         return cache != "none" and (self.any_cache or cache == self.cache)
@@ -546,6 +548,7 @@ FAULTS: dict[str, Fault] = {
         any_cache=False,
         layer_cache=_half_scales_reorder,
         demo=demo_lifecycle("reorder"),
+        policy_only=True,
     ),
     "int8-requantised-fork": Fault(
         "int8-requantised-fork",
@@ -558,6 +561,7 @@ FAULTS: dict[str, Fault] = {
         any_cache=False,
         layer_cache=_requantised_fork,
         demo=demo_lifecycle("fork"),
+        policy_only=True,
     ),
     "sink-evicts-one-more": Fault(
         "sink-evicts-one-more",
@@ -572,6 +576,7 @@ FAULTS: dict[str, Fault] = {
         layer_cache=_evicts_one_more,
         demo=demo_eviction,
         fires_past=sink.DEFAULT_SINK + sink.DEFAULT_WINDOW,
+        policy_only=True,
     ),
     "chunk-causal": Fault(
         "chunk-causal",
@@ -620,6 +625,11 @@ def select_faults(
             )
         elif f.tp and tp == 1:
             why[n] = "it fires only across tensor-parallel ranks: run it with --tp 2 (or more)"
+        elif f.policy_only and tp > 1:
+            why[n] = (
+                "it hides under the lossy design's own bound, and only the =policy rows catch it; they run in one "
+                "process: run it without --tp"
+            )
         elif context is not None and sum(context) <= f.fires_past:
             prompt, new = context
             why[n] = (

@@ -171,8 +171,10 @@ class GPT2Subject:
         )
         self.tol = tolerance(model.dtype, tp=tp, **own)
         self.reference_tol = tolerance(model.dtype, reference=True, **own)
-        # judged by its =policy rows (which run beside these in one process), not by its loose bound
-        self.by_policy = tp == 1 and spec.held_to_policy
+        # judged by its =policy rows (which run beside these in one process; under --tp rank_cache holds each rank's
+        # stored values to the policy), not by its loose bound
+        self.by_policy = spec.held_to_policy
+        self.policy_judge = "the =policy rows" if tp == 1 else "rank_cache (each rank's stored values, every step)"
 
     def known(self, check: str, detail: str) -> str | None:
         """Every part of our GPT-2 and its caches is kvbench's own: no failure is another library's. A design held
@@ -180,7 +182,9 @@ class GPT2Subject:
         against full precision (reported, with its distortion), not a verdict. A run that raised stays a failure."""
         if not self.by_policy or detail.startswith("the run raised"):
             return None
-        return "held exactly to its policy by the =policy rows; past the loose bound is the policy's cost (distortion)"
+        return (
+            f"held exactly to its policy by {self.policy_judge}; past the loose bound is the policy's cost (distortion)"
+        )
 
     def unavailable(self) -> str | None:
         return None

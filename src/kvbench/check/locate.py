@@ -377,6 +377,11 @@ class _Tap:
         self.probe.kv(self.layer, k, v, self.read)
         return k, v
 
+    @property
+    def key_positions(self):
+        """An evicting design's slot positions (the model masks by them), passed through."""
+        return getattr(self.cache, "key_positions", None)
+
 
 class GPT2Side:
     """Our GPT-2 subject as a replay sees it: the eager subject to rerun, the whole model as reference, the heads
