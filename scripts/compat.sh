@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-TESTS=(tests/test_hf_verify.py tests/test_recurrent.py tests/test_tp.py tests/test_memory_transformers.py)
+TESTS=(tests/test_hf_verify.py tests/test_recurrent.py tests/test_tp.py tests/test_memory_transformers.py tests/test_zoo.py)
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 
 floor() { sed -n 's/^ *"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml; }
