@@ -455,6 +455,7 @@ def test_a_rank_holds_its_share_of_a_layers_heads_or_every_head_where_the_plan_k
 def test_a_quantized_layer_is_not_read_as_plain_keys_and_values():
     """transformers' fp8 cache layer keeps its tokens quantized; its `keys` is an empty placeholder."""
     from transformers import cache_utils
+
     if not hasattr(cache_utils, "Fp8QuantizedLayer"):
         pytest.skip("transformers before 5.21 has no Fp8QuantizedLayer")
     from transformers.cache_utils import DynamicLayer, Fp8QuantizedLayer
@@ -498,6 +499,7 @@ def test_rank_cache_skips_a_cache_of_layers_without_plain_keys_and_values(monkey
     from types import SimpleNamespace
 
     from transformers import cache_utils
+
     if not hasattr(cache_utils, "Fp8QuantizedLayer"):
         pytest.skip("transformers before 5.21 has no Fp8QuantizedLayer")
     from transformers.cache_utils import DynamicLayer, Fp8QuantizedLayer
