@@ -290,7 +290,9 @@ def _slow(tmp_path: Path) -> dict:
     return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "MARKS": str(tmp_path / "marks")}
 
 
-def _start(tmp_path: Path, *args) -> subprocess.Popen:
+def _start(tmp_path: Path, *args, background: bool = False) -> subprocess.Popen:
+    """kvbench on the slow plugin; `background`: with SIGINT ignored, as a shell starts a job with `&` (and as
+    pytest-xdist's workers start their children), where no Ctrl-C can reach it."""
     base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
     return subprocess.Popen(
         [sys.executable, "-m", "kvbench", *map(str, args)],
@@ -298,6 +300,7 @@ def _start(tmp_path: Path, *args) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env={**base, "OMP_NUM_THREADS": "1", **_slow(tmp_path)},
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None,
     )
 
 
@@ -322,11 +325,13 @@ def _wait_for_marks(tmp_path: Path, n: int, p: subprocess.Popen, timeout: float 
     ],
     ids=["verify-sigterm", "break-sighup", "generate-sigterm"],
 )
-def test_sigterm_and_sighup_end_a_command_as_ctrl_c_does(tmp_path, command, sig):
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_sigterm_and_sighup_end_a_command_as_ctrl_c_does(tmp_path, command, sig, background):
+    """Wherever the signal lands, inside a plugin's code included, and whether or not SIGINT is ignored."""
     name = command[0]
     cache = ["--cache", "slowplug:Slow"] if name in ("break", "generate") else ["--caches", "slowplug:Slow"]
     junit = ["--junit-xml", str(tmp_path / "r.xml")] if name != "generate" else []
-    p = _start(tmp_path, *command, *cache, "--json", *junit)
+    p = _start(tmp_path, *command, *cache, "--json", *junit, background=background)
     _wait_for_marks(tmp_path, 1, p)
     p.send_signal(sig)
     out, err = p.communicate(timeout=120)

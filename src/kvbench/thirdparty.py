@@ -62,9 +62,12 @@ def watching_signals():
 
 def _real_interrupt(seen: int) -> bool:
     """A KeyboardInterrupt is real when a signal delivered it since `seen` (watching), or, unwatched, unless the
-    process ignores SIGINT (started in the background: no Ctrl-C can reach it, so the exception is the code's own)."""
+    process ignores SIGINT (started in the background: no Ctrl-C can reach it, so the exception is the code's own).
+    A signal one of kvbench's handlers noted (SIGTERM and SIGHUP too) is real wherever SIGINT stands."""
+    if _Signals.seen != seen:
+        return True
     if _Signals.watching:
-        return _Signals.seen != seen
+        return False
     main = threading.current_thread() is threading.main_thread()
     return not (main and signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
 
