@@ -142,18 +142,24 @@ def test_generate_keeps_max_new_tokens_as_an_alias():
 
 
 # --- out of memory: exit 3 ----------------------------------------------------------------------------------------------
-def test_a_real_allocation_failure_exits_3_in_one_line(tmp_path):
-    """A GPT-2 config within every field's bound whose embedding alone is 10M x 65,536 fp32 = 2.6 TB: the CPU
-    allocator refuses it at once (nothing is touched), and the command ends with exit 3, not 2."""
+@pytest.mark.parametrize("memory_known", [True, False], ids=["refused up front", "allocation failed"])
+def test_a_real_allocation_failure_exits_3_in_one_line(tmp_path, monkeypatch, memory_known):
+    """A GPT-2 config within every field's bound whose embedding alone is 10M x 65,536 fp32 = 2.6 TB: refused
+    before loading when the memory available is known; where it is not, the CPU allocator refuses it at once
+    (nothing is touched). Either way the command ends with one line and exit 3, not 2."""
+    if not memory_known:
+        monkeypatch.setattr("kvbench.devices.available_memory_bytes", lambda device: None)
     cfg = tmp_path / "config.json"
     cfg.write_text(
         json.dumps({"model_type": "gpt2", "vocab_size": 10_000_000, "n_layer": 1, "n_head": 1, "n_embd": 65_536})
     )
     r = CliRunner().invoke(app, ["generate", "hi", "-m", str(cfg), "--weights", "random", "--device", "cpu"])
     assert r.exit_code == 3, r.output
-    assert r.stderr.strip().splitlines() == [
-        "error: out of CPU memory (an allocation failed); lower --batch, the lengths or the model"
-    ], r.output
+    (line,) = r.stderr.strip().splitlines()
+    if memory_known:
+        assert "needs about 2636.1 GiB (weights 2633.7 + " in line and "GiB available" in line, line
+    else:
+        assert line == "error: out of CPU memory (an allocation failed); lower --batch, the lengths or the model"
     assert r.stdout == ""
 
 
