@@ -507,13 +507,13 @@ def hf_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankByt
         kinds = sorted({type(x).__name__ for x in layers[0]}) or [type(got.cache).__name__]
         why = f"{', '.join(kinds)} holds no plain keys and values per layer to compare"
         return skipped(s.cache, why, RANK_CACHE), None
-    exact = not s.tol.lossy
-    rtol = s.tol.rtol if exact else max(s.tol.rtol, LOSSY_SLICE_RTOL)
+    # K/V at the dtype's tolerance, a lossy cache's within one quantisation step: never its logit bound
+    rtol = tolerance(s.model.dtype, tp=tp.world).rtol if not s.tol.lossy else LOSSY_SLICE_RTOL
     mine, whole = [_Held(x) for x in layers[0]], [_Held(x) for x in layers[1]]
     heads = held_heads(mine, whole, tp.rank, tp.world)
-    tolerance = f"rtol {rtol:g}, atol 1e-5"
+    bound = f"rtol {rtol:g}, atol 1e-5"
     if isinstance(heads, str):
-        return CheckRow(name=RANK_CACHE, cache=s.cache, passed=False, tolerance=tolerance, detail=heads), None
+        return CheckRow(name=RANK_CACHE, cache=s.cache, passed=False, tolerance=bound, detail=heads), None
     row = compare_slices(s.cache, mine, whole, heads, rtol, 1e-5, tp.rank)
     every = [len(h) == w.k.size(1) for h, w in zip(heads, whole, strict=True)]
     if s.cache != "dynamic" or len(set(every)) > 1:  # the planner holds one rule for every layer
