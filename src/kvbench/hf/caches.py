@@ -17,7 +17,7 @@ from transformers import CompileConfig, DynamicCache, QuantizedCache, StaticCach
 
 from kvbench.caches.base import Traffic
 from kvbench.errors import KVBenchError, listed, shown
-from kvbench.hf.known import QUANTO_DEEPCOPY, STATIC_ROLLBACK_ON_RECURRENT, KnownDefect
+from kvbench.hf.known import QUANTO_DEEPCOPY, STATIC_PROMPT_LOOKUP_OVERRUN, STATIC_ROLLBACK_ON_RECURRENT, KnownDefect
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ HF_CACHES: dict[str, HFCache] = {
             _static,
             timed=True,
             traffic=STATIC_TRAFFIC,
-            known=(STATIC_ROLLBACK_ON_RECURRENT,),
+            known=(STATIC_ROLLBACK_ON_RECURRENT, STATIC_PROMPT_LOOKUP_OVERRUN),
         ),
         HFCache(
             "static-compiled",
@@ -179,7 +179,7 @@ HF_CACHES: dict[str, HFCache] = {
             default_on_cpu=False,
             timed=True,
             traffic=STATIC_TRAFFIC,
-            known=(STATIC_ROLLBACK_ON_RECURRENT,),
+            known=(STATIC_ROLLBACK_ON_RECURRENT, STATIC_PROMPT_LOOKUP_OVERRUN),
         ),
         HFCache(
             "offloaded",

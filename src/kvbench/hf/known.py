@@ -65,6 +65,17 @@ STATIC_ROLLBACK_ON_RECURRENT = KnownDefect(
     applies=lambda info: any("recurrent" in t for t in info.layer_types),
 )
 
+STATIC_PROMPT_LOOKUP_OVERRUN = KnownDefect(
+    "transformers",
+    ">=5.24",
+    ("rollback",),
+    "prompt-lookup decoding writes a draft proposed near the end of max_new_tokens past the last slot of the "
+    "StaticCache generate allocates (index_copy_ out of bounds); plain static greedy and prompt lookup on a "
+    "DynamicCache are fine and equal (seen on 5.24.0 and 5.25.0; not on 5.18.0)",
+    "docs/verify.md#the-lifecycle-checks-rollback-fork-reorder-chunked-prefill",
+    signature="generate(prompt_lookup_num_tokens=3) raised IndexError: index_copy_()",
+)
+
 QUANTO_DEEPCOPY = KnownDefect(
     "optimum-quanto",
     "",
