@@ -157,8 +157,9 @@ def test_transformers_caches_pass_or_skip_with_transformers_reason(hf_reports, f
             assert r.skipped and "is_croppable False" in r.detail, r
             continue
         if cache == "static" and name == "rollback":
-            # the rollback is exact; transformers' own prompt lookup overruns the StaticCache generate allocates
-            assert not r.passed and r.max_abs_diff <= 1e-5, r
+            # the rollback is exact; transformers' own prompt lookup overruns the StaticCache generate allocates:
+            # its known defect, reported and not judged (hf/known.py)
+            assert r.skipped and "a known defect of transformers" in r.detail, r
             assert "generate(prompt_lookup_num_tokens=3) raised IndexError" in r.detail, r
             continue
         assert r.passed and not r.skipped and r.max_abs_diff <= 1e-5, r
