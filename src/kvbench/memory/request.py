@@ -200,7 +200,7 @@ def _plot_path(o: Options) -> Path | None:
         raise KVBenchError(f"--plot {plot} must name a .png file")
     if not plot.parent.is_dir():
         raise KVBenchError(f"--plot {plot}: no such directory {plot.parent}")
-    from kvbench.results.rundir import output_kind
+    from kvbench.outputs import output_kind
 
     output_kind(plot, "--plot")  # a folder, a block device or a socket refused before any work
     return plot
