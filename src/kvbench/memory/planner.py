@@ -270,7 +270,7 @@ def _row(spec: ModelSpec, s: _Sizes, ctx: int) -> PlanRow:
 
 
 def _check_request(contexts: list[int], batches: list[int]) -> None:
-    # the caller's promise (memory/request.py: parse_ctx, validate.memory_rules)
+    # the caller's promise (memory/request.py: parse_ctx, memory_rules)
     assert contexts and all(1 <= c <= MAX_TOKENS for c in contexts), contexts
     assert all(b >= 1 for b in batches), batches
 
