@@ -459,12 +459,12 @@ def test_measure_static_equals_prediction_exactly():
 
 
 def test_measure_refuses_non_gpt2_and_quantized_dtype():
-    from kvbench.bench.measure_memory import measure_caches
+    from kvbench.bench.measure_memory import check_measure
 
     with pytest.raises(KVBenchError, match="gpt2-family"):
-        measure_caches("llama-3-8b", 1, 8, "fp16", "cpu")
+        check_measure("llama-3-8b", 1, [8], "fp16", "cpu")
     with pytest.raises(KVBenchError, match="kv-dtype"):
-        measure_caches("gpt2", 1, 8, "int4", "cpu")
+        check_measure("gpt2", 1, [8], "int4", "cpu")
 
 
 # --- the CLI ------------------------------------------------------------------------------------------------------

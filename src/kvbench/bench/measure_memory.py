@@ -132,11 +132,10 @@ def measure_caches(
     caches: list[str] | None = None,
 ) -> MeasureReport:
     """Allocate each cache in `caches` (default: every registered one) for (batch, ctx), fill it with ctx tokens,
-    and compare nbytes to the plan."""
-    if batch < 1 or ctx < 1:
-        raise KVBenchError(f"--measure needs batch >= 1 and ctx >= 1 (got batch {batch}, ctx {ctx})")
-    cfg = _gpt_config(name)
-    dtype = _torch_dtype(kv_dtype)
+    and compare nbytes to the plan. check_measure has refused what cannot be measured."""
+    # the caller's promise (request.memory_rules, check_measure): a batch and a context, a gpt2 preset, a torch format
+    assert batch >= 1 and ctx >= 1 and name in PRESETS and kv_dtype in DTYPES, (batch, ctx, name, kv_dtype)
+    cfg, dtype = PRESETS[name], DTYPES[kv_dtype]
     dev = resolve_device(device)
     spec = spec_from_gpt_config(cfg)
     fmt = get_kv_format(kv_dtype)
