@@ -18,9 +18,9 @@ from kvbench.check.faults import FAULTS, get_fault
 from kvbench.check.verify import run_verify
 from kvbench.decode.fixed_step import FixedShapeDecoder, runner_for
 from kvbench.decode.generate import EXACT, generate
+from kvbench.decode.rules import compile_mode
 from kvbench.errors import CacheOverflowError
 from kvbench.model.gpt2 import GPT, PRESETS, GPTConfig
-from kvbench.validate import compile_mode
 
 MASK_FAULT = FAULTS["mask"].rules  # the loop's rules with SDPA's causal flag left on in decode
 

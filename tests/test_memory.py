@@ -430,7 +430,8 @@ def test_copy_traffic_seed_example(presets):
 
 
 def test_copy_traffic_counter_equals_closed_form():
-    from kvbench.bench.measure_memory import count_copy_traffic, spec_from_gpt_config
+    from kvbench.bench.measure_memory import count_copy_traffic
+    from kvbench.memory.ours import spec_from_gpt_config
     from kvbench.model.gpt2 import PRESETS
 
     for name, n0, n1, batch in (("gpt2-tiny", 5, 40, 2), ("gpt2", 0, 24, 1)):
@@ -458,12 +459,12 @@ def test_measure_static_equals_prediction_exactly():
 
 
 def test_measure_refuses_non_gpt2_and_quantized_dtype():
-    from kvbench.bench.measure_memory import measure_caches
+    from kvbench.bench.measure_memory import check_measure
 
     with pytest.raises(KVBenchError, match="gpt2-family"):
-        measure_caches("llama-3-8b", 1, 8, "fp16", "cpu")
+        check_measure("llama-3-8b", 1, [8], "fp16", "cpu")
     with pytest.raises(KVBenchError, match="kv-dtype"):
-        measure_caches("gpt2", 1, 8, "int4", "cpu")
+        check_measure("gpt2", 1, [8], "int4", "cpu")
 
 
 # --- the CLI ------------------------------------------------------------------------------------------------------

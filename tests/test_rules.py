@@ -1,5 +1,6 @@
-"""Options are declared once (a settings dataclass's field) and each rule lives in one place (validate.py): every
-command's parameters are its settings' option fields, and one bound serves every command that shares its meaning."""
+"""Options are declared once (a settings dataclass's field) and each rule lives in one place (validate.py, or beside
+the registry or settings it reads: decode/rules.py, bench/rules.py, memory/request.py): every command's parameters
+are its settings' option fields, and one bound serves every command that shares its meaning."""
 
 import dataclasses
 

@@ -8,18 +8,21 @@ milliseconds instead of growing until the kernel kills the process.
     bounds               SEED_MAX, MAX_RUN_BATCH, MAX_PLAN_BATCH, REPEATS, ...
     values               integer, real, seed, new_tokens, run_batch, names
     the model's context  past_context, context_error, fits_context
-    per command          generate_rules, draft_rules, verify_rules, break_rules, bench_rules, memory_rules,
-                         compare_rules; compile_mode (every command that runs a step)
+    per command          sampling_rules, tp_rules, tp_shape_rules, verify_rules, break_rules
+    the environment      probe_bytes_setting
 
-What a value names (a cache, an engine, a fault, a model) is looked up in its registry, which refuses an unknown
-name; files are read through files.py, which refuses what cannot be read.
+This module imports nothing of kvbench but errors.py, so every layer can use it. A rule that needs a registry's facts
+lives beside that registry or the settings it checks, above both: compile_mode, draft_rules, padding_rule and
+generate_rules in decode/rules.py, bench_rules in bench/settings.py, bench --hf's in bench/hf_sweep.py, memory_rules in
+memory/request.py. What a value names (a cache, an engine, a fault, a model) is looked up in its registry, which
+refuses an unknown name; files are read through files.py, which refuses what cannot be read.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Protocol
 
 from kvbench.errors import KVBenchError, listed, shown
 
@@ -157,32 +160,6 @@ def fits_context(
 
 
 # --- the commands ----------------------------------------------------------------------------------------------------
-def compile_mode(mode: str, device_type: str | None = None, caches: list[str] | None = None) -> str:
-    """`--compile` for a step on `device_type`: one of COMPILE_MODES, max on the CPU only (not checked where the
-    device is not known yet: None); other than off, only where one of `caches` (when given) has a fixed-shape
-    step, since nothing else is compiled."""
-    from kvbench.caches import get_cache_spec
-    from kvbench.decode.fixed_step import COMPILE_MODES
-
-    if mode not in COMPILE_MODES:
-        raise KVBenchError(
-            f"--compile {mode!r}: use off (the eager step), default (torch.compile) or max (CPU: frozen weights, "
-            "autotuned C++ GEMMs)"
-        )
-    if caches is not None and mode != "off" and not any(get_cache_spec(c).fixed_step for c in caches):
-        runs = ", ".join(caches) or "none of kvbench's"
-        raise KVBenchError(
-            f"--compile {mode} compiles the fixed-shape decode step of static-graph; the caches run here ({runs}) "
-            "have none, so nothing would be compiled: add static-graph or drop --compile"
-        )
-    if mode == "max" and device_type not in (None, "cpu"):
-        raise KVBenchError(
-            f"--compile max compiles the CPU decode step (frozen weights, C++ GEMM templates); on {device_type} "
-            "use --compile default"
-        )
-    return mode
-
-
 def sampling_rules(temperature: float, top_k: int | None, seed_: int) -> None:
     real("--temperature", temperature, 0.0, TEMPERATURE_MAX)
     if top_k is not None:
@@ -193,79 +170,6 @@ def sampling_rules(temperature: float, top_k: int | None, seed_: int) -> None:
                 "give --temperature > 0 to sample, or drop --top-k"
             )
     seed(seed_)
-
-
-def draft_rules(
-    draft: str,
-    draft_tokens: int | None,
-    ngram: int | None,
-    cache: str,
-    n_prompts: int,
-    temperature: float,
-    compile: str,
-) -> None:
-    """--draft and its settings: a known method; --draft-tokens and --ngram only with prompt-lookup, within their
-    bounds; prompt-lookup only where it runs: one prompt, greedy, eager, a cache that can crop (a probe layer cache
-    is built on a tiny CPU config to ask it)."""
-    from kvbench.caches import get_cache_spec
-    from kvbench.caches.plugins import missing_lifecycle, probe_layer
-
-    one_of("--draft", draft, ("none", "prompt-lookup"))
-    if draft == "none":
-        for flag, value in (("--draft-tokens", draft_tokens), ("--ngram", ngram)):
-            if value is not None:
-                raise KVBenchError(f"{flag} {value} has no effect without --draft prompt-lookup; add it or drop {flag}")
-        return
-    if draft_tokens is not None:
-        integer("--draft-tokens", draft_tokens, 1, MAX_DRAFT_TOKENS)
-    if ngram is not None:
-        integer("--ngram", ngram, 1, MAX_NGRAM)
-    what = "--draft prompt-lookup decodes one prompt greedily"
-    if n_prompts != 1:
-        raise KVBenchError(f"{what} (batch 1); {n_prompts} prompts were given: give one prompt, or drop --draft")
-    if temperature > 0:
-        raise KVBenchError(f"{what}; --temperature {temperature:g} samples: use --temperature 0, or drop --draft")
-    if compile != "off":
-        raise KVBenchError(
-            f"--compile {compile} compiles static-graph's fixed-shape decode step, which --draft does not run "
-            "(its forwards verify several tokens at once): drop --compile or --draft"
-        )
-    spec = get_cache_spec(cache)
-    if spec.factory is None:
-        raise KVBenchError(
-            f"--draft prompt-lookup needs a cache to crop rejected draft tokens from; --cache {cache} keeps none: "
-            "use --cache dynamic (or another cache that implements crop)"
-        )
-    if "crop" in missing_lifecycle(probe_layer(spec)):
-        raise KVBenchError(
-            f"--draft prompt-lookup crops the cache after each verification; cache {cache!r} does not implement "
-            "crop: use a cache that does (every built-in one except none), or drop --draft"
-        )
-
-
-def generate_rules(o: Any, n_prompts: int) -> None:
-    """`kvbench generate` (cli/generate.py GenerateOptions), before the tokenizer and the model: one new token at
-    least, the batch, the cache, the compile mode, sampling and drafting."""
-    from kvbench.caches import get_cache_spec
-
-    new_tokens(o.new_tokens, 1, "generate makes at least one token")
-    run_batch(n_prompts, "the number of prompts")
-    get_cache_spec(o.cache)
-    compile_mode(o.compile, caches=[o.cache])
-    sampling_rules(o.temperature, o.top_k, o.seed)
-    draft_rules(o.draft, o.draft_tokens, o.ngram, o.cache, n_prompts, o.temperature, o.compile)
-
-
-def padding_rule(cache: str, lengths: Sequence[int]) -> None:
-    """Prompts of different lengths run as a left-padded batch; a design that evicts by position (`padding=False`
-    on its spec: its slots are positions, not columns) takes none."""
-    from kvbench.caches import get_cache_spec
-
-    if len(set(lengths)) > 1 and not get_cache_spec(cache).padding:
-        raise KVBenchError(
-            f"cache {cache} evicts by position and takes no left-padded batch, but the prompts encode to "
-            f"{listed(lengths)} tokens: give prompts of one length, or run them one at a time"
-        )
 
 
 CHECKED_NEW_TOKENS = 2  # verify and break: the logits check (and a fault) needs at least one decode step
@@ -299,7 +203,31 @@ def tp_shape_rules(tp: int, what: str, heads: int, kv_heads: int, width: int | N
             )
 
 
-def verify_rules(o: Any) -> None:
+class CheckedRun(Protocol):
+    """What verify_rules and break_rules read of a command that checks a cache (cli/verify.py VerifyOptions,
+    cli/break_.py BreakOptions)."""
+
+    new_tokens: int
+    batch: int
+    reference: str
+    seed: int
+    tp: int
+    tp_timeout: float
+
+
+class VerifyChoices(CheckedRun, Protocol):
+    """What verify_rules reads of `kvbench verify`'s options beyond CheckedRun's."""
+
+    prompt_len: int
+    compile: str
+    hf: str | None
+    trust_remote_code: bool
+    layers: int | None
+    model: str | None
+    weights: str
+
+
+def verify_rules(o: VerifyChoices) -> None:
     """`kvbench verify` (cli/verify.py VerifyOptions), before any model is loaded."""
     new_tokens(o.new_tokens, CHECKED_NEW_TOKENS, "the logits check needs a decode step")
     run_batch(o.batch, least=2, why="the batched check needs prompts of different lengths")
@@ -325,7 +253,7 @@ def verify_rules(o: Any) -> None:
         )
 
 
-def break_rules(o: Any) -> None:
+def break_rules(o: CheckedRun) -> None:
     """`kvbench break` (cli/break_.py BreakOptions), before any model is loaded."""
     new_tokens(o.new_tokens, CHECKED_NEW_TOKENS, "a fault shows from the first decode step")
     if o.batch < 2:
@@ -335,270 +263,6 @@ def break_rules(o: Any) -> None:
     reference(o.reference)
     seed(o.seed)
     tp_rules(o.tp, o.tp_timeout)
-
-
-# --- bench -----------------------------------------------------------------------------------------------------------
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def bench_rules(s: Any) -> None:
-    """A bench sweep's settings (bench/settings.py BenchSettings), from the TOML file and the command line, types
-    already checked: ranges, names, duplicates (a prompt length, batch, cache or engine given twice runs once, so
-    they are normalised here), an empty sweep, and combinations that would be silently ignored."""
-    from kvbench import dtypes
-    from kvbench.bench.engines import ENGINES
-    from kvbench.caches import parse_cache_names
-
-    for key in ("model", "weights", "device", "dtype"):
-        value = getattr(s, key)
-        if value is not None and not value.strip():
-            raise KVBenchError(f"{_flag(key)} is empty; give a value or leave the option out")
-    # any spelling (half, torch.bfloat16, ...) -> the canonical name, which settings.json records
-    s.dtype = dtypes.canonical(s.dtype, "--dtype", dtypes.FLOATS, extra=("auto",))
-    if not s.batch:
-        raise KVBenchError("--batch is empty; give one or more batch sizes, e.g. 1,4,16")
-    if min(s.batch) < 1:
-        raise KVBenchError(f"--batch values must be >= 1, got {listed(b for b in s.batch if b < 1)}")
-    if max(s.batch) > MAX_RUN_BATCH:
-        raise KVBenchError(f"--batch values must be at most {MAX_RUN_BATCH:,}, got {max(s.batch):,}")
-    s.batch = list(dict.fromkeys(s.batch))
-    for key, (lo, hi) in (("repeats", REPEATS), ("warmup", WARMUP), ("threads", THREADS)):
-        value = getattr(s, key)
-        if value is not None and not lo <= value <= hi:
-            raise KVBenchError(f"{_flag(key)} must be between {lo} and {hi}, got {value}")
-    seed(s.seed)
-    new_tokens(s.new_tokens, 2, "one prefill token + decode steps")
-    if not s.prompt_len:
-        raise KVBenchError("--prompt-len is empty; give one or more prompt lengths, e.g. 16,128,512")
-    if min(s.prompt_len) < 1:
-        raise KVBenchError(f"--prompt-len values must be >= 1, got {listed(p for p in s.prompt_len if p < 1)}")
-    s.prompt_len = list(dict.fromkeys(s.prompt_len))
-    if not s.caches:
-        raise KVBenchError("--caches is empty; name one or more caches, or 'all'")
-    s.caches = parse_cache_names(",".join(s.caches))  # validated, each once
-    if not s.engine:
-        raise KVBenchError(f"--engine is empty; name one or more of {', '.join(ENGINES)}")
-    for e in s.engine:
-        if e not in ENGINES:
-            raise KVBenchError(f"unknown engine {e!r}; engines: {', '.join(ENGINES)}")
-    s.engine = list(dict.fromkeys(s.engine))
-    if s.fill not in ("prefill", "random"):
-        raise KVBenchError(f"--fill {s.fill!r}: use prefill (a real prefill, the default) or random")
-    compile_mode(s.compile, caches=s.caches if "kvbench" in s.engine else [])
-    if s.order not in ("sequential", "interleaved"):
-        raise KVBenchError(
-            f"--order {s.order!r}: use sequential (each configuration's runs back to back, the default) or "
-            "interleaved (timed runs in rounds over the configurations of a prompt length)"
-        )
-    tp_rules(s.tp, s.tp_timeout, s.compile)
-    if s.fill == "random":
-        _random_fill_rules(s)
-    if s.tp > 1:
-        _tp_bench_rules(s)
-    for e in s.engine:
-        if not any(ENGINES[e].supports(c) for c in s.caches):
-            runs = [c for c in ("none", "dynamic", "static") if ENGINES[e].supports(c)]
-            raise KVBenchError(
-                f"engine {e} runs none of the caches asked for ({', '.join(s.caches)}): it runs "
-                f"{', '.join(runs)}; add one of them to --caches or drop {e} from --engine"
-            )
-
-
-def _tp_bench_rules(s: Any) -> None:
-    """bench --tp N (N > 1): what the ranks cannot run in step is refused before any rank starts."""
-    others = [e for e in s.engine if e != "kvbench"]
-    if others:
-        raise KVBenchError(
-            f"--engine {','.join(others)} with --tp {s.tp}: transformers' engines cannot split GPT-2 (it has no "
-            "tensor-parallel plan in transformers); use --engine kvbench, or --hf SOURCE for a model transformers "
-            "splits itself"
-        )
-    if s.fill == "random":
-        raise KVBenchError(f"--fill random with --tp {s.tp}: the context sweep runs in one process; drop --tp")
-    if s.order != "sequential":
-        raise KVBenchError(
-            f"--order interleaved with --tp {s.tp}: ranks hold one configuration at a time; use --order sequential"
-        )
-    if s.profile:
-        raise KVBenchError(f"--profile with --tp {s.tp}: the profiler traces one process; drop --profile or --tp")
-
-
-def bench_hf_tp_rules(tp: int, caches: list[str]) -> None:
-    """bench --hf --tp N: no compiled decode step (one is not built for the collectives between ranks)."""
-    from kvbench.hf.caches import compiles
-
-    compiled = [c for c in caches if compiles(c)]
-    if tp > 1 and compiled:
-        raise KVBenchError(
-            f"--caches {','.join(compiled)} with --tp {tp}: the compiled decode step is not built for the "
-            f"all-reduce between ranks; drop {','.join(compiled)} (static runs the same cache eagerly)"
-        )
-
-
-def bench_hf_rules(raw: dict, given: dict, config: Any) -> None:
-    """bench --hf's settings as read (the TOML file's keys, then the options `given`): what chooses our GPT-2 or its
-    engine is refused, naming where it came from (the --config file, or the option)."""
-
-    def from_file(key: str) -> bool:
-        return given.get(key) is None  # in raw, but not given as an option: the --config file set it
-
-    if raw.get("fill") == "random":  # checked first: it also brings its own defaults (engine kvbench, ...)
-        what = f"--config {config} sets fill = random" if from_file("fill") else "--fill random"
-        raise KVBenchError(
-            f"{what}: random-filled caches are timed on kvbench's own GPT-2 only; with --hf the engine is "
-            "transformers' generate, which fills its cache with a real prefill: use --fill prefill (the default)"
-        )
-    if raw.get("compile", "off") != "off":
-        what = (
-            f"--config {config} sets compile = {raw['compile']}"
-            if from_file("compile")
-            else f"--compile {raw['compile']}"
-        )
-        raise KVBenchError(
-            f"{what}: --compile runs kvbench's own fixed-shape decode step; with --hf transformers' generate runs "
-            "the model (its compiled static cache is --caches static-compiled)"
-        )
-    for key in ("model", "weights"):
-        if key in raw:
-            what, fix = (
-                (f"--config {config} sets {key}, which", f"remove {key} from it")
-                if from_file(key)
-                else (f"--{key}", f"drop --{key}")
-            )
-            raise KVBenchError(f"{what} chooses kvbench's own GPT-2; with --hf the model is SOURCE: {fix}")
-    engine = raw.get("engine")
-    if engine is not None and list(dict.fromkeys(engine)) != ["hf"]:
-        names = ",".join(engine) or repr("")
-        what, fix = (
-            (f"--config {config} sets engine = {names}", "remove engine from it")
-            if from_file("engine")
-            else (f"--engine {names}", "drop --engine")
-        )
-        raise KVBenchError(
-            f"{what}: with --hf the one engine is transformers' generate on the model (hf; its compiled static cache "
-            f"is --caches static-compiled); {fix}"
-        )
-
-
-def _random_fill_rules(s: Any) -> None:
-    from kvbench.bench.timing_stats import DEFAULT_PERCENTILES
-
-    if "none" in s.caches:
-        raise KVBenchError(
-            "--fill random times decode steps over a filled cache, and `none` has no cache to fill; "
-            "drop none from --caches"
-        )
-    others = [e for e in s.engine if e != "kvbench"]
-    if others:
-        raise KVBenchError(
-            f"--fill random runs only --engine kvbench (transformers' generate cannot start from a cache filled "
-            f"without a prefill); drop {', '.join(others)}"
-        )
-    if s.order != "sequential":
-        raise KVBenchError("--order interleaved applies to prefill sweeps; --fill random holds one cache at a time")
-    if s.profile:
-        raise KVBenchError("--profile traces prefill sweeps; it does not apply to --fill random")
-    if len(s.batch) > 1:
-        raise KVBenchError(
-            f"--fill random sweeps contexts at one batch size, got --batch {listed(s.batch, sep=',')}; "
-            "run one sweep per batch size, or sweep batch sizes with a prefill sweep"
-        )
-    if s.percentiles != list(DEFAULT_PERCENTILES):
-        raise KVBenchError(
-            "--percentiles applies to prefill sweeps; --fill random writes its own tpot_ms_p10 and tpot_ms_p90"
-        )
-
-
-# --- memory ----------------------------------------------------------------------------------------------------------
-# option -> (the runs it belongs to, how to say so). A given option outside its run would be silently ignored.
-_MEMORY_SCOPE = {
-    "--from": ("copy", "--from and --to go with --copy-traffic"),
-    "--to": ("copy", "--from and --to go with --copy-traffic"),
-    "--lengths": ("measure", "--lengths goes with --measure (it fills a real paged cache)"),
-    "--device": ("measure copy", "--device goes with --measure or --copy-traffic (a plan allocates nothing)"),
-    "--caches": ("measure", "--caches goes with --measure (it names the caches to allocate)"),
-    "--gpu": ("plan", "--gpu sizes a plan; --measure and --copy-traffic do not use it"),
-    "--gpu-mem": ("plan", "--gpu-mem sizes a plan; --measure and --copy-traffic do not use it"),
-    "--tp": ("plan", "--tp splits a plan over GPUs; --measure and --copy-traffic do not use it"),
-    "--tp-engine": (
-        "plan",
-        "--tp-engine says how --tp splits a plan; --measure and --copy-traffic do not use it",
-    ),
-    "--weights-dtype": (
-        "plan",
-        "--weights-dtype sizes a plan's weights; --measure and --copy-traffic do not",
-    ),
-    "--check": ("plan", "--check checks a plan: use it without --measure and --copy-traffic"),
-    "--bandwidth": (
-        "plan",
-        "--bandwidth gives a plan its decode floor; --measure and --copy-traffic do not use it",
-    ),
-    "--plot": ("plan", "--plot draws a plan; --measure and --copy-traffic do not make one"),
-}
-
-
-def memory_rules(o: Any, batches: list[int]) -> None:
-    """`kvbench memory` (memory/request.py Options), its --batch list read: combinations that would be silently
-    ignored, and the bounds."""
-    if o.all_ and (o.model or o.config is not None):
-        raise KVBenchError("use --all or --model/--config, not both")
-    if o.gpu is not None and o.gpu_mem is not None:
-        raise KVBenchError("use --gpu or --gpu-mem, not both")
-    runs = ({"measure"} if o.measure else set()) | ({"copy"} if o.copy_traffic else set()) or {"plan"}
-    given = {
-        "--from": o.from_ is not None,
-        "--to": o.to is not None,
-        "--lengths": o.lengths is not None,
-        "--device": o.device is not None,
-        "--caches": o.caches is not None,
-        "--gpu": o.gpu is not None,
-        "--gpu-mem": o.gpu_mem is not None,
-        "--tp": o.tp is not None,
-        "--weights-dtype": o.weights_dtype is not None,
-        "--tp-engine": o.tp_engine is not None,
-        "--check": o.check,
-        "--bandwidth": o.bandwidth is not None,
-        "--plot": o.plot is not None,
-    }
-    for opt, on in given.items():
-        scope, why = _MEMORY_SCOPE[opt]
-        if on and not runs & set(scope.split()):
-            raise KVBenchError(why)
-    if o.overhead is not None and o.gpu is None and o.gpu_mem is None:
-        raise KVBenchError("--overhead goes with --gpu or --gpu-mem (it is set aside from the GPU's memory)")
-    if o.check and o.all_:
-        raise KVBenchError("--check builds each model on the meta device: name them with --model or --config")
-    if o.measure and (o.all_ or o.config is not None or not o.model or len(o.model) != 1):
-        raise KVBenchError("--measure takes one gpt2-family --model (gpt2, gpt2-medium, gpt2-large, gpt2-xl)")
-    for b in batches:
-        if not 1 <= b <= MAX_PLAN_BATCH:
-            raise KVBenchError(f"--batch {b} must be from 1 to {MAX_PLAN_BATCH:,}")
-    if len(batches) > 1 and (o.measure or o.copy_traffic or o.all_):
-        raise KVBenchError("--measure, --copy-traffic and --all take one --batch; a list goes with --model")
-    if o.tp is not None and o.tp < 1:
-        raise KVBenchError(f"--tp {o.tp} must be at least 1")
-    if o.tp_engine is not None:
-        from kvbench.memory.formulas import TP_ENGINES
-
-        one_of("--tp-engine", o.tp_engine, TP_ENGINES)
-        if o.tp is None:
-            raise KVBenchError("--tp-engine says how --tp splits the KV heads: give --tp too")
-    if o.plot is not None:
-        if o.gpu is None and o.gpu_mem is None:
-            raise KVBenchError("--plot draws against a GPU's memory: give --gpu h100 or --gpu-mem 80GiB")
-        if o.all_:
-            raise KVBenchError("--plot draws the models named with --model (or --config), not --all")
-
-
-def copy_range_rules(n0: int, n1: int) -> None:
-    """`memory --copy-traffic --from N0 --to N1` (defaults filled in)."""
-    from kvbench.memory.units import MAX_TOKENS
-
-    if n0 < 0 or n1 <= n0:
-        raise KVBenchError(f"--from {n0} --to {n1}: need 0 <= from < to")
-    if n1 > MAX_TOKENS:
-        raise KVBenchError(f"--to {n1} is more than {MAX_TOKENS:,} tokens (2^40)")
 
 
 # --- the environment -------------------------------------------------------------------------------------------------

@@ -36,7 +36,6 @@ from kvbench.caches import get_cache_spec, make_caches
 from kvbench.check.distortion import Distortion, measure_layers
 from kvbench.decode import fixed_step
 from kvbench.devices import synchronize
-from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPT
 
 FILL_CHUNK = 4096  # tokens per update while filling: bounds the temporary random K/V
@@ -198,10 +197,9 @@ def run_context_sweep(
     """Every (context, cache), contexts outermost so that an interrupted sweep has every cache at the contexts it
     finished. A configuration that runs out of memory, or whose cache raises, becomes a row saying so."""
     cfg = model.config
-    fix = "use --model gpt2-long (65,536 positions) or shorter contexts"
-    validate.fits_context("context", contexts, new_tokens, cfg.block_size, fix, f"{cfg.name}'s")
-    if "none" in caches:
-        raise KVBenchError("--fill random times decode steps over a filled cache; `none` has no cache to fill")
+    # the caller's promise (bench/rules.py refuses none with --fill random; settings.check_sizes, the context)
+    assert "none" not in caches, caches
+    assert not any(validate.past_context(c + new_tokens, cfg.block_size) for c in contexts), (contexts, new_tokens)
     total, done, results = len(caches) * len(contexts) * (warmup + repeats), 0, []
 
     def advance(n: int, label: str) -> None:
@@ -266,7 +264,7 @@ def _measure(
     held, failure = 0, None
     try:
         layers = make_caches(cache, model.cache_config, batch, context + new_tokens, dt, dev)
-        assert layers is not None, "a random fill needs a cache (run_context_sweep refuses none)"
+        assert layers is not None, "a random fill needs a cache (bench/rules.py refuses none)"
         for _ in range(runs):
             for c in layers:
                 c.reset()

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench import devices, validate
+from kvbench import devices
 from kvbench.bench.engines import RunTiming, weight_bytes
+from kvbench.bench.rules import bench_hf_rules, bench_hf_tp_rules, bench_rules
 from kvbench.bench.settings import (
     BenchSettings,
     check_fits_context,
@@ -138,19 +139,19 @@ class HFModelEngine:
 # --- settings and checks before any work ---------------------------------------------------------------------------
 def hf_bench_settings(config, given: dict) -> BenchSettings:
     """bench's settings for --hf: the TOML file and the options as for GPT-2, checked by the same rules
-    (validate.bench_hf_rules, then validate.bench_rules), with transformers' cache names and the one engine."""
+    (rules.bench_hf_rules, then rules.bench_rules), with transformers' cache names and the one engine."""
     raw = read_settings(config, given)
-    validate.bench_hf_rules(raw, given, config)
+    bench_hf_rules(raw, given, config)
     raw.pop("engine", None)
     caches = raw.pop("caches", None)
     # bench_rules knows our registry's cache and engine names only: it checks everything else here, and the caches
     # are transformers' (parse_bench_caches)
     s = BenchSettings(**raw, caches=["none"], engine=["kvbench"])
-    validate.bench_rules(s)
-    if caches is None and s.tp > 1:  # every timed cache but a compiled one (validate.bench_hf_tp_rules)
+    bench_rules(s)
+    if caches is None and s.tp > 1:  # every timed cache but a compiled one (rules.bench_hf_tp_rules)
         caches = [c for c in TIMED if not compiles(c)]
     s.caches, s.engine = parse_bench_caches(caches), ["hf"]
-    validate.bench_hf_tp_rules(s.tp, s.caches)
+    bench_hf_tp_rules(s.tp, s.caches)
     return s
 
 

@@ -20,6 +20,7 @@ from kvbench.caches.paged import paged_memory_report
 from kvbench.devices import DTYPES, device_name, resolve_device
 from kvbench.errors import KVBenchError, NotEnoughMemoryError, is_out_of_memory
 from kvbench.memory.formulas import bytes_per_sequence, copy_traffic, layer_bytes_per_token
+from kvbench.memory.ours import planner_format, spec_from_gpt_config
 from kvbench.memory.spec import KVFormat, ModelSpec, get_kv_format
 from kvbench.memory.units import GiB, fmt_bytes, fmt_int
 from kvbench.model.gpt2 import PRESETS, GPTConfig
@@ -62,22 +63,6 @@ class MeasureReport:
     warnings: list[str] = field(default_factory=list)  # e.g. a context beyond the model's trained maximum
 
 
-def spec_from_gpt_config(cfg: GPTConfig) -> ModelSpec:
-    """Our GPT-2's shape as the planner sees it (MHA: one K/V head per query head)."""
-    return ModelSpec(
-        name=cfg.name,
-        source="kvbench.model.gpt2.PRESETS",
-        family="gpt2",
-        n_layers=cfg.n_layer,
-        n_heads=cfg.n_head,
-        n_kv_heads=cfg.n_head,
-        head_dim=cfg.head_dim,
-        hidden_size=cfg.n_embd,
-        max_context=cfg.block_size,
-        params=None,
-    )
-
-
 def _gpt_config(name: str) -> GPTConfig:
     if name not in PRESETS:
         raise KVBenchError(
@@ -106,13 +91,6 @@ def _fill(caches, cfg: GPTConfig, batch: int, n0: int, n1: int, dtype, device) -
         pos = torch.arange(start, end, device=device).expand(batch, T)  # (B, T)
         for c in caches:
             c.update(k, v, pos)
-
-
-def planner_format(design: CacheSpec, fmt: KVFormat) -> KVFormat:
-    """The planner's storage format that models `design`: the one of the element type the design stores K and V in
-    (int8: the planner's int8, whose fp16 scale per 64 elements is an int8 cache's scale per head of GPT-2), else
-    `fmt`, the --kv-dtype asked for."""
-    return get_kv_format(design.storage_dtype) if design.storage_dtype else fmt
 
 
 def _explain(
@@ -154,11 +132,10 @@ def measure_caches(
     caches: list[str] | None = None,
 ) -> MeasureReport:
     """Allocate each cache in `caches` (default: every registered one) for (batch, ctx), fill it with ctx tokens,
-    and compare nbytes to the plan."""
-    if batch < 1 or ctx < 1:
-        raise KVBenchError(f"--measure needs batch >= 1 and ctx >= 1 (got batch {batch}, ctx {ctx})")
-    cfg = _gpt_config(name)
-    dtype = _torch_dtype(kv_dtype)
+    and compare nbytes to the plan. check_measure has refused what cannot be measured."""
+    # the caller's promise (request.memory_rules, check_measure): a batch and a context, a gpt2 preset, a torch format
+    assert batch >= 1 and ctx >= 1 and name in PRESETS and kv_dtype in DTYPES, (batch, ctx, name, kv_dtype)
+    cfg, dtype = PRESETS[name], DTYPES[kv_dtype]
     dev = resolve_device(device)
     spec = spec_from_gpt_config(cfg)
     fmt = get_kv_format(kv_dtype)

@@ -10,122 +10,19 @@ from __future__ import annotations
 
 import re
 import typing
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from kvbench import files, validate
+from kvbench.bench.choices import BenchSettings, all_caches
+from kvbench.bench.rules import bench_rules
+from kvbench.decode.rules import compile_mode
 from kvbench.errors import KVBenchError, NotEnoughMemoryError, shown
-from kvbench.options import (
-    compile_option,
-    device_option,
-    dtype_option,
-    model_option,
-    option,
-    seed_option,
-    tp_option,
-    tp_timeout_option,
-    weights_option,
-)
 
 if typing.TYPE_CHECKING:
     import torch
 
     from kvbench.model.gpt2 import GPTConfig
-
-
-def _all_caches() -> list[str]:
-    from kvbench.caches import CACHES
-
-    return list(CACHES)
-
-
-def _default_percentiles() -> list[float]:
-    from kvbench.bench.timing_stats import DEFAULT_PERCENTILES
-
-    return list(DEFAULT_PERCENTILES)
-
-
-@dataclass
-class BenchSettings:
-    """One sweep. Every field can come from a TOML file in configs/bench/ (its key is the field's name) and be
-    overridden on the command line (its option is declared on the field); validate.bench_rules checks them."""
-
-    model: str | None = model_option()  # None: gpt2, or the checkpoint's own with --weights
-    weights: str = weights_option()
-    device: str = device_option()
-    dtype: str = dtype_option("auto")
-    seed: int = seed_option()  # random weights and the random prompt ids
-    prompt_len: list[int] = option(
-        "--prompt-len",
-        default_factory=lambda: [16, 128, 512],  # a short, a medium and a long prompt
-        cli_type=str,
-        help="Prompt lengths (with --fill random: contexts) to sweep, comma-separated; a k suffix is x1024, "
-        "e.g. 256,1k,4k,16k (default: 16,128,512).",
-    )
-    # generated tokens per run (the first from the prefill, the rest decode steps)
-    new_tokens: int = option("--new-tokens", "-n", default=400, help="Tokens generated per run (default: 400).")
-    caches: list[str] = option(
-        "--caches",
-        default_factory=_all_caches,
-        cli_type=str,
-        help="Comma-separated cache names, or 'all' (default: all registered). With --hf: none, dynamic, "
-        "static, static-compiled.",
-    )
-    engine: list[str] = option(
-        "--engine",
-        default_factory=lambda: ["kvbench", "hf"],
-        cli_type=str,
-        help="kvbench, hf (transformers' generate, eager), hf-compiled (its static cache with its default "
-        "torch.compile), comma-separated (default: kvbench,hf).",
-    )
-    # sequences per run (same length, no padding); several: a batch sweep (rows per batch size, batch.png)
-    batch: list[int] = option(
-        "--batch",
-        default_factory=lambda: [1],
-        cli_type=str,
-        help="Sequences per run, comma-separated to sweep batch sizes (rows per size, batch.png), e.g. 1,4,16,64 "
-        "(default: 1).",
-    )
-    repeats: int = option("--repeats", default=3, help="Timed runs per configuration (default: 3).")
-    # the first warm-up is the reported cold run
-    warmup: int = option(
-        "--warmup", default=1, help="Runs before the timed ones; the first is reported as cold (default: 1)."
-    )
-    out: str | None = option("--out", "-o", default=None, help="Run folder (default: results/<timestamp>-bench/).")
-    threads: int | None = option(
-        "--threads", default=None, help="torch CPU threads (default: torch's default: one per core)."
-    )
-    fill: str = option(
-        "--fill",
-        default="prefill",
-        help="prefill (default): a real prefill fills the cache, TTFT and decode timed. random: caches filled "
-        "with random K/V to each --prompt-len without a prefill, only decode timed (long contexts: -m gpt2-long).",
-    )
-    order: str = option(
-        "--order",
-        default="sequential",
-        help="sequential (default): each configuration's runs back to back. interleaved: cold and warm-up runs "
-        "back to back, then the timed runs in rounds over every configuration of a prompt length, so drift on "
-        "a shared machine hits every row alike (rows are written when the prompt length's rounds end).",
-    )
-    compile: str = compile_option()  # how static-graph's fixed-shape decode step runs (decode/fixed_step.py)
-    profile: bool = option(
-        "--profile/--no-profile",
-        default=False,
-        help="One more warm run per configuration under torch.profiler, after the timed ones: a Chrome/Perfetto "
-        "trace in the run folder's profile/, its top operators by self time in profile_ops.csv and printed.",
-    )
-    # summary.csv's tpot_ms_pNN columns (50 and 90 are always there as tpot_ms_median, tpot_ms_p90)
-    percentiles: list[float] = option(
-        "--percentiles",
-        default_factory=_default_percentiles,
-        cli_type=str,
-        help="TPOT percentiles written to summary.csv as tpot_ms_pNN, comma-separated, each strictly between 0 "
-        "and 100 (default: 50,90,99; the median and p90 columns are always written).",
-    )
-    # tensor-parallel ranks: every rank runs the sweep on its shard, rank 0 writes the run folder (bench/tp.py)
-    tp: int = tp_option()
-    tp_timeout: float = tp_timeout_option()
 
 
 # Under --tp N the default engine is ours alone: transformers' engines cannot split GPT-2 (it has no TP plan there).
@@ -134,7 +31,7 @@ TP_DEFAULTS = {"engine": lambda: ["kvbench"]}
 # With --fill random a sweep times decode steps at long contexts (bench/context.py): no `none` (nothing to fill), only our
 # engine (transformers' generate cannot start from a filled cache), and a few dozen steps per context.
 FILL_RANDOM_DEFAULTS = {
-    "caches": lambda: [c for c in _all_caches() if c != "none"],
+    "caches": lambda: [c for c in all_caches() if c != "none"],
     "engine": lambda: ["kvbench"],
     "new_tokens": lambda: 32,
 }
@@ -218,12 +115,12 @@ def resolve_config_path(path: str | Path) -> Path:
 
 def load_settings(path: str | Path | None, given: dict) -> BenchSettings:
     """Defaults < the TOML file at `path` < `given` (the options given on the command line, by field name; None
-    values are not given), checked (validate.bench_rules). Under --tp the engine defaults to kvbench's alone."""
+    values are not given), checked (bench/rules.py bench_rules). Under --tp the engine defaults to kvbench's alone."""
     raw = read_settings(path, given)
     if raw.get("tp", 1) > 1:
         raw.update({k: make() for k, make in TP_DEFAULTS.items() if k not in raw})
     s = BenchSettings(**raw)
-    validate.bench_rules(s)
+    bench_rules(s)
     return s
 
 
@@ -388,7 +285,7 @@ def check_sizes(
     weights_loaded: the model is already in memory, so what is still available is compared without it."""
     from kvbench import devices
 
-    validate.compile_mode(s.compile, device.type)
+    compile_mode(s.compile, device.type)
     check_fits_context(s, cfg.block_size, cfg.name)
     elem = dtype.itemsize
     weights = 0 if weights_loaded else gpt2_parameters(cfg) * elem

@@ -44,7 +44,7 @@ def prompt_lines(path: Path) -> list[str]:
 
 @dataclass
 class GenerateOptions:
-    """One `kvbench generate` command line (validate.generate_rules)."""
+    """One `kvbench generate` command line (decode/rules.py generate_rules)."""
 
     prompt: str | None = option(argument=True, default=None, help="The prompt (or use --prompt / --prompts-file).")
     prompts: list[str] | None = option(
@@ -119,17 +119,18 @@ def prepare(o: GenerateOptions) -> Prepared:
     texts = read_prompts(o.prompt, o.prompts, o.prompts_file)
     from kvbench import validate
     from kvbench.decode.generate import Sampler
+    from kvbench.decode.rules import compile_mode, generate_rules, padding_rule
     from kvbench.model.tokenizer import load_tokenizer
     from kvbench.model.weights import peek_config
 
-    validate.generate_rules(o, len(texts))
+    generate_rules(o, len(texts))
     sampler = Sampler(temperature=o.temperature, top_k=o.top_k, seed=o.seed)
     tok = load_tokenizer(o.tokenizer)
     ids = [tok.encode(t) for t in texts]
     for i, p in enumerate(ids):
         if not p:
             raise KVBenchError(f"prompt {i + 1} encodes to zero tokens")
-    validate.padding_rule(o.cache, [len(p) for p in ids])
+    padding_rule(o.cache, [len(p) for p in ids])
     cfg = peek_config(o.model, o.weights)
     longest = max(map(len, ids))
     validate.fits_context(
@@ -146,7 +147,7 @@ def prepare(o: GenerateOptions) -> Prepared:
     what = f"{len(ids):,} prompt(s) of up to {longest} tokens + {o.new_tokens} new"
     check_run_fits(cfg, len(ids), longest + o.new_tokens, resolve_dtype(o.dtype, run_on), run_on, what, 1)
     loaded, dev, dt = load_for_cli(o.model, o.weights, o.device, o.dtype, o.seed)
-    validate.compile_mode(o.compile, dev.type)
+    compile_mode(o.compile, dev.type)
     vocab = loaded.config.vocab_size
     for i, p in enumerate(ids):
         if max(p) >= vocab:

@@ -50,13 +50,7 @@ def prepare_bench_hf(source: str, checked: tuple, layers: int | None, trust: boo
     Returns (settings, run folder to create, the model as the sweep and the recorder read it, device, dtype,
     engines, warnings, meta.json additions, the batch sizes predicted not to fit with their reasons, and under
     --tp this rank's part of the sweep: bench/tp.py)."""
-    from kvbench.bench.hf_sweep import (
-        HFModelEngine,
-        bench_meta,
-        bench_view,
-        check_sizes_hf,
-        sweep_warnings_hf,
-    )
+    from kvbench.bench import hf_sweep as hs
     from kvbench.check.causal import refuse_non_causal
     from kvbench.hf.models import load_hf
 
@@ -76,14 +70,14 @@ def prepare_bench_hf(source: str, checked: tuple, layers: int | None, trust: boo
         layers,
         trust,
         run=(min(settings.batch), longest),
-        check=lambda shape: oversized.update(check_sizes_hf(settings, shape, dt, dev)),
+        check=lambda shape: oversized.update(hs.check_sizes_hf(settings, shape, dt, dev)),
         tp=tp is not None,
     )
     refuse_non_causal(loaded)  # token agreement against recomputation means nothing otherwise
-    engines = {"hf": HFModelEngine(loaded)}
+    engines = {"hf": hs.HFModelEngine(loaded)}
     untimed = [c for c in settings.caches if not engines["hf"].supports(c)]
     settings.caches = [c for c in settings.caches if c not in untimed]
-    notes = sweep_warnings_hf(settings, dev)
+    notes = hs.sweep_warnings_hf(settings, dev)
     if untimed:
         notes.append(f"{', '.join(untimed)} not timed: {engines['hf'].no_caches}")
     ranks = None
@@ -94,12 +88,12 @@ def prepare_bench_hf(source: str, checked: tuple, layers: int | None, trust: boo
     return (
         settings,
         out_dir,
-        bench_view(loaded),
+        hs.bench_view(loaded),
         dev,
         dt,
         engines,
         notes,
-        bench_meta(loaded, settings, layers, trust),
+        hs.bench_meta(loaded, settings, layers, trust),
         oversized,
         ranks,
     )

@@ -107,10 +107,11 @@ def _verify_gpt2(o: VerifyOptions, on_row):
     from kvbench import validate
     from kvbench.caches import parse_cache_names
     from kvbench.check.verify import random_prompts, run_verify
+    from kvbench.decode.rules import compile_mode
     from kvbench.model.weights import peek_config
 
     names = parse_cache_names(o.caches)
-    validate.compile_mode(o.compile, caches=names)
+    compile_mode(o.compile, caches=names)
     cfg = peek_config(o.model, o.weights)
     validate.fits_context(
         "--prompt-len", o.prompt_len, o.new_tokens, cfg.block_size, "lower --prompt-len or --new-tokens"
@@ -129,7 +130,7 @@ def _verify_gpt2(o: VerifyOptions, on_row):
     run_on = resolve_device(device)
     check_run_fits(cfg, o.batch, o.prompt_len + o.new_tokens, resolve_dtype(o.dtype, run_on), run_on)
     loaded, dev, dt, hf_dir = load_for_checks(o.model, o.weights, device, o.dtype, o.seed)
-    validate.compile_mode(o.compile, dev.type)
+    compile_mode(o.compile, dev.type)
     prompts = random_prompts(loaded.config.vocab_size, o.prompt_len, o.batch, o.seed)
     report = run_verify(
         loaded.model,

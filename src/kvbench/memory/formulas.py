@@ -27,7 +27,7 @@ TP_ENGINES = ("vllm", "transformers")
 def kv_heads_per_gpu(spec: ModelSpec, tp: int, engine: str = "vllm") -> int:
     """KV heads on each of tp GPUs under `engine`'s rule (TP_ENGINES): split evenly, or, under vLLM, one
     (replicated) per GPU when tp exceeds the KV heads."""
-    assert tp >= 1 and engine in TP_ENGINES, (tp, engine)  # validate.memory_rules
+    assert tp >= 1 and engine in TP_ENGINES, (tp, engine)  # request.memory_rules
     if not spec.kv_cache:
         return 0  # no attention layer: nothing per head to split
     if spec.n_heads % tp:
@@ -131,7 +131,7 @@ def copy_traffic(spec: ModelSpec, n0: int, n1: int, batch: int = 1, kv_dtype: st
     bytes_per_token_per_layer x sum over layers of (n0 + ... + n1-1) = bytes/token x (n1 - n0)(n0 + n1 - 1) / 2;
     the seed rounds it to bytes/token x (n1^2 - n0^2) / 2.
     """
-    assert 0 <= n0 < n1 and batch >= 1, (n0, n1, batch)  # validate.memory_rules, validate.copy_range_rules
+    assert 0 <= n0 < n1 and batch >= 1, (n0, n1, batch)  # request.memory_rules, request.copy_range_rules
     fmt = get_kv_format(kv_dtype)
     per_token = token_bytes(spec, fmt)
     windowed = set(spec.sliding_layers)

@@ -270,9 +270,20 @@ def _row(spec: ModelSpec, s: _Sizes, ctx: int) -> PlanRow:
 
 
 def _check_request(contexts: list[int], batches: list[int]) -> None:
-    # the caller's promise (memory/request.py: parse_ctx, validate.memory_rules)
+    # the caller's promise (memory/request.py: parse_ctx, memory_rules)
     assert contexts and all(1 <= c <= MAX_TOKENS for c in contexts), contexts
     assert all(b >= 1 for b in batches), batches
+
+
+def _beyond_training(spec: ModelSpec, contexts: list[int]) -> list[str]:
+    """A warning for each context past the one the model was trained for (planned anyway: it is arithmetic)."""
+    trained = spec.max_context
+    return [
+        f"{spec.name}: {fmt_int(ctx)} tokens is beyond the {fmt_int(trained)} it was trained for "
+        f"(max_position_embeddings); computed anyway"
+        for ctx in contexts
+        if trained is not None and past_context(ctx, trained)
+    ]
 
 
 def plan(
@@ -305,13 +316,6 @@ def plan(
     weights_gpu = None if weights is None else -(-weights // tp)
     budget = gpu_budget(gpu, gpu_mem, overhead, weights_gpu or 0, gpu_mem_text)
     rows = [_row(spec, _Sizes(fmt, kvh, b, budget, state, state_gpu), ctx) for b in batches for ctx in contexts]
-    trained = spec.max_context
-    warnings = [
-        f"{spec.name}: {fmt_int(ctx)} tokens is beyond the {fmt_int(trained)} it was trained for "
-        f"(max_position_embeddings); computed anyway"
-        for ctx in contexts
-        if trained is not None and past_context(ctx, trained)
-    ]
     p = ModelPlan(
         model=spec,
         kv_dtype=fmt.name,
@@ -323,7 +327,7 @@ def plan(
         weights_bytes=weights,
         rows=rows,
         gpu=budget,
-        warnings=warnings,
+        warnings=_beyond_training(spec, contexts),
         notes=_notes(spec, fmt, per_token),
         kv_cache=spec.kv_cache,
         state_bytes_per_sequence=state,

@@ -20,7 +20,7 @@ from kvbench.memory.formulas import bytes_per_sequence, state_bytes
 from kvbench.memory.planner import max_context
 from kvbench.memory.spec import get_kv_format
 from kvbench.memory.units import MAX_TOKENS, GiB, fmt_tokens
-from kvbench.results.rundir import write_output
+from kvbench.outputs import write_output
 
 POINTS = 64  # contexts drawn per curve, evenly spaced on the log axis
 

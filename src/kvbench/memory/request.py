@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbench import validate
 from kvbench.errors import KVBenchError
 from kvbench.memory.check import check_format
 from kvbench.memory.config import is_local, looks_like_hub_id, resolve_config, resolve_hub, resolve_local
+from kvbench.memory.formulas import TP_ENGINES
 from kvbench.memory.planner import DEFAULT_OVERHEAD, ModelPlan, plan
 from kvbench.memory.presets import get_gpu, get_model, load_presets
 from kvbench.memory.spec import (
@@ -25,8 +25,9 @@ from kvbench.memory.spec import (
     parse_bandwidth,
     weight_dtype,
 )
-from kvbench.memory.units import parse_bytes, parse_ctx, parse_overhead
+from kvbench.memory.units import MAX_TOKENS, parse_bytes, parse_ctx, parse_overhead
 from kvbench.options import option
+from kvbench.validate import MAX_PLAN_BATCH, one_of
 
 DEFAULT_COPY_RANGE = (128, 528)  # a 128-token prompt and 400 new tokens
 DEFAULT_MEASURE_CTX = 1024
@@ -36,7 +37,7 @@ MAX_CONTEXTS = 256  # rows of one table; each is a bisection for the longest con
 
 @dataclass
 class Options:
-    """The command line as given: None (or False) for an option the user did not pass (validate.memory_rules)."""
+    """The command line as given: None (or False) for an option the user did not pass (memory_rules)."""
 
     model: list[str] | None = option(
         "--model",
@@ -167,8 +168,96 @@ class Request:
         return not (self.measure or self.copy_traffic)
 
 
+# --- the rules -------------------------------------------------------------------------------------------------------
+# option -> (the runs it belongs to, how to say so). A given option outside its run would be silently ignored.
+_MEMORY_SCOPE = {
+    "--from": ("copy", "--from and --to go with --copy-traffic"),
+    "--to": ("copy", "--from and --to go with --copy-traffic"),
+    "--lengths": ("measure", "--lengths goes with --measure (it fills a real paged cache)"),
+    "--device": ("measure copy", "--device goes with --measure or --copy-traffic (a plan allocates nothing)"),
+    "--caches": ("measure", "--caches goes with --measure (it names the caches to allocate)"),
+    "--gpu": ("plan", "--gpu sizes a plan; --measure and --copy-traffic do not use it"),
+    "--gpu-mem": ("plan", "--gpu-mem sizes a plan; --measure and --copy-traffic do not use it"),
+    "--tp": ("plan", "--tp splits a plan over GPUs; --measure and --copy-traffic do not use it"),
+    "--tp-engine": (
+        "plan",
+        "--tp-engine says how --tp splits a plan; --measure and --copy-traffic do not use it",
+    ),
+    "--weights-dtype": (
+        "plan",
+        "--weights-dtype sizes a plan's weights; --measure and --copy-traffic do not",
+    ),
+    "--check": ("plan", "--check checks a plan: use it without --measure and --copy-traffic"),
+    "--bandwidth": (
+        "plan",
+        "--bandwidth gives a plan its decode floor; --measure and --copy-traffic do not use it",
+    ),
+    "--plot": ("plan", "--plot draws a plan; --measure and --copy-traffic do not make one"),
+}
+
+
+def memory_rules(o: Options, batches: list[int]) -> None:
+    """`kvbench memory` (Options), its --batch list read: combinations that would be silently
+    ignored, and the bounds."""
+    if o.all_ and (o.model or o.config is not None):
+        raise KVBenchError("use --all or --model/--config, not both")
+    if o.gpu is not None and o.gpu_mem is not None:
+        raise KVBenchError("use --gpu or --gpu-mem, not both")
+    runs = ({"measure"} if o.measure else set()) | ({"copy"} if o.copy_traffic else set()) or {"plan"}
+    given = {
+        "--from": o.from_ is not None,
+        "--to": o.to is not None,
+        "--lengths": o.lengths is not None,
+        "--device": o.device is not None,
+        "--caches": o.caches is not None,
+        "--gpu": o.gpu is not None,
+        "--gpu-mem": o.gpu_mem is not None,
+        "--tp": o.tp is not None,
+        "--weights-dtype": o.weights_dtype is not None,
+        "--tp-engine": o.tp_engine is not None,
+        "--check": o.check,
+        "--bandwidth": o.bandwidth is not None,
+        "--plot": o.plot is not None,
+    }
+    for opt, on in given.items():
+        scope, why = _MEMORY_SCOPE[opt]
+        if on and not runs & set(scope.split()):
+            raise KVBenchError(why)
+    if o.overhead is not None and o.gpu is None and o.gpu_mem is None:
+        raise KVBenchError("--overhead goes with --gpu or --gpu-mem (it is set aside from the GPU's memory)")
+    if o.check and o.all_:
+        raise KVBenchError("--check builds each model on the meta device: name them with --model or --config")
+    if o.measure and (o.all_ or o.config is not None or not o.model or len(o.model) != 1):
+        raise KVBenchError("--measure takes one gpt2-family --model (gpt2, gpt2-medium, gpt2-large, gpt2-xl)")
+    for b in batches:
+        if not 1 <= b <= MAX_PLAN_BATCH:
+            raise KVBenchError(f"--batch {b} must be from 1 to {MAX_PLAN_BATCH:,}")
+    if len(batches) > 1 and (o.measure or o.copy_traffic or o.all_):
+        raise KVBenchError("--measure, --copy-traffic and --all take one --batch; a list goes with --model")
+    if o.tp is not None and o.tp < 1:
+        raise KVBenchError(f"--tp {o.tp} must be at least 1")
+    if o.tp_engine is not None:
+        one_of("--tp-engine", o.tp_engine, TP_ENGINES)
+        if o.tp is None:
+            raise KVBenchError("--tp-engine says how --tp splits the KV heads: give --tp too")
+    if o.plot is not None:
+        if o.gpu is None and o.gpu_mem is None:
+            raise KVBenchError("--plot draws against a GPU's memory: give --gpu h100 or --gpu-mem 80GiB")
+        if o.all_:
+            raise KVBenchError("--plot draws the models named with --model (or --config), not --all")
+
+
+def copy_range_rules(n0: int, n1: int) -> None:
+    """`memory --copy-traffic --from N0 --to N1` (defaults filled in)."""
+    if n0 < 0 or n1 <= n0:
+        raise KVBenchError(f"--from {n0} --to {n1}: need 0 <= from < to")
+    if n1 > MAX_TOKENS:
+        raise KVBenchError(f"--to {n1} is more than {MAX_TOKENS:,} tokens (2^40)")
+
+
+# --- reading the request -------------------------------------------------------------------------------------------
 def _batches(o: Options) -> list[int]:
-    """--batch 16 or --batch 1,16: whole numbers of sequences (validate.memory_rules bounds them); a repeat is one."""
+    """--batch 16 or --batch 1,16: whole numbers of sequences (memory_rules bounds them); a repeat is one."""
     if isinstance(o.batch, int):
         return [o.batch]
     try:
@@ -200,7 +289,7 @@ def _plot_path(o: Options) -> Path | None:
         raise KVBenchError(f"--plot {plot} must name a .png file")
     if not plot.parent.is_dir():
         raise KVBenchError(f"--plot {plot}: no such directory {plot.parent}")
-    from kvbench.results.rundir import output_kind
+    from kvbench.outputs import output_kind
 
     output_kind(plot, "--plot")  # a folder, a block device or a socket refused before any work
     return plot
@@ -253,7 +342,7 @@ def parse_request(o: Options, extra: Callable[[str], ModelSpec | None] | None = 
     `extra` names models beyond the presets (the command passes our own GPT-2 presets for --measure and
     --copy-traffic), so this module needs no torch."""
     batches = _batches(o)
-    validate.memory_rules(o, batches)
+    memory_rules(o, batches)
     contexts = list(dict.fromkeys(parse_ctx(o.ctx))) if o.ctx is not None else None  # a repeat is one row
     if contexts and len(contexts) > MAX_CONTEXTS:
         raise KVBenchError(f"--ctx lists {len(contexts):,} context lengths; give at most {MAX_CONTEXTS}")
@@ -268,7 +357,7 @@ def parse_request(o: Options, extra: Callable[[str], ModelSpec | None] | None = 
         o.to if o.to is not None else DEFAULT_COPY_RANGE[1],
     )
     if o.copy_traffic:
-        validate.copy_range_rules(*copy_range)
+        copy_range_rules(*copy_range)
     lengths = _lengths(o, contexts)
     specs, resolved = _specs(o, extra if (o.measure or o.copy_traffic) else None)
     return Request(

@@ -30,12 +30,9 @@ from kvbench.bench.tp import RankRow
 from kvbench.check.distortion import REFERENCE_CACHE, weights_note
 from kvbench.devices import cpu_peak_resettable, device_name, dtype_name
 from kvbench.jsonio import SCHEMA_VERSION
+from kvbench.outputs import writing_into
 from kvbench.results.environment import cpu_facts, cuda_facts, load_average
-from kvbench.results.rundir import (
-    write_csv,
-    write_json,
-    writing_into,
-)
+from kvbench.results.rundir import write_csv, write_json
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,6 @@ import csv
 import io
 import math
 import os
-import stat
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import asdict
@@ -27,6 +26,7 @@ from typing import Any
 
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import json_text
+from kvbench.outputs import output_kind, write_output
 
 try:
     import fcntl
@@ -186,62 +186,8 @@ def claimed_run_dir(path: Path, force: bool):
             os.close(fd)
 
 
-@contextmanager
-def writing_into(folder: Path):
-    """A write into a run folder that fails becomes one line: the folder was removed while the run wrote into it,
-    or the file system refused (full, read-only)."""
-    try:
-        yield
-    except OSError as e:
-        if not folder.is_dir():
-            raise KVBenchError(f"the run folder disappeared: {folder}") from None
-        raise KVBenchError(f"cannot write into {folder} ({e.strerror or e})") from None
-
-
-def output_kind(path: Path, flag: str | None = None) -> str:
-    """What an output path names, for a write that must never replace what it should not: "file" (a regular file,
-    through any symbolic links, or none yet: written atomically in place of the file the links lead to, the links
-    kept) or "stream" (a FIFO, a character device such as /dev/null, or anything under /dev or /proc such as
-    /dev/stdout: opened and written as it is, never replaced). A folder, a block device or a socket is refused in
-    one line naming `flag` (the option the path came from)."""
-    label = f"{flag} {path}" if flag else str(path)
-    try:
-        mode = os.stat(path).st_mode  # through symbolic links
-    except FileNotFoundError:  # a new file (or a link to one)
-        return "file"
-    except OSError as e:
-        raise KVBenchError(f"{label}: cannot be written ({e.strerror or e})") from None
-    if stat.S_ISREG(mode):
-        special = str(Path(path).absolute()).startswith(("/dev/", "/proc/"))  # /dev/stdout onto a file: its fd
-        return "stream" if special else "file"
-    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode):
-        return "stream"
-    what = "a folder" if stat.S_ISDIR(mode) else "a block device" if stat.S_ISBLK(mode) else "a socket"
-    raise KVBenchError(f"{label} is {what}; give a regular file, a FIFO or a character device (/dev/stdout)")
-
-
 def atomic_write_text(path: Path, text: str) -> None:
     write_output(path, text.encode("utf-8"))
-
-
-def write_output(path: Path, data: bytes, flag: str | None = None) -> None:
-    """Write `data` to `path` (`output_kind`): a regular or new file atomically (a reader sees the previous file or
-    the complete new one; a symbolic link stays a link), a FIFO or a device as a stream, nothing else ever."""
-    if output_kind(path, flag) == "stream":
-        try:
-            with open(path, "wb") as f:
-                f.write(data)
-        except OSError as e:
-            raise KVBenchError(f"{f'{flag} ' if flag else ''}{path}: cannot be written ({e.strerror or e})") from None
-        return
-    real = Path(os.path.realpath(path))
-    tmp = real.with_name(f".{real.name}.tmp-{os.getpid()}")
-    with writing_into(real.parent):
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, real)
 
 
 def _cell(v: Any) -> Any:
