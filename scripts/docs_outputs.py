@@ -12,7 +12,8 @@ a pseudo-terminal 100 columns wide, with this repository's .venv/bin first on PA
 OMP_NUM_THREADS=1 (one torch thread, so the outputs do not depend on the machine's cores): what a user at such a
 terminal sees (stdout and stderr as they interleave, a progress bar as it is left) replaces the block. Options, in parentheses at the end of the marker, separated by ';':
 
-    timings vary   the output differs run to run: --check only checks that the command still exits as expected
+    timings vary   the figures differ run to run: --check compares the block's shape, every number masked
+                   (its labels, columns and row count), and that the command still exits as expected
     recorded       a measurement, or a run in another environment, that the text around it discusses (its date,
                    machine or versions stated there): listed, never rerun
     head N, tail N keep the first N and/or the last N lines, with a line '...' where lines were left out
@@ -27,7 +28,9 @@ its output replaced (`$ echo $?` prints the exit status of the command before it
     python scripts/docs_outputs.py docs/memory.md --list
     python scripts/docs_outputs.py docs/verify.md --match int8,sink   # only the blocks whose command has this
 
---check compares with timing figures ignored (a number followed by ms, s, tokens/s or GB/s).
+--check compares with timing figures ignored (a number followed by ms, s, tokens/s or GB/s); a `timings vary`
+block is compared with every number masked and runs of spaces or of a rule's character taken as one, so a figure
+that moved (and a column that widened with it) passes while a changed label, column or row count does not.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ MARKER = re.compile(r"^<!--\s*output:\s*(.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)(```|~~~)")
 OPTION = r"(?:timings vary|recorded|head \d+|tail \d+|exit \d+)"
 OPTIONS = re.compile(rf"^{OPTION}(?:\s*;\s*{OPTION})*$")
+NUMBER = re.compile(r"(?<![A-Za-z_\d.])[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")  # not the 2 of gpt2
+RUN = re.compile(r"\s+|([─━═┄╌-])\1+")  # spaces that align columns, a rule's length
 TIMING = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?\s?(?:ms|s|tokens/s|GB/s)(?![\w/])")
 ELLIPSIS = "..."
 WIDTH = 100  # the terminal the outputs are shown in
@@ -248,6 +253,18 @@ def normalise(lines: list[str]) -> list[str]:
     return [TIMING.sub("<time>", line).rstrip() for line in lines]
 
 
+def shape(lines: list[str]) -> list[str]:
+    """The lines with every number masked and alignment dropped: what a run whose figures vary must keep."""
+    return [RUN.sub(lambda m: m.group(1) or " ", NUMBER.sub("#", line)).strip() for line in lines]
+
+
+def differs(old: list[str], new: list[str], vary: bool) -> bool:
+    """Whether a rerun's output differs from the block: timing figures ignored; under `vary` every number."""
+    if vary:
+        return shape(new) != shape(old)
+    return normalise(new) != normalise(old)
+
+
 def write(path: Path, blocks: list[Block]) -> None:
     """Replace each rerun block of `path` (found when the run began; the file must not change meanwhile)."""
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -280,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             for b in blocks:
                 print(f"{b.where}: {b.command}", file=sys.stderr, flush=True)
                 new, problems = rerun(b, folder)
-                changed = normalise(new) != normalise(b.old) and not b.vary
+                changed = differs(b.old, new, b.vary)
                 if problems or (args.check and changed):
                     differ.append(f"{b.where}: {b.command}: {'; '.join(problems) or 'the output differs'}")
                 if not problems:  # a block whose command failed keeps what it showed

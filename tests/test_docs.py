@@ -140,3 +140,16 @@ def test_the_guard_can_fail():
     assert not is_text("|---|---|:---:|" + "-" * 60) and not is_text("┏" + "━" * 70 + "┓")
     found = list(links(Path(__file__).parent.parent / "README.md"))
     assert found, "README.md has relative links"
+
+
+def test_every_page_the_code_names_exists():
+    """kvbench's own messages and docstrings point readers at docs/PAGE.md#anchor: each must land."""
+    broken = []
+    for path in sorted((ROOT / "src").rglob("*")):
+        if path.suffix not in (".py", ".json", ".toml") or not path.is_file():
+            continue
+        for m in re.finditer(r"docs/([\w-]+\.md)(?:#([\w-]+))?", path.read_text(encoding="utf-8")):
+            page = ROOT / "docs" / m.group(1)
+            if not page.exists() or (m.group(2) and m.group(2) not in anchors(page)):
+                broken.append(f"{path.relative_to(ROOT)}: {m.group(0)}")
+    assert not broken, "pages the code names that do not exist:\n" + "\n".join(broken)
