@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import typing
+from collections.abc import Sequence
 from dataclasses import MISSING
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -164,8 +165,8 @@ class KVBenchCommand(TyperCommand):
             if json_out and code not in (None, 0) and console.documents_printed() == printed:
                 # ended by the command itself without its document: its line was said
                 lines = console.errors_said()[said:]
-                message = lines[-1] if lines else f"stopped with exit status {code}"
-                console.print_json(error_document(self.error_doc, message, code))
+                said_last = lines[-1] if lines else f"stopped with exit status {code}"
+                console.print_json(error_document(self.error_doc, said_last, code))
             raise
         except BaseException as e:
             if isinstance(e, SystemExit):
@@ -259,7 +260,14 @@ class KVBenchGroup(TyperGroup):
     """Click's own usage errors (an unknown option, `--batch abc`) answered like every other error: one red line
     on stderr naming the problem, exit 2; never a usage panel or a traceback."""
 
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+    def main(  # type: ignore[override]  # the same call, typer's windows_expand_args passed on in **extra
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         was_devnull = console.stdout_is_devnull()

@@ -89,7 +89,8 @@ def _plan_table(p):
     cols += ["floor/step", "tok/s/seq", "tok/s"] if floors else []
     rows = []
     for r in p.rows:
-        row = [_mem_ctx(r.ctx, r.beyond_max, r.windowed)] + ([str(r.batch)] if several else [])
+        row: list[str | Text] = [_mem_ctx(r.ctx, r.beyond_max, r.windowed)]
+        row += [str(r.batch)] if several else []
         row += [fmt_bytes(r.bytes_per_seq)]
         row += [fmt_bytes(r.bytes_batch)] if several or batch > 1 else []
         row += [fmt_bytes(r.bytes_per_gpu)] if p.tp > 1 else []
