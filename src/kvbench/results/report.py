@@ -12,7 +12,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from kvbench.results.rundir import (
     write_json,
     writing_into,
 )
+from kvbench.rows import CsvRow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -164,7 +165,7 @@ def run_meta(loaded, device, dtype, settings, config_path) -> dict[str, Any]:
 
 
 @dataclass
-class TTFTRow:
+class TTFTRow(CsvRow):
     """One timed repeat's time to first token (prefill + first token), as ttft.csv holds it."""
 
     engine: str
@@ -173,10 +174,6 @@ class TTFTRow:
     batch: int
     repeat: int  # 1..repeats (timed runs only), as in steps.csv
     ttft_ms: float
-
-    @classmethod
-    def columns(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 class BenchRecorder:
