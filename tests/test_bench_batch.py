@@ -23,7 +23,7 @@ from kvbench.bench.settings import BenchSettings, load_settings
 from kvbench.caches import CACHES
 from kvbench.cli import app
 from kvbench.errors import KVBenchError
-from kvbench.results.plots import crossover_batch
+from kvbench.results.batch_plot import crossover_batch
 
 TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 
@@ -253,19 +253,23 @@ def test_compare_names_the_batch_of_every_row(two_sweeps):
     assert "kvbench static prompt 8 batch 3: too few decode steps" in " ".join(text.split())
 
 
-def test_a_plugin_cache_out_of_memory_is_an_oom_row_not_a_broken_plugin(tmp_path, monkeypatch):
+# A cache that asks the CPU allocator for 2^50 bytes once the batch reaches 3 (torch refuses at once, touching nothing)
+HUNGRY = """
+import torch
+from kvbench.caches.dynamic import DynamicCache
+
+class Hungry(DynamicCache):
+    def __init__(self, config, batch, max_len, dtype, device):
+        super().__init__()
+        if batch >= 3:
+            self.spare = torch.empty(1 << 50, dtype=torch.uint8)
+"""
+
+
+def test_a_plugin_cache_out_of_memory_is_an_oom_row_not_a_broken_plugin(tmp_path, plugin_files):
     """A plugin whose cache asks the CPU allocator for 2^50 bytes once the batch reaches 3 (torch refuses at once,
     touching nothing): at batch 3 that is the machine running out, an `oom` row, and the sweep exits 0."""
-    (tmp_path / "hungry.py").write_text(
-        "import torch\n"
-        "from kvbench.caches.dynamic import DynamicCache\n\n"
-        "class Hungry(DynamicCache):\n"
-        "    def __init__(self, config, batch, max_len, dtype, device):\n"
-        "        super().__init__()\n"
-        "        if batch >= 3:\n"
-        "            self.spare = torch.empty(1 << 50, dtype=torch.uint8)\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin_files({"hungry.py": HUNGRY})
     out = tmp_path / "run"
     result, text = invoke(
         "bench",
@@ -279,19 +283,10 @@ def test_a_plugin_cache_out_of_memory_is_an_oom_row_not_a_broken_plugin(tmp_path
     assert list(zip(s.batch, s.status, strict=True)) == [(1, "ok"), (3, "oom")]
 
 
-def test_json_oom_rows_carry_every_summary_column_null(tmp_path, monkeypatch):
+def test_json_oom_rows_carry_every_summary_column_null(tmp_path, plugin_files):
     """bench --json's rows are summary.csv's: an oom row has the same --percentiles keys as an ok row (null), in
     summary.csv's column order."""
-    (tmp_path / "hungry2.py").write_text(
-        "import torch\n"
-        "from kvbench.caches.dynamic import DynamicCache\n\n"
-        "class Hungry(DynamicCache):\n"
-        "    def __init__(self, config, batch, max_len, dtype, device):\n"
-        "        super().__init__()\n"
-        "        if batch >= 3:\n"
-        "            self.spare = torch.empty(1 << 50, dtype=torch.uint8)\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin_files({"hungry2.py": HUNGRY})
     out = tmp_path / "run"
     result, text = invoke(
         "bench",

@@ -28,37 +28,12 @@ from kvbench.errors import KVBenchError
 from kvbench.hf.caches import HF_CACHES
 from kvbench.hf.caches import parse_verify_caches as parse_hf_cache_names
 from kvbench.hf.models import load_hf
+from tiny import COMMON, ByFamily, tiny_families
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 WINDOW = 8
 PROMPT, NEW = 12, 20  # longest prompt + new tokens = 32: four windows, so the sliding layers evict
-# Tiny shapes: 2 layers, 4 query heads sharing 2 key/value heads (GQA), a small vocabulary; init std 0.1 so greedy
-# output varies (at transformers' default 0.02 a tiny random model repeats one token, which hides position bugs).
-COMMON = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.1,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
-def _configs():
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
-
-    return {
-        "llama": LlamaConfig(**COMMON),
-        "qwen2": Qwen2Config(**COMMON),
-        "mistral": MistralConfig(**COMMON, sliding_window=WINDOW),  # every layer windowed
-        # sliding and full layers alternate
-        "gemma2": Gemma2Config(**COMMON, sliding_window=WINDOW, head_dim=16),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +41,7 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM
 
     dirs = {}
-    for name, cfg in _configs().items():
+    for name, cfg in tiny_families(WINDOW).items():
         torch.manual_seed(0)
         d = tmp_path_factory.mktemp(name)
         AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
@@ -109,19 +84,6 @@ def _dynamic_reset_works() -> bool:
 
 
 # --- every check on four families ----------------------------------------------------------------------------------
-class ByFamily(dict):
-    """A family's entry, built the first time a test asks for it: a run of the default tier, which leaves the
-    slow tier's families out, builds only the families it uses."""
-
-    def __init__(self, build):
-        super().__init__()
-        self.build = build
-
-    def __missing__(self, family):
-        self[family] = self.build(family)
-        return self[family]
-
-
 @pytest.fixture(scope="module")
 def reports(model_dirs):
     def build(name):

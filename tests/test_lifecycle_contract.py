@@ -369,13 +369,9 @@ PLUGIN = textwrap.dedent(
 
 
 @pytest.fixture
-def lifecycle_plugins(tmp_path, monkeypatch):
-    (tmp_path / "lifecycle_plugins.py").write_text(PLUGIN)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "lifecycle_plugins"
-    import sys
-
-    sys.modules.pop("lifecycle_plugins", None)
+def lifecycle_plugins(plugin_files):
+    plugin_files({"lifecycle_plugins.py": PLUGIN})
+    return "lifecycle_plugins"
     for name in [n for n in registry.PLUGINS if n.startswith("lifecycle_plugins")]:
         del registry.PLUGINS[name]
 

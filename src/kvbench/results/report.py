@@ -417,13 +417,13 @@ class ContextRecorder(BenchRecorder):
         """The final meta.json, then context.png from whatever completed, then meta.json again."""
         import pandas as pd  # with the plots: a command refused before any work does not load it
 
-        from kvbench.results import plots  # matplotlib, only when a run draws its plots
+        from kvbench.results import context_plot  # matplotlib, only when a run draws its plots
 
         self._close(status)
         write_json(self.run_dir / "meta.json", self.meta)
         summary = pd.DataFrame([asdict(r) for r in self.summary], columns=ContextRow.columns())
         with writing_into(self.run_dir):
-            pngs = plots.write_context_plots(self.run_dir, summary, self.meta)
+            pngs = context_plot.write_context_plots(self.run_dir, summary, self.meta)
             pngs += self._distortion_plot()
         self._plotted(pngs)
         names = ("summary.csv", "steps.csv", "meta.json")
