@@ -22,14 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from kvbench.results.plot_style import (  # noqa: E402
-    line_kw,
-    maybe_log,
-    run_title,
-    series_keys,
-    series_label,
-    shared_legend,
-)
+from kvbench.results import plot_style as style  # noqa: E402
 
 MAX_ROWS = 6  # prompt lengths drawn (the longest ones past this), a row of three panels each
 CEILING = dict(color="black", linestyle="--", linewidth=1.2, alpha=0.7, marker="_", markersize=14)
@@ -66,8 +59,8 @@ def batch_figure(summary: pd.DataFrame, meta: dict, path: Path) -> Path:
     oom = sorted(summary[summary.status == "oom"].batch.unique())
     where = f" · out of memory at batch {', '.join(f'{b:,}' for b in oom)}" if oom else ""
     new = int(summary.new_tokens.max())
-    fig.suptitle(f"Decode speed against batch size — {run_title(meta)} — {new} new tokens{where}", fontsize=12)
-    shared_legend(fig, axes.ravel())
+    fig.suptitle(f"Decode speed against batch size — {style.run_title(meta)} — {new} new tokens{where}", fontsize=12)
+    style.shared_legend(fig, axes.ravel())
     fig.tight_layout(rect=(0, 0.7 / (4.2 * n + 0.8), 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -76,9 +69,9 @@ def batch_figure(summary: pd.DataFrame, meta: dict, path: Path) -> Path:
 
 def _batch_row(axes, sub: pd.DataFrame, batches: list, cross: float | None, plen: int) -> None:
     ax_all, ax_seq, ax_x = axes
-    for engine, cache in series_keys(sub):
+    for engine, cache in style.series_keys(sub):
         s = sub[(sub.engine == engine) & (sub.cache == cache)].sort_values("batch")
-        kw = line_kw(engine, cache, label=series_label(engine, cache))
+        kw = style.line_kw(engine, cache, label=style.series_label(engine, cache))
         ax_all.plot(s.batch, s.decode_tokens_per_s, **kw)
         ax_seq.plot(s.batch, s.per_seq, **kw)
         if s.x_floor.notna().any():
@@ -104,9 +97,9 @@ def _batch_row(axes, sub: pd.DataFrame, batches: list, cross: float | None, plen
     ax_x.set(ylabel="x floor (TPOT / floor)", title=f"Distance from the floor · prompt {plen}")
     for ax in axes:
         _batch_axis(ax, batches, cross)
-    maybe_log(ax_all, [*sub.decode_tokens_per_s.dropna(), *ceiling_all])
-    maybe_log(ax_seq, [*sub.per_seq.dropna(), *ceiling_seq])
-    maybe_log(ax_x, [*sub.x_floor.dropna(), 1.0])
+    style.maybe_log(ax_all, [*sub.decode_tokens_per_s.dropna(), *ceiling_all])
+    style.maybe_log(ax_seq, [*sub.per_seq.dropna(), *ceiling_seq])
+    style.maybe_log(ax_x, [*sub.x_floor.dropna(), 1.0])
 
 
 def _batch_axis(ax, batches: list, cross: float | None) -> None:

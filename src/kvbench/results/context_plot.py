@@ -116,38 +116,20 @@ def _mark_crossover(ax, ax_x, cross: float | None, shown: bool, contexts: list) 
     """The crossover context annotated on the left panel (both panels widened to hold it); a note in the corner
     when it falls outside the sweep."""
     if shown:
+        assert cross is not None, "a crossover is shown only when there is one"
         ax.set_xlim(min(contexts[0], cross) / 1.4, max(contexts[-1], cross) * 1.4)
         ax_x.set_xlim(*ax.get_xlim())
-        ax.annotate(
+        _annotate(
+            ax,
             f"K/V read = weight read\nat {cross:,} tokens",
             (cross, 1.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(4, -4),
-            textcoords="offset points",
+            (4, -4),
             va="top",
             fontsize=9,
             color="0.25",
         )
-        ax.annotate(
-            "← weights dominate",
-            (cross, 0.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(-4, 6),
-            textcoords="offset points",
-            ha="right",
-            fontsize=8,
-            color="0.4",
-        )
-        ax.annotate(
-            "K/V cache dominates →",
-            (cross, 0.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(4, 6),
-            textcoords="offset points",
-            ha="left",
-            fontsize=8,
-            color="0.4",
-        )
+        _annotate(ax, "← weights dominate", (cross, 0.0), (-4, 6), ha="right", fontsize=8, color="0.4")
+        _annotate(ax, "K/V cache dominates →", (cross, 0.0), (4, 6), ha="left", fontsize=8, color="0.4")
     elif cross is not None:
         ax.text(
             0.01,
@@ -178,3 +160,8 @@ def write_context_plots(run_dir: Path, summary: pd.DataFrame, meta: dict) -> lis
     if summary.empty or (summary["status"] != "ok").all():
         return []
     return [context_figure(summary, meta, run_dir / "context.png")]
+
+
+def _annotate(ax, text: str, at: tuple[float, float], offset: tuple[int, int], **style) -> None:
+    """A note at (context, axes fraction), offset by `offset` points."""
+    ax.annotate(text, at, xycoords=("data", "axes fraction"), xytext=offset, textcoords="offset points", **style)
