@@ -1,7 +1,8 @@
 """Tiny random models shared by tests: our GPT-2 with varied greedy output, and Hugging Face configurations.
 
-The Hugging Face ones: 2 layers, 4 query heads of 16, a vocabulary of 256; init std 0.1 so greedy output varies (at transformers' default
-0.02 a tiny random model repeats one token, which hides position bugs). Each test passes what it changes."""
+The Hugging Face ones: 2 layers, 4 query heads of 16, a vocabulary of 256; init std 0.1 so greedy output varies (at
+transformers' default 0.02 a tiny random model repeats one token, which hides position bugs). Each test passes what it
+changes."""
 
 from __future__ import annotations
 
