@@ -88,8 +88,8 @@ def ranks_file() -> Path:
 
 @pytest.fixture
 def plugin_files(tmp_path, monkeypatch):
-    """Write modules (relative path -> source, dedented) under tmp_path, importable for the test; each top-level
-    package or module written is dropped from sys.modules afterwards."""
+    """Write modules (relative path -> source, dedented) under tmp_path, importable for the test; afterwards each
+    top-level package or module written is dropped from sys.modules, and its caches from the plugin registry."""
     written: set[str] = set()
 
     def write(files: dict[str, str]) -> None:
@@ -101,8 +101,12 @@ def plugin_files(tmp_path, monkeypatch):
         monkeypatch.syspath_prepend(str(tmp_path))
 
     yield write
+    from kvbench.caches import PLUGINS
+
     for name in [m for m in sys.modules if m.split(".")[0] in written]:
         del sys.modules[name]
+    for name in [n for n in PLUGINS if n.split(":")[0].split(".")[0] in written]:
+        del PLUGINS[name]
 
 
 @pytest.fixture

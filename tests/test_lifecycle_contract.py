@@ -6,7 +6,6 @@ import textwrap
 import pytest
 import torch
 
-from kvbench import caches as registry
 from kvbench.caches import CACHES, get_cache_spec, make_caches, missing_lifecycle
 from kvbench.caches.paged import PagedCache
 from kvbench.decode import fixed_step
@@ -372,8 +371,6 @@ PLUGIN = textwrap.dedent(
 def lifecycle_plugins(plugin_files):
     plugin_files({"lifecycle_plugins.py": PLUGIN})
     return "lifecycle_plugins"
-    for name in [n for n in registry.PLUGINS if n.startswith("lifecycle_plugins")]:
-        del registry.PLUGINS[name]
 
 
 @pytest.mark.parametrize(
