@@ -87,15 +87,36 @@ def ranks_file() -> Path:
 
 
 @pytest.fixture
-def lifecycle_plugins(tmp_path, monkeypatch):
+def plugin_files(tmp_path, monkeypatch):
+    """Write modules (relative path -> source, dedented) under tmp_path, importable for the test; afterwards each
+    top-level package or module written is dropped from sys.modules, and its caches from the plugin registry."""
+    written: set[str] = set()
+
+    def write(files: dict[str, str]) -> None:
+        for rel, source in files.items():
+            path = tmp_path / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(textwrap.dedent(source))
+            written.add(rel.split("/")[0].removesuffix(".py"))
+        monkeypatch.syspath_prepend(str(tmp_path))
+
+    yield write
+    from kvbench.caches import PLUGINS
+
+    for name in [m for m in sys.modules if m.split(".")[0] in written]:
+        del sys.modules[name]
+    for name in [n for n in PLUGINS if n.split(":")[0].split(".")[0] in written]:
+        del PLUGINS[name]
+
+
+@pytest.fixture
+def lifecycle_plugins(plugin_files):
     """Cache plugins for the lifecycle: the dynamic cache as a plugin, one whose crop truncates K but not V, and
     one with no lifecycle operations (package lcplugins.caches)."""
-    pkg = tmp_path / "lcplugins"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "caches.py").write_text(
-        textwrap.dedent(
-            '''
+    plugin_files(
+        {
+            "lcplugins/__init__.py": "",
+            "lcplugins/caches.py": '''
             """Lifecycle plugins for the tests."""
             import torch
             from kvbench.caches import LayerCache
@@ -130,10 +151,7 @@ def lifecycle_plugins(tmp_path, monkeypatch):
                 @property
                 def nbytes(self):
                     return 0 if self.k is None else self.k.nbytes + self.v.nbytes
-            '''
-        )
+            ''',
+        }
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "lcplugins.caches"
-    for name in [m for m in sys.modules if m.startswith("lcplugins")]:
-        del sys.modules[name]
+    return "lcplugins.caches"

@@ -684,12 +684,7 @@ def test_repeated_prompt_lengths_caches_and_engines_run_once(tmp_path):
     )
     assert result.exit_code == 0, text
     s = pd.read_csv(out / "summary.csv")
-    assert list(zip(s.prompt_len, s.cache, strict=True)) == [
-        (4, "none"),
-        (4, "dynamic"),
-        (8, "none"),
-        (8, "dynamic"),
-    ]
+    assert list(zip(s.prompt_len, s.cache, strict=True)) == [(4, "none"), (4, "dynamic"), (8, "none"), (8, "dynamic")]
 
 
 def test_weights_folder_without_model_takes_the_checkpoints_shape(tmp_path, hf_dir):

@@ -23,7 +23,7 @@ from kvbench.bench.settings import BenchSettings, load_settings
 from kvbench.caches import CACHES
 from kvbench.cli import app
 from kvbench.errors import KVBenchError
-from kvbench.results.plots import crossover_batch
+from kvbench.results.batch_plot import crossover_batch
 
 TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 
@@ -31,6 +31,13 @@ TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 def invoke(*args: str):
     result = CliRunner().invoke(app, [*args])
     return result, result.output + (repr(result.exception) if result.exception else "")
+
+
+def _bench(out: Path, options: str):
+    """bench of TINY's kvbench engine at prompt 8 and 4 new tokens, with `options`, into `out`."""
+    return invoke(
+        "bench", *TINY, *"--prompt-len 8 --new-tokens 4 --engine kvbench".split(), *options.split(), "--out", str(out)
+    )
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -112,23 +119,11 @@ def test_predicted_out_of_memory_batch_is_an_oom_row_never_run(tmp_path):
     """A batch whose cache alone exceeds the device's memory (2^20 sequences of gpt2-tiny: 2 KiB per token each) is
     not attempted: its rows say why; the others run, batch.png is drawn, exit 0."""
     out = tmp_path / "run"
-    result, text = invoke(
-        "bench",
-        *TINY,
-        *"--prompt-len 8 --new-tokens 4 --batch 1,2,1048576 --caches none,static --engine kvbench --repeats 1".split(),
-        *"--warmup 1 --out".split(),
-        str(out),
-    )
+    result, text = _bench(out, "--batch 1,2,1048576 --caches none,static --repeats 1 --warmup 1")
     assert result.exit_code == 0, text
     s = pd.read_csv(out / "summary.csv")
-    assert list(zip(s.batch, s.status, strict=True)) == [
-        (1, "ok"),
-        (1, "ok"),
-        (2, "ok"),
-        (2, "ok"),
-        (1048576, "oom"),
-        (1048576, "oom"),
-    ]
+    expected = [(1, "ok"), (1, "ok"), (2, "ok"), (2, "ok"), (1048576, "oom"), (1048576, "oom")]
+    assert list(zip(s.batch, s.status, strict=True)) == expected
     need = 1048576 * (8 + 4) * 2 * 2 * 128 * 4 / 2**30  # sequences x tokens x K/V of 2 layers x 128 x fp32
     note = s[s.status == "oom"].tokens_note.iloc[0]
     assert note.startswith("not run: batch 1048576 x 12 tokens needs a") and f"{need:.1f} GiB KV cache" in note
@@ -220,13 +215,7 @@ def two_sweeps(tmp_path_factory) -> list[Path]:
     runs = []
     for name in ("base", "cand"):
         out = tmp_path_factory.mktemp("sweeps") / name
-        result, text = invoke(
-            "bench",
-            *TINY,
-            *"--prompt-len 8 --new-tokens 4 --batch 1,3 --caches static --engine kvbench --repeats 1".split(),
-            *"--warmup 0 --out".split(),
-            str(out),
-        )
+        result, text = _bench(out, "--batch 1,3 --caches static --repeats 1 --warmup 0")
         assert result.exit_code == 0, text
         runs.append(out)
     return runs
@@ -253,52 +242,37 @@ def test_compare_names_the_batch_of_every_row(two_sweeps):
     assert "kvbench static prompt 8 batch 3: too few decode steps" in " ".join(text.split())
 
 
-def test_a_plugin_cache_out_of_memory_is_an_oom_row_not_a_broken_plugin(tmp_path, monkeypatch):
+# A cache that asks the CPU allocator for 2^50 bytes once the batch reaches 3 (torch refuses at once, touching nothing)
+HUNGRY = """
+import torch
+from kvbench.caches.dynamic import DynamicCache
+
+class Hungry(DynamicCache):
+    def __init__(self, config, batch, max_len, dtype, device):
+        super().__init__()
+        if batch >= 3:
+            self.spare = torch.empty(1 << 50, dtype=torch.uint8)
+"""
+
+
+def test_a_plugin_cache_out_of_memory_is_an_oom_row_not_a_broken_plugin(tmp_path, plugin_files):
     """A plugin whose cache asks the CPU allocator for 2^50 bytes once the batch reaches 3 (torch refuses at once,
     touching nothing): at batch 3 that is the machine running out, an `oom` row, and the sweep exits 0."""
-    (tmp_path / "hungry.py").write_text(
-        "import torch\n"
-        "from kvbench.caches.dynamic import DynamicCache\n\n"
-        "class Hungry(DynamicCache):\n"
-        "    def __init__(self, config, batch, max_len, dtype, device):\n"
-        "        super().__init__()\n"
-        "        if batch >= 3:\n"
-        "            self.spare = torch.empty(1 << 50, dtype=torch.uint8)\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin_files({"hungry.py": HUNGRY})
     out = tmp_path / "run"
-    result, text = invoke(
-        "bench",
-        *TINY,
-        *"--prompt-len 8 --new-tokens 4 --batch 1,3 --caches hungry:Hungry --engine kvbench --repeats 1".split(),
-        *"--warmup 0 --out".split(),
-        str(out),
-    )
+    result, text = _bench(out, "--batch 1,3 --caches hungry:Hungry --repeats 1 --warmup 0")
     assert result.exit_code == 0, text
     s = pd.read_csv(out / "summary.csv")
     assert list(zip(s.batch, s.status, strict=True)) == [(1, "ok"), (3, "oom")]
 
 
-def test_json_oom_rows_carry_every_summary_column_null(tmp_path, monkeypatch):
+def test_json_oom_rows_carry_every_summary_column_null(tmp_path, plugin_files):
     """bench --json's rows are summary.csv's: an oom row has the same --percentiles keys as an ok row (null), in
     summary.csv's column order."""
-    (tmp_path / "hungry2.py").write_text(
-        "import torch\n"
-        "from kvbench.caches.dynamic import DynamicCache\n\n"
-        "class Hungry(DynamicCache):\n"
-        "    def __init__(self, config, batch, max_len, dtype, device):\n"
-        "        super().__init__()\n"
-        "        if batch >= 3:\n"
-        "            self.spare = torch.empty(1 << 50, dtype=torch.uint8)\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin_files({"hungry2.py": HUNGRY})
     out = tmp_path / "run"
-    result, text = invoke(
-        "bench",
-        *TINY,
-        *"--prompt-len 8 --new-tokens 4 --batch 1,3 --caches hungry2:Hungry --engine kvbench --repeats 2".split(),
-        *"--warmup 0 --percentiles 95,99.9 --json --out".split(),
-        str(out),
+    result, text = _bench(
+        out, "--batch 1,3 --caches hungry2:Hungry --repeats 2 --warmup 0 --percentiles 95,99.9 --json"
     )
     assert result.exit_code == 0, text
     ok, oom = json.loads(result.stdout)["summary"]

@@ -14,6 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from kvbench.cli import app
+from tiny import SHAPE
 
 TINY = ["-m", "gpt2-tiny", "-w", "random"]
 RUN = ["-d", "cpu", "--prompt-len", "12", "-n", "8"]
@@ -25,16 +26,7 @@ def llamas(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("bench-tp")
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        head_dim=16,
-        initializer_range=0.1,
-        max_position_embeddings=128,
-    )
+    common = dict(SHAPE, head_dim=16, max_position_embeddings=128)
     torch.manual_seed(0)
     for name, kv in (("llama", 2), ("llama-kv1", 1)):
         LlamaForCausalLM(LlamaConfig(num_key_value_heads=kv, **common)).save_pretrained(root / name)

@@ -33,6 +33,7 @@ from kvbench.check.distortion import (
 from kvbench.check.verify import random_prompts, run_verify
 from kvbench.cli import app
 from kvbench.jsonio import load_schema
+from tiny import tiny_llama
 
 TINY = ["-m", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 
@@ -233,21 +234,12 @@ def test_long_contexts_on_gpt2_long(tmp_path):
 def test_verify_hf_quantized_cache_reports_its_distortion(tmp_path):
     """transformers' quantized cache (the fp8 backend, where this transformers has it) on a tiny Llama: its
     distortion against transformers' dynamic cache, positive, bytes not read."""
-    from transformers import LlamaConfig, LlamaForCausalLM, cache_utils
+    from transformers import LlamaForCausalLM, cache_utils
 
     if not hasattr(cache_utils, "Fp8QuantizedLayer"):
         pytest.skip("this transformers has no fp8 cache backend")
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-    )
+    cfg = tiny_llama()
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
     args = "--caches dynamic,quantized-fp8 --prompt-len 12 -n 10 --json"
     r = CliRunner().invoke(app, ["verify", "--hf", str(tmp_path / "llama"), *args.split()])
@@ -288,18 +280,13 @@ def test_plot_labels_the_bytes_saved_and_leaves_zeros_off_its_log_axes(tmp_path)
 
 
 @pytest.fixture
-def lossy_plugin(tmp_path, monkeypatch):
+def lossy_plugin(plugin_files):
     """A plugin design declaring exact=False (a static cache storing K and V rounded to multiples of 0.25), as any
     new lossy design does: the distortion code knows no design by name."""
-    import sys
-    import textwrap
-
-    pkg = tmp_path / "lossyplug"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "caches.py").write_text(
-        textwrap.dedent(
-            '''
+    plugin_files(
+        {
+            "lossyplug/__init__.py": "",
+            "lossyplug/caches.py": '''
             """A lossy plugin for the tests."""
             from kvbench.caches.static import StaticCache
 
@@ -315,13 +302,10 @@ def lossy_plugin(tmp_path, monkeypatch):
 
                 def update(self, k, v, positions):
                     return super().update((k * 4).round() / 4, (v * 4).round() / 4, positions)
-            '''
-        )
+            ''',
+        }
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "lossyplug.caches:Coarse"
-    for name in [m for m in sys.modules if m.startswith("lossyplug")]:
-        del sys.modules[name]
+    return "lossyplug.caches:Coarse"
 
 
 def test_any_design_declaring_exact_false_is_measured(lossy_plugin, tiny_model):

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from kvbench.cli import app
 from kvbench.hf.caches import _backend_missing
+from tiny import tiny_llama
 
 QUANTO = ("optimum-quanto", "optimum.quanto", "optimum_quanto")  # the names a version lookup may use
 
@@ -62,18 +63,9 @@ def test_a_backend_that_cannot_be_versioned_is_missing(monkeypatch, answer, why)
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """A tiny Llama whose K/V width (2 key/value heads x 32) fills quanto's groups of 64 values."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.1,
-    )
+    cfg = tiny_llama(hidden_size=128, num_hidden_layers=1, max_position_embeddings=64)
     torch.manual_seed(0)
     d = tmp_path_factory.mktemp("llama")
     AutoModelForCausalLM.from_config(cfg).save_pretrained(d)

@@ -28,37 +28,12 @@ from kvbench.errors import KVBenchError
 from kvbench.hf.caches import HF_CACHES
 from kvbench.hf.caches import parse_verify_caches as parse_hf_cache_names
 from kvbench.hf.models import load_hf
+from tiny import COMMON, ByFamily, tiny_families
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 WINDOW = 8
 PROMPT, NEW = 12, 20  # longest prompt + new tokens = 32: four windows, so the sliding layers evict
-# Tiny shapes: 2 layers, 4 query heads sharing 2 key/value heads (GQA), a small vocabulary; init std 0.1 so greedy
-# output varies (at transformers' default 0.02 a tiny random model repeats one token, which hides position bugs).
-COMMON = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.1,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
-def _configs():
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
-
-    return {
-        "llama": LlamaConfig(**COMMON),
-        "qwen2": Qwen2Config(**COMMON),
-        "mistral": MistralConfig(**COMMON, sliding_window=WINDOW),  # every layer windowed
-        # sliding and full layers alternate
-        "gemma2": Gemma2Config(**COMMON, sliding_window=WINDOW, head_dim=16),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +41,7 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM
 
     dirs = {}
-    for name, cfg in _configs().items():
+    for name, cfg in tiny_families(WINDOW).items():
         torch.manual_seed(0)
         d = tmp_path_factory.mktemp(name)
         AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
@@ -95,6 +70,11 @@ def invoke(*args: str):
     return r, r.output + (repr(r.exception) if r.exception and not isinstance(r.exception, SystemExit) else "")
 
 
+def _verify_hf(source: str, options: str):
+    """verify --hf SOURCE with `options`: (result, its output)."""
+    return invoke("verify", "--hf", source, *options.split())
+
+
 LOOKUP_DEFECT = "generate(prompt_lookup_num_tokens=3) raised IndexError: index_copy_(): index"
 # optimum-quanto's quantised tensors refuse copy.deepcopy, transformers' fork (reproduced in docs/caches.md)
 QUANTO_COPY_DEFECT = "only works for subclass types that implement clone()"
@@ -109,19 +89,6 @@ def _dynamic_reset_works() -> bool:
 
 
 # --- every check on four families ----------------------------------------------------------------------------------
-class ByFamily(dict):
-    """A family's entry, built the first time a test asks for it: a run of the default tier, which leaves the
-    slow tier's families out, builds only the families it uses."""
-
-    def __init__(self, build):
-        super().__init__()
-        self.build = build
-
-    def __missing__(self, family):
-        self[family] = self.build(family)
-        return self[family]
-
-
 @pytest.fixture(scope="module")
 def reports(model_dirs):
     def build(name):
@@ -258,20 +225,11 @@ def test_generates_compiled_rows_count_their_compilations(model_dirs):
 
 
 # --- remote code: positions from the cache length ------------------------------------------------------------------
+TOY_OPTIONS = f"--trust-remote-code --caches none,dynamic,static --prompt-len {PROMPT} --new-tokens {NEW} --json"
+
+
 def test_position_bug_is_caught_by_batched_only(toy_dirs):
-    r, out = invoke(
-        "verify",
-        "--hf",
-        str(toy_dirs["buggy"]),
-        "--trust-remote-code",
-        "--caches",
-        "none,dynamic,static",
-        "--prompt-len",
-        str(PROMPT),
-        "--new-tokens",
-        str(NEW),
-        "--json",
-    )
+    r, out = _verify_hf(str(toy_dirs["buggy"]), TOY_OPTIONS)
     assert r.exit_code == 1, out
     doc = json.loads(r.stdout)
     assert doc["hf"]["learned_positions"] is True
@@ -285,19 +243,7 @@ def test_position_bug_is_caught_by_batched_only(toy_dirs):
         if c["name"] == "batched" and c["cache"] != "none":
             assert c["skipped"] and "the model fails it without a cache (see batched/none)" in c["detail"], c
     # the same model reading the position ids generate passes: every check passes
-    r, out = invoke(
-        "verify",
-        "--hf",
-        str(toy_dirs["fixed"]),
-        "--trust-remote-code",
-        "--caches",
-        "none,dynamic,static",
-        "--prompt-len",
-        str(PROMPT),
-        "--new-tokens",
-        str(NEW),
-        "--json",
-    )
+    r, out = _verify_hf(str(toy_dirs["fixed"]), TOY_OPTIONS)
     failed = {(c["name"], c["cache"]) for c in json.loads(r.stdout)["checks"] if not c["passed"]}
     assert failed == reset_bug and r.exit_code == (1 if reset_bug else 0), out
 
@@ -339,11 +285,9 @@ def test_a_lossy_cache_past_its_heuristic_bound_is_reported_never_the_models_fai
 
 
 def test_remote_code_config_alone_gives_random_weights(toy_dirs):
-    r, out = invoke(
-        "verify",
-        "--hf",
+    r, out = _verify_hf(
         str(toy_dirs["buggy"] / "config.json"),
-        *"--trust-remote-code --caches static --prompt-len 8 --new-tokens 6 --json".split(),
+        "--trust-remote-code --caches static --prompt-len 8 --new-tokens 6 --json",
     )
     assert r.exit_code == 1, out
     doc = json.loads(r.stdout)
@@ -449,11 +393,8 @@ def test_remote_code_that_exits_in_forward_is_refused_before_any_check(hostile_t
 
 
 def test_remote_code_prints_go_to_stderr(hostile_toys):
-    r, out = invoke(
-        "verify",
-        "--hf",
-        str(hostile_toys["print_forward"]),
-        *"--trust-remote-code --caches dynamic --prompt-len 8 --new-tokens 4 --json".split(),
+    r, out = _verify_hf(
+        str(hostile_toys["print_forward"]), "--trust-remote-code --caches dynamic --prompt-len 8 --new-tokens 4 --json"
     )
     assert r.exit_code == 0, out
     assert json.loads(r.stdout)["passed"] and "kvtoy forward" in r.stderr
@@ -573,11 +514,8 @@ def test_kv_cache_is_measured_from_a_forward(hf_dir, forward, why):
 def test_config_json_alone_gives_random_weights_and_layers(model_dirs):
     # dynamic: on transformers 5.24 the static cache's rollback row fails on transformers' own prompt lookup
     # (LOOKUP_DEFECT), which is not what this test is about
-    r, out = invoke(
-        "verify",
-        "--hf",
-        str(model_dirs["llama"] / "config.json"),
-        *"--layers 1 --caches dynamic --prompt-len 8 --new-tokens 6 --json".split(),
+    r, out = _verify_hf(
+        str(model_dirs["llama"] / "config.json"), "--layers 1 --caches dynamic --prompt-len 8 --new-tokens 6 --json"
     )
     assert r.exit_code == 0, out
     doc = json.loads(r.stdout)
@@ -810,14 +748,17 @@ def test_gpt2_options_are_refused_with_hf(model_dirs):
 
 
 # --- bench --hf ----------------------------------------------------------------------------------------------------
+def _bench_hf(model: str, options: str, out_dir: Path):
+    """bench --hf MODEL with `options`, written to out_dir: (result, its output)."""
+    return invoke("bench", "--hf", model, *options.split(), "--out", str(out_dir))
+
+
 def test_bench_hf_writes_rows(model_dirs, tmp_path):
     out_dir = tmp_path / "run"
-    r, out = invoke(
-        "bench",
-        "--hf",
+    r, out = _bench_hf(
         str(model_dirs["gemma2"]),
-        *"--prompt-len 8,24 --new-tokens 6 --caches none,dynamic,static --repeats 2 --warmup 1 --out".split(),
-        str(out_dir),
+        "--prompt-len 8,24 --new-tokens 6 --caches none,dynamic,static --repeats 2 --warmup 1",
+        out_dir,
     )
     assert r.exit_code == 0, out
     summary = pd.read_csv(out_dir / "summary.csv")
@@ -868,12 +809,10 @@ def test_bench_hf_rows_carry_token_agreement(model_dirs, tmp_path, monkeypatch):
 
     monkeypatch.setattr(DynamicLayer, "update", forgets_the_first_token)
     out_dir = tmp_path / "run"
-    r, out = invoke(
-        "bench",
-        "--hf",
+    r, out = _bench_hf(
         str(model_dirs["llama"]),
-        *"--prompt-len 6 --new-tokens 16 --caches none,dynamic,static --repeats 1 --warmup 0 --out".split(),
-        str(out_dir),
+        "--prompt-len 6 --new-tokens 16 --caches none,dynamic,static --repeats 1 --warmup 0",
+        out_dir,
     )
     assert r.exit_code == 0, out  # a flip is reported in the row (and in red under the table), not a failure
     rows = pd.read_csv(out_dir / "summary.csv").set_index("cache")
@@ -891,12 +830,8 @@ def test_bench_hf_rows_carry_token_agreement(model_dirs, tmp_path, monkeypatch):
 
 def test_bench_hf_without_none_has_no_reference(model_dirs, tmp_path):
     out_dir = tmp_path / "run"
-    r, out = invoke(
-        "bench",
-        "--hf",
-        str(model_dirs["llama"]),
-        *"--prompt-len 6 --new-tokens 4 --caches static --repeats 1 --warmup 0 --out".split(),
-        str(out_dir),
+    r, out = _bench_hf(
+        str(model_dirs["llama"]), "--prompt-len 6 --new-tokens 4 --caches static --repeats 1 --warmup 0", out_dir
     )
     assert r.exit_code == 0, out
     assert "need the model's own `none`" in r.stderr, out
@@ -983,12 +918,10 @@ def test_bench_hf_sigterm_keeps_the_rows(model_dirs, tmp_path, monkeypatch):
 
     monkeypatch.setattr(cli_bench._BenchProgress, "update", update)
     out_dir = tmp_path / "run"
-    r, out = invoke(
-        "bench",
-        "--hf",
+    r, out = _bench_hf(
         str(model_dirs["llama"]),
-        *"--prompt-len 6,10 --new-tokens 4 --caches none,dynamic,static --repeats 1 --warmup 0 --out".split(),
-        str(out_dir),
+        "--prompt-len 6,10 --new-tokens 4 --caches none,dynamic,static --repeats 1 --warmup 0",
+        out_dir,
     )
     assert r.exit_code == 128 + signal.SIGTERM, out
     summary = pd.read_csv(out_dir / "summary.csv")

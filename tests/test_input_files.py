@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
+from tiny import LLAMA_JSON
 
 TINY = ["-m", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 BENCH = [*TINY, "--repeats", "1", "--warmup", "0", "--prompt-len", "8", "--new-tokens", "4"]
@@ -363,16 +364,7 @@ def test_tokenizer_help_says_nothing_is_downloaded():
 
 
 def test_memory_check_of_thousands_of_layers_is_refused_before_it_runs(tmp_path):
-    cfg = {
-        "model_type": "llama",
-        "num_hidden_layers": 4096,
-        "num_attention_heads": 4,
-        "hidden_size": 64,
-        "num_key_value_heads": 2,
-        "vocab_size": 100,
-        "intermediate_size": 128,
-        "max_position_embeddings": 256,
-    }
+    cfg = {**LLAMA_JSON, "num_hidden_layers": 4096}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     line = _one_error_line(CliRunner().invoke(app, ["memory", "--config", str(path), "--check"]))

@@ -18,18 +18,15 @@ from kvbench.check.breaking import break_fault
 from kvbench.check.lifecycle import LIFECYCLE
 from kvbench.check.verify import random_prompts, run_verify
 from kvbench.cli import app
-from kvbench.model.gpt2 import GPT, GPTConfig
+from kvbench.model.gpt2 import GPT
+from tiny import ByFamily, tiny_families, varied_gpt
 
 TINY = ["-m", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
-    torch.manual_seed(0)
-    m = GPT(GPTConfig(block_size=128, vocab_size=256, n_layer=2, n_head=4, n_embd=64)).eval()
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.1)  # varied greedy output: a wrong history shows
-    return m
+    return varied_gpt()
 
 
 @pytest.fixture(scope="module")
@@ -90,33 +87,14 @@ def test_a_plugin_without_the_operations_skips_them_and_passes_the_rest(lifecycl
 
 
 # --- transformers' caches -------------------------------------------------------------------------------------------
-COMMON = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.1,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
 @pytest.fixture(scope="module")
 def hf_reports(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     from kvbench.check.hf_verify import run_hf_verify
     from kvbench.hf.models import load_hf
 
-    configs = {
-        "llama": LlamaConfig(**COMMON),
-        "qwen2": Qwen2Config(**COMMON),
-        "mistral": MistralConfig(**COMMON, sliding_window=8),
-        "gemma2": Gemma2Config(**COMMON, sliding_window=8, head_dim=16),
-    }
+    configs = tiny_families(8)
 
     def build(name):
         torch.manual_seed(0)
@@ -127,19 +105,6 @@ def hf_reports(tmp_path_factory):
         return run_hf_verify(loaded, ["dynamic", "static"], ps, 20, checks=LIFECYCLE)
 
     return ByFamily(build)
-
-
-class ByFamily(dict):
-    """A family's report, built the first time a test asks for it: a run of the default tier, which leaves the
-    slow tier's families out, builds only the families it uses."""
-
-    def __init__(self, build):
-        super().__init__()
-        self.build = build
-
-    def __missing__(self, family):
-        self[family] = self.build(family)
-        return self[family]
 
 
 # The plain decoder and the hybrid (sliding and full layers) in the default tier; the other two in the slow tier.

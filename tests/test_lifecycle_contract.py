@@ -6,7 +6,6 @@ import textwrap
 import pytest
 import torch
 
-from kvbench import caches as registry
 from kvbench.caches import CACHES, get_cache_spec, make_caches, missing_lifecycle
 from kvbench.caches.paged import PagedCache
 from kvbench.decode import fixed_step
@@ -369,15 +368,9 @@ PLUGIN = textwrap.dedent(
 
 
 @pytest.fixture
-def lifecycle_plugins(tmp_path, monkeypatch):
-    (tmp_path / "lifecycle_plugins.py").write_text(PLUGIN)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "lifecycle_plugins"
-    import sys
-
-    sys.modules.pop("lifecycle_plugins", None)
-    for name in [n for n in registry.PLUGINS if n.startswith("lifecycle_plugins")]:
-        del registry.PLUGINS[name]
+def lifecycle_plugins(plugin_files):
+    plugin_files({"lifecycle_plugins.py": PLUGIN})
+    return "lifecycle_plugins"
 
 
 @pytest.mark.parametrize(

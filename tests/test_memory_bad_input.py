@@ -10,19 +10,11 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
+from tiny import LLAMA_JSON
 
 runner = CliRunner()
 
-LLAMA = {
-    "model_type": "llama",
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "hidden_size": 64,
-    "num_key_value_heads": 2,
-    "vocab_size": 100,
-    "intermediate_size": 128,
-    "max_position_embeddings": 256,
-}
+LLAMA = LLAMA_JSON
 
 
 def llama(**fields) -> dict:

@@ -44,6 +44,31 @@ LLAMA = {
 }
 GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_positions": 1024, "vocab_size": 50257}
 
+# mistralai/Mistral-7B-v0.1's config.json; v0.3 is its shapes without the window, with a larger vocabulary
+MISTRAL_7B_V01 = {
+    "model_type": "mistral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
+    "sliding_window": 4096,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+}
+# The vision tower both LLaVA configs below carry (openai/clip-vit-large-patch14-336's): the planner reads past it.
+CLIP_VIT_L_336 = {
+    "model_type": "clip_vision_model",
+    "hidden_size": 1024,
+    "image_size": 336,
+    "intermediate_size": 4096,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 24,
+    "patch_size": 14,
+    "projection_dim": 768,
+    "vocab_size": 32000,
+}
 # One config.json per preset in configs/models.toml, as published on the hub (the repo is the preset's source).
 PUBLIC = {
     "gpt2": {**GPT2, "n_layer": 12, "n_head": 12, "n_embd": 768},
@@ -110,30 +135,8 @@ PUBLIC = {
         "max_position_embeddings": 131072,
         "vocab_size": 128256,
     },
-    "mistral-7b-v0.1": {
-        "model_type": "mistral",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "max_position_embeddings": 32768,
-        "sliding_window": 4096,
-        "vocab_size": 32000,
-        "tie_word_embeddings": False,
-    },
-    "mistral-7b-v0.3": {
-        "model_type": "mistral",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "max_position_embeddings": 32768,
-        "sliding_window": None,
-        "vocab_size": 32768,
-        "tie_word_embeddings": False,
-    },
+    "mistral-7b-v0.1": MISTRAL_7B_V01,
+    "mistral-7b-v0.3": {**MISTRAL_7B_V01, "sliding_window": None, "vocab_size": 32768},
     "mixtral-8x7b": {
         "model_type": "mixtral",
         "hidden_size": 4096,
@@ -346,17 +349,7 @@ PUBLIC = {
             "rms_norm_eps": 1e-05,
             "vocab_size": 32064,
         },
-        "vision_config": {
-            "model_type": "clip_vision_model",
-            "hidden_size": 1024,
-            "image_size": 336,
-            "intermediate_size": 4096,
-            "num_attention_heads": 16,
-            "num_hidden_layers": 24,
-            "patch_size": 14,
-            "projection_dim": 768,
-            "vocab_size": 32000,
-        },
+        "vision_config": CLIP_VIT_L_336,
     },
     # Chunked local attention on 3 of every 4 layers (Llama4TextConfig builds layer_types from no_rope_layers).
     "llama-4-scout-17b-16e": {
@@ -426,17 +419,7 @@ EXTRA = {
             "sliding_window": None,
             "vocab_size": 32064,
         },
-        "vision_config": {
-            "model_type": "clip_vision_model",
-            "hidden_size": 1024,
-            "image_size": 336,
-            "intermediate_size": 4096,
-            "num_attention_heads": 16,
-            "num_hidden_layers": 24,
-            "patch_size": 14,
-            "projection_dim": 768,
-            "vocab_size": 32000,
-        },
+        "vision_config": CLIP_VIT_L_336,
     },
 }
 CONFIGS = {**PUBLIC, **EXTRA}

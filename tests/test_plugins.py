@@ -24,6 +24,8 @@ from kvbench.errors import KVBenchError
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "kvbench"
 TINY = ["-m", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
+# a one-repeat bench of one short prompt on TINY
+BENCH_SHORT = [*"--prompt-len 16 --new-tokens 4 --repeats 1 --warmup 0 --threads 1".split(), *TINY]
 
 
 # --- the package ---------------------------------------------------------------------------------------------------
@@ -524,17 +526,7 @@ def test_plugin_that_exits_mid_run(plugin_dir, tmp_path):
         f"none,{ref}",
         "--engine",
         "kvbench",
-        "--prompt-len",
-        16,
-        "--new-tokens",
-        4,
-        "--repeats",
-        1,
-        "--warmup",
-        0,
-        "--threads",
-        1,
-        *TINY,
+        *BENCH_SHORT,
         "--out",
         out,
     )
@@ -610,17 +602,8 @@ def test_break_runs_faults_on_a_plugin(plugin_dir):
 def test_bench_gives_a_plugin_row(plugin_dir, tmp_path):
     out = tmp_path / "run"
     r = run(
-        *"bench --caches none,mycaches.growing:GrowingCache --engine kvbench --prompt-len".split(),
-        16,
-        "--new-tokens",
-        4,
-        "--repeats",
-        1,
-        "--warmup",
-        0,
-        "--threads",
-        1,
-        *TINY,
+        *"bench --caches none,mycaches.growing:GrowingCache --engine kvbench".split(),
+        *BENCH_SHORT,
         "--out",
         out,
     )

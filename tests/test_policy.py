@@ -4,7 +4,6 @@ plugin written outside the repository declares its own policy and is held to it 
 
 import json
 import re
-import textwrap
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from kvbench.check.policy import POLICY_CHECKS
 from kvbench.check.verify import random_prompts, run_verify
 from kvbench.cli import app
 from kvbench.errors import KVBenchError
+from tiny import tiny_llama
 
 N = 40  # past the sink cache's 4 + 32 tokens with the 32-token prompt: eviction happens
 
@@ -403,13 +403,9 @@ class EvictsEarly(TwoAndEight):
 
 
 @pytest.fixture
-def int4_plugin(tmp_path, monkeypatch):
-    (tmp_path / "int4plug.py").write_text(textwrap.dedent(PLUGIN))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "int4plug"
-    import sys
-
-    sys.modules.pop("int4plug", None)
+def int4_plugin(plugin_files):
+    plugin_files({"int4plug.py": PLUGIN})
+    return "int4plug"
 
 
 @pytest.mark.slow
@@ -475,21 +471,13 @@ def test_the_stored_values_are_compared_at_every_layer_update_as_a_copy(report):
 @pytest.fixture(scope="module")
 def quanto_llama(tmp_path_factory):
     pytest.importorskip("optimum.quanto")
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     from kvbench.hf.models import load_hf
 
     torch.manual_seed(0)
     # 2 key/value heads x 32 = 64 values per token and layer: one quanto group (hf/caches.py QUANTO_GROUP)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    cfg = tiny_llama(hidden_size=128, max_position_embeddings=512, initializer_range=0.02)
     d = tmp_path_factory.mktemp("llama")
     AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
     return load_hf(str(d), torch.device("cpu"), torch.float32)

@@ -24,17 +24,7 @@ from kvbench.cli import app
 WIDTHS = (80, 100)
 TINY = ["-m", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 META = {"model": "gpt2-tiny", "weights": "random(seed=0, std=0.05)", "device": "cpu", "dtype": "fp32"}
-CHECKS = (
-    "logits",
-    "greedy",
-    "reference",
-    "batched",
-    "cache_state",
-    "rollback",
-    "fork",
-    "reorder",
-    "chunked_prefill",
-)
+CHECKS = ("logits", "greedy", "reference", "batched", "cache_state", "rollback", "fork", "reorder", "chunked_prefill")
 
 
 class Screen(console.SafeConsole):

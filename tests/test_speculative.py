@@ -12,7 +12,8 @@ from kvbench.caches import CACHES
 from kvbench.cli import app
 from kvbench.decode.generate import generate
 from kvbench.decode.speculative import lookup, speculative_generate
-from kvbench.model.gpt2 import GPT, GPTConfig
+from kvbench.model.gpt2 import GPT
+from tiny import varied_gpt
 
 CROPPABLE = [c for c in CACHES if c != "none"]
 REPETITIVE = [10, 20, 30, 40, 50, 60] * 5 + [10, 20]  # 32 tokens, period 6
@@ -22,11 +23,7 @@ TINY = ["-m", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
-    torch.manual_seed(0)
-    m = GPT(GPTConfig(block_size=128, vocab_size=256, n_layer=2, n_head=4, n_embd=64)).eval()
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.1)  # varied greedy output
-    return m
+    return varied_gpt()
 
 
 @pytest.mark.parametrize("cache", CROPPABLE)

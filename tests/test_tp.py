@@ -18,6 +18,7 @@ import torch
 
 from facts import holds, since
 from kvbench.model.gpt2 import GPT, GPTConfig
+from tiny import SHAPE
 
 TINY = ["-m", "gpt2-tiny", "-w", "random", "-d", "cpu"]
 SMALL = ["--prompt-len", "12", "-n", "8"]
@@ -144,16 +145,7 @@ def hf_models(tmp_path_factory):
     )
 
     root = tmp_path_factory.mktemp("tp-hf")
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        head_dim=16,
-        initializer_range=0.1,
-        max_position_embeddings=128,
-    )
+    common = dict(SHAPE, head_dim=16, max_position_embeddings=128)
     window = dict(num_key_value_heads=2, sliding_window=8)
     models = {
         "llama": (LlamaForCausalLM, LlamaConfig(num_key_value_heads=2, **common)),

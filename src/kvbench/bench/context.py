@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +37,7 @@ from kvbench.check.distortion import Distortion, measure_layers
 from kvbench.decode import fixed_step
 from kvbench.devices import synchronize
 from kvbench.model.gpt2 import GPT
+from kvbench.rows import CsvRow
 
 FILL_CHUNK = 4096  # tokens per update while filling: bounds the temporary random K/V
 FILL_NOTE = (
@@ -46,7 +47,7 @@ FILL_NOTE = (
 
 
 @dataclass
-class ContextRow:
+class ContextRow(CsvRow):
     cache: str
     context: int  # tokens in the cache before the first timed step
     new_tokens: int  # decode steps timed per repeat
@@ -72,17 +73,13 @@ class ContextRow:
     top1_agreement: float = math.nan
     mean_abs_dp: float = math.nan
 
-    @classmethod
-    def columns(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
-
     def distortion_key(self) -> str:
         """The row's name among meta.json's distortion rows."""
         return f"{self.cache} context {self.context}"
 
 
 @dataclass
-class ContextDistortionRow:
+class ContextDistortionRow(CsvRow):
     """One teacher-forced step of a lossy cache at a filled context (distortion.csv)."""
 
     cache: str
@@ -94,23 +91,15 @@ class ContextDistortionRow:
     top1_agreement: float
     abs_dp: float
 
-    @classmethod
-    def columns(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
-
 
 @dataclass
-class ContextStepRow:
+class ContextStepRow(CsvRow):
     cache: str
     context: int
     batch: int
     repeat: int  # 1..repeats (timed runs only)
     step: int  # 1..new_tokens; step i attends over context + i slots
     latency_ms: float
-
-    @classmethod
-    def columns(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 @dataclass

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kvbench.rows import CsvRow
+
 TOP = 20  # operators per configuration kept in profile_ops.csv (by self time); the rest are summed as "(other)"
 
 
 @dataclass
-class OpRow:
+class OpRow(CsvRow):
     engine: str
     cache: str
     prompt_len: int
@@ -30,10 +32,6 @@ class OpRow:
     self_cpu_ms: float  # time in the operator itself, its children excluded, on the CPU (host) side
     self_device_ms: float  # the same on the accelerator (CUDA kernels it launched); 0 on a CPU run
     share: float  # of the run's total self time on the side that dominates (device on CUDA, else CPU)
-
-    @classmethod
-    def columns(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 @dataclass

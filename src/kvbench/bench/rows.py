@@ -11,11 +11,12 @@ from kvbench.bench import floor
 from kvbench.bench.profile import Profiled
 from kvbench.bench.timing_stats import tpot_extra_columns
 from kvbench.check.distortion import Distortion
+from kvbench.rows import CsvRow
 
 
 # --- rows --------------------------------------------------------------------------------------------------------
 @dataclass
-class SummaryRow:
+class SummaryRow(CsvRow):
     engine: str
     cache: str
     prompt_len: int
@@ -97,7 +98,7 @@ class SummaryRow:
 
 
 @dataclass
-class StepRow:
+class StepRow(CsvRow):
     engine: str
     cache: str
     prompt_len: int
@@ -106,13 +107,9 @@ class StepRow:
     step: int  # decode step 1..new_tokens-1 (token step+1; token 1 comes from the prefill)
     latency_ms: float
 
-    @classmethod
-    def columns(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
-
 
 @dataclass
-class DistortionRow:
+class DistortionRow(CsvRow):
     """One generated token of a lossy row, teacher-forced against the full-precision path (distortion.csv)."""
 
     engine: str
@@ -124,10 +121,6 @@ class DistortionRow:
     kl: float  # KL(p_full || p_lossy) in nats, averaged over the batch's sequences
     top1_agreement: float  # fraction of the batch's sequences whose top choice is the full-precision path's
     abs_dp: float  # |Δp| of the full-precision path's token, averaged over the sequences
-
-    @classmethod
-    def columns(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 @dataclass

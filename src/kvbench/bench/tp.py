@@ -25,11 +25,12 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from kvbench.devices import synchronize
+from kvbench.rows import CsvRow
 
 GLOO_TIMING = (
     "not a speed measurement: gloo on a CPU, where each all-reduce costs about a millisecond of a shared core; these "
@@ -40,7 +41,7 @@ NCCL_TIMING = "measured: NCCL, one GPU per rank"
 
 
 @dataclass
-class RankRow:
+class RankRow(CsvRow):
     """One rank's part of one configuration: a row of tp.csv."""
 
     engine: str
@@ -64,10 +65,6 @@ class RankRow:
     run_ms: float  # that run's whole generation
     collective_share: float  # collective_ms / run_ms
     timing: str  # GLOO_TIMING (not a speed measurement) or NCCL_TIMING
-
-    @classmethod
-    def columns(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 @dataclass

@@ -199,16 +199,7 @@ def render_bench(rows: list, meta: dict, run_dir, files: list, ranks: Sequence =
         "cold TPOT",
     ]
     body = [_bench_row(r, swept) for r in rows]
-    title = f"bench: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}"
-    if rows:
-        title += (
-            f", {rows[0].new_tokens} new tokens, batch {','.join(map(str, batches))}, "
-            f"{max(r.repeats for r in rows)} repeats"
-        )
-    tp = meta.get("tp")
-    if tp:
-        title += f", tensor parallel over {tp['ranks']} ranks ({tp['backend']}): rank 0's figures"
-    _print_table(title, cols, body, caption_text(meta, rows))
+    _print_table(_bench_title(meta, rows, batches), cols, body, caption_text(meta, rows))
     _oom_lines(rows)
     for r in rows:
         where = f"{r.engine} {r.cache} prompt {r.prompt_len}" + (f" batch {r.batch}" if swept else "")
@@ -218,6 +209,28 @@ def render_bench(rows: list, meta: dict, run_dir, files: list, ranks: Sequence =
             out.print(styled(f"{where}: tokens {r.tokens_note}", "red"))
     # only kvbench rows are measured: the engine goes without saying
     distortion_lines(rows, meta, lambda r: f"{r.cache} prompt {r.prompt_len}" + (f" batch {r.batch}" if swept else ""))
+    _sdpa_line(rows, meta)
+    if meta.get("tp"):
+        render_ranks(list(ranks), meta)
+    out.print(wrote_line(files, run_dir))
+
+
+def _bench_title(meta: dict, rows: list, batches: list) -> str:
+    """The bench table's title: model, device, dtype; new tokens, batch sizes, repeats; rank 0's under --tp."""
+    title = f"bench: {meta['model']} ({meta['weights']}) on {meta['device_name']}, {meta['dtype']}"
+    if rows:
+        title += (
+            f", {rows[0].new_tokens} new tokens, batch {','.join(map(str, batches))}, "
+            f"{max(r.repeats for r in rows)} repeats"
+        )
+    tp = meta.get("tp")
+    if tp:
+        title += f", tensor parallel over {tp['ranks']} ranks ({tp['backend']}): rank 0's figures"
+    return title
+
+
+def _sdpa_line(rows: list, meta: dict) -> None:
+    """The SDPA backends each finished engine x cache got (prefill / decode), and the cuDNN version, dimmed."""
     observed = {f"{r.engine} {r.cache}": (r.sdpa_prefill, r.sdpa_decode) for r in rows if r.status == "ok"}
     kinds = sorted(set(observed.values()))
     if kinds:
@@ -232,9 +245,6 @@ def render_bench(rows: list, meta: dict, run_dir, files: list, ranks: Sequence =
                 "dim",
             )
         )
-    if tp:
-        render_ranks(list(ranks), meta)
-    out.print(wrote_line(files, run_dir))
 
 
 def _planner_cell(r) -> object:

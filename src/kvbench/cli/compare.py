@@ -298,6 +298,44 @@ def _batches(c) -> list[int]:
     return sorted({int(r.batch) for r in c.rows})
 
 
+# The columns after engine, cache, prompt (and batch): TPOT, its ratio, [the interval], then the rest; the last
+# is the token agreement's, shown when a row has one. As the terminal table and the Markdown report name them.
+TERMINAL_COLUMNS = (
+    "TPOT ms",
+    "ratio",
+    "p",
+    "verdict",
+    "TTFT",
+    "TTFT verdict",
+    "tok/s",
+    "Δpeak MiB",
+    "ΔKV MiB",
+    "agreement",
+)
+MARKDOWN_COLUMNS = (
+    "TPOT ms (base → cand)",
+    "TPOT ratio",
+    "p",
+    "verdict",
+    "TTFT ratio",
+    "TTFT verdict",
+    "tokens/s ratio",
+    "Δ peak MiB",
+    "Δ KV MiB",
+    "token agreement",
+)
+
+
+def _columns(c, names: tuple[str, ...]) -> tuple[list[str], bool, bool]:
+    """The table's columns from `names` (TERMINAL_COLUMNS or MARKDOWN_COLUMNS): (columns, a batch column, an
+    agreement column)."""
+    swept = len(_batches(c)) > 1
+    tpot, ratio, *rest, agreement = names
+    cols = ["engine", "cache", "prompt", *(["batch"] if swept else []), tpot, ratio, f"{c.confidence:.0%} CI", *rest]
+    agree = _has_agreement(c)
+    return cols + ([agreement] if agree else []), swept, agree
+
+
 SHORT = {"no significant change": "n.s."}  # a verdict as the table shows it; the caption says what n.s. means
 
 
@@ -306,26 +344,7 @@ def _compare_table(c) -> tuple[list[str], list[list], str]:
     from kvbench.results.runs import printable
 
     level = f"{c.confidence:.0%}"
-    swept = len(_batches(c)) > 1
-    cols = [
-        "engine",
-        "cache",
-        "prompt",
-        *(["batch"] if swept else []),
-        "TPOT ms",
-        "ratio",
-        f"{level} CI",
-        "p",
-        "verdict",
-        "TTFT",
-        "TTFT verdict",
-        "tok/s",
-        "Δpeak MiB",
-        "ΔKV MiB",
-    ]
-    agree = _has_agreement(c)
-    if agree:
-        cols.append("agreement")
+    cols, swept, agree = _columns(c, TERMINAL_COLUMNS)
     caption = (
         f"TPOT: median decode step, baseline → candidate; ratio = candidate / baseline (> 1: slower), with its "
         f"{level} bootstrap interval. verdict: two-sided Mann-Whitney U on the pooled decode steps at alpha "
@@ -356,32 +375,7 @@ def _compare_table(c) -> tuple[list[str], list[list], str]:
 def markdown(c, fail_on: list[str]) -> str:
     """A Markdown report to paste into a pull request: the table, then the lines under it and the gate."""
     level = f"{c.confidence:.0%}"
-    swept = len(_batches(c)) > 1
-    cols = [
-        "engine",
-        "cache",
-        "prompt",
-        *(["batch"] if swept else []),
-        "TPOT ms (base → cand)",
-        "TPOT ratio",
-        f"{level} CI",
-        "p",
-        "verdict",
-        "TTFT ratio",
-        "TTFT verdict",
-        "tokens/s ratio",
-        "Δ peak MiB",
-        "Δ KV MiB",
-    ]
-    agree = _has_agreement(c)
-    if agree:
-        cols.append("token agreement")
-
-    from kvbench.results.runs import printable
-
-    def md(text: str) -> str:  # user text inside a table cell or code span: one line, no column break
-        return printable(text).replace("|", "\\|").replace("`", "'")
-
+    cols, swept, agree = _columns(c, MARKDOWN_COLUMNS)
     lines = [
         f"**kvbench compare**: `{md(c.candidate)}` against the baseline `{md(c.baseline)}`",
         "",
@@ -412,11 +406,21 @@ def markdown(c, fail_on: list[str]) -> str:
     lines += [f"- warning: {md(text)}" for text in c.warnings]  # on stderr too; a pasted report keeps them
     lines.append(f"- {_counts(c)}")
     if fail_on:
-        regressions = c.regressions(fail_on)
-        gate = ", ".join(fail_on)
-        lines.append(
-            f"- **FAIL** ({gate}): " + "; ".join(map(md, regressions))
-            if regressions
-            else f"- PASS ({gate}): no regression"
-        )
+        lines.append(_gate_line(c, fail_on))
     return "\n".join(lines) + "\n"
+
+
+def md(text: str) -> str:
+    """User text inside a Markdown table cell or code span: one line, no column break."""
+    from kvbench.results.runs import printable
+
+    return printable(text).replace("|", "\\|").replace("`", "'")
+
+
+def _gate_line(c, fail_on: list[str]) -> str:
+    """The Markdown report's last line: the regressions --fail-on names, or PASS."""
+    regressions = c.regressions(fail_on)
+    gate = ", ".join(fail_on)
+    if regressions:
+        return f"- **FAIL** ({gate}): " + "; ".join(map(md, regressions))
+    return f"- PASS ({gate}): no regression"

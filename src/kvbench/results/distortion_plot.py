@@ -21,7 +21,7 @@ from matplotlib.ticker import FuncFormatter, NullLocator, PercentFormatter  # no
 
 from kvbench.caches import CACHES  # noqa: E402
 from kvbench.check.distortion import depth_bin  # noqa: E402
-from kvbench.results.plots import _colour, _context_label, _title  # noqa: E402
+from kvbench.results.plot_style import cache_colour, context_label, run_title  # noqa: E402
 
 PANELS = (  # column, y label, panel title, log y
     ("kl", "KL(p_full || p_lossy), nats", "KL divergence", True),
@@ -56,7 +56,7 @@ def distortion_figure(rows: pd.DataFrame, meta: dict, path: Path) -> Path:
     zeros, lowest = False, 1.0  # lowest: the lowest binned top-1 (a token's own is 0 or 1)
     for cache in caches:
         sub = rows[rows.cache == cache]
-        binned, colour, label = _bins(sub), _colour(cache), _saved(meta, cache)
+        binned, colour, label = _bins(sub), cache_colour(cache), _saved(meta, cache)
         lowest = min(lowest, float(binned.top1_agreement.min()))
         for ax, (col, _, _, log) in zip(axes, PANELS, strict=True):
             if col != "top1_agreement":  # per token, top-1 of one sequence is 0 or 1: only its bins say anything
@@ -67,7 +67,7 @@ def distortion_figure(rows: pd.DataFrame, meta: dict, path: Path) -> Path:
             ax.plot(line.depth, line[col], color=colour, marker="o", markersize=5, linewidth=1.6, label=label)
     for ax, (col, ylabel, title, log) in zip(axes, PANELS, strict=True):
         ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _context_label(x)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: context_label(x)))
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlim(depths[0] / 1.2, depths[-1] * 1.2)
         if log and (rows[col] > 0).any():
@@ -82,7 +82,7 @@ def distortion_figure(rows: pd.DataFrame, meta: dict, path: Path) -> Path:
     filled = " · caches filled with RANDOM K/V" if meta.get("fill") == "random" else ""
     note = textwrap.fill(dist.get("note", ""), 150)
     fig.suptitle(
-        f"Lossy caches vs the full-precision static cache, teacher-forced, by depth — {_title(meta)}{filled}\n"
+        f"Lossy caches vs the full-precision static cache, teacher-forced, by depth — {run_title(meta)}{filled}\n"
         f"dots: each token (mean over the batch's sequences); lines: power-of-two depth bins"
         + ("; a bin of KL or |Δp| 0 (identical distributions) is left off its log axis" if zeros else "")
         + f"\n{note}",

@@ -12,7 +12,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.outputs import writing_into
 from kvbench.results.environment import cpu_facts, cuda_facts, load_average
 from kvbench.results.rundir import write_csv, write_json
+from kvbench.rows import CsvRow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -161,7 +162,7 @@ def run_meta(loaded, device, dtype, settings, config_path) -> dict[str, Any]:
 
 
 @dataclass
-class TTFTRow:
+class TTFTRow(CsvRow):
     """One timed repeat's time to first token (prefill + first token), as ttft.csv holds it."""
 
     engine: str
@@ -170,10 +171,6 @@ class TTFTRow:
     batch: int
     repeat: int  # 1..repeats (timed runs only), as in steps.csv
     ttft_ms: float
-
-    @classmethod
-    def columns(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 class BenchRecorder:
@@ -417,13 +414,13 @@ class ContextRecorder(BenchRecorder):
         """The final meta.json, then context.png from whatever completed, then meta.json again."""
         import pandas as pd  # with the plots: a command refused before any work does not load it
 
-        from kvbench.results import plots  # matplotlib, only when a run draws its plots
+        from kvbench.results import context_plot  # matplotlib, only when a run draws its plots
 
         self._close(status)
         write_json(self.run_dir / "meta.json", self.meta)
         summary = pd.DataFrame([asdict(r) for r in self.summary], columns=ContextRow.columns())
         with writing_into(self.run_dir):
-            pngs = plots.write_context_plots(self.run_dir, summary, self.meta)
+            pngs = context_plot.write_context_plots(self.run_dir, summary, self.meta)
             pngs += self._distortion_plot()
         self._plotted(pngs)
         names = ("summary.csv", "steps.csv", "meta.json")
