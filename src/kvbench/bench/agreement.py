@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ def divergences(ref: list[list[int]], got: list[list[int]]) -> tuple[float, dict
 
 
 @torch.inference_mode()
-def reference_logits(model, ids: torch.Tensor, ref: list[list[int]], d: int) -> torch.Tensor:
+def reference_logits(model: torch.nn.Module, ids: torch.Tensor, ref: list[list[int]], d: int) -> torch.Tensor:
     """(B, V) fp32: the logits `none` computed for token d, one forward over the prompts + ref tokens before d."""
     device = ids.device
     x = torch.cat([ids, torch.tensor([r[:d] for r in ref], device=device, dtype=ids.dtype)], dim=1)  # (B, T + d)
@@ -99,7 +100,15 @@ def check_tokens(
     return TokenCheck(agreement, d0, n, near, ("lossy cache; " if lossy else "") + note)
 
 
-def _explain(ref, got, first, ref_logits, rerun, rtol, atol) -> tuple[int, list[str]]:
+def _explain(
+    ref: list[list[int]],
+    got: list[list[int]],
+    first: dict[int, int],
+    ref_logits: Callable[[int], torch.Tensor],
+    rerun: Callable[[], tuple[list[list[int]], Any]],
+    rtol: float,
+    atol: float,
+) -> tuple[int, list[str]]:
     """(flips at near-ties, one explanation per flipped sequence, earliest flip first)."""
     again, logits = rerun()
     near, details, ref_rows = 0, [], {}

@@ -11,6 +11,7 @@ through) which backend those exact arguments get, and returns the backends seen 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,7 @@ class _SDPAWatch(TorchFunctionMode):
         super().__init__()
         self.calls: list[str] = []  # the backend of every SDPA call, in order
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self.calls.append(_choice(args, kwargs))

@@ -26,6 +26,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -139,7 +140,7 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: 
     x = torch.ones(n, dtype=torch.float32, device=device)
     src, dst = x[: n // 2], x[n // 2 :]
 
-    def timed(fn) -> list[float]:
+    def timed(fn: Callable[[], object]) -> list[float]:
         fn()  # warm-up: first touch of pages, kernel selection
         times = []
         for _ in range(repeats):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -137,7 +138,7 @@ class HFModelEngine:
 
 
 # --- settings and checks before any work ---------------------------------------------------------------------------
-def hf_bench_settings(config, given: dict) -> BenchSettings:
+def hf_bench_settings(config: str | Path | None, given: dict) -> BenchSettings:
     """bench's settings for --hf: the TOML file and the options as for GPT-2, checked by the same rules
     (rules.bench_hf_rules, then rules.bench_rules), with transformers' cache names and the one engine."""
     raw = read_settings(config, given)

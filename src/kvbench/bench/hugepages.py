@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 from kvbench.errors import KVBenchError
@@ -25,7 +26,7 @@ SYSTEM = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # e.g. "always [ma
 PROBE_BYTES = 6 << 20  # holds at least two whole 2 MiB-aligned regions wherever the allocator places it
 
 
-def request(environ=os.environ) -> bool:
+def request(environ: MutableMapping[str, str] = os.environ) -> bool:
     """Ask PyTorch for huge pages in this process. True when the variable was set here; False when it was already
     set (the user's choice stands; empty counts as unset) or torch is already loaded (its allocator has read the
     variable, or soon will)."""
@@ -35,7 +36,7 @@ def request(environ=os.environ) -> bool:
     return True
 
 
-def check(environ=os.environ) -> None:
+def check(environ: Mapping[str, str] = os.environ) -> None:
     """Refuse what torch would ignore with a warning mid-run: it reads only 0 and 1."""
     value = environ.get(ENV, "")
     if value not in ("", "0", "1"):

@@ -10,6 +10,7 @@ counter for `--copy-traffic`. torch is imported here, never by the planner.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -80,7 +81,9 @@ def _torch_dtype(kv_dtype: str) -> torch.dtype:
     return DTYPES[kv_dtype]
 
 
-def _fill(caches, cfg: GPTConfig, batch: int, n0: int, n1: int, dtype, device) -> None:
+def _fill(
+    caches: list | None, cfg: GPTConfig, batch: int, n0: int, n1: int, dtype: torch.dtype, device: torch.device
+) -> None:
     """Prefill n0 tokens in one update, then decode one token per update up to n1, in every layer."""
     H, Dh = cfg.n_head, cfg.head_dim
     steps = ([(0, n0)] if n0 > 0 else []) + [(t, t + 1) for t in range(n0, n1)]
@@ -89,7 +92,7 @@ def _fill(caches, cfg: GPTConfig, batch: int, n0: int, n1: int, dtype, device) -
         k = torch.zeros(batch, H, T, Dh, dtype=dtype, device=device)  # (B, H, T, Dh): values do not matter
         v = torch.zeros_like(k)
         pos = torch.arange(start, end, device=device).expand(batch, T)  # (B, T)
-        for c in caches:
+        for c in caches or []:  # no cache (`none`): nothing held
             c.update(k, v, pos)
 
 
@@ -204,7 +207,9 @@ def _measure_one(
     )
 
 
-def _allocate_and_fill(name: str, cfg: GPTConfig, batch: int, ctx: int, dtype, dev, predicted: int):
+def _allocate_and_fill(
+    name: str, cfg: GPTConfig, batch: int, ctx: int, dtype: torch.dtype, dev: torch.device, predicted: int
+) -> tuple[list | None, int | None, int | None]:
     """The cache `name` for (batch, ctx), filled with ctx tokens (None for no cache), and on CUDA the allocator's
     growth and the transient peak above it while filling (None elsewhere). Running out of memory is one line."""
     cuda = dev.type == "cuda"
@@ -299,7 +304,7 @@ def check_measure(
         )
 
 
-def paged_waste(name: str, lengths: list[int], max_len: int | None, kv_dtype: str):
+def paged_waste(name: str, lengths: list[int], max_len: int | None, kv_dtype: str) -> Any:
     """`memory --measure --lengths`: the blocks a paged cache holds for a batch of mixed lengths against a static
     cache's batch x max_len reservation (max_len defaults to the longest sequence)."""
     cfg = _gpt_config(name)

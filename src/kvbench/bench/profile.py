@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -45,7 +47,7 @@ def trace_name(engine: str, cache: str, prompt_len: int, batch: int) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", f"{engine}-{cache}-prompt{prompt_len}-batch{batch}") + ".trace.json"
 
 
-def profile_run(run, device: torch.device, folder: Path, key: dict) -> Profiled:
+def profile_run(run: Callable[[], object], device: torch.device, folder: Path, key: dict) -> Profiled:
     """Run `run()` (one whole generation) under torch.profiler; write its trace into `folder`; return it and the
     operators by self time. key: the configuration's engine, cache, prompt_len and batch."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -62,13 +64,13 @@ def profile_run(run, device: torch.device, folder: Path, key: dict) -> Profiled:
     return Profiled(path, top_ops(prof.key_averages(), key, device.type == "cuda"))
 
 
-def top_ops(averages, key: dict, on_device: bool) -> list[OpRow]:
+def top_ops(averages: Any, key: dict, on_device: bool) -> list[OpRow]:
     """The TOP operators by self time (device time on CUDA, CPU time otherwise), and the rest as one row."""
 
-    def device_us(e) -> float:
+    def device_us(e: Any) -> float:
         return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
 
-    def side(e) -> float:
+    def side(e: Any) -> float:
         return device_us(e) if on_device else float(e.self_cpu_time_total)
 
     events = sorted(averages, key=side, reverse=True)

@@ -41,7 +41,7 @@ K = 1024  # --prompt-len 4k = 4,096 tokens
 _INT_TEXT = re.compile(r"([+-]?\d+)([kK]?)")
 
 
-def _whole(value, key: str, where: str) -> int:
+def _whole(value: object, key: str, where: str) -> int:
     """An integer from TOML (int, not bool or float) or the command line (decimal digits, or with a k suffix:
     4k = 4 x 1,024); anything else is an error, never truncated."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -52,7 +52,7 @@ def _whole(value, key: str, where: str) -> int:
     raise KVBenchError(f"{where}: {key} must be whole numbers, got {shown(value)} (a k suffix is x1024: 4k = 4096)")
 
 
-def _as_list(key: str, value, where: str, integers: bool) -> list:
+def _as_list(key: str, value: typing.Any, where: str, integers: bool) -> list:
     if isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
     if not isinstance(value, list | tuple):
@@ -189,7 +189,7 @@ def check_fits_context(s: BenchSettings, block_size: int | None, model_name: str
         )
 
 
-def _check_random_fill_memory(s: BenchSettings, cfg: GPTConfig, weights: int, kv: int, device) -> None:
+def _check_random_fill_memory(s: BenchSettings, cfg: GPTConfig, weights: int, kv: int, device: torch.device) -> None:
     """One configuration's cache is alive at a time; on top of it, one layer's K and V may exist up to four times
     over (torch.cat's new tensor, the paged gather, int8's dequantisation temporaries)."""
     from kvbench import devices

@@ -8,6 +8,7 @@ Percentiles are numpy's default ("linear", type 7 of Hyndman and Fan: the order 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ def check_percentiles(values: list[float], where: str = "--percentiles") -> list
     return list(dict.fromkeys(float(q) for q in values))
 
 
-def parse_percentiles(value, where: str) -> list[float]:
+def parse_percentiles(value: Any, where: str) -> list[float]:
     """`50,90,99` (command line) or [50, 90, 99] (TOML) -> [50.0, 90.0, 99.0], checked."""
     items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
     if not isinstance(items, list | tuple):
