@@ -175,10 +175,10 @@ def hf_models(tmp_path_factory):
 def test_one_kv_head_at_tp2_is_refused_before_any_rank_starts(hf_models, monkeypatch):
     from typer.testing import CliRunner
 
-    from kvbench import distributed
+    from kvbench import launcher
     from kvbench.cli import app
 
-    monkeypatch.setattr(distributed, "launch", lambda *a: pytest.fail("ranks were launched"))
+    monkeypatch.setattr(launcher, "launch", lambda *a: pytest.fail("ranks were launched"))
     r = CliRunner().invoke(app, ["verify", "--hf", str(hf_models / "llama-kv1"), "--tp", "2", "-d", "cpu"])
     assert r.exit_code == 2, r.output
     assert "1 key/value heads do not divide over 2 ranks" in r.stderr and "#48307" in r.stderr, r.stderr

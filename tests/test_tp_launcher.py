@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from kvbench import distributed
-from kvbench.distributed import PEER_LOST, Ended, RanksFailed, _outcome, _Signalled
+from kvbench import distributed, launcher
+from kvbench.distributed import PEER_LOST, RanksFailed
 from kvbench.errors import KVBenchError
+from kvbench.launcher import Ended, _outcome, _Signalled
 
 TINY = ["-m", "gpt2-tiny", "-w", "random", "-d", "cpu"]
 SMALL = ["--prompt-len", "8", "-n", "8", "--reference", "none"]
@@ -138,10 +139,10 @@ def test_the_run_ends_in_the_line_of_the_rank_that_ended_it(codes, ends, stopped
 
 
 def test_the_launchers_line_names_the_plugins_and_the_timeout_only_when_given():
-    assert distributed._plugins(["verify", "--caches", "dynamic,static"]) == ""
-    assert distributed._plugins(["break", "-c", "a.b:C"]) == "; cache plugin loaded: a.b:C"
-    assert distributed._plugins(["bench", "--caches=x:A,y:B"]) == "; cache plugins loaded: x:A, y:B"
-    assert distributed._timeout(["verify"]) == "" and distributed._timeout(["--tp-timeout=7"]) == " (7 s)"
+    assert launcher._plugins(["verify", "--caches", "dynamic,static"]) == ""
+    assert launcher._plugins(["break", "-c", "a.b:C"]) == "; cache plugin loaded: a.b:C"
+    assert launcher._plugins(["bench", "--caches=x:A,y:B"]) == "; cache plugins loaded: x:A, y:B"
+    assert launcher._timeout(["verify"]) == "" and launcher._timeout(["--tp-timeout=7"]) == " (7 s)"
 
 
 # --- which process is a rank ----------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from kvbench.bench.hf_sweep import BenchLoaded
     from kvbench.bench.tp import Ranks
     from kvbench.model.weights import LoadedModel
+    from kvbench.tp_command import Split
 
 
 @dataclass
@@ -92,7 +93,7 @@ def bench(given: dict, opts: BenchOptions) -> None:
 
     With --hf SOURCE: transformers' own caches (none, dynamic, static, static-compiled) on any Hugging Face causal
     LM, in the same rows and files, its tokens checked against its own none."""
-    from kvbench import distributed
+    from kvbench import distributed, tp_command
     from kvbench.results.rundir import check_export
 
     opts.given = given
@@ -103,17 +104,11 @@ def bench(given: dict, opts: BenchOptions) -> None:
         settings, out_dir = checked[0], checked[1]
     else:
         settings, out_dir = _gpt2_settings(opts)
-    rank = None
-    role = distributed.role(settings.tp)  # a --tp that torchrun did not launch is refused
-    if settings.tp > 1:  # what cannot be split is refused before any rank starts
-        _check_tp_shape(opts, settings)
-        if role.launches:
-            with console.stdout_inherited():  # rank 0 prints the --json document
-                code = distributed.launch(settings.tp, sys.argv[1:])
-            raise typer.Exit(code)  # the ranks have reported
-        from kvbench.devices import resolve_device
-
-        rank = distributed.start(settings.tp, resolve_device(settings.device), settings.tp_timeout)
+    launches = distributed.role(settings.tp).launches  # a --tp that torchrun did not launch is refused
+    split = _split(opts, settings)
+    if launches:
+        raise typer.Exit(tp_command.launch(split, sys.argv[1:]))  # the ranks have reported
+    rank = tp_command.join(split)  # this process as one rank: what cannot be split is refused first
     if opts.hf is not None:
         prefill_sweep(opts, _prepare_hf(opts, checked, rank), base_run)
     elif settings.fill == "random":
@@ -122,21 +117,18 @@ def bench(given: dict, opts: BenchOptions) -> None:
         prefill_sweep(opts, _load_gpt2(settings, out_dir, rank), base_run)
 
 
-def _check_tp_shape(opts: BenchOptions, settings: BenchSettings) -> None:
-    """A model that cannot be split over --tp ranks: refused in one line, before any rank starts."""
-    from kvbench import validate
-    from kvbench.distributed import check_ranks_fit, weights_bytes
+def _split(opts: BenchOptions, settings: BenchSettings) -> Split:
+    """What this sweep splits over --tp ranks: our GPT-2 (the sweep's model config) or --hf's model."""
+    from kvbench.tp_command import Split
 
-    if opts.hf is None:
-        from kvbench.bench.settings import sweep_model_config
+    at = (settings.tp, settings.device, settings.tp_timeout)
+    if opts.hf is not None:
+        return Split(*at, hf=opts.hf, trust_remote_code=opts.trust_remote_code)
+    if settings.tp == 1:  # nothing to split: the model runs whole in this process
+        return Split(*at)
+    from kvbench.bench.settings import sweep_model_config
 
-        cfg = sweep_model_config(settings)
-        validate.tp_shape_rules(settings.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
-    else:
-        from kvbench.hf.tp import check_tp_model
-
-        check_tp_model(opts.hf, settings.tp, opts.trust_remote_code)
-    check_ranks_fit(settings.tp, settings.device, weights_bytes(cfg if opts.hf is None else opts.hf))
+    return Split(*at, config=sweep_model_config(settings))
 
 
 def _baseline_run(opts: BenchOptions):
