@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import devices, validate
-from kvbench.bench.engines import RunTiming, weight_bytes
+from kvbench.bench.engines import InOneProcess, RunTiming, weight_bytes
 from kvbench.bench.settings import (
     BenchSettings,
     check_fits_context,
@@ -75,7 +75,7 @@ class _HFModelConfiguration:
         _generate(self.loaded, ids, 2, generate_kwargs(cache), record_logits=False)
 
 
-class HFModelEngine:
+class HFModelEngine(InOneProcess):
     """transformers' generate on a Hugging Face model, one of its timed caches (hf/caches.py) per configuration; `hf` in the rows."""
 
     name = "hf"

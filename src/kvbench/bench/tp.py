@@ -107,6 +107,10 @@ class Ranks:
             "rows": "tp.csv: a row per configuration and rank",
         }
 
+    def engines(self, engines: dict) -> dict[str, RankEngine]:
+        """The sweep's engines, each run as this rank's part of the sweep."""
+        return {name: RankEngine(e, self) for name, e in engines.items()}
+
     def in_step(self) -> None:
         """Wait until every rank is here (each rank's bookkeeping between runs takes its own time), so a run's
         clock starts with every rank ready."""
@@ -266,3 +270,40 @@ class HFRanks(Ranks):
         if self.layers is not None:
             return None
         return planned_hf_rank_bytes(self.loaded, slots, self.rank.world, self.dtype)
+
+
+class RankEngine:
+    """An engine as one rank of a tensor-parallel sweep: every run starts with every rank ready (Ranks.in_step), a
+    configuration that raises ends the sweep (the other ranks are in its collectives), its rows have no floor (a
+    rank's step is not one device's stream of the whole model), and each finished configuration sends this rank's
+    row to rank 0 (Ranks.measure). Everything else is the engine's own."""
+
+    has_floor = False
+    failure_ends_sweep = True
+
+    def __init__(self, engine, ranks: Ranks) -> None:
+        self.engine, self.ranks = engine, ranks
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def configure(self, cache: str, batch: int, max_len: int) -> InStep:
+        return InStep(self.engine.configure(cache, batch, max_len), self.ranks)
+
+    def rank_rows(self, conf: InStep, ids: torch.Tensor, new_tokens: int, row) -> list[RankRow] | None:
+        """After every timed run (the collectives' clock synchronises around each): every rank's row on rank 0."""
+        return self.ranks.measure(conf.conf, ids, new_tokens, row)
+
+
+class InStep:
+    """A configuration whose every run starts when every rank is ready: its clock times the run alone."""
+
+    def __init__(self, conf, ranks: Ranks) -> None:
+        self.conf, self.ranks = conf, ranks
+
+    def __getattr__(self, name: str):
+        return getattr(self.conf, name)
+
+    def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False):
+        self.ranks.in_step()
+        return self.conf.run(ids, new_tokens, record_logits=record_logits)
