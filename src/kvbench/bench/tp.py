@@ -70,6 +70,10 @@ class RankRow:
         return [f.name for f in fields(cls)]
 
 
+# RankRow's columns copied from this rank's summary row of the configuration
+FROM_SUMMARY = ("engine", "cache", "prompt_len", "batch", "ttft_ms", "tpot_ms_median", "peak_mem_mib", "weights_mib")
+
+
 @dataclass
 class Clock:
     """Seconds spent inside collectives, and how many there were."""
@@ -141,22 +145,15 @@ class Ranks:
         planned = None if planned is None else planned * row.batch
         measured = t.cache_bytes
         mine = RankRow(
-            engine=row.engine,
-            cache=row.cache,
-            prompt_len=row.prompt_len,
-            batch=row.batch,
+            **{k: getattr(row, k) for k in FROM_SUMMARY},
             rank=self.rank.rank,
             ranks=self.rank.world,
             backend=self.rank.backend,
             device=str(self.rank.device),
-            ttft_ms=row.ttft_ms,
-            tpot_ms_median=row.tpot_ms_median,
             kv_slots=math.nan if slots is None else float(slots),
             kv_cache_bytes=math.nan if measured is None else float(measured),
             planned_kv_cache_bytes=math.nan if planned is None else float(planned),
             planned_equal=None if planned is None or measured is None else measured == planned,
-            peak_mem_mib=row.peak_mem_mib,
-            weights_mib=row.weights_mib,
             collective_ms=1e3 * clock.seconds,
             collective_calls=clock.calls,
             run_ms=1e3 * t.total_s,
