@@ -3,7 +3,7 @@
 Every rank runs the same sweep on its shard of the model (model/tp.py for our GPT-2, transformers' own plan for
 --hf); the collectives inside each forward keep the ranks in step. So a configuration that raises on one rank cannot
 become a failed row while the others go on (they would pair their next collective with the wrong one): it ends the
-run, and the launcher names the rank (kvbench.distributed). After each configuration every rank sends its row to
+run, and the launcher names the rank (kvbench.launcher). After each configuration every rank sends its row to
 rank 0, which writes the run folder:
 
     ttft_ms, tpot_ms_median   this rank's own medians over the timed repeats (its clock, its runs)

@@ -80,7 +80,7 @@ def _earliest(row: CheckRow) -> tuple[int, int]:
 
 # Under tensor parallelism a run that raises on one rank cannot become a failed row: the other ranks would go on to
 # the next collective while it does not, and pair with the wrong one. So nothing is caught: the exception ends this
-# rank (its one line names it, kvbench.distributed) and the others lose their peer within the collective timeout.
+# rank (its one line names it, kvbench.launcher) and the others lose their peer within the collective timeout.
 IN_STEP: tuple[type[BaseException], ...] = ()
 
 # A lossy design's stored values may land one quantisation step apart where the shard's rounding puts a value on the

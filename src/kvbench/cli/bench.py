@@ -3,7 +3,7 @@
 The command gathers its options into one BenchOptions and dispatches on the mode: a prefill sweep of our GPT-2, the
 same sweep of a Hugging Face model (--hf), or decode steps over random-filled caches (--fill random). Every mode
 makes each check that needs no weights before loading anything, and creates the run folder only once every check
-has passed. With --tp N (N > 1) the command checks, then launches N ranks of itself (kvbench.distributed), or runs
+has passed. With --tp N (N > 1) the command checks, then launches N ranks of itself (kvbench.tp_command), or runs
 as one when started by torchrun: every rank runs the sweep on its shard, rank 0 writes the run folder and reports.
 """
 
