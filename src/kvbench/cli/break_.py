@@ -16,6 +16,7 @@ from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import option
 
 if TYPE_CHECKING:
+    from kvbench.model.gpt2 import GPTConfig
     from kvbench.tp_command import Split
 
 
@@ -154,7 +155,7 @@ def _run_faults(o: BreakOptions, on_fault, reports: bool = True):
     return results, list(why.items()), meta
 
 
-def _split(o: BreakOptions, cfg) -> Split:
+def _split(o: BreakOptions, cfg: GPTConfig) -> Split:
     """What this command splits over --tp ranks: our GPT-2, of config `cfg`."""
     from kvbench.tp_command import Split
 

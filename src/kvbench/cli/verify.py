@@ -15,6 +15,7 @@ from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import option
 
 if TYPE_CHECKING:
+    from kvbench.model.gpt2 import GPTConfig
     from kvbench.tp_command import Split
 
 
@@ -89,7 +90,7 @@ def verify(o: VerifyOptions) -> None:
         raise typer.Exit(1)
 
 
-def _split(o: VerifyOptions, cfg=None) -> Split:
+def _split(o: VerifyOptions, cfg: GPTConfig | None = None) -> Split:
     """What this command splits over --tp ranks: our GPT-2 (its config, read here when not given) or --hf's model."""
     from kvbench.tp_command import Split
 
