@@ -60,9 +60,9 @@ REFUSED = [
 
 @pytest.mark.parametrize("args, message", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
 def test_what_cannot_run_split_is_refused_before_any_rank_starts(llamas, tmp_path, monkeypatch, args, message):
-    from kvbench import distributed
+    from kvbench import launcher
 
-    monkeypatch.setattr(distributed, "launch", lambda *a: pytest.fail("ranks were launched"))
+    monkeypatch.setattr(launcher, "launch", lambda *a: pytest.fail("ranks were launched"))
     monkeypatch.chdir(tmp_path)
     args = [a(tmp_path) if callable(a) else str(llamas / a) if a.startswith("llama") else a for a in args]
     model = [] if "--hf" in args else TINY  # --hf takes no --model, --weights
@@ -73,10 +73,10 @@ def test_what_cannot_run_split_is_refused_before_any_rank_starts(llamas, tmp_pat
 
 
 def test_a_valid_command_launches_its_ranks_with_its_own_command_line(tmp_path, monkeypatch):
-    from kvbench import distributed
+    from kvbench import launcher
 
     launched = []
-    monkeypatch.setattr(distributed, "launch", lambda world, argv: launched.append((world, argv)) or 0)
+    monkeypatch.setattr(launcher, "launch", lambda world, argv: launched.append((world, argv)) or 0)
     monkeypatch.setattr(sys, "argv", ["kvbench", "bench", "--tp", "2", *TINY, *RUN, "--out", str(tmp_path / "run")])
     r = CliRunner().invoke(app, sys.argv[1:])
     assert r.exit_code == 0, r.output

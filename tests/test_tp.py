@@ -167,10 +167,10 @@ def hf_models(tmp_path_factory):
 def test_one_kv_head_at_tp2_is_refused_before_any_rank_starts(hf_models, monkeypatch):
     from typer.testing import CliRunner
 
-    from kvbench import distributed
+    from kvbench import launcher
     from kvbench.cli import app
 
-    monkeypatch.setattr(distributed, "launch", lambda *a: pytest.fail("ranks were launched"))
+    monkeypatch.setattr(launcher, "launch", lambda *a: pytest.fail("ranks were launched"))
     r = CliRunner().invoke(app, ["verify", "--hf", str(hf_models / "llama-kv1"), "--tp", "2", "-d", "cpu"])
     assert r.exit_code == 2, r.output
     assert "1 key/value heads do not divide over 2 ranks" in r.stderr and "#48307" in r.stderr, r.stderr
@@ -424,21 +424,21 @@ class _Layer:
 def test_a_rank_holds_its_share_of_a_layers_heads_or_every_head_where_the_plan_keeps_attention_whole():
     """transformers' plan splits some models' attention by head and keeps others' whole on every rank (a plan of
     the experts alone, or a split projection's output gathered): rank_cache compares what each layer holds."""
-    from kvbench.check.tp import _Held, compare_slices, held_heads
+    from kvbench.check.rank_slices import HeldLayer, compare_slices, held_heads
 
     whole = [torch.randn(1, 4, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    want = [_Held(_Layer(k)) for k in whole]
-    split = [_Held(_Layer(k[:, 2:])) for k in whole]  # rank 1 of 2: heads 2-3 of each layer
+    want = [HeldLayer(_Layer(k)) for k in whole]
+    split = [HeldLayer(_Layer(k[:, 2:])) for k in whole]  # rank 1 of 2: heads 2-3 of each layer
     assert held_heads(split, want, 1, 2) == [range(2, 4)] * 2
-    mixed = [_Held(_Layer(whole[0])), split[1]]  # layer 0 kept whole, layer 1 split
+    mixed = [HeldLayer(_Layer(whole[0])), split[1]]  # layer 0 kept whole, layer 1 split
     heads = held_heads(mixed, want, 1, 2)
     assert heads == [range(4), range(2, 4)]
     row = compare_slices("dynamic", mixed, want, heads, 1e-5, 1e-5, 1)
     assert row.passed and "heads by layer 0-3, 2-3" in row.detail, row.detail
-    wrong = [_Held(_Layer(whole[0])), _Held(_Layer(whole[1][:, :2]))]  # layer 1 holds rank 0's heads
+    wrong = [HeldLayer(_Layer(whole[0])), HeldLayer(_Layer(whole[1][:, :2]))]  # layer 1 holds rank 0's heads
     row = compare_slices("dynamic", wrong, want, held_heads(wrong, want, 1, 2), 1e-5, 1e-5, 1)
     assert not row.passed and "layer 1 K differs first at head 2" in row.detail, row.detail
-    odd = [_Held(_Layer(whole[0][:, :3])), split[1]]
+    odd = [HeldLayer(_Layer(whole[0][:, :3])), split[1]]
     assert held_heads(odd, want, 0, 2) == (
         "rank 0's cache layer 0 holds 3 heads: neither its 1/2 share of the one-process cache's 4 nor all of them"
     )
@@ -452,14 +452,14 @@ def test_a_quantized_layer_is_not_read_as_plain_keys_and_values():
         pytest.skip("transformers before 5.21 has no Fp8QuantizedLayer")
     from transformers.cache_utils import DynamicLayer, Fp8QuantizedLayer
 
-    from kvbench.check.tp import _plain
+    from kvbench.check.rank_slices import plain_layer
 
     k = torch.randn(1, 2, 3, 4)
     fp8, plain = Fp8QuantizedLayer(), DynamicLayer()
     for layer in (fp8, plain):
         layer.update(k, k)
         layer.update(k, k)
-    assert _plain(plain) and not _plain(fp8)
+    assert plain_layer(plain) and not plain_layer(fp8)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""The --tp launcher and the environment it reads (kvbench.distributed): how a launched run ends when a rank fails,
-is killed, exits or hangs (one line naming the rank, the run's exit status, the --json document and the JUnit file
+"""The --tp launcher (kvbench.launcher), the environment it reads (kvbench.distributed) and where a command becomes
+ranks (kvbench.tp_command): how a launched run ends when a rank fails, is killed, exits or hangs (one line naming the rank, the run's exit status, the --json document and the JUnit file
 the launcher's), which process is a rank (torchrun's variables checked, --tp held to WORLD_SIZE, a kvbench a rank
 starts runs plain), SIGTERM and SIGHUP handled as Ctrl-C by every command, ranks that stop with their launcher,
 and the CPU's limits on --tp.
@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from kvbench import distributed
-from kvbench.distributed import PEER_LOST, Ended, RanksFailed, _outcome, _Signalled
+from kvbench import distributed, launcher
+from kvbench.distributed import PEER_LOST, RanksFailed
 from kvbench.errors import KVBenchError
+from kvbench.launcher import Ended, _outcome, _Signalled
 
 TINY = ["-m", "gpt2-tiny", "-w", "random", "-d", "cpu"]
 SMALL = ["--prompt-len", "8", "-n", "8", "--reference", "none"]
@@ -138,10 +139,10 @@ def test_the_run_ends_in_the_line_of_the_rank_that_ended_it(codes, ends, stopped
 
 
 def test_the_launchers_line_names_the_plugins_and_the_timeout_only_when_given():
-    assert distributed._plugins(["verify", "--caches", "dynamic,static"]) == ""
-    assert distributed._plugins(["break", "-c", "a.b:C"]) == "; cache plugin loaded: a.b:C"
-    assert distributed._plugins(["bench", "--caches=x:A,y:B"]) == "; cache plugins loaded: x:A, y:B"
-    assert distributed._timeout(["verify"]) == "" and distributed._timeout(["--tp-timeout=7"]) == " (7 s)"
+    assert launcher._plugins(["verify", "--caches", "dynamic,static"]) == ""
+    assert launcher._plugins(["break", "-c", "a.b:C"]) == "; cache plugin loaded: a.b:C"
+    assert launcher._plugins(["bench", "--caches=x:A,y:B"]) == "; cache plugins loaded: x:A, y:B"
+    assert launcher._timeout(["verify"]) == "" and launcher._timeout(["--tp-timeout=7"]) == " (7 s)"
 
 
 # --- which process is a rank ----------------------------------------------------------------------------------------
@@ -242,6 +243,28 @@ def _config(tmp_path: Path, **fields) -> Path:
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**cfg, **fields}))
     return path
+
+
+SHAPES = [  # (n_head, n_embd, tp, refused with)
+    (4, 64, 2, None),
+    (3, 48, 2, "3 attention heads do not divide over 2 ranks"),
+    (4, 64, 1, None),  # one rank: nothing is split
+]
+
+
+@pytest.mark.parametrize("heads, width, tp, refused", SHAPES)
+def test_a_command_becomes_ranks_only_for_a_model_that_splits(heads, width, tp, refused):
+    from kvbench.model.gpt2 import GPTConfig
+    from kvbench.tp_command import Split, join
+
+    split = Split(tp, "cpu", 60.0, config=GPTConfig(n_layer=1, n_head=heads, n_embd=width, block_size=32))
+    if refused is None:
+        split.check_shape()
+    else:
+        with pytest.raises(KVBenchError, match=refused):
+            split.check_shape()
+    if tp == 1:
+        assert join(split) is None  # the whole model in this process: no group joined
 
 
 def test_more_ranks_than_cores_is_refused_before_any_rank_starts(tmp_path):

@@ -14,26 +14,20 @@ naming it), and a kvbench started by a rank as a tool of its own (the rank is it
 
 A rank joins the process group with gloo on the CPU and NCCL on CUDA (one GPU per rank: cuda:LOCAL_RANK), with a
 collective timeout, so a rank that fails, exits or hangs ends every rank within that time. Each rank stops when the
-process that launched it is gone (`stop_with_launcher`). Rank 0 reports; the others print nothing. Launched here,
-every rank writes how it ended to a file the launcher reads (`record_end`), and the launcher says the run's one line:
-rank 0's verdict when it gave one, otherwise the rank that failed first and how (its own error, a signal that killed
-it, an exit without a word, or a hang past --tp-timeout), as `RanksFailed` with the run's exit status. Ctrl-C, SIGTERM
-and SIGHUP reach every rank; the launcher stops them all before it returns.
+process that launched it is gone (`stop_with_launcher`). Rank 0 reports; the others print nothing. Launched by kvbench
+(kvbench.launcher), every rank writes how it ended to a file the launcher reads (`record_end`), and the launcher says
+the run's one line (`RanksFailed` with the run's exit status). A command becomes ranks through kvbench.tp_command.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -347,7 +341,7 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
-# --- the launcher --------------------------------------------------------------------------------------------------
+# --- what the machine holds ----------------------------------------------------------------------------------------
 def check_ranks_fit(world: int, device: str, weights_bytes: int) -> None:
     """On the CPU, a --tp the machine cannot hold is refused before any rank starts: more ranks than the cores this
     process may run on (each rank is a process of its own, busy in every collective), or more memory than is
@@ -389,214 +383,3 @@ def weights_bytes(model) -> int:
         return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
     c, v = model.n_embd, model.vocab_size
     return 4 * ((v + model.block_size) * c + model.n_layer * 12 * c * c)
-
-
-def launch(world: int, argv: list[str]) -> int:
-    """Run `python -m kvbench *argv` as `world` ranks on this machine and wait for them. Returns rank 0's verdict
-    (its exit status: 0, 1 or 5) when it gave one, whatever happened to the ranks after it; otherwise raises
-    RanksFailed with the run's one line and exit status (`_outcome`). Each rank writes how it ended to a folder of
-    the launcher's (`record_end`); a rank's own line is never printed by the rank, only named here."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)  # its own progress lines: one line of ours instead
-    signalled = _Signalled()  # which ranks the launcher itself stopped, and with what
-    api_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    api_log.addHandler(signalled)
-    # one intra-op thread share per rank unless the user chose (ranks would otherwise oversubscribe the cores)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
-    logs = Path(tempfile.mkdtemp(prefix="kvbench-ranks-"))
-    ends = logs / "ends"
-    ends.mkdir()
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world,
-        run_id=f"kvbench-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # a free port: parallel runs never collide
-        max_restarts=0,
-        monitor_interval=0.1,
-        logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects={r: Std.ALL for r in range(1, world)}),
-    )
-    # the launcher installs handlers for these (to stop every rank) and leaves them: a library caller's stay its own
-    handled = [getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, n)]
-    before = (
-        {sig: signal.getsignal(sig) for sig in handled} if threading.current_thread() is threading.main_thread() else {}
-    )
-    marker = os.environ.get(LAUNCHER_ENV)
-    os.environ[LAUNCHER_ENV] = f"{os.getpid()}:{ends}"
-    codes, order, stopped_by = dict.fromkeys(range(world), 0), list(range(world)), None
-    try:
-        try:
-            elastic_launch(config, entrypoint=sys.executable)("-m", "kvbench", *argv)
-        except ChildFailedError as e:
-            codes |= {r: f.exitcode for r, f in e.failures.items()}
-            order = [*e.failures, *(r for r in range(world) if r not in e.failures)]  # as the launcher saw them
-            pids = {r: f.pid for r, f in e.failures.items()}
-            signalled.ranks = {r for r, pid in pids.items() if pid in signalled.pids}
-        except SignalException as e:
-            stopped_by = signal.Signals(e.sigval)
-        return _outcome(Ended(codes, _read_ends(ends), order, signalled, stopped_by), argv)
-    finally:
-        if marker is None:
-            os.environ.pop(LAUNCHER_ENV, None)
-        else:
-            os.environ[LAUNCHER_ENV] = marker
-        api_log.removeHandler(signalled)
-        shutil.rmtree(logs, ignore_errors=True)
-        for sig, handler in before.items():
-            if handler is not None:  # None: a handler not installed from Python, left as the launcher put it
-                signal.signal(sig, handler)
-
-
-class _Signalled(logging.Handler):
-    """The pids torch's launcher signalled to stop them (its log records "Sending process PID closing signal SIG",
-    and "Unable to shutdown process PID ..." before it sends SIGKILL): a rank it stopped is not a rank that failed."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.pids: set[int] = set()
-        self.ranks: set[int] | None = None  # by rank, once the failures are known; None: no failure was reported
-        self.seen = False  # any record at all (torch still words its records this way)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = str(record.msg)
-        if msg.startswith(("Sending process", "Unable to shutdown process")) and record.args:
-            self.seen = True
-            args = record.args if isinstance(record.args, tuple) else (record.args,)
-            if isinstance(args[0], int):
-                self.pids.add(args[0])
-
-
-@dataclass
-class Ended:
-    """What the launcher knows when its ranks are gone: each rank's exit status (negative: the signal that ended it),
-    the order the launcher saw the failures in, what each rank recorded (record_end; none for a rank that was killed
-    or left by os._exit), the ranks the launcher itself signalled, and the signal that stopped the launcher."""
-
-    codes: dict[int, int]
-    ends: dict[int, dict]
-    order: list[int]
-    signalled: _Signalled
-    stopped_by: signal.Signals | None = None
-
-    def stopped_by_launcher(self, r: int) -> bool:
-        """Did the launcher stop rank `r` (after another rank ended, or on the launcher's own signal)?"""
-        end = self.ends.get(r)
-        if end is not None:
-            return end["kind"] == "stopped"
-        if self.signalled.ranks is not None and self.signalled.seen:
-            return r in self.signalled.ranks
-        return self.codes[r] == -signal.SIGTERM  # torch's launcher stops its ranks with SIGTERM
-
-
-def _read_ends(folder: Path) -> dict[int, dict]:
-    ends = {}
-    for path in folder.glob("rank-*.json"):
-        try:
-            doc = json.loads(path.read_text())
-            ends[int(doc["rank"])] = doc
-        except (OSError, ValueError, KeyError, TypeError):  # a rank killed while writing: as if it wrote nothing
-            continue
-    return ends
-
-
-def _outcome(run: Ended, argv: list[str]) -> int:
-    """Rank 0's verdict when it gave one (the ranks stopped after it had every rank's rows, so it stands); else
-    RanksFailed naming the rank that ended the run first and how, with the run's exit status:
-
-    - a rank's own error (a refusal, out of memory, a plugin that raised): that rank's line and exit status;
-    - a rank killed by a signal not the launcher's own (SIGKILL, SIGSEGV, SIGABRT): PEER_LOST, naming the signal;
-    - a rank that left without a word (os._exit, a crash in native code), whatever its status: PEER_LOST;
-    - the launcher stopped by a signal (Ctrl-C, SIGTERM, SIGHUP): 128 + the signal;
-    - a rank that hung: another lost it in a collective past --tp-timeout, and the launcher stopped it: PEER_LOST.
-    """
-    from kvbench import console
-
-    first = run.ends.get(0)
-    console.count_documents(first["documents"] if first is not None else 0)  # rank 0's document, when it printed one
-    if first is not None and first["kind"] == "done":
-        return int(first["code"])
-    plugins = _plugins(argv)
-    own = sorted((e["time"], r) for r, e in run.ends.items() if e["kind"] == "error")
-    if own:
-        r = own[0][1]
-        line = run.ends[r]["line"] or f"exited with status {run.ends[r]['code']}"
-        if 0 in run.ends and run.ends[0]["kind"] == "error" and run.ends[0]["line"] == line:
-            r = 0  # the same refusal on every rank: said once, as rank 0's
-        code = int(run.ends[r]["code"])
-        raise RanksFailed(line if r == 0 else f"rank {r}: {line}", PEER_LOST if code == PEER_LOST else code)
-    silent = [r for r in run.order if r not in run.ends and not run.stopped_by_launcher(r)]
-    killed = [r for r in silent if run.codes[r] < 0]
-    if killed:
-        r = killed[0]
-        sig = _signal_name(-run.codes[r])
-        why = " (as the kernel's out-of-memory killer does)" if sig == "SIGKILL" else ""
-        raise RanksFailed(f"rank {r} was killed by {sig}{why}, so the run lost it{plugins}", PEER_LOST)
-    if silent and run.stopped_by is None:
-        r = silent[0]
-        raise RanksFailed(
-            f"rank {r} left the run early: it exited with status {run.codes[r]} without a word (os._exit() or a "
-            f"crash in native code){plugins}",
-            PEER_LOST,
-        )
-    if run.stopped_by is not None:
-        name = run.stopped_by.name
-        line = "interrupted" if run.stopped_by == signal.SIGINT else f"terminated ({name})"
-        raise RanksFailed(f"{line}: every rank stopped", 128 + int(run.stopped_by))
-    lost = [r for r, e in sorted(run.ends.items()) if e["kind"] == "lost"]
-    hung = [r for r in run.order if r not in lost and run.stopped_by_launcher(r)]
-    if lost and hung:
-        r = hung[0]
-        where = (run.ends.get(r) or {}).get("where")
-        at = f"; it was at {where} when stopped" if where else ""
-        raise RanksFailed(
-            f"rank {r} hung: it did not reach a collective that rank {lost[0]} waited in for --tp-timeout"
-            f"{_timeout(argv)}, and was stopped{at}{plugins}",
-            PEER_LOST,
-        )
-    said = ", ".join(f"rank {r} {_how(run, r)}" for r in range(len(run.codes)))
-    raise RanksFailed(f"the ranks ended without a verdict and without an error of their own ({said})", PEER_LOST)
-
-
-def _how(run: Ended, r: int) -> str:
-    end = run.ends.get(r)
-    if end is not None:
-        return f"{end['kind']} (exit {end['code']})"
-    return f"killed by {_signal_name(-run.codes[r])}" if run.codes[r] < 0 else f"exit {run.codes[r]}"
-
-
-def _signal_name(n: int) -> str:
-    try:
-        return signal.Signals(n).name
-    except ValueError:
-        return f"signal {n}"
-
-
-def _option_values(argv: list[str], names: tuple[str, ...]) -> list[str]:
-    values = []
-    for i, a in enumerate(argv):
-        if a == "--":
-            break
-        if a in names and i + 1 < len(argv):
-            values.append(argv[i + 1])
-        values += [a.split("=", 1)[1] for n in names if a.startswith(f"{n}=")]
-    return values
-
-
-def _plugins(argv: list[str]) -> str:
-    """The cache plugins the command line loads (`pkg.module:Class`), as the end of a line; empty when none."""
-    names = [n.strip() for v in _option_values(argv, ("--caches", "--cache", "-c")) for n in v.split(",")]
-    plugins = sorted({n for n in names if ":" in n})
-    if not plugins:
-        return ""
-    return f"; cache plugin{'s' if len(plugins) > 1 else ''} loaded: {', '.join(plugins)}"
-
-
-def _timeout(argv: list[str]) -> str:
-    given = _option_values(argv, ("--tp-timeout",))
-    return f" ({given[-1]} s)" if given else ""

@@ -76,6 +76,17 @@ def weight_bytes(module: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
+class InOneProcess:
+    """How an engine in one process takes part in a sweep (bench/tp.py's RankEngine: as one rank of a group)."""
+
+    has_floor = True  # its rows get the bandwidth floor (the device's read bandwidth, measured once)
+    failure_ends_sweep = False  # a configuration that raises (oom, a plugin) is a failed row, and the sweep goes on
+
+    def rank_rows(self, conf: Configuration, ids: torch.Tensor, new_tokens: int, row) -> list | None:
+        """Every rank's row of a finished configuration (tp.csv); None in one process."""
+        return None
+
+
 # --- ours ------------------------------------------------------------------------------------------------------------
 class _KVBenchConfiguration:
     """One cache configuration of our loop: the caches allocated once, reset by `generate` before every run."""
@@ -123,7 +134,7 @@ class _KVBenchConfiguration:
         generate(self.model, ids.tolist(), 2, cache=self.cache, caches=caches)
 
 
-class _OnOurGPT:
+class _OnOurGPT(InOneProcess):
     """Engines on our GPT-2: kvbench's `none` is their token reference, its logits our model's no-cache forward."""
 
     model: torch.nn.Module

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kvbench import devices
-from kvbench.bench.engines import RunTiming, weight_bytes
+from kvbench.bench.engines import InOneProcess, RunTiming, weight_bytes
 from kvbench.bench.rules import bench_hf_rules, bench_hf_tp_rules, bench_rules
 from kvbench.bench.settings import (
     BenchSettings,
@@ -77,7 +77,7 @@ class _HFModelConfiguration:
         _generate(self.loaded, ids, 2, generate_kwargs(cache), record_logits=False)
 
 
-class HFModelEngine:
+class HFModelEngine(InOneProcess):
     """transformers' generate on a Hugging Face model, one of its timed caches (hf/caches.py) per configuration; `hf` in the rows."""
 
     name = "hf"

@@ -132,20 +132,19 @@ def run_sweep(
     bandwidth: floor.Bandwidth | None = None,
     oversized: dict[int, str] | None = None,
     profile_dir: Path | None = None,
-    ranks=None,
 ) -> list[ConfigResult]:
     """Run every configuration of `s` on `model`; returns (and streams through `on_result`) one result each.
     bandwidth: the device's, for every row's floor; measured here (once) when not given. oversized: batch sizes
     predicted not to fit the device (settings.check_sizes), each made an `oom` row with its reason, not run.
-    profile_dir: with s.profile, where each configuration's trace goes (bench/profile.py). ranks: this process is
-    one rank of a tensor-parallel sweep (bench/tp.py): `model` is its shard, a configuration that raises ends the
-    sweep, rows have no floor, and rank 0's results carry every rank's row (ConfigResult.ranks)."""
+    profile_dir: with s.profile, where each configuration's trace goes (bench/profile.py). Engines that run as one
+    rank of a tensor-parallel sweep (bench/tp.py's RankEngine, on `model`, this rank's shard) have no floor, end
+    the sweep when a configuration raises, and give rank 0's results every rank's row (ConfigResult.ranks)."""
     device = model.lm_head.weight.device
     check_fits_context(s, model.config.block_size, model.config.name)
-    if bandwidth is None and ranks is None:
-        bandwidth = floor.measure_bandwidth(device)
     if engines is None:
         engines = build_engines(model, s.engine, s.compile)
+    if bandwidth is None and all(e.has_floor for e in engines.values()):
+        bandwidth = floor.measure_bandwidth(device)
     oversized = oversized or {}
     configs = plan(s, engines)
     progress = _Progress(len(configs) * (s.warmup + s.repeats), on_progress)
@@ -176,7 +175,6 @@ def run_sweep(
                 progress,
                 dict(engine=e, cache=c, **shared),
                 oversized.get(b),
-                ranks,
             )
             for p_, b_, e, c in configs
             if (p_, b_) == (p, b)
@@ -212,8 +210,8 @@ class _Configuration:
     row. In interleaved order only the back-to-back runs (cold and warm-up) record peak memory: during the rounds
     the other configurations' caches are allocated too."""
 
-    def __init__(self, model, engine, ids, s, progress, common, oversized: str | None = None, ranks=None) -> None:
-        self.model, self.engine, self.ids, self.s, self.ranks = model, engine, ids, s, ranks
+    def __init__(self, model, engine, ids, s, progress, common, oversized: str | None = None) -> None:
+        self.model, self.engine, self.ids, self.s = model, engine, ids, s
         self.progress, self.common, self.batch = progress, common, common["batch"]
         self.label = f"{common['engine']} {common['cache']} prompt {common['prompt_len']}" + (
             f" batch {self.batch}" if len(s.batch) > 1 else ""
@@ -246,13 +244,11 @@ class _Configuration:
                     max_len = self.common["prompt_len"] + self.s.new_tokens
                     self.conf = self.engine.configure(cache, self.batch, max_len)
                 reset_peak_memory(device)
-                if self.ranks is not None:  # every rank starts the run together: its clock times the run alone
-                    self.ranks.in_step()
                 t = self.conf.run(self.ids, self.s.new_tokens)
                 if len(self.runs) < self.back_to_back:  # a CPU resident set can shrink below its baseline
                     self.peaks.append((max(memory_peak(device) - self.base, 0.0), _reserved(device)))
             except Exception as e:
-                if self.ranks is not None:  # the other ranks are in this run's collectives: end the sweep
+                if self.engine.failure_ends_sweep:  # one rank of several: the others are in this run's collectives
                     raise
                 self.failure = failure_status(e)  # oom, or a plugin raised: the sweep goes on
                 break
@@ -284,8 +280,7 @@ class _Configuration:
         if bandwidth is not None:  # none under tensor parallelism: a rank's step is not one device's floor
             add_floor(result, model.config, model.lm_head.weight.dtype, bandwidth, runs[-1].cache_bytes)
         result.bandwidth = bandwidth
-        if self.ranks is not None:  # after every timed run: the collectives' clock synchronises around each
-            result.ranks = self.ranks.measure(conf, ids, s.new_tokens, result.summary)
+        result.ranks = engine.rank_rows(conf, ids, s.new_tokens, result.summary)  # None in one process
         if profile_dir is not None:  # after every timed run: the profiler's overhead is in none of them
             labels = {k: common[k] for k in ("engine", "cache", "prompt_len", "batch")}
             result.profile = profile_run(lambda: conf.run(ids, s.new_tokens), ids.device, profile_dir, labels)
@@ -412,9 +407,10 @@ def _summarise(common, runs, s, peaks, weights, capture_s, tokens: TokenCheck, s
         sdpa_decode=sdpa["decode"],
         repeats=len(timed),
     )
-    step_rows = [
-        StepRow(common["engine"], common["cache"], common["prompt_len"], batch, r + 1, j + 1, 1e3 * dt)
-        for r, t in enumerate(timed)
-        for j, dt in enumerate(t.step_s)
-    ]
-    return ConfigResult(row, step_rows, [1e3 * t.ttft_s for t in timed])
+    return ConfigResult(row, _step_rows(common, timed), [1e3 * t.ttft_s for t in timed])
+
+
+def _step_rows(common: dict, timed: list[RunTiming]) -> list[StepRow]:
+    """steps.csv's rows: every decode step of every timed run, in ms."""
+    at = (common["engine"], common["cache"], common["prompt_len"], common["batch"])
+    return [StepRow(*at, r + 1, j + 1, 1e3 * dt) for r, t in enumerate(timed) for j, dt in enumerate(t.step_s)]

@@ -3,7 +3,7 @@
 Every rank runs the same sweep on its shard of the model (model/tp.py for our GPT-2, transformers' own plan for
 --hf); the collectives inside each forward keep the ranks in step. So a configuration that raises on one rank cannot
 become a failed row while the others go on (they would pair their next collective with the wrong one): it ends the
-run, and the launcher names the rank (kvbench.distributed). After each configuration every rank sends its row to
+run, and the launcher names the rank (kvbench.launcher). After each configuration every rank sends its row to
 rank 0, which writes the run folder:
 
     ttft_ms, tpot_ms_median   this rank's own medians over the timed repeats (its clock, its runs)
@@ -67,6 +67,10 @@ class RankRow(CsvRow):
     timing: str  # GLOO_TIMING (not a speed measurement) or NCCL_TIMING
 
 
+# RankRow's columns copied from this rank's summary row of the configuration
+FROM_SUMMARY = ("engine", "cache", "prompt_len", "batch", "ttft_ms", "tpot_ms_median", "peak_mem_mib", "weights_mib")
+
+
 @dataclass
 class Clock:
     """Seconds spent inside collectives, and how many there were."""
@@ -104,6 +108,10 @@ class Ranks:
             "rows": "tp.csv: a row per configuration and rank",
         }
 
+    def engines(self, engines: dict) -> dict[str, RankEngine]:
+        """The sweep's engines, each run as this rank's part of the sweep."""
+        return {name: RankEngine(e, self) for name, e in engines.items()}
+
     def in_step(self) -> None:
         """Wait until every rank is here (each rank's bookkeeping between runs takes its own time), so a run's
         clock starts with every rank ready."""
@@ -134,22 +142,15 @@ class Ranks:
         planned = None if planned is None else planned * row.batch
         measured = t.cache_bytes
         mine = RankRow(
-            engine=row.engine,
-            cache=row.cache,
-            prompt_len=row.prompt_len,
-            batch=row.batch,
+            **{k: getattr(row, k) for k in FROM_SUMMARY},
             rank=self.rank.rank,
             ranks=self.rank.world,
             backend=self.rank.backend,
             device=str(self.rank.device),
-            ttft_ms=row.ttft_ms,
-            tpot_ms_median=row.tpot_ms_median,
             kv_slots=math.nan if slots is None else float(slots),
             kv_cache_bytes=math.nan if measured is None else float(measured),
             planned_kv_cache_bytes=math.nan if planned is None else float(planned),
             planned_equal=None if planned is None or measured is None else measured == planned,
-            peak_mem_mib=row.peak_mem_mib,
-            weights_mib=row.weights_mib,
             collective_ms=1e3 * clock.seconds,
             collective_calls=clock.calls,
             run_ms=1e3 * t.total_s,
@@ -263,3 +264,40 @@ class HFRanks(Ranks):
         if self.layers is not None:
             return None
         return planned_hf_rank_bytes(self.loaded, slots, self.rank.world, self.dtype)
+
+
+class RankEngine:
+    """An engine as one rank of a tensor-parallel sweep: every run starts with every rank ready (Ranks.in_step), a
+    configuration that raises ends the sweep (the other ranks are in its collectives), its rows have no floor (a
+    rank's step is not one device's stream of the whole model), and each finished configuration sends this rank's
+    row to rank 0 (Ranks.measure). Everything else is the engine's own."""
+
+    has_floor = False
+    failure_ends_sweep = True
+
+    def __init__(self, engine, ranks: Ranks) -> None:
+        self.engine, self.ranks = engine, ranks
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def configure(self, cache: str, batch: int, max_len: int) -> InStep:
+        return InStep(self.engine.configure(cache, batch, max_len), self.ranks)
+
+    def rank_rows(self, conf: InStep, ids: torch.Tensor, new_tokens: int, row) -> list[RankRow] | None:
+        """After every timed run (the collectives' clock synchronises around each): every rank's row on rank 0."""
+        return self.ranks.measure(conf.conf, ids, new_tokens, row)
+
+
+class InStep:
+    """A configuration whose every run starts when every rank is ready: its clock times the run alone."""
+
+    def __init__(self, conf, ranks: Ranks) -> None:
+        self.conf, self.ranks = conf, ranks
+
+    def __getattr__(self, name: str):
+        return getattr(self.conf, name)
+
+    def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False):
+        self.ranks.in_step()
+        return self.conf.run(ids, new_tokens, record_logits=record_logits)

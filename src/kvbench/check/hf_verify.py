@@ -12,7 +12,6 @@ the top two logits are often close, and any rounding flips them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict
 
 import torch
 
@@ -20,11 +19,11 @@ from kvbench.check.causal import refuse_non_causal
 from kvbench.check.distortion import HF_REFERENCE_CACHE, measure_subjects
 from kvbench.check.hf_policy import hf_policy_rows
 from kvbench.check.hf_subject import HFModel, HFSubject
-from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport, verdict
+from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
 from kvbench.check.lifecycle import LIFECYCLE
 from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks
 from kvbench.check.tp import RankBytes, hf_tp_rows
-from kvbench.devices import dtype_name
+from kvbench.check.verify import verify_report
 from kvbench.hf.caches import HF_CACHES
 from kvbench.hf.introspect import HFModelInfo, quiet_transformers
 from kvbench.hf.models import LoadedHF
@@ -83,18 +82,9 @@ def run_hf_verify(
         if distortion and tp is None:
             full = HFSubject(target, HF_REFERENCE_CACHE)
             costs = measure_subjects(subjects, full, prompts[0], new_tokens, loaded.random, raised)
-    return VerifyReport(
-        **verdict(rows),
-        checks=rows,
-        dtype=dtype_name(target.dtype),
-        new_tokens=new_tokens,
-        prompt_len=len(prompts[0]),
-        batch_lens=lens,
-        reference="transformers no-cache path (use_cache=False)",
-        notes=_notes(loaded, subjects, prompts, new_tokens, short_tokens) + policy_notes + _tp_notes(tp, held) + raised,
-        rank_cache_bytes=[asdict(b) | {"equal": b.equal} for b in held],
-        distortion=costs,
-    )
+    notes = _notes(loaded, subjects, prompts, new_tokens, short_tokens) + policy_notes + _tp_notes(tp, held) + raised
+    reference = "transformers no-cache path (use_cache=False)"
+    return verify_report(rows, target.dtype, prompts, new_tokens, reference, notes, held, costs)
 
 
 def _tp_notes(tp, held) -> list[str]:

@@ -106,6 +106,11 @@ def check_reference(s: Subject, prompt: list[int], res: Run | None, new: int = 0
     return CheckRow(name="reference", cache=s.cache, passed=ok, max_abs_diff=err, tolerance=tol.words, detail=what)
 
 
+def _failed(name: str, cache: str, tolerance: str, detail: str) -> CheckRow:
+    """A check's failed row that ran no comparison."""
+    return CheckRow(name=name, cache=cache, passed=False, tolerance=tolerance, detail=detail)
+
+
 def check_batched(s: Subject, prompts: list[list[int]], batch: Run, solo: list[Run]) -> CheckRow:
     """Each row of the left-padded batch against the same prompt alone through the same cache; a lossy cache
     without a token rule (whose quantisation scales may span the batch) against the no-cache forward of that
@@ -119,13 +124,7 @@ def check_batched(s: Subject, prompts: list[list[int]], batch: Run, solo: list[R
     )
     broken = not_finite([*runs, ("the padded batch", batch.logits)])
     if broken:
-        return CheckRow(
-            name="batched",
-            cache=s.cache,
-            passed=False,
-            tolerance="finite logits",
-            detail=f"{what}; {broken}{'' if s.cached else MODEL_ITSELF}",
-        )
+        return _failed("batched", s.cache, "finite logits", f"{what}; {broken}{'' if s.cached else MODEL_ITSELF}")
     if by_bound:
         return _batched_by_bound(s, prompts, batch, what)
     rows = [
@@ -204,13 +203,7 @@ def check_cache_state(s: Subject, prev: list[int], prompt: list[int], fresh: Run
     try:
         reused, words = s.reused(prev, prompt, new)
     except KVBenchError as e:  # e.g. a static cache that overflows because it was never reset
-        return CheckRow(
-            name="cache_state",
-            cache=s.cache,
-            passed=False,
-            tolerance="identical tokens",
-            detail=f"reuse raised: {e}",
-        )
+        return _failed("cache_state", s.cache, "identical tokens", f"reuse raised: {e}")
     return compare_tokens(
         name="cache_state",
         cache=s.cache,

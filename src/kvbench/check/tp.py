@@ -17,219 +17,19 @@ rank that failed says which rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-import torch
-
-from kvbench.caches import LayerCache
 from kvbench.check.judge import CheckRow, tolerance
+from kvbench.check.rank_slices import (
+    HeldLayer,
+    Recording,
+    compare_slices,
+    compare_steps,
+    filled,
+    held_heads,
+    plain_layer,
+)
 from kvbench.check.suite import RANK_CACHE
-
-
-class Recording(LayerCache):
-    """A layer cache that remembers what each update returned: the K and V attention read at every step, (B, H, S,
-    Dh) each, copied (a design may return views of buffers a later step writes)."""
-
-    def __init__(self, inner: LayerCache) -> None:  # noqa: D107  (no LayerCache counters of its own)
-        self.inner = inner
-        self.steps: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (K, V, length after the update)
-        self.given: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # what each update was given
-        self.slot_positions: list[torch.Tensor | None] = []  # an evicting design's slot positions after each
-
-    def update(self, k, v, positions):
-        self.given.append((k.detach().clone(), v.detach().clone(), positions.detach().clone()))
-        k, v = self.inner.update(k, v, positions)
-        self.steps.append((k.detach().clone(), v.detach().clone(), self.inner.length))
-        held = getattr(self.inner, "key_positions", None)  # (B, S): an evicting design's slots
-        self.slot_positions.append(None if held is None else held[0].detach().clone())
-        return k, v
-
-    @classmethod
-    def replayed(cls, steps: list[tuple[torch.Tensor, torch.Tensor, int]]) -> Recording:
-        """A recording of another process's steps (what compare_steps reads)."""
-        out = cls.__new__(cls)
-        out.steps = steps
-        return out
-
-    @property
-    def k(self) -> torch.Tensor | None:
-        return self.steps[-1][0] if self.steps else None
-
-    @property
-    def v(self) -> torch.Tensor | None:
-        return self.steps[-1][1] if self.steps else None
-
-    @property
-    def key_positions(self) -> torch.Tensor | None:
-        """An evicting design's slot positions (the model masks by them), passed through."""
-        return getattr(self.inner, "key_positions", None)
-
-    @property
-    def length(self) -> int:  # type: ignore[override]
-        return self.inner.length
-
-    @property
-    def capacity(self) -> int | None:  # type: ignore[override]
-        return self.inner.capacity
-
-    @property
-    def nbytes(self) -> int:
-        return self.inner.nbytes
-
-    @property
-    def bytes_copied(self) -> int:  # type: ignore[override]
-        return self.inner.bytes_copied
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-
-@torch.inference_mode()
-def filled(
-    gpt, make_caches: Callable[[int], list | None], tokens: list[int], prompt_len: int, mask_rule, visible=None
-) -> list[Recording]:
-    """Caches of one design filled by `gpt` over `tokens`: the first `prompt_len` in one prefill, then one decode
-    step per token, positions explicit, read through the design's `visible` (an evicting design's policy); what every
-    layer's update returned at every step recorded."""
-    device = gpt.lm_head.weight.device
-    made = make_caches(len(tokens))
-    assert made is not None, "a cached design (rank_cache runs only for caches)"
-    caches = [Recording(c) for c in made]
-    steps = [tokens[:prompt_len], *([t] for t in tokens[prompt_len:])]
-    past = 0
-    for step in steps:
-        ids = torch.tensor([step], device=device)  # (1, T)
-        pos = past + torch.arange(len(step), device=device)[None]  # (1, T)
-        gpt(ids, pos, caches, mask_rule=mask_rule, visible=visible)
-        past += len(step)
-    return caches
-
-
-class Held(Protocol):
-    """What compare_slices reads of one layer's cache: the K and V attention last read, (B, H, slots, Dh), and
-    how many of those slots hold tokens."""
-
-    @property
-    def k(self) -> torch.Tensor | None: ...
-    @property
-    def v(self) -> torch.Tensor | None: ...
-    @property
-    def length(self) -> int: ...
-
-
-def compare_slices(
-    cache: str,
-    got: Sequence[Held],
-    want: Sequence[Held],
-    heads: range | list[range],
-    rtol: float,
-    atol: float,
-    rank: int,
-    every_slot: bool = False,
-    when: str = "",
-    against: str = "the one-process cache's slice",
-    mine: str = "",
-) -> CheckRow:
-    """Each layer's K and V on this rank against `heads` of the whole model's (one range for every layer, or one
-    per layer): the first layer, tensor, head and slot outside (rtol, atol) of that head's scale, or a pass with the
-    largest difference. The slots holding tokens are compared; `every_slot`: every slot attention was given, the
-    count included (slots past the length are masked, so a stale one there is invisible to the logits). `when`:
-    the step, for the detail."""
-    by_layer = heads if isinstance(heads, list) else [heads] * len(want)
-    mine = mine or f"rank {rank}'s cache"
-    what = f"{mine} ({_heads_text(by_layer)}) vs {against}"
-    tolerance = f"rtol {rtol:g}, atol {atol:g}"
-
-    def failed(detail: str, diff: float | None = None) -> CheckRow:
-        return CheckRow(
-            name=RANK_CACHE,
-            cache=cache,
-            passed=False,
-            max_abs_diff=diff,
-            tolerance=tolerance,
-            detail=f"{what}: {detail}",
-        )
-
-    worst = 0.0
-    for i, (g, w, heads) in enumerate(zip(got, want, by_layer, strict=True)):
-        L = w.length
-        if g.length != L:
-            return failed(f"{when}layer {i} holds {g.length} tokens, the one-process cache {L}")
-        for name, a, b in (("K", g.k, w.k), ("V", g.v, w.v)):
-            assert a is not None and b is not None, f"layer {i} was never written"
-            if every_slot and a.size(2) != b.size(2):
-                return failed(
-                    f"{when}layer {i} {name} gives attention {a.size(2)} slots, the one-process cache {b.size(2)}"
-                )
-            n = a.size(2) if every_slot else L
-            a = a[:, :, :n].float().cpu()  # (B, h, n, Dh)
-            b = b[:, heads.start : heads.stop, :n].float().cpu()  # (B, h, n, Dh)
-            diff = (a - b).abs()
-            bound = atol + rtol * b.abs().amax(dim=(-2, -1), keepdim=True)  # (B, h, 1, 1): each head's scale
-            bad = (diff > bound).nonzero()
-            if bad.numel():
-                _, h, t, _ = (int(x) for x in bad[0])
-                past = f", past its {L} tokens" if t >= L else ""
-                return failed(
-                    f"{when}layer {i} {name} differs first at head {heads.start + h} (this rank's {h}), slot {t}"
-                    f"{past}: |delta| {float(diff[0, h, t].max()):.3g}",
-                    float(diff.max()),
-                )
-            worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
-    return CheckRow(
-        name=RANK_CACHE, cache=cache, passed=True, max_abs_diff=worst, tolerance=tolerance, detail=f"{what}: equal"
-    )
-
-
-@dataclass
-class _Step:
-    """One step of a Recording as compare_slices reads it."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    length: int
-
-
-def compare_steps(
-    cache: str, got: list[Recording], want: list[Recording], heads: range, rtol: float, atol: float, rank: int, **kw
-) -> CheckRow:
-    """compare_slices at every step both fills took (the prefill, then each decode step): a value wrong for a few
-    steps and right again shows, as does one wrong only before the last step."""
-    n = len(want[0].steps)
-    if any(len(g.steps) != n for g in got):
-        return CheckRow(
-            name=RANK_CACHE,
-            cache=cache,
-            passed=False,
-            detail=f"rank {rank}'s cache took {len(got[0].steps)} updates where the one-process cache took {n}",
-        )
-    worst = 0.0
-    for j in range(n):
-        when = "the prefill, " if j == 0 else f"decode step {j}, "
-        row = compare_slices(
-            cache,
-            [_Step(*g.steps[j]) for g in got],
-            [_Step(*w.steps[j]) for w in want],
-            heads,
-            rtol,
-            atol,
-            rank,
-            when=when,
-            **kw,
-        )
-        if not row.passed:
-            return row
-        worst = max(worst, row.max_abs_diff or 0.0)
-    row.max_abs_diff = worst
-    return row
-
-
-def _heads_text(by_layer: list[range]) -> str:
-    """'heads 0-1', or each layer's heads where layers differ."""
-    spans = [f"{h.start}-{h.stop - 1}" for h in by_layer]
-    return f"heads {spans[0]}" if len(set(spans)) <= 1 else f"heads by layer {', '.join(spans)}"
 
 
 def merge(per_rank: list[list[CheckRow]]) -> list[CheckRow]:
@@ -280,7 +80,7 @@ def _earliest(row: CheckRow) -> tuple[int, int]:
 
 # Under tensor parallelism a run that raises on one rank cannot become a failed row: the other ranks would go on to
 # the next collective while it does not, and pair with the wrong one. So nothing is caught: the exception ends this
-# rank (its one line names it, kvbench.distributed) and the others lose their peer within the collective timeout.
+# rank (its one line names it, kvbench.launcher) and the others lose their peer within the collective timeout.
 IN_STEP: tuple[type[BaseException], ...] = ()
 
 # A lossy design's stored values may land one quantisation step apart where the shard's rounding puts a value on the
@@ -415,43 +215,6 @@ def _same_in_every_process(cache: str, want: list[Recording], n_head: int, rtol:
     )
 
 
-def _plain(layer) -> bool:
-    """Does a transformers cache layer keep its keys and values as plain (B, H, slots, Dh) tensors? (A quantized
-    layer keeps its tokens elsewhere, in its own format: fp8's `keys` is an empty placeholder.)"""
-    k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
-    return isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == v.dim() == 4
-
-
-class _Held:
-    """One transformers cache layer's keys and values as compare_slices reads a Recording."""
-
-    def __init__(self, layer) -> None:
-        self.k, self.v = layer.keys, layer.values  # (B, H, slots, Dh)
-        held = layer.get_seq_length() if hasattr(layer, "get_seq_length") else self.k.size(2)
-        self.length = min(int(held), self.k.size(2))
-
-
-def held_heads(mine: list[_Held], whole: list[_Held], rank: int, world: int) -> list[range] | str:
-    """The heads of each of the whole model's cache layers that this rank's layer holds: its contiguous 1/world
-    share where transformers' plan splits the layer's attention by head, every head where the plan keeps the
-    attention whole on each rank; or, for the first layer that holds neither, why (a failed rank_cache)."""
-    from kvbench.model.tp import rank_heads
-
-    out = []
-    for i, (g, w) in enumerate(zip(mine, whole, strict=True)):
-        h, n = g.k.size(1), w.k.size(1)
-        if h == n:
-            out.append(range(n))
-        elif h * world == n:
-            out.append(rank_heads(n, rank, world))
-        else:
-            return (
-                f"rank {rank}'s cache layer {i} holds {h} heads: neither its 1/{world} share of the one-process "
-                f"cache's {n} nor all of them"
-            )
-    return out
-
-
 def planned_hf_rank_bytes(loaded, tokens: int, tp: int, dtype, between_steps: bool = False) -> int | None:
     """The planner's bytes for one rank's cache of a Hugging Face model (its config.json resolved as `memory
     --model DIR` resolves it) holding `tokens` tokens, under transformers' tensor-parallel rule (tp = 1: a rank
@@ -502,14 +265,14 @@ def hf_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankByt
             RANK_CACHE,
         ), None
     layers = [list(getattr(r.cache, "layers", None) or []) for r in (got, want)]
-    plain = all(_plain(x) for x in layers[0] + layers[1])
+    plain = all(plain_layer(x) for x in layers[0] + layers[1])
     if not layers[0] or not plain:
         kinds = sorted({type(x).__name__ for x in layers[0]}) or [type(got.cache).__name__]
         why = f"{', '.join(kinds)} holds no plain keys and values per layer to compare"
         return skipped(s.cache, why, RANK_CACHE), None
     # K/V at the dtype's tolerance, a lossy cache's within one quantisation step: never its logit bound
     rtol = tolerance(s.model.dtype, tp=tp.world).rtol if not s.tol.lossy else LOSSY_SLICE_RTOL
-    mine, whole = [_Held(x) for x in layers[0]], [_Held(x) for x in layers[1]]
+    mine, whole = [HeldLayer(x) for x in layers[0]], [HeldLayer(x) for x in layers[1]]
     heads = held_heads(mine, whole, tp.rank, tp.world)
     bound = f"rtol {rtol:g}, atol 1e-5"
     if isinstance(heads, str):
@@ -532,7 +295,7 @@ def tp_rows(
     returns every rank's rows merged, the other ranks their own."""
     from kvbench.check.gpt2_subject import GPT2Subject
     from kvbench.check.suite import run_checks
-    from kvbench.distributed import barrier, gather
+    from kvbench.distributed import barrier
     from kvbench.model.tp import shard
 
     barrier()  # the ranks start the checks together
@@ -550,10 +313,7 @@ def tp_rows(
             held.append(nbytes)
             if report is not None:
                 report(row)
-    per_rank = gather((rows, held))
-    if per_rank is None:
-        return rows, held
-    return merge([r for r, _ in per_rank]), [b for _, bs in per_rank for b in bs]
+    return gathered(rows, held)
 
 
 def hf_tp_rows(
@@ -562,7 +322,6 @@ def hf_tp_rows(
     """A Hugging Face model's rows on this rank with rank_cache for each cache that ran, then gathered: rank 0
     returns every rank's rows merged and every rank's cache bytes, the other ranks their own."""
     from kvbench.check.suite import _guarded
-    from kvbench.distributed import gather
 
     ran = {r.cache for r in rows if not r.skipped}
     held: list[RankBytes] = []
@@ -579,6 +338,14 @@ def hf_tp_rows(
             held += [b for b in measured if b is not None]
             if on_row is not None:
                 on_row(row)
+    return gathered(rows, held)
+
+
+def gathered(rows: list[CheckRow], held: list[RankBytes]) -> tuple[list[CheckRow], list[RankBytes]]:
+    """Every rank's rows and cache bytes on rank 0: the rows merged (merge), the bytes in rank order; the other
+    ranks keep their own."""
+    from kvbench.distributed import gather
+
     per_rank = gather((rows, held))
     if per_rank is None:
         return rows, held

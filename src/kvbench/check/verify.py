@@ -110,6 +110,48 @@ def run_verify(
     if distortion and fault is None and tp is None:
         full = GPT2Subject(target, REFERENCE_CACHE)
         costs = measure_subjects(subjects, full, prompts[0], new_tokens, random_weights, raised)
+    notes = _notes(target, caches, prompts, new_tokens, short_tokens, hf_dir, tp, held) + raised
+    reference_name = REFERENCE if target.hf is not None else "none"
+    return verify_report(rows, target.dtype, prompts, new_tokens, reference_name, notes, held, costs)
+
+
+def verify_report(
+    rows: list[CheckRow],
+    dtype: torch.dtype,
+    prompts: list[list[int]],
+    new_tokens: int,
+    reference: str,
+    notes: list[str],
+    held: list[RankBytes],
+    costs: dict[str, dict],
+) -> VerifyReport:
+    """The report of a verify run (ours or --hf): its rows' verdict, what ran, the notes, each rank's cache bytes
+    (under --tp) and each lossy cache's cost."""
+    return VerifyReport(
+        **verdict(rows),
+        checks=rows,
+        dtype=dtype_name(dtype),
+        new_tokens=new_tokens,
+        prompt_len=len(prompts[0]),
+        batch_lens=[len(p) for p in prompts],
+        reference=reference,
+        notes=notes,
+        rank_cache_bytes=[asdict(b) | {"equal": b.equal} for b in held],
+        distortion=costs,
+    )
+
+
+def _notes(
+    target: GPT2Model,
+    caches: list[str],
+    prompts: list[list[int]],
+    new_tokens: int,
+    short_tokens: int,
+    hf_dir: str | None,
+    tp: Rank | None,
+    held: list[RankBytes],
+) -> list[str]:
+    """What the report's rows mean: the prompts, the paths compared, the reference, the precision, the ranks."""
     notes = [
         prompts_note(prompts, new_tokens, short_tokens, target.hf is not None),
         "no-cache path = one causal forward over prompt + generated tokens (row T-1+i is step i of the no-cache loop)",
@@ -130,16 +172,4 @@ def run_verify(
                 f"{', '.join(declared)}: the =policy rows run in one process (verify without --tp); under --tp "
                 "rank_cache holds each rank's stored values to the declared policy"
             )
-    notes += raised
-    return VerifyReport(
-        **verdict(rows),
-        checks=rows,
-        dtype=dtype_name(target.dtype),
-        new_tokens=new_tokens,
-        prompt_len=len(prompts[0]),
-        batch_lens=lens,
-        reference=REFERENCE if target.hf is not None else "none",
-        notes=notes,
-        rank_cache_bytes=[asdict(b) | {"equal": b.equal} for b in held],
-        distortion=costs,
-    )
+    return notes

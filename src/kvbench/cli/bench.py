@@ -3,16 +3,13 @@
 The command gathers its options into one BenchOptions and dispatches on the mode: a prefill sweep of our GPT-2, the
 same sweep of a Hugging Face model (--hf), or decode steps over random-filled caches (--fill random). Every mode
 makes each check that needs no weights before loading anything, and creates the run folder only once every check
-has passed. With --tp N (N > 1) the command checks, then launches N ranks of itself (kvbench.distributed), or runs
+has passed. With --tp N (N > 1) the command checks, then launches N ranks of itself (kvbench.tp_command), or runs
 as one when started by torchrun: every rank runs the sweep on its shard, rank 0 writes the run folder and reports.
 """
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,7 +18,8 @@ import typer
 
 from kvbench import console, options
 from kvbench.bench.settings import BenchSettings
-from kvbench.cli.app import Given, Terminated, command, load_for_cli
+from kvbench.cli.app import Given, Terminated, command, load_for_cli  # noqa: F401  (Terminated: tests raise it)
+from kvbench.cli.bench_progress import _BenchProgress, run_recorded  # noqa: F401  (_BenchProgress: tests patch it)
 from kvbench.cli.bench_render import render_bench, render_context, render_profile
 from kvbench.console import err
 from kvbench.errors import KVBenchError
@@ -34,6 +32,7 @@ if TYPE_CHECKING:
     from kvbench.bench.hf_sweep import BenchLoaded
     from kvbench.bench.tp import Ranks
     from kvbench.model.weights import LoadedModel
+    from kvbench.tp_command import Split
 
 
 @dataclass
@@ -85,6 +84,10 @@ class Prepared:
     oversized: dict[int, str]  # batch sizes predicted not to fit the device: `oom` rows, not run
     ranks: Ranks | None = None  # bench --tp: this rank's part of the sweep (bench/tp.py); None in one process
 
+    def __post_init__(self) -> None:
+        if self.ranks is not None:  # each engine runs as this rank's part of the sweep
+            self.engines = self.ranks.engines(self.engines)
+
 
 @command(Given(BenchSettings), BenchOptions)
 def bench(given: dict, opts: BenchOptions) -> None:
@@ -92,7 +95,7 @@ def bench(given: dict, opts: BenchOptions) -> None:
 
     With --hf SOURCE: transformers' own caches (none, dynamic, static, static-compiled) on any Hugging Face causal
     LM, in the same rows and files, its tokens checked against its own none."""
-    from kvbench import distributed
+    from kvbench import distributed, tp_command
     from kvbench.results.rundir import check_export
 
     opts.given = given
@@ -103,17 +106,11 @@ def bench(given: dict, opts: BenchOptions) -> None:
         settings, out_dir = checked[0], checked[1]
     else:
         settings, out_dir = _gpt2_settings(opts)
-    rank = None
-    role = distributed.role(settings.tp)  # a --tp that torchrun did not launch is refused
-    if settings.tp > 1:  # what cannot be split is refused before any rank starts
-        _check_tp_shape(opts, settings)
-        if role.launches:
-            with console.stdout_inherited():  # rank 0 prints the --json document
-                code = distributed.launch(settings.tp, sys.argv[1:])
-            raise typer.Exit(code)  # the ranks have reported
-        from kvbench.devices import resolve_device
-
-        rank = distributed.start(settings.tp, resolve_device(settings.device), settings.tp_timeout)
+    launches = distributed.role(settings.tp).launches  # a --tp that torchrun did not launch is refused
+    split = _split(opts, settings)
+    if launches:
+        raise typer.Exit(tp_command.launch(split, sys.argv[1:]))  # the ranks have reported
+    rank = tp_command.join(split)  # this process as one rank: what cannot be split is refused first
     if opts.hf is not None:
         prefill_sweep(opts, _prepare_hf(opts, checked, rank), base_run)
     elif settings.fill == "random":
@@ -122,21 +119,18 @@ def bench(given: dict, opts: BenchOptions) -> None:
         prefill_sweep(opts, _load_gpt2(settings, out_dir, rank), base_run)
 
 
-def _check_tp_shape(opts: BenchOptions, settings: BenchSettings) -> None:
-    """A model that cannot be split over --tp ranks: refused in one line, before any rank starts."""
-    from kvbench import validate
-    from kvbench.distributed import check_ranks_fit, weights_bytes
+def _split(opts: BenchOptions, settings: BenchSettings) -> Split:
+    """What this sweep splits over --tp ranks: our GPT-2 (the sweep's model config) or --hf's model."""
+    from kvbench.tp_command import Split
 
-    if opts.hf is None:
-        from kvbench.bench.settings import sweep_model_config
+    at = (settings.tp, settings.device, settings.tp_timeout)
+    if opts.hf is not None:
+        return Split(*at, hf=opts.hf, trust_remote_code=opts.trust_remote_code)
+    if settings.tp == 1:  # nothing to split: the model runs whole in this process
+        return Split(*at)
+    from kvbench.bench.settings import sweep_model_config
 
-        cfg = sweep_model_config(settings)
-        validate.tp_shape_rules(settings.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
-    else:
-        from kvbench.hf.tp import check_tp_model
-
-        check_tp_model(opts.hf, settings.tp, opts.trust_remote_code)
-    check_ranks_fit(settings.tp, settings.device, weights_bytes(cfg if opts.hf is None else opts.hf))
+    return Split(*at, config=sweep_model_config(settings))
 
 
 def _baseline_run(opts: BenchOptions):
@@ -212,23 +206,10 @@ def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
     """Plan, check the baseline against the plan, measure the bandwidth, then claim the run folder and run the sweep,
     writing rows as they complete; exit 1 when a configuration failed."""
     from kvbench.bench import sweep as B
-    from kvbench.bench.settings import resolve_config_path
     from kvbench.results import report
     from kvbench.results.rundir import claimed_run_dir
 
-    # a config given by name (seed) is recorded as the shipped file it stands for
-    config_path = None if opts.config is None else resolve_config_path(opts.config)
-    planned = B.plan(p.settings, p.engines)
-    extra_meta = {
-        **(p.extra_meta or {}),
-        "configurations_planned": [{"engine": e, "cache": c, "prompt_len": n, "batch": b} for n, b, e, c in planned],
-        **({"tp": p.ranks.meta()} if p.ranks is not None else {}),
-    }
-    if base_run is not None:  # the whole baseline check before the sweep: the same identity, rows in common
-        from kvbench.results.compare import check_baseline
-
-        meta = {**report.run_meta(p.loaded, p.device, p.dtype, p.settings, config_path), **extra_meta}
-        check_baseline(base_run, meta, [(e, c, n, b) for n, b, e, c in planned], opts.allow_env_change)
+    config_path, extra_meta = _planned(opts, p, base_run)
     if p.ranks is not None and not p.ranks.reports:  # another rank: the same sweep, in step, writing nothing
         from kvbench.devices import dtype_name
 
@@ -239,7 +220,6 @@ def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
             report.device_label(p.device),
             engines=p.engines,
             oversized=p.oversized,
-            ranks=p.ranks,
         )
         return
     # no floor under tensor parallelism (a rank's step is not one device's stream of the whole model)
@@ -264,13 +244,35 @@ def prefill_sweep(opts: BenchOptions, p: Prepared, base_run) -> None:
                 bandwidth=bandwidth,
                 oversized=p.oversized,
                 profile_dir=run_dir / "profile",
-                ranks=p.ranks,
             ),
             p.engines,
         )
         _show_bench(opts, recorder, run_dir, files)
     export_rows(opts.export, recorder.summary)
     _exit_if_failed(recorder.summary, lambda r: f"{r.engine} {r.cache} prompt {r.prompt_len} batch {r.batch}")
+
+
+def _planned(opts: BenchOptions, p: Prepared, base_run) -> tuple[Path | None, dict]:
+    """(the config file, meta.json's additions with the configurations planned); the whole baseline check before the
+    sweep: the same identity, rows in common."""
+    from kvbench.bench.settings import resolve_config_path
+    from kvbench.bench.sweep import plan
+    from kvbench.results import report
+
+    # a config given by name (seed) is recorded as the shipped file it stands for
+    config_path = None if opts.config is None else resolve_config_path(opts.config)
+    planned = plan(p.settings, p.engines)
+    extra_meta = {
+        **(p.extra_meta or {}),
+        "configurations_planned": [{"engine": e, "cache": c, "prompt_len": n, "batch": b} for n, b, e, c in planned],
+        **({"tp": p.ranks.meta()} if p.ranks is not None else {}),
+    }
+    if base_run is not None:
+        from kvbench.results.compare import check_baseline
+
+        meta = {**report.run_meta(p.loaded, p.device, p.dtype, p.settings, config_path), **extra_meta}
+        check_baseline(base_run, meta, [(e, c, n, b) for n, b, e, c in planned], opts.allow_env_change)
+    return config_path, extra_meta
 
 
 def _show_bench(opts: BenchOptions, recorder, run_dir, files: list[Path]) -> None:
@@ -384,30 +386,6 @@ def measure_bandwidth(device):
         return floor.measure_bandwidth(device)
 
 
-def run_recorded(recorder, sweep, engines: dict | None = None) -> list[Path]:
-    """Run `sweep(on_progress)` under a progress bar, with SIGTERM and SIGHUP handled as Ctrl-C: an interruption
-    keeps every completed row, writes the plots and marks meta.json `interrupted`. Returns the files written."""
-    try:
-        with _signals_interrupt(), bench_progress() as progress:
-            sweep(progress.update)
-    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (Terminated): the CLI says the line and the status
-        with _signals_ignored():  # a second Ctrl-C or a SIGTERM now would lose the rows' plots and meta.json
-            recorder.finish("interrupted", engines)
-        for text in recorder.plot_notes:
-            console.note(text)
-        console.note(f"interrupted: {len(recorder.summary)} completed configuration(s) kept in {recorder.run_dir}")
-        raise
-    except Exception:  # the run ended by an error (under --tp, a rank that failed): its rows kept, its end recorded
-        with _signals_ignored():
-            recorder.finish("failed", engines)
-        raise
-    with _signals_ignored():
-        files = recorder.finish("complete", engines)
-    for text in recorder.plot_notes:
-        console.note(text)
-    return files
-
-
 def _check_baseline(baseline: Path | None, out_dir) -> None:
     """The baseline must survive the run: refused when --out (with --force) would overwrite it."""
     if baseline is not None and Path(baseline).expanduser().resolve() == Path(out_dir).expanduser().resolve():
@@ -435,88 +413,3 @@ def _validated(config, given: dict, force: bool):
 
         torch.set_num_threads(settings.threads)
     return settings, out_dir
-
-
-def _in_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
-@contextlib.contextmanager
-def _signals_interrupt():
-    """While the sweep runs, SIGTERM and SIGHUP stop it the way Ctrl-C does."""
-    if not _in_main_thread():  # signal handlers can only be set from the main thread
-        yield
-        return
-
-    def stop(signum, frame):
-        from kvbench.thirdparty import note_signal
-
-        note_signal()  # a real interrupt, even where it lands inside a plugin's code
-        raise Terminated(signum)
-
-    sigs = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-    old = {sig: signal.signal(sig, stop) for sig in sigs}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-@contextlib.contextmanager
-def _signals_ignored():
-    """While the rows are written out: Ctrl-C, SIGTERM and SIGHUP wait (ignored) until the files are complete."""
-    if not _in_main_thread():
-        yield
-        return
-    sigs = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-# --- rendering ---
-class _BenchProgress:
-    """A Rich progress bar over the sweep's runs (warm-ups included), on stderr so --json stdout stays clean."""
-
-    def __init__(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
-
-        self._progress = Progress(
-            TextColumn("[bold]bench[/]"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("{task.description}"),
-            console=err,
-            transient=True,
-        )
-        self._task: TaskID | None = None
-
-    def __enter__(self) -> _BenchProgress:
-        if self._shown():
-            self._progress.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._shown():
-            self._progress.__exit__(*exc)
-
-    def _shown(self) -> bool:
-        """Drawn only on an interactive stderr: the bar is transient, and elsewhere (a file, a pipe, CI's log) all
-        Rich would leave of it is an empty line."""
-        return err.is_interactive
-
-    def update(self, done: int, total: int, label: str) -> None:
-        if not self._shown():
-            return
-        if self._task is None:
-            self._task = self._progress.add_task(label, total=total)
-        self._progress.update(self._task, completed=done, total=total, description=label)
-
-
-def bench_progress() -> _BenchProgress:
-    return _BenchProgress()

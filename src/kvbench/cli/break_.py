@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -13,6 +14,10 @@ from kvbench.cli.break_render import render_break, render_break_summary
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import option
+
+if TYPE_CHECKING:
+    from kvbench.model.gpt2 import GPTConfig
+    from kvbench.tp_command import Split
 
 
 @dataclass
@@ -52,7 +57,7 @@ def break_(o: BreakOptions) -> None:
 
     Runs correct and faulty code side by side on the same model and prompt. Exit 0 when every injected fault was
     detected by verify, 1 when any slipped through, 5 when every fault was skipped."""
-    from kvbench import distributed, validate
+    from kvbench import distributed, tp_command, validate
     from kvbench.results import junit
 
     role = distributed.role(o.tp)  # launch the ranks, be one, or run alone; a --tp torchrun did not launch refused
@@ -65,11 +70,8 @@ def break_(o: BreakOptions) -> None:
             from kvbench.model.weights import peek_config
 
             cfg = peek_config(o.model, o.weights)
-            validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
-            _chosen(o, cfg, warn=False)  # a fault that cannot run is refused before any rank starts
-            distributed.check_ranks_fit(o.tp, o.device, distributed.weights_bytes(cfg))
-            with console.stdout_inherited():  # rank 0 prints the --json document
-                exit_code = distributed.launch(o.tp, sys.argv[1:])
+            _chosen(o, cfg, warn=False)  # a fault that cannot run is refused before any rank starts, as on a rank
+            exit_code = tp_command.launch(_split(o, cfg), sys.argv[1:])
         else:
             results, skipped, meta = _run_faults(o, clock, reports)
     if exit_code is not None:  # the ranks have reported
@@ -125,19 +127,14 @@ def _chosen(o: BreakOptions, cfg, warn: bool = True):
 def _run_faults(o: BreakOptions, on_fault, reports: bool = True):
     """Each chosen fault against the correct path, each result passed to `on_fault` as it completes:
     (results, [(fault, why skipped)], meta). Under --tp, every rank runs them (rank 0 renders: `reports`)."""
+    from kvbench import tp_command
     from kvbench.check.breaking import break_fault
     from kvbench.model.weights import peek_config
 
     cfg = peek_config(o.model, o.weights)
     cache, names, why, tok, prompts = _chosen(o, cfg, warn=reports)
-    device, rank = o.device, None
-    if o.tp > 1:  # one rank of the group: join it first, on its own device
-        from kvbench import distributed, validate
-        from kvbench.devices import resolve_device
-
-        validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
-        rank = distributed.start(o.tp, resolve_device(o.device), o.tp_timeout)
-        device = str(rank.device)
+    rank = tp_command.join(_split(o, cfg))  # one rank of the group: join it first, on its own device
+    device = o.device if rank is None else str(rank.device)
     from kvbench.check.verify import check_run_fits
     from kvbench.devices import resolve_device, resolve_dtype
 
@@ -156,6 +153,13 @@ def _run_faults(o: BreakOptions, on_fault, reports: bool = True):
         console.note(f"{n}: skipped ({why[n]})")
     meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev), "tp": o.tp}
     return results, list(why.items()), meta
+
+
+def _split(o: BreakOptions, cfg: GPTConfig) -> Split:
+    """What this command splits over --tp ranks: our GPT-2, of config `cfg`."""
+    from kvbench.tp_command import Split
+
+    return Split(o.tp, o.device, o.tp_timeout, config=cfg)
 
 
 def _tokenizer(name: str | None, warn: bool = True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -12,6 +13,10 @@ from kvbench.cli.app import NOTHING_CHECKED, command, load_for_checks
 from kvbench.cli.verify_render import render_verify, verify_row
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import option
+
+if TYPE_CHECKING:
+    from kvbench.model.gpt2 import GPTConfig
+    from kvbench.tp_command import Split
 
 
 @dataclass
@@ -53,7 +58,7 @@ def verify(o: VerifyOptions) -> None:
     With --hf SOURCE: the same checks on any Hugging Face causal LM, for each of transformers' own caches, against
     its own no-cache path. Exit 0 when every check passes, 1 when any fails, 5 when every row was skipped. In fp16/bf16 a token flip at a
     near-tie that the logit error explains is reported, not failed."""
-    from kvbench import distributed, validate
+    from kvbench import distributed, tp_command, validate
     from kvbench.results import junit
 
     role = distributed.role(o.tp)  # launch the ranks, be one, or run alone; a --tp torchrun did not launch refused
@@ -64,9 +69,7 @@ def verify(o: VerifyOptions) -> None:
         junit_path = junit.check_junit_path(o.junit_xml) if reports else None
         validate.verify_rules(o)
         if launching:
-            _check_tp_shape(o)
-            with console.stdout_inherited():  # rank 0 prints the --json document
-                exit_code = distributed.launch(o.tp, sys.argv[1:])
+            exit_code = tp_command.launch(_split(o), sys.argv[1:])
         else:
             report, meta = _verify_hf(o, clock) if o.hf is not None else _verify_gpt2(o, clock)
     if exit_code is not None:  # the ranks have reported
@@ -87,24 +90,21 @@ def verify(o: VerifyOptions) -> None:
         raise typer.Exit(1)
 
 
-def _check_tp_shape(o: VerifyOptions) -> None:
-    """What cannot be split over --tp ranks is refused before any rank starts."""
-    from kvbench import validate
-    from kvbench.distributed import check_ranks_fit, weights_bytes
-    from kvbench.model.weights import peek_config
+def _split(o: VerifyOptions, cfg: GPTConfig | None = None) -> Split:
+    """What this command splits over --tp ranks: our GPT-2 (its config, read here when not given) or --hf's model."""
+    from kvbench.tp_command import Split
 
-    if o.hf is None:
+    if o.hf is not None:
+        return Split(o.tp, o.device, o.tp_timeout, hf=o.hf, trust_remote_code=o.trust_remote_code)
+    if cfg is None:
+        from kvbench.model.weights import peek_config
+
         cfg = peek_config(o.model, o.weights)
-        validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
-    else:
-        from kvbench.hf.tp import check_tp_model
-
-        check_tp_model(o.hf, o.tp, o.trust_remote_code)
-    check_ranks_fit(o.tp, o.device, weights_bytes(cfg if o.hf is None else o.hf))
+    return Split(o.tp, o.device, o.tp_timeout, config=cfg)
 
 
 def _verify_gpt2(o: VerifyOptions, on_row):
-    from kvbench import validate
+    from kvbench import tp_command, validate
     from kvbench.caches import parse_cache_names
     from kvbench.check.verify import random_prompts, run_verify
     from kvbench.decode.rules import compile_mode
@@ -116,14 +116,8 @@ def _verify_gpt2(o: VerifyOptions, on_row):
     validate.fits_context(
         "--prompt-len", o.prompt_len, o.new_tokens, cfg.block_size, "lower --prompt-len or --new-tokens"
     )
-    device, rank = o.device, None
-    if o.tp > 1:  # one rank of the group: join it first, on its own device (cuda:LOCAL_RANK on CUDA)
-        from kvbench import distributed
-        from kvbench.devices import resolve_device
-
-        validate.tp_shape_rules(o.tp, cfg.name, cfg.n_head, cfg.n_head, 4 * cfg.n_embd)
-        rank = distributed.start(o.tp, resolve_device(o.device), o.tp_timeout)
-        device = str(rank.device)
+    rank = tp_command.join(_split(o, cfg))  # one rank of the group: join it first, on its own device
+    device = o.device if rank is None else str(rank.device)
     from kvbench.check.verify import check_run_fits
     from kvbench.devices import resolve_device, resolve_dtype
 
@@ -158,6 +152,7 @@ def _verify_gpt2(o: VerifyOptions, on_row):
 def _verify_hf(o: VerifyOptions, on_row):
     """`kvbench verify --hf`: load, run every check on every cache, return (report, meta) for the renderers."""
     assert o.hf is not None, "--hf given"
+    from kvbench import tp_command
     from kvbench.check.hf_verify import run_hf_verify
     from kvbench.check.verify import random_prompts
     from kvbench.cli.app import CHECK_INIT_STD
@@ -176,14 +171,9 @@ def _verify_hf(o: VerifyOptions, on_row):
             "lower --prompt-len or --new-tokens",
         )
 
-    device, rank, shard = o.device, None, None
-    if o.tp > 1:  # one rank of the group: join it, then load the whole model and this rank's split of it
-        from kvbench import distributed
-        from kvbench.hf.tp import check_tp_model
-
-        check_tp_model(o.hf, o.tp, o.trust_remote_code)
-        rank = distributed.start(o.tp, resolve_device(o.device), o.tp_timeout)
-        device = str(rank.device)
+    # one rank of the group: join it, then load the whole model and this rank's split of it
+    rank, shard = tp_command.join(_split(o)), None
+    device = o.device if rank is None else str(rank.device)
     loaded, dev, dt = load_hf_for_cli(
         o.hf,
         device,
