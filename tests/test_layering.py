@@ -99,5 +99,5 @@ def test_the_layers_read_from_the_doc_are_in_their_stated_order():
     """A check of the reader: the order docs/development.md states is the one the code is held to."""
     layer = layers()
     assert layer["errors"] == 1 and layer["validate"] == 1
-    assert layer["model"] < layer["caches"] < layer["decode"] < layer["memory"] < layer["hf"] < layer["check"]
+    assert layer["memory"] < layer["model"] < layer["caches"] < layer["decode"] < layer["hf"] < layer["check"]
     assert layer["check"] < layer["bench"] < layer["results"] < layer["cli"]

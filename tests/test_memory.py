@@ -431,7 +431,7 @@ def test_copy_traffic_seed_example(presets):
 
 def test_copy_traffic_counter_equals_closed_form():
     from kvbench.bench.measure_memory import count_copy_traffic
-    from kvbench.memory.ours import spec_from_gpt_config
+    from kvbench.caches.planned import spec_from_gpt_config
     from kvbench.model.gpt2 import PRESETS
 
     for name, n0, n1, batch in (("gpt2-tiny", 5, 40, 2), ("gpt2", 0, 24, 1)):

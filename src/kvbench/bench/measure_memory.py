@@ -18,10 +18,10 @@ from kvbench import devices
 from kvbench.caches import CACHES, get_cache_spec, make_caches
 from kvbench.caches.base import CacheSpec, cache_bytes_copied, cache_nbytes
 from kvbench.caches.paged import paged_memory_report
+from kvbench.caches.planned import planner_format, spec_from_gpt_config
 from kvbench.devices import DTYPES, device_name, resolve_device
 from kvbench.errors import KVBenchError, NotEnoughMemoryError, is_out_of_memory
 from kvbench.memory.formulas import bytes_per_sequence, copy_traffic, layer_bytes_per_token
-from kvbench.memory.ours import planner_format, spec_from_gpt_config
 from kvbench.memory.spec import KVFormat, ModelSpec, get_kv_format
 from kvbench.memory.units import GiB, fmt_bytes, fmt_int
 from kvbench.model.gpt2 import PRESETS, GPTConfig

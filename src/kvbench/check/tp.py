@@ -90,12 +90,12 @@ LOSSY_SLICE_RTOL = 1e-2
 
 def planned_rank_bytes(cfg, cache: str, tokens: int, tp: int, dtype) -> int:
     """What the planner (kvbench.memory) predicts one rank's cache of `cache` holds for one sequence of `tokens`
-    tokens split over `tp` ranks: the format the design stores (memory/ours.planner_format), the heads
+    tokens split over `tp` ranks: the format the design stores (caches/planned.planner_format), the heads
     formulas.kv_heads_per_gpu gives a rank."""
     from kvbench.caches import get_cache_spec
+    from kvbench.caches.planned import planner_format, spec_from_gpt_config
     from kvbench.devices import dtype_name
     from kvbench.memory.formulas import bytes_per_sequence, kv_heads_per_gpu
-    from kvbench.memory.ours import planner_format, spec_from_gpt_config
     from kvbench.memory.spec import get_kv_format
 
     spec = spec_from_gpt_config(cfg)

@@ -63,7 +63,7 @@ def run_jobs(req, json_out: bool) -> dict:
 
 def _gpt2_spec(name: str):
     """Our own GPT-2 presets (gpt2-tiny too) for --measure and --copy-traffic; None for any other name."""
-    from kvbench.memory.ours import spec_from_gpt_config
+    from kvbench.caches.planned import spec_from_gpt_config
     from kvbench.model.gpt2 import PRESETS as GPT_PRESETS
 
     key = name.strip().lower()
