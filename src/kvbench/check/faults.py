@@ -47,6 +47,7 @@ from kvbench.decode.generate import (
 )
 from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPT, Block, GPTConfig, MaskRule
+from kvbench.model.tp import config_place
 
 
 # --- the buggy rules and the buggy cache ------------------------------------------------------------------------
@@ -230,11 +231,12 @@ def _evicts_one_more(c: GPTConfig, batch: int, max_len: int, dtype, device) -> S
 
 
 def _neighbour_slice(c: GPTConfig, batch: int, max_len: int, dtype, device) -> NeighbourSlice:
-    return NeighbourSlice(c.tp_rank, c.tp_size)
+    at = config_place(c)
+    return NeighbourSlice(at.rank, at.world)
 
 
 def _rank_zero_crop(c: GPTConfig, batch: int, max_len: int, dtype, device) -> RankZeroCrop:
-    return RankZeroCrop(c.tp_rank)
+    return RankZeroCrop(config_place(c).rank)
 
 
 @dataclass(frozen=True)

@@ -388,17 +388,16 @@ class GPT2Side:
     this process holds."""
 
     def __init__(self, s) -> None:
-        from kvbench.model.tp import rank_heads
+        from kvbench.model.tp import place, rank_heads
 
         self.subject = s
         if s.compile != "off":
             self.subject = copy.copy(s)
             self.subject.compile = "off"
         self.runner, self.whole = s.gpt, s.model.gpt
-        cfg = self.runner.cache_config
-        split = cfg.tp_size > 1
-        self.heads = rank_heads(self.whole.config.n_head, cfg.tp_rank, cfg.tp_size) if split else None
-        self.rank = cfg.tp_rank if split else None
+        at = place(self.runner)
+        self.heads = rank_heads(self.whole.config.n_head, at.rank, at.world) if at.heads_split else None
+        self.rank = at.rank if at.heads_split else None
         self.head, self.n_layers = self.runner.lm_head, len(self.runner.transformer.h)  # what the run samples from
 
     @torch.inference_mode()

@@ -29,9 +29,6 @@ class GPTConfig:
     n_embd: int = 768  # residual width C
     layer_norm_epsilon: float = 1e-5  # as in GPT-2's config.json
     name: str = field(default="custom", compare=False)  # preset name or config path, for reports
-    # a tensor-parallel shard's cache config (model/tp.py): which rank of how many holds these heads
-    tp_rank: int = field(default=0, compare=False)
-    tp_size: int = field(default=1, compare=False)
 
     def __post_init__(self) -> None:
         assert self.n_embd % self.n_head == 0, f"n_embd {self.n_embd} not divisible by n_head {self.n_head}"
