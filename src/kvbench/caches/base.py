@@ -7,6 +7,9 @@ The contract (one object per layer):
     capacity      slots available, or None when the cache grows without bound
     key_positions optional: a cache that evicts sets it after each update to the positions of the slots it returned,
                   (B, S) long, -1 for an unused slot; attention then masks by position (model/gpt2.py AttentionMask)
+    visible       which of the positions it holds a query may read, on top of the causal rule: a method
+                  (q_pos (B, T), k_pos (B, S)) -> (B, T, S) bool, or None (the default: causal only); the model's
+                  mask asks each layer cache, so a design states its own policy (an eviction window, sinks)
     reset()       forget everything, keep the allocation for reuse
     nbytes        bytes of tensor storage held or reserved right now
     bytes_copied  bytes of already-cached history copied by updates (the price of torch.cat)
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.errors import CacheOverflowError, KVBenchError
-from kvbench.model.gpt2 import GPTConfig
+from kvbench.model.gpt2 import GPTConfig, Visible
 
 LIFECYCLE = ("crop", "fork", "reorder")  # the lifecycle members of the contract (optional for a plugin)
 
@@ -52,6 +55,9 @@ class LayerCache:
     """
 
     capacity: int | None = None
+    # which held positions a query may read beyond the causal rule (see the module docstring): None, causal only; a
+    # design that evicts or masks defines it as a method (q_pos (B, T), k_pos (B, S)) -> (B, T, S) bool
+    visible: Visible | None = None
 
     def __init__(self) -> None:
         self.length = 0

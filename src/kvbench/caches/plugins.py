@@ -39,7 +39,7 @@ from kvbench.caches.base import LIFECYCLE, CacheSpec, LayerCache, Traffic
 from kvbench.caches.static_graph import StaticGraphCache
 from kvbench.dtypes import SPELLINGS
 from kvbench.errors import KVBenchError, is_out_of_memory, one_line
-from kvbench.model.gpt2 import GPTConfig
+from kvbench.model.gpt2 import GPTConfig, Visible
 from kvbench.thirdparty import contained, did
 
 ENTRY_POINT_GROUP = "kvbench.caches"
@@ -113,11 +113,12 @@ def wrap(obj: object, name: str) -> CacheSpec:
     if spec.factory is None:
         raise PluginError(f"cache plugin {name!r}: its CacheSpec has no factory")
     _check_stated(spec, name)
+    visible = _checked_policy(spec.visible, name, "visible")
     checked = dataclasses.replace(
         spec,
-        factory=_checked_factory(spec.factory, name, spec.fixed_step, evicts=spec.visible is not None),
+        factory=_checked_factory(spec.factory, name, spec.fixed_step, visible),
         roundtrip=_checked_policy(spec.roundtrip, name, "roundtrip"),
-        visible=_checked_policy(spec.visible, name, "visible"),
+        visible=visible,
     )
     probe(checked)
     probe_policy(checked)
@@ -221,7 +222,7 @@ def _inherited(cls: type, field: str) -> bool:
     return any(field in vars(base) for base in cls.__mro__[1:] if base not in (LayerCache, object))
 
 
-def _checked_factory(factory, name: str, fixed_step: bool, evicts: bool = False):
+def _checked_factory(factory, name: str, fixed_step: bool, visible: Visible | None = None):
     def fail(what: str) -> PluginError:
         return PluginError(f"cache plugin {name!r}: {what}")
 
@@ -236,7 +237,7 @@ def _checked_factory(factory, name: str, fixed_step: bool, evicts: bool = False)
         missing = [a for a in ATTRIBUTES if not _has(cache, a)]
         if missing:
             raise fail(f"its cache object has no {', '.join(missing)}")
-        checked = CheckedCache(cache, name, evicts)
+        checked = CheckedCache(cache, name, visible)
         _ = checked.capacity  # read once here: a negative or non-integer capacity is refused before any run
         if checked.length != 0:
             raise checked._fail(f"a new cache must be empty, but its length is {checked.length}")
@@ -284,10 +285,11 @@ class CheckedCache(LayerCache):
     """A plugin's cache behind the contract: every call checked and contained (see `contained`), every failure one
     line naming the plugin."""
 
-    def __init__(self, inner, name: str, evicts: bool = False) -> None:
-        # evicts: the design declares `visible`, so an update may drop tokens and each slot's position is read
-        # from its key_positions
-        self.inner, self.name, self.evicts = inner, name, evicts
+    def __init__(self, inner, name: str, visible: Visible | None = None) -> None:
+        # visible: the design's declared policy (checked), which this cache states to the model's mask; a design
+        # that declares one evicts, so an update may drop tokens and each slot's position is read from key_positions
+        self.inner, self.name, self.visible = inner, name, visible
+        self.evicts = visible is not None
 
     def _fail(self, what: str) -> PluginError:
         return PluginError(f"cache plugin {self.name!r} broke the cache contract: {what}")
@@ -384,7 +386,7 @@ class CheckedCache(LayerCache):
         missing = [a for a in ATTRIBUTES if not _has(other, a)]
         if missing:
             raise self._fail(f"fork returned an object with no {', '.join(missing)}")
-        checked = CheckedCache(other, self.name, self.evicts)
+        checked = CheckedCache(other, self.name, self.visible)
         if checked.length != length:
             raise self._fail(f"fork holds {checked.length} tokens, the cache it was forked from {length}")
         return checked

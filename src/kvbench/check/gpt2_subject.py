@@ -240,7 +240,6 @@ class GPT2Session:
         self.subject, self.caches, self.held = subject, caches, held
         self.gpt = subject.gpt
         self.rules = subject.fault.rules if subject.fault is not None else EXACT
-        self.visible = get_cache_spec(subject.cache).visible
 
     @torch.inference_mode()
     def forward(self, ids: list[list[int]]) -> torch.Tensor:
@@ -248,7 +247,7 @@ class GPT2Session:
         x = torch.tensor(ids, device=device)  # (B, T)
         pos = (self.held + torch.arange(x.size(1), device=device)).expand_as(x)  # (B, T)
         self.held += x.size(1)
-        return self.gpt(x, pos, self.caches, mask_rule=self.rules.mask, visible=self.visible).float().cpu()
+        return self.gpt(x, pos, self.caches, mask_rule=self.rules.mask).float().cpu()
 
     def prepare_rollback(self, most: int) -> None:
         """Nothing to prepare: every design can crop at any length."""

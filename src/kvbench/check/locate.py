@@ -371,6 +371,7 @@ class _Tap:
 
     def __init__(self, cache, layer: int, probe: Probe, read: int | None) -> None:
         self.cache, self.layer, self.probe, self.read = cache, layer, probe, read
+        self.visible = getattr(cache, "visible", None)  # the design's own policy: the model's mask asks it
 
     def update(self, k, v, positions):
         k, v = self.cache.update(k, v, positions)

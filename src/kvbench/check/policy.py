@@ -44,17 +44,20 @@ from kvbench.check.locate import first_bad
 from kvbench.check.subject import Unsupported
 from kvbench.decode.generate import EXACT, DecodeRules
 from kvbench.errors import KVBenchError, one_line
+from kvbench.model.gpt2 import Visible
 
 POLICY_CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)
 
 
 class PolicyCache(DynamicCache):
     """The reference: every token's K and V passed through the design's roundtrip, kept in order, forgotten only when
-    a rollback crops them; nothing evicted (the model masks by the design's visibility)."""
+    a rollback crops them; nothing evicted (it states the design's visibility, and the model's mask asks it)."""
 
-    def __init__(self, roundtrip: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    def __init__(
+        self, roundtrip: Callable[[torch.Tensor], torch.Tensor] | None, visible: Visible | None = None
+    ) -> None:
         super().__init__()
-        self.roundtrip = roundtrip
+        self.roundtrip, self.visible = roundtrip, visible
 
     def update(self, k, v, positions):
         if self.roundtrip is not None:
@@ -62,8 +65,8 @@ class PolicyCache(DynamicCache):
         return super().update(k, v, positions)
 
     def fork(self) -> PolicyCache:
-        other = PolicyCache(self.roundtrip)
-        other.__dict__.update({**super().fork().__dict__, "roundtrip": self.roundtrip})
+        other = PolicyCache(self.roundtrip, self.visible)
+        other.__dict__.update({**super().fork().__dict__, "roundtrip": self.roundtrip, "visible": self.visible})
         return other
 
 
@@ -82,9 +85,6 @@ class Log:
 
     on: bool = False
     calls: list[Call] = field(default_factory=list)
-
-
-Visible = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a design's declared visibility (CacheSpec.visible)
 
 
 @dataclass
@@ -171,6 +171,7 @@ class Recorded(LayerCache):
         shadow: Shadow | None = None,
     ) -> None:  # no counters of its own
         self.inner = inner
+        self.visible = getattr(inner, "visible", None)  # the design's own policy: the model's mask asks it
         self.log = log
         self.twin, self.shadow = twin, shadow
         self.k: torch.Tensor | None = None
@@ -226,11 +227,12 @@ class Reference:
     """The policy as an injected cache (check/gpt2_subject.py Injection): the correct loop, PolicyCache layers."""
 
     roundtrip: Callable[[torch.Tensor], torch.Tensor] | None
+    visible: Visible | None
     rules: DecodeRules = EXACT
     log: Log = field(default_factory=Log)
 
     def layer_cache(self, config, batch: int, max_len: int, dtype, device) -> LayerCache:
-        return Recorded(PolicyCache(self.roundtrip), self.log)
+        return Recorded(PolicyCache(self.roundtrip, self.visible), self.log)
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,7 @@ class Recording:
         assert self.design is not None, "a cached design"
         self.shadow.n_layer = config.n_layer
         design = self.design(config, batch, max_len, dtype, device)
-        return Recorded(design, self.log, PolicyCache(self.roundtrip), self.shadow)
+        return Recorded(design, self.log, PolicyCache(self.roundtrip, self.shadow.visible), self.shadow)
 
 
 # --- where the K and V first differ ---------------------------------------------------------------------------------
@@ -325,7 +327,7 @@ def _subjects(target, name: str, spec: CacheSpec, fault, compile: str):
     # a stored value is held as a copy is: to the dtype's epsilon of its head's scale
     shadow = Shadow(spec.visible, torch.finfo(target.dtype).eps)
     design_subject = GPT2Subject(target, name, Recording(design, rules, spec.roundtrip, shadow), compile)
-    reference = GPT2Subject(target, name, Reference(spec.roundtrip), "off")
+    reference = GPT2Subject(target, name, Reference(spec.roundtrip, spec.visible), "off")
     exact = tolerance(target.dtype)
     for s in (design_subject, reference):
         s.tol = exact  # the policy is exact: the dtype's own tolerance, no lossy bound
@@ -433,10 +435,10 @@ def _flips(target, prompt, tokens, spec, step_matched, tol) -> str:
         return ""
     gpt = target.gpt
     seq = prompt + tokens[:-1]
-    caches = [Recorded(PolicyCache(spec.roundtrip)) for _ in range(gpt.config.n_layer)]
+    caches = [Recorded(PolicyCache(spec.roundtrip, spec.visible)) for _ in range(gpt.config.n_layer)]
     device = gpt.lm_head.weight.device
     ids = torch.tensor([seq], device=device)
-    gpt(ids, torch.arange(len(seq), device=device)[None], caches, visible=spec.visible)
+    gpt(ids, torch.arange(len(seq), device=device)[None], caches)
     apart = total = 0
     for one, step in zip(caches, step_matched, strict=True):
         for a, b in ((one.k, step.k), (one.v, step.v)):
