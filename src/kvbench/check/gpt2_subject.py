@@ -19,6 +19,7 @@ from transformers import GPT2LMHeadModel
 
 from kvbench.caches import get_cache_spec, make_caches
 from kvbench.caches.plugins import missing_lifecycle
+from kvbench.check.gpt2_replay import GPT2Replay
 from kvbench.check.judge import tolerance
 from kvbench.check.subject import NoCache, Run
 from kvbench.decode.generate import EXACT, DecodeRules, GenerationResult, generate
@@ -222,6 +223,10 @@ class GPT2Subject:
             return run(gpt, [prompt], new, self.cache).tokens[0]
 
         return [("generate --draft prompt-lookup", drafted, plain)]
+
+    def replay(self) -> GPT2Replay:
+        """This subject as a replay of a failing row sees it (check/locate.py)."""
+        return GPT2Replay(self)
 
     def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
         caches = fresh_caches(self.gpt, self.cache, 1, 1, self.fault)

@@ -40,7 +40,7 @@ from kvbench.caches import CacheSpec, LayerCache, get_cache_spec
 from kvbench.caches.dynamic import DynamicCache
 from kvbench.check.judge import CheckRow, allclose_err, compare_tokens, first_diff, first_off, skipped, tolerance
 from kvbench.check.lifecycle import LIFECYCLE, NEEDS, SCENARIOS, Trace
-from kvbench.check.locate import first_bad
+from kvbench.check.probe import first_bad
 from kvbench.check.subject import Unsupported
 from kvbench.decode.generate import EXACT, DecodeRules
 from kvbench.errors import KVBenchError, one_line
