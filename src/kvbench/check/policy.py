@@ -246,45 +246,36 @@ def _flips(target, prompt, tokens, spec, step_matched, tol) -> str:
 def _batch(d, r, prompts, short, tol) -> CheckRow:
     shadow = _watch(d, lambda f: f"step {f} of the batch, ")
     got, want = d.generate(prompts, short), r.generate(prompts, short)
-    ok, err = allclose_err(got.logits, want.logits, tol.rtol, tol.atol)
-    same = got.tokens == want.tokens
     lens = ", ".join(str(len(p)) for p in prompts)
-    detail = f"lengths {lens} left-padded together, {short} tokens, vs the policy's" + (
-        "" if same else "; tokens differ"
-    )
-    detail += _stored_words(shadow, shadow.first)
-    row = CheckRow(
-        name="batched",
-        cache=d.cache,
-        passed=ok and same and not shadow.first,
-        max_abs_diff=err,
-        tolerance=tol.words,
-        detail=detail,
-        location=shadow.first,
-    )
-    if not row.passed and not row.location:
-        when = f"the batch after its {short} tokens, "
-        row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible, when)
-    return row
+    words = f"lengths {lens} left-padded together, {short} tokens, vs the policy's"
+    return _judged(d, r, "batched", (got, want), words, shadow, tol, f"the batch after its {short} tokens, ")
 
 
 def _reused(d, r, prompts, short, tol) -> CheckRow:
     shadow = _watch(d, lambda f: f"forward {f + 1} of the two runs (a prompt, then another on the same caches), ")
     (got, words), (want, _) = d.reused(prompts[0], prompts[1], short), r.reused(prompts[0], prompts[1], short)
+    words = f"{words}, {short} tokens, vs the policy's reference reused the same way"
+    return _judged(d, r, "cache_state", (got, want), words, shadow, tol, f"the reused cache after its {short} tokens, ")
+
+
+def _judged(d, r, check: str, runs: tuple, words: str, shadow: Shadow, tol, when: str) -> CheckRow:
+    """The row of one run of the design against the same run of the reference: logits and tokens equal at the
+    exact tolerance, every stored K and V the policy's; located by the caches' last contents when it fails."""
+    got, want = runs
     ok, err = allclose_err(got.logits, want.logits, tol.rtol, tol.atol)
     same = got.tokens == want.tokens
+    if check == "batched" and not same:
+        words += "; tokens differ"
     row = CheckRow(
-        name="cache_state",
+        name=check,
         cache=d.cache,
         passed=ok and same and not shadow.first,
         max_abs_diff=err,
         tolerance=tol.words,
-        detail=f"{words}, {short} tokens, vs the policy's reference reused the same way"
-        + _stored_words(shadow, shadow.first),
+        detail=words + _stored_words(shadow, shadow.first),
         location=shadow.first,
     )
     if not row.passed and not row.location:
-        when = f"the reused cache after its {short} tokens, "
         row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible, when)
     return row
 
