@@ -400,39 +400,30 @@ class CheckedCache(LayerCache):
         if self.length != length:
             raise self._fail(f"length went from {length} to {self.length} in reorder")
 
-    @property
-    def length(self) -> int:
-        return self._int("length")
+    def _set(self, attr: str, value: object) -> None:
+        with self._calling(f"setting {attr}"):
+            setattr(self.inner, attr, value)
 
-    @length.setter
-    def length(self, value: int) -> None:
-        with self._calling("setting length"):
-            self.inner.length = value
+    # the counters and the capacity: read from the plugin's object and checked, set on it (contained)
+    length = property(  # type: ignore[assignment]
+        lambda self: self._int("length"), lambda self, value: self._set("length", value)
+    )
+    bytes_copied = property(  # type: ignore[assignment]
+        lambda self: self._int("bytes_copied"), lambda self, value: self._set("bytes_copied", value)
+    )
+    capacity = property(  # type: ignore[assignment]
+        lambda self: self._capacity(), lambda self, value: self._set("capacity", value)
+    )
 
-    @property
-    def capacity(self) -> int | None:
+    def _capacity(self) -> int | None:
         cap = self._get("capacity")
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
             raise self._fail(f"capacity must be a non-negative int or None, got {cap!r}")
         return cap
 
-    @capacity.setter
-    def capacity(self, value: int | None) -> None:
-        with self._calling("setting capacity"):
-            self.inner.capacity = value
-
     @property
     def nbytes(self) -> int:
         return self._int("nbytes")
-
-    @property
-    def bytes_copied(self) -> int:
-        return self._int("bytes_copied")
-
-    @bytes_copied.setter
-    def bytes_copied(self, value: int) -> None:
-        with self._calling("setting bytes_copied"):
-            self.inner.bytes_copied = value
 
     def _int(self, attr: str) -> int:
         value = self._get(attr)

@@ -7,7 +7,7 @@ their `layer_idx`, for their outputs).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -28,8 +28,11 @@ class HFReplay:
     """A Hugging Face subject as a replay sees it: the eager subject to rerun (generate's compile off), the whole
     model as reference, the key/value heads this process holds."""
 
-    def __init__(self, s) -> None:
+    def __init__(self, s, forward_inputs: Callable[..., dict]) -> None:
+        # forward_inputs: the subject's (check/hf_subject.py): the inputs generate gives the forward besides the ids
         from kvbench.hf.caches import HF_CACHES
+
+        self.forward_inputs = forward_inputs
 
         self.subject = s
         if "compile_config" in s.spec.generate_kwargs:  # the same cache, eager
@@ -53,7 +56,6 @@ class HFReplay:
     def forward(self, seq: list[int]) -> dict:
         from transformers import DynamicCache
 
-        from kvbench.check.hf_subject import forward_inputs
         from kvbench.hf.caches import text_config
         from kvbench.hf.introspect import cache_kwarg
 
@@ -79,7 +81,7 @@ class HFReplay:
                 attention_mask=torch.ones_like(ids),
                 use_cache=True,
                 **{cache_kwarg(): cache},
-                **forward_inputs(model, ids),
+                **self.forward_inputs(model, ids),
             )
         finally:
             for h in hooks:

@@ -190,7 +190,7 @@ class HFSubject:
 
     def replay(self) -> HFReplay:
         """This subject as a replay of a failing row sees it (check/locate.py)."""
-        return HFReplay(self)
+        return HFReplay(self, forward_inputs)
 
     def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
         obj = self._build(8)
