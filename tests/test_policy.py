@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from kvbench.caches import get_cache_spec
+from kvbench.caches.dynamic import DynamicCache
 from kvbench.caches.sink import SinkCache, visible
 from kvbench.check.faults import FAULTS
 from kvbench.check.policy import POLICY_CHECKS
@@ -77,6 +78,14 @@ def test_the_sink_cache_holds_sinks_plus_window_between_steps():
 EDGES = [(s, w) for s in (0, 1, 4) for w in (1, 2, 3, 32)]
 
 
+class _Stating(DynamicCache):
+    """A dynamic cache (every token kept) that states the visibility it is given."""
+
+    def __init__(self, rule) -> None:
+        super().__init__()
+        self.visible = rule
+
+
 def _streaming(sink: int, window: int):
     """StreamingLLM written out by hand: query q reads the first `sink` positions and the last `window` up to q."""
 
@@ -92,21 +101,22 @@ def _streaming(sink: int, window: int):
 @torch.inference_mode()
 def test_a_sink_cache_holds_and_reads_what_a_streaming_cache_must(tiny_model, sink, window, prompt_len):
     """Between decode steps the cache holds exactly the sinks and the last W positions, and every step's logits equal
-    one no-cache forward whose attention is masked by the rule written out by hand (not the design's `visible`)."""
+    one forward over caches that keep every token and state the rule written out by hand (not the design's)."""
     spec = get_cache_spec(f"sink-{sink}-{window}")
     ids = torch.randint(
         0, tiny_model.config.vocab_size, (1, prompt_len + 12), generator=torch.Generator().manual_seed(1)
     )
     n = ids.size(1)
     caches = [spec.factory(tiny_model.config, 1, n, torch.float32, "cpu") for _ in range(tiny_model.config.n_layer)]
-    steps = [tiny_model(ids[:, :prompt_len], torch.arange(prompt_len)[None], caches, visible=spec.visible)[0, -1]]
+    steps = [tiny_model(ids[:, :prompt_len], torch.arange(prompt_len)[None], caches)[0, -1]]
     for t in range(prompt_len, n):
-        steps.append(tiny_model(ids[:, t : t + 1], torch.tensor([[t]]), caches, visible=spec.visible)[0, -1])
+        steps.append(tiny_model(ids[:, t : t + 1], torch.tensor([[t]]), caches)[0, -1])
         want = [k for k in range(t + 1) if k < sink or k > t - window]
         for c in caches:
             assert c.key_positions[0].tolist() == want, (t, c.key_positions)
             assert c.length == len(want) <= sink + window and c.written == t + 1
-    hand = tiny_model(ids, torch.arange(n)[None], None, visible=_streaming(sink, window))[0, prompt_len - 1 :]
+    hand_caches = [_Stating(_streaming(sink, window)) for _ in range(tiny_model.config.n_layer)]
+    hand = tiny_model(ids, torch.arange(n)[None], hand_caches)[0, prompt_len - 1 :]
     full = tiny_model(ids, torch.arange(n)[None])[0, prompt_len - 1 :]
     got = torch.stack(steps)
     torch.testing.assert_close(got, hand, rtol=1e-5, atol=1e-5)
@@ -182,9 +192,12 @@ def test_the_two_mask_paths_agree_on_every_query_even_one_that_may_read_nothing(
     from kvbench.model.gpt2 import AttentionMask
 
     q = torch.tensor([[2, 3, 4]])  # three queries over keys 0..4
-    mask = AttentionMask(3, 5, None, visible=visible or (lambda q, k: k[:, None, :] > q[:, :, None] - 2), positions=q)
-    by_column, _ = mask.for_keys(5)
-    by_position, _ = mask.for_keys(5, torch.arange(5)[None])
+    rule = visible or (lambda q, k: k[:, None, :] > q[:, :, None] - 2)
+    mask = AttentionMask(3, 5, None, positions=q)
+    by_column, _ = mask.for_keys(5, _Stating(rule))
+    evicting = _Stating(rule)
+    evicting.key_positions = torch.arange(5)[None]
+    by_position, _ = mask.for_keys(5, evicting)
     assert torch.equal(by_column, by_position), (by_column, by_position)
     if visible is not None:
         assert torch.equal(by_position[0, 0], torch.eye(5, dtype=torch.bool)[2:])  # each reads its own position

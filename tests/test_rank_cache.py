@@ -32,7 +32,7 @@ PLUGINS = textwrap.dedent(
         """a static cache"""
         def __init__(self, config, batch, max_len, dtype, device):
             super().__init__(batch, config.n_head, max_len, config.head_dim, dtype, device)
-            self.shard_rank = config.tp_rank
+            self.shard_rank = getattr(config, "tp_rank", 0)  # a shard's config says its rank
 
 
     class ShiftAll(Base):

@@ -230,7 +230,7 @@ def _plugin(tmp_path, body: str) -> dict:
             class C(DynamicCache):
                 def __init__(self, config, batch, max_len, dtype, device):
                     super().__init__()
-                    self.rank = config.tp_rank
+                    self.rank = getattr(config, "tp_rank", 0)
 
                 def update(self, k, v, positions):
             """

@@ -298,7 +298,7 @@ class Slow(DynamicCache):
     '''A dynamic cache that says where it runs (a file named by its pid) and takes its time.'''
     def __init__(self, config, batch, max_len, dtype, device):
         super().__init__()
-        self.rank = config.tp_rank
+        self.rank = getattr(config, "tp_rank", 0)
 
     def update(self, k, v, positions):
         open(os.path.join(os.environ["MARKS"], f"{self.rank}-{os.getpid()}"), "w").close()
@@ -376,7 +376,7 @@ from kvbench.caches.static import StaticCache
 class C(StaticCache):
     def __init__(self, config, batch, max_len, dtype, device):
         super().__init__(batch, config.n_head, max_len, config.head_dim, dtype, device)
-        self.rank, self.calls = config.tp_rank, 0
+        self.rank, self.calls = getattr(config, "tp_rank", 0), 0
 
     def update(self, k, v, positions):
         self.calls += 1

@@ -7,6 +7,9 @@ The contract (one object per layer):
     capacity      slots available, or None when the cache grows without bound
     key_positions optional: a cache that evicts sets it after each update to the positions of the slots it returned,
                   (B, S) long, -1 for an unused slot; attention then masks by position (model/gpt2.py AttentionMask)
+    visible       which of the positions it holds a query may read, on top of the causal rule: a method
+                  (q_pos (B, T), k_pos (B, S)) -> (B, T, S) bool, or None (the default: causal only); the model's
+                  mask asks each layer cache, so a design states its own policy (an eviction window, sinks)
     reset()       forget everything, keep the allocation for reuse
     nbytes        bytes of tensor storage held or reserved right now
     bytes_copied  bytes of already-cached history copied by updates (the price of torch.cat)
@@ -34,12 +37,12 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 
 from kvbench.errors import CacheOverflowError, KVBenchError
-from kvbench.model.gpt2 import GPTConfig
+from kvbench.model.gpt2 import GPTConfig, Visible
 
 LIFECYCLE = ("crop", "fork", "reorder")  # the lifecycle members of the contract (optional for a plugin)
 
@@ -52,6 +55,9 @@ class LayerCache:
     """
 
     capacity: int | None = None
+    # which held positions a query may read beyond the causal rule (see the module docstring): None, causal only; a
+    # design that evicts or masks defines it as a method (q_pos (B, T), k_pos (B, S)) -> (B, T, S) bool
+    visible: Visible | None = None
 
     def __init__(self) -> None:
         self.length = 0
@@ -156,10 +162,35 @@ UNKNOWN_TRAFFIC = Traffic("design traffic unknown (a plugin): weights and K/V of
 
 @dataclass(frozen=True)
 class CacheSpec:
+    """How a cache design is registered: its facts in three groups, each field once.
+
+    - the design: what it is and how its layers are built and run (name, summary, factory, fixed_step, padding,
+      storage_dtype, by_default);
+    - its policy: what `verify` holds it to (exact, logit_atol, logit_rtol, min_greedy_agreement; a lossy design's
+      declared roundtrip and visible, check/policy.py; what it holds, holds);
+    - its costs: what a decode step moves (traffic, the floor) and what its footprint means (memory_note).
+    Every field after `factory` is passed by keyword (a plugin's spelling: `CacheSpec(name, summary, factory,
+    exact=False, roundtrip=...)`, docs/caches.md).
+    """
+
+    # --- the design -------------------------------------------------------------------------------------------------
     name: str
     summary: str
     # Builds one layer's cache: (config, batch, max_len, dtype, device) -> LayerCache. None: no cache at all.
     factory: Callable[[GPTConfig, int, int, torch.dtype, torch.device], LayerCache] | None
+    _: KW_ONLY
+    # Its decode step runs as one fixed-shape function over StaticGraphCache buffers (decode/fixed_step.py), which can
+    # be compiled (--compile) and, on CUDA, captured as a CUDA graph; the layer caches must be StaticGraphCache.
+    fixed_step: bool = False
+    # It takes a left-padded batch (False: a design that evicts by position, whose slots are not columns).
+    padding: bool = True
+    # The element type it stores K and V in (a kvbench.dtypes name: int8), when it is not the model's dtype.
+    storage_dtype: str | None = None
+    # In the default set of caches (no --caches given). False: run when named or with --caches all (an eviction
+    # design: how far it strays from full attention is the policy's choice, not a verdict; its policy rows judge it).
+    by_default: bool = True
+
+    # --- its policy: what verify holds it to ------------------------------------------------------------------------
     # exact: cached logits equal full recomputation up to kernel rounding (False for lossy caches). How `verify`
     # judges a lossy cache is documented with it: the largest |logit error| against full recomputation in fp32,
     # logit_atol + logit_rtol x (the row's largest |logit|), and the least fraction of greedy tokens (teacher-forced)
@@ -168,31 +199,24 @@ class CacheSpec:
     logit_atol: float = 1e-5
     logit_rtol: float = 1e-5
     min_greedy_agreement: float = 1.0
-    # What a decode step moves (the floor); None: unknown (a plugin that does not say), counted as weights and
-    # the K/V of the filled slots only, and labelled so.
-    traffic: Traffic | None = None
-    # What the memory measurement says of its footprint beyond the bytes (kvbench memory --measure).
-    memory_note: str = ""
-    # The element type it stores K and V in (a kvbench.dtypes name: int8), when it is not the model's dtype.
-    storage_dtype: str | None = None
-    # Its decode step runs as one fixed-shape function over StaticGraphCache buffers (decode/fixed_step.py), which can be
-    # compiled (--compile) and, on CUDA, captured as a CUDA graph; the layer caches must be StaticGraphCache.
-    fixed_step: bool = False
     # A lossy design's policy, declared so `verify` holds it to an exact reference (check/policy.py): the reference
     # applies these to every token and nothing else, and the design must match it at the exact tolerance.
     # roundtrip: what it stores for each token's K or V, (B, H, T, Dh) -> the same shape (quantise, then dequantise).
     roundtrip: Callable[[torch.Tensor], torch.Tensor] | None = None
     # visible: which cached positions a query may still read (an eviction policy), (q_pos (B, T), k_pos (B, S)) ->
-    # (B, T, S) bool on top of the causal rule; the model applies it in attention, by position, for this design.
-    visible: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    # It takes a left-padded batch (False: a design that evicts by position, whose slots are not columns).
-    padding: bool = True
+    # (B, T, S) bool on top of the causal rule; the design's layer caches state it (LayerCache.visible), and the
+    # model's mask asks them.
+    visible: Visible | None = None
     # The tokens a sequence holds between steps at a context of L, for a design that evicts (the planner's figure
     # for it, memory --measure); None: all L.
     holds: Callable[[int], int] | None = None
-    # In the default set of caches (no --caches given). False: run when named or with --caches all (an eviction
-    # design: how far it strays from full attention is the policy's choice, not a verdict; its policy rows judge it).
-    by_default: bool = True
+
+    # --- its costs --------------------------------------------------------------------------------------------------
+    # What a decode step moves (the floor); None: unknown (a plugin that does not say), counted as weights and
+    # the K/V of the filled slots only, and labelled so.
+    traffic: Traffic | None = None
+    # What the memory measurement says of its footprint beyond the bytes (kvbench memory --measure).
+    memory_note: str = ""
 
     @property
     def held_to_policy(self) -> bool:

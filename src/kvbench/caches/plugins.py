@@ -39,7 +39,7 @@ from kvbench.caches.base import LIFECYCLE, CacheSpec, LayerCache, Traffic
 from kvbench.caches.static_graph import StaticGraphCache
 from kvbench.dtypes import SPELLINGS
 from kvbench.errors import KVBenchError, is_out_of_memory, one_line
-from kvbench.model.gpt2 import GPTConfig
+from kvbench.model.gpt2 import GPTConfig, Visible
 from kvbench.thirdparty import contained, did
 
 ENTRY_POINT_GROUP = "kvbench.caches"
@@ -113,11 +113,12 @@ def wrap(obj: object, name: str) -> CacheSpec:
     if spec.factory is None:
         raise PluginError(f"cache plugin {name!r}: its CacheSpec has no factory")
     _check_stated(spec, name)
+    visible = _checked_policy(spec.visible, name, "visible")
     checked = dataclasses.replace(
         spec,
-        factory=_checked_factory(spec.factory, name, spec.fixed_step, evicts=spec.visible is not None),
+        factory=_checked_factory(spec.factory, name, spec.fixed_step, visible),
         roundtrip=_checked_policy(spec.roundtrip, name, "roundtrip"),
-        visible=_checked_policy(spec.visible, name, "visible"),
+        visible=visible,
     )
     probe(checked)
     probe_policy(checked)
@@ -221,7 +222,7 @@ def _inherited(cls: type, field: str) -> bool:
     return any(field in vars(base) for base in cls.__mro__[1:] if base not in (LayerCache, object))
 
 
-def _checked_factory(factory, name: str, fixed_step: bool, evicts: bool = False):
+def _checked_factory(factory, name: str, fixed_step: bool, visible: Visible | None = None):
     def fail(what: str) -> PluginError:
         return PluginError(f"cache plugin {name!r}: {what}")
 
@@ -236,7 +237,7 @@ def _checked_factory(factory, name: str, fixed_step: bool, evicts: bool = False)
         missing = [a for a in ATTRIBUTES if not _has(cache, a)]
         if missing:
             raise fail(f"its cache object has no {', '.join(missing)}")
-        checked = CheckedCache(cache, name, evicts)
+        checked = CheckedCache(cache, name, visible)
         _ = checked.capacity  # read once here: a negative or non-integer capacity is refused before any run
         if checked.length != 0:
             raise checked._fail(f"a new cache must be empty, but its length is {checked.length}")
@@ -284,10 +285,11 @@ class CheckedCache(LayerCache):
     """A plugin's cache behind the contract: every call checked and contained (see `contained`), every failure one
     line naming the plugin."""
 
-    def __init__(self, inner, name: str, evicts: bool = False) -> None:
-        # evicts: the design declares `visible`, so an update may drop tokens and each slot's position is read
-        # from its key_positions
-        self.inner, self.name, self.evicts = inner, name, evicts
+    def __init__(self, inner, name: str, visible: Visible | None = None) -> None:
+        # visible: the design's declared policy (checked), which this cache states to the model's mask; a design
+        # that declares one evicts, so an update may drop tokens and each slot's position is read from key_positions
+        self.inner, self.name, self.visible = inner, name, visible
+        self.evicts = visible is not None
 
     def _fail(self, what: str) -> PluginError:
         return PluginError(f"cache plugin {self.name!r} broke the cache contract: {what}")
@@ -384,7 +386,7 @@ class CheckedCache(LayerCache):
         missing = [a for a in ATTRIBUTES if not _has(other, a)]
         if missing:
             raise self._fail(f"fork returned an object with no {', '.join(missing)}")
-        checked = CheckedCache(other, self.name, self.evicts)
+        checked = CheckedCache(other, self.name, self.visible)
         if checked.length != length:
             raise self._fail(f"fork holds {checked.length} tokens, the cache it was forked from {length}")
         return checked
@@ -398,39 +400,30 @@ class CheckedCache(LayerCache):
         if self.length != length:
             raise self._fail(f"length went from {length} to {self.length} in reorder")
 
-    @property
-    def length(self) -> int:
-        return self._int("length")
+    def _set(self, attr: str, value: object) -> None:
+        with self._calling(f"setting {attr}"):
+            setattr(self.inner, attr, value)
 
-    @length.setter
-    def length(self, value: int) -> None:
-        with self._calling("setting length"):
-            self.inner.length = value
+    # the counters and the capacity: read from the plugin's object and checked, set on it (contained)
+    length = property(  # type: ignore[assignment]
+        lambda self: self._int("length"), lambda self, value: self._set("length", value)
+    )
+    bytes_copied = property(  # type: ignore[assignment]
+        lambda self: self._int("bytes_copied"), lambda self, value: self._set("bytes_copied", value)
+    )
+    capacity = property(  # type: ignore[assignment]
+        lambda self: self._capacity(), lambda self, value: self._set("capacity", value)
+    )
 
-    @property
-    def capacity(self) -> int | None:
+    def _capacity(self) -> int | None:
         cap = self._get("capacity")
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
             raise self._fail(f"capacity must be a non-negative int or None, got {cap!r}")
         return cap
 
-    @capacity.setter
-    def capacity(self, value: int | None) -> None:
-        with self._calling("setting capacity"):
-            self.inner.capacity = value
-
     @property
     def nbytes(self) -> int:
         return self._int("nbytes")
-
-    @property
-    def bytes_copied(self) -> int:
-        return self._int("bytes_copied")
-
-    @bytes_copied.setter
-    def bytes_copied(self, value: int) -> None:
-        with self._calling("setting bytes_copied"):
-            self.inner.bytes_copied = value
 
     def _int(self, attr: str) -> int:
         value = self._get(attr)

@@ -4,8 +4,9 @@ is evicted.
     visible(q, k) = k < S  or  k > q - W        (on top of the causal rule k <= q)
 
 A query at position q reads the sinks and the last W positions up to its own. The design declares it (`visible` on its
-spec): the model masks attention by it, position by position, and `verify` holds the cache to it exactly against a
-reference that keeps every token and masks (check/policy.py). The cache keeps what a query may still read: before
+spec) and each SinkCache states it (`SinkCache.visible`): the model's mask asks the cache, position by position, and
+`verify` holds the cache to it exactly against a reference that keeps every token and states the same rule
+(check/policy.py). The cache keeps what a query may still read: before
 each update it evicts every non-sink position the call's first query can no longer see (k <= q0 - W), appends the
 call's K/V, and returns them all with their positions (`key_positions`, (B, S), slots in position order), so a call
 holds at most S + W - 1 + T tokens and, between decode steps, S + W. It is lossy: attention reads fewer keys than
@@ -49,6 +50,10 @@ class SinkCache(LayerCache):
         # tokens written so far (the next query's position): counted, not read off the newest slot, since a crop can
         # leave no slot at all (no sinks, and a window the crop empties)
         self.written = 0
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """(q_pos (B, T), k_pos (B, S)) -> (B, T, S): what a query may read of what it holds (module docstring)."""
+        return visible(self.sink, self.window, q_pos, k_pos)
 
     def update(self, k, v, positions):
         self._evict(positions[:, :1])  # what the call's first query can no longer read

@@ -16,7 +16,7 @@ Each fault is a buggy rule or a buggy cache, passed from outside into the very l
     sink-evicts-one-more  EvictsOneMore   a sink eviction one token early (lossy: policy rows)
     tp-neighbour-slice  NeighbourSlice    a rank's cache keeps the next rank's heads from a K/V hand-off (--tp only)
     tp-rank-crop    RankZeroCrop          a rollback cropped on rank 0 only (--tp only)
-Each fault's `demo` runs the correct and the faulty path side by side and measures the bug's signature;
+The bugs themselves live in check/fault_caches.py. Each fault's `demo` runs the correct and the faulty path side by side and measures the bug's signature;
 check/breaking.py runs every `verify` check with the fault injected.
 """
 
@@ -29,212 +29,31 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.caches import get_cache_spec, sink
-from kvbench.caches.dynamic import DynamicCache
-from kvbench.caches.int8 import Int8Cache, dequantize, quantize
-from kvbench.caches.sink import SinkCache
-from kvbench.caches.static import StaticCache
+from kvbench.check.fault_caches import (
+    AliasedFork,
+    CausalFlagInDecode,
+    ChunkCausal,
+    KeysOnlyReorder,
+    NoReset,
+    RestartingPositions,
+    RightPadding,
+    StaleCrop,
+    evicts_one_more,
+    half_scales_reorder,
+    layer_factory,
+    neighbour_slice,
+    pointer_one_short,
+    rank_zero_crop,
+    requantised_fork,
+)
 from kvbench.check.gpt2_subject import GPT2Model, GPT2Subject, fresh_caches, run
 from kvbench.check.lifecycle import SCENARIOS
 from kvbench.decode.generate import (
     EXACT,
-    PAD_ID,
-    Batch,
-    CacheReuse,
     DecodeRules,
-    Padding,
-    Positions,
-    left_pad,
 )
 from kvbench.errors import KVBenchError
-from kvbench.model.gpt2 import GPT, Block, GPTConfig, MaskRule
-
-
-# --- the buggy rules and the buggy cache ------------------------------------------------------------------------
-class RestartingPositions(Positions):
-    """BUG on purpose: every forward call's positions are arange(T) of that call, so a cached decode step (T = 1)
-    embeds its token at position 0."""
-
-    def start(self, batch: Batch) -> torch.Tensor:
-        B, T = batch.ids.shape
-        return torch.arange(T, device=batch.ids.device).expand(B, T)
-
-    def advance(self, positions: torch.Tensor, cached: bool) -> torch.Tensor:
-        B, n = positions.size(0), 1 if cached else positions.size(1) + 1
-        return torch.arange(n, device=positions.device).expand(B, n)
-
-
-class CausalFlagInDecode(MaskRule):
-    """BUG on purpose: SDPA's causal flag for a query block shorter than its keys (a cached decode step). SDPA aligns
-    that mask top-left, so the one decode query attends only to key 0."""
-
-    def adjust(self, T, S, attn_mask, is_causal):
-        return (None, True) if T < S else (attn_mask, is_causal)
-
-
-class RightPadding(Padding):
-    """BUG on purpose: right padding, positions 0..T-1, no padding mask; short rows end in pads, so the logits at
-    [:, -1] are a pad's."""
-
-    def __call__(self, prompts: list[list[int]], device: torch.device | str) -> Batch:
-        lens = left_pad(prompts, device).prompt_lens  # the same checks on the prompts
-        B, T = len(prompts), max(lens)
-        ids = torch.full((B, T), PAD_ID, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-        return Batch(ids.to(device), torch.arange(T).expand(B, T).to(device), None, lens)
-
-
-class NoReset(CacheReuse):
-    """BUG on purpose: caches passed in for a new prompt keep the previous prompt's K/V."""
-
-    def __call__(self, caches: list) -> None:
-        pass
-
-
-class PointerOneShort(StaticCache):
-    """BUG on purpose: the write pointer is left on the last written slot instead of one past it, so the next
-    token's K/V overwrite this one's."""
-
-    def update(self, k, v, positions):
-        k_view, v_view = super().update(k, v, positions)
-        self.length -= 1
-        return k_view, v_view
-
-
-def _pointer_one_short(c: GPTConfig, batch: int, max_len: int, dtype, device) -> StaticCache:
-    return PointerOneShort(batch, c.n_head, max_len, c.head_dim, dtype, device)
-
-
-class StaleCrop(DynamicCache):
-    """BUG on purpose: crop lowers the count but keeps the rejected columns, so attention still reads them."""
-
-    def crop(self, length: int) -> None:
-        self.length = length
-
-
-class AliasedFork(StaticCache):
-    """BUG on purpose: fork returns a cache over the same storage, so one continuation writes into the other."""
-
-    def fork(self) -> StaticCache:
-        twin = StaticCache.__new__(StaticCache)
-        twin.__dict__.update(self.__dict__)  # the same k and v tensors: views, not copies
-        return twin
-
-
-class KeysOnlyReorder(StaticCache):
-    """BUG on purpose: reorder moves the rows of K but not those of V."""
-
-    def reorder(self, index: torch.Tensor) -> None:
-        self.k = self.k.index_select(0, index)
-
-
-class NeighbourSlice(DynamicCache):
-    """BUG on purpose: a hand-off of K/V between tensor-parallel ranks (all-gather every rank's heads, keep this
-    rank's slice) that keeps the next rank's slice, an off-by-one rank offset: each rank caches, and attends with,
-    another rank's heads. In one process the next rank is itself, so nothing changes."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        super().__init__()
-        self.rank, self.size = rank, size
-
-    def update(self, k, v, positions):
-        if self.size > 1:
-            k, v = self._next_rank(k), self._next_rank(v)
-        return super().update(k, v, positions)
-
-    def _next_rank(self, t: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous())
-        return parts[(self.rank + 1) % self.size]  # the correct hand-off keeps parts[self.rank]
-
-
-class RankZeroCrop(DynamicCache):
-    """BUG on purpose: a rollback applied on rank 0 only (the rank that decided it); the other ranks keep the rejected
-    draft columns and attend to them. In one process rank 0 is every rank, so nothing changes."""
-
-    def __init__(self, rank: int) -> None:
-        super().__init__()
-        self.rank = rank
-
-    def crop(self, length: int) -> None:
-        if self.rank == 0:
-            super().crop(length)
-
-
-class HalfScalesReorder(Int8Cache):
-    """BUG on purpose: reorder moves the scales through an fp16 copy, rounding every scale to 11 bits: each value
-    of a reordered row moves by up to 1 part in 2,048, inside the loose bound, off the declared roundtrip."""
-
-    def reorder(self, index: torch.Tensor) -> None:
-        idx = self.check_index(index, self.k_q.size(0), self.k_q.device)
-        self.k_q, self.v_q = self.k_q.index_select(0, idx), self.v_q.index_select(0, idx)
-        for name in ("k_scale", "v_scale"):
-            scale = getattr(self, name)
-            setattr(self, name, scale.half().index_select(0, idx).to(scale.dtype))
-
-
-class RequantisedFork(Int8Cache):
-    """BUG on purpose: fork copies through the dequantised values and quantises them again with fp16 scales (a
-    serialisation path), so the copy's values round twice: a small error, inside the loose bound, off the policy."""
-
-    def fork(self) -> Int8Cache:
-        other = super().fork()
-        n = self.length
-        for q, sc in (("k_q", "k_scale"), ("v_q", "v_scale")):
-            x = dequantize(getattr(self, q)[:, :, :n], getattr(self, sc)[:, :, :n], torch.float16)
-            requant, scale = quantize(x, torch.float16)
-            getattr(other, q)[:, :, :n] = requant
-            getattr(other, sc)[:, :, :n] = scale.to(getattr(other, sc).dtype)
-        return other
-
-
-class EvictsOneMore(SinkCache):
-    """BUG on purpose: eviction keeps a window one token short (an off-by-one in `k > q - W`), so every query loses the
-    oldest position it should still read: inside the loose bound of an eviction policy, off its declaration."""
-
-    def _evict(self, first_query: torch.Tensor) -> None:
-        super()._evict(first_query + 1)
-
-
-class ChunkCausal(MaskRule):
-    """BUG on purpose: SDPA's causal flag for a block of T > 1 queries over past + T keys (a chunk after the first,
-    a block of draft tokens). SDPA aligns it top-left, so the block attends to the first keys, not its own past."""
-
-    def adjust(self, T, S, attn_mask, is_causal):
-        return (None, True) if 1 < T < S else (attn_mask, is_causal)
-
-
-def _layer(cls) -> Callable:
-    """The layer-cache factory (config, batch, max_len, dtype, device) of a buggy subclass."""
-
-    def make(c: GPTConfig, batch: int, max_len: int, dtype, device):
-        if issubclass(cls, DynamicCache):
-            return cls()
-        return cls(batch, c.n_head, max_len, c.head_dim, dtype, device)
-
-    return make
-
-
-def _half_scales_reorder(c: GPTConfig, batch: int, max_len: int, dtype, device) -> Int8Cache:
-    return HalfScalesReorder(batch, c.n_head, max_len, c.head_dim, dtype, device)
-
-
-def _requantised_fork(c: GPTConfig, batch: int, max_len: int, dtype, device) -> Int8Cache:
-    return RequantisedFork(batch, c.n_head, max_len, c.head_dim, dtype, device)
-
-
-def _evicts_one_more(c: GPTConfig, batch: int, max_len: int, dtype, device) -> SinkCache:
-    return EvictsOneMore(sink.DEFAULT_SINK, sink.DEFAULT_WINDOW)
-
-
-def _neighbour_slice(c: GPTConfig, batch: int, max_len: int, dtype, device) -> NeighbourSlice:
-    return NeighbourSlice(c.tp_rank, c.tp_size)
-
-
-def _rank_zero_crop(c: GPTConfig, batch: int, max_len: int, dtype, device) -> RankZeroCrop:
-    return RankZeroCrop(c.tp_rank)
+from kvbench.model.gpt2 import GPT, Block
 
 
 @dataclass(frozen=True)
@@ -474,7 +293,7 @@ FAULTS: dict[str, Fault] = {
         "the prefill (the first token is always right) and every other cache",
         cache="static",
         any_cache=False,
-        layer_cache=_pointer_one_short,
+        layer_cache=pointer_one_short,
         demo=demo_pointer,
     ),
     "stale-rollback": Fault(
@@ -485,7 +304,7 @@ FAULTS: dict[str, Fault] = {
         "crop drops the columns past `length` (or a fixed buffer masks them); the next write lands at `length`",
         "every run that never rolls back: plain generate, and speculative decoding that accepts every draft",
         any_cache=False,
-        layer_cache=_layer(StaleCrop),
+        layer_cache=layer_factory(StaleCrop),
         demo=demo_lifecycle("rollback"),
     ),
     "aliased-fork": Fault(
@@ -497,7 +316,7 @@ FAULTS: dict[str, Fault] = {
         "a prefix reused once, with the original never written again, and every run that never forks",
         cache="static",
         any_cache=False,
-        layer_cache=_layer(AliasedFork),
+        layer_cache=layer_factory(AliasedFork),
         demo=demo_lifecycle("fork"),
     ),
     "reorder-keys-only": Fault(
@@ -509,7 +328,7 @@ FAULTS: dict[str, Fault] = {
         "greedy and sampling without beams, and a reorder that keeps every row in place (index 0..B-1)",
         cache="static",
         any_cache=False,
-        layer_cache=_layer(KeysOnlyReorder),
+        layer_cache=layer_factory(KeysOnlyReorder),
         demo=demo_lifecycle("reorder"),
     ),
     "tp-neighbour-slice": Fault(
@@ -520,7 +339,7 @@ FAULTS: dict[str, Fault] = {
         "keep parts[rank], this rank's own heads [r*H/N, (r+1)*H/N)",
         "one process (tp 1): the next rank is itself, so every single-device check passes",
         any_cache=False,
-        layer_cache=_neighbour_slice,
+        layer_cache=neighbour_slice,
         demo=demo_single,
         tp=True,
     ),
@@ -532,7 +351,7 @@ FAULTS: dict[str, Fault] = {
         "every rank crops its own slice to the same length (the rollback is a collective decision)",
         "one process (tp 1), and every run that never rolls back",
         any_cache=False,
-        layer_cache=_rank_zero_crop,
+        layer_cache=rank_zero_crop,
         demo=demo_lifecycle("rollback"),
         tp=True,
     ),
@@ -546,7 +365,7 @@ FAULTS: dict[str, Fault] = {
         "greedy and sampling without beams, and the loose rows: the error hides under a lossy cache's own bound",
         cache="int8",
         any_cache=False,
-        layer_cache=_half_scales_reorder,
+        layer_cache=half_scales_reorder,
         demo=demo_lifecycle("reorder"),
         policy_only=True,
     ),
@@ -559,7 +378,7 @@ FAULTS: dict[str, Fault] = {
         "every run that never forks, and the loose rows: the drift is smaller than the cache's own error",
         cache="int8",
         any_cache=False,
-        layer_cache=_requantised_fork,
+        layer_cache=requantised_fork,
         demo=demo_lifecycle("fork"),
         policy_only=True,
     ),
@@ -573,7 +392,7 @@ FAULTS: dict[str, Fault] = {
         "any context within S + W tokens (nothing is evicted), and the loose rows: eviction moves logits anyway",
         cache="sink",
         any_cache=False,
-        layer_cache=_evicts_one_more,
+        layer_cache=evicts_one_more,
         demo=demo_eviction,
         fires_past=sink.DEFAULT_SINK + sink.DEFAULT_WINDOW,
         policy_only=True,

@@ -19,6 +19,7 @@ from transformers import GPT2LMHeadModel
 
 from kvbench.caches import get_cache_spec, make_caches
 from kvbench.caches.plugins import missing_lifecycle
+from kvbench.check.gpt2_replay import GPT2Replay
 from kvbench.check.judge import tolerance
 from kvbench.check.subject import NoCache, Run
 from kvbench.decode.generate import EXACT, DecodeRules, GenerationResult, generate
@@ -223,6 +224,10 @@ class GPT2Subject:
 
         return [("generate --draft prompt-lookup", drafted, plain)]
 
+    def replay(self) -> GPT2Replay:
+        """This subject as a replay of a failing row sees it (check/locate.py)."""
+        return GPT2Replay(self)
+
     def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
         caches = fresh_caches(self.gpt, self.cache, 1, 1, self.fault)
         assert caches is not None, f"{self.cache} holds no cache to probe"
@@ -240,7 +245,6 @@ class GPT2Session:
         self.subject, self.caches, self.held = subject, caches, held
         self.gpt = subject.gpt
         self.rules = subject.fault.rules if subject.fault is not None else EXACT
-        self.visible = get_cache_spec(subject.cache).visible
 
     @torch.inference_mode()
     def forward(self, ids: list[list[int]]) -> torch.Tensor:
@@ -248,7 +252,7 @@ class GPT2Session:
         x = torch.tensor(ids, device=device)  # (B, T)
         pos = (self.held + torch.arange(x.size(1), device=device)).expand_as(x)  # (B, T)
         self.held += x.size(1)
-        return self.gpt(x, pos, self.caches, mask_rule=self.rules.mask, visible=self.visible).float().cpu()
+        return self.gpt(x, pos, self.caches, mask_rule=self.rules.mask).float().cpu()
 
     def prepare_rollback(self, most: int) -> None:
         """Nothing to prepare: every design can crop at any length."""

@@ -28,7 +28,7 @@ import torch
 
 from kvbench.check.hf_subject import cache_kwarg, generate_run
 from kvbench.check.judge import CheckRow, Tolerance, allclose_err, first_diff, first_off, tolerance
-from kvbench.check.locate import first_bad
+from kvbench.check.probe import first_bad
 
 
 def make_layer(backend) -> object:

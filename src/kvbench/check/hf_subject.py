@@ -16,6 +16,7 @@ from functools import cached_property, partial
 
 import torch
 
+from kvbench.check.hf_replay import HFReplay
 from kvbench.check.judge import tolerance
 from kvbench.check.subject import NoCache, Run, Unsupported
 from kvbench.hf.caches import HF_CACHES, generate_kwargs, reuse_kwargs
@@ -186,6 +187,10 @@ class HFSubject:
 
     def generation_features(self, check: str) -> list[tuple[str, Callable, Callable]]:
         return generation_features(self, check)
+
+    def replay(self) -> HFReplay:
+        """This subject as a replay of a failing row sees it (check/locate.py)."""
+        return HFReplay(self, forward_inputs)
 
     def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
         obj = self._build(8)

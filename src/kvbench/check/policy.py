@@ -2,8 +2,8 @@
 
 A lossy design declares on its CacheSpec what it stores for each token (`roundtrip`: quantise, then dequantise) and
 which positions a query may still read (`visible`: an eviction policy). The reference is that policy and nothing
-else: `PolicyCache`, which keeps every token it is given, passed through the roundtrip, in order (no scale buffers,
-no slots, no eviction), while the model masks attention by the design's visibility. It is driven through exactly the
+else: `PolicyCache` (check/policy_cache.py), which keeps every token it is given, passed through the roundtrip, in
+order (no scale buffers, no slots, no eviction), and states the design's visibility to the model's mask. It is driven through exactly the
 runs the design is (the same loop, the same session operations: prefill, decode steps, drafts and crops, forks,
 reorders, chunks), so each token's K and V come from the same floats on both sides and land on the same side of every
 rounding boundary: the design must match it at the exact tolerance (check/judge.py), on every check:
@@ -32,223 +32,18 @@ step-matched one's, among all compared): rounding, not a cache bug, and never ju
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from kvbench.caches import CacheSpec, LayerCache, get_cache_spec
-from kvbench.caches.dynamic import DynamicCache
+from kvbench.caches import CacheSpec, get_cache_spec
 from kvbench.check.judge import CheckRow, allclose_err, compare_tokens, first_diff, first_off, skipped, tolerance
 from kvbench.check.lifecycle import LIFECYCLE, NEEDS, SCENARIOS, Trace
-from kvbench.check.locate import first_bad
+from kvbench.check.policy_cache import Log, PolicyCache, Recorded, Recording, Reference, Shadow
 from kvbench.check.subject import Unsupported
-from kvbench.decode.generate import EXACT, DecodeRules
+from kvbench.decode.generate import EXACT
 from kvbench.errors import KVBenchError, one_line
 
 POLICY_CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)
-
-
-class PolicyCache(DynamicCache):
-    """The reference: every token's K and V passed through the design's roundtrip, kept in order, forgotten only when
-    a rollback crops them; nothing evicted (the model masks by the design's visibility)."""
-
-    def __init__(self, roundtrip: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-        super().__init__()
-        self.roundtrip = roundtrip
-
-    def update(self, k, v, positions):
-        if self.roundtrip is not None:
-            k, v = self.roundtrip(k), self.roundtrip(v)
-        return super().update(k, v, positions)
-
-    def fork(self) -> PolicyCache:
-        other = PolicyCache(self.roundtrip)
-        other.__dict__.update({**super().fork().__dict__, "roundtrip": self.roundtrip})
-        return other
-
-
-@dataclass
-class Call:
-    """What one layer's update returned to attention: K and V (B, H, S, Dh) and each slot's position (B, S)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    positions: torch.Tensor
-
-
-@dataclass
-class Log:
-    """Every layer update of a run in call order, while `on` (a lifecycle scenario: its forwards are located)."""
-
-    on: bool = False
-    calls: list[Call] = field(default_factory=list)
-
-
-Visible = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a design's declared visibility (CacheSpec.visible)
-
-
-@dataclass
-class Shadow:
-    """The design's stored K and V held at every layer update to the policy applied to the very same inputs: each
-    layer of the design has a PolicyCache twin fed a copy of what the design is fed (driven through the same crops,
-    forks, reorders and resets), so the two must agree as a copy does, compared by locate's rule (a head's vector
-    within atol + rtol x that head's largest value) at the dtype's epsilon. `first`: the first difference in words,
-    after `when(forward)`; "" while none."""
-
-    visible: Visible | None
-    rtol: float
-    atol: float = 0.0
-    n_layer: int = 0
-    calls: int = 0
-    first: str = ""
-    when: Callable[[int], str] = lambda forward: f"forward {forward + 1}, "
-
-    def start(self, when: Callable[[int], str]) -> None:
-        self.calls, self.first, self.when = 0, "", when
-
-    def compare(self, design: Recorded, twin: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor) -> None:
-        layer, forward = self.calls % self.n_layer, self.calls // self.n_layer
-        self.calls += 1
-        if self.first:
-            return
-        off = _stored_off(design, twin, positions, self.visible, self.rtol, self.atol)
-        if off:
-            self.first = f"{self.when(forward)}layer {layer} {off}"
-
-
-def _stored_off(design: Recorded, twin, positions: torch.Tensor, visible, rtol: float, atol: float) -> str:
-    """How one update's returned K/V depart from the twin's (the policy on the same inputs), or "": a position some
-    query of the call may read that the design no longer holds, a different number of tokens held, or the first
-    row, head and slot whose K or V is not the policy's."""
-    assert design.k is not None and design.v is not None and design.positions is not None, "an update ran"
-    tk, tv = twin  # (B, H, n, Dh): slot c holds column c, position c of an unpadded sequence
-    n = tk.size(2)
-    device = tk.device
-    if design.key_positions is not None:  # it evicts: its slots are positions, matched to the twin's columns
-        pos = design.positions[0].to(device)  # (S,) every row holds the same positions
-        cols = torch.arange(n, device=device)  # (n,)
-        q = positions[0].to(device)  # (T,) this call's queries
-        reads = cols[None, :] <= q[:, None]  # (T, n) causal by position
-        if visible is not None:
-            reads = reads & visible(q[None], cols[None])[0]
-        kept = torch.isin(cols, pos)
-        lost = (reads.any(0) & ~kept).nonzero()
-        if lost.numel():
-            p = int(lost[0, 0])
-            reader = int(q[reads[:, p].nonzero()[0, 0]])
-            return f"no longer holds position {p}, which the query at {reader} may still read"
-        slots = ((pos >= 0) & (pos < n)).nonzero()[:, 0]  # (m,)
-        want = pos.index_select(0, slots)  # the twin's column of each
-    else:  # slot c holds column c
-        held = design.inner.length
-        if held != n:
-            return f"holds {held} tokens, the policy's reference {n}"
-        slots = want = torch.arange(n, device=device)
-    for name, got, ref in (("K", design.k, tk), ("V", design.v, tv)):
-        a = got.to(device).index_select(2, slots).float()  # (B, H, m, Dh)
-        b = ref.index_select(2, want).float()
-        for row in range(a.size(0)):
-            bad = first_bad(a[row], b[row], rtol, atol)
-            if bad is not None:
-                i, head, err, _ = bad
-                slot = int(slots[i])
-                p = int(design.positions[row, slot])
-                where = f"row {row}, " if a.size(0) > 1 else ""
-                return f"{name} differs first at {where}head {head}, slot {slot} (position {p}): |delta| {err:.3g}"
-    return ""
-
-
-class Recorded(LayerCache):
-    """A layer cache that remembers what its last update returned (the K and V attention read) and the positions of
-    its slots; everything else reads through. With a `twin` (the policy's PolicyCache) and its `shadow`, every update
-    is held to the twin fed the same inputs."""
-
-    def __init__(
-        self,
-        inner: LayerCache,
-        log: Log | None = None,
-        twin: PolicyCache | None = None,
-        shadow: Shadow | None = None,
-    ) -> None:  # no counters of its own
-        self.inner = inner
-        self.log = log
-        self.twin, self.shadow = twin, shadow
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None  # (B, S): each returned slot's position
-
-    def update(self, k, v, positions):
-        # the twin first, on copies: what the design does to its inputs cannot reach the policy's
-        twin = None if self.twin is None else self.twin.update(k.clone(), v.clone(), positions.clone())
-        self.k, self.v = self.inner.update(k, v, positions)
-        held = getattr(self.inner, "key_positions", None)
-        if held is None:  # slot c holds column c: this call's positions continue the earlier ones
-            start = positions[:, :1] - (self.k.size(2) - positions.size(1))
-            held = start + torch.arange(self.k.size(2), device=positions.device)[None]
-        self.positions = held.clone()
-        if self.log is not None and self.log.on:
-            self.log.calls.append(Call(self.k.clone(), self.v.clone(), self.positions))
-        if twin is not None and self.shadow is not None:
-            self.shadow.compare(self, twin, positions)
-        return self.k, self.v
-
-    @property
-    def key_positions(self):
-        return getattr(self.inner, "key_positions", None)
-
-    length = property(lambda self: self.inner.length)  # type: ignore[assignment]
-    capacity = property(lambda self: self.inner.capacity)  # type: ignore[assignment]
-    bytes_copied = property(lambda self: self.inner.bytes_copied)  # type: ignore[assignment]
-    nbytes = property(lambda self: self.inner.nbytes)
-
-    def reset(self) -> None:
-        self.inner.reset()
-        if self.twin is not None:
-            self.twin.reset()
-
-    def crop(self, length: int) -> None:
-        self.inner.crop(length)
-        if self.twin is not None:
-            self.twin.crop(length)
-
-    def fork(self) -> Recorded:
-        twin = None if self.twin is None else self.twin.fork()
-        return Recorded(self.inner.fork(), self.log, twin, self.shadow)
-
-    def reorder(self, index: torch.Tensor) -> None:
-        self.inner.reorder(index)
-        if self.twin is not None:
-            self.twin.reorder(index)
-
-
-@dataclass(frozen=True)
-class Reference:
-    """The policy as an injected cache (check/gpt2_subject.py Injection): the correct loop, PolicyCache layers."""
-
-    roundtrip: Callable[[torch.Tensor], torch.Tensor] | None
-    rules: DecodeRules = EXACT
-    log: Log = field(default_factory=Log)
-
-    def layer_cache(self, config, batch: int, max_len: int, dtype, device) -> LayerCache:
-        return Recorded(PolicyCache(self.roundtrip), self.log)
-
-
-@dataclass(frozen=True)
-class Recording:
-    """The design as it runs (its fault too, when one is injected), each layer recorded and held, update by update,
-    to its twin (`shadow`)."""
-
-    design: Callable | None  # the design's own layer factory, or the fault's
-    rules: DecodeRules
-    roundtrip: Callable[[torch.Tensor], torch.Tensor] | None
-    shadow: Shadow
-    log: Log = field(default_factory=Log)
-
-    def layer_cache(self, config, batch: int, max_len: int, dtype, device) -> LayerCache:
-        assert self.design is not None, "a cached design"
-        self.shadow.n_layer = config.n_layer
-        design = self.design(config, batch, max_len, dtype, device)
-        return Recorded(design, self.log, PolicyCache(self.roundtrip), self.shadow)
 
 
 # --- where the K and V first differ ---------------------------------------------------------------------------------
@@ -325,7 +120,7 @@ def _subjects(target, name: str, spec: CacheSpec, fault, compile: str):
     # a stored value is held as a copy is: to the dtype's epsilon of its head's scale
     shadow = Shadow(spec.visible, torch.finfo(target.dtype).eps)
     design_subject = GPT2Subject(target, name, Recording(design, rules, spec.roundtrip, shadow), compile)
-    reference = GPT2Subject(target, name, Reference(spec.roundtrip), "off")
+    reference = GPT2Subject(target, name, Reference(spec.roundtrip, spec.visible), "off")
     exact = tolerance(target.dtype)
     for s in (design_subject, reference):
         s.tol = exact  # the policy is exact: the dtype's own tolerance, no lossy bound
@@ -433,10 +228,10 @@ def _flips(target, prompt, tokens, spec, step_matched, tol) -> str:
         return ""
     gpt = target.gpt
     seq = prompt + tokens[:-1]
-    caches = [Recorded(PolicyCache(spec.roundtrip)) for _ in range(gpt.config.n_layer)]
+    caches = [Recorded(PolicyCache(spec.roundtrip, spec.visible)) for _ in range(gpt.config.n_layer)]
     device = gpt.lm_head.weight.device
     ids = torch.tensor([seq], device=device)
-    gpt(ids, torch.arange(len(seq), device=device)[None], caches, visible=spec.visible)
+    gpt(ids, torch.arange(len(seq), device=device)[None], caches)
     apart = total = 0
     for one, step in zip(caches, step_matched, strict=True):
         for a, b in ((one.k, step.k), (one.v, step.v)):
@@ -451,45 +246,36 @@ def _flips(target, prompt, tokens, spec, step_matched, tol) -> str:
 def _batch(d, r, prompts, short, tol) -> CheckRow:
     shadow = _watch(d, lambda f: f"step {f} of the batch, ")
     got, want = d.generate(prompts, short), r.generate(prompts, short)
-    ok, err = allclose_err(got.logits, want.logits, tol.rtol, tol.atol)
-    same = got.tokens == want.tokens
     lens = ", ".join(str(len(p)) for p in prompts)
-    detail = f"lengths {lens} left-padded together, {short} tokens, vs the policy's" + (
-        "" if same else "; tokens differ"
-    )
-    detail += _stored_words(shadow, shadow.first)
-    row = CheckRow(
-        name="batched",
-        cache=d.cache,
-        passed=ok and same and not shadow.first,
-        max_abs_diff=err,
-        tolerance=tol.words,
-        detail=detail,
-        location=shadow.first,
-    )
-    if not row.passed and not row.location:
-        when = f"the batch after its {short} tokens, "
-        row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible, when)
-    return row
+    words = f"lengths {lens} left-padded together, {short} tokens, vs the policy's"
+    return _judged(d, r, "batched", (got, want), words, shadow, tol, f"the batch after its {short} tokens, ")
 
 
 def _reused(d, r, prompts, short, tol) -> CheckRow:
     shadow = _watch(d, lambda f: f"forward {f + 1} of the two runs (a prompt, then another on the same caches), ")
     (got, words), (want, _) = d.reused(prompts[0], prompts[1], short), r.reused(prompts[0], prompts[1], short)
+    words = f"{words}, {short} tokens, vs the policy's reference reused the same way"
+    return _judged(d, r, "cache_state", (got, want), words, shadow, tol, f"the reused cache after its {short} tokens, ")
+
+
+def _judged(d, r, check: str, runs: tuple, words: str, shadow: Shadow, tol, when: str) -> CheckRow:
+    """The row of one run of the design against the same run of the reference: logits and tokens equal at the
+    exact tolerance, every stored K and V the policy's; located by the caches' last contents when it fails."""
+    got, want = runs
     ok, err = allclose_err(got.logits, want.logits, tol.rtol, tol.atol)
     same = got.tokens == want.tokens
+    if check == "batched" and not same:
+        words += "; tokens differ"
     row = CheckRow(
-        name="cache_state",
+        name=check,
         cache=d.cache,
         passed=ok and same and not shadow.first,
         max_abs_diff=err,
         tolerance=tol.words,
-        detail=f"{words}, {short} tokens, vs the policy's reference reused the same way"
-        + _stored_words(shadow, shadow.first),
+        detail=words + _stored_words(shadow, shadow.first),
         location=shadow.first,
     )
     if not row.passed and not row.location:
-        when = f"the reused cache after its {short} tokens, "
         row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible, when)
     return row
 

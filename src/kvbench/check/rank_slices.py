@@ -22,6 +22,7 @@ class Recording(LayerCache):
 
     def __init__(self, inner: LayerCache) -> None:  # noqa: D107  (no LayerCache counters of its own)
         self.inner = inner
+        self.visible = getattr(inner, "visible", None)  # the design's own policy: the model's mask asks it
         self.steps: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (K, V, length after the update)
         self.given: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # what each update was given
         self.slot_positions: list[torch.Tensor | None] = []  # an evicting design's slot positions after each
@@ -76,10 +77,10 @@ class Recording(LayerCache):
 
 @torch.inference_mode()
 def filled(
-    gpt, make_caches: Callable[[int], list | None], tokens: list[int], prompt_len: int, mask_rule, visible=None
+    gpt, make_caches: Callable[[int], list | None], tokens: list[int], prompt_len: int, mask_rule
 ) -> list[Recording]:
     """Caches of one design filled by `gpt` over `tokens`: the first `prompt_len` in one prefill, then one decode
-    step per token, positions explicit, read through the design's `visible` (an evicting design's policy); what every
+    step per token, positions explicit, read through the design's own `visible` (an evicting design's); what every
     layer's update returned at every step recorded."""
     device = gpt.lm_head.weight.device
     made = make_caches(len(tokens))
@@ -90,7 +91,7 @@ def filled(
     for step in steps:
         ids = torch.tensor([step], device=device)  # (1, T)
         pos = past + torch.arange(len(step), device=device)[None]  # (1, T)
-        gpt(ids, pos, caches, mask_rule=mask_rule, visible=visible)
+        gpt(ids, pos, caches, mask_rule=mask_rule)
         past += len(step)
     return caches
 

@@ -6,12 +6,16 @@ transformers' caches (check/hf_subject.py) implement it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from kvbench.check.judge import Tolerance
+
+if TYPE_CHECKING:
+    from kvbench.check.probe import Probe
 
 
 class Unsupported(Exception):
@@ -131,3 +135,23 @@ class Subject(Protocol):
 
     def missing_lifecycle(self, members: tuple[str, ...]) -> str | None:
         """Why the operations `members` cannot run on this cache (a skip row), or None."""
+
+    def replay(self) -> Replay:
+        """This subject as a replay of a failing row sees it (check/locate.py)."""
+
+
+class Replay(Protocol):
+    """A subject as check/locate.py replays it: what it reruns, what it is held to, and where it is tapped."""
+
+    subject: Any  # the subject the replay reruns: this one, or its eager twin when this one is compiled
+    head: torch.nn.Module  # the output projection its runs sample from (the tokens each call chose)
+    n_layers: int
+    heads: range | None  # the heads (key/value heads) this process holds of the whole model's, None: all of them
+    rank: int | None  # this process's tensor-parallel rank, None in one process
+
+    def forward(self, seq: list[int]) -> dict:
+        """The whole model's no-cache forward over `seq`, recorded: {layer: (K (H, n, Dh), V (H, n, Dh), Y)} fp32,
+        Y each position's attention output per head (n, H, Dh), or (n, 1, C), or None."""
+
+    def taps(self, probe: Probe) -> AbstractContextManager[None]:
+        """While open, every forward call of the subject's runs hands `probe` what attention read and computed."""

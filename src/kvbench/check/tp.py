@@ -143,9 +143,9 @@ def gpt2_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankB
     tokens = s.generate([prompt], new).tokens[0]
     seq = prompt + tokens[:-1]
     mask = s.fault.rules.mask if s.fault is not None else EXACT_MASK
-    got = filled(s.gpt, lambda n: fresh_caches(s.gpt, s.cache, 1, n, s.fault), seq, len(prompt), mask, spec.visible)
+    got = filled(s.gpt, lambda n: fresh_caches(s.gpt, s.cache, 1, n, s.fault), seq, len(prompt), mask)
     whole = s.model.gpt
-    want = filled(whole, lambda n: fresh_caches(whole, s.cache, 1, n), seq, len(prompt), EXACT_MASK, spec.visible)
+    want = filled(whole, lambda n: fresh_caches(whole, s.cache, 1, n), seq, len(prompt), EXACT_MASK)
     heads = rank_heads(whole.config.n_head, tp.rank, tp.world)
     exact = tolerance(whole.lm_head.weight.dtype, tp=tp.world)  # the dtype's, whatever the design's logit bound
     row = _held_as_given(s.cache, got, spec.roundtrip, exact.rtol, exact.atol, tp.rank)

@@ -80,9 +80,10 @@ class _DeviceMask:
     def __init__(self, allowed: torch.Tensor, rule: MaskRule) -> None:
         self.allowed, self.rule = allowed, rule  # (B, 1, 1, L) bool
 
-    def for_keys(self, S: int, key_positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, bool]:
+    def for_keys(self, S: int, cache=None) -> tuple[torch.Tensor | None, bool]:
         assert S == self.allowed.size(-1), f"fixed-shape step got {S} key slots, buffer has {self.allowed.size(-1)}"
-        assert key_positions is None, "the fixed-shape step's buffers are columns: it evicts nothing"
+        assert getattr(cache, "key_positions", None) is None, "the fixed-shape step's buffers are columns: no eviction"
+        assert getattr(cache, "visible", None) is None, "the fixed-shape step's caches read by the causal rule alone"
         return self.rule.adjust(1, S, self.allowed, False)
 
 

@@ -166,7 +166,7 @@ def _decoder(
         rules.reuse(caches)
     if caches is not None and spec.fixed_step:
         return caches, fixed_step.runner_for(model, caches, rules.mask, compile)
-    return caches, functools.partial(model, mask_rule=rules.mask, visible=spec.visible)
+    return caches, functools.partial(model, mask_rule=rules.mask)
 
 
 @torch.inference_mode()

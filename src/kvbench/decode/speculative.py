@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.caches import get_cache_spec, make_caches
+from kvbench.caches import make_caches
 from kvbench.decode.generate import GenerationResult, Sampler, _result, left_pad
 from kvbench.devices import synchronize
 from kvbench.model.gpt2 import GPT
@@ -79,14 +79,14 @@ def lookup(text: list[int], ngram: int, k: int) -> list[int]:
     return []
 
 
-def _verify(model: GPT, caches: list, text: list[int], draft: list[int], visible=None) -> list[int]:
+def _verify(model: GPT, caches: list, text: list[int], draft: list[int]) -> list[int]:
     """One forward over the last produced token and the draft; the tokens kept: the longest draft prefix equal to
     the model's greedy choices, then its own next choice. The rejected draft tokens are cropped from every cache."""
     device = model.lm_head.weight.device
     past = len(text) - 1  # tokens cached: prompt + produced - 1 (the last produced is the next input)
     ids = torch.tensor([[text[-1], *draft]], device=device)  # (1, T), T = 1 + k
     positions = past + torch.arange(ids.size(1), device=device)[None]  # (1, T)
-    logits = model(ids, positions, caches, None, last_only=not draft, visible=visible)[0]  # (T, V)
+    logits = model(ids, positions, caches, None, last_only=not draft)[0]  # (T, V)
     choices = logits.argmax(-1).tolist()  # the greedy choice after each prefix of the draft
     n = 0
     while n < len(draft) and draft[n] == choices[n]:
@@ -141,8 +141,7 @@ def speculative_generate(
 
     synchronize(device)
     t0 = time.perf_counter()
-    visible = get_cache_spec(cache).visible
-    logits = model(batch.ids, batch.positions, caches, None, last_only=True, visible=visible)[:, -1]  # (1, V)
+    logits = model(batch.ids, batch.positions, caches, None, last_only=True)[:, -1]  # (1, V)
     first = int(greedy(logits, None))
     synchronize(device)
     keep([first], time.perf_counter() - t0)
@@ -150,7 +149,7 @@ def speculative_generate(
         synchronize(device)
         t0 = time.perf_counter()
         draft = lookup(text, ngram, min(draft_tokens, max_new_tokens - len(out) - 1))
-        kept = _verify(model, caches, text, draft, visible)
+        kept = _verify(model, caches, text, draft)
         synchronize(device)
         dt = time.perf_counter() - t0
         forward_s.append(dt)

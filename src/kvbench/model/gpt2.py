@@ -29,9 +29,6 @@ class GPTConfig:
     n_embd: int = 768  # residual width C
     layer_norm_epsilon: float = 1e-5  # as in GPT-2's config.json
     name: str = field(default="custom", compare=False)  # preset name or config path, for reports
-    # a tensor-parallel shard's cache config (model/tp.py): which rank of how many holds these heads
-    tp_rank: int = field(default=0, compare=False)
-    tp_size: int = field(default=1, compare=False)
 
     def __post_init__(self) -> None:
         assert self.n_embd % self.n_head == 0, f"n_embd {self.n_embd} not divisible by n_head {self.n_head}"
@@ -92,8 +89,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             # The one line of cache code in attention: store this call's K/V, get back what to attend over.
             k, v = cache.update(k, v, positions)  # (B, H, S, Dh)
-        # a cache that evicts says which positions its slots hold; every other cache's slot c is column c
-        attn_mask, is_causal = mask.for_keys(k.size(2), getattr(cache, "key_positions", None))
+        attn_mask, is_causal = mask.for_keys(k.size(2), cache)  # as this layer's cache states its slots
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)  # (B, H, T, Dh)
         y = y.transpose(1, 2).contiguous().view(B, T, H * Dh)  # (B, T, H * Dh)
         return self.c_proj(y)  # (B, T, C)
@@ -135,23 +131,25 @@ class MaskRule:
 
 EXACT_MASK = MaskRule()
 
-# A cache design's declared visibility (caches/base.py CacheSpec.visible): which key positions each query position
-# may still read, (q_pos (B, T), k_pos (B, S)) -> (B, T, S) bool, applied on top of the causal rule.
+# A layer cache's visibility (caches/base.py LayerCache.visible): which key positions each query position may still
+# read, (q_pos (B, T), k_pos (B, S)) -> (B, T, S) bool on top of the causal rule. A cache without one (None) is read
+# by the causal rule alone.
 Visible = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class AttentionMask:
     """Which key slots each query of this forward call may read, built once per call and shared by all layers.
 
-    Queries are the last T of `n_valid` filled key slots (columns). Query i sits at column n_valid - T + i and may
-    read columns <= its own (the causal rule aligned bottom-right), restricted to real tokens by `padding`
-    (B, n_valid) when given. Columns >= n_valid (a fixed-size buffer's unfilled tail) are never read.
-    - prefill without padding (T == S): SDPA's own causal flag, the fast path;
-    - a decode step over a cache (T == 1) without padding: no mask at all, every cached key is in the past;
-    - anything else (padding, chunked prefill, a fixed-size buffer): an explicit boolean mask (B, 1, T, S).
-    A design that declares `visible` (an eviction policy) has it applied on top, by position: column c of a row holds
-    position c (its padding-counted position when padded); a cache that evicts gives its slots' positions instead
-    (`key_positions`, (B, S)), and then a slot is read when its position is <= the query's and visible to it.
+    One rule: a slot is read when it comes at or before the query (causal), holds a real token, and its position is
+    visible to the query's by the layer cache's own policy (`cache.visible`, None for a cache that reads every
+    token it keeps); a query that may read nothing reads its own slot (never an empty row: such rows are padding's and are
+    never sampled from). Where a slot sits is its column (queries are the last T of `n_valid` filled columns, aligned
+    bottom-right, and column c of a row holds position c, its padding-counted position when padded by `padding`
+    (B, n_valid)); a cache that evicts says which position each slot holds instead (`key_positions`, (B, S), -1 for
+    an unused slot), and then slots and queries are placed by position. Columns >= n_valid (a fixed-size buffer's
+    unfilled tail) are never read.
+    The degenerate case is SDPA's own: no padding, every slot filled, no policy and no eviction gives no mask at all
+    (prefill T == S: the causal flag; a decode step T == 1: every cached key is in the past).
     """
 
     def __init__(
@@ -160,63 +158,57 @@ class AttentionMask:
         n_valid: int,
         padding: torch.Tensor | None,
         rule: MaskRule = EXACT_MASK,
-        visible: Visible | None = None,
         positions: torch.Tensor | None = None,
     ):
         self.T, self.n_valid, self.padding, self.rule = T, n_valid, padding, rule
-        self.visible, self.positions = visible, positions  # positions: this call's queries (B, T)
-        self._built: dict[int, torch.Tensor] = {}
+        self.positions = positions  # this call's queries (B, T)
+        self._built: dict[int, tuple[torch.Tensor | None, bool]] = {}
 
-    def for_keys(self, S: int, key_positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, bool]:
-        """(attn_mask, is_causal) for SDPA over S key slots (`key_positions`: an evicting cache's, (B, S))."""
-        if key_positions is not None:
-            return self.rule.adjust(self.T, S, self._by_position(key_positions), False)
-        return self.rule.adjust(self.T, S, *self._exact(S))
-
-    def _by_position(self, k_pos: torch.Tensor) -> torch.Tensor:
-        assert self.padding is None and self.positions is not None, "an evicting cache takes no left padding"
-        q = self.positions  # (B, T)
-        allowed = (k_pos[:, None, :] <= q[:, :, None]) & (k_pos[:, None, :] >= 0)  # (B, T, S) causal by position
-        if self.visible is not None:
-            allowed = allowed & self.visible(q, k_pos)
-        # as _build: a query that may read nothing reads its own position (never an empty row)
-        allowed = allowed | (~allowed.any(-1, keepdim=True) & (k_pos[:, None, :] == q[:, :, None]))
-        return allowed[:, None]  # (B, 1, T, S)
-
-    def _exact(self, S: int) -> tuple[torch.Tensor | None, bool]:
+    def for_keys(self, S: int, cache=None) -> tuple[torch.Tensor | None, bool]:
+        """(attn_mask, is_causal) for SDPA over S key slots, as `cache` (this layer's, or None) states its slots. Every
+        layer's cache is of one design, so a mask over columns is built once per S and shared."""
+        key_positions = getattr(cache, "key_positions", None)
+        if key_positions is not None:  # an evicting cache's slots: its own, layer by layer
+            assert self.padding is None, "an evicting cache takes no left padding"
+            mask, _ = self._allowed(S, key_positions, cache)
+            return self.rule.adjust(self.T, S, mask, False)
         assert S >= self.n_valid, f"attention got {S} key slots but {self.n_valid} are filled"
-        if self.padding is None and S == self.n_valid and self.visible is None:
-            if self.T == S:
-                return None, self.T > 1
-            if self.T == 1:
-                return None, False
         if S not in self._built:
-            self._built[S] = self._build(S)
-        return self._built[S], False
+            self._built[S] = self._allowed(S, None, cache)
+        return self.rule.adjust(self.T, S, *self._built[S])
 
-    def _build(self, S: int) -> torch.Tensor:
+    def _allowed(self, S: int, key_positions: torch.Tensor | None, cache) -> tuple[torch.Tensor | None, bool]:
+        policy: Visible | None = getattr(cache, "visible", None)  # None: the cache reads by the causal rule alone
+        filled = key_positions is None and self.padding is None and S == self.n_valid
+        if policy is None and filled and self.T in (1, S):  # the degenerate case: SDPA's own causal rule, no mask
+            return None, self.T > 1
+        q_at, k_at, real, k_pos = self._places(S, key_positions)
+        seen = None
+        if policy is not None:
+            assert self.positions is not None, "a cache's visibility needs the queries' positions"
+            seen = policy(self.positions, k_pos)  # (B, T, S)
+        allowed = (k_at[:, None, :] <= q_at[:, :, None]) & real[:, None, :]  # (B, T, S) causal, real tokens
+        if seen is not None:
+            allowed = allowed & seen
+        own = k_at[:, None, :] == q_at[:, :, None]  # (B, T, S) the query's own slot
+        allowed = allowed | (~allowed.any(-1, keepdim=True) & own)
+        return allowed[:, None], False  # (B, 1, T, S)
+
+    def _places(self, S: int, key_positions: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """(q_at (B, T), k_at (B, S), real (B, S), k_pos (B, S)): where each query and slot sits for the causal rule,
+        which slots hold real tokens, and the positions the cache's policy is asked about (B may be 1)."""
+        if key_positions is not None:
+            assert self.positions is not None, "an evicting cache needs the queries' positions"
+            return self.positions, key_positions, key_positions >= 0, key_positions
         device = self.padding.device if self.padding is not None else None
-        cols = torch.arange(S, device=device)  # (S,)
-        q_cols = self.n_valid - self.T + torch.arange(self.T, device=device)  # (T,)
-        allowed = cols[None, :] <= q_cols[:, None]  # (T, S) causal, bottom-right aligned
-        allowed = allowed[None, None]  # (1, 1, T, S)
-        if self.padding is not None:
-            pad = self.padding.bool()  # (B, n_valid)
-            if S > pad.size(1):
-                pad = F.pad(pad, (0, S - pad.size(1)), value=False)  # (B, S)
-            allowed = allowed & pad[:, None, None, :]  # (B, 1, T, S)
-        if self.visible is not None:
-            assert self.positions is not None, "a declared visibility needs the queries' positions"
-            if self.padding is None:
-                k_pos = cols[None, :].expand(self.positions.size(0), S)  # (B, S): column c holds position c
-            else:
-                k_pos = (F.pad(self.padding, (0, max(S - self.padding.size(1), 0))).cumsum(-1) - 1)[:, :S]  # (B, S)
-            allowed = allowed & self.visible(self.positions, k_pos)[:, None]  # (B, 1, T, S)
-        # A query whose row is all False (a left-pad query reading only pads) would give NaN; let it read itself.
-        # Such rows belong to padding and are never sampled from.
-        self_col = cols[None, :] == q_cols[:, None]  # (T, S)
-        allowed = allowed | (~allowed.any(-1, keepdim=True) & self_col[None, None])
-        return allowed
+        cols = torch.arange(S, device=device)[None]  # (1, S)
+        q_cols = self.n_valid - self.T + torch.arange(self.T, device=device)[None]  # (1, T)
+        if self.padding is None:
+            k_pos = cols if self.positions is None else cols.expand(self.positions.size(0), S)  # (B, S)
+            return q_cols, cols, torch.ones_like(cols, dtype=torch.bool), k_pos
+        pad = F.pad(self.padding, (0, max(S - self.padding.size(1), 0)))  # (B, S)
+        k_pos = (pad.cumsum(-1) - 1)[:, :S]  # (B, S) padding-counted positions
+        return q_cols, cols, pad.bool(), k_pos
 
 
 class Transformer(nn.ModuleDict):
@@ -283,7 +275,6 @@ class GPT(nn.Module):
         padding_mask: torch.Tensor | None = None,
         last_only: bool = False,
         mask_rule: MaskRule = EXACT_MASK,
-        visible: Visible | None = None,
     ) -> torch.Tensor:
         """Logits for every input token.
 
@@ -292,15 +283,15 @@ class GPT(nn.Module):
         `idx` (the no-cache path); padding_mask: (B, past + T), 1 for real tokens and 0 for padding, over every
         column the caches hold plus this call's. Returns (B, T, V), or (B, 1, V) for the last token with
         `last_only` (what generation samples from: it skips the vocabulary projection of every other position).
-        mask_rule: what attention hands SDPA from the mask built here (MaskRule; the exact one by default).
-        visible: the cache design's declared visibility (an eviction policy), applied on top of the causal rule.
+        mask_rule: what attention hands SDPA from the mask built here (MaskRule; the exact one by default). Which
+        slots a query may read beyond the causal rule is each layer cache's to say (`AttentionMask`).
         """
         B, T = idx.shape
         assert positions.shape == (B, T), f"positions {tuple(positions.shape)} must match idx {(B, T)}"
         past = caches[0].length if caches is not None else 0
         if padding_mask is not None:
             assert padding_mask.shape == (B, past + T), f"padding_mask {tuple(padding_mask.shape)} != {(B, past + T)}"
-        mask = AttentionMask(T, past + T, padding_mask, mask_rule, visible, positions)
+        mask = AttentionMask(T, past + T, padding_mask, mask_rule, positions)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             x = block(x, positions, None if caches is None else caches[i], mask)

@@ -11,8 +11,9 @@ is written here, as Megatron-LM splits a transformer block over N ranks (rank r 
     wte, wpe, ln_*, ln_f, lm_head   replicated
 
 Two all-reduces per layer; every rank ends each block with the same activations, and so the same logits and the same
-greedy tokens. A rank's cache holds its H/N heads: `cache_config` says so, so every cache design (and plugin) is
-built for them unchanged. The all-reduce adds N partial products in another order than one matmul sums them, so TP
+greedy tokens. A rank's cache holds its H/N heads: the shard's `cache_config` (a `ShardConfig`) says so, and which
+rank of how many it is, so every cache design (and plugin) is built for them unchanged; `place(model)` reads it
+(a whole model is rank 0 of 1). The all-reduce adds N partial products in another order than one matmul sums them, so TP
 is exact to rounding, not bit for bit (check/judge.py states the tolerance).
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -28,7 +30,41 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kvbench.devices import synchronize
-from kvbench.model.gpt2 import GPT, MLP, CausalSelfAttention, Conv1D
+from kvbench.model.gpt2 import GPT, MLP, CausalSelfAttention, Conv1D, GPTConfig
+
+
+@dataclass(frozen=True)
+class Place:
+    """Which rank of how many a model's weights are: a shard's, or a whole model's (rank 0 of 1)."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def heads_split(self) -> bool:
+        return self.world > 1
+
+
+WHOLE = Place()
+
+
+@dataclass
+class ShardConfig(GPTConfig):
+    """A shard's cache config: the heads one rank holds, and which rank of how many it is (a cache design or plugin
+    built for a shard reads `tp_rank` and `tp_size` here)."""
+
+    tp_rank: int = field(default=0, compare=False)
+    tp_size: int = field(default=1, compare=False)
+
+
+def config_place(config: GPTConfig) -> Place:
+    """The rank a cache config was built for: a shard's (`ShardConfig`), else rank 0 of 1."""
+    return Place(config.tp_rank, config.tp_size) if isinstance(config, ShardConfig) else WHOLE
+
+
+def place(model: GPT) -> Place:
+    """Where `model`'s weights sit: the rank of the shard `shard` built, rank 0 of 1 for a whole model."""
+    return config_place(model.cache_config)
 
 
 class Collectives:
@@ -99,7 +135,7 @@ def rank_heads(n_head: int, rank: int, world: int) -> range:
 def shard(model: GPT, rank: int, world: int) -> GPT:
     """Rank `rank`'s slice of `model` (module docstring); `model` itself is left whole. Heads and the MLP width
     must divide by `world` (validate.tp_shape_rules checks it before any rank starts); the shard's `cache_config`
-    holds its heads and says which rank of how many it is."""
+    holds its heads and says which rank of how many it is (`place`)."""
     cfg = model.config
     H, C, Dh = cfg.n_head, cfg.n_embd, cfg.head_dim
     assert H % world == 0 and (4 * C) % world == 0, f"{H} heads, MLP {4 * C} over {world} ranks"
@@ -112,5 +148,7 @@ def shard(model: GPT, rank: int, world: int) -> GPT:
         attn.n_head = len(heads)
         mlp.c_fc = _columns(mlp.c_fc, torch.arange(rank * width, (rank + 1) * width))
         mlp.c_proj = _rows(cast(Conv1D, mlp.c_proj), rank * width, (rank + 1) * width)
-    part.cache_config = dataclasses.replace(cfg, n_head=H // world, n_embd=C // world, tp_rank=rank, tp_size=world)
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    fields.update(n_head=H // world, n_embd=C // world, tp_rank=rank, tp_size=world)
+    part.cache_config = ShardConfig(**fields)
     return part

@@ -1,0 +1,110 @@
+"""Our GPT-2 subject as a replay sees it (check/locate.py): the eager subject to rerun, the whole model as
+reference, the heads this process holds, the forward with K/V recorded, and the taps (a forward pre-hook that hands
+attention a tapping stand-in for its cache, and one on `c_proj` for each head's attention output).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from kvbench.check.probe import Probe
+
+
+def _reads(mask) -> int | None:
+    """The key slots attention reads this call, from the mask the model built (the fixed-shape step's too)."""
+    n = getattr(mask, "n_valid", None)
+    if n is not None:
+        return int(n)
+    allowed = getattr(mask, "allowed", None)  # (B, 1, 1, L)
+    if allowed is None:
+        return None
+    cols = allowed.reshape(-1, allowed.size(-1)).any(0).nonzero()
+    return int(cols.max()) + 1 if cols.numel() else 0
+
+
+class _Tap:
+    """Stands in for one layer's cache (or the fixed-shape step's slot writer) for one attention call: updates it
+    and passes what it returns to the probe."""
+
+    def __init__(self, cache, layer: int, probe: Probe, read: int | None) -> None:
+        self.cache, self.layer, self.probe, self.read = cache, layer, probe, read
+        self.visible = getattr(cache, "visible", None)  # the design's own policy: the model's mask asks it
+
+    def update(self, k, v, positions):
+        k, v = self.cache.update(k, v, positions)
+        self.probe.kv(self.layer, k, v, self.read)
+        return k, v
+
+    @property
+    def key_positions(self):
+        """An evicting design's slot positions (the model masks by them), passed through."""
+        return getattr(self.cache, "key_positions", None)
+
+
+class GPT2Replay:
+    """Our GPT-2 subject as a replay sees it: the eager subject to rerun, the whole model as reference, the heads
+    this process holds."""
+
+    def __init__(self, s) -> None:
+        from kvbench.model.tp import place, rank_heads
+
+        self.subject = s
+        if s.compile != "off":
+            self.subject = copy.copy(s)
+            self.subject.compile = "off"
+        self.runner, self.whole = s.gpt, s.model.gpt
+        at = place(self.runner)
+        self.heads = rank_heads(self.whole.config.n_head, at.rank, at.world) if at.heads_split else None
+        self.rank = at.rank if at.heads_split else None
+        self.head, self.n_layers = self.runner.lm_head, len(self.runner.transformer.h)  # what the run samples from
+
+    @torch.inference_mode()
+    def forward(self, seq: list[int]) -> dict:
+        gpt, cfg = self.whole, self.whole.config
+        H, Dh, C = cfg.n_head, cfg.head_dim, cfg.n_embd
+        got: dict[int, list] = {}
+        hooks = []
+        for i, block in enumerate(gpt.transformer.h):
+
+            def kv(module, args, out, i=i):
+                _, k, v = out[0].split(C, dim=-1)  # (n, C) each
+                got[i] = [t.view(-1, H, Dh).transpose(0, 1).float() for t in (k, v)]  # (H, n, Dh)
+
+            def y(module, args, i=i):
+                got[i].append(args[0][0].view(-1, H, Dh).float())  # (n, H, Dh)
+
+            hooks += [block.attn.c_attn.register_forward_hook(kv), block.attn.c_proj.register_forward_pre_hook(y)]
+        try:
+            device = gpt.lm_head.weight.device
+            ids = torch.tensor([seq], device=device)  # (1, n)
+            gpt(ids, torch.arange(len(seq), device=device)[None])
+        finally:
+            for h in hooks:
+                h.remove()
+        return {i: tuple(t) for i, t in got.items()}
+
+    @contextmanager
+    def taps(self, probe: Probe) -> Iterator[None]:
+        hooks = []
+        for i, block in enumerate(self.runner.transformer.h):
+
+            def cache(module, args, i=i):
+                if i == 0:
+                    probe.next_call()
+                x, positions, c, mask = args
+                return None if c is None else (x, positions, _Tap(c, i, probe, _reads(mask)), mask)
+
+            def y(module, args, i=i):
+                B, T, _ = args[0].shape
+                probe.attn(i, args[0].view(B, T, -1, self.whole.config.head_dim))  # (B, T, h, Dh)
+
+            hooks += [block.attn.register_forward_pre_hook(cache), block.attn.c_proj.register_forward_pre_hook(y)]
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
