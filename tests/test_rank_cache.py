@@ -18,6 +18,7 @@ PLUGINS = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from kvbench.caches.static import StaticCache
+    from kvbench.model.tp import config_place
 
 
     def process_rank():
@@ -32,7 +33,7 @@ PLUGINS = textwrap.dedent(
         """a static cache"""
         def __init__(self, config, batch, max_len, dtype, device):
             super().__init__(batch, config.n_head, max_len, config.head_dim, dtype, device)
-            self.shard_rank = getattr(config, "tp_rank", 0)  # a shard's config says its rank
+            self.shard_rank = config_place(config).rank  # a shard's config says its rank
 
 
     class ShiftAll(Base):

@@ -226,11 +226,12 @@ def _plugin(tmp_path, body: str) -> dict:
             """
             import os, sys, time
             from kvbench.caches.dynamic import DynamicCache
+            from kvbench.model.tp import config_place
 
             class C(DynamicCache):
                 def __init__(self, config, batch, max_len, dtype, device):
                     super().__init__()
-                    self.rank = getattr(config, "tp_rank", 0)
+                    self.rank = config_place(config).rank
 
                 def update(self, k, v, positions):
             """

@@ -293,12 +293,13 @@ def test_ranks_that_would_not_fit_in_memory_are_refused_before_any_rank_starts(t
 SLOW_PLUGIN = """
 import os, time
 from kvbench.caches.dynamic import DynamicCache
+from kvbench.model.tp import config_place
 
 class Slow(DynamicCache):
     '''A dynamic cache that says where it runs (a file named by its pid) and takes its time.'''
     def __init__(self, config, batch, max_len, dtype, device):
         super().__init__()
-        self.rank = getattr(config, "tp_rank", 0)
+        self.rank = config_place(config).rank
 
     def update(self, k, v, positions):
         open(os.path.join(os.environ["MARKS"], f"{self.rank}-{os.getpid()}"), "w").close()
@@ -372,11 +373,12 @@ def test_sigterm_and_sighup_end_a_command_as_ctrl_c_does(tmp_path, command, sig,
 MISBEHAVING = """
 import os, signal, time
 from kvbench.caches.static import StaticCache
+from kvbench.model.tp import config_place
 
 class C(StaticCache):
     def __init__(self, config, batch, max_len, dtype, device):
         super().__init__(batch, config.n_head, max_len, config.head_dim, dtype, device)
-        self.rank, self.calls = getattr(config, "tp_rank", 0), 0
+        self.rank, self.calls = config_place(config).rank, 0
 
     def update(self, k, v, positions):
         self.calls += 1
