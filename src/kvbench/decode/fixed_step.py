@@ -188,7 +188,7 @@ class FixedShapeDecoder:
         self.capacity = L
         self.use_graph = device.type == "cuda" if graph is None else graph
         assert not self.use_graph or device.type == "cuda", f"CUDA graphs need a CUDA device, caches on {device}"
-        # the caller's promise (validate.compile_mode): a known mode, max on the CPU only
+        # the caller's promise (decode.rules.compile_mode): a known mode, max on the CPU only
         assert compile in COMPILE_MODES and (compile != "max" or device.type == "cpu"), (compile, device.type)
         self.compile_mode = compile
         self.compile = compile != "off"

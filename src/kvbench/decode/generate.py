@@ -153,7 +153,7 @@ def _decoder(
     fresh ones for prompt + new tokens) and the forward it calls with `rules.mask`: the model itself, or a design's
     fixed-shape step function (static-graph: compiled, CUDA-graph captured)."""
     spec = get_cache_spec(cache)
-    # the caller's promise (validate.padding_rules): a design that evicts by position takes no left padding
+    # the caller's promise (decode.rules.padding_rule): a design that evicts by position takes no left padding
     assert batch.padding is None or spec.padding, f"cache {cache} takes no left-padded batch"
     if spec.factory is None:
         caches = None

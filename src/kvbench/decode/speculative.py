@@ -110,14 +110,14 @@ def speculative_generate(
 ) -> SpeculativeResult:
     """Greedy prompt-lookup decoding of one prompt through fresh caches of `cache` (module docstring).
     `on_token([id])` is called for each kept token in order, as plain `generate` calls it. The caller has checked
-    the settings (validate.draft_rules): one prompt, a cache that can crop, prompt + new tokens within the context."""
+    the settings (decode.rules.draft_rules): one prompt, a cache that can crop, prompt + new tokens within the context."""
     assert len(prompts) == 1 and draft_tokens >= 1 and ngram >= 1, (len(prompts), draft_tokens, ngram)
     device = model.lm_head.weight.device
     batch = left_pad(prompts, device)
     P = batch.ids.size(1)
     assert 1 <= max_new_tokens and P + max_new_tokens <= model.config.block_size, (P, max_new_tokens)
     caches = make_caches(cache, model.cache_config, 1, P + max_new_tokens, model.lm_head.weight.dtype, device)
-    assert caches is not None, f"{cache} holds no cache to crop (validate.draft_rules)"
+    assert caches is not None, f"{cache} holds no cache to crop (decode.rules.draft_rules)"
     greedy = Sampler()
 
     text = list(prompts[0])  # prompt + every token produced so far
