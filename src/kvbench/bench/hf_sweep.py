@@ -39,8 +39,8 @@ from kvbench.check.hf_subject import HFModel, forward_inputs
 from kvbench.check.judge import tolerance
 from kvbench.hf.caches import HF_CACHES, TIMED, compiles, generate_kwargs, parse_bench_caches
 from kvbench.hf.engine import compiled_decode, timed_generate
-from kvbench.hf.introspect import quiet_transformers
 from kvbench.hf.models import HFShape, LoadedHF
+from kvbench.memory.config import quiet_transformers
 
 TOKEN_REFERENCE = (
     "token_agreement: fraction of a row's generated tokens equal to those of the model's own none "

@@ -17,7 +17,7 @@ import torch
 
 from kvbench.check.judge import allclose_err, tolerance
 from kvbench.errors import KVBenchError, one_line
-from kvbench.hf.introspect import quiet_transformers
+from kvbench.memory.config import quiet_transformers
 
 PROBE_TOKENS, PREFIX = 12, 6
 LOW_PRECISION_SLACK = 4

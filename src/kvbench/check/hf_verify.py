@@ -25,8 +25,9 @@ from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks
 from kvbench.check.tp import RankBytes, hf_tp_rows
 from kvbench.check.verify import verify_report
 from kvbench.hf.caches import HF_CACHES
-from kvbench.hf.introspect import HFModelInfo, quiet_transformers
+from kvbench.hf.introspect import HFModelInfo
 from kvbench.hf.models import LoadedHF
+from kvbench.memory.config import quiet_transformers
 from kvbench.validate import past_context
 
 CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)

@@ -1,20 +1,15 @@
 """What kvbench reads from transformers itself, rather than assumes: a loaded model's facts (`describe`, as
-`HFModelInfo`), the version differences of its generation API (`cache_kwarg`, `returned_cache`), and keeping its
-log messages, progress bars and warnings off the terminal (`quiet_transformers`).
+`HFModelInfo`) and the version differences of its generation API (`cache_kwarg`, `returned_cache`).
 """
 
 from __future__ import annotations
 
 import inspect
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import transformers
-from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 from transformers import DynamicCache, GenerationMixin, cache_utils
-from transformers.utils import logging as tlog
 
 from kvbench.memory.state import RECURRENT_TYPES
 
@@ -99,27 +94,6 @@ class HFModelInfo:
             return "no configured maximum length"
         kind = "learned absolute positions" if self.learned_positions else "no position table"
         return f"context {self.context} ({kind})"
-
-
-@contextmanager
-def quiet_transformers():
-    """transformers' log messages below ERROR, its progress bars, huggingface_hub's download bars and Python
-    warnings off the terminal for the duration; everything restored afterwards."""
-    verbosity, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
-    hub_bars = are_progress_bars_disabled()
-    tlog.set_verbosity_error()
-    tlog.disable_progress_bar()
-    disable_progress_bars()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        tlog.set_verbosity(verbosity)
-        if bars:
-            tlog.enable_progress_bar()
-        if not hub_bars:
-            enable_progress_bars()
 
 
 def cache_kwarg() -> str:

@@ -35,8 +35,8 @@ from transformers.models.auto.modeling_auto import (
 
 from kvbench import devices, files
 from kvbench.errors import KVBenchError, NotEnoughMemoryError, one_line
-from kvbench.hf.introspect import HFModelInfo, describe, quiet_transformers
-from kvbench.memory.config import check_fields
+from kvbench.hf.introspect import HFModelInfo, describe
+from kvbench.memory.config import check_fields, quiet_transformers
 from kvbench.memory.units import fmt_bytes
 from kvbench.model.weights import hub_reachable
 from kvbench.thirdparty import contained, did

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -210,19 +211,28 @@ class Resolved:
 
 
 @contextlib.contextmanager
-def quiet_transformers():
-    """transformers' own warnings and log lines stay off the terminal while it resolves or builds a model."""
+def quiet_transformers() -> Iterator[None]:
+    """transformers' log messages below ERROR, its progress bars, huggingface_hub's download bars and Python
+    warnings off the terminal while it resolves, builds or loads a model; everything restored afterwards."""
     # transformers (and torch) only on the --config path: the planner runs on the standard library
-    from transformers.utils import logging as hf_logging
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as tlog
 
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
+    verbosity, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
+    hub_bars = are_progress_bars_disabled()
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    disable_progress_bars()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        hf_logging.set_verbosity(level)
+        tlog.set_verbosity(verbosity)
+        if bars:
+            tlog.enable_progress_bar()
+        if not hub_bars:
+            enable_progress_bars()
 
 
 def _auto_config(raw: dict[str, Any], path: Path) -> tuple[Any | None, str]:
