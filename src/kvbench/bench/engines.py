@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -35,6 +35,10 @@ from kvbench.devices import synchronize
 from kvbench.hf.caches import HF_CACHES
 from kvbench.hf.engine import ENGINE_CACHES as HF_ENGINE_CACHES
 from kvbench.hf.engine import build_hf_model, compiled_decode, hf_generate
+
+if TYPE_CHECKING:
+    from kvbench.bench.rows import SummaryRow
+    from kvbench.model.gpt2 import GPT
 
 
 @dataclass
@@ -65,6 +69,34 @@ class Configuration(Protocol):
         """Prefill + one decode step through the same code path, eagerly (backends.watch_sdpa)."""
 
 
+class Engine(Protocol):
+    """What the sweep reads of an engine: the ones here, bench/hf_sweep.py's HFModelEngine, and bench/tp.py's
+    RankEngine (one of them as one rank of a tensor-parallel group)."""
+
+    @property
+    def has_floor(self) -> bool: ...
+    @property
+    def failure_ends_sweep(self) -> bool: ...
+    @property
+    def token_reference(self) -> bool: ...
+    @property
+    def reference_label(self) -> str: ...
+
+    def supports(self, cache: str) -> bool: ...
+
+    def configure(self, cache: str, batch: int, max_len: int) -> Configuration: ...
+
+    def weight_bytes(self) -> int: ...
+
+    def describe(self) -> str: ...
+
+    def reference_logits(self, ids: torch.Tensor, ref: list[list[int]], d: int) -> torch.Tensor: ...
+
+    def token_tolerance(self, cache: str, dtype: torch.dtype) -> tuple[float, float, bool]: ...
+
+    def rank_rows(self, conf: Configuration, ids: torch.Tensor, new_tokens: int, row: SummaryRow) -> list | None: ...
+
+
 def weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of a module's parameters and buffers, each storage counted once (tied or shared weights); of a model
     split by transformers' tensor parallelism, this rank's shards (a DTensor's local tensor)."""
@@ -82,7 +114,7 @@ class InOneProcess:
     has_floor = True  # its rows get the bandwidth floor (the device's read bandwidth, measured once)
     failure_ends_sweep = False  # a configuration that raises (oom, a plugin) is a failed row, and the sweep goes on
 
-    def rank_rows(self, conf: Configuration, ids: torch.Tensor, new_tokens: int, row) -> list | None:
+    def rank_rows(self, conf: Configuration, ids: torch.Tensor, new_tokens: int, row: SummaryRow) -> list | None:
         """Every rank's row of a finished configuration (tp.csv); None in one process."""
         return None
 
@@ -91,7 +123,7 @@ class InOneProcess:
 class _KVBenchConfiguration:
     """One cache configuration of our loop: the caches allocated once, reset by `generate` before every run."""
 
-    def __init__(self, model, cache: str, batch: int, max_len: int, compile: str = "off") -> None:
+    def __init__(self, model: GPT, cache: str, batch: int, max_len: int, compile: str = "off") -> None:
         w = model.lm_head.weight
         self.model, self.cache, self.compile = model, cache, compile
         self.caches = make_caches(cache, model.cache_config, batch, max_len, w.dtype, w.device)
@@ -137,7 +169,7 @@ class _KVBenchConfiguration:
 class _OnOurGPT(InOneProcess):
     """Engines on our GPT-2: kvbench's `none` is their token reference, its logits our model's no-cache forward."""
 
-    model: torch.nn.Module
+    model: GPT
     family: str
     reference_label = "kvbench's none"
 
@@ -161,7 +193,7 @@ class KVBenchEngine(_OnOurGPT):
     family = "kvbench"  # rows of a family share a `none` baseline
     token_reference = True  # its `none` rows are every row's token reference
 
-    def __init__(self, model, compile: str = "off") -> None:
+    def __init__(self, model: GPT, compile: str = "off") -> None:
         self.model, self.compile = model, compile  # compile: how a fixed-shape decode step runs (--compile)
 
     @staticmethod
@@ -188,7 +220,7 @@ class KVBenchEngine(_OnOurGPT):
 class _HFConfiguration:
     capture_s = None
 
-    def __init__(self, hf, cache: str, compile: bool) -> None:
+    def __init__(self, hf: Any, cache: str, compile: bool) -> None:
         self.hf, self.cache, self.compile = hf, cache, compile
 
     def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False) -> RunTiming:
@@ -209,7 +241,7 @@ class HFEngine(_OnOurGPT):
     compile = False
     token_reference = False
 
-    def __init__(self, model, hf=None) -> None:
+    def __init__(self, model: GPT, hf: Any = None) -> None:
         self.model = model
         self.hf = hf if hf is not None else build_hf_model(model)
 
@@ -264,16 +296,16 @@ ENGINES: dict[str, type[KVBenchEngine] | type[HFEngine]] = {
 }
 
 
-def build_engines(model, names: list[str], compile: str = "off") -> dict:
+def build_engines(model: GPT, names: list[str], compile: str = "off") -> dict[str, Engine]:
     """The engines named, built once; hf and hf-compiled share one transformers model (and our weights).
     `compile` (--compile) applies to our engine's fixed-shape decode step; transformers' engines keep their own."""
-    engines: dict = {}
+    engines: dict[str, Engine] = {}
     hf = None
     for name in names:
         cls = ENGINES[name]
         if issubclass(cls, HFEngine):
-            engines[name] = cls(model, hf)
-            hf = engines[name].hf
+            engines[name] = built = cls(model, hf)
+            hf = built.hf
         else:
             engines[name] = cls(model, compile)
     return engines

@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from kvbench.bench import floor
 from kvbench.bench.agreement import TokenCheck, check_tokens
 from kvbench.bench.backends import watch_sdpa
-from kvbench.bench.engines import ENGINES, Configuration, RunTiming, build_engines
+from kvbench.bench.engines import ENGINES, Configuration, Engine, RunTiming, build_engines
 from kvbench.bench.profile import profile_run
 from kvbench.bench.rows import ConfigResult, StepRow, SummaryRow
 from kvbench.bench.settings import (
@@ -45,7 +45,10 @@ from kvbench.caches import get_cache_spec
 from kvbench.check.distortion import measure_layers
 from kvbench.devices import memory_in_use, memory_peak, reset_peak_memory
 from kvbench.errors import KVBenchError, is_out_of_memory
-from kvbench.model.gpt2 import GPTConfig
+from kvbench.model.gpt2 import GPT, GPTConfig
+
+if TYPE_CHECKING:
+    from kvbench.bench.hf_sweep import HFBenchConfig, SweepModel
 
 
 def seed_copy_estimate(bytes_per_token: int, n0: int, n1: int) -> float:
@@ -53,7 +56,7 @@ def seed_copy_estimate(bytes_per_token: int, n0: int, n1: int) -> float:
     return bytes_per_token * (n1 * n1 - n0 * n0) / 2
 
 
-def _nan_row(**kw) -> SummaryRow:
+def _nan_row(**kw: object) -> SummaryRow:
     base: dict[str, Any] = {f.name: math.nan for f in fields(SummaryRow) if f.name != "tpot_ms_more"}
     base.update(flips=0, near_tie_flips=0, tokens_note="", sdpa_prefill="", sdpa_decode="", repeats=0)
     base.update(kw)
@@ -96,7 +99,7 @@ def failure_status(e: BaseException) -> str:
 ProgressFn = Callable[[int, int, str], None]  # (runs done, runs total, label of the run just finished)
 
 
-def plan(s: BenchSettings, engines: dict) -> list[tuple[int, int, str, str]]:
+def plan(s: BenchSettings, engines: Mapping[str, Engine]) -> list[tuple[int, int, str, str]]:
     """(prompt_len, batch, engine, cache) in run order: per prompt length and batch size (as given), the reference
     engine's `none` first (every row's token reference: kvbench's, or with --hf the model's own), then per engine
     (as given) its `none` before its caches (as given)."""
@@ -122,13 +125,13 @@ class _Progress:
 
 
 def run_sweep(
-    model,
+    model: GPT | SweepModel,
     s: BenchSettings,
     dtype_name: str,
     device_label: str,
     on_result: Callable[[ConfigResult], None] | None = None,
     on_progress: ProgressFn | None = None,
-    engines: dict | None = None,
+    engines: Mapping[str, Engine] | None = None,
     bandwidth: floor.Bandwidth | None = None,
     oversized: dict[int, str] | None = None,
     profile_dir: Path | None = None,
@@ -139,16 +142,17 @@ def run_sweep(
     profile_dir: with s.profile, where each configuration's trace goes (bench/profile.py). Engines that run as one
     rank of a tensor-parallel sweep (bench/tp.py's RankEngine, on `model`, this rank's shard) have no floor, end
     the sweep when a configuration raises, and give rank 0's results every rank's row (ConfigResult.ranks)."""
-    device = model.lm_head.weight.device
+    device = _head(model).device
     check_fits_context(s, model.config.block_size, model.config.name)
     if engines is None:
+        assert isinstance(model, GPT), "a --hf sweep is given its engines"
         engines = build_engines(model, s.engine, s.compile)
     if bandwidth is None and all(e.has_floor for e in engines.values()):
         bandwidth = floor.measure_bandwidth(device)
     oversized = oversized or {}
     configs = plan(s, engines)
     progress = _Progress(len(configs) * (s.warmup + s.repeats), on_progress)
-    per_token = model.config.kv_bytes_per_token(model.lm_head.weight.element_size())
+    per_token = model.config.kv_bytes_per_token(_head(model).element_size())
     g = torch.Generator().manual_seed(s.seed)
     # one prompt per sequence of the largest batch that runs; a batch of b decodes its first b (the same text)
     rows = max((b for b in s.batch if b not in oversized), default=1)
@@ -183,7 +187,13 @@ def run_sweep(
     return results
 
 
-def _run_group(group: list[_Configuration], order: str, bandwidth, device, emit) -> None:
+class _Emit(Protocol):
+    def __call__(self, c: _Configuration, bw: floor.Bandwidth | None = ...) -> None: ...
+
+
+def _run_group(
+    group: list[_Configuration], order: str, bandwidth: floor.Bandwidth | None, device: torch.device, emit: _Emit
+) -> None:
     """The configurations of one prompt length and batch size, each row emitted when it is complete."""
     if order == "sequential":  # each configuration's runs back to back, its row written when they end
         for c in group:
@@ -193,6 +203,7 @@ def _run_group(group: list[_Configuration], order: str, bandwidth, device, emit)
     # interleaved: cold and warm-up runs back to back, then the timed runs in rounds over the group, so a
     # machine that slows down for a minute slows every row alike; the bandwidth is probed again each round
     # (the floor then moves with the same drift); the rows are written after the last round
+    assert bandwidth is not None, "an interleaved sweep has a floor (rules: not under --tp)"
     probes, rounds = [bandwidth], (group[0].n_runs - group[0].back_to_back) if group else 0
     for c in group:
         c.run(c.back_to_back)
@@ -210,7 +221,16 @@ class _Configuration:
     row. In interleaved order only the back-to-back runs (cold and warm-up) record peak memory: during the rounds
     the other configurations' caches are allocated too."""
 
-    def __init__(self, model, engine, ids, s, progress, common, oversized: str | None = None) -> None:
+    def __init__(
+        self,
+        model: GPT | SweepModel,
+        engine: Engine,
+        ids: torch.Tensor,
+        s: BenchSettings,
+        progress: _Progress,
+        common: dict[str, Any],
+        oversized: str | None = None,
+    ) -> None:
         self.model, self.engine, self.ids, self.s = model, engine, ids, s
         self.progress, self.common, self.batch = progress, common, common["batch"]
         self.label = f"{common['engine']} {common['cache']} prompt {common['prompt_len']}" + (
@@ -260,7 +280,13 @@ class _Configuration:
                 torch.cuda.empty_cache()
             self.progress.advance(self.n_runs - len(self.runs), f"{self.label}: {self.failure}")
 
-    def finish(self, refs, bpt, bandwidth: floor.Bandwidth | None, profile_dir: Path | None = None) -> ConfigResult:
+    def finish(
+        self,
+        refs: dict[tuple[int, int], list[list[int]]],
+        bpt: int,
+        bandwidth: floor.Bandwidth | None,
+        profile_dir: Path | None = None,
+    ) -> ConfigResult:
         model, engine, ids, s, common = self.model, self.engine, self.ids, self.s, self.common
         cache, prompt_len, conf, runs = common["cache"], common["prompt_len"], self.conf, self.runs
         self.conf = None  # the row holds what it needs; the cache goes when this returns
@@ -278,7 +304,7 @@ class _Configuration:
             sdpa = {"prefill": f"unknown ({type(e).__name__})", "decode": ""}
         result = _summarise(common, runs, s, self.peaks, engine.weight_bytes(), conf.capture_s, tokens, sdpa, bpt)
         if bandwidth is not None:  # none under tensor parallelism: a rank's step is not one device's floor
-            add_floor(result, model.config, model.lm_head.weight.dtype, bandwidth, runs[-1].cache_bytes)
+            add_floor(result, model.config, _head(model).dtype, bandwidth, runs[-1].cache_bytes)
         result.bandwidth = bandwidth
         result.ranks = engine.rank_rows(conf, ids, s.new_tokens, result.summary)  # None in one process
         if profile_dir is not None:  # after every timed run: the profiler's overhead is in none of them
@@ -287,7 +313,13 @@ class _Configuration:
         return result
 
 
-def add_floor(result: ConfigResult, cfg, dtype: torch.dtype, bw: floor.Bandwidth, cache_bytes: int | None) -> None:
+def add_floor(
+    result: ConfigResult,
+    cfg: GPTConfig | HFBenchConfig,
+    dtype: torch.dtype,
+    bw: floor.Bandwidth,
+    cache_bytes: int | None,
+) -> None:
     """Fill a completed row's floor_ms, x_floor and step_bytes. The buffer a whole-buffer design attends over
     (static-graph, transformers' StaticCache) is read from the cache the run held: transformers sizes its buffer
     per call, and never smaller than an earlier call's on the same model, so it can exceed prompt + new tokens."""
@@ -307,7 +339,7 @@ def add_floor(result: ConfigResult, cfg, dtype: torch.dtype, bw: floor.Bandwidth
     result.floor_bytes = b
 
 
-def add_distortion(result: ConfigResult, model, ids: torch.Tensor, new_tokens: int) -> None:
+def add_distortion(result: ConfigResult, model: GPT | SweepModel, ids: torch.Tensor, new_tokens: int) -> None:
     """A completed row of a lossy cache on our engine: its cost against the full-precision cache, teacher-forced
     from the same prompt ids, after every timed run (check/distortion.py). A pass that raises leaves the columns
     empty and says why in `distortion_failed`."""
@@ -323,20 +355,37 @@ def add_distortion(result: ConfigResult, model, ids: torch.Tensor, new_tokens: i
     result.distortion = d
 
 
+def _head(model: GPT | SweepModel) -> torch.Tensor:
+    """The output projection's weight: its device and dtype are the run's."""
+    w = model.lm_head.weight
+    assert isinstance(w, torch.Tensor), "lm_head holds a weight tensor"
+    return w
+
+
 def _reserved(device: torch.device) -> float:
     return float(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else math.nan
 
 
-def _check_tokens(model, conf, engine, cache, ids, s, ref, runs) -> TokenCheck:
+def _check_tokens(
+    model: GPT | SweepModel,
+    conf: Configuration,
+    engine: Engine,
+    cache: str,
+    ids: torch.Tensor,
+    s: BenchSettings,
+    ref: list[list[int]] | None,
+    runs: list[RunTiming],
+) -> TokenCheck:
     if ref is None:
         return TokenCheck.missing(f"no reference: {engine.reference_label} did not run at this prompt length")
 
-    def rerun():
+    def rerun() -> tuple[list[list[int]], list[torch.Tensor]]:
         t = conf.run(ids, s.new_tokens, record_logits=True)
+        assert t.logits is not None, "recorded"
         return t.tokens, t.logits
 
     # the rounding a correct path may show at a flip, and whether the cache is lossy
-    rtol, atol, lossy = engine.token_tolerance(cache, model.lm_head.weight.dtype)
+    rtol, atol, lossy = engine.token_tolerance(cache, _head(model).dtype)
     tokens = check_tokens(
         ref,
         [r.tokens for r in runs],
@@ -352,7 +401,17 @@ def _check_tokens(model, conf, engine, cache, ids, s, ref, runs) -> TokenCheck:
     return tokens
 
 
-def _summarise(common, runs, s, peaks, weights, capture_s, tokens: TokenCheck, sdpa, bpt) -> ConfigResult:
+def _summarise(
+    common: dict[str, Any],
+    runs: list[RunTiming],
+    s: BenchSettings,
+    peaks: list[tuple[float, float]],
+    weights: int,
+    capture_s: float | None,
+    tokens: TokenCheck,
+    sdpa: dict[str, str],
+    bpt: int,
+) -> ConfigResult:
     cold, timed = runs[0], runs[s.warmup :]
     totals = [t.total_s for t in timed]
     steps = [x for t in timed for x in t.step_s]

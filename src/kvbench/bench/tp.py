@@ -24,13 +24,21 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from kvbench.devices import synchronize
 from kvbench.rows import CsvRow
+
+if TYPE_CHECKING:
+    from kvbench.bench.engines import Configuration, Engine, RunTiming
+    from kvbench.bench.rows import SummaryRow
+    from kvbench.distributed import Rank
+    from kvbench.hf.models import LoadedHF
+    from kvbench.model.gpt2 import GPTConfig
 
 GLOO_TIMING = (
     "not a speed measurement: gloo on a CPU, where each all-reduce costs about a millisecond of a shared core; these "
@@ -86,8 +94,8 @@ class Ranks:
     split = ""  # how the model is split (meta.json)
     collectives = ""  # how the collectives are timed (meta.json)
 
-    def __init__(self, rank, dtype: torch.dtype) -> None:
-        self.rank = rank  # kvbench.distributed.Rank
+    def __init__(self, rank: Rank, dtype: torch.dtype) -> None:
+        self.rank = rank
         self.dtype = dtype
 
     @property
@@ -108,7 +116,7 @@ class Ranks:
             "rows": "tp.csv: a row per configuration and rank",
         }
 
-    def engines(self, engines: dict) -> dict[str, RankEngine]:
+    def engines(self, engines: Mapping[str, Engine]) -> dict[str, RankEngine]:
         """The sweep's engines, each run as this rank's part of the sweep."""
         return {name: RankEngine(e, self) for name, e in engines.items()}
 
@@ -117,19 +125,19 @@ class Ranks:
         clock starts with every rank ready."""
         import torch.distributed as dist
 
-        synchronize(self.rank.device)
+        synchronize(cast(torch.device, self.rank.device))
         dist.barrier()
 
     def clock(self) -> contextlib.AbstractContextManager[Clock]:
         raise NotImplementedError
 
-    def slots(self, conf, timing) -> int | None:
+    def slots(self, conf: Configuration, timing: RunTiming) -> int | None:
         raise NotImplementedError
 
     def planned(self, cache: str, slots: int) -> int | None:
         raise NotImplementedError
 
-    def measure(self, conf, ids: torch.Tensor, new_tokens: int, row) -> list[RankRow] | None:
+    def measure(self, conf: Configuration, ids: torch.Tensor, new_tokens: int, row: SummaryRow) -> list[RankRow] | None:
         """One more run of the configuration `conf` with the collectives timed; this rank's row beside `row` (its
         summary row); every rank's rows on rank 0, None on the others."""
         from kvbench.distributed import gather
@@ -169,7 +177,7 @@ class GPT2Ranks(Ranks):
         "the device synchronised before and after each"
     )
 
-    def __init__(self, rank, dtype: torch.dtype, config) -> None:
+    def __init__(self, rank: Rank, dtype: torch.dtype, config: GPTConfig) -> None:
         super().__init__(rank, dtype)
         self.config = config  # the whole model's GPTConfig: the planner splits its heads
 
@@ -185,7 +193,7 @@ class GPT2Ranks(Ranks):
             COLLECTIVES.timing = False
             clock.seconds, clock.calls = COLLECTIVES.seconds, COLLECTIVES.calls
 
-    def slots(self, conf, timing) -> int | None:
+    def slots(self, conf: Configuration, timing: RunTiming) -> int | None:
         caches = getattr(conf, "caches", None)
         if not caches:
             return None  # the no-cache path
@@ -215,7 +223,7 @@ class HFRanks(Ranks):
         "the timed span, the device synchronised before and after each"
     )
 
-    def __init__(self, rank, dtype: torch.dtype, loaded, layers: int | None) -> None:
+    def __init__(self, rank: Rank, dtype: torch.dtype, loaded: LoadedHF, layers: int | None) -> None:
         super().__init__(rank, dtype)
         self.loaded, self.layers = loaded, layers
 
@@ -226,8 +234,8 @@ class HFRanks(Ranks):
 
         clock = Clock()
 
-        def timed(fn):
-            def call(*args, **kwargs):
+        def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
                 device = getattr(args[0], "device", None) if args else None
                 if device is not None:
                     synchronize(device)
@@ -253,7 +261,7 @@ class HFRanks(Ranks):
             for where, name, fn in saved:
                 setattr(where, name, fn)
 
-    def slots(self, conf, timing) -> int | None:
+    def slots(self, conf: Configuration, timing: RunTiming) -> int | None:
         return timing.cache_slots
 
     def planned(self, cache: str, slots: int) -> int | None:
@@ -275,16 +283,16 @@ class RankEngine:
     has_floor = False
     failure_ends_sweep = True
 
-    def __init__(self, engine, ranks: Ranks) -> None:
+    def __init__(self, engine: Engine, ranks: Ranks) -> None:
         self.engine, self.ranks = engine, ranks
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
     def configure(self, cache: str, batch: int, max_len: int) -> InStep:
         return InStep(self.engine.configure(cache, batch, max_len), self.ranks)
 
-    def rank_rows(self, conf: InStep, ids: torch.Tensor, new_tokens: int, row) -> list[RankRow] | None:
+    def rank_rows(self, conf: InStep, ids: torch.Tensor, new_tokens: int, row: SummaryRow) -> list[RankRow] | None:
         """After every timed run (the collectives' clock synchronises around each): every rank's row on rank 0."""
         return self.ranks.measure(conf.conf, ids, new_tokens, row)
 
@@ -292,12 +300,12 @@ class RankEngine:
 class InStep:
     """A configuration whose every run starts when every rank is ready: its clock times the run alone."""
 
-    def __init__(self, conf, ranks: Ranks) -> None:
+    def __init__(self, conf: Configuration, ranks: Ranks) -> None:
         self.conf, self.ranks = conf, ranks
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.conf, name)
 
-    def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False):
+    def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False) -> RunTiming:
         self.ranks.in_step()
         return self.conf.run(ids, new_tokens, record_logits=record_logits)

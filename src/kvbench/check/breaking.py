@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from kvbench.distributed import Rank
 from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPT
 from kvbench.model.tp import shard
+
+if TYPE_CHECKING:
+    from kvbench.model.tokenizer import Tokenizer
 
 BREAK_PROMPTS = (
     "The key to fast inference is",
@@ -128,7 +132,7 @@ def break_fault(
     )
 
 
-def break_prompts(tok, vocab: int, prompt: str | None, batch: int, seed: int) -> list[list[int]]:
+def break_prompts(tok: Tokenizer | None, vocab: int, prompt: str | None, batch: int, seed: int) -> list[list[int]]:
     """`batch` prompts of at least two lengths, prompts[0] the one shown: the built-in texts (the first replaced by
     `prompt`) through `tok` when it covers the model's vocabulary, else seeded random ids, shortest first."""
     if tok is None or vocab < tok.eot_id + 1:

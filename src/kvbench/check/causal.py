@@ -13,11 +13,16 @@ run on their own (a speculative-decoding drafter that needs its target's keys an
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from kvbench.check.judge import allclose_err, tolerance
 from kvbench.errors import KVBenchError, one_line
 from kvbench.memory.config import quiet_transformers
+
+if TYPE_CHECKING:
+    from kvbench.hf.models import LoadedHF
 
 PROBE_TOKENS, PREFIX = 12, 6
 LOW_PRECISION_SLACK = 4
@@ -26,7 +31,7 @@ DECODER_FLAGS = {"is_decoder": True, "causal": True, "attn_type": "uni"}
 
 
 @torch.no_grad()
-def refuse_non_causal(loaded) -> None:
+def refuse_non_causal(loaded: LoadedHF) -> None:
     """Raise KVBenchError unless the model's no-cache forward is prefix-consistent (see the module docstring)."""
     model, info = loaded.model, loaded.info
     device = next(model.parameters()).device
@@ -59,7 +64,7 @@ def refuse_non_causal(loaded) -> None:
     )
 
 
-def _hint(model) -> str:
+def _hint(model: Any) -> str:
     """'; its config has is_decoder: false (set it to true to run the model as a decoder)' where a flag says so."""
     cfg = model.config
     off = [(k, v) for k, v in DECODER_FLAGS.items() if hasattr(cfg, k) and getattr(cfg, k) != v]
@@ -70,5 +75,5 @@ def _hint(model) -> str:
     return f"; its config has {has} ({want} runs it as a decoder)"
 
 
-def _json(v) -> str:
+def _json(v: object) -> str:
     return str(v).lower() if isinstance(v, bool) else repr(v) if isinstance(v, str) else str(v)

@@ -24,6 +24,7 @@ from kvbench.check.lifecycle import LIFECYCLE
 from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks
 from kvbench.check.tp import RankBytes, hf_tp_rows
 from kvbench.check.verify import verify_report
+from kvbench.distributed import Rank
 from kvbench.hf.caches import HF_CACHES
 from kvbench.hf.introspect import HFModelInfo
 from kvbench.hf.models import LoadedHF
@@ -41,7 +42,7 @@ def run_hf_verify(
     checks: tuple[str, ...] = CHECKS,
     short_tokens: int = SHORT_TOKENS,
     on_row: Callable[[CheckRow], None] | None = None,
-    tp=None,
+    tp: Rank | None = None,
     shard: LoadedHF | None = None,
     distortion: bool = True,
 ) -> VerifyReport:
@@ -88,7 +89,7 @@ def run_hf_verify(
     return verify_report(rows, target.dtype, prompts, new_tokens, reference, notes, held, costs)
 
 
-def _tp_notes(tp, held) -> list[str]:
+def _tp_notes(tp: Rank | None, held: list[RankBytes]) -> list[str]:
     if tp is None:
         return []
     from kvbench.check.judge import TP_NOTE
@@ -101,7 +102,9 @@ def _tp_notes(tp, held) -> list[str]:
     ]
 
 
-def _notes(loaded: LoadedHF, subjects: list[HFSubject], prompts, new_tokens: int, short_tokens: int) -> list[str]:
+def _notes(
+    loaded: LoadedHF, subjects: list[HFSubject], prompts: list[list[int]], new_tokens: int, short_tokens: int
+) -> list[str]:
     info, longest = loaded.info, max(map(len, prompts)) + new_tokens
     notes = [
         prompts_note(prompts, new_tokens, short_tokens, has_ref=False),

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from kvbench.caches import LayerCache
 from kvbench.check.judge import CheckRow
 from kvbench.check.suite import RANK_CACHE
+
+if TYPE_CHECKING:
+    from kvbench.model.gpt2 import GPT, MaskRule
 
 
 class Recording(LayerCache):
@@ -27,7 +30,7 @@ class Recording(LayerCache):
         self.given: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # what each update was given
         self.slot_positions: list[torch.Tensor | None] = []  # an evicting design's slot positions after each
 
-    def update(self, k, v, positions):
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.given.append((k.detach().clone(), v.detach().clone(), positions.detach().clone()))
         k, v = self.inner.update(k, v, positions)
         self.steps.append((k.detach().clone(), v.detach().clone(), self.inner.length))
@@ -77,7 +80,11 @@ class Recording(LayerCache):
 
 @torch.inference_mode()
 def filled(
-    gpt, make_caches: Callable[[int], list | None], tokens: list[int], prompt_len: int, mask_rule
+    gpt: GPT,
+    make_caches: Callable[[int], list | None],
+    tokens: list[int],
+    prompt_len: int,
+    mask_rule: MaskRule,
 ) -> list[Recording]:
     """Caches of one design filled by `gpt` over `tokens`: the first `prompt_len` in one prefill, then one decode
     step per token, positions explicit, read through the design's own `visible` (an evicting design's); what every
@@ -167,7 +174,9 @@ def compare_slices(
     )
 
 
-def _outside(a: torch.Tensor, b: torch.Tensor, heads: range, n: int, rtol: float, atol: float):
+def _outside(
+    a: torch.Tensor, b: torch.Tensor, heads: range, n: int, rtol: float, atol: float
+) -> tuple[torch.Tensor, tuple[int, int] | None]:
     """|a - b| over the first `n` slots of this rank's (B, h, S, Dh) `a` and the whole model's `heads` of `b`, and
     the first (head, slot) outside (rtol, atol) of that head's scale (None: every value within)."""
     a = a[:, :, :n].float().cpu()  # (B, h, n, Dh)
@@ -191,7 +200,14 @@ class _Step:
 
 
 def compare_steps(
-    cache: str, got: list[Recording], want: list[Recording], heads: range, rtol: float, atol: float, rank: int, **kw
+    cache: str,
+    got: list[Recording],
+    want: list[Recording],
+    heads: range,
+    rtol: float,
+    atol: float,
+    rank: int,
+    **kw: Any,
 ) -> CheckRow:
     """compare_slices at every step both fills took (the prefill, then each decode step): a value wrong for a few
     steps and right again shows, as does one wrong only before the last step."""
@@ -230,7 +246,7 @@ def _heads_text(by_layer: list[range]) -> str:
     return f"heads {spans[0]}" if len(set(spans)) <= 1 else f"heads by layer {', '.join(spans)}"
 
 
-def plain_layer(layer) -> bool:
+def plain_layer(layer: Any) -> bool:
     """Does a transformers cache layer keep its keys and values as plain (B, H, slots, Dh) tensors? (A quantized
     layer keeps its tokens elsewhere, in its own format: fp8's `keys` is an empty placeholder.)"""
     k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
@@ -240,8 +256,9 @@ def plain_layer(layer) -> bool:
 class HeldLayer:
     """One transformers cache layer's keys and values as compare_slices reads a Recording."""
 
-    def __init__(self, layer) -> None:
-        self.k, self.v = layer.keys, layer.values  # (B, H, slots, Dh)
+    def __init__(self, layer: Any) -> None:
+        self.k: torch.Tensor = layer.keys  # (B, H, slots, Dh)
+        self.v: torch.Tensor = layer.values
         held = layer.get_seq_length() if hasattr(layer, "get_seq_length") else self.k.size(2)
         self.length = min(int(held), self.k.size(2))
 

@@ -14,7 +14,7 @@ with the exception, never a traceback.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 from kvbench.check.judge import (
@@ -323,7 +323,9 @@ def run_checks(
     return rows
 
 
-def _subject_rows(s: Subject, checks, prompts, new: int, short: int, model_fails: dict[str, str]):
+def _subject_rows(
+    s: Subject, checks: tuple[str, ...], prompts: list[list[int]], new: int, short: int, model_fails: dict[str, str]
+) -> Iterator[CheckRow]:
     why = s.unavailable()
     if why:
         yield skipped(s.cache, why)

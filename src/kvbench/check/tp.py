@@ -17,7 +17,9 @@ rank that failed says which rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvbench.check.judge import CheckRow, tolerance
 from kvbench.check.rank_slices import (
@@ -30,6 +32,15 @@ from kvbench.check.rank_slices import (
     plain_layer,
 )
 from kvbench.check.suite import RANK_CACHE
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbench.check.gpt2_subject import GPT2Model, GPT2Subject, Injection
+    from kvbench.check.hf_subject import HFSubject
+    from kvbench.distributed import Rank
+    from kvbench.hf.models import LoadedHF
+    from kvbench.model.gpt2 import GPTConfig
 
 
 def merge(per_rank: list[list[CheckRow]]) -> list[CheckRow]:
@@ -88,7 +99,7 @@ IN_STEP: tuple[type[BaseException], ...] = ()
 LOSSY_SLICE_RTOL = 1e-2
 
 
-def planned_rank_bytes(cfg, cache: str, tokens: int, tp: int, dtype) -> int:
+def planned_rank_bytes(cfg: GPTConfig, cache: str, tokens: int, tp: int, dtype: torch.dtype) -> int:
     """What the planner (kvbench.memory) predicts one rank's cache of `cache` holds for one sequence of `tokens`
     tokens split over `tp` ranks: the format the design stores (caches/planned.planner_format), the heads
     formulas.kv_heads_per_gpu gives a rank."""
@@ -118,7 +129,7 @@ class RankBytes:
         return self.measured_bytes == self.planned_bytes
 
 
-def gpt2_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankBytes]:
+def gpt2_rank_cache(s: GPT2Subject, prompt: list[int], new: int, tp: Rank) -> tuple[CheckRow, RankBytes]:
     """`rank_cache` for our GPT-2 (a GPT2Subject running through this rank's shard): the greedy tokens of this
     cache, teacher-forced through the shard's caches and through the whole model's, and what every layer's update
     returned, at every step, held three ways:
@@ -160,7 +171,14 @@ def gpt2_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankB
     return row, RankBytes(tp.rank, s.cache, held, sum(c.nbytes for c in got), planned)
 
 
-def _held_as_given(cache: str, got: list[Recording], roundtrip, rtol: float, atol: float, rank: int) -> CheckRow:
+def _held_as_given(
+    cache: str,
+    got: list[Recording],
+    roundtrip: Callable[[torch.Tensor], torch.Tensor] | None,
+    rtol: float,
+    atol: float,
+    rank: int,
+) -> CheckRow:
     """What each layer's update returned against what it was given: the same inputs replayed into a PolicyCache
     (every token kept, in order, through the design's roundtrip), compared over the tokens the design holds; an
     evicting design's slots are matched by the positions it says they hold (`key_positions`)."""
@@ -189,7 +207,9 @@ def _held_as_given(cache: str, got: list[Recording], roundtrip, rtol: float, ato
     )
 
 
-def _same_in_every_process(cache: str, want: list[Recording], n_head: int, rtol: float, atol: float, tp) -> CheckRow:
+def _same_in_every_process(
+    cache: str, want: list[Recording], n_head: int, rtol: float, atol: float, tp: Rank
+) -> CheckRow:
     """The design on the whole model, this rank's process against the previous rank's, every slot at every step:
     both run the same design over the same tokens, so they hold the same. A design that depends on the process it
     runs in (a plugin that keys off the rank) corrupts this process's shard and its one-process reference alike, and
@@ -215,7 +235,9 @@ def _same_in_every_process(cache: str, want: list[Recording], n_head: int, rtol:
     )
 
 
-def planned_hf_rank_bytes(loaded, tokens: int, tp: int, dtype, between_steps: bool = False) -> int | None:
+def planned_hf_rank_bytes(
+    loaded: LoadedHF, tokens: int, tp: int, dtype: torch.dtype, between_steps: bool = False
+) -> int | None:
     """The planner's bytes for one rank's cache of a Hugging Face model (its config.json resolved as `memory
     --model DIR` resolves it) holding `tokens` tokens, under transformers' tensor-parallel rule (tp = 1: a rank
     that holds every head); None when the source is not a local directory, or when the planner cannot size the
@@ -247,7 +269,7 @@ def planned_hf_rank_bytes(loaded, tokens: int, tp: int, dtype, between_steps: bo
     return bytes_per_sequence(spec, get_kv_format(dtype_name(dtype)), tokens, heads)
 
 
-def hf_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankBytes | None]:
+def hf_rank_cache(s: HFSubject, prompt: list[int], new: int, tp: Rank) -> tuple[CheckRow, RankBytes | None]:
     """`rank_cache` for a Hugging Face model (an HFSubject running through this rank's shard): the cache `generate`
     returns on this rank against the one the whole model's `generate` returns for the same prompt and cache; and
     the bytes this rank's cache holds beside the planner's figure (a dynamic cache: it holds exactly its tokens)."""
@@ -289,7 +311,16 @@ def hf_rank_cache(s, prompt: list[int], new: int, tp) -> tuple[CheckRow, RankByt
 
 
 def tp_rows(
-    target, caches, prompts, new_tokens, checks, short_tokens, on_row, fault, compile, tp
+    target: GPT2Model,
+    caches: list[str],
+    prompts: list[list[int]],
+    new_tokens: int,
+    checks: tuple[str, ...],
+    short_tokens: int,
+    on_row: Callable[[CheckRow], None] | None,
+    fault: Injection | None,
+    compile: str,
+    tp: Rank,
 ) -> tuple[list[CheckRow], list[RankBytes]]:
     """Every check of the suite, and rank_cache, for each cache on this rank's shard of `target`'s model; rank 0
     returns every rank's rows merged, the other ranks their own."""
@@ -317,7 +348,12 @@ def tp_rows(
 
 
 def hf_tp_rows(
-    subjects, rows: list[CheckRow], prompt: list[int], new: int, tp, on_row
+    subjects: list[HFSubject],
+    rows: list[CheckRow],
+    prompt: list[int],
+    new: int,
+    tp: Rank,
+    on_row: Callable[[CheckRow], None] | None,
 ) -> tuple[list[CheckRow], list[RankBytes]]:
     """A Hugging Face model's rows on this rank with rank_cache for each cache that ran, then gathered: rank 0
     returns every rank's rows merged and every rank's cache bytes, the other ranks their own."""
@@ -329,7 +365,7 @@ def hf_tp_rows(
         if s.cached and s.cache in ran:
             measured: list[RankBytes | None] = [None]
 
-            def rank_cache(s=s, measured=measured) -> list[CheckRow]:
+            def rank_cache(s: HFSubject = s, measured: list[RankBytes | None] = measured) -> list[CheckRow]:
                 row, measured[0] = hf_rank_cache(s, prompt, new, tp)
                 return [row]
 

@@ -17,10 +17,10 @@ from kvbench.check.suite import CHECKS, SHORT_TOKENS, prompts_note, run_checks
 from kvbench.check.tp import RankBytes, rank_bytes_notes, tp_rows
 from kvbench.devices import dtype_name
 from kvbench.distributed import Rank
-from kvbench.model.gpt2 import GPT
+from kvbench.model.gpt2 import GPT, GPTConfig
 
 
-def run_bytes(cfg, batch: int, tokens: int, element_size: int, logit_copies: int = 3) -> int:
+def run_bytes(cfg: GPTConfig, batch: int, tokens: int, element_size: int, logit_copies: int = 3) -> int:
     """A rough allowance for running `batch` sequences of `tokens` tokens on our GPT-2 (the same reckoning as
     hf/models.run_bytes): K and V of every layer, twice (a cache and the copy a fork or a concatenation makes), the
     logits of every position (fp32; a check keeps three copies: the cached run's, the no-cache forward's, the
@@ -32,7 +32,13 @@ def run_bytes(cfg, batch: int, tokens: int, element_size: int, logit_copies: int
 
 
 def check_run_fits(
-    cfg, batch: int, tokens: int, dtype: torch.dtype, device: torch.device, what: str = "", logit_copies: int = 3
+    cfg: GPTConfig,
+    batch: int,
+    tokens: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    what: str = "",
+    logit_copies: int = 3,
 ) -> None:
     """Before any weight is loaded: the weights and run_bytes against the memory available now (on the CPU, what
     the kernel can give without swapping), so a run too large is one line and exit 3, not the kernel's OOM killer."""
