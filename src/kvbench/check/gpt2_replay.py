@@ -77,7 +77,8 @@ class GPT2Replay:
         at = place(self.runner)
         self.heads = rank_heads(self.whole.config.n_head, at.rank, at.world) if at.heads_split else None
         self.rank = at.rank if at.heads_split else None
-        self.head, self.n_layers = self.runner.lm_head, len(self.runner.transformer.h)  # what the run samples from
+        self.head: torch.nn.Module = self.runner.lm_head  # what the run samples from
+        self.n_layers = len(self.runner.transformer.h)
 
     @torch.inference_mode()
     def forward(self, seq: list[int]) -> dict:
