@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from kvbench.caches import sink
+from kvbench.caches.base import LayerCache
 from kvbench.caches.dynamic import DynamicCache
 from kvbench.caches.int8 import Int8Cache, dequantize, quantize
 from kvbench.caches.sink import SinkCache
@@ -16,6 +17,9 @@ from kvbench.caches.static import StaticCache
 from kvbench.decode.generate import PAD_ID, Batch, CacheReuse, Padding, Positions, left_pad
 from kvbench.model.gpt2 import GPTConfig, MaskRule
 from kvbench.model.tp import config_place
+
+# a layer cache's factory, as a design's (CacheSpec.factory): (config, batch, max_len, dtype, device)
+LayerFactory = Callable[[GPTConfig, int, int, torch.dtype, torch.device], LayerCache]
 
 
 # --- the buggy rules and the buggy cache ------------------------------------------------------------------------
@@ -36,7 +40,9 @@ class CausalFlagInDecode(MaskRule):
     """BUG on purpose: SDPA's causal flag for a query block shorter than its keys (a cached decode step). SDPA aligns
     that mask top-left, so the one decode query attends only to key 0."""
 
-    def adjust(self, T, S, attn_mask, is_causal):
+    def adjust(
+        self, T: int, S: int, attn_mask: torch.Tensor | None, is_causal: bool
+    ) -> tuple[torch.Tensor | None, bool]:
         return (None, True) if T < S else (attn_mask, is_causal)
 
 
@@ -64,13 +70,13 @@ class PointerOneShort(StaticCache):
     """BUG on purpose: the write pointer is left on the last written slot instead of one past it, so the next
     token's K/V overwrite this one's."""
 
-    def update(self, k, v, positions):
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_view, v_view = super().update(k, v, positions)
         self.length -= 1
         return k_view, v_view
 
 
-def pointer_one_short(c: GPTConfig, batch: int, max_len: int, dtype, device) -> StaticCache:
+def pointer_one_short(c: GPTConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> StaticCache:
     return PointerOneShort(batch, c.n_head, max_len, c.head_dim, dtype, device)
 
 
@@ -106,7 +112,7 @@ class NeighbourSlice(DynamicCache):
         super().__init__()
         self.rank, self.size = rank, size
 
-    def update(self, k, v, positions):
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.size > 1:
             k, v = self._next_rank(k), self._next_rank(v)
         return super().update(k, v, positions)
@@ -171,14 +177,16 @@ class ChunkCausal(MaskRule):
     """BUG on purpose: SDPA's causal flag for a block of T > 1 queries over past + T keys (a chunk after the first,
     a block of draft tokens). SDPA aligns it top-left, so the block attends to the first keys, not its own past."""
 
-    def adjust(self, T, S, attn_mask, is_causal):
+    def adjust(
+        self, T: int, S: int, attn_mask: torch.Tensor | None, is_causal: bool
+    ) -> tuple[torch.Tensor | None, bool]:
         return (None, True) if 1 < T < S else (attn_mask, is_causal)
 
 
-def layer_factory(cls) -> Callable:
+def layer_factory(cls: type[DynamicCache | StaticCache]) -> LayerFactory:
     """The layer-cache factory (config, batch, max_len, dtype, device) of a buggy subclass."""
 
-    def make(c: GPTConfig, batch: int, max_len: int, dtype, device):
+    def make(c: GPTConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> LayerCache:
         if issubclass(cls, DynamicCache):
             return cls()
         return cls(batch, c.n_head, max_len, c.head_dim, dtype, device)
@@ -186,22 +194,22 @@ def layer_factory(cls) -> Callable:
     return make
 
 
-def half_scales_reorder(c: GPTConfig, batch: int, max_len: int, dtype, device) -> Int8Cache:
+def half_scales_reorder(c: GPTConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> Int8Cache:
     return HalfScalesReorder(batch, c.n_head, max_len, c.head_dim, dtype, device)
 
 
-def requantised_fork(c: GPTConfig, batch: int, max_len: int, dtype, device) -> Int8Cache:
+def requantised_fork(c: GPTConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> Int8Cache:
     return RequantisedFork(batch, c.n_head, max_len, c.head_dim, dtype, device)
 
 
-def evicts_one_more(c: GPTConfig, batch: int, max_len: int, dtype, device) -> SinkCache:
+def evicts_one_more(c: GPTConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> SinkCache:
     return EvictsOneMore(sink.DEFAULT_SINK, sink.DEFAULT_WINDOW)
 
 
-def neighbour_slice(c: GPTConfig, batch: int, max_len: int, dtype, device) -> NeighbourSlice:
+def neighbour_slice(c: GPTConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> NeighbourSlice:
     at = config_place(c)
     return NeighbourSlice(at.rank, at.world)
 
 
-def rank_zero_crop(c: GPTConfig, batch: int, max_len: int, dtype, device) -> RankZeroCrop:
+def rank_zero_crop(c: GPTConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> RankZeroCrop:
     return RankZeroCrop(config_place(c).rank)

@@ -34,6 +34,7 @@ from kvbench.check.fault_caches import (
     CausalFlagInDecode,
     ChunkCausal,
     KeysOnlyReorder,
+    LayerFactory,
     NoReset,
     RestartingPositions,
     RightPadding,
@@ -70,7 +71,7 @@ class Fault:
     any_cache: bool = True
     rules: DecodeRules = EXACT  # the loop's rules with the buggy one in
     # (config, batch, max_len, dtype, device) -> a buggy layer cache in place of the design's own; None: the design's
-    layer_cache: Callable | None = None
+    layer_cache: LayerFactory | None = None
     # (model, fault, prompts, new, cache) -> (correct tokens, faulty tokens, dormant shown, signature measured)
     demo: Callable[..., tuple] | None = None
     tp: bool = False  # fires only across tensor-parallel ranks (break --tp 2 or more); in one process it is dormant

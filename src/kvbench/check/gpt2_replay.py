@@ -8,13 +8,30 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any, Protocol, cast
 
 import torch
 
+from kvbench.caches.base import LayerCache
 from kvbench.check.probe import Probe
+from kvbench.model.gpt2 import GPT, Block
 
 
-def _reads(mask) -> int | None:
+class _Whole(Protocol):
+    gpt: GPT  # the whole model
+
+
+class Replayed(Protocol):
+    """What a replay reads of our GPT-2 subject (check/gpt2_subject.py GPT2Subject)."""
+
+    compile: str
+    gpt: GPT  # the model its cached runs go through (a rank's shard, or the whole model)
+
+    @property
+    def model(self) -> _Whole: ...
+
+
+def _reads(mask: object) -> int | None:
     """The key slots attention reads this call, from the mask the model built (the fixed-shape step's too)."""
     n = getattr(mask, "n_valid", None)
     if n is not None:
@@ -30,17 +47,17 @@ class _Tap:
     """Stands in for one layer's cache (or the fixed-shape step's slot writer) for one attention call: updates it
     and passes what it returns to the probe."""
 
-    def __init__(self, cache, layer: int, probe: Probe, read: int | None) -> None:
+    def __init__(self, cache: LayerCache, layer: int, probe: Probe, read: int | None) -> None:
         self.cache, self.layer, self.probe, self.read = cache, layer, probe, read
         self.visible = getattr(cache, "visible", None)  # the design's own policy: the model's mask asks it
 
-    def update(self, k, v, positions):
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.cache.update(k, v, positions)
         self.probe.kv(self.layer, k, v, self.read)
         return k, v
 
     @property
-    def key_positions(self):
+    def key_positions(self) -> torch.Tensor | None:
         """An evicting design's slot positions (the model masks by them), passed through."""
         return getattr(self.cache, "key_positions", None)
 
@@ -49,7 +66,7 @@ class GPT2Replay:
     """Our GPT-2 subject as a replay sees it: the eager subject to rerun, the whole model as reference, the heads
     this process holds."""
 
-    def __init__(self, s) -> None:
+    def __init__(self, s: Replayed) -> None:
         from kvbench.model.tp import place, rank_heads
 
         self.subject = s
@@ -60,7 +77,8 @@ class GPT2Replay:
         at = place(self.runner)
         self.heads = rank_heads(self.whole.config.n_head, at.rank, at.world) if at.heads_split else None
         self.rank = at.rank if at.heads_split else None
-        self.head, self.n_layers = self.runner.lm_head, len(self.runner.transformer.h)  # what the run samples from
+        self.head: torch.nn.Module = self.runner.lm_head  # what the run samples from
+        self.n_layers = len(self.runner.transformer.h)
 
     @torch.inference_mode()
     def forward(self, seq: list[int]) -> dict:
@@ -69,15 +87,16 @@ class GPT2Replay:
         got: dict[int, list] = {}
         hooks = []
         for i, block in enumerate(gpt.transformer.h):
+            attn = cast(Block, block).attn
 
-            def kv(module, args, out, i=i):
+            def kv(module: torch.nn.Module, args: tuple[Any, ...], out: Any, i: int = i) -> None:
                 _, k, v = out[0].split(C, dim=-1)  # (n, C) each
                 got[i] = [t.view(-1, H, Dh).transpose(0, 1).float() for t in (k, v)]  # (H, n, Dh)
 
-            def y(module, args, i=i):
+            def y(module: torch.nn.Module, args: tuple[Any, ...], i: int = i) -> None:
                 got[i].append(args[0][0].view(-1, H, Dh).float())  # (n, H, Dh)
 
-            hooks += [block.attn.c_attn.register_forward_hook(kv), block.attn.c_proj.register_forward_pre_hook(y)]
+            hooks += [attn.c_attn.register_forward_hook(kv), attn.c_proj.register_forward_pre_hook(y)]
         try:
             device = gpt.lm_head.weight.device
             ids = torch.tensor([seq], device=device)  # (1, n)
@@ -91,18 +110,19 @@ class GPT2Replay:
     def taps(self, probe: Probe) -> Iterator[None]:
         hooks = []
         for i, block in enumerate(self.runner.transformer.h):
+            attn = cast(Block, block).attn
 
-            def cache(module, args, i=i):
+            def cache(module: torch.nn.Module, args: tuple[Any, ...], i: int = i) -> tuple[Any, ...] | None:
                 if i == 0:
                     probe.next_call()
                 x, positions, c, mask = args
                 return None if c is None else (x, positions, _Tap(c, i, probe, _reads(mask)), mask)
 
-            def y(module, args, i=i):
+            def y(module: torch.nn.Module, args: tuple[Any, ...], i: int = i) -> None:
                 B, T, _ = args[0].shape
                 probe.attn(i, args[0].view(B, T, -1, self.whole.config.head_dim))  # (B, T, h, Dh)
 
-            hooks += [block.attn.register_forward_pre_hook(cache), block.attn.c_proj.register_forward_pre_hook(y)]
+            hooks += [attn.register_forward_pre_hook(cache), attn.c_proj.register_forward_pre_hook(y)]
         try:
             yield
         finally:

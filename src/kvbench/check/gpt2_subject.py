@@ -18,6 +18,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from kvbench.caches import get_cache_spec, make_caches
+from kvbench.caches.base import LayerCache
 from kvbench.caches.plugins import missing_lifecycle
 from kvbench.check.gpt2_replay import GPT2Replay
 from kvbench.check.judge import tolerance
@@ -25,7 +26,7 @@ from kvbench.check.subject import NoCache, Run
 from kvbench.decode.generate import EXACT, DecodeRules, GenerationResult, generate
 from kvbench.decode.speculative import speculative_generate
 from kvbench.errors import KVBenchError
-from kvbench.model.gpt2 import GPT
+from kvbench.model.gpt2 import GPT, GPTConfig
 from kvbench.model.weights import to_hf_model
 
 REFERENCE = "transformers GPT2LMHeadModel (eager, fp32)"
@@ -39,7 +40,7 @@ class Injection(Protocol):
     def rules(self) -> DecodeRules: ...
 
     @property
-    def layer_cache(self) -> Callable | None: ...
+    def layer_cache(self) -> Callable[[GPTConfig, int, int, torch.dtype, torch.device], LayerCache] | None: ...
 
 
 def fresh_caches(model: GPT, cache: str, batch: int, max_len: int, fault: Injection | None = None) -> list | None:
@@ -84,7 +85,7 @@ def full_logits(model: GPT, prompt: list[int], tokens: list[int]) -> torch.Tenso
     return model(ids, pos)[0].float().cpu()
 
 
-def hf_reference(model: GPT, hf_dir: str | None = None):
+def hf_reference(model: GPT, hf_dir: str | None = None) -> GPT2LMHeadModel:
     """transformers' GPT2LMHeadModel in fp32 with eager attention (matmul + softmax, not SDPA, so it shares no
     attention kernel with us), on our model's device. From `hf_dir` when our weights came from that Hugging Face
     directory (so a bug in our port cannot hide); otherwise our weights copied into it (the inverse port:
@@ -97,7 +98,7 @@ def hf_reference(model: GPT, hf_dir: str | None = None):
 
 
 @torch.inference_mode()
-def hf_logits(hf, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+def hf_logits(hf: GPT2LMHeadModel, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """HF's logits over prompt + tokens[:-1], (T + N - 1, V) fp32 on the CPU."""
     ids = torch.tensor([prompt + tokens[:-1]], device=next(hf.parameters()).device)
     return hf(input_ids=ids, use_cache=False).logits[0].float().cpu()
@@ -128,6 +129,7 @@ class GPT2Model:
     def reference_logits(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
         key = (tuple(prompt), tuple(tokens))
         if key not in self._ref:
+            assert self.hf is not None, "reference logits need the reference model (reference='hf')"
             self._ref[key] = hf_logits(self.hf, prompt, tokens)
         return self._ref[key]
 

@@ -22,16 +22,25 @@ Caches with no reference here (hqq, fp8) keep the loose rows only; the report's 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvbench.check.hf_subject import cache_kwarg, generate_run
+from kvbench.check.hf_subject import HFSubject, cache_kwarg, generate_run
 from kvbench.check.judge import CheckRow, Tolerance, allclose_err, first_diff, first_off, tolerance
 from kvbench.check.probe import first_bad
 
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache, DynamicLayer
 
-def make_layer(backend) -> object:
+    from kvbench.hf.models import CausalLM
+
+# a cache object's builder: the design's, or its policy reference
+Build = Callable[[], "Cache"]
+
+
+def make_layer(backend: Any) -> DynamicLayer:
     """One layer of what transformers' QuantizedLayer attends over, in plain tensors: the stored part (quantised and
     dequantised by `backend`, a QuantizedLayer used only for its functions) and the full-precision residual; a
     transformers DynamicLayer, built at first use so this module imports without transformers' cache classes."""
@@ -49,13 +58,17 @@ def make_layer(backend) -> object:
             rt = lambda x, axis: b._dequantize(b._quantize(x.contiguous(), axis=axis))  # noqa: E731
             return rt(k, b.axis_key), rt(v, b.axis_value)
 
-        def update(self, k, v, *args, **kwargs):
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            k, v = key_states, value_states
             self.seen += k.shape[-2]
             if self.stored is None:  # the prefill: stored quantised, attended at full precision
                 self.lazy_initialization(k, v)
                 self.stored = self._roundtrip(k, v)
                 self.keys, self.values = k[..., :0, :], v[..., :0, :]
                 return k, v
+            assert self.keys is not None and self.values is not None, "set with stored"
             K = torch.cat([self.stored[0], self.keys, k], dim=-2)  # (B, H, S + R + T, Dh)
             V = torch.cat([self.stored[1], self.values, v], dim=-2)
             if self.keys.shape[-2] + k.shape[-2] >= self.backend.residual_length:  # flushed into one block
@@ -83,7 +96,7 @@ def make_layer(backend) -> object:
     return Layer()
 
 
-def _quanto(model) -> tuple[Callable[[], object], Callable[[], object]]:
+def _quanto(model: CausalLM) -> tuple[Build, Build]:
     """(the design, its reference): transformers' QuantizedCache with the quanto backend at its defaults, and a
     Cache of schedule layers over a QuantoQuantizedLayer of the same defaults."""
     from transformers.cache_utils import Cache, QuantizedCache, QuantoQuantizedLayer
@@ -92,20 +105,25 @@ def _quanto(model) -> tuple[Callable[[], object], Callable[[], object]]:
 
     config = text_config(model)
 
-    def design():
+    def design() -> Cache:
         return QuantizedCache(backend="quanto", config=config)
 
-    def reference():
+    def reference() -> Cache:
         return Cache(layers=[make_layer(QuantoQuantizedLayer()) for _ in range(config.num_hidden_layers)])
 
     return design, reference
 
 
 # One registry: transformers' lossy caches that have a policy reference here.
-POLICIES: dict[str, Callable] = {"quantized-quanto": _quanto}
+POLICIES: dict[str, Callable[[CausalLM], tuple[Build, Build]]] = {"quantized-quanto": _quanto}
 
 
-def hf_policy_rows(subjects, prompts: list[list[int]], new: int, on_row=None) -> tuple[list[CheckRow], list[str]]:
+def hf_policy_rows(
+    subjects: Sequence[HFSubject],
+    prompts: list[list[int]],
+    new: int,
+    on_row: Callable[[CheckRow], None] | None = None,
+) -> tuple[list[CheckRow], list[str]]:
     """The policy rows of every lossy cache in `subjects` (HFSubjects) that runs here, and a note for those with no
     reference. Each row is judged at the exact tolerance of the model's dtype."""
     rows: list[CheckRow] = []
@@ -141,22 +159,32 @@ def hf_policy_rows(subjects, prompts: list[list[int]], new: int, on_row=None) ->
     return rows, note
 
 
-def _recorded(cache) -> list[dict]:
+def _recorded(cache: Cache) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """Wrap each layer's `update` of `cache` (a transformers Cache) so the K and V it last returned to attention are
     kept: one dict per layer, its "kv" (K, V), each (B, H, slots, Dh)."""
-    kept: list[dict] = [{} for _ in cache.layers]
+    kept: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in cache.layers]
     for layer, box in zip(cache.layers, kept, strict=True):
 
-        def update(k, v, *args, _update=layer.update, _box=box, **kwargs):
+        def update(
+            k: torch.Tensor,
+            v: torch.Tensor,
+            *args: Any,
+            _update: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layer.update,
+            _box: dict[str, tuple[torch.Tensor, torch.Tensor]] = box,
+            **kwargs: Any,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             K, V = _update(k, v, *args, **kwargs)
             _box["kv"] = (K, V)
             return K, V
 
-        layer.update = update
+        layer.update = update  # type: ignore[method-assign]  # this object's own
     return kept
 
 
-def _where(got: list[dict], want: list[dict], tol: Tolerance, when: str) -> str:
+def _where(
+    got: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+    want: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+    tol: Tolerance, when: str) -> str:
     """The first layer, K or V, row, head and slot whose value the design returned to attention otherwise than the
     reference did, after `when`; else the K/V are the policy's and attention reads them otherwise."""
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -175,7 +203,9 @@ def _where(got: list[dict], want: list[dict], tol: Tolerance, when: str) -> str:
     return f"{when}K/V equal to the policy's; attention reads them otherwise"
 
 
-def _logits(s, design, reference, prompts, new, tol: Tolerance) -> CheckRow:
+def _logits(
+    s: HFSubject, design: Build, reference: Build, prompts: list[list[int]], new: int, tol: Tolerance
+) -> CheckRow:
     got = generate_run(s.loaded, [prompts[0]], new, **{cache_kwarg(): design()})
     want = generate_run(s.loaded, [prompts[0]], new, **{cache_kwarg(): reference()})
     upto = first_diff(want.tokens[0], got.tokens[0])
@@ -198,7 +228,9 @@ def _logits(s, design, reference, prompts, new, tol: Tolerance) -> CheckRow:
 
 
 @torch.inference_mode()
-def _reorder(s, design, reference, prompts, new, tol: Tolerance) -> CheckRow:
+def _reorder(
+    s: HFSubject, design: Build, reference: Build, prompts: list[list[int]], new: int, tol: Tolerance
+) -> CheckRow:
     """Two prompts of one length prefilled (into the quantised states), reorder_cache([1, 0]), one decode step."""
     import transformers
 

@@ -9,13 +9,36 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from kvbench.check.probe import Probe
+from kvbench.hf.caches import HFCache
+from kvbench.hf.models import LoadedHF
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
+
+    from kvbench.hf.models import CausalLM
 
 
-def _attention_modules(model) -> list:
+class _Whole(Protocol):
+    loaded: LoadedHF  # the whole model
+
+
+class Replayed(Protocol):
+    """What a replay reads of a Hugging Face subject (check/hf_subject.py HFSubject)."""
+
+    cache: str
+    spec: HFCache
+    loaded: LoadedHF  # the model its cached runs go through (a rank's shard, or the whole model)
+
+    @property
+    def model(self) -> _Whole: ...
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """transformers' attention modules: they know their layer (`layer_idx`)."""
     return [
         m
@@ -28,7 +51,7 @@ class HFReplay:
     """A Hugging Face subject as a replay sees it: the eager subject to rerun (generate's compile off), the whole
     model as reference, the key/value heads this process holds."""
 
-    def __init__(self, s, forward_inputs: Callable[..., dict]) -> None:
+    def __init__(self, s: Replayed, forward_inputs: Callable[[CausalLM, torch.Tensor], dict[str, torch.Tensor]]) -> None:
         # forward_inputs: the subject's (check/hf_subject.py): the inputs generate gives the forward besides the ids
         from kvbench.hf.caches import HF_CACHES
 
@@ -63,14 +86,16 @@ class HFReplay:
         kv: dict[int, tuple] = {}
         ys: dict[int, torch.Tensor] = {}
 
-        def update(key_states, value_states, layer_idx, *args, **kwargs):
+        def update(
+            key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             kv[layer_idx] = (key_states[0].float(), value_states[0].float())  # (H, n, Dh)
             return key_states, value_states  # the whole sequence's, as the no-cache forward attends
 
         cache = DynamicCache(config=text_config(model))
         cache.update = update  # type: ignore[method-assign]  # this object records the forward's K/V, caches nothing
 
-        def y(module, args, out):
+        def y(module: Any, args: tuple[Any, ...], out: Any) -> None:  # a transformers attention module
             ys[module.layer_idx] = (out[0] if isinstance(out, tuple) else out)[0, :, None].float()  # (n, 1, C)
 
         hooks = [m.register_forward_hook(y) for m in _attention_modules(model)]
@@ -96,14 +121,14 @@ class HFReplay:
 
         tap, tapped = _Tap(probe), []
 
-        def give(module, args, kwargs):  # each cache object the model is given updates through the tap meanwhile
+        def give(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:  # each cache object the model is given updates through the tap meanwhile
             for name in {cache_kwarg(), "past_key_values"}:
                 cache = kwargs.get(name)
                 if isinstance(cache, Cache) and not isinstance(cache.__dict__.get("update"), _TappedUpdate):
-                    cache.update = _TappedUpdate(cache, tap)
+                    cache.update = _TappedUpdate(cache, tap)  # type: ignore[method-assign]  # this object's own
                     tapped.append(cache)
 
-        def y(module, args, out):
+        def y(module: Any, args: tuple[Any, ...], out: Any) -> None:  # a transformers attention module
             t = out[0] if isinstance(out, tuple) else out  # (B, T, C)
             probe.attn(module.layer_idx, t[:, :, None], per_head=False)
 
@@ -128,7 +153,7 @@ class _Tap:
         self.probe: Probe | None = probe
         self.last: int | None = None
 
-    def saw(self, cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def saw(self, cache: Cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.probe is None:
             return
         if self.last is None or layer_idx <= self.last:
@@ -142,10 +167,12 @@ class _TappedUpdate:
     """A transformers cache object's `update` while a replay taps it: its class's own update, what that returns
     handed to the probe. A fork (`copy.deepcopy`, as transformers users fork) gets its own, over the copy."""
 
-    def __init__(self, cache, tap: _Tap) -> None:
+    def __init__(self, cache: Cache, tap: _Tap) -> None:
         self.cache, self.tap = cache, tap
 
-    def __call__(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def __call__(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = type(self.cache).update(self.cache, key_states, value_states, layer_idx, *args, **kwargs)
         self.tap.saw(self.cache, layer_idx, k, v)
         return k, v

@@ -13,6 +13,7 @@ import copy
 import inspect
 from collections.abc import Callable
 from functools import cached_property, partial
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -24,11 +25,16 @@ from kvbench.hf.introspect import cache_kwarg, measured_no_cache, returned_cache
 from kvbench.hf.known import known_defect
 from kvbench.hf.models import LoadedHF
 
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
+
+    from kvbench.hf.models import CausalLM
+
 NO_CACHE_SOURCE = "generate(use_cache=False)"
 
 
 @torch.no_grad()  # as generate itself runs: a cache it returns can be reset() and reused by the caller
-def generate_run(loaded: LoadedHF, prompts: list[list[int]], new: int, **kwargs) -> Run:
+def generate_run(loaded: LoadedHF, prompts: list[list[int]], new: int, **kwargs: Any) -> Run:
     """Greedy `generate` of exactly `new` tokens for `prompts`, left-padded with an attention mask."""
     model = loaded.model
     device = next(model.parameters()).device
@@ -54,7 +60,7 @@ def generate_run(loaded: LoadedHF, prompts: list[list[int]], new: int, **kwargs)
     return Run(out.sequences[:, T:].tolist(), logits, layers, cache)
 
 
-def forward_inputs(model, ids: torch.Tensor, start: int = 0) -> dict:
+def forward_inputs(model: CausalLM, ids: torch.Tensor, start: int = 0) -> dict[str, torch.Tensor]:
     """The inputs `generate` gives the model's forward for unpadded `ids` (B, T) written after `start` tokens:
     position ids start..start+T-1 where the forward takes them (generate derives them from the attention mask; a
     model's own default may differ: RoBERTa-family decoders count from padding_idx + 1), otherwise none."""
@@ -171,7 +177,7 @@ class HFSubject:
             self.cache_layers = res.cache_layers
         return res
 
-    def _build(self, max_len: int):
+    def _build(self, max_len: int) -> Cache:
         assert self.spec.build is not None, f"{self.cache} builds no cache object"
         return self.spec.build(self.loaded.model, max_len)
 
@@ -221,14 +227,14 @@ def cache_unsupported(loaded: LoadedHF) -> str | None:
 HF_MEMBER = {"crop": "crop", "reorder": "reorder_cache"}
 
 
-def crop_to(cache, length: int, held: int) -> None:
+def crop_to(cache: Cache, length: int, held: int) -> None:
     """`Cache.crop` to `length` tokens: transformers 5.2x takes the tokens to remove as a negative number, earlier
     releases the length to keep."""
     name = next(iter(inspect.signature(cache.crop).parameters))
     cache.crop(length - held if name == "tokens_to_remove" else length)
 
 
-def _recording_state(layer) -> bool:
+def _recording_state(layer: object) -> bool:
     """A linear-attention (recurrent) layer recording its past (transformers 5.25+): it can be cropped only by as
     many tokens as it recorded in the last forward."""
     return bool(getattr(layer, "record_past", False)) and hasattr(layer, "recurrent_states")
@@ -239,7 +245,7 @@ class HFSession:
     places each call after what the cache holds and builds its own causal mask and positions (releases whose forward
     takes `cache_position` are given it)."""
 
-    def __init__(self, loaded: LoadedHF, cache, held: int = 0) -> None:
+    def __init__(self, loaded: LoadedHF, cache: Cache, held: int = 0) -> None:
         self.loaded, self.cache, self.held = loaded, cache, held
         self.device = next(loaded.model.parameters()).device
 
@@ -287,15 +293,15 @@ class HFSession:
         return HFSession(self.loaded, copy.deepcopy(self.cache), self.held)
 
     def reorder(self, index: list[int]) -> None:
-        self.cache.reorder_cache(torch.tensor(index, device=self.device))
+        self.cache.reorder_cache(cast(torch.LongTensor, torch.tensor(index, device=self.device)))
 
 
-def _greedy(loaded: LoadedHF, prompt: list[int], new: int, **kwargs) -> list[int]:
+def _greedy(loaded: LoadedHF, prompt: list[int], new: int, **kwargs: Any) -> list[int]:
     return generate_run(loaded, [prompt], new, **kwargs).tokens[0]
 
 
 @torch.no_grad()
-def _beams(loaded: LoadedHF, prompt: list[int], new: int, **kwargs) -> list[int]:
+def _beams(loaded: LoadedHF, prompt: list[int], new: int, **kwargs: Any) -> list[int]:
     ids = torch.tensor([prompt], device=next(loaded.model.parameters()).device)
     out = loaded.model.generate(
         input_ids=ids,

@@ -31,23 +31,44 @@ step-matched one's, among all compared): rounding, not a cache bug, and never ju
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvbench.caches import CacheSpec, get_cache_spec
-from kvbench.check.judge import CheckRow, allclose_err, compare_tokens, first_diff, first_off, skipped, tolerance
+from kvbench.check.judge import (
+    CheckRow,
+    Tolerance,
+    allclose_err,
+    compare_tokens,
+    first_diff,
+    first_off,
+    skipped,
+    tolerance,
+)
 from kvbench.check.lifecycle import LIFECYCLE, NEEDS, SCENARIOS, Trace
-from kvbench.check.policy_cache import Log, PolicyCache, Recorded, Recording, Reference, Shadow
-from kvbench.check.subject import Unsupported
+from kvbench.check.policy_cache import Call, Log, PolicyCache, Recorded, Recording, Reference, Shadow
+from kvbench.check.subject import Run, Unsupported
 from kvbench.decode.generate import EXACT
 from kvbench.errors import KVBenchError, one_line
+from kvbench.model.gpt2 import Visible
+
+if TYPE_CHECKING:
+    from kvbench.check.gpt2_subject import GPT2Model, GPT2Subject, Injection
 
 POLICY_CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)
 
 
 # --- where the K and V first differ ---------------------------------------------------------------------------------
-def locate(got: list, want: list, rtol: float, atol: float, visible=None, when: str = "") -> str:
+def locate(
+    got: Sequence[Recorded | Call],
+    want: Sequence[Recorded | Call],
+    rtol: float,
+    atol: float,
+    visible: Visible | None = None,
+    when: str = "",
+) -> str:
     """Where the design first holds its K or V otherwise than the reference does, in words, after `when` (the step
     or the moment whose caches these are): a position the last query may still read (the design's `visible`) that
     it no longer holds, or the first layer, tensor, head and slot whose value differs (slots matched by position: the
@@ -58,10 +79,18 @@ def locate(got: list, want: list, rtol: float, atol: float, visible=None, when: 
 EQUAL = "K/V equal to the policy's; attention reads them otherwise (its mask or positions)"
 
 
-def _where(got: list, want: list, rtol: float, atol: float, visible, first_layer: int = 0) -> str:
+def _where(
+    got: Sequence[Recorded | Call],
+    want: Sequence[Recorded | Call],
+    rtol: float,
+    atol: float,
+    visible: Visible | None,
+    first_layer: int = 0,
+) -> str:
     for i, (g, w) in enumerate(zip(got, want, strict=True), start=first_layer):
         if g.k is None or w.k is None:
             continue
+        assert g.v is not None and w.v is not None and g.positions is not None and w.positions is not None, "ran"
         held = [int(p) for p in g.positions[0].tolist()]
         kept = [int(p) for p in w.positions[0].tolist()]
         if visible is not None and held:
@@ -88,14 +117,14 @@ def _where(got: list, want: list, rtol: float, atol: float, visible, first_layer
 
 # --- the rows -----------------------------------------------------------------------------------------------------------
 def policy_rows(
-    target,
+    target: GPT2Model,
     caches: list[str],
-    prompts,
+    prompts: list[list[int]],
     new: int,
     short: int,
-    fault=None,
+    fault: Injection | None = None,
     compile: str = "off",
-    on_row=None,
+    on_row: Callable[[CheckRow], None] | None = None,
     checks: tuple[str, ...] = POLICY_CHECKS,
 ) -> list[CheckRow]:
     """Each of `checks` in POLICY_CHECKS for each cache in `caches` that declares a policy, against the reference."""
@@ -112,7 +141,9 @@ def policy_rows(
     return rows
 
 
-def _subjects(target, name: str, spec: CacheSpec, fault, compile: str):
+def _subjects(
+    target: GPT2Model, name: str, spec: CacheSpec, fault: Injection | None, compile: str
+) -> tuple[GPT2Subject, GPT2Subject]:
     from kvbench.check.gpt2_subject import GPT2Subject
 
     rules = fault.rules if fault is not None else EXACT
@@ -127,12 +158,22 @@ def _subjects(target, name: str, spec: CacheSpec, fault, compile: str):
     return design_subject, reference
 
 
-def _rows_of(target, name, spec, prompts, new, short, fault, compile, wanted) -> list[CheckRow]:
+def _rows_of(
+    target: GPT2Model,
+    name: str,
+    spec: CacheSpec,
+    prompts: list[list[int]],
+    new: int,
+    short: int,
+    fault: Injection | None,
+    compile: str,
+    wanted: tuple[str, ...],
+) -> list[CheckRow]:
     d, r = _subjects(target, name, spec, fault, compile)
     tol = d.tol
     rows: list[CheckRow] = []
 
-    def guarded(checks: tuple[str, ...], fn) -> None:
+    def guarded(checks: tuple[str, ...], fn: Callable[[], list[CheckRow]]) -> None:
         if not set(checks) & set(wanted):
             return
         try:
@@ -156,15 +197,28 @@ def _rows_of(target, name, spec, prompts, new, short, fault, compile, wanted) ->
         if missing:
             rows.append(skipped(name, missing, check))
             continue
-        guarded((check,), lambda check=check: [_scenario(d, r, check, prompts, short, tol)])
+
+        def scenario(check: str = check) -> list[CheckRow]:
+            return [_scenario(d, r, check, prompts, short, tol)]
+
+        guarded((check,), scenario)
     return rows
 
 
-def _generated(d, r, target, prompt, new, tol, spec) -> list[CheckRow]:
+def _generated(
+    d: GPT2Subject,
+    r: GPT2Subject,
+    target: GPT2Model,
+    prompt: list[int],
+    new: int,
+    tol: Tolerance,
+    spec: CacheSpec,
+) -> list[CheckRow]:
     shadow = _watch(d, lambda f: f"step {f}{' (prefill)' if f == 0 else ''}, ")
     got, want = d.generate([prompt], new), r.generate([prompt], new)
     stored = shadow.first  # before any replay
     w_caches = r.last_caches  # the full run's, before any replay
+    assert w_caches is not None, "a cached run"
     upto = first_diff(want.tokens[0], got.tokens[0])
     n = len(got.tokens[0]) if upto is None else upto + 1
     ok, err = allclose_err(got.logits[0, :n], want.logits[0, :n], tol.rtol, tol.atol)
@@ -178,6 +232,7 @@ def _generated(d, r, target, prompt, new, tol, spec) -> list[CheckRow]:
         step = first if first is not None else upto
         assert step is not None
         d.generate([prompt], step + 1), r.generate([prompt], step + 1)
+        assert d.last_caches is not None and r.last_caches is not None, "cached runs"
         where = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, spec.visible, f"step {step}, ")
     logits = CheckRow(
         name="logits",
@@ -206,9 +261,10 @@ def _generated(d, r, target, prompt, new, tol, spec) -> list[CheckRow]:
     return [logits, greedy]
 
 
-def _watch(d, when: Callable[[int], str]) -> Shadow:
+def _watch(d: GPT2Subject, when: Callable[[int], str]) -> Shadow:
     """The design's shadow (its Recording's), started for the run about to go: `when` names a forward."""
-    shadow: Shadow = d.fault.shadow
+    assert isinstance(d.fault, Recording), "the design's subject (_subjects)"
+    shadow = d.fault.shadow
     shadow.start(when)
     return shadow
 
@@ -221,7 +277,14 @@ def _stored_words(shadow: Shadow, stored: str) -> str:
 
 
 @torch.inference_mode()
-def _flips(target, prompt, tokens, spec, step_matched, tol) -> str:
+def _flips(
+    target: GPT2Model,
+    prompt: list[int],
+    tokens: list[int],
+    spec: CacheSpec,
+    step_matched: Sequence[Recorded],
+    tol: Tolerance,
+) -> str:
     """The one-forward reference (every token's K and V from one forward over the whole sequence, the policy
     applied inside) against the step-matched one: how many stored values land a rounding step apart."""
     if spec.roundtrip is None:
@@ -243,7 +306,7 @@ def _flips(target, prompt, tokens, spec, step_matched, tol) -> str:
     return f"; one no-cache forward with the policy inside: {apart:,} of {total:,} stored values differ (rounding flips and their drift)"
 
 
-def _batch(d, r, prompts, short, tol) -> CheckRow:
+def _batch(d: GPT2Subject, r: GPT2Subject, prompts: list[list[int]], short: int, tol: Tolerance) -> CheckRow:
     shadow = _watch(d, lambda f: f"step {f} of the batch, ")
     got, want = d.generate(prompts, short), r.generate(prompts, short)
     lens = ", ".join(str(len(p)) for p in prompts)
@@ -251,14 +314,23 @@ def _batch(d, r, prompts, short, tol) -> CheckRow:
     return _judged(d, r, "batched", (got, want), words, shadow, tol, f"the batch after its {short} tokens, ")
 
 
-def _reused(d, r, prompts, short, tol) -> CheckRow:
+def _reused(d: GPT2Subject, r: GPT2Subject, prompts: list[list[int]], short: int, tol: Tolerance) -> CheckRow:
     shadow = _watch(d, lambda f: f"forward {f + 1} of the two runs (a prompt, then another on the same caches), ")
     (got, words), (want, _) = d.reused(prompts[0], prompts[1], short), r.reused(prompts[0], prompts[1], short)
     words = f"{words}, {short} tokens, vs the policy's reference reused the same way"
     return _judged(d, r, "cache_state", (got, want), words, shadow, tol, f"the reused cache after its {short} tokens, ")
 
 
-def _judged(d, r, check: str, runs: tuple, words: str, shadow: Shadow, tol, when: str) -> CheckRow:
+def _judged(
+    d: GPT2Subject,
+    r: GPT2Subject,
+    check: str,
+    runs: tuple[Run, Run],
+    words: str,
+    shadow: Shadow,
+    tol: Tolerance,
+    when: str,
+) -> CheckRow:
     """The row of one run of the design against the same run of the reference: logits and tokens equal at the
     exact tolerance, every stored K and V the policy's; located by the caches' last contents when it fails."""
     got, want = runs
@@ -276,11 +348,15 @@ def _judged(d, r, check: str, runs: tuple, words: str, shadow: Shadow, tol, when
         location=shadow.first,
     )
     if not row.passed and not row.location:
+        assert d.last_caches is not None and r.last_caches is not None, "cached runs"
         row.location = locate(d.last_caches, r.last_caches, tol.rtol, tol.atol, get_cache_spec(d.cache).visible, when)
     return row
 
 
-def _scenario(d, r, check, prompts, short, tol) -> CheckRow:
+def _scenario(
+    d: GPT2Subject, r: GPT2Subject, check: str, prompts: list[list[int]], short: int, tol: Tolerance
+) -> CheckRow:
+    assert isinstance(d.fault, Recording) and isinstance(r.fault, Reference), "the policy's subjects (_subjects)"
     logs = d.fault.log, r.fault.log  # the Recording and the Reference (_subjects)
     shadow = _watch(d, lambda f: f"forward {f + 1} of the {check} scenario, ")
     for log in logs:
@@ -318,7 +394,7 @@ def _scenario(d, r, check, prompts, short, tol) -> CheckRow:
     return row
 
 
-def _forward(logs: tuple[Log, Log], check: str, n_layer: int, tol, visible) -> str:
+def _forward(logs: tuple[Log, Log], check: str, n_layer: int, tol: Tolerance, visible: Visible | None) -> str:
     """The first forward of a scenario, and in it the first layer, whose K or V the design returned otherwise than
     the reference did (the two ran the same operations, so their layer updates pair in call order)."""
     got, want = logs[0].calls, logs[1].calls

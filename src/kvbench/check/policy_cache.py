@@ -17,7 +17,7 @@ from kvbench.caches import LayerCache
 from kvbench.caches.dynamic import DynamicCache
 from kvbench.check.probe import first_bad
 from kvbench.decode.generate import EXACT, DecodeRules
-from kvbench.model.gpt2 import Visible
+from kvbench.model.gpt2 import GPTConfig, Visible
 
 
 class PolicyCache(DynamicCache):
@@ -30,7 +30,7 @@ class PolicyCache(DynamicCache):
         super().__init__()
         self.roundtrip, self.visible = roundtrip, visible
 
-    def update(self, k, v, positions):
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.roundtrip is not None:
             k, v = self.roundtrip(k), self.roundtrip(v)
         return super().update(k, v, positions)
@@ -87,7 +87,14 @@ class Shadow:
             self.first = f"{self.when(forward)}layer {layer} {off}"
 
 
-def _stored_off(design: Recorded, twin, positions: torch.Tensor, visible, rtol: float, atol: float) -> str:
+def _stored_off(
+    design: Recorded,
+    twin: tuple[torch.Tensor, torch.Tensor],
+    positions: torch.Tensor,
+    visible: Visible | None,
+    rtol: float,
+    atol: float,
+) -> str:
     """How one update's returned K/V depart from the twin's (the policy on the same inputs), or "": a position some
     query of the call may read that the design no longer holds, a different number of tokens held, or the first
     row, head and slot whose K or V is not the policy's."""
@@ -149,7 +156,7 @@ class Recorded(LayerCache):
         self.v: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None  # (B, S): each returned slot's position
 
-    def update(self, k, v, positions):
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # the twin first, on copies: what the design does to its inputs cannot reach the policy's
         twin = None if self.twin is None else self.twin.update(k.clone(), v.clone(), positions.clone())
         self.k, self.v = self.inner.update(k, v, positions)
@@ -165,7 +172,7 @@ class Recorded(LayerCache):
         return self.k, self.v
 
     @property
-    def key_positions(self):
+    def key_positions(self) -> torch.Tensor | None:
         return getattr(self.inner, "key_positions", None)
 
     length = property(lambda self: self.inner.length)  # type: ignore[assignment]
@@ -202,7 +209,9 @@ class Reference:
     rules: DecodeRules = EXACT
     log: Log = field(default_factory=Log)
 
-    def layer_cache(self, config, batch: int, max_len: int, dtype, device) -> LayerCache:
+    def layer_cache(
+        self, config: GPTConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> LayerCache:
         return Recorded(PolicyCache(self.roundtrip, self.visible), self.log)
 
 
@@ -211,13 +220,17 @@ class Recording:
     """The design as it runs (its fault too, when one is injected), each layer recorded and held, update by update,
     to its twin (`shadow`)."""
 
-    design: Callable | None  # the design's own layer factory, or the fault's
+    design: (
+        Callable[[GPTConfig, int, int, torch.dtype, torch.device], LayerCache] | None
+    )  # the design's own, or the fault's
     rules: DecodeRules
     roundtrip: Callable[[torch.Tensor], torch.Tensor] | None
     shadow: Shadow
     log: Log = field(default_factory=Log)
 
-    def layer_cache(self, config, batch: int, max_len: int, dtype, device) -> LayerCache:
+    def layer_cache(
+        self, config: GPTConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> LayerCache:
         assert self.design is not None, "a cached design"
         self.shadow.n_layer = config.n_layer
         design = self.design(config, batch, max_len, dtype, device)
