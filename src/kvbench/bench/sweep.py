@@ -346,6 +346,7 @@ def add_distortion(result: ConfigResult, model: GPT | SweepModel, ids: torch.Ten
     r = result.summary
     if r.status != "ok" or r.engine != "kvbench" or get_cache_spec(r.cache).exact:
         return
+    assert isinstance(model, GPT), "only our engine's rows are measured"
     try:
         d = measure_layers(model, r.cache, ids.tolist(), new_tokens)
     except Exception as e:  # oom, or a plugin that raised: the timed row stands

@@ -20,15 +20,15 @@ class DynamicCache(LayerCache):
         self.k: torch.Tensor | None = None  # (B, H, length, Dh)
         self.v: torch.Tensor | None = None
 
-    def update(self, k, v, positions):
-        if self.k is None:
-            self.k, self.v = k, v  # first write: nothing cached, nothing copied
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None or self.v is None:
+            K, V = k, v  # first write: nothing cached, nothing copied
         else:
             self.bytes_copied += self.k.nbytes + self.v.nbytes
-            self.k = torch.cat([self.k, k], dim=2)  # (B, H, length + T, Dh): new tensor, history copied
-            self.v = torch.cat([self.v, v], dim=2)
-        self.length = self.k.size(2)
-        return self.k, self.v
+            K = torch.cat([self.k, k], dim=2)  # (B, H, length + T, Dh): new tensor, history copied
+            V = torch.cat([self.v, v], dim=2)
+        self.k, self.v, self.length = K, V, K.size(2)
+        return K, V
 
     def reset(self) -> None:
         super().reset()

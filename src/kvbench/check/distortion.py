@@ -23,15 +23,20 @@ distributions are. On real weights they are the numbers users quote.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvbench.caches import make_caches
 from kvbench.caches.base import cache_nbytes
 from kvbench.errors import one_line
+
+if TYPE_CHECKING:
+    from kvbench.caches.base import LayerCache
+    from kvbench.check.subject import Subject
+    from kvbench.model.gpt2 import GPT
 
 REFERENCE_CACHE = "static"  # our GPT-2's full-precision path
 HF_REFERENCE_CACHE = "dynamic"  # a Hugging Face model's
@@ -60,7 +65,7 @@ class CachePath:
     eviction design holds fewer columns than the positions it has seen). Only the last token's logits are computed
     (a long prompt's rows would not fit a large batch)."""
 
-    def __init__(self, model, caches: list, held: int = 0) -> None:
+    def __init__(self, model: GPT, caches: list[LayerCache], held: int = 0) -> None:
         self.model, self.caches, self.position = model, caches, held
 
     @torch.inference_mode()
@@ -204,7 +209,7 @@ def summarise(
 
 
 # --- verify: a subject's session against the full-precision one ---------------------------------------------------
-def session_bytes(session) -> int | None:
+def session_bytes(session: object) -> int | None:
     """The bytes a session's caches hold: our layer caches; None for transformers' (a quantized layer keeps its
     packed tensors inside its backend)."""
     caches = getattr(session, "caches", None)
@@ -212,7 +217,12 @@ def session_bytes(session) -> int | None:
 
 
 def measure_subjects(
-    subjects: list, reference, prompt: list[int], new: int, random: bool, notes: list[str] | None = None
+    subjects: Sequence[Subject],
+    reference: Subject,
+    prompt: list[int],
+    new: int,
+    random: bool,
+    notes: list[str] | None = None,
 ) -> dict[str, dict]:
     """Each lossy subject (a check Subject whose tolerance is lossy and that can run here) against `reference`, the
     same model with a full-precision cache, teacher-forced over `prompt` and `new` steps: {cache: Distortion as a
@@ -237,7 +247,7 @@ def measure_subjects(
 
 # --- bench: our GPT-2 over layer caches ---------------------------------------------------------------------------
 def measure_layers(
-    model,
+    model: GPT,
     cache: str,
     first: list[list[int]],
     new: int,

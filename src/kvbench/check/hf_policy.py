@@ -169,7 +169,7 @@ def _recorded(cache: Cache) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]
             k: torch.Tensor,
             v: torch.Tensor,
             *args: Any,
-            _update: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layer.update,
+            _update: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layer.update,  # type: ignore[union-attr]
             _box: dict[str, tuple[torch.Tensor, torch.Tensor]] = box,
             **kwargs: Any,
         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,14 +177,16 @@ def _recorded(cache: Cache) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]
             _box["kv"] = (K, V)
             return K, V
 
-        layer.update = update  # type: ignore[method-assign]  # this object's own
+        layer.update = update  # type: ignore[method-assign,union-attr]  # this object's own
     return kept
 
 
 def _where(
     got: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
     want: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
-    tol: Tolerance, when: str) -> str:
+    tol: Tolerance,
+    when: str,
+) -> str:
     """The first layer, K or V, row, head and slot whose value the design returned to attention otherwise than the
     reference did, after `when`; else the K/V are the policy's and attention reads them otherwise."""
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -238,14 +240,14 @@ def _reorder(
     device = next(model.parameters()).device
     T = min(len(prompts[0]), len(prompts[1]))
     ids = torch.tensor([prompts[0][:T], prompts[1][:T]], device=device)  # (2, T)
-    swap = torch.tensor([1, 0], device=device)
+    swap = torch.tensor([1, 0], device=device)  # (2,) a LongTensor
     step = ids[:, -1:].index_select(0, swap)  # (2, 1): each row's own last token, in the new order
     logits, kept = [], []
     for make in (design, reference):
         cache = make()
         model(input_ids=ids, use_cache=True, **{cache_kwarg(): cache})
         kept.append(_recorded(cache))  # the decode step's K/V, after the reorder
-        cache.reorder_cache(swap)
+        cache.reorder_cache(swap)  # type: ignore[arg-type]  # typed LongTensor, a tensor's dtype at run time
         pos = torch.full((2, 1), T, device=device)
         out = model(input_ids=step, use_cache=True, position_ids=pos, **{cache_kwarg(): cache})
         logits.append(out.logits[:, -1].float().cpu())  # (2, V)

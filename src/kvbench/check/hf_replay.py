@@ -51,7 +51,9 @@ class HFReplay:
     """A Hugging Face subject as a replay sees it: the eager subject to rerun (generate's compile off), the whole
     model as reference, the key/value heads this process holds."""
 
-    def __init__(self, s: Replayed, forward_inputs: Callable[[CausalLM, torch.Tensor], dict[str, torch.Tensor]]) -> None:
+    def __init__(
+        self, s: Replayed, forward_inputs: Callable[[CausalLM, torch.Tensor], dict[str, torch.Tensor]]
+    ) -> None:
         # forward_inputs: the subject's (check/hf_subject.py): the inputs generate gives the forward besides the ids
         from kvbench.hf.caches import HF_CACHES
 
@@ -121,7 +123,9 @@ class HFReplay:
 
         tap, tapped = _Tap(probe), []
 
-        def give(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:  # each cache object the model is given updates through the tap meanwhile
+        def give(
+            module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> None:  # each cache object the model is given updates through the tap meanwhile
             for name in {cache_kwarg(), "past_key_values"}:
                 cache = kwargs.get(name)
                 if isinstance(cache, Cache) and not isinstance(cache.__dict__.get("update"), _TappedUpdate):

@@ -41,13 +41,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
 from kvbench.check.judge import TOLERANCES, CheckRow
 from kvbench.check.lifecycle import LIFECYCLE, SCENARIOS
 from kvbench.check.probe import Call, Found, Probe, Reference, ordinal
-from kvbench.check.subject import Replay, Run
+from kvbench.check.subject import Replay, Run, Session, Subject
 
 SINGLE = ("logits", "greedy", "reference")  # the checks that share the single-prompt run
 EVERY_RANK = " (on every rank)"  # ends the detail of a row whose run raised on every tensor-parallel rank (suite.py)
@@ -76,11 +77,11 @@ class _Noted:
     crop, fork and reorder applied to each row's sequence, and the call in words. The calls made before a run
     raised stay noted."""
 
-    def __init__(self, s, check: str) -> None:
+    def __init__(self, s: Subject, check: str) -> None:
         self._s, self.check = s, check
         self.calls: list[Call] = []
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._s, name)
 
     def open(self, batch: int, max_len: int) -> _NotedSession:
@@ -88,7 +89,7 @@ class _Noted:
 
 
 class _NotedSession:
-    def __init__(self, noted: _Noted, inner, whose: str, rows: list[list[int]]) -> None:
+    def __init__(self, noted: _Noted, inner: Session, whose: str, rows: list[list[int]]) -> None:
         self.noted, self.inner, self.whose, self.rows = noted, inner, whose, rows
         self.op, self.since = "", 0
 
@@ -125,14 +126,14 @@ class _NotedSession:
 
 
 # --- locating ----------------------------------------------------------------------------------------------------
-def _kv_tolerance(s) -> tuple[float, float]:
+def _kv_tolerance(s: Subject) -> tuple[float, float]:
     """(rtol, atol) for K/V and attention outputs: the row's own; a lossy path's rtol with the dtype's atol."""
     if not s.tol.lossy:
         return s.tol.rtol, s.tol.atol
     return s.tol.rtol, TOLERANCES[s.model.dtype][1]
 
 
-def _replay(s, side, calls: Sequence[Call | None], run: Callable[[], object]) -> str | None:
+def _replay(s: Subject, side: Replay, calls: Sequence[Call | None], run: Callable[[], object]) -> str | None:
     """`run` again with recording on, held to the reference over `calls`' sequences: the first difference, None
     when every compared call matches, or "" when the run raised before showing one (nothing can be said)."""
     ref = Reference(calls, side.forward)
@@ -148,7 +149,7 @@ def _replay(s, side, calls: Sequence[Call | None], run: Callable[[], object]) ->
     return probe.found
 
 
-def _chosen(s, side, rows: int, run: Callable[[], Run], skip: int = 0) -> list[list[int]]:
+def _chosen(s: Subject, side: Replay, rows: int, run: Callable[[], Run], skip: int = 0) -> list[list[int]]:
     """The tokens a greedy run chose, per row (its first `skip` forward calls another run's). Where it raises, the
     tokens its calls chose before that (each call's last logits' argmax) and a stand-in for the call that raised:
     the replay's calls reach the one that raised, whose sequence the tokens before it give."""
@@ -162,7 +163,7 @@ def _chosen(s, side, rows: int, run: Callable[[], Run], skip: int = 0) -> list[l
         hook.remove()
 
 
-def _where(s, side, check: str, prompts: list[list[int]], new: int, short: int) -> str | None:
+def _where(s: Subject, side: Replay, check: str, prompts: list[list[int]], new: int, short: int) -> str | None:
     """The first difference of the run `check` made, None when there is none, "" when a run raised first."""
     e = side.subject
     if check in SINGLE:
@@ -193,7 +194,7 @@ def _where(s, side, check: str, prompts: list[list[int]], new: int, short: int) 
     return None
 
 
-def locate(s, rows: list[CheckRow], prompts: list[list[int]], new: int, short: int) -> None:
+def locate(s: Subject, rows: list[CheckRow], prompts: list[list[int]], new: int, short: int) -> None:
     """Each failing row of one group (rows that share a run) gets the location of that run's first difference."""
     failing = [r for r in rows if not r.passed and not r.skipped and not r.location]  # a row located already stays
     side: Replay | None = s.replay() if failing and s.cached and hasattr(s, "replay") else None
@@ -225,7 +226,7 @@ def locate(s, rows: list[CheckRow], prompts: list[list[int]], new: int, short: i
 
 
 # --- compiled runs -----------------------------------------------------------------------------------------------
-def compiled(s) -> str | None:
+def compiled(s: Subject) -> str | None:
     """How a subject's runs are compiled, in words, or None when they run eagerly."""
     from kvbench.caches import get_cache_spec
     from kvbench.check.gpt2_subject import GPT2Subject
@@ -263,7 +264,7 @@ def counting() -> Iterator[Compilations]:
 
     counts, ids = Compilations(), []
 
-    def started(args) -> None:
+    def started(args: Any) -> None:
         ids.append(str(args.compile_id))
 
     breaks = sum(counters["graph_break"].values())
@@ -278,7 +279,9 @@ def counting() -> Iterator[Compilations]:
         counts.graph_breaks = sum(counters["graph_break"].values()) - breaks
 
 
-def located(s, run: Callable[[], list[CheckRow]], prompts: list[list[int]], new: int, short: int) -> list[CheckRow]:
+def located(
+    s: Subject, run: Callable[[], list[CheckRow]], prompts: list[list[int]], new: int, short: int
+) -> list[CheckRow]:
     """The rows `run` gives for one group of checks that share a run, each failing one located; a compiled subject's
     rows (failing or not) also say what compilation did during the run."""
     how = compiled(s)

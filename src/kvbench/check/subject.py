@@ -104,13 +104,10 @@ class Subject(Protocol):
     cached: bool  # False: the model's no-cache path
     tol: Tolerance  # cached vs recomputed logits
     reference_tol: Tolerance  # against the model's independent implementation
+    crashes: tuple[type[BaseException], ...]  # what a run may raise and a row reports as a failure
 
     @property
     def model(self) -> Model: ...
-
-    @property
-    def crashes(self) -> tuple[type[BaseException], ...]:
-        """What a run may raise and a row reports as a failure."""
 
     def unavailable(self) -> str | None:
         """Why this subject cannot run here (a skip row), or None."""
