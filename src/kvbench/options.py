@@ -14,6 +14,7 @@ The options several commands share with one meaning are declared once below (`mo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass
 from typing import Any
 
@@ -45,6 +46,11 @@ def option(
     return dataclasses.field(default=default, metadata=meta)
 
 
+def list_option(*decls: str, help: str, default: Callable[[], list[Any]]) -> Any:
+    """A list field the command line gives comma-separated ("1,4,16"), its default built per settings object."""
+    return option(*decls, default_factory=default, cli_type=str, help=help)
+
+
 def flag_of(f: dataclasses.Field) -> Flag | None:
     return f.metadata.get("cli")
 
@@ -55,6 +61,8 @@ DTYPE_HELP = (
     "fp32 | fp16 | bf16 | auto (fp16 on CUDA, fp32 on CPU); torch's names work too: float32/float, float16/half, "
     "bfloat16 (case-insensitive)."
 )
+MODEL_HELP = "gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-tiny, or a GPT-2 config.json."
+WEIGHTS_HELP = "auto | hub | random | PATH (a local Hugging Face GPT-2 directory)."
 COMPILE_HELP = (
     "How static-graph's fixed-shape decode step runs: off (eager), default (torch.compile), or max (CPU only: "
     "weights frozen into the step, GEMMs autotuned over Inductor's C++ templates). The first step compiles."
@@ -62,21 +70,11 @@ COMPILE_HELP = (
 
 
 def model_option(default: str | None = None) -> Any:
-    return option(
-        "--model",
-        "-m",
-        default=default,
-        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-tiny, or a GPT-2 config.json.",
-    )
+    return option("--model", "-m", default=default, help=MODEL_HELP)
 
 
 def weights_option(default: str | None = "auto") -> Any:
-    return option(
-        "--weights",
-        "-w",
-        default=default,
-        help="auto | hub | random | PATH (a local Hugging Face GPT-2 directory).",
-    )
+    return option("--weights", "-w", default=default, help=WEIGHTS_HELP)
 
 
 def device_option(default: str | None = "auto") -> Any:

@@ -9,6 +9,7 @@ from kvbench.options import (
     compile_option,
     device_option,
     dtype_option,
+    list_option,
     model_option,
     option,
     seed_option,
@@ -40,34 +41,30 @@ class BenchSettings:
     device: str = device_option()
     dtype: str = dtype_option("auto")
     seed: int = seed_option()  # random weights and the random prompt ids
-    prompt_len: list[int] = option(
+    prompt_len: list[int] = list_option(
         "--prompt-len",
-        default_factory=lambda: [16, 128, 512],  # a short, a medium and a long prompt
-        cli_type=str,
+        default=lambda: [16, 128, 512],  # a short, a medium and a long prompt
         help="Prompt lengths (with --fill random: contexts) to sweep, comma-separated; a k suffix is x1024, "
         "e.g. 256,1k,4k,16k (default: 16,128,512).",
     )
     # generated tokens per run (the first from the prefill, the rest decode steps)
     new_tokens: int = option("--new-tokens", "-n", default=400, help="Tokens generated per run (default: 400).")
-    caches: list[str] = option(
+    caches: list[str] = list_option(
         "--caches",
-        default_factory=all_caches,
-        cli_type=str,
+        default=all_caches,
         help="Comma-separated cache names, or 'all' (default: all registered). With --hf: none, dynamic, "
         "static, static-compiled.",
     )
-    engine: list[str] = option(
+    engine: list[str] = list_option(
         "--engine",
-        default_factory=lambda: ["kvbench", "hf"],
-        cli_type=str,
+        default=lambda: ["kvbench", "hf"],
         help="kvbench, hf (transformers' generate, eager), hf-compiled (its static cache with its default "
         "torch.compile), comma-separated (default: kvbench,hf).",
     )
     # sequences per run (same length, no padding); several: a batch sweep (rows per batch size, batch.png)
-    batch: list[int] = option(
+    batch: list[int] = list_option(
         "--batch",
-        default_factory=lambda: [1],
-        cli_type=str,
+        default=lambda: [1],
         help="Sequences per run, comma-separated to sweep batch sizes (rows per size, batch.png), e.g. 1,4,16,64 "
         "(default: 1).",
     )
@@ -101,10 +98,9 @@ class BenchSettings:
         "trace in the run folder's profile/, its top operators by self time in profile_ops.csv and printed.",
     )
     # summary.csv's tpot_ms_pNN columns (50 and 90 are always there as tpot_ms_median, tpot_ms_p90)
-    percentiles: list[float] = option(
+    percentiles: list[float] = list_option(
         "--percentiles",
-        default_factory=_default_percentiles,
-        cli_type=str,
+        default=_default_percentiles,
         help="TPOT percentiles written to summary.csv as tpot_ms_pNN, comma-separated, each strictly between 0 "
         "and 100 (default: 50,90,99; the median and p90 columns are always written).",
     )

@@ -31,10 +31,10 @@ import torch
 
 from kvbench.caches import make_caches
 from kvbench.caches.base import cache_nbytes
+from kvbench.decode.path import CachePath
 from kvbench.errors import one_line
 
 if TYPE_CHECKING:
-    from kvbench.caches.base import LayerCache
     from kvbench.check.subject import Subject
     from kvbench.model.gpt2 import GPT
 
@@ -57,24 +57,6 @@ class Path(Protocol):
 
     def forward(self, ids: list[list[int]]) -> torch.Tensor:
         """Write (B, T) tokens after what the path holds; logits (B, T or 1, V), the last row the next token's."""
-
-
-class CachePath:
-    """Our GPT-2 over its layer caches, one forward at a time. The path owns the positions: a call's tokens follow
-    the `held` tokens already written (a filled context) and every earlier call's, whatever the caches keep (an
-    eviction design holds fewer columns than the positions it has seen). Only the last token's logits are computed
-    (a long prompt's rows would not fit a large batch)."""
-
-    def __init__(self, model: GPT, caches: list[LayerCache], held: int = 0) -> None:
-        self.model, self.caches, self.position = model, caches, held
-
-    @torch.inference_mode()
-    def forward(self, ids: list[list[int]]) -> torch.Tensor:
-        device = self.model.lm_head.weight.device
-        x = torch.tensor(ids, device=device)  # (B, T)
-        pos = (self.position + torch.arange(x.size(1), device=device)).expand_as(x)  # (B, T)
-        self.position += x.size(1)
-        return self.model(x, pos, self.caches, last_only=True)  # (B, 1, V)
 
 
 # --- the figures -----------------------------------------------------------------------------------------------
@@ -268,6 +250,8 @@ def measure_layers(
     assert full is not None and lossy is not None, f"{cache} holds no cache to measure"
     if fill is not None:
         fill(full + lossy)
-    steps = teacher_forced(CachePath(model, full, context), CachePath(model, lossy, context), first, new, context)
+    # the last token's logits only: a long prompt's rows would not fit a large batch
+    full_path, lossy_path = (CachePath(model, c, context, last_only=True) for c in (full, lossy))
+    steps = teacher_forced(full_path, lossy_path, first, new, context)
     what = f"{REFERENCE_CACHE} (full precision), teacher-forced on its greedy tokens"
     return summarise(cache, steps, what, note, cache_nbytes(lossy), cache_nbytes(full))

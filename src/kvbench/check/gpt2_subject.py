@@ -24,6 +24,7 @@ from kvbench.check.gpt2_replay import GPT2Replay
 from kvbench.check.judge import tolerance
 from kvbench.check.subject import NoCache, Run
 from kvbench.decode.generate import EXACT, DecodeRules, GenerationResult, generate
+from kvbench.decode.path import CachePath
 from kvbench.decode.speculative import speculative_generate
 from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPT, GPTConfig
@@ -239,22 +240,17 @@ class GPT2Subject:
         return f"{name} has no {', '.join(lacks)} (an optional member of the cache contract)" if lacks else None
 
 
-class GPT2Session:
-    """Our GPT-2 driven one forward at a time over its own caches, positions held + arange(T) per call (the session
-    counts the tokens it wrote: a cache that evicts holds fewer slots than that)."""
+class GPT2Session(CachePath):
+    """Our GPT-2 driven one forward at a time over its own caches (decode.path: the session counts the tokens it
+    wrote, positions held + arange(T) per call), under the subject's mask rule; logits (B, T, V) in fp32 on the CPU."""
 
-    def __init__(self, subject: GPT2Subject, caches: list, held: int = 0) -> None:
-        self.subject, self.caches, self.held = subject, caches, held
-        self.gpt = subject.gpt
-        self.rules = subject.fault.rules if subject.fault is not None else EXACT
+    def __init__(self, subject: GPT2Subject, caches: list[LayerCache], held: int = 0) -> None:
+        rules = subject.fault.rules if subject.fault is not None else EXACT
+        super().__init__(subject.gpt, caches, held, mask_rule=rules.mask)
+        self.subject = subject
 
-    @torch.inference_mode()
     def forward(self, ids: list[list[int]]) -> torch.Tensor:
-        device = self.gpt.lm_head.weight.device
-        x = torch.tensor(ids, device=device)  # (B, T)
-        pos = (self.held + torch.arange(x.size(1), device=device)).expand_as(x)  # (B, T)
-        self.held += x.size(1)
-        return self.gpt(x, pos, self.caches, mask_rule=self.rules.mask).float().cpu()
+        return super().forward(ids).float().cpu()
 
     def prepare_rollback(self, most: int) -> None:
         """Nothing to prepare: every design can crop at any length."""
@@ -270,6 +266,6 @@ class GPT2Session:
         return copy
 
     def reorder(self, index: list[int]) -> None:
-        idx = torch.tensor(index, device=self.gpt.lm_head.weight.device)
+        idx = torch.tensor(index, device=self.model.lm_head.weight.device)
         for c in self.caches:
             c.reorder(idx)

@@ -21,6 +21,7 @@ from kvbench.check.hf_replay import HFReplay
 from kvbench.check.judge import tolerance
 from kvbench.check.subject import NoCache, Run, Unsupported
 from kvbench.hf.caches import HF_CACHES, generate_kwargs, reuse_kwargs
+from kvbench.hf.engine import fixed_length
 from kvbench.hf.introspect import cache_kwarg, measured_no_cache, returned_cache
 from kvbench.hf.known import known_defect
 from kvbench.hf.models import LoadedHF
@@ -41,18 +42,7 @@ def generate_run(loaded: LoadedHF, prompts: list[list[int]], new: int, **kwargs:
     T = max(map(len, prompts))
     ids = torch.tensor([[loaded.pad_token_id] * (T - len(p)) + p for p in prompts], device=device)  # (B, T)
     mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=device)  # (B, T)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=new,
-        min_new_tokens=new,
-        do_sample=False,
-        num_beams=1,
-        pad_token_id=loaded.pad_token_id,
-        return_dict_in_generate=True,
-        output_logits=True,
-        **kwargs,
-    )
+    out = model.generate(**fixed_length(ids, new, loaded.pad_token_id, mask, logits=True), **kwargs)
     logits = torch.stack([step.float().cpu() for step in out.logits], dim=1)  # (B, N, V)
     assert logits.shape[1] == new, f"generate returned {logits.shape[1]} logit steps, expected {new}"
     cache = returned_cache(out)
@@ -303,17 +293,8 @@ def _greedy(loaded: LoadedHF, prompt: list[int], new: int, **kwargs: Any) -> lis
 @torch.no_grad()
 def _beams(loaded: LoadedHF, prompt: list[int], new: int, **kwargs: Any) -> list[int]:
     ids = torch.tensor([prompt], device=next(loaded.model.parameters()).device)
-    out = loaded.model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new,
-        min_new_tokens=new,
-        do_sample=False,
-        num_beams=3,
-        pad_token_id=loaded.pad_token_id,
-        **kwargs,
-    )
-    return out[0, len(prompt) :].tolist()
+    out = loaded.model.generate(**fixed_length(ids, new, loaded.pad_token_id, beams=3), **kwargs)
+    return out.sequences[0, len(prompt) :].tolist()
 
 
 def generation_features(subject: HFSubject, check: str) -> list[tuple[str, Callable, Callable]]:

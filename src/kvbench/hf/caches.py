@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import transformers
@@ -144,6 +144,15 @@ STATIC_TRAFFIC = Traffic(
     "transformers' StaticCache: attends over its whole max_cache_len buffer (masked)", whole_buffer=True
 )
 
+STATIC = HFCache(
+    "static",
+    "StaticCache, eager (preallocated; sliding-window layers where the model has them)",
+    {"cache_implementation": "static", "disable_compile": True},
+    _static,
+    timed=True,
+    traffic=STATIC_TRAFFIC,
+    known=(STATIC_ROLLBACK_ON_RECURRENT, STATIC_PROMPT_LOOKUP_OVERRUN),
+)
 HF_CACHES: dict[str, HFCache] = {
     c.name: c
     for c in (
@@ -161,25 +170,14 @@ HF_CACHES: dict[str, HFCache] = {
             timed=True,
             traffic=DYNAMIC_TRAFFIC,
         ),
-        HFCache(
-            "static",
-            "StaticCache, eager (preallocated; sliding-window layers where the model has them)",
-            {"cache_implementation": "static", "disable_compile": True},
-            _static,
-            timed=True,
-            traffic=STATIC_TRAFFIC,
-            known=(STATIC_ROLLBACK_ON_RECURRENT, STATIC_PROMPT_LOOKUP_OVERRUN),
-        ),
-        HFCache(
-            "static-compiled",
-            "StaticCache with generate's torch.compile of the decode step (CompileConfig(), any device)",
-            # compile_config is made per run (generate_kwargs)
-            {"cache_implementation": "static", "compile_config": None},
-            _static,
+        STATIC,
+        # the same cache, its decode step compiled by generate: compile_config is made per run (generate_kwargs)
+        replace(
+            STATIC,
+            name="static-compiled",
+            summary="StaticCache with generate's torch.compile of the decode step (CompileConfig(), any device)",
+            generate_kwargs={"cache_implementation": "static", "compile_config": None},
             default_on_cpu=False,
-            timed=True,
-            traffic=STATIC_TRAFFIC,
-            known=(STATIC_ROLLBACK_ON_RECURRENT, STATIC_PROMPT_LOOKUP_OVERRUN),
         ),
         HFCache(
             "offloaded",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
@@ -33,6 +34,23 @@ from kvbench.devices import synchronize
 from kvbench.hf.caches import generate_kwargs
 from kvbench.model.gpt2 import GPT
 from kvbench.model.hf_config import hf_gpt2_config
+
+
+def fixed_length(
+    ids: torch.Tensor,
+    new: int,
+    pad_token_id: int,
+    mask: torch.Tensor | None = None,
+    beams: int = 1,
+    logits: bool = False,
+) -> dict[str, Any]:
+    """`generate`'s arguments for exactly `new` tokens after the (B, T) prompt `ids` (min = max new tokens, so no
+    end-of-text stop), greedy, or a greedy beam search with `beams`; `mask` (B, T) where rows are left-padded;
+    `logits`: keep each step's logits. generate then returns an output whose `.sequences` are (B, T + new)."""
+    prompt = {"input_ids": ids, "attention_mask": torch.ones_like(ids) if mask is None else mask}
+    search = {"do_sample": False, "num_beams": beams, "max_new_tokens": new, "min_new_tokens": new}
+    return prompt | search | {"pad_token_id": pad_token_id, "return_dict_in_generate": True, "output_logits": logits}
+
 
 # Our caches that transformers has by the same name (hf/caches.py selects each in generate).
 ENGINE_CACHES = ("none", "dynamic", "static")
@@ -132,16 +150,8 @@ def timed_generate(
     synchronize(device)
     t0 = time.perf_counter()
     out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        num_beams=1,
-        pad_token_id=pad_token_id,
+        **fixed_length(ids, new_tokens, pad_token_id, logits=record_logits),
         logits_processor=LogitsProcessorList([clock]),
-        return_dict_in_generate=True,
-        output_logits=record_logits,
         **generate_kwargs,
     )
     synchronize(device)
