@@ -168,18 +168,10 @@ def run_sweep(
             on_result(results[-1])
 
     for p, b in dict.fromkeys((p, b) for p, b, _, _ in configs):
-        ids = prompts[p][:b]
+        ids = prompts[p][:b].to(device)
         shared = dict(prompt_len=p, new_tokens=s.new_tokens, batch=b, dtype=dtype_name, device=device_label)
         group = [
-            _Configuration(
-                model,
-                engines[e],
-                ids.to(device),
-                s,
-                progress,
-                dict(engine=e, cache=c, **shared),
-                oversized.get(b),
-            )
+            _Configuration(model, engines[e], ids, s, progress, dict(engine=e, cache=c, **shared), oversized.get(b))
             for p_, b_, e, c in configs
             if (p_, b_) == (p, b)
         ]
@@ -402,6 +394,20 @@ def _check_tokens(
     return tokens
 
 
+def _memory_columns(weights: int, peaks: list[tuple[float, float]], last: RunTiming) -> dict[str, Any]:
+    """summary.csv's memory columns in MiB, from the timed runs' (allocated, reserved) peaks (interleaved runs: only
+    the back-to-back ones recorded peaks, so the caller passes all of them) and the last run's cache."""
+    mib, run_peak = 2**20, max(p for p, _ in peaks)
+    return dict(
+        peak_mem_mib=(weights + run_peak) / mib,
+        weights_mib=weights / mib,
+        run_peak_mib=run_peak / mib,
+        peak_reserved_mib=max(r for _, r in peaks) / mib,
+        kv_cache_mib=(last.cache_bytes / mib) if last.cache_bytes is not None else math.nan,
+        bytes_copied=float(last.bytes_copied) if last.bytes_copied is not None else math.nan,
+    )
+
+
 def _summarise(
     common: dict[str, Any],
     runs: list[RunTiming],
@@ -417,9 +423,7 @@ def _summarise(
     totals = [t.total_s for t in timed]
     steps = [x for t in timed for x in t.step_s]
     total = statistics.median(totals)
-    timed_peaks = peaks[s.warmup :] or peaks  # interleaved: only the back-to-back runs recorded peaks
-    run_peak = max(p for p, _ in timed_peaks)
-    last, mib, batch = timed[-1], 2**20, common["batch"]
+    last, batch = timed[-1], common["batch"]
     ttft = describe_ms([t.ttft_s for t in timed], TTFT_PERCENTILES)
     tpot = describe_ms(steps, sorted({*ALWAYS, *s.percentiles}))  # median and p90, and those asked for
     ttft_columns: dict[str, Any] = {f"ttft_ms_{k}": v for k, v in ttft.items()}
@@ -448,12 +452,7 @@ def _summarise(
         flips=tokens.flips,
         near_tie_flips=tokens.near_tie_flips,
         tokens_note=tokens.note,
-        peak_mem_mib=(weights + run_peak) / mib,
-        weights_mib=weights / mib,
-        run_peak_mib=run_peak / mib,
-        peak_reserved_mib=max(r for _, r in timed_peaks) / mib,
-        kv_cache_mib=(last.cache_bytes / mib) if last.cache_bytes is not None else math.nan,
-        bytes_copied=float(last.bytes_copied) if last.bytes_copied is not None else math.nan,
+        **_memory_columns(weights, peaks[s.warmup :] or peaks, last),
         bytes_copied_seed_estimate=(
             seed_copy_estimate(bpt, common["prompt_len"], common["prompt_len"] + s.new_tokens)
             if common["cache"] != "none" and common["engine"] == "kvbench"
