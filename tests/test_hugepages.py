@@ -120,3 +120,16 @@ def test_a_fresh_process_asks_for_huge_pages_and_zero_does_not():
         assert off["in_use"] is False
     else:  # "always" may give them without asking
         assert isinstance(off["in_use"], bool)
+
+
+def test_importing_the_command_line_leaves_torch_unloaded_so_main_can_ask_first():
+    """`kvbench` imports every command's module before `main` asks for huge pages: a module-level import that
+    reaches torch (a registry, a rule that reads one) would make the request a silent no-op."""
+    env = {k: v for k, v in os.environ.items() if k != hugepages.ENV}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    code = (
+        "import os, sys; import kvbench.cli; from kvbench.bench import hugepages; "
+        "print('torch' in sys.modules, hugepages.request(), os.environ.get(hugepages.ENV))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "1"], out.stdout

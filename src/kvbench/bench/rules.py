@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from kvbench.bench.choices import BenchSettings
 from kvbench.bench.timing_stats import DEFAULT_PERCENTILES
-from kvbench.decode.rules import compile_mode
 from kvbench.errors import KVBenchError, listed
 from kvbench.validate import MAX_RUN_BATCH, REPEATS, THREADS, WARMUP, new_tokens, seed, tp_rules
 
@@ -47,8 +46,11 @@ def bench_rules(s: BenchSettings) -> None:
     """A bench sweep's settings (bench/choices.py BenchSettings), from the TOML file and the command line, types
     already checked: ranges, names, duplicates (a prompt length, batch, cache or engine given twice runs once, so
     they are normalised here), an empty sweep, and combinations that would be silently ignored."""
+    # the registries load torch: imported when the rules run, so importing the CLI leaves torch unloaded and the
+    # command can still ask for huge pages first (cli/__init__.py)
     from kvbench.bench.engines import ENGINES
     from kvbench.caches import parse_cache_names
+    from kvbench.decode.rules import compile_mode
 
     _value_rules(s)
     if not s.prompt_len:

@@ -16,7 +16,6 @@ from pathlib import Path
 from kvbench import files, validate
 from kvbench.bench.choices import BenchSettings, all_caches
 from kvbench.bench.rules import bench_rules
-from kvbench.decode.rules import compile_mode
 from kvbench.errors import KVBenchError, NotEnoughMemoryError, shown
 
 if typing.TYPE_CHECKING:
@@ -284,6 +283,7 @@ def check_sizes(
     (oversized_batches); refuses the sweep when none fits.
     weights_loaded: the model is already in memory, so what is still available is compared without it."""
     from kvbench import devices
+    from kvbench.decode.rules import compile_mode  # it loads torch (the CLI imports this module before torch)
 
     compile_mode(s.compile, device.type)
     check_fits_context(s, cfg.block_size, cfg.name)
