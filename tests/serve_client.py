@@ -124,3 +124,35 @@ def logprobs(doc: dict) -> list[float]:
 
 def cached(doc: dict) -> int:
     return doc["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def greedy_reference(hf_dir: Path):
+    """transformers' greedy tokens and their logprobs for a checkpoint, every token recomputed over the whole
+    sequence (no cache): prompt, n -> (tokens, logprobs)."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    memo: dict[tuple, tuple[list[int], list[float]]] = {}
+
+    def greedy(prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+        if (tuple(prompt), n) not in memo:
+            ids, out, lps = torch.tensor([prompt]), [], []
+            with torch.no_grad():
+                for _ in range(n):
+                    logp = torch.log_softmax(model(ids).logits[0, -1].float(), -1)
+                    t = int(logp.argmax())
+                    out.append(t)
+                    lps.append(float(logp[t]))
+                    ids = torch.cat([ids, torch.tensor([[t]])], dim=1)
+            memo[(tuple(prompt), n)] = (out, lps)
+        return memo[(tuple(prompt), n)]
+
+    return greedy
+
+
+def ids(seed: int, n: int, vocab: int = 500) -> list[int]:
+    """`n` seeded random token ids below `vocab`."""
+    import torch
+
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

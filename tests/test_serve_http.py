@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from kvbench.cli import app
-from serve_client import Server, cached, logprobs, tokens
+from serve_client import Server, cached, greedy_reference, ids, logprobs, tokens
 
 PROMPT = "The key to fast inference is a cache that keeps every key and value it has computed, so a step"
 WARM_ATOL = 1e-5  # a warm hit against the cold run of the same server: the same kernels on the same values
@@ -42,30 +43,7 @@ def hf_served(hf_dir):
 
 @pytest.fixture(scope="module")
 def reference(hf_dir):
-    """transformers' greedy tokens and their logprobs, every token recomputed over the whole sequence."""
-    from transformers import GPT2LMHeadModel
-
-    model = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
-    memo: dict[tuple, tuple[list[int], list[float]]] = {}
-
-    def greedy(prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-        if (tuple(prompt), n) not in memo:
-            ids, out, lps = torch.tensor([prompt]), [], []
-            with torch.no_grad():
-                for _ in range(n):
-                    logp = torch.log_softmax(model(ids).logits[0, -1].float(), -1)
-                    t = int(logp.argmax())
-                    out.append(t)
-                    lps.append(float(logp[t]))
-                    ids = torch.cat([ids, torch.tensor([[t]])], dim=1)
-            memo[(tuple(prompt), n)] = (out, lps)
-        return memo[(tuple(prompt), n)]
-
-    return greedy
-
-
-def ids(seed: int, n: int, vocab: int = 500) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return greedy_reference(hf_dir)
 
 
 def assert_close(got: list[float], want: list[float], atol: float) -> None:
@@ -310,3 +288,19 @@ def test_serve_refuses_bad_options_in_one_line():
     ]:
         r = CliRunner().invoke(app, ["serve", "-m", "gpt2-tiny", "-w", "random", *args])
         assert r.exit_code == 2 and match in r.output and "Traceback" not in r.output, r.output
+
+
+def test_serve_without_fastapi_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # an environment without the serve extra
+    r = CliRunner().invoke(app, ["serve", "-m", "gpt2-tiny", "-w", "random"])
+    assert r.exit_code == 2 and "pip install 'kvbench[serve]'" in r.output and "Traceback" not in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = CliRunner().invoke(app, ["serve", "-m", "gpt2-tiny", "-w", "random", "--port", str(port)])
+    assert r.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in r.output and "--port 0" in r.output, r.output

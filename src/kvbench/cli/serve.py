@@ -66,10 +66,14 @@ def serve(o: ServeOptions) -> None:
 
     serve_rules(o)
     _frameworks()
-    engine, served = _prepare(o)
     from kvbench.serve.app import listen, serve_forever
 
-    sock = listen(o.host, o.port)
+    sock = listen(o.host, o.port)  # a port in use is refused before the model loads
+    try:
+        engine, served = _prepare(o)
+    except BaseException:
+        sock.close()
+        raise
     port = sock.getsockname()[1]
     host = f"[{o.host}]" if ":" in o.host else o.host
 
