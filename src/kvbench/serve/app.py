@@ -129,48 +129,54 @@ def build_app(engine: Engine, served: Served, log: Callable[[str], None]) -> Fas
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         engine.submit(flight.sub)
         if req.stream:
-            return StreamingResponse(stream(flight, rid, created, req), media_type="text/event-stream")
+            return StreamingResponse(stream(served, flight, rid, created, req), media_type="text/event-stream")
         try:
-            return await complete(flight, rid, created, req)
-        finally:
-            flight.cancel()
-
-    async def complete(flight: Inflight, rid: str, created: int, req: CompletionRequest) -> Response:
-        tokens: list[Token] = []
-        while not isinstance(event := await flight.next(), Done | Failed):
-            tokens.append(event)
-        if isinstance(event, Failed):
-            return failure(event)
-        ids = [t.id for t in tokens]
-        choice = {
-            "text": served.text(ids),
-            "finish_reason": event.finish_reason,
-            "logprobs": logprobs_document(served, tokens) if req.logprobs is not None else None,
-            "token_ids": ids,
-        }
-        return JSONResponse(completion_document(rid, created, served, choice, usage_document(event)))
-
-    async def stream(flight: Inflight, rid: str, created: int, req: CompletionRequest) -> AsyncIterator[str]:
-        deltas, offset = TextDeltas(served), 0
-        try:
-            while not isinstance(event := await flight.next(), Done | Failed):
-                lp = None
-                if req.logprobs is not None:
-                    lp = logprobs_document(served, [event], offset)
-                    offset += len(lp["tokens"][0])
-                choice = {"text": deltas.push(event.id), "finish_reason": None, "logprobs": lp, "token_ids": [event.id]}
-                yield sse(completion_document(rid, created, served, choice, None))
-            if isinstance(event, Failed):
-                yield sse(error_document(event.message, None, None, "server_error"))
-            else:
-                last: dict[str, Any] = {"text": deltas.rest(), "finish_reason": event.finish_reason}
-                last |= {"logprobs": None, "token_ids": []}
-                yield sse(completion_document(rid, created, served, last, usage_document(event)))
-            yield "data: [DONE]\n\n"
+            return await complete(served, flight, rid, created, req)
         finally:
             flight.cancel()
 
     return app
+
+
+async def complete(served: Served, flight: Inflight, rid: str, created: int, req: CompletionRequest) -> Response:
+    """A whole completion, once its request ended: the document, or the error that ended it."""
+    tokens: list[Token] = []
+    while not isinstance(event := await flight.next(), Done | Failed):
+        tokens.append(event)
+    if isinstance(event, Failed):
+        return failure(event)
+    ids = [t.id for t in tokens]
+    choice = {
+        "text": served.text(ids),
+        "finish_reason": event.finish_reason,
+        "logprobs": logprobs_document(served, tokens) if req.logprobs is not None else None,
+        "token_ids": ids,
+    }
+    return JSONResponse(completion_document(rid, created, served, choice, usage_document(event)))
+
+
+async def stream(
+    served: Served, flight: Inflight, rid: str, created: int, req: CompletionRequest
+) -> AsyncIterator[str]:
+    """A completion as server-sent events, one per token, then the last chunk with the usage, then [DONE]."""
+    deltas, offset = TextDeltas(served), 0
+    try:
+        while not isinstance(event := await flight.next(), Done | Failed):
+            lp = None
+            if req.logprobs is not None:
+                lp = logprobs_document(served, [event], offset)
+                offset += len(lp["tokens"][0])
+            choice = {"text": deltas.push(event.id), "finish_reason": None, "logprobs": lp, "token_ids": [event.id]}
+            yield sse(completion_document(rid, created, served, choice, None))
+        if isinstance(event, Failed):
+            yield sse(error_document(event.message, None, None, "server_error"))
+        else:
+            last: dict[str, Any] = {"text": deltas.rest(), "finish_reason": event.finish_reason}
+            last |= {"logprobs": None, "token_ids": []}
+            yield sse(completion_document(rid, created, served, last, usage_document(event)))
+        yield "data: [DONE]\n\n"
+    finally:
+        flight.cancel()
 
 
 def sse(doc: dict[str, Any]) -> str:

@@ -73,7 +73,7 @@ class ServerFault:
 SERVER_FAULTS: dict[str, ServerFault] = {
     "freed-block-reused": ServerFault(
         "freed-block-reused",
-        "a shared prefix block is freed when one of its holders finishes, while another still reads it",
+        "a shared block is freed when one holder finishes, while another still reads it",
         "the pool's release (a KVPool subclass, FreedSharedBlock): the reference count is ignored",
         "a request sharing a prefix with one that finished first reads another allocation's K/V: its tokens go "
         "wrong once it allocates its next block",
@@ -84,7 +84,7 @@ SERVER_FAULTS: dict[str, ServerFault] = {
     ),
     "hit-without-copy": ServerFault(
         "hit-without-copy",
-        "a host-tier hit is reported, but its K/V are never copied back to the device block",
+        "a host-tier hit is counted, but its K/V are never copied back",
         "the pool's swap-in (a KVPool subclass, HitWithoutCopy)",
         "a prompt evicted to the host tier comes back with cached_tokens right and its tokens wrong",
         "copy the host slot's K and V of every layer into the device block before the request reads it",
@@ -95,7 +95,7 @@ SERVER_FAULTS: dict[str, ServerFault] = {
     ),
     "hash-without-parent": ServerFault(
         "hash-without-parent",
-        "a block's hash covers only its own tokens, so equal blocks after different prefixes are shared",
+        "a block's hash covers only its own tokens, not the prefix before them",
         "the pool's block hash (a KVPool subclass, HashWithoutParent)",
         "a prompt whose first block appeared later in an earlier prompt reports it cached, and reads K/V computed "
         "after another prefix at other positions",
@@ -106,7 +106,7 @@ SERVER_FAULTS: dict[str, ServerFault] = {
     ),
     "reset-keeps-host-tier": ServerFault(
         "reset-keeps-host-tier",
-        "POST /reset_prefix_cache clears the device tier only; the host tier keeps answering",
+        "reset_prefix_cache clears the device tier only; the host tier still answers",
         "the pool's reset (a KVPool subclass, ResetKeepsHostTier)",
         "after a reset a repeated prompt still reports cached_tokens > 0 (a cold run is not cold)",
         "reset forgets the unreferenced cached blocks of both tiers",

@@ -119,17 +119,21 @@ def _prompt(body: dict, served: Served) -> list[int]:
     return ids
 
 
+def _tokens(n: int) -> str:
+    return f"{n} token{'s' * (n != 1)}"
+
+
 def _fits(prompt: list[int], max_tokens: int, served: Served) -> None:
     n = len(prompt)
     if n >= served.max_model_len:
         raise RequestError(
-            f"prompt of {n} tokens leaves no room in the model's context of {served.max_model_len} tokens",
+            f"prompt of {_tokens(n)} leaves no room in the model's context of {served.max_model_len} tokens",
             "prompt",
             "context_length_exceeded",
         )
     if n + max_tokens > served.max_model_len:
         raise RequestError(
-            f"prompt of {n} tokens + max_tokens {max_tokens} = {n + max_tokens} is past the model's context of "
+            f"prompt of {_tokens(n)} + max_tokens {max_tokens} = {n + max_tokens} is past the model's context of "
             f"{served.max_model_len} tokens; use max_tokens <= {served.max_model_len - n}",
             "max_tokens",
             "context_length_exceeded",
@@ -137,7 +141,7 @@ def _fits(prompt: list[int], max_tokens: int, served: Served) -> None:
     blocks = -(-(n + max_tokens - 1) // served.block_size)
     if blocks > served.kv_blocks:
         raise RequestError(
-            f"prompt of {n} tokens + max_tokens {max_tokens} needs {blocks} KV blocks of {served.block_size} tokens "
+            f"prompt of {_tokens(n)} + max_tokens {max_tokens} needs {blocks} KV blocks of {served.block_size} tokens "
             f"and the pool holds {served.kv_blocks} (--kv-blocks): it can never run; use a shorter prompt or fewer "
             "max_tokens",
             "max_tokens",

@@ -195,7 +195,8 @@ class Checks:
         if not passed:
             said = [f"{s.where}"]
             if wrong is not None:
-                said.append(f"request {wrong + 1}'s token {firsts[wrong]} differs from its cold run")
+                who = "its" if len(s.got) == 1 else f"request {wrong + 1}'s"
+                said.append(f"{who} token {firsts[wrong]} differs from the cold run")
             if miscounted:
                 said.append(f"cached_tokens {miscounted[0][0]} where {miscounted[0][1]} are cached")
             location = ": ".join(said[:1]) + (": " + "; ".join(said[1:]) if len(said) > 1 else "")
