@@ -18,6 +18,7 @@ from kvbench.serve.faults import SERVER_FAULTS
 from serve_client import Server, cached, greedy_reference, ids, tokens
 
 NEW = 24
+BLOCKS = 80  # the servers' pool: 1,280 tokens, room for the long request of shared-prefix beside the others
 
 
 @dataclass
@@ -39,9 +40,9 @@ class Seen:
 
 
 def flood(s: Server, seed: int) -> None:
-    """Four prompts of 7 blocks each through a pool of 20: every cached block before them is evicted."""
-    for i in range(4):
-        s.complete(ids(seed + i, 100), 1)
+    """Six prompts of 19 blocks each through a pool of 80: every cached block before them is evicted."""
+    for i in range(6):
+        s.complete(ids(seed + i, 300), 1)
 
 
 def warm(s: Server, ref) -> Seen:
@@ -82,9 +83,10 @@ def reset(s: Server, ref) -> Seen:
 
 def shared_prefix(s: Server, ref) -> Seen:
     """A long request on a cached prompt; once it streams, a second request on the same prompt that ends at its
-    first token. The long one allocates blocks after the short one finished."""
+    first token. The long one (600 tokens: it still decodes when the short one arrives, however loaded the
+    machine) allocates blocks after the short one finished."""
     s.reset()
-    p, n = ids(45, 40), 60
+    p, n = ids(45, 40), 600
     s.complete(p, n)
     started, chunks = threading.Event(), []
 
@@ -118,8 +120,22 @@ SCENARIOS = {
 
 
 @pytest.fixture(scope="module")
-def reference(hf_dir):
-    return greedy_reference(hf_dir)
+def long_dir(tmp_path_factory):
+    """A tiny Hugging Face GPT-2 (3 layers, 4 heads of 16, a vocabulary of 500, std 0.1: varied greedy output) with
+    GPT-2's context of 1,024 positions, saved to disk."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(2)
+    cfg = GPT2Config(n_layer=3, n_head=4, n_embd=64, n_positions=1024, vocab_size=500, initializer_range=0.1)
+    d = tmp_path_factory.mktemp("hf-gpt2-1024")
+    GPT2LMHeadModel(cfg).eval().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(long_dir):
+    return greedy_reference(long_dir)
 
 
 def test_every_fault_has_a_scenario_here():
@@ -127,8 +143,8 @@ def test_every_fault_has_a_scenario_here():
 
 
 @pytest.mark.parametrize("fault", [None, *SERVER_FAULTS])
-def test_a_server_fault_shows_in_its_scenario_and_the_honest_server_passes_every_one(fault, hf_dir, reference):
-    args = ["--weights", str(hf_dir), "--kv-blocks", "20", "--host-blocks", "64"]
+def test_a_server_fault_shows_in_its_scenario_and_the_honest_server_passes_every_one(fault, long_dir, reference):
+    args = ["--weights", str(long_dir), "--kv-blocks", str(BLOCKS), "--host-blocks", "256"]
     s = Server(*args, *(["--fault", fault] if fault else []))
     try:
         if fault is None:

@@ -7,6 +7,7 @@ batch of mixed lengths, a request that waited for blocks."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import socket
@@ -144,6 +145,22 @@ def test_stream_is_server_sent_events(served):
     whole = served.complete(PROMPT, 6, logprobs=1)
     assert [c["choices"][0]["token_ids"][0] for c in chunks[:-1]] == tokens(whole)
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+
+
+def test_a_client_that_goes_away_cancels_its_request(served):
+    doc = {"prompt": "hi", "max_tokens": 400, "temperature": 0, "stream": True}
+    before = served.metrics()["kvbench_generation_tokens_total"]
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(doc), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.readline().startswith(b"data: {")
+    conn.close()  # mid-stream: the server sees the disconnect and the engine drops the request
+    deadline = time.monotonic() + 60
+    while (m := served.metrics())["kvbench_requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert m["kvbench_requests_running"] == 0 and m["kvbench_kv_blocks_used"] == 0, m
+    assert m["kvbench_generation_tokens_total"] - before < 400, "the request ran to its end"
+    assert m["kvbench_requests_finished_total"] < m["kvbench_requests_total"]  # it never finished
 
 
 BAD = [
