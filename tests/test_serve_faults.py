@@ -10,10 +10,12 @@ import threading
 import urllib.request
 from dataclasses import dataclass
 
+import jsonschema
 import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
+from kvbench.jsonio import load_schema
 from kvbench.serve.faults import SERVER_FAULTS
 from serve_client import Server, cached, greedy_reference, ids, tokens
 
@@ -171,6 +173,7 @@ def test_break_runs_a_server_fault_in_process_and_catches_it():
     r = CliRunner().invoke(app, "break hash-without-parent -m gpt2-tiny -w random -d cpu -n 8 --json".split())
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
+    jsonschema.validate(doc, load_schema("break"))  # break's document, whichever fault it shows
     (bug,) = doc["bugs"]
     assert doc["all_detected"] and bug["cache"] == "serve" and bug["caught_by"] == ["distinct-prefix"], bug
     rows = {c["name"]: c for c in bug["checks"]}
