@@ -37,6 +37,7 @@ PAGES = {
     "bench-scaling.md": ("bench",),
     "compare.md": ("compare",),
     "memory.md": ("memory",),
+    "serve.md": ("serve",),
     "cli.md": SHARED,
 }
 FENCE = re.compile(r"^\s*(```|~~~)")

@@ -7,7 +7,7 @@ huge pages before torch loads.
 """
 
 from kvbench.bench import hugepages
-from kvbench.cli import bench, break_, compare, generate, memory, schema, verify  # noqa: F401  (each registers its command)
+from kvbench.cli import bench, break_, compare, generate, memory, schema, serve, verify  # noqa: F401  (each registers its command)
 from kvbench.cli.app import app
 
 __all__ = ["app", "main"]

@@ -24,7 +24,11 @@ if TYPE_CHECKING:
 class BreakOptions:
     """One `kvbench break` command line (validate.break_rules)."""
 
-    name: str = option(argument=True, default="all", help="A fault name, or all.")
+    name: str = option(
+        argument=True,
+        default="all",
+        help="A fault name, or all (every in-process fault); a server fault (kvbench serve --fault) runs by its name.",
+    )
     prompt: str | None = option("--prompt", "-p", default=None, help="The prompt (default: a built-in one).")
     new_tokens: int = option("--new-tokens", "-n", default=40, help="Tokens per run.")
     batch: int = option("--batch", default=3, help="Prompts in the batch for `padding` and the batched check (>= 2).")
@@ -107,12 +111,23 @@ def _chosen(o: BreakOptions, cfg, warn: bool = True):
     from kvbench.caches import get_cache_spec
     from kvbench.check.breaking import break_prompts
     from kvbench.check.faults import select_faults
+    from kvbench.serve.faults import SERVER_FAULTS, server_fault_rules
 
     cache = get_cache_spec(o.cache).name if o.cache is not None else None
-    select_faults(o.name, cache, o.tp)  # a fault that cannot run on this cache or rank count: before the tokenizer
+    server = o.name.strip() in SERVER_FAULTS
+    if server:  # a server fault: kvbench serve's engine in one process (serve/scenarios.py)
+        server_fault_rules(o.name, cache, o.tp)
+    else:
+        _known(o.name)
+        select_faults(o.name, cache, o.tp)  # a fault that cannot run on this cache or rank count: before the tokenizer
     validate.fits_context("a one-token prompt", 1, o.new_tokens, cfg.block_size, "use fewer --new-tokens")
     tok = _tokenizer(o.tokenizer, warn)
     prompts = break_prompts(tok, cfg.vocab_size, o.prompt, o.batch, o.seed)
+    if server:
+        from kvbench.serve.scenarios import scenario_fits
+
+        scenario_fits(prompts, o.new_tokens, cfg.block_size)
+        return cache, [o.name.strip()], {}, tok, prompts
     validate.fits_context(
         "longest batch prompt (after padding)",
         max(map(len, prompts)),
@@ -130,6 +145,8 @@ def _run_faults(o: BreakOptions, on_fault, reports: bool = True):
     from kvbench import tp_command
     from kvbench.check.breaking import break_fault
     from kvbench.model.weights import peek_config
+    from kvbench.serve.faults import SERVER_FAULTS
+    from kvbench.serve.scenarios import break_server_fault
 
     cfg = peek_config(o.model, o.weights)
     cache, names, why, tok, prompts = _chosen(o, cfg, warn=reports)
@@ -145,14 +162,33 @@ def _run_faults(o: BreakOptions, on_fault, reports: bool = True):
     decode = tok.decode if tok is not None else None
     results = []
     for n in names:
-        results.append(break_fault(loaded.model, n, prompts, o.new_tokens, o.reference, hf_dir, decode, cache, rank))
+        if n in SERVER_FAULTS:
+            results.append(break_server_fault(loaded.model, n, prompts, o.new_tokens, decode))
+        else:
+            results.append(
+                break_fault(loaded.model, n, prompts, o.new_tokens, o.reference, hf_dir, decode, cache, rank)
+            )
         on_fault(results[-1])
         if reports and not o.json_out:
             render_break(results[-1], o.verbose)
     for n in why if reports else ():
         console.note(f"{n}: skipped ({why[n]})")
+    if reports and o.name.strip() == "all":
+        console.note(f"server faults (kvbench serve --fault NAME; kvbench break NAME): {', '.join(SERVER_FAULTS)}")
     meta = {"model": loaded.config.name, "weights": loaded.weights, "device": str(dev), "tp": o.tp}
     return results, list(why.items()), meta
+
+
+def _known(name: str) -> None:
+    """An unknown fault name is refused with both registries' names."""
+    from kvbench.check.faults import FAULTS
+    from kvbench.serve.faults import SERVER_FAULTS
+
+    if name.strip() != "all" and name.strip() not in FAULTS:
+        raise KVBenchError(
+            f"unknown fault {name.strip()!r}; known faults: {', '.join(FAULTS)}; server faults: "
+            f"{', '.join(SERVER_FAULTS)} (or all: every fault but the server faults)"
+        )
 
 
 def _split(o: BreakOptions, cfg: GPTConfig) -> Split:

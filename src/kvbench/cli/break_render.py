@@ -34,7 +34,7 @@ def render_break(r, verbose: bool = False) -> None:
         line("correct: ", _seq(r.correct_text, r.correct_tokens, r.first_divergence)),
         line("faulty:  ", _seq(r.faulty_text, r.faulty_tokens, r.first_divergence)),
         line(f"signature: {r.signature}"),
-        line(head, f" by verify: {', '.join(r.caught_by) if r.caught_by else 'no check failed'}"),
+        line(head, f" by {_judges([r])}: {', '.join(r.caught_by) if r.caught_by else 'no check failed'}"),
         *([_location(r.location)] if r.location else []),
         line(f"fix: {r.fix}"),
         line(f"dormant: {r.dormant_where} ({r.dormant_shown})"),
@@ -82,4 +82,12 @@ def render_break_summary(results: list) -> None:
         out.print(t)
     n = sum(r.detected for r in results)
     style = "bold green" if n == len(results) else "bold red"
-    out.print(styled(f"{n} of {len(results)} faults detected by verify", style))
+    out.print(styled(f"{n} of {len(results)} faults detected by {_judges(results)}", style))
+
+
+def _judges(results: list) -> str:
+    """What detects the faults shown: verify's checks, or for a server fault (cache `serve`) the serving checks."""
+    server = {r.cache == "serve" for r in results}
+    return {frozenset({False}): "verify", frozenset({True}): "the serve checks"}.get(
+        frozenset(server), "verify and the serve checks"
+    )
