@@ -17,6 +17,9 @@ Modes (what it gets wrong on purpose):
     lie-cached      reports the whole block-rounded prompt as cached, hit or not
     lie-zero        reports 0 cached tokens, hit or not (its /metrics hit counter tells the truth)
     batch-variant   logits get noise while another request is in flight (a batch-dependent kernel)
+    unchained       a prompt's first block matches a cached block of the same tokens wherever it sat (a block hash
+                    without its parent): its K/V, computed after another prefix, are reused
+    reset-keeps-host  a reset empties the device pool only; the lower tier still answers
     no-logprobs     ignores `logprobs` (as `transformers serve` does)
     garbage         answers every request with an HTML page
     error           answers completions with HTTP 500
@@ -48,6 +51,8 @@ MODES = (
     "lie-cached",
     "lie-zero",
     "batch-variant",
+    "unchained",
+    "reset-keeps-host",
     "no-logprobs",
     "garbage",
     "error",
@@ -128,8 +133,9 @@ class Engine:
         self.device: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self.host: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self.queries = self.hits = self.host_hits = 0
-        self.active = 0  # requests in flight (waiting for the model or running)
-        self.counting = threading.Lock()  # `active` and `served`
+        self.inflight: set[int] = set()  # requests waiting for the model or running
+        self.overlapped: set[int] = set()  # ... and those of them another request was in flight beside
+        self.counting = threading.Lock()  # `inflight`, `overlapped` and `served`
         self.served = 0
         self.release = threading.Event()  # ends a hang when the server stops
 
@@ -137,7 +143,8 @@ class Engine:
     def reset(self) -> None:
         with self.lock:
             self.device.clear()
-            self.host.clear()
+            if self.s.mode != "reset-keeps-host":
+                self.host.clear()
 
     def lookup(self, ids: list[int]) -> tuple[int, Any]:
         """The longest cached block-multiple prefix of at most len(ids) - 1 tokens: (its length, a copy)."""
@@ -152,6 +159,18 @@ class Engine:
                 self.host_hits += k
                 self.insert(key, entry)
                 return k, self.corrupted(copy.deepcopy(entry), self.s.mode in ("corrupt-warm", "corrupt-host"))
+        return self.unchained(ids) if self.s.mode == "unchained" and len(ids) > b else (0, None)
+
+    def unchained(self, ids: list[int]) -> tuple[int, Any]:
+        """The first block found as the last block of any cached prefix: that prefix's K/V of it, as if at 0."""
+        b = self.s.block_size
+        first = tuple(ids[:b])
+        for key, entry in self.device.items():
+            if len(key) > b and key[-b:] == first:
+                cache = copy.deepcopy(entry)
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[..., -b:, :], layer.values[..., -b:, :]
+                return b, cache
         return 0, None
 
     def corrupted(self, cache: Any, on: bool) -> Any:
@@ -185,10 +204,10 @@ class Engine:
             self.insert(key, part)
 
     # --- a completion --------------------------------------------------------------------------------------------
-    def complete(self, body: dict) -> dict:
+    def complete(self, body: dict, rid: int = 0) -> dict:
         ids, n, temperature, top_n, seed, use_cache = self.parse(body)
         with self.lock:
-            return self.run(ids, n, temperature, top_n, seed, use_cache)
+            return self.run(ids, n, temperature, top_n, seed, use_cache, rid)
 
     def parse(self, body: dict) -> tuple[list[int], int, float, int | None, int, bool]:
         prompt = body.get("prompt")
@@ -214,7 +233,9 @@ class Engine:
         use_cache = not (self.s.reset == "llamacpp" and body.get("cache_prompt") is False)
         return ids, n, temperature, top_n, int(body.get("seed") or 0), use_cache
 
-    def run(self, ids: list[int], n: int, temperature: float, top_n: int | None, seed: int, use_cache: bool) -> dict:
+    def run(
+        self, ids: list[int], n: int, temperature: float, top_n: int | None, seed: int, use_cache: bool, rid: int
+    ) -> dict:
         torch = self.torch
         from transformers import DynamicCache
 
@@ -223,12 +244,11 @@ class Engine:
         self.hits += k
         cache = cache if cache is not None else DynamicCache(config=self.model.config)
         g = torch.Generator().manual_seed(seed)
-        noisy = self.s.mode == "batch-variant" and self.active > 1
         x, out, steps = torch.tensor([ids[k:]]), [], []
         with torch.no_grad():
             for i in range(n):
                 logits = self.model(input_ids=x, use_cache=True, **{self.cache_kw: cache}).logits[0, -1].float()
-                if noisy:
+                if self.s.mode == "batch-variant" and rid in self.overlapped:
                     logits = logits + NOISE * 5 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(i))
                 lp = logits.log_softmax(-1)
                 t = (
@@ -362,14 +382,17 @@ class Handler(BaseHTTPRequestHandler):
         if engine.s.mode == "error":
             return self.send(500, {"error": {"message": "internal server error", "type": "server_error"}})
         with engine.counting:
-            engine.active += 1
+            if engine.inflight:
+                engine.overlapped |= engine.inflight | {served}
+            engine.inflight.add(served)
         try:
-            doc = engine.complete(body)
+            doc = engine.complete(body, served)
         except BadRequest as e:
             return self.error(400, str(e))
         finally:
             with engine.counting:
-                engine.active -= 1
+                engine.inflight.discard(served)
+                engine.overlapped.discard(served)
         self.send(200, doc)  # after leaving the active requests: the client's next request may come at once
 
 

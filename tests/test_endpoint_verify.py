@@ -20,10 +20,17 @@ from kvbench.endpoint.accounting import NO_FIELD
 from kvbench.jsonio import load_schema
 
 RUN = ["-n", "6"]  # 6 new tokens a request: every check's scenario in a few seconds on the tiny model
-WARM_COLD = ["warm-cold:repeat", "warm-cold:shared-prefix", "warm-cold:multi-turn", "warm-cold:interleaved"]
-EVICTED = ["evicted:repeat", "evicted:shared-prefix"]
+WARM_COLD = [
+    "warm-cold:repeat",
+    "warm-cold:shared-prefix",
+    "warm-cold:multi-turn",
+    "warm-cold:interleaved",
+    "warm-cold:moved-block",
+]
+EVICTED = ["evicted:repeat", "evicted:shared-prefix", "evicted:reset"]
+BATCH = ["batch-invariance:distinct", "batch-invariance:shared-prefix"]
 ACCOUNTING = ["accounting:cached-tokens", "accounting:reset", "accounting:counters"]
-ALL = [*WARM_COLD, *EVICTED, "batch-invariance", *ACCOUNTING]
+ALL = [*WARM_COLD, *EVICTED, *BATCH, *ACCOUNTING]
 
 
 @pytest.fixture(scope="module")
@@ -58,24 +65,34 @@ def test_an_honest_engine_passes_every_check_bit_identical(model_dir, tmp_path):
     by_name = rows(r)
     assert list(by_name) == ALL
     assert not failed(by_name) and not any(x["skipped"] for x in by_name.values())
-    for name in [*WARM_COLD, *EVICTED, "batch-invariance"]:
+    for name in [*WARM_COLD, *EVICTED, *BATCH]:
         assert "bit-identical" in by_name[name]["detail"] and by_name[name]["max_abs_diff"] == 0, by_name[name]
     # the flood recomputed the evicted prompts: nothing of them was still cached
     evidence = json.loads(r.stdout)["endpoint"]["evidence"]
     assert evidence["evicted"]["cached_after"] == [0, 0], evidence
     assert "consistent with blocks of 16 (vllm:cache_config_info)" in by_name["accounting:cached-tokens"]["detail"]
     suite = ET.parse(tmp_path / "v.xml").getroot().find("testsuite")
-    assert suite is not None and suite.get("tests") == "10" and suite.get("failures") == "0"
+    assert suite is not None and suite.get("tests") == str(len(ALL)) and suite.get("failures") == "0"
 
 
 @pytest.mark.parametrize(
     "settings, caught, clean",
     [
-        ({"mode": "corrupt-warm"}, WARM_COLD, [*EVICTED, "batch-invariance"]),
-        ({"mode": "corrupt-host", "host_blocks": 400}, EVICTED, ["warm-cold:repeat", "batch-invariance"]),
-        ({"mode": "lie-cached"}, ACCOUNTING, [*WARM_COLD, *EVICTED]),
+        (
+            {"mode": "corrupt-warm"},
+            [*WARM_COLD[:4], "batch-invariance:shared-prefix"],
+            [*EVICTED, "batch-invariance:distinct", "warm-cold:moved-block"],
+        ),
+        (
+            {"mode": "corrupt-host", "host_blocks": 400},
+            EVICTED[:2],
+            ["warm-cold:repeat", "evicted:reset", "batch-invariance:distinct"],
+        ),
+        ({"mode": "lie-cached"}, [*ACCOUNTING, "evicted:reset"], [*WARM_COLD, *EVICTED[:2]]),
         ({"mode": "lie-zero"}, ["accounting:cached-tokens", "accounting:counters"], WARM_COLD),
-        ({"mode": "batch-variant"}, ["batch-invariance"], WARM_COLD),
+        ({"mode": "batch-variant"}, BATCH, WARM_COLD),
+        ({"mode": "unchained"}, ["warm-cold:moved-block", "accounting:cached-tokens"], WARM_COLD[:4]),
+        ({"mode": "reset-keeps-host", "host_blocks": 400}, ["evicted:reset"], EVICTED[:2]),
     ],
     ids=lambda x: x.get("mode") if isinstance(x, dict) else None,
 )
@@ -93,7 +110,7 @@ def test_a_failure_names_the_check_and_its_evidence(model_dir):
         r = verify(url, "--checks", "warm-cold")
     assert r.exit_code == 1, r.output
     verdict = r.stdout.strip().splitlines()[-1]
-    assert verdict.startswith("FAILED 4 of 4 checks: warm-cold:repeat/foreign-tiny"), verdict
+    assert verdict.startswith("FAILED 4 of 5 checks: warm-cold:repeat/foreign-tiny"), verdict
     assert "warm run 1 vs cold" in r.stdout and "cached_tokens 0, 16, 16, 0" in r.stdout, r.stdout
 
 
@@ -128,7 +145,15 @@ def test_text_prompts_where_the_engine_refuses_token_ids(model_dir):
 @pytest.mark.parametrize(
     "settings, args, skips",
     [
-        ({"usage_details": False}, [], {"accounting": NO_FIELD}),
+        (
+            {"usage_details": False},
+            [],
+            {
+                "accounting": NO_FIELD,
+                "evicted:reset": "the engine's answers have no usage.prompt_tokens_details.cached_tokens to check after "
+                "the reset",
+            },
+        ),
         (
             {"metrics": "none"},
             [],
@@ -147,6 +172,8 @@ def test_text_prompts_where_the_engine_refuses_token_ids(model_dir):
                 "warm-cold:shared-prefix": "--reset none: S+B cannot run cold once S+A was sent; name the engine's "
                 "reset",
                 "warm-cold:multi-turn": "--reset none: prompt + completion cannot run cold once the prompt was sent",
+                "warm-cold:moved-block": "--reset none: B+D cannot run cold again once it was sent",
+                "evicted:reset": "--reset none: no reset to check after the flood",
                 "accounting:reset": "--reset none: no reset to check cached_tokens after",
             },
         ),

@@ -2,8 +2,9 @@
 
 `usage.prompt_tokens_details.cached_tokens` is checked against the reusable prefix rounded down to whole blocks:
 0 for a prompt nothing sent before began with; for a repeat, the prompt but its last token (whose logits must be
-computed); for S+B after S+A, S; for prompt + completion + more after the prompt, at least the prompt and at most the
-prompt and the completion but its last token (the tokens whose K/V the engine computed). The block size is the one
+computed); for S+B after S+A, S; for B+D after C+B, 0 (B's tokens were cached after C, not at the start); for prompt + completion
++ more after the prompt, at least the prompt and at most the prompt and the completion but its last token (the
+tokens whose K/V the engine computed). The block size is the one
 /metrics states, else the one power of two from 1 to 256 every count fits (SGLang and llama.cpp reuse any number of
 tokens: 1). After a reset nothing may be reported cached. Where /metrics counts prefix-cache hits, the hit tokens it
 counted over those requests must equal the sum the answers reported. TTFT of a warm repeat beside an unseen prompt
@@ -81,8 +82,8 @@ def _request(r: Run, prompt: list[int] | str, what: str, low: int, high: int | N
 
 
 def _observe(r: Run) -> list[Seen]:
-    """An unseen prompt, its repeat, S+A then S+B, and prompt + completion + more (token-id prompts only: a text
-    prompt's token boundaries are the engine's)."""
+    """An unseen prompt and its repeat; with token-id prompts (a text prompt's token boundaries are the engine's)
+    also S+A then S+B, prompt + completion + more, and C+B then B+D."""
     n = 2 * r.prompt_len + 5
     p = r.prompts.fresh(n)
     first, _ = _request(r, p, "unseen", 0)
@@ -98,6 +99,10 @@ def _observe(r: Run) -> list[Seen]:
     more = r.prompts.fresh(max(4, r.prompt_len // 4))
     if isinstance(reply, list):
         seen.append(_request(r, join(p, reply, more), "prompt + completion + more", n, n + len(reply) - 1)[0])
+    k = r.whole_blocks()
+    head, moved = r.prompts.fresh(k), r.prompts.fresh(k)
+    seen.append(_request(r, join(head, moved), "unseen C+B", 0)[0])
+    seen.append(_request(r, join(moved, r.prompts.fresh(k)), "B+D after C+B", 0)[0])
     return seen
 
 

@@ -1,31 +1,26 @@
-"""The checks of cross-request reuse on an engine: warm-cold, evicted and batch-invariance (accounting.py: the
-cached-token counts). Each scenario runs prompts cold (the engine's reset, --reset) and again where the engine can
-reuse what it cached, and compares every warm answer with its cold one (compare.py); a row per scenario.
+"""warm-cold: a prompt run cold (the engine's reset, --reset) and again where the engine can reuse what it cached,
+each warm answer compared with its cold one (compare.py); a row per scenario. `Run` is what every check reads
+(pressure.py: evicted and batch-invariance; accounting.py: the cached-token counts).
 
 - warm-cold:repeat: a prompt cold, then twice warm (and cold again: is the engine reproducible at all?)
 - warm-cold:shared-prefix: S+A and S+B cold, then each after the other (their shared S comes from the cache)
 - warm-cold:multi-turn: a prompt, then prompt + its completion + more, against that extension cold
 - warm-cold:interleaved: two prefixes and their extensions, alternated, each against its cold run
-- evicted:repeat, evicted:shared-prefix: the same after distractor prompts flood the device pool (its size from
-  /metrics, or --evict-tokens), so what comes back comes from a lower tier or is recomputed
-- batch-invariance: a prompt alone, then among concurrent neighbours of other lengths, repeated
+- warm-cold:moved-block: C+B cached, then B+D: B's tokens again, but at the start, after no prefix, so nothing of
+  C+B may be reused (an engine whose block hash leaves out the blocks before it reuses B)
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvbench.check.judge import CheckRow, skipped
-from kvbench.endpoint.client import parallel
 from kvbench.endpoint.compare import Comparison, compare, comparison_row
 from kvbench.endpoint.completion import Completion, Prompt, Prompts, length
-from kvbench.endpoint.engine import LOWER_TIER_HITS, Engine
+from kvbench.endpoint.engine import Engine
 
-REPEATS = 3  # batch-invariance: bursts of the prompt among its neighbours
-JOIN_LATE_S = 0.05  # in every other burst the prompt starts this long after its neighbours (a running batch)
-MAX_FLOOD_REQUESTS = 100_000
+BLOCK_GUESS = 16  # the block size prompts are laid out by where /metrics states none (vLLM's and kvbench's default)
 
 
 @dataclass
@@ -39,6 +34,7 @@ class Run:
     neighbours: int  # --batch
     tol: float  # --logprob-tol
     evict_tokens: int | None  # --evict-tokens
+    block_size: int | None = None  # as /metrics states it
     notes: list[str] = field(default_factory=list)
     evidence: dict = field(default_factory=dict)  # for --json: what each check measured beyond its rows
 
@@ -61,6 +57,13 @@ class Run:
     def no_reset(self, name: str, why: str) -> CheckRow:
         return skipped(self.column, f"--reset none: {why}", name)
 
+    def block(self) -> int:
+        return self.block_size or BLOCK_GUESS
+
+    def whole_blocks(self) -> int:
+        """--prompt-len rounded up to whole blocks: a prefix an engine caches all of."""
+        return -(-self.prompt_len // self.block()) * self.block()
+
 
 def join(*parts: Prompt) -> Prompt:
     if all(isinstance(p, list) for p in parts):
@@ -79,6 +82,7 @@ def warm_cold(r: Run) -> Iterator[CheckRow]:
     yield shared_prefix(r)
     yield multi_turn(r)
     yield interleaved(r)
+    yield moved_block(r)
 
 
 def repeat(r: Run) -> CheckRow:
@@ -148,89 +152,16 @@ def interleaved(r: Run) -> CheckRow:
     return r.row("warm-cold:interleaved", what, comps)
 
 
-def evicted(r: Run, pool: tuple[int, str] | None) -> Iterator[CheckRow]:
-    """P and S+A cached, the pool flooded, then P and S+B (sharing S) against their cold runs."""
-    if pool is None:
-        why = (
-            "the engine reports no KV pool size in /metrics (kvbench_kv_blocks_total, vllm:cache_config_info, "
-            "sglang:max_total_num_tokens); give --evict-tokens N"
-        )
-        yield skipped(r.column, why, "evicted")
-        return
-    p, s, (a, b) = (
-        r.prompts.fresh(r.prompt_len),
-        r.prompts.fresh(r.prompt_len),
-        r.prompts.fork(max(4, r.prompt_len // 4)),
-    )
-    cold_sb, cold_p = r.cold(join(s, b)), r.cold(p)
-    r.warm(join(s, a))
-    before = r.warm(p)
-    tier0 = _lower_tier_hits(r.engine)
-    tokens, requests = flood(r, pool[0])
-    back_p, back_sb = r.warm(p), r.warm(join(s, b))
-    tier1 = _lower_tier_hits(r.engine)
-    lower = f"; lower-tier hits {tier1 - tier0:,.0f} tokens" if tier0 is not None and tier1 is not None else ""
-    flooded = f"{tokens:,} tokens of distractors in {requests} requests (pool {pool[0]:,} tokens: {pool[1]})"
-    r.evidence["evicted"] = {
-        "pool_tokens": pool[0],
-        "pool_from": pool[1],
-        "flood_tokens": tokens,
-        "flood_requests": requests,
-        "cached_before": before.cached_tokens,
-        "cached_after": [back_p.cached_tokens, back_sb.cached_tokens],
-    }
-    what = f"P cached{cached(before)}, then {flooded}, then P again{cached(back_p)}{lower}"
-    yield r.row("evicted:repeat", what, [compare("P after the flood vs cold", cold_p, back_p, r.tol)])
-    what = f"S+A cached, then the flood, then S+B{cached(back_sb)}"
-    yield r.row("evicted:shared-prefix", what, [compare("S+B after the flood vs cold", cold_sb, back_sb, r.tol)])
-
-
-def _lower_tier_hits(e: Engine) -> float | None:
-    m = e.metrics() if e.has_metrics else None
-    total = m.total(LOWER_TIER_HITS) if m is not None else None
-    return total[0] if total is not None else None
-
-
-def flood(r: Run, pool: int) -> tuple[int, int]:
-    """Distractor prompts, `--batch` at a time, until their prompt tokens pass 1.25 x `pool`: (tokens, requests)."""
-    e, target = r.engine, pool + pool // 4
-    room = (e.max_len - 2) if e.max_len else 4 * r.prompt_len
-    size = min(room, 2048) if e.token_prompts else max(8, min(room, 2048) // 8)  # a word may be several tokens
-    tokens = requests = 0
-    while tokens < target and requests < MAX_FLOOD_REQUESTS:
-        batch = [r.prompts.fresh(size) for _ in range(max(1, r.neighbours))]
-        for c in parallel([_call(e, q, 1) for q in batch]):
-            tokens += c.prompt_tokens if c.prompt_tokens is not None else length(batch[0])
-        requests += len(batch)
-    return tokens, requests
-
-
-def _call(e: Engine, prompt: Prompt, n: int) -> Callable[[], Completion]:
-    return lambda: e.complete(prompt, n)
-
-
-def batch_invariance(r: Run) -> CheckRow:
-    e = r.engine
-    p = r.prompts.fresh(r.prompt_len)
-    alone = r.cold(p)
-    comps, lens = [], [r.prompt_len + 4 * (i + 1) for i in range(r.neighbours)]
-    for rep in range(REPEATS):
-        others = [r.prompts.fresh(n) for n in lens]
-        if e.reset.clears_all:
-            e.clear()
-        late = rep % 2 == 1
-
-        def target(late: bool = late) -> Completion:
-            if late:
-                time.sleep(JOIN_LATE_S)
-            return e.complete(p, r.new_tokens, cold=True, clear=False)
-
-        among = parallel([target] + [_call(e, q, 2 * r.new_tokens) for q in others])[0]
-        when = "joining them late" if late else "started together"
-        comps.append(compare(f"burst {rep + 1} ({when}) vs alone", alone, among, r.tol))
-    warm = "" if e.reset.available else "; no reset, so the bursts also reuse the alone run's prefix"
+def moved_block(r: Run) -> CheckRow:
+    if not r.engine.reset.available:
+        return r.no_reset("warm-cold:moved-block", "B+D cannot run cold again once it was sent")
+    k = r.whole_blocks()
+    c, b, d = r.prompts.fresh(k), r.prompts.fresh(k), r.prompts.fresh(max(4, r.prompt_len // 4))
+    cold = r.cold(join(b, d))
+    r.cold(join(c, b))  # the cache holds C+B alone: B after C, at positions k.. 2k-1
+    warm = r.warm(join(b, d))
     what = (
-        f"a {r.prompt_len}-{r.unit()} prompt alone, then {REPEATS} times among {r.neighbours} concurrent neighbours "
-        f"of {', '.join(map(str, lens))} {r.unit()}s{warm}"
+        f"C+B of {k} {r.unit()}s each cached, then B+D: B's tokens at the start, so nothing cached is its "
+        f"prefix{cached(warm)}"
     )
-    return r.row("batch-invariance", what, comps)
+    return r.row("warm-cold:moved-block", what, [compare("B+D after C+B vs cold", cold, warm, r.tol)])

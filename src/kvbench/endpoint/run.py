@@ -14,10 +14,11 @@ from typing import Protocol
 
 from kvbench.check.judge import CheckRow, VerifyReport, verdict
 from kvbench.endpoint.accounting import accounting
-from kvbench.endpoint.checks import Run, batch_invariance, evicted, warm_cold
+from kvbench.endpoint.checks import Run, warm_cold
 from kvbench.endpoint.client import Client, EndpointError
 from kvbench.endpoint.completion import Prompts
 from kvbench.endpoint.engine import TOP_N, Engine, probe
+from kvbench.endpoint.pressure import batch_invariance, evicted
 from kvbench.endpoint.resets import RESETS, get_reset
 from kvbench.errors import FailedThenStopped, KVBenchError, listed
 
@@ -131,7 +132,7 @@ def _rows(r: Run, s: EndpointSettings) -> Iterator[CheckRow]:
         pool = (s.evict_tokens, "--evict-tokens") if s.evict_tokens is not None else None
         yield from evicted(r, pool or (metrics.pool_tokens() if metrics is not None else None))
     if "batch-invariance" in s.checks:
-        yield batch_invariance(r)
+        yield from batch_invariance(r)
     if "accounting" in s.checks:
         yield from accounting(r)
 
