@@ -64,8 +64,9 @@ MAX_LEN = 512
 NOISE = 0.1  # the std of the noise a corrupt mode adds
 
 
-def save_tiny_model(path: Path) -> Path:
-    """A 2-layer Llama (4 heads, 2 K/V heads, vocabulary 320) at init std 0.1, so greedy output varies."""
+def save_tiny_model(path: Path, tokenizer: bool = False) -> Path:
+    """A 2-layer Llama (4 heads, 2 K/V heads, vocabulary 320) at init std 0.1, so greedy output varies; with
+    `tokenizer`, `byte_tokenizer` saved beside it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -83,7 +84,26 @@ def save_tiny_model(path: Path) -> Path:
         eos_token_id=2,
     )
     LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    if tokenizer:
+        byte_tokenizer().save_pretrained(path)
     return path
+
+
+def byte_tokenizer() -> Any:
+    """The engine's tokenizer as a transformers one (for `transformers serve` on the same model): every byte a
+    token of its own, id = byte + 3, no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # GPT-2's byte-to-character table, which byte-level BPE spells its tokens with
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in shown]
+    char = {**{b: chr(b) for b in shown}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{char[b]: b + 3 for b in range(256)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
 def encode(text: str) -> list[int]:

@@ -81,7 +81,8 @@ def test_a_row_fails_on_its_first_divergence_and_shows_the_largest_difference():
     bad = compare("warm run 2 vs cold", COLD, run([9, 2, 3], [-0.5, -0.7, -0.2], [{"t1": -0.5, "t9": -1.5}] * 3), TOL)
     row = comparison_row("warm-cold:repeat", "m", "a prompt", [good, bad], TOL)
     assert not row.passed and row.first_divergence == 0 and row.max_abs_diff == 0
-    assert row.detail.startswith("a prompt; diverged: warm run 2 vs cold: token 0 differs"), row.detail
+    assert row.detail.startswith("diverged: warm run 2 vs cold: token 0 differs"), row.detail
+    assert row.detail.endswith("; runs: a prompt"), row.detail
     assert comparison_row("warm-cold:repeat", "m", "a prompt", [good, good], TOL).passed
 
 

@@ -2,9 +2,9 @@
 
 Each comparison is one of three: **bit-identical** (the same tokens, and where the engine gives them the same
 sampled-token logprobs to the last bit); **drift bounded by near-ties** (the same tokens with logprobs within
-`tol` of each other, or a token that flips where the cold run's top two were within twice the logprob error seen at
-that step, rounding and not a cache bug, as verify judges a flip in fp16); **diverged** (anything else), with its
-first divergent step and the evidence. After a flip the two runs continue from different tokens, so nothing past it
+`tol` of each other, or a token that flips at a step whose logprob error is within `tol` and where the cold run's
+gap between the two tokens is within twice that error: rounding and not a cache bug, as verify judges a flip in
+fp16); **diverged** (anything else), with its first divergent step and the evidence. After a flip the two runs continue from different tokens, so nothing past it
 is compared.
 
 What is compared is the best the engine gives: the completion's token ids, else its token strings, else its text;
@@ -121,13 +121,13 @@ def _flipped(label: str, cold: Completion, warm: Completion, k: int, before: flo
 
 def tolerance_words(basis: str, tol: float) -> str:
     if basis == "logprobs":
-        return f"bit-identical, or |Δlogprob| <= {tol:g} and flips only at near-ties (top-2 gap <= 2 x logprob error)"
+        return f"identical, or |Δlogprob| <= {tol:g} and flips at near-ties only"
     return f"identical {basis} (the engine gives no logprobs)"
 
 
 def comparison_row(name: str, column: str, what: str, comparisons: list[Comparison], tol: float) -> CheckRow:
     """One check's row from its comparisons: failed by the first that diverged; the figure is the largest
-    |Δlogprob|; the detail names what was run, the verdict and the worst comparison's evidence."""
+    |Δlogprob|; the detail says the verdict with the worst comparison's evidence, then what was run."""
     assert comparisons, "a row compares something"
     bad = [c for c in comparisons if c.kind == DIVERGED]
     drift = [c for c in comparisons if c.kind == DRIFT]
@@ -146,5 +146,5 @@ def comparison_row(name: str, column: str, what: str, comparisons: list[Comparis
         max_abs_diff=max(diffs) if diffs else None,
         first_divergence=worst.first,
         tolerance=tolerance_words(worst.basis if worst.basis == "logprobs" else comparisons[0].basis, tol),
-        detail=f"{what}; {verdict}",
+        detail=f"{verdict}; runs: {what}",
     )
