@@ -132,6 +132,7 @@ class Settings:
     logprobs: bool = True  # answers `logprobs` (False: ignores it, as mode no-logprobs)
     usage_details: bool = True  # usage.prompt_tokens_details.cached_tokens
     token_prompts: bool = True  # a prompt may be a list of token ids
+    token_ids: str = "always"  # a completion's token ids: always, asked (with return_token_ids, as vLLM), never
     die_after: int | None = None  # completions answered before the server stops mid-request
     hang_after: int | None = None  # completions answered before every request hangs
 
@@ -227,7 +228,11 @@ class Engine:
     def complete(self, body: dict, rid: int = 0) -> dict:
         ids, n, temperature, top_n, seed, use_cache = self.parse(body)
         with self.lock:
-            return self.run(ids, n, temperature, top_n, seed, use_cache, rid)
+            doc = self.run(ids, n, temperature, top_n, seed, use_cache, rid)
+        asked = self.s.token_ids == "asked" and body.get("return_token_ids") is True
+        if not (self.s.token_ids == "always" or asked):
+            del doc["choices"][0]["token_ids"]
+        return doc
 
     def parse(self, body: dict) -> tuple[list[int], int, float, int | None, int, bool]:
         prompt = body.get("prompt")

@@ -133,6 +133,19 @@ def test_without_logprobs_a_corrupt_warm_hit_still_fails_on_its_tokens(model_dir
             assert "the engine gives no logprobs, so a near-tie cannot be told from a bug" in row["detail"], row
 
 
+@pytest.mark.parametrize(
+    "listed, second_turn", [("asked", "its completion"), ("never", "fresh tokens (the engine returns no token ids)")]
+)
+def test_a_completions_token_ids_where_the_engine_lists_them(model_dir, listed, second_turn):
+    with engine(model_dir, token_ids=listed) as url:
+        r = verify(url, "--json", "--checks", "warm-cold")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["endpoint"]["token_ids"] is (listed == "asked")
+    multi_turn = rows(r)["warm-cold:multi-turn"]["detail"]
+    assert f"then prompt + {second_turn} + more" in multi_turn, multi_turn
+
+
 def test_text_prompts_where_the_engine_refuses_token_ids(model_dir):
     with engine(model_dir, token_prompts=False) as url:
         r = verify(url, "--json")

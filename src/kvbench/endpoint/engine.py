@@ -1,8 +1,9 @@
 """What an OpenAI-compatible engine exposes, probed once, and its completions at temperature 0.
 
 The probe asks GET /v1/models (the model, its max_model_len), then one short completion: token-id prompts where the
-engine takes them, else text; `logprobs` where it answers them; `token_ids` and
-`usage.prompt_tokens_details.cached_tokens` where its answer has them. GET /metrics, where it answers, is read for
+engine takes them, else text; `logprobs` where it answers them; `token_ids` (asked for with vLLM's
+`return_token_ids` where the answer lacks them) and `usage.prompt_tokens_details.cached_tokens` where its answer
+has them. GET /metrics, where it answers, is read for
 the prefix-cache hit counters, the block size and the pool size under the names each engine uses (`METRICS`). The
 reset (--reset) is tried once, so a wrong way is said before any check runs.
 """
@@ -98,11 +99,13 @@ class Engine:
     reset: Reset
     has_metrics: bool = False
     seed: int = 0
+    fields: dict = field(default_factory=dict)  # added to every request: {"return_token_ids": true} where it helps
 
     def complete(self, prompt: Prompt, n: int, cold: bool = False, clear: bool = True) -> Completion:
         """`prompt` continued by `n` greedy tokens; `cold`: run it cold (the reset before it, unless `clear` is
         False because the caller reset already, or in it)."""
         body: dict = {"model": self.model, "prompt": prompt, "max_tokens": n, "temperature": 0, "seed": self.seed}
+        body.update(self.fields)
         if self.logprobs:
             body["logprobs"] = TOP_N
         if cold:
@@ -139,12 +142,28 @@ def probe(client: Client, reset: Reset, seed: int) -> Engine:
     e = Engine(client, model, max_len, True, True, True, True, True, reset, seed=seed)
     c = _first_completion(e)
     e.logprobs, e.tops = e.logprobs and c.has_logprobs, e.logprobs and c.tops is not None
-    e.token_ids = c.token_ids is not None
+    e.token_ids = c.token_ids is not None or _token_ids_on_request(e)
     e.cached_field = c.cached_tokens is not None
     e.has_metrics = e.metrics() is not None
     if reset.path is not None:
         e.clear()
     return e
+
+
+def _token_ids_on_request(e: Engine) -> bool:
+    """Whether the engine lists a completion's token ids when asked with `return_token_ids` (vLLM's field), so a
+    second turn can continue the first one's exact tokens; an engine that refuses the field is not asked again."""
+    e.fields = {"return_token_ids": True}
+    try:
+        c = e.complete(list(range(ID_RANGE[0], ID_RANGE[0] + 8)) if e.token_prompts else " the first of many", 2)
+    except EndpointHTTPError as err:
+        if err.status not in (400, 422):
+            raise
+        c = None
+    if c is None or c.token_ids is None:
+        e.fields = {}
+        return False
+    return True
 
 
 def _model(client: Client) -> tuple[str, int | None]:
