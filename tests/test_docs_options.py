@@ -32,6 +32,7 @@ PAGES = {
     "generate.md": ("generate",),
     "verify.md": ("verify",),
     "verify-hf.md": ("verify",),
+    "verify-endpoint.md": ("verify",),
     "break.md": ("break",),
     "bench.md": ("bench",),
     "bench-scaling.md": ("bench",),

@@ -24,6 +24,11 @@ class ContainedOutOfMemory(NotEnoughMemoryError):
     (kvbench.thirdparty): an allocation failure all the same (`is_out_of_memory`)."""
 
 
+class FailedThenStopped(KVBenchError):
+    """A run that an error stopped after some of its checks had already failed (`verify --endpoint` whose server
+    stopped answering): the verdict is known, so the CLI exits 1 with the error's line, not 2."""
+
+
 class CacheOverflowError(KVBenchError):
     """A fixed-capacity cache was asked to hold more tokens than it has slots for."""
 

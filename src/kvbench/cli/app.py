@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from kvbench.model.weights import LoadedModel
 from kvbench.errors import (
     CheckRaised,
+    FailedThenStopped,
     KVBenchError,
     NotEnoughMemoryError,
     is_out_of_host_memory,
@@ -125,6 +126,8 @@ def exit_code(e: BaseException) -> tuple[int, str | None]:
         return OUT_OF_MEMORY, str(e)
     if distributed.peer_lost(e):  # another rank failed first (launched by kvbench, the launcher names it)
         return distributed.PEER_LOST, str(e) if isinstance(e, distributed.PeerLost) else distributed.lost_line()
+    if isinstance(e, FailedThenStopped):
+        return FAILED, str(e)
     if isinstance(e, KVBenchError):
         return BAD_INPUT, str(e)
     if isinstance(e, CheckRaised):

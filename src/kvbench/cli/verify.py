@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -11,12 +12,17 @@ import typer
 from kvbench import console, options
 from kvbench.cli.app import NOTHING_CHECKED, command, load_for_checks
 from kvbench.cli.verify_render import render_verify, verify_row
+from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import option
 
 if TYPE_CHECKING:
+    from kvbench.check.judge import CheckRow, VerifyReport
     from kvbench.model.gpt2 import GPTConfig
     from kvbench.tp_command import Split
+
+
+ENDPOINT_PANEL = "Serving engines (--endpoint)"
 
 
 @dataclass
@@ -49,6 +55,46 @@ class VerifyOptions:
     layers: int | None = options.layers_option()
     junit_xml: str | None = options.junit_option()
     verbose: bool = options.verbose_option()
+    endpoint: str | None = option(
+        "--endpoint",
+        default=None,
+        panel=ENDPOINT_PANEL,
+        help="Check cross-request KV-cache reuse on a running OpenAI-compatible server instead (kvbench serve, vLLM, "
+        "SGLang, llama.cpp's server): its base URL, e.g. http://127.0.0.1:8000/v1.",
+    )
+    checks: str | None = option(
+        "--checks",
+        default=None,
+        panel=ENDPOINT_PANEL,
+        help="With --endpoint: comma-separated checks (default: all): warm-cold, evicted, batch-invariance, "
+        "accounting.",
+    )
+    reset: str = option(
+        "--reset",
+        default="kvbench",
+        panel=ENDPOINT_PANEL,
+        help="With --endpoint: how the engine runs a request cold: kvbench | vllm (POST /reset_prefix_cache), sglang "
+        '(POST /flush_cache), llamacpp ("cache_prompt": false), none.',
+    )
+    evict_tokens: int | None = option(
+        "--evict-tokens",
+        default=None,
+        panel=ENDPOINT_PANEL,
+        help="With --endpoint: the engine's KV pool in tokens, for the evicted check (default: from its /metrics).",
+    )
+    timeout: float = option(
+        "--timeout",
+        default=60.0,
+        panel=ENDPOINT_PANEL,
+        help="With --endpoint: seconds each HTTP request may take in all; past it the run ends with one line.",
+    )
+    logprob_tol: float = option(
+        "--logprob-tol",
+        default=0.05,
+        panel=ENDPOINT_PANEL,
+        help="With --endpoint: the largest |logprob difference| of a sampled token between a warm and a cold run "
+        "that still counts as drift (a token flip passes only at a near-tie).",
+    )
 
 
 @command(VerifyOptions, error_doc={"passed": False})
@@ -68,8 +114,11 @@ def verify(o: VerifyOptions) -> None:
     with junit.errors_reported(o.junit_xml if role.writes_errors else None, "verify", clock):
         junit_path = junit.check_junit_path(o.junit_xml) if reports else None
         validate.verify_rules(o)
+        _endpoint_rules(o)
         if launching:
             exit_code = tp_command.launch(_split(o), sys.argv[1:])
+        elif o.endpoint is not None:
+            report, meta = _verify_endpoint(o, clock)
         else:
             report, meta = _verify_hf(o, clock) if o.hf is not None else _verify_gpt2(o, clock)
     if exit_code is not None:  # the ranks have reported
@@ -200,3 +249,48 @@ def _verify_hf(o: VerifyOptions, on_row):
         "hf": {**loaded.meta(), "caches": {n: HF_CACHES[n].summary for n in names}},
     }
     return report, meta
+
+
+def _endpoint_rules(o: VerifyOptions) -> None:
+    """--endpoint's options, and none of the options that choose a model kvbench runs beside it."""
+    from kvbench.endpoint.run import endpoint_rules
+
+    endpoint_rules(o)
+    if o.endpoint is None:
+        return
+    given = {
+        "--caches": o.caches is not None,
+        "--hf": o.hf is not None,
+        "--model": o.model is not None,
+        "--weights": o.weights != "auto",
+        "--device": o.device != "auto",
+        "--dtype": o.dtype != "fp32",
+        "--compile": o.compile != "off",
+        "--tp": o.tp != 1,
+        "--reference": o.reference != "hf",
+    }
+    for flag, on in given.items():
+        if on:
+            raise KVBenchError(
+                f"{flag} chooses what kvbench runs itself; with --endpoint the engine runs its own model, drop {flag}"
+            )
+
+
+def _verify_endpoint(o: VerifyOptions, on_row: Callable[[CheckRow], None]) -> tuple[VerifyReport, dict]:
+    """`kvbench verify --endpoint URL`: the checks on a running engine (endpoint/run.py)."""
+    assert o.endpoint is not None, "--endpoint given"
+    from kvbench.endpoint.run import EndpointSettings, parse_checks, run_endpoint
+
+    settings = EndpointSettings(
+        url=o.endpoint,
+        checks=parse_checks(o.checks),
+        reset=o.reset,
+        prompt_len=o.prompt_len,
+        new_tokens=o.new_tokens,
+        neighbours=o.batch,
+        seed=o.seed,
+        tol=o.logprob_tol,
+        evict_tokens=o.evict_tokens,
+        timeout=o.timeout,
+    )
+    return run_endpoint(settings, on_row)

@@ -165,7 +165,9 @@ def verbose_rows(checks: list) -> None:
 
 def render_verify(report, meta: dict, verbose: bool = False) -> None:
     width = out.width
-    title = f"kvbench verify: {meta['model']}, {meta['weights']}, {meta['device']}, {meta['dtype']}"
+    title = (
+        meta.get("title") or f"kvbench verify: {meta['model']}, {meta['weights']}, {meta['device']}, {meta['dtype']}"
+    )
     for t in _grid(report.checks, width, title):
         out.print(t)
     judged = [r for r in report.checks if not r.skipped]

@@ -1,0 +1,184 @@
+"""What other requests do to a prompt's cached prefix: flooding the pool past it (evicted), and running beside it
+(batch-invariance). Each warm answer is compared with the same prompt's cold one, as in warm-cold (checks.py).
+
+- evicted:repeat, evicted:shared-prefix: P and S+A cached, distractor prompts flood the device pool (its size from
+  /metrics, or --evict-tokens) by a quarter more than it holds, then P and S+B again: what comes back comes from a
+  lower tier (a host tier, an offload connector) or is recomputed, and must equal the cold runs
+- evicted:reset: R cached before the flood (so it sits in a lower tier, or nowhere), then the reset, then R: 0
+  cached tokens, since a reset that empties the device alone leaves a lower tier answering
+- batch-invariance:distinct: a prompt alone, then among concurrent neighbours of other lengths, repeated
+- batch-invariance:shared-prefix: S cached, then S+B among neighbours that share S and finish first; an engine that
+  frees a shared block when one holder finishes hands it out while S+B still reads it
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from kvbench.check.judge import CheckRow, skipped
+from kvbench.endpoint.checks import Run, cached, join
+from kvbench.endpoint.client import parallel
+from kvbench.endpoint.compare import Comparison, compare
+from kvbench.endpoint.completion import Completion, Prompt, length
+from kvbench.endpoint.engine import LOWER_TIER_HITS, Engine
+
+REPEATS = 3  # batch-invariance: bursts of the prompt among its neighbours
+JOIN_LATE_S = 0.05  # in every other burst the prompt starts this long after its neighbours (a running batch)
+MAX_FLOOD_REQUESTS = 100_000
+NO_POOL = (
+    "the engine reports no KV pool size in /metrics (kvbench_kv_blocks_total, vllm:cache_config_info, "
+    "sglang:max_total_num_tokens); give --evict-tokens N"
+)
+
+
+def evicted(r: Run, pool: tuple[int, str] | None) -> Iterator[CheckRow]:
+    """P, S+A and R cached, the pool flooded, then P and S+B (sharing S) against their cold runs, then R after the
+    reset."""
+    if pool is None:
+        yield skipped(r.column, NO_POOL, "evicted")
+        return
+    quarter = max(4, r.prompt_len // 4)
+    p, s, rr, (a, b) = (
+        r.prompts.fresh(r.prompt_len),
+        r.prompts.fresh(r.prompt_len),
+        r.prompts.fresh(r.prompt_len),
+        r.prompts.fork(quarter),
+    )
+    cold_sb, cold_p = r.cold(join(s, b)), r.cold(p)
+    r.warm(join(s, a))
+    before = [r.warm(p), r.warm(rr)]
+    tier0 = _lower_tier_hits(r.engine)
+    tokens, requests = flood(r, pool[0])
+    back_p, back_sb = r.warm(p), r.warm(join(s, b))
+    tier1 = _lower_tier_hits(r.engine)
+    lower = f"; lower-tier hits {tier1 - tier0:,.0f} tokens" if tier0 is not None and tier1 is not None else ""
+    flooded = f"{tokens:,} tokens of distractors in {requests} requests (pool {pool[0]:,} tokens: {pool[1]})"
+    r.evidence["evicted"] = {
+        "pool_tokens": pool[0],
+        "pool_from": pool[1],
+        "flood_tokens": tokens,
+        "flood_requests": requests,
+        "cached_before": before[0].cached_tokens,
+        "cached_after": [back_p.cached_tokens, back_sb.cached_tokens],
+    }
+    what = f"P cached{cached(before[0])}, then {flooded}, then P again{cached(back_p)}{lower}"
+    yield r.row("evicted:repeat", what, [compare("P after the flood vs cold", cold_p, back_p, r.tol)])
+    what = f"S+A cached, then the flood, then S+B{cached(back_sb)}"
+    yield r.row("evicted:shared-prefix", what, [compare("S+B after the flood vs cold", cold_sb, back_sb, r.tol)])
+    yield _reset_after_flood(r, rr, before[1])
+
+
+def _reset_after_flood(r: Run, rr: Prompt, before: Completion) -> CheckRow:
+    e = r.engine
+    if not e.reset.available:
+        return r.no_reset("evicted:reset", "no reset to check after the flood")
+    if not e.cached_field:
+        why = "the engine's answers have no usage.prompt_tokens_details.cached_tokens to check after the reset"
+        return skipped(r.column, why, "evicted:reset")
+    after = r.cold(rr)
+    row = r.row(
+        "evicted:reset",
+        f"R cached{cached(before)} before the flood, then {e.reset.how}, then R{cached(after)}",
+        [compare("R after the flood and the reset vs R before", before, after, r.tol)],
+    )
+    row.tolerance = "cached_tokens 0 after the reset; " + row.tolerance
+    if after.cached_tokens:
+        row.passed = False
+        row.detail += f"; but {after.cached_tokens} tokens reported cached after the reset: a lower tier still answers"
+    return row
+
+
+def _lower_tier_hits(e: Engine) -> float | None:
+    m = e.metrics() if e.has_metrics else None
+    total = m.total(LOWER_TIER_HITS) if m is not None else None
+    return total[0] if total is not None else None
+
+
+def flood(r: Run, pool: int) -> tuple[int, int]:
+    """Distractor prompts, `--batch` at a time, until their prompt tokens pass 1.25 x `pool`: (tokens, requests)."""
+    e, target = r.engine, pool + pool // 4
+    room = (e.max_len - 2) if e.max_len else 4 * r.prompt_len
+    size = min(room, 2048) if e.token_prompts else max(8, min(room, 2048) // 8)  # a word may be several tokens
+    tokens = requests = 0
+    while tokens < target and requests < MAX_FLOOD_REQUESTS:
+        batch = [r.prompts.fresh(size) for _ in range(max(1, r.neighbours))]
+        for c in parallel([_call(e, q, 1) for q in batch]):
+            tokens += c.prompt_tokens if c.prompt_tokens is not None else length(batch[0])
+        requests += len(batch)
+    return tokens, requests
+
+
+def _call(e: Engine, prompt: Prompt, n: int, cold: bool = False) -> Callable[[], Completion]:
+    def call() -> Completion:
+        return e.complete(prompt, n, cold=cold, clear=False)
+
+    return call
+
+
+def _late(call: Callable[[], Completion]) -> Callable[[], Completion]:
+    def later() -> Completion:
+        time.sleep(JOIN_LATE_S)
+        return call()
+
+    return later
+
+
+def batch_invariance(r: Run) -> Iterator[CheckRow]:
+    yield _distinct(r)
+    yield _shared(r)
+
+
+def _bursts(
+    r: Run, target: Prompt, alone: Completion, neighbours: Callable[[], list[Prompt]], n: int, prime: Prompt | None
+) -> list[Comparison]:
+    """REPEATS bursts of `target` (cold where `prime` is None, else after `prime` cached what they share) among
+    `neighbours()` run with `n` new tokens; every other burst, the target joins late."""
+    e, comps = r.engine, []
+    for rep in range(REPEATS):
+        others = neighbours()
+        if e.reset.clears_all:
+            e.clear()
+        if prime is not None:
+            e.complete(prime, 1, cold=not e.reset.clears_all)
+        first = _call(e, target, r.new_tokens, cold=prime is None)
+        late = rep % 2 == 1
+        among = parallel([_late(first) if late else first] + [_call(e, q, n) for q in others])[0]
+        when = "joining them late" if late else "started together"
+        comps.append(compare(f"burst {rep + 1} ({when}) vs alone", alone, among, r.tol))
+    return comps
+
+
+def _distinct(r: Run) -> CheckRow:
+    p = r.prompts.fresh(r.prompt_len)
+    alone = r.cold(p)
+    lens = [r.prompt_len + 4 * (i + 1) for i in range(r.neighbours)]
+    comps = _bursts(r, p, alone, lambda: [r.prompts.fresh(n) for n in lens], 2 * r.new_tokens, None)
+    warm = "" if r.engine.reset.available else "; no reset, so the bursts also reuse the alone run's prefix"
+    what = (
+        f"a {r.prompt_len}-{r.unit()} prompt alone, then {REPEATS} times among {r.neighbours} concurrent neighbours "
+        f"of {', '.join(map(str, lens))} {r.unit()}s{warm}"
+    )
+    return r.row("batch-invariance:distinct", what, comps)
+
+
+def _shared(r: Run) -> CheckRow:
+    """S+B's prompt ends a token short of a block boundary, so its second decode step takes a new block: after the
+    neighbours (S+A_i, one token each) have finished and released what they shared."""
+    k, tail = r.whole_blocks(), r.block() - 1
+    s = r.prompts.fresh(k)
+    target = join(s, r.prompts.fresh(tail))
+    alone = r.cold(target)
+    comps = _bursts(
+        r,
+        target,
+        alone,
+        lambda: [join(s, r.prompts.fresh(tail)) for _ in range(r.neighbours)],
+        1,
+        join(s, r.prompts.fresh(tail)),
+    )
+    what = (
+        f"S of {k} {r.unit()}s cached, then S+B ({tail} more) {REPEATS} times among {r.neighbours} concurrent "
+        f"neighbours S+A_i that finish first"
+    )
+    return r.row("batch-invariance:shared-prefix", what, comps)
