@@ -66,7 +66,9 @@ def test_ready_line_health_and_models(served):
     assert status == 200
     assert json.loads(body) == {
         "object": "list",
-        "data": [{"id": "gpt2-tiny", "object": "model", "owned_by": "kvbench", "max_model_len": 1024}],
+        "data": [
+            {"id": "gpt2-tiny", "object": "model", "owned_by": "kvbench", "max_model_len": 1024, "dtype": "float32"}
+        ],
     }
 
 

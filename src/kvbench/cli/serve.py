@@ -103,7 +103,13 @@ def _prepare(o: ServeOptions) -> tuple[Engine, Served]:
     stop = tok.eot_id if tok.eot_id < loaded.config.vocab_size else None
     engine = Engine(loaded.model, pool, o.max_batch, stop, seed=o.seed)
     served = Served(
-        loaded.config.name, loaded.config.vocab_size, loaded.config.block_size, o.block_size, o.kv_blocks, tok
+        loaded.config.name,
+        loaded.config.vocab_size,
+        loaded.config.block_size,
+        o.block_size,
+        o.kv_blocks,
+        tok,
+        str(dt).removeprefix("torch."),
     )
     mib = 2**20
     host = f", host tier {o.host_blocks} blocks" if o.host_blocks else ", no host tier"

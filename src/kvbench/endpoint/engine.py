@@ -91,6 +91,7 @@ class Engine:
     client: Client
     model: str
     max_len: int | None
+    dtype: str | None  # what /v1/models says the model computes in (kvbench serve states it); None: not said
     token_prompts: bool  # takes a prompt as a list of token ids
     logprobs: bool  # answers logprobs (the sampled token's at each step)
     tops: bool  # ... and the top logprobs at each step
@@ -138,8 +139,8 @@ class Engine:
 
 def probe(client: Client, reset: Reset, seed: int) -> Engine:
     """The engine behind `client`: its model and what its answers hold (module docstring)."""
-    model, max_len = _model(client)
-    e = Engine(client, model, max_len, True, True, True, True, True, reset, seed=seed)
+    model, max_len, dtype = _model(client)
+    e = Engine(client, model, max_len, dtype, True, True, True, True, True, reset, seed=seed)
     c = _first_completion(e)
     e.logprobs, e.tops = e.logprobs and c.has_logprobs, e.logprobs and c.tops is not None
     e.token_ids = c.token_ids is not None or _token_ids_on_request(e)
@@ -166,7 +167,7 @@ def _token_ids_on_request(e: Engine) -> bool:
     return True
 
 
-def _model(client: Client) -> tuple[str, int | None]:
+def _model(client: Client) -> tuple[str, int | None, str | None]:
     doc = client.json("GET", "/v1/models")
     data = doc.get("data") if isinstance(doc, dict) else None
     if (
@@ -178,8 +179,9 @@ def _model(client: Client) -> tuple[str, int | None]:
         raise EndpointError(
             f"{client.where}: GET /v1/models answered no model list ({str(doc)[:80]}); not an OpenAI-compatible server"
         )
-    max_len = data[0].get("max_model_len")
-    return data[0]["id"], max_len if isinstance(max_len, int) and max_len > 0 else None
+    max_len, dtype = data[0].get("max_model_len"), data[0].get("dtype")
+    max_len = max_len if isinstance(max_len, int) and max_len > 0 else None
+    return data[0]["id"], max_len, dtype if isinstance(dtype, str) else None
 
 
 def _first_completion(e: Engine) -> Completion:

@@ -39,7 +39,7 @@ class EndpointChoices(Protocol):
     reset: str
     evict_tokens: int | None
     timeout: float
-    logprob_tol: float
+    logprob_tol: float | None
 
 
 @dataclass
@@ -51,7 +51,7 @@ class EndpointSettings:
     new_tokens: int
     neighbours: int
     seed: int
-    tol: float
+    tol: float | None  # None: by the precision the engine states (logprob_tolerance)
     evict_tokens: int | None
     timeout: float
 
@@ -75,7 +75,7 @@ def endpoint_rules(o: EndpointChoices) -> None:
             "--reset": o.reset != "kvbench",
             "--evict-tokens": o.evict_tokens is not None,
             "--timeout": o.timeout != 60.0,
-            "--logprob-tol": o.logprob_tol != 0.05,
+            "--logprob-tol": o.logprob_tol is not None,
         }
         for flag, on in given.items():
             if on:
@@ -86,19 +86,36 @@ def endpoint_rules(o: EndpointChoices) -> None:
         raise KVBenchError(f"unknown --reset {o.reset!r}; use {', '.join(RESETS)}")
     if not 0 < o.timeout <= MAX_TIMEOUT_S:
         raise KVBenchError(f"--timeout {o.timeout:g} must be > 0 seconds and at most a day")
-    if not 0 <= o.logprob_tol < float("inf"):
+    if o.logprob_tol is not None and not 0 <= o.logprob_tol < float("inf"):
         raise KVBenchError(f"--logprob-tol {o.logprob_tol:g} must be a finite number >= 0")
     if o.evict_tokens is not None and o.evict_tokens < 1:
         raise KVBenchError(f"--evict-tokens {o.evict_tokens} must be >= 1 (the engine's KV pool in tokens)")
+
+
+# |Δlogprob| of a sampled token still counted as drift, by the precision the engine computes in: fp32 reduction-order
+# drift between a warm and a cold run is ~1e-6 (kvbench serve: <= 1e-6 over every check), 16-bit rounding moves a
+# logprob by up to a few 1e-2 (bf16 keeps 8 bits of mantissa)
+FP32_LOGPROB_TOL = 1e-4
+LOW_PRECISION_LOGPROB_TOL = 0.05
+
+
+def logprob_tolerance(dtype: str | None) -> tuple[float, str]:
+    """The default --logprob-tol for an engine whose /v1/models states `dtype` (None: it does not), and why."""
+    if dtype in ("float32", "float64"):
+        return FP32_LOGPROB_TOL, f"the engine states {dtype}, where warm/cold drift is reduction order (~1e-6)"
+    said = f"the engine states {dtype}" if dtype else "the engine does not state its precision"
+    return LOW_PRECISION_LOGPROB_TOL, f"{said}: 16-bit rounding allowed (--logprob-tol to set it)"
 
 
 def run_endpoint(s: EndpointSettings, on_row: Callable[[CheckRow], None]) -> tuple[VerifyReport, dict]:
     """Probe the engine, run `s.checks` on it, and return (report, meta) for verify's renderers."""
     engine = probe(Client(s.url, s.timeout), get_reset(s.reset), s.seed)
     _fits(engine, s)
+    tol, why = (s.tol, "--logprob-tol") if s.tol is not None else logprob_tolerance(engine.dtype)
     run = Run(
-        engine, Prompts(s.seed, engine.token_prompts), s.prompt_len, s.new_tokens, s.neighbours, s.tol, s.evict_tokens
+        engine, Prompts(s.seed, engine.token_prompts), s.prompt_len, s.new_tokens, s.neighbours, tol, s.evict_tokens
     )
+    run.notes.append(f"logprob tolerance {tol:g}: {why}")
     rows: list[CheckRow] = []
     try:
         for row in _rows(run, s):
@@ -189,7 +206,7 @@ def _meta(r: Run, s: EndpointSettings) -> dict:
             "token_ids": e.token_ids,
             "cached_tokens": e.cached_field,
             "metrics": e.has_metrics,
-            "logprob_tol": s.tol,
+            "logprob_tol": r.tol,
             "evidence": r.evidence,
         },
     }

@@ -52,6 +52,7 @@ class Served:
     block_size: int
     kv_blocks: int
     tokenizer: Codec
+    dtype: str = "float32"  # what the model computes in, as /v1/models states it (torch's name)
 
     def text(self, ids: list[int]) -> str:
         """Token ids as text; an id the tokenizer lacks (a model with a larger vocabulary) as <|id|>."""
@@ -231,7 +232,15 @@ def usage_document(done: Any) -> dict[str, Any]:
 def models_document(served: Served) -> dict[str, Any]:
     return {
         "object": "list",
-        "data": [{"id": served.model, "object": "model", "owned_by": "kvbench", "max_model_len": served.max_model_len}],
+        "data": [
+            {
+                "id": served.model,
+                "object": "model",
+                "owned_by": "kvbench",
+                "max_model_len": served.max_model_len,
+                "dtype": served.dtype,
+            }
+        ],
     }
 
 
