@@ -119,7 +119,7 @@ def test_cached_tokens_are_the_servers_block_rounded_prefix(served, tmp_path):
     assert list(level.cached_tokens) == [0] + [32] * 5  # the first request after the reset computes the prefix
     assert (r.prompt_tokens == 48).all()  # token ids sent as they are
     meta = json.loads((tmp_path / "run" / "meta.json").read_text())
-    cw = meta["cold_warm"]
+    cw = meta["cold_vs_warm"]
     assert (cw["prefix_len"], cw["cold_cached_tokens_mean"], cw["warm_cached_tokens_mean"]) == (32, 0, 32)
 
 

@@ -183,7 +183,7 @@ def _probed(rows: list[EndpointRow]) -> bool:
 def _lines(rows: list[EndpointRow], meta: dict[str, Any]) -> list[str]:
     """Cold vs warm in one line, short requests, errors."""
     out = []
-    cw = meta.get("cold_warm")
+    cw = meta.get("cold_vs_warm")
     if cw:
         out.append(
             f"cold vs warm TTFT at a {cw['prefix_len']}-token prefix: {_ms(cw['cold_ttft_ms_p50'])} ms cold, "

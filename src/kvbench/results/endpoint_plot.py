@@ -121,7 +121,7 @@ def cold_warm_figure(rounds: list[RequestRow], summary: list[EndpointRow], meta:
     ax.set_ylabel("TTFT (ms)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=9, loc="upper right")
-    cw = meta.get("cold_warm") or {}
+    cw = meta.get("cold_vs_warm") or {}
     ratio = cw.get("cold_over_warm")
     head = f"TTFT cold vs warm at a {cw.get('prefix_len', '?')}-token prefix"
     if isinstance(ratio, float) and ratio == ratio:

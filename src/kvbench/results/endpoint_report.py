@@ -108,7 +108,7 @@ class EndpointRecorder:
             finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             phases_completed=sum(r.status == "ok" for r in self.summary),
             phases_failed=sum(r.status != "ok" for r in self.summary),
-            cold_warm=cold_warm_summary(self.summary, self.meta),
+            cold_vs_warm=cold_warm_summary(self.summary, self.meta),
         )
         if isinstance(self.meta.get("host", {}).get("load_average"), dict):
             self.meta["host"]["load_average"]["end"] = load_average()
