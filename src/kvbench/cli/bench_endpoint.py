@@ -19,6 +19,7 @@ from rich.console import JustifyMethod
 
 from kvbench import console
 from kvbench.console import err, fitted, line, out, styled
+from kvbench.errors import KVBenchError
 
 if TYPE_CHECKING:
     from kvbench.bench.endpoint_rows import EndpointRow
@@ -73,7 +74,7 @@ def _baseline(opts: BenchOptions, out_dir: Path) -> Path | None:
     """--baseline: an endpoint run folder, read now (a bad one fails before the run), kept apart from --out."""
     if opts.baseline is None:
         if opts.allow_env_change:
-            raise _refusal("--allow-env-change applies to --baseline only")
+            raise KVBenchError("--allow-env-change applies to --baseline only")
         return None
     from kvbench.cli.bench import _check_baseline
     from kvbench.results.endpoint_runs import load_endpoint_run
@@ -83,22 +84,19 @@ def _baseline(opts: BenchOptions, out_dir: Path) -> Path | None:
     return opts.baseline
 
 
-def _refusal(text: str) -> Exception:
-    from kvbench.errors import KVBenchError
-
-    return KVBenchError(text)
-
-
 def _show(opts: BenchOptions, recorder: EndpointRecorder, files: list[Path], base: Path | None) -> None:
     """The table (or the --json document), then the comparison with --baseline."""
     if opts.json_out:
         doc = recorder.json_doc()
         if base is not None:
-            from kvbench.cli.compare import run_compare
-            from kvbench.results.endpoint_compare import json_doc
+            from kvbench.cli.compare import json_any, run_compare
 
-            comparison, compare_files = run_compare(base, recorder.run_dir, allow_env_change=opts.allow_env_change)
-            doc["compare"] = json_doc(comparison, [], compare_files)
+            try:
+                comparison, compare_files = run_compare(base, recorder.run_dir, allow_env_change=opts.allow_env_change)
+            except KVBenchError:  # the run's document first, then the comparison's one line
+                console.print_json(doc)
+                raise
+            doc["compare"] = json_any(comparison, [], compare_files)
         console.print_json(doc)
         return
     render_endpoint(recorder.summary, recorder.meta, files)

@@ -51,7 +51,7 @@ class Streamed:
     count, or 1 where the server sends text alone)."""
 
     sent: float  # just before the request was written (connecting included after it)
-    ended: float = 0.0  # when [DONE] (or the end of the stream) arrived
+    ended: float = 0.0  # when [DONE] arrived (or the stream closed after a chunk with a finish reason)
     arrivals: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     text: str = ""
@@ -141,7 +141,10 @@ class Server:
             line = resp.readline(MAX_LINE + 1)
             now = time.perf_counter()
             if not line:
-                raise StreamError(f"{self.where}: {what} ended without [DONE]; did the server stop?")
+                if out.finish_reason is not None:  # a server that closes the stream after its last chunk
+                    out.ended = now
+                    return
+                raise StreamError(f"{self.where}: {what} ended before its last token; did the server stop?")
             if len(line) > MAX_LINE:
                 raise StreamError(f"{self.where}: {what} sent an event line over {MAX_LINE >> 20} MiB")
             text = line.decode("utf-8", "replace").strip()
