@@ -36,6 +36,7 @@ PAGES = {
     "break.md": ("break",),
     "bench.md": ("bench",),
     "bench-scaling.md": ("bench",),
+    "bench-endpoint.md": ("bench",),
     "compare.md": ("compare",),
     "memory.md": ("memory",),
     "serve.md": ("serve",),

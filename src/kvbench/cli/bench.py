@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from kvbench import console, options
+from kvbench.bench.endpoint_settings import EndpointOptions, given_endpoint_options
 from kvbench.bench.settings import BenchSettings
 from kvbench.cli.app import Given, Terminated, command, load_for_cli  # noqa: F401  (Terminated: tests raise it)
 from kvbench.cli.bench_progress import _BenchProgress, run_recorded  # noqa: F401  (_BenchProgress: tests patch it)
@@ -89,15 +90,23 @@ class Prepared:
             self.engines = self.ranks.engines(self.engines)
 
 
-@command(Given(BenchSettings), BenchOptions)
-def bench(given: dict, opts: BenchOptions) -> None:
+@command(Given(BenchSettings), BenchOptions, EndpointOptions)
+def bench(given: dict, opts: BenchOptions, ep: EndpointOptions) -> None:
     """Measure no cache vs each cache vs transformers: TTFT, TPOT, its bandwidth floor, memory, token agreement.
 
     With --hf SOURCE: transformers' own caches (none, dynamic, static, static-compiled) on any Hugging Face causal
-    LM, in the same rows and files, its tokens checked against its own none."""
+    LM, in the same rows and files, its tokens checked against its own none. With --endpoint URL: a running
+    OpenAI-compatible server's TTFT, TPOT, ITL and throughput per --concurrency level, cold vs warm TTFT."""
     from kvbench import distributed, tp_command
     from kvbench.results.rundir import check_export
 
+    if ep.endpoint is not None:
+        from kvbench.cli.bench_endpoint import bench_endpoint
+
+        return bench_endpoint(opts, given, ep)
+    without = given_endpoint_options(ep)
+    if without:
+        raise KVBenchError(f"{without[0]} applies to --endpoint only (a running server's serving latency)")
     opts.given = given
     opts.export = check_export(opts.export)  # a bad format or file is refused before the run starts
     base_run = _baseline_run(opts)

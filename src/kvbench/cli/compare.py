@@ -73,12 +73,12 @@ def compare(o: CompareOptions) -> None:
     for text in comparison.gate_warnings(gates):
         console.warn(text)
     if o.fmt == "json":
-        console.print_json(C.json_doc(comparison, gates, files))
+        console.print_json(json_any(comparison, gates, files))
     elif o.fmt == "md":
-        typer.echo(markdown(comparison, gates), nl=False)
+        typer.echo(markdown_any(comparison, gates), nl=False)
         console.note(f"wrote {', '.join(f.name for f in files)} in {files[0].parent}")
     else:
-        render_compare(comparison, gates, files)
+        render_any(comparison, gates, files)
     if comparison.regressions(gates):
         raise typer.Exit(1)
 
@@ -100,6 +100,13 @@ def run_compare(
     from kvbench.results.rundir import prepare_run_dir, write_json
 
     _keep_other_comparison(Path(out_dir or candidate) / "compare.json", baseline)
+    if _endpoint_runs(baseline, candidate):  # two bench --endpoint runs: their own comparison
+        from kvbench.cli.compare_endpoint import run_endpoint_compare
+
+        where = Path(out_dir or candidate).expanduser()
+        endpoint, files = run_endpoint_compare(baseline, candidate, alpha, threshold, allow_env_change, where)
+        warn_about(endpoint)
+        return endpoint, files
     comparison = C.compare_runs(baseline, candidate, alpha, threshold, allow_env_change)
     warn_about(comparison)
     where = prepare_run_dir(out_dir or comparison.candidate)
@@ -107,6 +114,49 @@ def run_compare(
     compare_figure(comparison, png)
     write_json(js, C.json_doc(comparison, [], [png, js]))
     return comparison, [png, js]
+
+
+def _endpoint_runs(baseline, candidate) -> bool:
+    """Are both folders bench --endpoint runs? One of each kind is refused: they measure different things."""
+    from kvbench.results.endpoint_runs import is_endpoint_run
+
+    kinds = [is_endpoint_run(p) for p in (baseline, candidate)]
+    if kinds[0] != kinds[1]:
+        which = ("baseline", "candidate")[kinds.index(True)]
+        raise KVBenchError(
+            f"the {which} is a bench --endpoint run (a server's latency) and the other a bench sweep: compare two "
+            "runs of one kind"
+        )
+    return kinds[0]
+
+
+def json_any(comparison, gates: list[str], files: list[Path]) -> dict:
+    """The JSON document of either kind of comparison."""
+    from kvbench.results import compare as C
+    from kvbench.results import endpoint_compare as E
+
+    if isinstance(comparison, E.EndpointComparison):
+        return E.json_doc(comparison, gates, files)
+    return C.json_doc(comparison, gates, files)
+
+
+def markdown_any(comparison, gates: list[str]) -> str:
+    from kvbench.cli.compare_endpoint import endpoint_markdown
+    from kvbench.results.endpoint_compare import EndpointComparison
+
+    if isinstance(comparison, EndpointComparison):
+        return endpoint_markdown(comparison, gates)
+    return markdown(comparison, gates)
+
+
+def render_any(comparison, gates: list[str], files: list[Path]) -> None:
+    from kvbench.cli.compare_endpoint import render_endpoint_compare
+    from kvbench.results.endpoint_compare import EndpointComparison
+
+    if isinstance(comparison, EndpointComparison):
+        render_endpoint_compare(comparison, gates, files)
+    else:
+        render_compare(comparison, gates, files)
 
 
 def _keep_other_comparison(js, baseline) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,24 @@ from typing import Any
 from kvbench.errors import KVBenchError
 
 LOAD_APART = 1.0  # compare warns when the runs' 1-minute load averages at start differ by more (one core)
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # src/ (the checkout, where kvbench runs from one)
+
+
+def git_revision() -> dict[str, Any]:
+    """The source tree's commit and whether it had uncommitted changes; None where git is unavailable."""
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    rev = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if rev else None
+    return {"commit": rev, "dirty": bool(status) if status is not None else None}
 
 
 def cpu_model() -> str | None:

@@ -9,7 +9,6 @@ import math
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -31,26 +30,9 @@ from kvbench.check.distortion import REFERENCE_CACHE, weights_note
 from kvbench.devices import cpu_peak_resettable, device_name, dtype_name
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.outputs import writing_into
-from kvbench.results.environment import cpu_facts, cuda_facts, load_average
+from kvbench.results.environment import cpu_facts, cuda_facts, git_revision, load_average
 from kvbench.results.rundir import write_csv, write_json
 from kvbench.rows import CsvRow
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def git_revision() -> dict[str, Any]:
-    """The source tree's commit and whether it had uncommitted changes; None where git is unavailable."""
-
-    def git(*args: str) -> str | None:
-        try:
-            r = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    rev = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if rev else None
-    return {"commit": rev, "dirty": bool(status) if status is not None else None}
 
 
 def versions() -> dict[str, str | None]:

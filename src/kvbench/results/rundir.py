@@ -65,6 +65,8 @@ BENCH_FILES = (
     "batch.png",
     "profile_ops.csv",
     "tp.csv",
+    "requests.csv",  # bench --endpoint
+    "cold_warm.png",
 )
 # bench --profile's traces (*.trace.json); --force removes the traces, not the folder's other files
 PROFILE_DIR = "profile"

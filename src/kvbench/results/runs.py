@@ -261,10 +261,10 @@ def _shown(v: object, limit: int = 40) -> str:
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
-def _to_numbers(df: pd.DataFrame, col: str, path: Path, what: str) -> None:
+def _to_numbers(df: pd.DataFrame, col: str, path: Path, what: str, spec: Number | None = None) -> None:
     """Convert one column in place (empty cells stay NaN); a cell that is not a number, or not one the column may
-    hold (NUMBERS), is an error naming the file, the line, the column and the value."""
-    spec = NUMBERS[col]
+    hold (`spec`, else NUMBERS), is an error naming the file, the line, the column and the value."""
+    spec = spec or NUMBERS[col]
     try:  # every cell a number (or empty): numpy converts them all at once
         values = pd.Series(df[col].to_numpy().astype(float), index=df.index)
     except (ValueError, TypeError):  # some cell is not: pandas finds which
