@@ -87,6 +87,22 @@ def line(*parts: str | Text) -> Text:
 _SAID: list[str] = []  # the error lines said so far (the CLI's error document repeats the last one)
 
 
+def wrote(files: list[Any], folder: Any) -> Text:
+    """The closing line of a command that wrote files: which, and in which folder."""
+    return line(styled("wrote", "green"), f" {', '.join(p.name for p in files)} ", styled("in", "dim"), f" {folder}")
+
+
+def print_gate(regressions: list[str], fail_on: list[str]) -> None:
+    """A --fail-on gate's verdict on stdout: FAIL with each regression, or PASS."""
+    gate = ", ".join(fail_on)
+    if regressions:
+        out.print(line(styled("FAIL", "bold red"), f" ({gate}): {len(regressions)} regression(s)"))
+        for text in regressions:
+            out.print(f"  {text}", markup=False)
+    else:
+        out.print(line(styled("PASS", "bold green"), f" ({gate}): no regression"))
+
+
 def error(message: str) -> None:
     """One red line on stderr: the whole user-facing error. The message is literal text."""
     _SAID.append(_one_line(message))

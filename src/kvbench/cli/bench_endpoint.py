@@ -18,7 +18,7 @@ import typer
 from rich.console import JustifyMethod
 
 from kvbench import console
-from kvbench.console import err, fitted, line, out, styled
+from kvbench.console import err, fitted, line, out, styled, wrote
 from kvbench.errors import KVBenchError
 
 if TYPE_CHECKING:
@@ -164,14 +164,7 @@ def render_endpoint(rows: list[EndpointRow], meta: dict[str, Any], files: list[P
     )
     for text in _lines(rows, meta):
         out.print(line(styled("note:", "yellow"), " ", text))
-    out.print(
-        line(
-            styled("wrote", "green"),
-            f" {', '.join(p.name for p in files)} ",
-            styled("in", "dim"),
-            f" {files[0].parent}",
-        )
-    )
+    out.print(wrote(files, files[0].parent))
 
 
 def _probed(rows: list[EndpointRow]) -> bool:

@@ -11,7 +11,7 @@ from rich.console import JustifyMethod
 from rich.table import Table
 
 from kvbench import console
-from kvbench.console import cell, fitted, line, out, shared_columns, styled
+from kvbench.console import cell, fitted, line, out, shared_columns, styled, wrote
 
 KEYS = ("engine", "cache", "prompt", "batch")  # a row's configuration: repeated in each part of a split table
 
@@ -44,11 +44,6 @@ def floor_caption(meta: dict, rows: Sequence) -> str:
             "(x floor < 1): it bounds steps that stream from memory. "
         )
     return text
-
-
-def wrote_line(files: list, run_dir):
-    """The closing line of a sweep: which files were written where."""
-    return line(styled("wrote", "green"), f" {', '.join(p.name for p in files)} ", styled("in", "dim"), f" {run_dir}")
 
 
 def _tokens_cell(r):
@@ -212,7 +207,7 @@ def render_bench(rows: list, meta: dict, run_dir, files: list, ranks: Sequence =
     _sdpa_line(rows, meta)
     if meta.get("tp"):
         render_ranks(list(ranks), meta)
-    out.print(wrote_line(files, run_dir))
+    out.print(wrote(files, run_dir))
 
 
 def _bench_title(meta: dict, rows: list, batches: list) -> str:
@@ -352,7 +347,7 @@ def render_context(rows: list, meta: dict, run_dir, files: list) -> None:
         if r.status.startswith("error"):
             out.print(styled(f"{r.cache} context {r.context}: {r.status}", "red"))
     distortion_lines(rows, meta, lambda r: f"{r.cache} context {_tokens(r.context)}")
-    out.print(wrote_line(files, run_dir))
+    out.print(wrote(files, run_dir))
 
 
 def render_profile(ops: list, per_configuration: int = 3) -> None:

@@ -10,7 +10,7 @@ from rich.console import JustifyMethod
 
 from kvbench import console
 from kvbench.cli.app import command
-from kvbench.console import fitted, line, out, shared_columns, styled
+from kvbench.console import fitted, line, out, print_gate, shared_columns, styled, wrote
 from kvbench.errors import KVBenchError
 from kvbench.options import option
 
@@ -305,22 +305,8 @@ def render_compare(c, fail_on: list[str], files: list[Path]) -> None:
         out.print(line(styled(kind if kind == "*" else f"{kind}:", "yellow"), " ", text))
     out.print(_counts(c), markup=False)
     if fail_on:
-        regressions = c.regressions(fail_on)
-        gate = ", ".join(fail_on)
-        if regressions:
-            out.print(line(styled("FAIL", "bold red"), f" ({gate}): {len(regressions)} regression(s)"))
-            for text in regressions:
-                out.print(f"  {text}", markup=False)
-        else:
-            out.print(line(styled("PASS", "bold green"), f" ({gate}): no regression"))
-    out.print(
-        line(
-            styled("wrote", "green"),
-            f" {', '.join(f.name for f in files)} ",
-            styled("in", "dim"),
-            f" {files[0].parent}",
-        )
-    )
+        print_gate(c.regressions(fail_on), fail_on)
+    out.print(wrote(files, files[0].parent))
 
 
 def _render_header(c, same: list[str]) -> None:

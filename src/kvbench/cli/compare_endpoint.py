@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import JustifyMethod
 
-from kvbench.console import fitted, line, out, styled
+from kvbench.console import fitted, line, out, print_gate, styled, wrote
 
 if TYPE_CHECKING:
     from kvbench.results.endpoint_compare import EndpointComparison, PhaseComparison
@@ -109,22 +109,8 @@ def render_endpoint_compare(c: EndpointComparison, fail_on: list[str], files: li
     for kind, text in _lines(c):
         out.print(line(styled(f"{kind}:", "yellow"), " ", text))
     if fail_on:
-        regressions = c.regressions(fail_on)
-        gate = ", ".join(fail_on)
-        if regressions:
-            out.print(line(styled("FAIL", "bold red"), f" ({gate}): {len(regressions)} regression(s)"))
-            for text in regressions:
-                out.print(f"  {text}", markup=False)
-        else:
-            out.print(line(styled("PASS", "bold green"), f" ({gate}): no regression"))
-    out.print(
-        line(
-            styled("wrote", "green"),
-            f" {', '.join(f.name for f in files)} ",
-            styled("in", "dim"),
-            f" {files[0].parent}",
-        )
-    )
+        print_gate(c.regressions(fail_on), fail_on)
+    out.print(wrote(files, files[0].parent))
 
 
 def endpoint_markdown(c: EndpointComparison, fail_on: list[str]) -> str:
