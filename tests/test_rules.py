@@ -21,12 +21,14 @@ def _commands():
 
 
 def test_every_command_takes_exactly_its_settings_option_fields():
+    from kvbench.bench.endpoint_settings import EndpointOptions
     from kvbench.bench.settings import BenchSettings
     from kvbench.cli.bench import BenchOptions
     from kvbench.cli.break_ import BreakOptions
     from kvbench.cli.compare import CompareOptions
     from kvbench.cli.generate import GenerateOptions
     from kvbench.cli.schema import SchemaOptions
+    from kvbench.cli.serve import ServeOptions
     from kvbench.cli.verify import VerifyOptions
     from kvbench.memory.request import Options as MemoryOptions
 
@@ -34,10 +36,11 @@ def test_every_command_takes_exactly_its_settings_option_fields():
         "generate": [GenerateOptions],
         "verify": [VerifyOptions],
         "break": [BreakOptions],
-        "bench": [BenchSettings, BenchOptions],
+        "bench": [BenchSettings, BenchOptions, EndpointOptions],
         "memory": [MemoryOptions],
         "compare": [CompareOptions],
         "schema": [SchemaOptions],
+        "serve": [ServeOptions],
     }
     commands = _commands()
     assert set(commands) == set(sources)

@@ -10,22 +10,22 @@ as one when started by torchrun: every rank runs the sweep on its shard, rank 0 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
 
-from kvbench import console, options
+from kvbench import console
 from kvbench.bench.endpoint_settings import EndpointOptions, given_endpoint_options
 from kvbench.bench.settings import BenchSettings
 from kvbench.cli.app import Given, Terminated, command, load_for_cli  # noqa: F401  (Terminated: tests raise it)
+from kvbench.cli.bench_options import BenchOptions
 from kvbench.cli.bench_progress import _BenchProgress, run_recorded  # noqa: F401  (_BenchProgress: tests patch it)
 from kvbench.cli.bench_render import render_bench, render_context, render_profile
 from kvbench.console import err
 from kvbench.errors import KVBenchError
-from kvbench.options import option
-from kvbench.results.rundir import check_export_target
+from kvbench.results.rundir import check_baseline_apart, check_export_target
 
 if TYPE_CHECKING:
     import torch
@@ -34,39 +34,6 @@ if TYPE_CHECKING:
     from kvbench.bench.tp import Ranks
     from kvbench.model.weights import LoadedModel
     from kvbench.tp_command import Split
-
-
-@dataclass
-class BenchOptions:
-    """What happens around a `kvbench bench` sweep; the sweep's own options are BenchSettings' fields, and those
-    given on the command line are `given` (the TOML file and the defaults decide the rest)."""
-
-    config: Path | None = option(
-        "--config", default=None, help="A TOML sweep (configs/bench/) or a shipped one by name (seed, quick)."
-    )
-    force: bool = option("--force", default=False, help="Replace the bench files of an earlier run in --out.")
-    baseline: Path | None = option(
-        "--baseline",
-        default=None,
-        help="A previous run folder: compare this run against it when the sweep ends (as kvbench compare).",
-    )
-    allow_env_change: bool = option(
-        "--allow-env-change",
-        default=False,
-        help="With --baseline: compare even though the baseline ran on another device, dtype or library "
-        "versions (the changes are printed).",
-    )
-    export: tuple[str, Path] | None = option(
-        "--export",
-        default=None,
-        help="FORMAT FILE: when the sweep ends, also write its ok rows for a charting tool; FORMAT: "
-        "github-action-benchmark (customSmallerIsBetter: TPOT and TTFT medians in ms per row).",
-    )
-    json_out: bool = options.json_option()
-    hf: str | None = options.hf_option()
-    trust_remote_code: bool = options.trust_option()
-    layers: int | None = options.layers_option()
-    given: dict = field(default_factory=dict)  # BenchSettings' options given on the command line, by field name
 
 
 @dataclass
@@ -159,7 +126,7 @@ def _hf_checked(opts: BenchOptions) -> tuple:
     from kvbench.cli.hf import check_bench_hf
 
     checked = check_bench_hf(opts.config, opts.given, opts.force)
-    _check_baseline(opts.baseline, checked[1])
+    check_baseline_apart(opts.baseline, checked[1])
     check_export_target(opts.export, checked[1])
     return checked
 
@@ -182,7 +149,7 @@ def _gpt2_settings(opts: BenchOptions) -> tuple[BenchSettings, Path]:
         opts.hf, **{"--trust-remote-code": opts.trust_remote_code, "--layers": opts.layers is not None}
     )
     settings, out_dir = _validated(opts.config, opts.given, opts.force)
-    _check_baseline(opts.baseline, out_dir)
+    check_baseline_apart(opts.baseline, out_dir)
     check_export_target(opts.export, out_dir)
     return settings, out_dir
 
@@ -393,15 +360,6 @@ def measure_bandwidth(device):
 
     with err.status("measuring the device's read bandwidth (the floor of every row)"):
         return floor.measure_bandwidth(device)
-
-
-def _check_baseline(baseline: Path | None, out_dir) -> None:
-    """The baseline must survive the run: refused when --out (with --force) would overwrite it."""
-    if baseline is not None and Path(baseline).expanduser().resolve() == Path(out_dir).expanduser().resolve():
-        raise KVBenchError(
-            f"--baseline and --out are the same folder ({baseline}): the run would overwrite the baseline it is "
-            "compared against; write the new run elsewhere"
-        )
 
 
 def _validated(config, given: dict, force: bool):

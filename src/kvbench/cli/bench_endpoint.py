@@ -24,7 +24,7 @@ from kvbench.errors import KVBenchError
 if TYPE_CHECKING:
     from kvbench.bench.endpoint_rows import EndpointRow
     from kvbench.bench.endpoint_settings import EndpointOptions
-    from kvbench.cli.bench import BenchOptions
+    from kvbench.cli.bench_options import BenchOptions
     from kvbench.results.endpoint_report import EndpointRecorder
 
 
@@ -76,10 +76,10 @@ def _baseline(opts: BenchOptions, out_dir: Path) -> Path | None:
         if opts.allow_env_change:
             raise KVBenchError("--allow-env-change applies to --baseline only")
         return None
-    from kvbench.cli.bench import _check_baseline
     from kvbench.results.endpoint_runs import load_endpoint_run
+    from kvbench.results.rundir import check_baseline_apart
 
-    _check_baseline(opts.baseline, out_dir)
+    check_baseline_apart(opts.baseline, out_dir)
     load_endpoint_run(opts.baseline, "--baseline")
     return opts.baseline
 

@@ -13,6 +13,7 @@ from kvbench.cli.app import command
 from kvbench.console import fitted, line, out, print_gate, shared_columns, styled, wrote
 from kvbench.errors import KVBenchError
 from kvbench.options import option
+from kvbench.text import md
 
 FORMATS = ("table", "md", "json")
 
@@ -258,7 +259,8 @@ def _after(r) -> list[str]:
 def _footer(c) -> list[tuple[str, str]]:
     """(kind, text) lines under the table: row notes, unsteady runs, rows not compared, environment changes."""
     from kvbench.results.environment import describe_changes, describe_context
-    from kvbench.results.runs import printable, row_label
+    from kvbench.results.runs import row_label
+    from kvbench.text import printable
 
     lines = [("note", f"{r.label}: {n}") for r in c.rows for n in r.notes]
     unsteady = [r for r in c.rows if not r.steady]
@@ -377,7 +379,7 @@ SHORT = {"no significant change": "n.s."}  # a verdict as the table shows it; th
 
 def _compare_table(c) -> tuple[list[str], list[list], str]:
     """One row per compared configuration: (columns, rows, the caption saying what each column means)."""
-    from kvbench.results.runs import printable
+    from kvbench.text import printable
 
     level = f"{c.confidence:.0%}"
     cols, swept, agree = _columns(c, TERMINAL_COLUMNS)
@@ -444,13 +446,6 @@ def markdown(c, fail_on: list[str]) -> str:
     if fail_on:
         lines.append(_gate_line(c, fail_on))
     return "\n".join(lines) + "\n"
-
-
-def md(text: str) -> str:
-    """User text inside a Markdown table cell or code span: one line, no column break."""
-    from kvbench.results.runs import printable
-
-    return printable(text).replace("|", "\\|").replace("`", "'")
 
 
 def _gate_line(c, fail_on: list[str]) -> str:

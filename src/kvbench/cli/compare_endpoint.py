@@ -115,7 +115,7 @@ def render_endpoint_compare(c: EndpointComparison, fail_on: list[str], files: li
 
 def endpoint_markdown(c: EndpointComparison, fail_on: list[str]) -> str:
     """A Markdown report to paste into a pull request."""
-    from kvbench.cli.compare import md
+    from kvbench.text import md
 
     lines = [
         f"**kvbench compare** (bench --endpoint): `{md(c.candidate)}` against the baseline `{md(c.baseline)}`",

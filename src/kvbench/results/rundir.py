@@ -109,6 +109,15 @@ def check_run_dir(path: str, force: bool) -> Path:
     return p
 
 
+def check_baseline_apart(baseline: Path | None, out_dir: str | Path) -> None:
+    """A run's --baseline must survive it: refused when --out (with --force) would overwrite it."""
+    if baseline is not None and Path(baseline).expanduser().resolve() == Path(out_dir).expanduser().resolve():
+        raise KVBenchError(
+            f"--baseline and --out are the same folder ({baseline}): the run would overwrite the baseline it is "
+            "compared against; write the new run elsewhere"
+        )
+
+
 def _in_use(p: Path) -> str:
     return f"--out {p} is in use by another kvbench bench that is still running; wait for it, or choose another --out"
 

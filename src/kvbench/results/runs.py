@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.errors import KVBenchError
+from kvbench.text import printable
 
 # Rows are the same configuration when all of these are equal.
 KEY = ("engine", "cache", "model", "weights", "dtype", "device", "prompt_len", "new_tokens", "batch")
@@ -458,15 +459,6 @@ def _read_ttft(path: Path, role: str) -> pd.DataFrame:
         line = int(ttft.attrs["lines"][np.flatnonzero(missing)[0]])
         raise KVBenchError(f"{role} {path.parent}: ttft.csv line {line} has no ttft_ms (a truncated file?)")
     return ttft
-
-
-def printable(text: object) -> str:
-    """`text` with control characters (a newline or a tab in a cache name read from a CSV) written as escapes, so
-    a label stays on one line of a table, a Markdown row or a plot."""
-    s = str(text)
-    if s.isprintable():
-        return s
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in s)
 
 
 def row_label(r) -> str:
