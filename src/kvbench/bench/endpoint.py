@@ -40,20 +40,21 @@ from kvbench.bench.endpoint_rows import (
     summarise,
 )
 from kvbench.bench.endpoint_settings import Workload
-from kvbench.endpoint.stream import Server, Streamed, StreamError
+from kvbench.endpoint.client import EndpointError
+from kvbench.endpoint.stream import StreamClient, Streamed
 
 WARM_PER_ROUND = 3  # warm requests after each cold one
 T = TypeVar("T")
 Progress = Callable[[int, int, str], None]
 
 
-class ServerFailed(StreamError):
+class ServerFailed(EndpointError):
     """A phase the server failed: its row is recorded with the error, and the run stops."""
 
 
 @dataclass
 class Bench:
-    server: Server
+    server: StreamClient
     served: Served
     w: Workload
     prompts: Prompts
@@ -81,7 +82,7 @@ def planned_requests(w: Workload) -> int:
 
 
 def run_endpoint(
-    server: Server,
+    server: StreamClient,
     served: Served,
     w: Workload,
     on_result: Callable[[PhaseResult], None],
@@ -128,13 +129,13 @@ def cold_warm(b: Bench) -> list[PhaseResult]:
                 index = len(rows[phase]) + 1
                 try:
                     s = _send(b, b.prompts.prompt(prefix), **extra)
-                except StreamError as e:
+                except EndpointError as e:
                     rows[phase].append(failed_row(phase, 1, index, round_, str(e)))
                     raise
                 rows[phase].append(request_row(s, phase, 1, index, round_, started))
                 itl[phase] += gaps_ms(s)
                 b.progress.show()
-    except StreamError as e:
+    except EndpointError as e:
         error = f"error: {e}"
     out = []
     for phase in ("cold", "warm"):
@@ -156,7 +157,7 @@ def load_level(b: Bench, concurrency: int) -> PhaseResult:
     b.progress.label = f"concurrency {concurrency}"
     try:
         reset(b.server, w)
-    except StreamError as e:
+    except EndpointError as e:
         return PhaseResult(summarise(shape, [], [], 0.0, f"error: {e}"), [])
     prefix = b.prompts.prefix(w.prefix_len)
     prompts = [b.prompts.prompt(prefix) for _ in range(w.requests)]  # drawn here: the threads share no generator
@@ -175,14 +176,14 @@ def load_level(b: Bench, concurrency: int) -> PhaseResult:
     if b.served.cached_source == "probe" and error is None:
         try:
             _cached_by_probe(b, row, b.prompts.prompt(prefix))
-        except StreamError as e:
+        except EndpointError as e:
             row.status = f"error: {e}"
     return PhaseResult(row, rows, itl)
 
 
 def _cached_by_probe(b: Bench, row: EndpointRow, prompt: list[int] | str) -> None:
     """A server whose stream carries no cached-token count: one non-streamed request with the phase's prefix."""
-    doc = b.server.call("POST", COMPLETIONS, b.served.body(prompt, 1, stream=False))
+    doc = b.server.json("POST", COMPLETIONS, b.served.body(prompt, 1, stream=False), empty_ok=True)
     found = cached_tokens(doc.get("usage") if isinstance(doc, dict) else None)
     if found is not None:
         row.cached_tokens_mean, row.cached_source = float(found), "probe"
@@ -190,14 +191,14 @@ def _cached_by_probe(b: Bench, row: EndpointRow, prompt: list[int] | str) -> Non
 
 def concurrently(
     jobs: Sequence[Callable[[], T]], threads: int, tick: Callable[[], None] | None = None
-) -> tuple[float, list[T | None], tuple[int, StreamError] | None]:
+) -> tuple[float, list[T | None], tuple[int, EndpointError] | None]:
     """Run `jobs` on `threads` threads, each taking the next job when its last one ends, all released together:
     (when they were released, perf_counter seconds; each job's result, None where it did not finish; the first
-    StreamError with its job's index, or None). After the first error no job starts; the ones in flight end
+    EndpointError with its job's index, or None). After the first error no job starts; the ones in flight end
     within the client's timeout. Ctrl-C in the main thread does the same, then propagates. `tick` is called from
     the main thread while it waits."""
     results: list[T | None] = [None] * len(jobs)
-    failures: list[tuple[int, StreamError]] = []
+    failures: list[tuple[int, EndpointError]] = []
     lock, stop = threading.Lock(), threading.Event()
     queue = iter(range(len(jobs)))
     ready, go = threading.Barrier(threads + 1), threading.Event()
@@ -212,7 +213,7 @@ def concurrently(
                 return
             try:
                 results[i] = jobs[i]()
-            except StreamError as e:
+            except EndpointError as e:
                 with lock:
                     failures.append((i, e))
                 stop.set()

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.bench.endpoint_settings import Workload
-from kvbench.endpoint.stream import COMPLETIONS, HTTPStatusError, Server, Streamed, StreamError
+from kvbench.endpoint.client import EndpointError, EndpointHTTPError
+from kvbench.endpoint.stream import COMPLETIONS, StreamClient, Streamed
 from kvbench.errors import KVBenchError
 
 # Random prompt ids come from [ID_LOW, ID_HIGH): ordinary tokens in GPT-2's vocabulary (50,257), Llama 2's and
@@ -93,8 +94,8 @@ class Served:
         }
 
 
-def probe(server: Server, w: Workload) -> Served:
-    """The server read and the workload's first request sent (module docstring); StreamError or KVBenchError (one
+def probe(server: StreamClient, w: Workload) -> Served:
+    """The server read and the workload's first request sent (module docstring); EndpointError or KVBenchError (one
     line) where it cannot serve this workload."""
     model, max_len, notes = _models(server)
     if max_len is not None and w.prompt_len + w.new_tokens > max_len:
@@ -112,7 +113,7 @@ def probe(server: Server, w: Workload) -> Served:
         served.cached_source = "stream"
     else:
         prompts = Prompts(f"{w.seed}-probe", w.prompt_len, served.text)
-        doc = server.call("POST", COMPLETIONS, served.body(prompts.prompt([]), 1, stream=False))
+        doc = server.json("POST", COMPLETIONS, served.body(prompts.prompt([]), 1, stream=False), empty_ok=True)
         found = cached_tokens(doc.get("usage") if isinstance(doc, dict) else None)
         served.cached_source = "probe" if found is not None else "none"
         notes.append(
@@ -132,28 +133,28 @@ def cached_tokens(usage: object) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
-def reset(server: Server, w: Workload) -> None:
+def reset(server: StreamClient, w: Workload) -> None:
     """--reset's POST (where it has one): the engine's prefix cache emptied; a refusal names the other ways."""
     if w.reset.path is None:
         return
     try:
-        server.call("POST", w.reset.path)
-    except HTTPStatusError as e:
-        raise StreamError(
+        server.json("POST", w.reset.path, empty_ok=True)
+    except EndpointHTTPError as e:
+        raise EndpointError(
             f"--reset {w.reset.name}: {e}; give the engine's own way (--reset kvbench, vllm, sglang, llamacpp) or "
             "--reset none"
         ) from None
 
 
-def _models(server: Server) -> tuple[str, int | None, list[str]]:
+def _models(server: StreamClient) -> tuple[str, int | None, list[str]]:
     """(the first model /v1/models lists, its max_model_len where given, notes)."""
     try:
-        doc = server.call("GET", "/v1/models")
-    except HTTPStatusError as e:
-        raise StreamError(f"{e}; is this an OpenAI-compatible server, and the URL its /v1 base?") from None
+        doc = server.json("GET", "/v1/models", empty_ok=True)
+    except EndpointHTTPError as e:
+        raise EndpointError(f"{e}; is this an OpenAI-compatible server, and the URL its /v1 base?") from None
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
-        raise StreamError(
+        raise EndpointError(
             f"{server.where}: GET /v1/models did not answer OpenAI's model list ({str(doc)[:80]!r}); is this an "
             "OpenAI-compatible server?"
         )
@@ -176,7 +177,7 @@ FALLBACKS = (  # (text prompt, min_tokens + ignore_eos, include_usage), tried in
 
 
 def _first_stream(
-    server: Server, w: Workload, model: str, max_len: int | None, notes: list[str]
+    server: StreamClient, w: Workload, model: str, max_len: int | None, notes: list[str]
 ) -> tuple[Served, Streamed]:
     """The first form of FALLBACKS the server takes, with the notes on what it refused."""
     refusals: list[str] = []
@@ -185,7 +186,7 @@ def _first_stream(
         prompts = Prompts(f"{w.seed}-probe", w.prompt_len, text)
         try:
             streamed = server.stream(served.body(prompts.prompt([]), w.new_tokens))
-        except HTTPStatusError as e:
+        except EndpointHTTPError as e:
             if e.status not in REFUSED:
                 raise
             refusals.append(str(e))
@@ -203,4 +204,4 @@ def _first_stream(
         if not usage:
             notes.append('the server refused stream_options {"include_usage": true}')
         return served, streamed
-    raise StreamError(f"{refusals[0]} (also refused with every fallback: text prompt, no min_tokens, no usage)")
+    raise EndpointError(f"{refusals[0]} (also refused with every fallback: text prompt, no min_tokens, no usage)")

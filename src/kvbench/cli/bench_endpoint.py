@@ -34,7 +34,8 @@ def bench_endpoint(opts: BenchOptions, given: dict[str, Any], o: EndpointOptions
     from kvbench.bench.endpoint_probe import probe
     from kvbench.bench.endpoint_settings import endpoint_workload
     from kvbench.cli.bench_progress import run_recorded
-    from kvbench.endpoint.stream import Server, StreamError
+    from kvbench.endpoint.client import EndpointError
+    from kvbench.endpoint.stream import StreamClient
     from kvbench.results.endpoint_report import EndpointRecorder, endpoint_meta
     from kvbench.results.rundir import check_run_dir, claimed_run_dir, unique_default_run_dir
 
@@ -48,17 +49,17 @@ def bench_endpoint(opts: BenchOptions, given: dict[str, Any], o: EndpointOptions
     w = endpoint_workload(o, given, refused)
     out_dir = check_run_dir(w.out if w.out is not None else str(unique_default_run_dir("bench")), opts.force)
     base = _baseline(opts, out_dir)
-    server = Server(w.url, w.timeout)
+    server = StreamClient(w.url, w.timeout)
     with err.status(f"probing {w.url} (GET /v1/models, one streamed request)"):
         served = probe(server, w)
-    failed: StreamError | None = None
+    failed: EndpointError | None = None
     with claimed_run_dir(out_dir, opts.force) as run_dir:  # only now: a refused command leaves no folder
         for text in served.notes:
             console.note(text)
         recorder = EndpointRecorder(run_dir, endpoint_meta(w.settings(), served.meta(), w.reset))
         try:
             files = run_recorded(recorder, lambda progress: run_endpoint(server, served, w, recorder.add, progress))
-        except StreamError as e:  # the server failed mid-run: run_recorded has written the folder as `failed`
+        except EndpointError as e:  # the server failed mid-run: run_recorded has written the folder as `failed`
             failed = e
             files = [run_dir / n for n in ("summary.csv", "requests.csv", "meta.json", *recorder.meta["plots"])]
     _show(opts, recorder, files, base)

@@ -1,11 +1,14 @@
-"""An HTTP client for an OpenAI-compatible server, from the standard library: every call bounded, every failure one
-line.
+"""The one HTTP client for an OpenAI-compatible server, from the standard library: every call bounded, every
+failure one line.
 
 Each call opens its own connection (so threads never share one), waits at most `timeout` seconds for the whole
 answer (connecting, the headers and every byte of the body, not per read), and reads at most MAX_BODY bytes. What
 can go wrong (nothing listening, a name that does not resolve, no answer in time, a connection closed unanswered, an
 answer that is not HTTP, an HTTP error) becomes an `EndpointError` whose message names the URL, the request and the
-fix; the CLI says it in one line and exits 2. `parallel` runs calls on threads and raises the first one's error.
+fix (`Client.failures`); the CLI says it in one line and exits 2. `EndpointHTTPError` is the one kind that carries
+the server's status, which probes read to fall back on a request form the server does accept. stream.py's
+`StreamClient` is this client reading a streamed completion event by event. `parallel` runs calls on threads and
+raises the first one's error.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -27,12 +31,13 @@ T = TypeVar("T")
 
 
 class EndpointError(KVBenchError):
-    """The server could not be read: unreachable, not OpenAI-compatible, an HTTP error, or no answer in time."""
+    """The server could not be read: unreachable, not OpenAI-compatible, an HTTP error, a broken stream, or no
+    answer in time."""
 
 
 class EndpointHTTPError(EndpointError):
-    """The server answered with an HTTP error status (`status`); probes fall back on some (400: a prompt form or a
-    field it does not take; 404: a route it lacks)."""
+    """The server answered with an HTTP error status (`status`); probes fall back on some (400 or 422: a prompt form
+    or a field it does not take; 404: a route it lacks)."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
@@ -54,6 +59,8 @@ class Answer:
 class Client:
     """One server: `url` its OpenAI base (http://HOST:PORT/v1; a URL without /v1 gets it), `timeout` seconds a call
     may take in all. Requests name paths from the server's root: "/v1/completions", "/metrics"."""
+
+    ACCEPT = "application/json"  # the Accept header of every request
 
     def __init__(self, url: str, timeout: float) -> None:
         parts = urlsplit(url.strip())
@@ -78,8 +85,87 @@ class Client:
     def call(self, method: str, path: str, doc: Any = None) -> Answer:
         """`method` `path` (from the root) with `doc` as a JSON body; any status comes back, failures raise."""
         what = f"{method} {path}"
+        with self.failures(what):
+            deadline = time.monotonic() + self.timeout
+            conn = self.connect()
+            try:
+                self.send(conn, method, path, doc)
+                _left(conn, deadline)
+                resp = conn.getresponse()
+                return self.answer(conn, resp, deadline, what)
+            finally:
+                conn.close()
+
+    def call_ok(self, method: str, path: str, doc: Any = None) -> Answer:
+        """`call`, with an HTTP error status raised as EndpointHTTPError carrying the server's message."""
+        a = self.call(method, path, doc)
+        if a.status >= 400:
+            raise self.http_error(f"{method} {path}", a)
+        return a
+
+    def json(self, method: str, path: str, doc: Any = None, *, empty_ok: bool = False) -> Any:
+        """The JSON document a 2xx answer holds (with `empty_ok`, None for a blank body); an HTTP error raises
+        EndpointHTTPError with the server's message, any other answer EndpointError saying it is not an
+        OpenAI-compatible one."""
+        a = self.call_ok(method, path, doc)
+        if empty_ok and not a.body.strip():
+            return None
         try:
-            return self._call(method, self.root + path, doc)
+            return json.loads(a.body)
+        except ValueError:
+            raise EndpointError(
+                f"{self.where}: {method} {path} answered {a.content_type or 'no content type'}, not JSON "
+                f"({self.shown(a, 80)!r}); is this an OpenAI-compatible server?"
+            ) from None
+
+    # --- what an error line says ---
+    def shown(self, a: Answer, most: int = 200) -> str:
+        """An answer's body as an error line quotes it."""
+        return a.text(most)
+
+    def said(self, a: Answer) -> str:
+        """What an error answer says (error_message, the body quoted as `shown` quotes it)."""
+        return error_message(a, self.shown)
+
+    def http_error(self, what: str, a: Answer) -> EndpointHTTPError:
+        return EndpointHTTPError(f"{self.where}: {what} answered HTTP {a.status}: {self.said(a)}", a.status)
+
+    # --- the connection and its failures ---
+    def connect(self) -> http.client.HTTPConnection:
+        """A connection of its own for one call (not opened until the request is sent), each wait bounded by the
+        timeout."""
+        kind = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        return kind(self.host, self.port, timeout=self.timeout)
+
+    def send(self, conn: http.client.HTTPConnection, method: str, path: str, doc: Any) -> None:
+        """The request, `doc` as its JSON body, `path` from the server's root."""
+        body = None if doc is None else json.dumps(doc).encode()
+        headers = {"Accept": self.ACCEPT}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        conn.request(method, (self.root + path) or "/", body=body, headers=headers)
+
+    def answer(
+        self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse, deadline: float, what: str
+    ) -> Answer:
+        """The whole answer, each read bounded by what is left of the call's time and the body by MAX_BODY."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            _left(conn, deadline)
+            chunk = resp.read1(1 << 16)
+            if not chunk:
+                return Answer(resp.status, resp.getheader("Content-Type") or "", b"".join(chunks))
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise EndpointError(f"{self.where}: {what} answered more than {MAX_BODY >> 20} MiB")
+            chunks.append(chunk)
+
+    @contextmanager
+    def failures(self, what: str) -> Iterator[None]:
+        """A context in which every way a call `what` can fail becomes one EndpointError line."""
+        try:
+            yield
         except TimeoutError:
             raise EndpointError(
                 f"{self.where}: no answer to {what} within {self.timeout:g} s (--timeout); the server hangs or is "
@@ -102,53 +188,6 @@ class Client:
         except OSError as e:
             raise EndpointError(f"{self.where}: {what} failed: {one_line(e)}") from None
 
-    def _call(self, method: str, path: str, doc: Any) -> Answer:
-        deadline = time.monotonic() + self.timeout
-        kind = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-        conn = kind(self.host, self.port, timeout=self.timeout)
-        try:
-            body = None if doc is None else json.dumps(doc).encode()
-            headers = {"Accept": "application/json"}
-            if body is not None:
-                headers["Content-Type"] = "application/json"
-            conn.request(method, path or "/", body=body, headers=headers)
-            _left(conn, deadline)
-            resp = conn.getresponse()
-            chunks, size = [], 0
-            while True:
-                _left(conn, deadline)
-                chunk = resp.read1(1 << 16)
-                if not chunk:
-                    break
-                size += len(chunk)
-                if size > MAX_BODY:
-                    raise EndpointError(f"{self.where}: {method} {path} answered more than {MAX_BODY >> 20} MiB")
-                chunks.append(chunk)
-            return Answer(resp.status, resp.getheader("Content-Type") or "", b"".join(chunks))
-        finally:
-            conn.close()
-
-    def call_ok(self, method: str, path: str, doc: Any = None) -> Answer:
-        """`call`, with an HTTP error status raised as EndpointHTTPError carrying the server's message."""
-        a = self.call(method, path, doc)
-        if a.status >= 400:
-            raise EndpointHTTPError(
-                f"{self.where}: {method} {path} answered HTTP {a.status}: {error_message(a)}", a.status
-            )
-        return a
-
-    def json(self, method: str, path: str, doc: Any = None) -> Any:
-        """The JSON document a 2xx answer holds; an HTTP error raises EndpointHTTPError with the server's message,
-        any other answer EndpointError saying it is not an OpenAI-compatible one."""
-        a = self.call_ok(method, path, doc)
-        try:
-            return json.loads(a.body)
-        except ValueError:
-            raise EndpointError(
-                f"{self.where}: {method} {path} answered {a.content_type or 'no content type'}, not JSON "
-                f"({a.text(80)!r}); is this an OpenAI-compatible server?"
-            ) from None
-
 
 def _left(conn: http.client.HTTPConnection, deadline: float) -> None:
     """Bound the next socket operation by what is left of the call's time."""
@@ -159,18 +198,24 @@ def _left(conn: http.client.HTTPConnection, deadline: float) -> None:
         conn.sock.settimeout(left)
 
 
-def error_message(a: Answer) -> str:
-    """What an error answer says: OpenAI's error.message, FastAPI's detail, a message field, or the body's text."""
+def server_message(a: Answer) -> str | None:
+    """OpenAI's error.message, FastAPI's detail or a message field, where the body is a JSON object holding one."""
     try:
         doc = json.loads(a.body)
     except ValueError:
-        return a.text() or "(empty body)"
+        return None
     if isinstance(doc, dict):
         err = doc.get("error")
         for said in (err.get("message") if isinstance(err, dict) else err, doc.get("detail"), doc.get("message")):
             if said:
                 return " ".join(str(said).split())[:200]
-    return a.text()
+    return None
+
+
+def error_message(a: Answer, shown: Callable[[Answer, int], str] = Answer.text) -> str:
+    """What an error answer says: the server's message (server_message), else the body's text as `shown` quotes
+    it, else "(empty body)"."""
+    return server_message(a) or shown(a, 200) or "(empty body)"
 
 
 def parallel(calls: list[Callable[[], T]]) -> list[T]:

@@ -24,7 +24,8 @@ differs. Beyond that, compare runs made on the same, otherwise idle machine.
 TTFT is compared the same way on its repeats (ttft.csv, one TTFT per timed repeat; results/stats.py), with its
 own verdict; a run without ttft.csv gets the ratio of the summary medians and the verdict `no ttft.csv`. Tokens/s,
 peak memory, KV bytes and (when both runs have the column) token agreement come from summary.csv. The statistics
-are in results/stats.py, the environment checks and the load warning in results/environment.py.
+are in results/stats.py, the environment checks and the load warning in results/environment.py, what every
+comparison carries (a bench --endpoint one too) in results/comparison.py.
 """
 
 from __future__ import annotations
@@ -37,10 +38,8 @@ import numpy as np
 import pandas as pd
 
 from kvbench.errors import KVBenchError
-from kvbench.jsonio import SCHEMA_VERSION
+from kvbench.results.comparison import Compared, compared_fields, comparison_doc, number
 from kvbench.results.environment import (
-    ContextField,
-    EnvChange,
     check_environment,
     context_fields,
     load_warning,
@@ -123,23 +122,12 @@ class Unmatched:
     batch: int = 1
 
 
-@dataclass
-class Comparison:
-    baseline: str
-    candidate: str
-    alpha: float
-    threshold: float
-    confidence: float  # level of the bootstrap intervals: 1 - alpha
+@dataclass(kw_only=True)
+class Comparison(Compared):
+    """Two bench sweeps compared row by row (the fields every comparison has: results/comparison.py)."""
+
     rows: list[RowComparison]
     unmatched: list[Unmatched]
-    env_changes: list[EnvChange]
-    env_allowed: bool  # --allow-env-change was given (there may be no changes)
-    relaxed_keys: list[str]  # key fields not matched on because the runs differ in them and that was allowed
-    baseline_git: dict | None
-    candidate_git: dict | None
-    context: list[ContextField] = field(default_factory=list)  # measured at run time, side by side
-    unfinished: list[str] = field(default_factory=list)  # one line per run whose sweep did not finish
-    warnings: list[str] = field(default_factory=list)  # e.g. the runs started under loads a core apart
 
     def gate_warnings(self, fail_on: list[str]) -> list[str]:
         """A gate asked for that some rows cannot trip: slower-ttft where a row's TTFTs give no verdict."""
@@ -168,11 +156,6 @@ class Comparison:
 def _detail(r: pd.Series) -> str:
     # r["dtype"], not r.dtype: a Series' own .dtype attribute would win
     return f"{r['model']} {r['weights']} {r['dtype']} {r['device']}, {int(r['new_tokens'])} new tokens, batch {int(r['batch'])}"
-
-
-def _num(row: pd.Series, col: str) -> float:
-    v = row.get(col, math.nan)
-    return math.nan if v is None or pd.isna(v) else float(v)
 
 
 class _Steps:
@@ -250,18 +233,10 @@ def compare_runs(
     if not rows:
         raise KVBenchError(_nothing_in_common(base.summary, cand.summary, match, unmatched))
     return Comparison(
-        baseline=str(base.path),
-        candidate=str(cand.path),
-        alpha=alpha,
-        threshold=threshold,
-        confidence=1 - alpha,
+        **compared_fields(base, cand, alpha, threshold, changes, allow_env_change),
         rows=rows,
         unmatched=unmatched,
-        env_changes=changes,
-        env_allowed=allow_env_change,
         relaxed_keys=relaxed,
-        baseline_git=base.meta.get("git"),
-        candidate_git=cand.meta.get("git"),
         context=context_fields(base.meta, cand.meta, threshold),
         unfinished=[u for u in (unfinished(base, "baseline"), unfinished(cand, "candidate")) if u],
         warnings=[w for w in (load_warning(base.meta, cand.meta), tp_warning(base.meta, cand.meta)) if w],
@@ -358,9 +333,9 @@ def _compare_row(b, c, xb, xc, alpha, threshold, n_boot, seed) -> RowComparison:
     if smallest_p(len(xb), len(xc)) >= alpha:
         notes.append(f"too few decode steps ({len(xb)} vs {len(xc)}) for any result to reach alpha {alpha:g}")
 
-    kv_b, kv_c = _num(b, "kv_cache_mib"), _num(c, "kv_cache_mib")
+    kv_b, kv_c = number(b, "kv_cache_mib"), number(c, "kv_cache_mib")
     kv_delta = kv_c - kv_b
-    peak_b, peak_c = _num(b, "peak_mem_mib"), _num(c, "peak_mem_mib")
+    peak_b, peak_c = number(b, "peak_mem_mib"), number(c, "peak_mem_mib")
     peak_delta = peak_c - peak_b
     memory = False
     if kv_delta > 1e-6 * max(abs(kv_b), 1e-9):  # KV bytes are exact counts: any growth is real
@@ -391,12 +366,12 @@ def _compare_row(b, c, xb, xc, alpha, threshold, n_boot, seed) -> RowComparison:
         ci_high=hi,
         p_value=p,
         verdict=verdict(ratio, p, alpha, threshold),
-        ttft_ratio=_num(c, "ttft_ms") / _num(b, "ttft_ms"),
-        tokens_per_s_ratio=_num(c, "tokens_per_s") / _num(b, "tokens_per_s"),
+        ttft_ratio=number(c, "ttft_ms") / number(b, "ttft_ms"),
+        tokens_per_s_ratio=number(c, "tokens_per_s") / number(b, "tokens_per_s"),
         peak_mem_delta_mib=peak_delta,
         kv_cache_delta_mib=kv_delta,
-        token_agreement_baseline=_num(b, "token_agreement") if both_agree else math.nan,
-        token_agreement_candidate=_num(c, "token_agreement") if both_agree else math.nan,
+        token_agreement_baseline=number(b, "token_agreement") if both_agree else math.nan,
+        token_agreement_candidate=number(c, "token_agreement") if both_agree else math.nan,
         memory_regressed=memory,
         notes=notes,
     )
@@ -444,27 +419,5 @@ def _row_doc(r: RowComparison) -> dict:
 def json_doc(c: Comparison, fail_on: list[str], files: list[Path] | None = None) -> dict:
     """The whole comparison as one JSON-ready document; written with jsonio.json_text, which turns NaN and
     infinities into null."""
-    regressions = c.regressions(fail_on)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "baseline": c.baseline,
-        "candidate": c.candidate,
-        "alpha": c.alpha,
-        "threshold": c.threshold,
-        "confidence": c.confidence,
-        "fail_on": fail_on,
-        "regressed": bool(regressions),
-        "regressions": regressions,
-        "environment": {
-            "changes": [asdict(e) for e in c.env_changes],
-            "allowed": c.env_allowed,
-            "not_matched_on": c.relaxed_keys,
-            "context": [asdict(f) for f in c.context],
-        },
-        "unfinished": c.unfinished,
-        "warnings": c.warnings + c.gate_warnings(fail_on),
-        "git": {"baseline": c.baseline_git, "candidate": c.candidate_git},
-        "rows": [_row_doc(r) for r in c.rows],
-        "unmatched": [asdict(u) for u in c.unmatched],
-        "files": [str(f) for f in files or []],
-    }
+    environment = {"not_matched_on": c.relaxed_keys, "context": [asdict(f) for f in c.context]}
+    return comparison_doc(c, fail_on, [_row_doc(r) for r in c.rows], files, environment=environment)

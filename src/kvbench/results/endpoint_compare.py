@@ -15,8 +15,7 @@ server build on one otherwise idle machine.
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +23,9 @@ import numpy as np
 import pandas as pd
 
 from kvbench.errors import KVBenchError
-from kvbench.jsonio import SCHEMA_VERSION
+from kvbench.results.comparison import Compared, compared_fields, comparison_doc, number
 from kvbench.results.endpoint_runs import KEY, EndpointRun, load_endpoint_run
-from kvbench.results.environment import EnvChange, load_warning
+from kvbench.results.environment import EnvChange, dig, load_warning
 from kvbench.results.stats import TTFTComparison, compare_ttft
 
 VERDICTS = ("slower", "faster", "no significant change")
@@ -64,23 +63,13 @@ class UnmatchedPhase:
         return f"{self.phase} concurrency {self.concurrency}: {self.reason}"
 
 
-@dataclass
-class EndpointComparison:
-    baseline: str
-    candidate: str
-    alpha: float
-    threshold: float
-    confidence: float
+@dataclass(kw_only=True)
+class EndpointComparison(Compared):
+    """Two bench --endpoint runs compared phase by phase (the fields every comparison has: results/comparison.py;
+    relaxed_keys and context stay empty here)."""
+
     rows: list[PhaseComparison]
     unmatched: list[UnmatchedPhase]
-    env_changes: list[EnvChange]
-    env_allowed: bool
-    relaxed_keys: list[str] = field(default_factory=list)  # none here: kept for compare's shared warnings
-    context: list = field(default_factory=list)
-    unfinished: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    baseline_git: dict | None = None
-    candidate_git: dict | None = None
 
     def gate_warnings(self, fail_on: list[str]) -> list[str]:
         out = []
@@ -120,19 +109,11 @@ def compare_endpoint_runs(
         why = "; ".join(map(str, unmatched)) or "no phases"
         raise KVBenchError(f"the runs have no phase in common ({why}); phases are matched on {', '.join(KEY)}")
     return EndpointComparison(
-        baseline=str(base.path),
-        candidate=str(cand.path),
-        alpha=alpha,
-        threshold=threshold,
-        confidence=1 - alpha,
+        **compared_fields(base, cand, alpha, threshold, changes, allow_env_change),
         rows=rows,
         unmatched=unmatched,
-        env_changes=changes,
-        env_allowed=allow_env_change,
         unfinished=[u for u in (_unfinished(base, "baseline"), _unfinished(cand, "candidate")) if u],
         warnings=_warnings(base, cand),
-        baseline_git=base.meta.get("git"),
-        candidate_git=cand.meta.get("git"),
     )
 
 
@@ -152,17 +133,11 @@ def _changes(base: EndpointRun, cand: EndpointRun, allow: bool) -> list[EnvChang
 def _warnings(base: EndpointRun, cand: EndpointRun) -> list[str]:
     out = []
     for name, path in (("--reset", ("settings", "reset")), ("prompt form", ("endpoint", "prompt_form"))):
-        b, c = (_dig(run.meta, path) for run in (base, cand))
+        b, c = (dig(run.meta, path) for run in (base, cand))
         if b != c:
             out.append(f"the runs differ in {name} ({b} -> {c}): the cold rows and the cached tokens may differ for it")
     load = load_warning(base.meta, cand.meta)
     return out + ([load] if load else [])
-
-
-def _dig(doc: Any, path: tuple[str, ...]) -> Any:
-    for k in path:
-        doc = doc.get(k) if isinstance(doc, dict) else None
-    return doc
 
 
 def _unfinished(run: EndpointRun, role: str) -> str | None:
@@ -224,15 +199,10 @@ def _phase(k: tuple, b: pd.Series, c: pd.Series, rb: pd.DataFrame, rc: pd.DataFr
         ttft_ratio=ttft_ratio,
         tpot=tpot,
         tpot_ratio=tpot_ratio,
-        output_tok_s_ratio=_num(c, "output_tok_s") / _num(b, "output_tok_s"),
-        cached_tokens_baseline=_num(b, "cached_tokens_mean"),
-        cached_tokens_candidate=_num(c, "cached_tokens_mean"),
+        output_tok_s_ratio=number(c, "output_tok_s") / number(b, "output_tok_s"),
+        cached_tokens_baseline=number(b, "cached_tokens_mean"),
+        cached_tokens_candidate=number(c, "cached_tokens_mean"),
     )
-
-
-def _num(row: pd.Series, col: str) -> float:
-    v = row.get(col, math.nan)
-    return math.nan if v is None or pd.isna(v) else float(v)
 
 
 def _metric(prefix: str, x: TTFTComparison, ratio: float) -> dict[str, Any]:
@@ -257,23 +227,4 @@ def row_doc(r: PhaseComparison) -> dict[str, Any]:
 
 def json_doc(c: EndpointComparison, fail_on: list[str], files: list[Path] | None = None) -> dict[str, Any]:
     """The comparison as one JSON-ready document (NaN becomes null when written with jsonio.json_text)."""
-    regressions = c.regressions(fail_on)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "endpoint",
-        "baseline": c.baseline,
-        "candidate": c.candidate,
-        "alpha": c.alpha,
-        "threshold": c.threshold,
-        "confidence": c.confidence,
-        "fail_on": fail_on,
-        "regressed": bool(regressions),
-        "regressions": regressions,
-        "environment": {"changes": [asdict(e) for e in c.env_changes], "allowed": c.env_allowed},
-        "unfinished": c.unfinished,
-        "warnings": c.warnings + c.gate_warnings(fail_on),
-        "git": {"baseline": c.baseline_git, "candidate": c.candidate_git},
-        "rows": [row_doc(r) for r in c.rows],
-        "unmatched": [asdict(u) for u in c.unmatched],
-        "files": [str(f) for f in files or []],
-    }
+    return comparison_doc(c, fail_on, [row_doc(r) for r in c.rows], files, kind="endpoint")

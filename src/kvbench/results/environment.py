@@ -166,7 +166,7 @@ def load_warning(base_meta: dict, cand_meta: dict) -> str | None:
 def tp_warning(base_meta: dict, cand_meta: dict) -> str | None:
     """A line when either run is tensor-parallel on gloo (bench --tp on a CPU), whose timings measure no speed."""
     gloo = [
-        role for role, m in (("baseline", base_meta), ("candidate", cand_meta)) if _dig(m, ("tp", "backend")) == "gloo"
+        role for role, m in (("baseline", base_meta), ("candidate", cand_meta)) if dig(m, ("tp", "backend")) == "gloo"
     ]
     if not gloo:
         return None
@@ -224,7 +224,8 @@ class ContextField:
     differs: bool
 
 
-def _dig(doc: Any, path: tuple[str, ...]):
+def dig(doc: Any, path: tuple[str, ...]) -> Any:
+    """The member of a JSON document at `path` (keys, outermost first); None where any step is missing."""
     for k in path:
         if not isinstance(doc, dict):
             return None
@@ -236,7 +237,7 @@ def environment_changes(base_meta: dict, cand_meta: dict) -> list[EnvChange]:
     """Every identity field whose value differs between the two meta.json files."""
     changes = []
     for name, path in IDENTITY:
-        b, c = (_dig(meta, path) for meta in (base_meta, cand_meta))
+        b, c = (dig(meta, path) for meta in (base_meta, cand_meta))
         b, c = (IDENTITY_DEFAULTS.get(name) if v is None else v for v in (b, c))
         if b != c:
             changes.append(EnvChange(name, None if b is None else str(b), None if c is None else str(c)))
@@ -251,7 +252,7 @@ def context_fields(base_meta: dict, cand_meta: dict, threshold: float) -> list[C
     """The context fields either run recorded, side by side."""
     out = []
     for name, path in CONTEXT:
-        b, c = _dig(base_meta, path), _dig(cand_meta, path)
+        b, c = dig(base_meta, path), dig(cand_meta, path)
         if b is None and c is None:
             continue
         if _is_number(b) and _is_number(c) and b > 0:
