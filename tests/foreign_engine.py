@@ -390,6 +390,8 @@ class Handler(BaseHTTPRequestHandler):
         reset_path = {"vllm": "/reset_prefix_cache", "sglang": "/flush_cache"}.get(engine.s.reset)
         if self.path == reset_path:
             engine.reset()
+            if engine.s.reset == "sglang":  # SGLang's /flush_cache answers a sentence, not JSON
+                return self.send(200, "Cache flushed.", "text/plain")
             return self.send(200, {})
         if self.path != "/v1/completions":
             return self.error(404, f"no route {self.path}")

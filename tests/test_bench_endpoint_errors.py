@@ -150,3 +150,30 @@ def test_an_endpoint_run_folder_without_its_requests_is_refused(tmp_path):
     r = CliRunner().invoke(app, ["compare", str(tmp_path / "a"), str(tmp_path / "b")])
     assert r.exit_code == 2, r.output
     assert "is not a bench --endpoint run folder (no requests.csv)" in r.output
+
+
+def test_compare_refuses_an_alpha_outside_0_1_for_endpoint_runs_as_for_sweeps():
+    """Two committed bench --endpoint folders compared at --alpha 1.5: one line, exit 2, as two sweeps are."""
+    run = str(Path(__file__).resolve().parents[1] / "results" / "cpu-2core-serve-gpt2-prefix512")
+    r = CliRunner().invoke(app, ["compare", run, run, "--alpha", "1.5"])
+    assert r.exit_code == 2, r.output
+    assert "--alpha must be between 0 and 1, got 1.5" in r.output and "Traceback" not in r.output
+
+
+def test_a_reset_that_answers_text_is_taken_as_verify_takes_it(tmp_path):
+    """SGLang's POST /flush_cache answers a plain sentence: bench's reset takes any 2xx answer, as verify's does,
+    and the engine's cache is emptied."""
+    from types import SimpleNamespace
+
+    from foreign_engine import Running, Settings, save_tiny_model
+    from kvbench.bench.endpoint_probe import reset
+    from kvbench.endpoint.resets import get_reset
+    from kvbench.endpoint.stream import StreamClient
+
+    model = save_tiny_model(tmp_path / "model")
+    running = Running(model, Settings(reset="sglang"))
+    with running as url:
+        engine = running.server.engine
+        engine.device[(1, 2, 3)] = None  # a cached prefix
+        reset(StreamClient(url, 10.0), SimpleNamespace(reset=get_reset("sglang")))
+        assert not engine.device

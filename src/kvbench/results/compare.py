@@ -38,7 +38,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.errors import KVBenchError
-from kvbench.results.comparison import Compared, compared_fields, comparison_doc, number
+from kvbench.results.comparison import Compared, check_alpha, compared_fields, comparison_doc, number
 from kvbench.results.environment import (
     check_environment,
     context_fields,
@@ -221,8 +221,7 @@ def compare_runs(
     seed: int = 0,
 ) -> Comparison:
     """Match the two runs' rows and compare each pair (see the module docstring for the statistics)."""
-    if not 0 < alpha < 1:
-        raise KVBenchError(f"--alpha must be between 0 and 1, got {alpha}")
+    check_alpha(alpha)
     if not 0 <= threshold < 1:
         raise KVBenchError(f"--threshold must be at least 0% and below 100%, got {threshold:.0%}")
     base, cand = load_run(baseline, "baseline"), load_run(candidate, "candidate")

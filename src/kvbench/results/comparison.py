@@ -17,8 +17,15 @@ from typing import Any, Protocol
 
 import pandas as pd
 
+from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.results.environment import ContextField, EnvChange
+
+
+def check_alpha(alpha: float) -> None:
+    """The significance level of every test and interval of a comparison: strictly between 0 and 1."""
+    if not 0 < alpha < 1:
+        raise KVBenchError(f"--alpha must be between 0 and 1, got {alpha}")
 
 
 class _Run(Protocol):  # results/runs.py's Run, endpoint_runs.py's EndpointRun

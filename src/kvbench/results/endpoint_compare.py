@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.errors import KVBenchError
-from kvbench.results.comparison import Compared, compared_fields, comparison_doc, number
+from kvbench.results.comparison import Compared, check_alpha, compared_fields, comparison_doc, number
 from kvbench.results.endpoint_runs import KEY, EndpointRun, load_endpoint_run
 from kvbench.results.environment import EnvChange, dig, load_warning
 from kvbench.results.stats import TTFTComparison, compare_ttft
@@ -102,6 +102,7 @@ def compare_endpoint_runs(
     seed: int = 0,
 ) -> EndpointComparison:
     """Match the two runs' phases and compare each pair (module docstring)."""
+    check_alpha(alpha)
     base, cand = load_endpoint_run(baseline, "baseline"), load_endpoint_run(candidate, "candidate")
     changes = _changes(base, cand, allow_env_change)
     rows, unmatched = _pair(base, cand, alpha, threshold, n_boot, seed)
