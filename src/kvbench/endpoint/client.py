@@ -10,6 +10,7 @@ fix; the CLI says it in one line and exits 2. `parallel` runs calls on threads a
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -56,7 +57,12 @@ class Client:
     may take in all. Requests name paths from the server's root: "/v1/completions", "/metrics"."""
 
     def __init__(self, url: str, timeout: float) -> None:
-        parts = urlsplit(url.strip())
+        try:
+            parts = urlsplit(url.strip())
+        except ValueError as e:  # an unclosed [ of an IPv6 address
+            raise EndpointError(
+                f"--endpoint {url!r} is not a URL ({e}); give one such as http://127.0.0.1:8000/v1"
+            ) from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise EndpointError(f"--endpoint {url!r} is not an http(s) URL; give one such as http://127.0.0.1:8000/v1")
         try:
@@ -103,30 +109,57 @@ class Client:
             raise EndpointError(f"{self.where}: {what} failed: {one_line(e)}") from None
 
     def _call(self, method: str, path: str, doc: Any) -> Answer:
+        """One exchange, bounded by `timeout` in all: each socket operation by the time left, and a watchdog that
+        shuts the socket at the deadline, so a server dripping its answer a byte at a time cannot outlast it."""
         deadline = time.monotonic() + self.timeout
         kind = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
         conn = kind(self.host, self.port, timeout=self.timeout)
+        expired = threading.Event()
+        watchdog = threading.Timer(self.timeout, _expire, (conn, expired))
+        watchdog.daemon = True
+        watchdog.start()
         try:
-            body = None if doc is None else json.dumps(doc).encode()
-            headers = {"Accept": "application/json"}
-            if body is not None:
-                headers["Content-Type"] = "application/json"
-            conn.request(method, path or "/", body=body, headers=headers)
-            _left(conn, deadline)
-            resp = conn.getresponse()
-            chunks, size = [], 0
-            while True:
-                _left(conn, deadline)
-                chunk = resp.read1(1 << 16)
-                if not chunk:
-                    break
-                size += len(chunk)
-                if size > MAX_BODY:
-                    raise EndpointError(f"{self.where}: {method} {path} answered more than {MAX_BODY >> 20} MiB")
-                chunks.append(chunk)
-            return Answer(resp.status, resp.getheader("Content-Type") or "", b"".join(chunks))
+            answer = self._exchange(conn, method, path, doc, deadline, expired)
+        except (OSError, http.client.HTTPException):
+            if expired.is_set():
+                raise TimeoutError from None
+            raise
         finally:
+            watchdog.cancel()
             conn.close()
+        if expired.is_set():
+            raise TimeoutError
+        return answer
+
+    def _exchange(
+        self,
+        conn: http.client.HTTPConnection,
+        method: str,
+        path: str,
+        doc: Any,
+        deadline: float,
+        expired: threading.Event,
+    ) -> Answer:
+        body = None if doc is None else json.dumps(doc).encode()
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        conn.request(method, path or "/", body=body, headers=headers)
+        _left(conn, deadline, expired)
+        resp = conn.getresponse()
+        chunks, size = [], 0
+        while True:
+            _left(conn, deadline, expired)
+            chunk = resp.read1(1 << 16)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise EndpointError(f"{self.where}: {method} {path} answered more than {MAX_BODY >> 20} MiB")
+            chunks.append(chunk)
+        if resp.length:  # the connection closed before the Content-Length it promised
+            raise http.client.IncompleteRead(b"".join(chunks), resp.length)
+        return Answer(resp.status, resp.getheader("Content-Type") or "", b"".join(chunks))
 
     def call_ok(self, method: str, path: str, doc: Any = None) -> Answer:
         """`call`, with an HTTP error status raised as EndpointHTTPError carrying the server's message."""
@@ -143,17 +176,25 @@ class Client:
         a = self.call_ok(method, path, doc)
         try:
             return json.loads(a.body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: arrays nested past Python's recursion limit
             raise EndpointError(
                 f"{self.where}: {method} {path} answered {a.content_type or 'no content type'}, not JSON "
                 f"({a.text(80)!r}); is this an OpenAI-compatible server?"
             ) from None
 
 
-def _left(conn: http.client.HTTPConnection, deadline: float) -> None:
+def _expire(conn: http.client.HTTPConnection, expired: threading.Event) -> None:
+    """The call's time is up: shut its socket, so whatever read or write it is in ends now."""
+    expired.set()
+    if conn.sock is not None:
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _left(conn: http.client.HTTPConnection, deadline: float, expired: threading.Event) -> None:
     """Bound the next socket operation by what is left of the call's time."""
     left = deadline - time.monotonic()
-    if left <= 0:
+    if left <= 0 or expired.is_set():
         raise TimeoutError
     if conn.sock is not None:
         conn.sock.settimeout(left)
@@ -163,7 +204,7 @@ def error_message(a: Answer) -> str:
     """What an error answer says: OpenAI's error.message, FastAPI's detail, a message field, or the body's text."""
     try:
         doc = json.loads(a.body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return a.text() or "(empty body)"
     if isinstance(doc, dict):
         err = doc.get("error")
