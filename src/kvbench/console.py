@@ -27,6 +27,7 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from kvbench.errors import KVBenchError
 from kvbench.jsonio import json_text
 
 # Piped or redirected output is not an 80-column terminal: lay tables out wide and never wrap prose there.
@@ -156,8 +157,13 @@ def print_json(doc: Any) -> None:
     """One JSON document on stdout and nothing else (for scripts and CI): strict JSON, NaN and infinities null."""
     stream = _DOCUMENT[-1] if _DOCUMENT else sys.stdout
     _PRINTED[0] += 1
-    stream.write(json_text(doc) + "\n")
-    stream.flush()
+    try:
+        stream.write(json_text(doc) + "\n")
+        stream.flush()
+    except BrokenPipeError:  # the reader went away: the CLI ends quietly (cli/app.py)
+        raise
+    except OSError as e:  # a full disk, /dev/full: one line, not a traceback
+        raise KVBenchError(f"stdout cannot be written ({e.strerror or e}): the JSON document is lost") from None
 
 
 def documents_printed() -> int:

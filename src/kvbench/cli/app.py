@@ -144,6 +144,13 @@ def exit_code(e: BaseException) -> tuple[int, str | None]:
     return BUG, f"unexpected {one_line(e)} (a kvbench bug: please report it; --verbose shows the traceback)"
 
 
+def print_error_document(doc: dict) -> None:
+    """The boundary's --json error document; a stdout that cannot take it (a full disk) loses it, and the error's
+    line on stderr still says what ended the command."""
+    with contextlib.suppress(KVBenchError):
+        console.print_json(doc)
+
+
 class KVBenchCommand(TyperCommand):
     """A command whose every exception becomes one line on stderr and its exit status (`exit_code`). Under --json
     (compare: --format json) stdout carries one JSON document on every exit: where the command ended without
@@ -169,7 +176,7 @@ class KVBenchCommand(TyperCommand):
                 # ended by the command itself without its document: its line was said
                 lines = console.errors_said()[said:]
                 said_last = lines[-1] if lines else f"stopped with exit status {code}"
-                console.print_json(error_document(self.error_doc, said_last, code))
+                print_error_document(error_document(self.error_doc, said_last, code))
             raise
         except BaseException as e:
             if isinstance(e, SystemExit):
@@ -180,7 +187,7 @@ class KVBenchCommand(TyperCommand):
             if code == STDOUT_CLOSED:
                 console.stdout_closed()
             elif json_out and console.documents_printed() == printed:
-                console.print_json(error_document(self.error_doc, message, code))
+                print_error_document(error_document(self.error_doc, message, code))
             if message is not None:
                 console.error(message)
             raise typer.Exit(code) from None
@@ -296,7 +303,7 @@ class KVBenchGroup(TyperGroup):
             if not isinstance(command, KVBenchCommand):  # an error Click raised with no context: the command named
                 command = self.commands.get(next((w for w in words if not w.startswith("-")), ""))
             if isinstance(command, KVBenchCommand) and _asks_json(words):
-                console.print_json(error_document(command.error_doc, e.format_message() + where, code))
+                print_error_document(error_document(command.error_doc, e.format_message() + where, code))
             console.error(e.format_message() + where)
             sys.exit(code)
         except (typer.Abort, getattr(click.exceptions, "Abort", typer.Abort)):  # where click has its own

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvbench import console, options
-from kvbench.cli.app import command, load_for_cli
+from kvbench.cli.app import Terminated, command, load_for_cli
 from kvbench.errors import KVBenchError
 from kvbench.options import option
 
@@ -61,7 +62,8 @@ def _frameworks() -> None:
 @command(ServeOptions)
 def serve(o: ServeOptions) -> None:
     """Serve our GPT-2 over HTTP (OpenAI's /v1/completions) with a paged KV pool, prefix caching and continuous
-    batching. Prints one line when ready, `kvbench serve: http://HOST:PORT/v1`, and runs until SIGINT or SIGTERM."""
+    batching. Prints one line when ready, `kvbench serve: http://HOST:PORT/v1`, and runs until SIGINT, SIGTERM or
+    SIGHUP (exit 130, 143, 129)."""
     from kvbench.serve.rules import serve_rules
 
     serve_rules(o)
@@ -80,7 +82,11 @@ def serve(o: ServeOptions) -> None:
     def ready() -> None:
         print(f"kvbench serve: http://{host}:{port}/v1", flush=True)
 
-    serve_forever(engine, served, sock, ready, log=console.note)
+    stopped_by = serve_forever(engine, served, sock, ready, log=console.note)
+    if stopped_by == signal.SIGINT:
+        raise KeyboardInterrupt
+    if stopped_by is not None:  # SIGTERM, SIGHUP: 128 + the signal, as any command they end
+        raise Terminated(stopped_by)
 
 
 def _prepare(o: ServeOptions) -> tuple[Engine, Served]:

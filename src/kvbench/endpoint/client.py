@@ -13,6 +13,7 @@ raises the first one's error.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -63,7 +64,12 @@ class Client:
     ACCEPT = "application/json"  # the Accept header of every request
 
     def __init__(self, url: str, timeout: float) -> None:
-        parts = urlsplit(url.strip())
+        try:
+            parts = urlsplit(url.strip())
+        except ValueError as e:  # an unclosed [ of an IPv6 address
+            raise EndpointError(
+                f"--endpoint {url!r} is not a URL ({e}); give one such as http://127.0.0.1:8000/v1"
+            ) from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise EndpointError(f"--endpoint {url!r} is not an http(s) URL; give one such as http://127.0.0.1:8000/v1")
         try:
@@ -88,13 +94,18 @@ class Client:
         with self.failures(what):
             deadline = time.monotonic() + self.timeout
             conn = self.connect()
-            try:
-                self.send(conn, method, path, doc)
-                _left(conn, deadline)
-                resp = conn.getresponse()
-                return self.answer(conn, resp, deadline, what)
-            finally:
-                conn.close()
+            with _watchdog(conn, self.timeout) as expired:
+                try:
+                    self.send(conn, method, path, doc)
+                    _left(conn, deadline)
+                    resp = conn.getresponse()
+                    return self.answer(conn, resp, deadline, what)
+                except (OSError, http.client.HTTPException):
+                    if expired.is_set():  # the watchdog shut the socket: the call's time is up
+                        raise TimeoutError from None
+                    raise
+                finally:
+                    conn.close()
 
     def call_ok(self, method: str, path: str, doc: Any = None) -> Answer:
         """`call`, with an HTTP error status raised as EndpointHTTPError carrying the server's message."""
@@ -112,7 +123,7 @@ class Client:
             return None
         try:
             return json.loads(a.body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: arrays nested past Python's recursion limit
             raise EndpointError(
                 f"{self.where}: {method} {path} answered {a.content_type or 'no content type'}, not JSON "
                 f"({self.shown(a, 80)!r}); is this an OpenAI-compatible server?"
@@ -155,6 +166,8 @@ class Client:
             _left(conn, deadline)
             chunk = resp.read1(1 << 16)
             if not chunk:
+                if resp.length:  # the connection closed before the Content-Length it promised
+                    raise http.client.IncompleteRead(b"".join(chunks), resp.length)
                 return Answer(resp.status, resp.getheader("Content-Type") or "", b"".join(chunks))
             size += len(chunk)
             if size > MAX_BODY:
@@ -189,6 +202,28 @@ class Client:
             raise EndpointError(f"{self.where}: {what} failed: {one_line(e)}") from None
 
 
+def _expire(conn: http.client.HTTPConnection, expired: threading.Event) -> None:
+    """The call's time is up: shut its socket, so whatever read or write it is in ends now."""
+    expired.set()
+    if conn.sock is not None:
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+@contextmanager
+def _watchdog(conn: http.client.HTTPConnection, timeout: float) -> Iterator[threading.Event]:
+    """A timer that shuts `conn`'s socket once `timeout` seconds have passed, so a server dripping its answer a
+    byte at a time cannot outlast the call (each read alone is bounded, their sum is not); the event says it fired."""
+    expired = threading.Event()
+    timer = threading.Timer(timeout, _expire, (conn, expired))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield expired
+    finally:
+        timer.cancel()
+
+
 def _left(conn: http.client.HTTPConnection, deadline: float) -> None:
     """Bound the next socket operation by what is left of the call's time."""
     left = deadline - time.monotonic()
@@ -202,7 +237,7 @@ def server_message(a: Answer) -> str | None:
     """OpenAI's error.message, FastAPI's detail or a message field, where the body is a JSON object holding one."""
     try:
         doc = json.loads(a.body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if isinstance(doc, dict):
         err = doc.get("error")

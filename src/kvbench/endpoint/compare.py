@@ -14,6 +14,7 @@ diverges.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,9 +53,9 @@ def compare(label: str, cold: Completion, warm: Completion, tol: float) -> Compa
             return Comparison(label, IDENTICAL, basis, f"all {len(a)} tokens identical (no logprobs)")
         return Comparison(label, DIVERGED, basis, f"{_flip(cold, warm, first)}; {NO_TIE}", first=first)
     assert cold.logprobs is not None and warm.logprobs is not None
-    diffs = [abs(cold.logprobs[i] - warm.logprobs[i]) for i in range(steps)]
-    worst = max(diffs, default=0.0)
-    off = next((i for i, d in enumerate(diffs) if d > tol), None)
+    diffs = [_diff(cold.logprobs[i], warm.logprobs[i]) for i in range(steps)]
+    off = next((i for i, d in enumerate(diffs) if not d <= tol), None)  # NaN is past any tolerance
+    worst = math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)
     if off is not None:
         words = f"step {off}'s logprob differs by {diffs[off]:.3g} > {tol:g} with the same tokens up to it"
         return Comparison(label, DIVERGED, "logprobs", words, worst, first)
@@ -63,6 +64,12 @@ def compare(label: str, cold: Completion, warm: Completion, tol: float) -> Compa
             return Comparison(label, IDENTICAL, "logprobs", f"all {len(a)} tokens and logprobs identical", 0.0)
         return Comparison(label, DRIFT, "logprobs", f"same {len(a)} tokens, |Δlogprob| <= {worst:.3g}", worst)
     return _flipped(label, cold, warm, first, worst, tol)
+
+
+def _diff(a: float, b: float) -> float:
+    """|a - b|, 0 where they are equal (the same infinity too); NaN where either is NaN: a logprob the engine could
+    not compute is never drift."""
+    return 0.0 if a == b else abs(a - b)
 
 
 def _first_diff(a: Sequence[object], b: Sequence[object]) -> int | None:

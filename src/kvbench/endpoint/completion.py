@@ -74,22 +74,49 @@ def read_completion(doc: Any, where: str) -> Completion:
 
 
 def _read_logprobs(c: Completion, lp: Any) -> None:
+    """The sampled tokens' logprobs and the top ones, where every value is a number and there is one per token: an
+    answer whose logprobs hold anything else (null, a string, lists of other lengths) is read as one without them,
+    never a crash."""
     if not isinstance(lp, dict):
         return
     if isinstance(lp.get("token_logprobs"), list) and isinstance(lp.get("tokens"), list):  # OpenAI's legacy form
-        values = lp["token_logprobs"]
-        if values and all(isinstance(v, int | float) for v in values):
-            c.tokens, c.logprobs = [str(t) for t in lp["tokens"]], [float(v) for v in values]
+        values = _numbers(lp["token_logprobs"])
+        if values and len(values) == len(lp["tokens"]):  # a step without its token (or one more) is no logprobs
+            c.tokens, c.logprobs = [str(t) for t in lp["tokens"]], values
             tops = lp.get("top_logprobs")
             if isinstance(tops, list) and len(tops) == len(values) and all(isinstance(t, dict) for t in tops):
-                c.tops = [{str(k): float(v) for k, v in t.items()} for t in tops]
+                c.tops = _tops([list(t.items()) for t in tops])
         return
     content = lp.get("content")
-    if isinstance(content, list) and content and all(isinstance(s, dict) and "logprob" in s for s in content):
-        c.tokens = [str(s.get("token")) for s in content]  # the chat form (llama.cpp)
-        c.logprobs = [float(s["logprob"]) for s in content]
+    if isinstance(content, list) and content and all(isinstance(s, dict) for s in content):
+        values = _numbers([s.get("logprob") for s in content])  # the chat form (llama.cpp)
+        if not values:
+            return
+        c.tokens, c.logprobs = [str(s.get("token")) for s in content], values
         if all(isinstance(s.get("top_logprobs"), list) for s in content):
-            c.tops = [{str(t.get("token")): float(t.get("logprob")) for t in s["top_logprobs"]} for s in content]
+            pairs = [
+                [(t.get("token"), t.get("logprob")) if isinstance(t, dict) else (None, None) for t in s["top_logprobs"]]
+                for s in content
+            ]
+            c.tops = _tops(pairs)
+
+
+def _numbers(values: list[Any]) -> list[float] | None:
+    """`values` as floats where each is a JSON number (not a bool); else None."""
+    if values and all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        return [float(v) for v in values]
+    return None
+
+
+def _tops(steps: list[list[tuple[Any, Any]]]) -> list[dict[str, float]] | None:
+    """Each step's top logprobs as {token: logprob}, where every logprob is a number; else None."""
+    out = []
+    for pairs in steps:
+        values = _numbers([v for _, v in pairs]) if pairs else []
+        if values is None:
+            return None
+        out.append({str(k): v for (k, _), v in zip(pairs, values, strict=True)})
+    return out
 
 
 class Prompts:

@@ -10,6 +10,7 @@ reset (--reset) is tried once, so a wrong way is said before any check runs.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -49,17 +50,17 @@ class Metrics:
 
     def block_size(self) -> tuple[int, str] | None:
         size = self.total(("kvbench_kv_block_size",))
-        if size is not None:
+        if size is not None and _count(size[0]):
             return int(size[0]), size[1]
         vllm = self.label("vllm:cache_config_info", "block_size")
         return (vllm, "vllm:cache_config_info") if vllm else None
 
     def pool_tokens(self) -> tuple[int, str] | None:
         """The device pool in tokens: kvbench serve's blocks x block size, vLLM's GPU blocks x block size, SGLang's
-        max_total_num_tokens."""
+        max_total_num_tokens. A value that is no count (NaN, infinite, 0, negative) is none stated."""
         blocks, size = self.total(("kvbench_kv_blocks_total",)), self.total(("kvbench_kv_block_size",))
-        if blocks is not None and size is not None:
-            return int(blocks[0] * size[0]), "kvbench_kv_blocks_total x kvbench_kv_block_size"
+        if blocks is not None and size is not None and _count(blocks[0]) and _count(size[0]):
+            return int(blocks[0]) * int(size[0]), "kvbench_kv_blocks_total x kvbench_kv_block_size"
         n, b = (
             self.label("vllm:cache_config_info", "num_gpu_blocks"),
             self.label("vllm:cache_config_info", "block_size"),
@@ -67,7 +68,12 @@ class Metrics:
         if n and b:
             return n * b, "vllm:cache_config_info num_gpu_blocks x block_size"
         sglang = self.total(("sglang:max_total_num_tokens",))
-        return (int(sglang[0]), sglang[1]) if sglang else None
+        return (int(sglang[0]), sglang[1]) if sglang and _count(sglang[0]) else None
+
+
+def _count(value: float) -> bool:
+    """A value /metrics states as a size: a finite number >= 1."""
+    return math.isfinite(value) and value >= 1
 
 
 def parse_metrics(text: str) -> Metrics:
@@ -180,7 +186,7 @@ def _model(client: Client) -> tuple[str, int | None, str | None]:
             f"{client.where}: GET /v1/models answered no model list ({str(doc)[:80]}); not an OpenAI-compatible server"
         )
     max_len, dtype = data[0].get("max_model_len"), data[0].get("dtype")
-    max_len = max_len if isinstance(max_len, int) and max_len > 0 else None
+    max_len = max_len if isinstance(max_len, int) and not isinstance(max_len, bool) and max_len > 0 else None
     return data[0]["id"], max_len, dtype if isinstance(dtype, str) else None
 
 

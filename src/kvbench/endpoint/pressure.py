@@ -25,7 +25,11 @@ from kvbench.endpoint.engine import LOWER_TIER_HITS, Engine
 
 REPEATS = 3  # batch-invariance: bursts of the prompt among its neighbours
 JOIN_LATE_S = 0.05  # in every other burst the prompt starts this long after its neighbours (a running batch)
-MAX_FLOOD_REQUESTS = 100_000
+# The flood is bounded before it starts, whatever pool size /metrics or --evict-tokens states: at most this many
+# requests of at most MAX_FLOOD_PROMPT tokens, and no longer than MAX_FLOOD_S at the pace of its first requests.
+MAX_FLOOD_PROMPT = 2048
+MAX_FLOOD_REQUESTS = 10_000
+MAX_FLOOD_S = 900.0
 NO_POOL = (
     "the engine reports no KV pool size in /metrics (kvbench_kv_blocks_total, vllm:cache_config_info, "
     "sglang:max_total_num_tokens); give --evict-tokens N"
@@ -38,6 +42,10 @@ def evicted(r: Run, pool: tuple[int, str] | None) -> Iterator[CheckRow]:
     if pool is None:
         yield skipped(r.column, NO_POOL, "evicted")
         return
+    size, planned = flood_plan(r.engine, r.prompt_len, r.neighbours, pool[0])
+    if planned > MAX_FLOOD_REQUESTS:
+        yield skipped(r.column, too_many(pool, size, planned), "evicted")
+        return
     quarter = max(4, r.prompt_len // 4)
     p, s, rr, (a, b) = (
         r.prompts.fresh(r.prompt_len),
@@ -49,7 +57,11 @@ def evicted(r: Run, pool: tuple[int, str] | None) -> Iterator[CheckRow]:
     r.warm(join(s, a))
     before = [r.warm(p), r.warm(rr)]
     tier0 = _lower_tier_hits(r.engine)
-    tokens, requests = flood(r, pool[0])
+    try:
+        tokens, requests = flood(r, pool[0])
+    except FloodTooLong as e:
+        yield skipped(r.column, str(e), "evicted")
+        return
     back_p, back_sb = r.warm(p), r.warm(join(s, b))
     tier1 = _lower_tier_hits(r.engine)
     lower = f"; lower-tier hits {tier1 - tier0:,.0f} tokens" if tier0 is not None and tier1 is not None else ""
@@ -95,17 +107,47 @@ def _lower_tier_hits(e: Engine) -> float | None:
     return total[0] if total is not None else None
 
 
+class FloodTooLong(Exception):
+    """The flood would take past MAX_FLOOD_S at the pace of its first requests."""
+
+
+def flood_plan(e: Engine, prompt_len: int, neighbours: int, pool: int) -> tuple[int, int]:
+    """(prompt size, requests) of a flood past `pool` tokens: a prompt as long as the context allows (up to
+    MAX_FLOOD_PROMPT; in words for text, each at least a token), `neighbours` requests at a time."""
+    room = (e.max_len - 2) if e.max_len else 4 * prompt_len
+    size = max(1, min(room, MAX_FLOOD_PROMPT) if e.token_prompts else max(8, min(room, MAX_FLOOD_PROMPT) // 8))
+    per = max(1, neighbours)
+    batches = -(-(pool + pool // 4) // (size * per))
+    return size, batches * per
+
+
+def too_many(pool: tuple[int, str], size: int, planned: int) -> str:
+    return (
+        f"flooding a pool of {pool[0]:,} tokens ({pool[1]}) takes {planned:,} requests of {size:,} prompt tokens, "
+        f"past the {MAX_FLOOD_REQUESTS:,} kvbench sends; give --evict-tokens N for the part of the pool to flood"
+    )
+
+
 def flood(r: Run, pool: int) -> tuple[int, int]:
-    """Distractor prompts, `--batch` at a time, until their prompt tokens pass 1.25 x `pool`: (tokens, requests)."""
+    """Distractor prompts, `--batch` at a time, until their prompt tokens pass 1.25 x `pool`: (tokens, requests).
+    Never more requests than the plan (each prompt holds at least `size` tokens, whatever the engine reports), and
+    FloodTooLong where the first batch says the plan would take past MAX_FLOOD_S."""
     e, target = r.engine, pool + pool // 4
-    room = (e.max_len - 2) if e.max_len else 4 * r.prompt_len
-    size = min(room, 2048) if e.token_prompts else max(8, min(room, 2048) // 8)  # a word may be several tokens
+    size, planned = flood_plan(e, r.prompt_len, r.neighbours, pool)
     tokens = requests = 0
-    while tokens < target and requests < MAX_FLOOD_REQUESTS:
+    t0 = time.monotonic()
+    while tokens < target and requests < planned:
         batch = [r.prompts.fresh(size) for _ in range(max(1, r.neighbours))]
-        for c in parallel([_call(e, q, 1) for q in batch]):
-            tokens += c.prompt_tokens if c.prompt_tokens is not None else length(batch[0])
+        for q, c in zip(batch, parallel([_call(e, q, 1) for q in batch]), strict=True):
+            tokens += c.prompt_tokens if c.prompt_tokens and c.prompt_tokens > 0 else length(q)
         requests += len(batch)
+        pace = (time.monotonic() - t0) / requests
+        if requests == len(batch) and pace * planned > MAX_FLOOD_S:
+            raise FloodTooLong(
+                f"the flood of {planned:,} requests would take about {pace * planned / 60:,.0f} min at this "
+                f"engine's pace ({pace:.2f} s a request), past {MAX_FLOOD_S / 60:.0f} min; give --evict-tokens N "
+                "for the part of the pool to flood"
+            )
     return tokens, requests
 
 

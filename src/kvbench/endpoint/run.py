@@ -18,7 +18,14 @@ from kvbench.endpoint.checks import Run, warm_cold
 from kvbench.endpoint.client import Client, EndpointError
 from kvbench.endpoint.completion import Prompts
 from kvbench.endpoint.engine import TOP_N, Engine, probe
-from kvbench.endpoint.pressure import batch_invariance, evicted
+from kvbench.endpoint.pressure import (
+    MAX_FLOOD_PROMPT,
+    MAX_FLOOD_REQUESTS,
+    batch_invariance,
+    evicted,
+    flood_plan,
+    too_many,
+)
 from kvbench.endpoint.resets import RESETS, get_reset
 from kvbench.errors import FailedThenStopped, KVBenchError, listed
 
@@ -29,12 +36,17 @@ CHECKS = {
     "accounting": "cached_tokens and /metrics hit counters against the reusable prefix; zero after a reset",
 }
 MAX_TIMEOUT_S = 24 * 3600.0
+MAX_CONTEXT = 1 << 20  # the longest request a run may send, in tokens: past any engine's context
+MAX_NEIGHBOURS = 64  # --batch with --endpoint: concurrent requests, each on a thread of its own
 
 
 class EndpointChoices(Protocol):
     """What `endpoint_rules` reads of verify's options."""
 
     endpoint: str | None
+    prompt_len: int
+    new_tokens: int
+    batch: int
     checks: str | None
     reset: str
     evict_tokens: int | None
@@ -90,6 +102,26 @@ def endpoint_rules(o: EndpointChoices) -> None:
         raise KVBenchError(f"--logprob-tol {o.logprob_tol:g} must be a finite number >= 0")
     if o.evict_tokens is not None and o.evict_tokens < 1:
         raise KVBenchError(f"--evict-tokens {o.evict_tokens} must be >= 1 (the engine's KV pool in tokens)")
+    most = MAX_FLOOD_REQUESTS * MAX_FLOOD_PROMPT * 4 // 5  # the flood sends 1.25 x the pool
+    if o.evict_tokens is not None and o.evict_tokens > most:
+        raise KVBenchError(
+            f"--evict-tokens {o.evict_tokens:,}: flooding past it takes more than the {MAX_FLOOD_REQUESTS:,} requests of "
+            f"{MAX_FLOOD_PROMPT:,} tokens kvbench sends; give at most {most:,}"
+        )
+    need = longest_request(o.prompt_len, o.new_tokens)
+    if need > MAX_CONTEXT:
+        raise KVBenchError(
+            f"--prompt-len {o.prompt_len:,} and --new-tokens {o.new_tokens:,} need requests of {need:,} tokens, past "
+            f"any engine's context ({MAX_CONTEXT:,}); lower them"
+        )
+    if o.batch > MAX_NEIGHBOURS:
+        raise KVBenchError(f"--batch {o.batch:,}: with --endpoint at most {MAX_NEIGHBOURS} concurrent neighbours")
+
+
+def longest_request(prompt_len: int, new_tokens: int) -> int:
+    """The longest request a run sends, prompt and completion (accounting's extension: 2 x prompt + 5, a completion,
+    a quarter prompt, then new tokens)."""
+    return 2 * prompt_len + 5 + 2 * new_tokens + max(4, prompt_len // 4)
 
 
 # |Δlogprob| of a sampled token still counted as drift, by the precision the engine computes in: fp32 reduction-order
@@ -155,14 +187,18 @@ def _rows(r: Run, s: EndpointSettings) -> Iterator[CheckRow]:
 
 
 def _fits(e: Engine, s: EndpointSettings) -> None:
-    """The longest request (accounting's extension: 2 x prompt + 5, a completion, a quarter prompt, then new
-    tokens) within the engine's max_model_len, where it states one and prompts are token ids."""
-    need = 2 * s.prompt_len + 5 + 2 * s.new_tokens + max(4, s.prompt_len // 4)
+    """The longest request within the engine's max_model_len, where it states one and prompts are token ids; the
+    flood past --evict-tokens within what kvbench sends."""
+    need = longest_request(s.prompt_len, s.new_tokens)
     if e.max_len is not None and e.token_prompts and need > e.max_len:
         raise KVBenchError(
             f"--prompt-len {s.prompt_len} and --new-tokens {s.new_tokens} need {need:,} tokens of context; "
             f"{e.model} takes {e.max_len:,} (max_model_len): lower --prompt-len or --new-tokens"
         )
+    if s.evict_tokens is not None and "evicted" in s.checks:
+        size, planned = flood_plan(e, s.prompt_len, s.neighbours, s.evict_tokens)
+        if planned > MAX_FLOOD_REQUESTS:
+            raise KVBenchError(too_many((s.evict_tokens, "--evict-tokens"), size, planned))
 
 
 def _exposes(e: Engine) -> str:

@@ -101,7 +101,7 @@ class StreamClient(Client):
     def _chunk(self, data: str, what: str) -> dict[str, Any]:
         try:
             chunk = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: arrays nested past the recursion limit
             raise EndpointError(
                 f"{self.where}: {what} streamed an event that is not JSON ({data[:80]!r}); is this an "
                 "OpenAI-compatible server?"

@@ -8,39 +8,51 @@
     GET  /health             200 while the server runs
 
 The engine runs in a thread of its own (engine.py); a request's events cross to the event loop through an asyncio
-queue. SIGINT and SIGTERM stop the engine first (every request in flight ends, failed), then uvicorn.
+queue. A body is read up to protocol.MAX_BODY_BYTES and parsed (tokenized) on a worker thread, so a long prompt
+never stalls the streams in flight; a client that goes away, streamed or not, has its request dropped by the engine.
+SIGINT, SIGTERM and SIGHUP (unless ignored, as under nohup) stop the engine first (every request in flight ends,
+failed), then uvicorn; `serve_forever` returns the signal that stopped it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
+import signal
 import socket
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from kvbench.errors import KVBenchError
 from kvbench.serve.engine import Done, Engine, Event, Failed, Submission, Token
 from kvbench.serve.protocol import (
+    MAX_BODY_BYTES,
     CompletionRequest,
     RequestError,
     Served,
+    body_too_large,
     completion_document,
     error_document,
     logprobs_document,
     metrics_text,
     models_document,
     parse_completion,
+    route_error,
     usage_document,
 )
 
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+DRAIN_BYTES = 8 * MAX_BODY_BYTES  # a body past the cap is read and dropped up to this, so its client reads the 413
 
 
 class Inflight:
@@ -101,6 +113,14 @@ def build_app(engine: Engine, served: Served, log: Callable[[str], None]) -> Fas
     """The application: the routes of the module docstring over `engine`; `log` gets one line per refused request."""
     app = FastAPI(title="kvbench serve", docs_url=None, redoc_url=None, openapi_url=None)
 
+    @app.exception_handler(HTTPException)
+    async def no_route(request: Request, exc: HTTPException) -> Response:
+        path = request.url.path[:200]
+        allowed = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), None)
+        doc = route_error(exc.status_code, request.method, path, allowed)
+        log(f"{exc.status_code} {request.method} {path}: {doc['error']['message']}")
+        return JSONResponse(doc, status_code=exc.status_code, headers=exc.headers)
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -121,21 +141,65 @@ def build_app(engine: Engine, served: Served, log: Callable[[str], None]) -> Fas
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
-            req = parse_completion(await request.body(), served)
+            req = await asyncio.to_thread(parse_completion, await read_body(request), served)
         except RequestError as e:
             log(f"{e.status} POST /v1/completions: {e.message}")
             return JSONResponse(e.document(), status_code=e.status)
+        except Exception as e:  # a bug in reading the request: one line, not a traceback; the server serves on
+            log(f"500 POST /v1/completions: {type(e).__name__}: {e}")
+            doc = error_document(f"internal error: {type(e).__name__}: {e}", None, None, "server_error")
+            return JSONResponse(doc, status_code=500)
         flight = Inflight(req)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         engine.submit(flight.sub)
         if req.stream:
             return StreamingResponse(stream(served, flight, rid, created, req), media_type="text/event-stream")
         try:
-            return await complete(served, flight, rid, created, req)
+            return await unless_gone(request, complete(served, flight, rid, created, req))
         finally:
             flight.cancel()
 
     return app
+
+
+async def read_body(request: Request) -> bytes:
+    """The request's body, refused (RequestError, 413) once it is past MAX_BODY_BYTES, declared or sent. A body
+    past the cap is still read, and dropped, up to DRAIN_BYTES, so a client that sends it all before reading gets
+    the refusal instead of a reset connection; one declared longer is refused unread."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > DRAIN_BYTES:
+        raise body_too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > DRAIN_BYTES:
+            break
+        if size <= MAX_BODY_BYTES:
+            chunks.append(chunk)
+    if size > MAX_BODY_BYTES:
+        raise body_too_large()
+    return b"".join(chunks)
+
+
+async def unless_gone(request: Request, answer: Awaitable[Response]) -> Response:
+    """`answer`, unless the client disconnects first: then it is cancelled (and the caller cancels the request, so
+    the engine drops it) and nobody reads what is returned."""
+    task = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        return Response(status_code=499)  # nginx's "client closed request": logged nowhere, read by nobody
+    finally:  # neither outlives the handler, however it ends (a shutdown cancels it)
+        task.cancel()
+        gone.cancel()
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client has gone away (the body was read: the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def complete(served: Served, flight: Inflight, rid: str, created: int, req: CompletionRequest) -> Response:
@@ -194,21 +258,45 @@ def listen(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         why = e.strerror or str(e)
-        raise KVBenchError(f"cannot listen on {host}:{port}: {why} (--port 0 picks a free port)") from None
+        if e.errno in (errno.EADDRINUSE, errno.EACCES):
+            fix = "--port 0 picks a free port"
+        else:
+            fix = "--host takes an address of this machine: 127.0.0.1 (the default), ::1 or 0.0.0.0"
+        raise KVBenchError(f"cannot listen on {host}:{port}: {why} ({fix})") from None
     return sock
 
 
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
 class Server(uvicorn.Server):
-    """uvicorn's server, stopping the engine first on SIGINT/SIGTERM (so streams end at once) and saying when it is
-    ready to answer."""
+    """uvicorn's server, stopping the engine first on SIGINT, SIGTERM or SIGHUP (so streams end at once) and saying
+    when it is ready to answer. `stopped_by` is the first signal that stopped it (None: none did)."""
 
     def __init__(self, config: uvicorn.Config, engine: Engine, on_ready: Callable[[], None]) -> None:
         super().__init__(config)
         self.engine, self.on_ready = engine, on_ready
+        self.stopped_by: int | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        self.stopped_by = sig if self.stopped_by is None else self.stopped_by
         self.engine.stop(timeout=0)
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Every stop signal goes to handle_exit while the server runs (an ignored SIGHUP, nohup's, stays ignored);
+        unlike uvicorn's own, the signal is not raised again afterwards: serve_forever returns it."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = [s for s in STOP_SIGNALS if s != getattr(signal, "SIGHUP", None) or not _ignored(s)]
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -216,11 +304,15 @@ class Server(uvicorn.Server):
             self.on_ready()
 
 
+def _ignored(sig: int) -> bool:
+    return signal.getsignal(sig) is signal.SIG_IGN
+
+
 def serve_forever(
     engine: Engine, served: Served, sock: socket.socket, on_ready: Callable[[], None], log: Callable[[str], None]
-) -> None:
-    """Run the engine and the HTTP server on `sock` until SIGINT or SIGTERM; the engine's thread is joined before
-    this returns (or raises the signal's exception)."""
+) -> int | None:
+    """Run the engine and the HTTP server on `sock` until SIGINT, SIGTERM or SIGHUP, and return that signal (None:
+    the server stopped without one); the engine's thread is joined before this returns."""
     app = build_app(engine, served, log)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3, lifespan="off")
     server = Server(config, engine, on_ready)
@@ -231,3 +323,4 @@ def serve_forever(
     finally:
         engine.stop()
         sock.close()
+    return server.stopped_by

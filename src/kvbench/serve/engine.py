@@ -31,6 +31,11 @@ from kvbench.model.gpt2 import GPT
 from kvbench.serve.batch import step_caches
 from kvbench.serve.pool import ROOT_HASH, KVPool
 
+# A draw divides the logits, less their max (so every value is <= 0), by the temperature: no temperature, however
+# small, overflows them to inf and the softmax to NaN (which failed the whole batch); below float32's smallest normal
+# number a temperature is that number, where the draw is the argmax anyway.
+TINY_TEMPERATURE = torch.finfo(torch.float32).tiny
+
 
 @dataclass(frozen=True)
 class Token:
@@ -281,7 +286,8 @@ class Engine:
             if sub.temperature == 0:
                 tok = int(logits[b].argmax())
             else:
-                probs = torch.softmax(logits[b : b + 1].float() / sub.temperature, dim=-1)  # (1, V)
+                row = logits[b : b + 1].float()  # (1, V)
+                probs = torch.softmax((row - row.max()) / max(sub.temperature, TINY_TEMPERATURE), dim=-1)
                 tok = int(torch.multinomial(probs, 1, generator=seq.generator))
             if tok == self.stop_id:
                 self._finish(seq, "stop")
@@ -293,7 +299,7 @@ class Engine:
                 lp = float(logp[b, tok])
                 top = []
                 if sub.logprobs:
-                    values, ids = logp[b].topk(sub.logprobs)
+                    values, ids = logp[b].topk(min(sub.logprobs, logp.shape[-1]))  # a vocabulary under 20
                     top = list(zip(ids.tolist(), values.tolist(), strict=True))
             sub.emit(Token(tok, lp, top))
             if seq.generated >= sub.max_tokens:

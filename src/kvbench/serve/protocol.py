@@ -3,7 +3,9 @@ checked (`parse_completion`), the response and its stream chunks, the error docu
 
 A request is refused (HTTP 400, OpenAI's error document) before it reaches the engine when its JSON is invalid, a
 field has the wrong type or range, the model is not the one served, the prompt is empty, holds a token id outside
-the vocabulary or does not leave room for max_tokens in the context, or it needs more blocks than the pool holds.
+the vocabulary or does not leave room for max_tokens in the context, or it needs more blocks than the pool holds; a
+body past MAX_BODY_BYTES is refused unread (HTTP 413), and a route or method the server lacks gets the same document
+(404, 405: `route_error`). A field sent as null takes its default, as OpenAI's API takes it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+MAX_BODY_BYTES = 8 << 20  # a request body past this is refused unread: 1,024 token ids are ~8 KB, 1,024 tokens of text
+# at most ~1 MB even JSON-escaped; the cap bounds what one request makes the server read, parse and tokenize
 MAX_LOGPROBS = 20  # as OpenAI's completions API (and vLLM's default)
 SEED_LIMIT = 2**63  # seeds are 0 .. 2**63 - 1
 # Fields a client may send that only have their default here: anything else would change the output silently.
@@ -34,6 +38,26 @@ def error_document(
     message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def body_too_large() -> RequestError:
+    return RequestError(
+        f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB; no prompt that fits the model is that long",
+        None,
+        "request_too_large",
+        413,
+    )
+
+
+def route_error(status: int, method: str, path: str, allowed: str | None) -> dict[str, Any]:
+    """OpenAI's error document for a route the server lacks (404) or a method the route does not take (405)."""
+    if status == 405:
+        message = f"{method} is not allowed on {path}" + (f"; use {allowed}" if allowed else "")
+        return error_document(message, None, "method_not_allowed")
+    if status == 404:
+        routes = "POST /v1/completions, GET /v1/models, GET /metrics, POST /reset_prefix_cache, GET /health"
+        return error_document(f"no route {method} {path}; this server answers {routes}", None, "not_found")
+    return error_document(f"HTTP {status} on {method} {path}", None, None)
 
 
 class Codec(Protocol):
@@ -75,9 +99,9 @@ class CompletionRequest:
 
 
 def _integer(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
-    value = body.get(name, default)
-    if value is None:
-        return None
+    value = body.get(name)
+    if value is None:  # absent or null: the default
+        return default
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(f"{name} must be an integer, got {json.dumps(value)[:80]}", name, "invalid_type")
     if value < lo or (hi is not None and value > hi):
@@ -106,7 +130,7 @@ def _prompt(body: dict, served: Served) -> list[int]:
         ids = served.tokenizer.encode(p)
     elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         ids = list(p)
-    elif isinstance(p, list) and p and all(isinstance(t, str | list) for t in p):
+    elif isinstance(p, list) and len(p) > 1 and all(isinstance(t, str | list) for t in p):
         raise RequestError(f"one prompt per request, got {len(p)}", "prompt", "invalid_value")
     else:
         raise RequestError("prompt must be a string or a list of token ids", "prompt", "invalid_type")
@@ -170,7 +194,8 @@ def parse_completion(raw: bytes, served: Served) -> CompletionRequest:
             raise RequestError(f"{name} is not supported (only {json.dumps(default)})", name, "unsupported")
     if body.get("stop") not in (None, [], ""):
         raise RequestError("stop is not supported (generation stops at <|endoftext|> or max_tokens)", "stop")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise RequestError("stream must be true or false", "stream", "invalid_type")
     max_tokens = _integer(body, "max_tokens", 16, 1)

@@ -52,11 +52,13 @@ def pool_bytes(cfg: GPTConfig, blocks: int, block_size: int, dtype: torch.dtype)
 
 def pool_fits(cfg: GPTConfig, o: ServeChoices, dtype: torch.dtype, device: torch.device) -> None:
     """The device tier and the host tier against the memory available now, before either is allocated: a pool too
-    large is one line and exit 3, not the kernel's OOM killer."""
+    large is one line and exit 3, not the kernel's OOM killer. On the CPU both tiers take the same memory, so their
+    sum must fit as well as each."""
     from kvbench.devices import available_memory_bytes
 
     gib = 2**30
-    tiers = [("--kv-blocks", o.kv_blocks, device), ("--host-blocks", o.host_blocks, torch.device("cpu"))]
+    cpu = torch.device("cpu")
+    tiers = [("--kv-blocks", o.kv_blocks, device), ("--host-blocks", o.host_blocks, cpu)]
     for flag, blocks, where in tiers:
         need = pool_bytes(cfg, blocks, o.block_size, dtype)
         free = available_memory_bytes(where)
@@ -64,4 +66,13 @@ def pool_fits(cfg: GPTConfig, o: ServeChoices, dtype: torch.dtype, device: torch
             raise NotEnoughMemoryError(
                 f"{flag} {blocks:,} blocks of {o.block_size} tokens of {cfg.name}'s K/V need {need / gib:.1f} GiB on "
                 f"{where.type}, more than the {free / gib:.1f} GiB available; use fewer {flag}"
+            )
+    if device.type == "cpu" and o.host_blocks:
+        need = pool_bytes(cfg, o.kv_blocks + o.host_blocks, o.block_size, dtype)
+        free = available_memory_bytes(cpu)
+        if free is not None and need > free:
+            raise NotEnoughMemoryError(
+                f"--kv-blocks {o.kv_blocks:,} and --host-blocks {o.host_blocks:,} blocks of {o.block_size} tokens of "
+                f"{cfg.name}'s K/V need {need / gib:.1f} GiB of CPU memory together (the device is the CPU), more "
+                f"than the {free / gib:.1f} GiB available; use fewer of either"
             )
