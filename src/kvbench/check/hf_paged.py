@@ -26,7 +26,7 @@ from kvbench.check.judge import NO_CACHE, CheckRow, Tolerance, not_finite, skipp
 from kvbench.errors import one_line
 from kvbench.hf.caches import HF_CACHES
 from kvbench.hf.known import known_defect
-from kvbench.hf.paged import PAGE_SIZES, Manager, Request, cb_config, sizes, unavailable
+from kvbench.hf.paged import PAGE_SIZES, Manager, Request, cb_config, sizes, switches_attention, unavailable
 
 PAGED_CHECKS = ("batch", "reuse")
 ENTRY = "paged"  # its name in hf/caches.py; a row's cache is the entry and its page size
@@ -238,6 +238,7 @@ def _note(model: HFModel, sized: list[str], sharing: bool | None) -> str:
     return (
         f"paged: transformers' continuous batching, two generate_batch calls on one persistent manager per page size "
         f"({'; '.join(s for s in sized if s)}), every prompt of a call in one forward, greedy with logprobs, "
-        f"{shares}, the model's {attention} attention (auto_switch_to_flash off"
-        + ("; transformers runs eager as paged|eager)" if attention == "eager" else ")")
+        f"{shares}, the model's {attention} attention"
+        + (" (auto_switch_to_flash off)" if switches_attention() else "")
+        + ("; transformers runs eager as paged|eager" if attention == "eager" else "")
     )

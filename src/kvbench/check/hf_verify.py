@@ -1,7 +1,8 @@
 """`kvbench verify --hf`: every check of the suite (check/suite.py) on any Hugging Face causal LM, through
 transformers' own caches (hf/caches.py), against the model's own no-cache path. A cache that cannot run here
 (offloading without CUDA, a quantization backend that is not installed, a quantized cache on a model with
-sliding-window layers) is one row marked skipped, with the reason.
+sliding-window layers) is one row marked skipped, with the reason. transformers' continuous batching (`paged`) has
+checks of its own, each request of two generate_batch calls against the no-cache forward (check/hf_paged.py).
 
 Lossy caches (quantized) are held to a bound on every step's logits against the no-cache forward over the same
 tokens (teacher-forced, so one early flip does not turn the rest into noise): |diff| <= rtol x the row's largest

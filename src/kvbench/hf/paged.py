@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 
 PAGE_SIZES = (16, 256)  # tokens per page: a block boundary inside every prompt, and whole prompts inside one page
 CB_LOGGER = "ContinuousBatchingLogger"  # transformers' continuous batching logs here, to a handler of its own
-# the ContinuousBatchingConfig fields the entry sets (transformers 5.25 has each)
-CB_FIELDS = ("page_size", "num_blocks", "max_batch_tokens", "allow_block_sharing", "auto_switch_to_flash")
+# the ContinuousBatchingConfig fields the entry needs (5.18 and 5.25 have each; 5.25 adds auto_switch_to_flash, set
+# where there: 5.18 switches to flash attention only where a flash kernel is installed, never on the CPU)
+CB_FIELDS = ("page_size", "num_blocks", "max_batch_tokens", "allow_block_sharing", "return_logprobs")
 # attention implementations continuous batching runs (ContinuousBatchingManager.switch_to_cb_friendly_attn, 5.25)
 CB_ATTENTION = ("eager", "sdpa", "paged|eager")
 
@@ -52,7 +53,7 @@ def unavailable(model: CausalLM, device: torch.device) -> str | None:
         return f"transformers {transformers.__version__} has no continuous batching (generate_batch)"
     config = getattr(transformers, "ContinuousBatchingConfig", None)
     fields = getattr(config, "__dataclass_fields__", {})
-    lacks = [f for f in (*CB_FIELDS, "return_logprobs") if f not in fields]
+    lacks = [f for f in CB_FIELDS if f not in fields]
     if config is None or lacks:
         return f"transformers {transformers.__version__}'s ContinuousBatchingConfig lacks {', '.join(lacks)} (5.25 has them)"
     from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
@@ -79,14 +80,22 @@ def unavailable(model: CausalLM, device: torch.device) -> str | None:
 def cb_config(page: int, blocks: int, batch_tokens: int, sharing: bool = True) -> Any:
     """The ContinuousBatchingConfig of one run: `blocks` of `page` tokens, `batch_tokens` per forward, greedy
     logprobs returned, block sharing as asked, the model's own attention kept."""
-    return transformers.ContinuousBatchingConfig(
+    config = transformers.ContinuousBatchingConfig
+    keep: dict[str, Any] = {"auto_switch_to_flash": False} if switches_attention() else {}
+    return config(
         page_size=page,
         num_blocks=blocks,
         max_batch_tokens=batch_tokens,
         allow_block_sharing=sharing,
         return_logprobs=True,
-        auto_switch_to_flash=False,
+        **keep,
     )
+
+
+def switches_attention() -> bool:
+    """Whether this transformers' continuous batching may switch the model to flash attention, and so takes
+    auto_switch_to_flash (5.25 does; 5.18 switches only where a flash kernel is installed, with no option)."""
+    return "auto_switch_to_flash" in getattr(transformers.ContinuousBatchingConfig, "__dataclass_fields__", {})
 
 
 def sizes(calls: list[list[int]], new: int, page: int) -> tuple[int, int]:
