@@ -18,8 +18,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kvbench.check.hf_paged import PAGED_CHECKS
 from kvbench.check.hf_subject import HFModel, HFSubject, generate_run
-from kvbench.check.hf_verify import CHECKS, run_hf_verify
+from kvbench.check.hf_verify import SUITE, run_hf_verify
 from kvbench.check.judge import compare_tokens
 from kvbench.check.suite import check_logits
 from kvbench.check.verify import random_prompts
@@ -108,7 +109,7 @@ def reports(model_dirs):
 def test_every_check_passes(reports, family):
     loaded, prompts, rep = reports[family]
     ran = {r.cache for r in rep.checks if not r.skipped}
-    assert {"none", "dynamic", "static"} <= ran, rep.checks
+    assert {"none", "dynamic", "static", "paged-16", "paged-256"} <= ran, rep.checks
     for r in rep.checks:
         if r.name == "rollback" and r.cache == "static" and LOOKUP_DEFECT in r.detail:
             # transformers' own prompt-lookup decoding overruns the StaticCache generate allocates (reproduced in
@@ -123,13 +124,15 @@ def test_every_check_passes(reports, family):
         if r.skipped:
             assert r.passed and r.detail, r
             continue
-        expected = {"batched"} if r.cache == "none" else set(CHECKS)
+        expected = {"batched"} if r.cache == "none" else set(SUITE)
+        if r.cache.startswith("paged-"):  # continuous batching: its own checks (check/hf_paged.py)
+            expected = set(PAGED_CHECKS)
         assert {x.name for x in rep.checks if x.cache == r.cache} == expected
         if r.name == "cache_state" and r.cache == "dynamic" and not _dynamic_reset_works():
             assert not r.passed and "raised" in r.detail, r
             continue
         assert r.passed, r
-        if HF_CACHES[r.cache].lossy is None and r.name in ("logits", "greedy"):
+        if r.cache in HF_CACHES and HF_CACHES[r.cache].lossy is None and r.name in ("logits", "greedy"):
             assert r.max_abs_diff <= 1e-5, r
     assert rep.passed == all(r.passed for r in rep.checks if not r.skipped)
 
@@ -741,8 +744,8 @@ def test_gpt2_options_are_refused_with_hf(model_dirs):
     assert r.exit_code == 2 and "--weights" in out, out
     r, out = invoke("verify", "--layers", "2")
     assert r.exit_code == 2 and "--hf" in out, out
-    r, out = invoke("verify", "--hf", str(model_dirs["llama"]), "--caches", "paged")
-    assert r.exit_code == 2 and "paged" in out, out
+    r, out = invoke("verify", "--hf", str(model_dirs["llama"]), "--caches", "int8")  # our GPT-2's, not transformers'
+    assert r.exit_code == 2 and "int8" in out, out
     with pytest.raises(KVBenchError, match="--layers"):
         load_hf(str(model_dirs["llama"]), CPU, torch.float32, layers=3)
 

@@ -1,7 +1,8 @@
 """`kvbench verify --hf`: every check of the suite (check/suite.py) on any Hugging Face causal LM, through
 transformers' own caches (hf/caches.py), against the model's own no-cache path. A cache that cannot run here
 (offloading without CUDA, a quantization backend that is not installed, a quantized cache on a model with
-sliding-window layers) is one row marked skipped, with the reason.
+sliding-window layers) is one row marked skipped, with the reason. transformers' continuous batching (`paged`) has
+checks of its own, each request of two generate_batch calls against the no-cache forward (check/hf_paged.py).
 
 Lossy caches (quantized) are held to a bound on every step's logits against the no-cache forward over the same
 tokens (teacher-forced, so one early flip does not turn the rest into noise): |diff| <= rtol x the row's largest
@@ -17,9 +18,10 @@ import torch
 
 from kvbench.check.causal import refuse_non_causal
 from kvbench.check.distortion import HF_REFERENCE_CACHE, measure_subjects
+from kvbench.check.hf_paged import ENTRY, PAGED_CHECKS, paged_rows
 from kvbench.check.hf_policy import hf_policy_rows
 from kvbench.check.hf_subject import HFModel, HFSubject
-from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport
+from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport, skipped
 from kvbench.check.lifecycle import LIFECYCLE
 from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks
 from kvbench.check.tp import RankBytes, hf_tp_rows
@@ -31,7 +33,8 @@ from kvbench.hf.models import LoadedHF
 from kvbench.memory.config import quiet_transformers
 from kvbench.validate import past_context
 
-CHECKS = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)
+SUITE = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)
+CHECKS = (*SUITE, *PAGED_CHECKS)  # the paged entry's rows: its own checks (check/hf_paged.py)
 
 
 def run_hf_verify(
@@ -60,7 +63,8 @@ def run_hf_verify(
     refuse_non_causal(loaded)
     target = HFModel(loaded)
     world = 1 if tp is None else tp.world
-    subjects = [HFSubject(target, c, runner=shard, tp=world) for c in caches]
+    batching = [c for c in caches if HF_CACHES[c].batching and any(n in checks for n in PAGED_CHECKS)]
+    subjects = [HFSubject(target, c, runner=shard, tp=world) for c in caches if not HF_CACHES[c].batching]
     if tp is not None:
         from kvbench.check.tp import IN_STEP
         from kvbench.distributed import barrier
@@ -71,7 +75,7 @@ def run_hf_verify(
     baseline = HFSubject(target, "none")  # what the model itself does without a cache (run_checks)
     report = on_row if tp is None or tp.rank == 0 else None
     with quiet_transformers():
-        rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, report, baseline)
+        rows = run_checks(subjects, prompts, new_tokens, checks, short_tokens, report, baseline) if subjects else []
         held: list[RankBytes] = []
         policy_notes: list[str] = []
         if tp is not None:
@@ -84,9 +88,31 @@ def run_hf_verify(
         if distortion and tp is None:
             full = HFSubject(target, HF_REFERENCE_CACHE)
             costs = measure_subjects(subjects, full, prompts[0], new_tokens, loaded.random, raised)
-    notes = _notes(loaded, subjects, prompts, new_tokens, short_tokens) + policy_notes + _tp_notes(tp, held) + raised
+        batch_rows, batch_notes = _batching(target, batching, prompts, min(short_tokens, new_tokens), tp, report)
+        rows += batch_rows
+    notes = _notes(loaded, subjects, prompts, new_tokens, short_tokens) + policy_notes + batch_notes
+    notes += _tp_notes(tp, held) + raised
     reference = "transformers no-cache path (use_cache=False)"
     return verify_report(rows, target.dtype, prompts, new_tokens, reference, notes, held, costs)
+
+
+def _batching(
+    target: HFModel,
+    caches: list[str],
+    prompts: list[list[int]],
+    new: int,
+    tp: Rank | None,
+    report: Callable[[CheckRow], None] | None,
+) -> tuple[list[CheckRow], list[str]]:
+    """The continuous-batching entry's rows and notes (check/hf_paged.py); under --tp, one skip row."""
+    if not caches:
+        return [], []
+    if tp is not None:
+        row = skipped(ENTRY, "continuous batching runs in one process: not checked under --tp")
+        if report is not None:
+            report(row)
+        return [row], []
+    return paged_rows(target, prompts, new, add=report)
 
 
 def _tp_notes(tp: Rank | None, held: list[RankBytes]) -> list[str]:

@@ -33,7 +33,7 @@ class VerifyOptions:
         "--caches",
         default=None,
         help="Comma-separated caches to check (default: every built-in but sink; all: every one). With --hf: none, dynamic, static, "
-        "static-compiled, offloaded, offloaded_static, quantized-quanto, quantized-hqq, quantized-fp8.",
+        "static-compiled, offloaded, offloaded_static, quantized-quanto, quantized-hqq, quantized-fp8, paged.",
     )
     prompt_len: int = option("--prompt-len", default=32, help="Tokens in the longest prompt.")
     new_tokens: int = option("--new-tokens", "-n", default=100, help="Greedy tokens for logits/greedy/reference.")

@@ -17,7 +17,14 @@ from transformers import CompileConfig, DynamicCache, QuantizedCache, StaticCach
 
 from kvbench.caches.base import Traffic
 from kvbench.errors import KVBenchError, listed, shown
-from kvbench.hf.known import QUANTO_DEEPCOPY, STATIC_PROMPT_LOOKUP_OVERRUN, STATIC_ROLLBACK_ON_RECURRENT, KnownDefect
+from kvbench.hf.known import (
+    PAGED_EAGER_SINKS,
+    PAGED_UNSUPPORTED,
+    QUANTO_DEEPCOPY,
+    STATIC_PROMPT_LOOKUP_OVERRUN,
+    STATIC_ROLLBACK_ON_RECURRENT,
+    KnownDefect,
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,8 @@ class HFCache:
     timed: bool = False  # bench --hf times it
     traffic: Traffic | None = None  # what a decode step moves (the floor); None: unknown or no cache
     known: tuple[KnownDefect, ...] = ()  # the libraries' defects a failing row of it may be (hf/known.py)
+    # continuous batching (generate_batch): checked by check/hf_paged.py, where it cannot run read by hf/paged.py
+    batching: bool = False
 
 
 def text_config(model):
@@ -196,6 +205,14 @@ HF_CACHES: dict[str, HFCache] = {
         _quantized("quanto"),
         _quantized("hqq"),
         _quantized("fp8"),
+        HFCache(
+            "paged",
+            "PagedAttentionCache through continuous batching (generate_batch): pages of 16 and 256 tokens, prefix "
+            "sharing on, two calls on one persistent manager",
+            {"cache_implementation": "paged"},  # generate switches to generate_batch, which the check calls itself
+            batching=True,
+            known=(*PAGED_UNSUPPORTED, PAGED_EAGER_SINKS),
+        ),
     )
 }
 TIMED = [n for n, c in HF_CACHES.items() if c.timed]

@@ -87,6 +87,38 @@ QUANTO_DEEPCOPY = KnownDefect(
 )
 
 
+# transformers' continuous batching calls every model's forward with its PagedAttentionCache, whatever the model's
+# code does with a cache: a model written for the Cache classes fails every request inside the generation loop. Each
+# way it fails is a signature of the one defect (reproduced in docs/verify-hf.md).
+PAGED_UNSUPPORTED_WHAT = (
+    "generate_batch runs any model and checks nothing up front, but continuous batching works only for a model whose "
+    "code passes the batch's kwargs down to PagedAttentionCache.update and calls nothing else of it: a model that "
+    "calls another Cache member (get_seq_length, layers, is_initialized), calls update without the kwargs or drops "
+    "them on the way (KeyError 'cu_seq_lens_k'), or uses the mask create_causal_mask returns (None for a "
+    "PagedAttentionCache: MPT) fails every request in the generation loop, each coming back failed (seen on 5.25.0)"
+)
+PAGED_REPRODUCER = "docs/verify-hf.md#models-continuous-batching-cannot-run"
+PAGED_UNSUPPORTED = tuple(
+    KnownDefect("transformers", ">=5.25", ("batch", "reuse"), PAGED_UNSUPPORTED_WHAT, PAGED_REPRODUCER, signature=s)
+    for s in (
+        "'PagedAttentionCache' object has no attribute",
+        "PagedAttentionCache.update() missing",
+        "KeyError: 'cu_seq_lens_k' (in PagedAttentionCache.update",
+        "'NoneType' object has no attribute 'to' (in MptModel.forward",
+    )
+)
+PAGED_EAGER_SINKS = KnownDefect(
+    "transformers",
+    ">=5.25",
+    ("batch", "reuse"),
+    "eager_paged_attention_forward, the eager attention continuous batching runs, takes any layer with a `sinks` "
+    "attribute for a layer with attention sinks; MiMo-V2-Flash's full-attention layers hold sinks = None (its own "
+    "eager attention checks `is not None`), so every request fails on None.reshape (seen on 5.25.0)",
+    PAGED_REPRODUCER,
+    signature="attribute 'reshape' (in eager_paged_attention_forward",
+)
+
+
 def known_defect(defects: tuple[KnownDefect, ...], check: str, detail: str, info: HFModelInfo) -> str | None:
     """The words of the first of `defects` that explains a failing `check` (its row's `detail`) on this model, or
     None."""
