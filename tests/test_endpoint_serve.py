@@ -31,8 +31,13 @@ CAUGHT = {
 }
 
 
-def verify(url: str) -> tuple[int, dict[str, bool]]:
-    r = CliRunner().invoke(app, ["verify", "--endpoint", url, "-n", "6", "--json"])
+# new tokens a request: 6 shows every fault but one; freed-block-reused needs the request that shares a prefix to
+# still be decoding, and allocating blocks, after its neighbours finish, which on a loaded machine takes longer
+NEW = {"freed-block-reused": "48"}
+
+
+def verify(url: str, new: str = "6") -> tuple[int, dict[str, bool]]:
+    r = CliRunner().invoke(app, ["verify", "--endpoint", url, "-n", new, "--json"])
     doc = json.loads(r.stdout)
     return r.exit_code, {row["name"]: row["passed"] for row in doc["checks"] if not row["skipped"]}
 
@@ -54,7 +59,7 @@ def test_the_honest_server_passes_every_check():
 def test_each_server_fault_fails_the_checks_that_catch_it(fault):
     s = Server(*POOL, "--fault", fault)
     try:
-        code, rows = verify(s.url)
+        code, rows = verify(s.url, NEW.get(fault, "6"))
     finally:
         s.close()
     assert code == 1
