@@ -64,3 +64,18 @@ def test_each_server_fault_fails_the_checks_that_catch_it(fault):
         s.close()
     assert code == 1
     assert {name for name, ok in rows.items() if not ok} >= CAUGHT[fault], rows
+
+
+@pytest.mark.parametrize("fault", [None, "hash-without-parent"])
+def test_prompts_are_laid_out_in_the_block_size_metrics_state(fault):
+    """A server with blocks of 4: the checks lay their prompts out in its blocks (read from /metrics), the honest
+    server passes and a block hashed without its parent is still caught."""
+    s = Server(*POOL, "--block-size", "4", *(("--fault", fault) if fault else ()))
+    try:
+        r = CliRunner().invoke(app, ["verify", "--endpoint", s.url, "-n", "6", "--json"])
+    finally:
+        s.close()
+    doc = json.loads(r.stdout)
+    assert any("blocks of 4 tokens (kvbench_kv_block_size)" in n for n in doc["notes"]), doc["notes"]
+    failed = {row["name"] for row in doc["checks"] if not row["passed"] and not row["skipped"]}
+    assert (r.exit_code, failed) == ((0, set()) if fault is None else (1, CAUGHT[fault])), failed

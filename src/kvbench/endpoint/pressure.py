@@ -113,10 +113,13 @@ class FloodTooLong(Exception):
 
 def flood_plan(e: Engine, prompt_len: int, neighbours: int, pool: int) -> tuple[int, int]:
     """(prompt size, requests) of a flood past `pool` tokens: a prompt as long as the context allows (up to
-    MAX_FLOOD_PROMPT; in words for text, each at least a token), `neighbours` requests at a time."""
-    room = (e.max_len - 2) if e.max_len else 4 * prompt_len
-    size = max(1, min(room, MAX_FLOOD_PROMPT) if e.token_prompts else max(8, min(room, MAX_FLOOD_PROMPT) // 8))
+    MAX_FLOOD_PROMPT, and at most half the pool's share of one of the `neighbours` requests run at a time; in words
+    for text, each at least a token)."""
     per = max(1, neighbours)
+    room = (e.max_len - 2) if e.max_len else 4 * prompt_len
+    # `per` prompts run at once and each must fit the pool beside the others (a small pool refuses a long prompt)
+    room = max(1, min(room, MAX_FLOOD_PROMPT, pool // (2 * per)))
+    size = room if e.token_prompts else max(8, room // 8)
     batches = -(-(pool + pool // 4) // (size * per))
     return size, batches * per
 

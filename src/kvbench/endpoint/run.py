@@ -148,6 +148,11 @@ def run_endpoint(s: EndpointSettings, on_row: Callable[[CheckRow], None]) -> tup
         engine, Prompts(s.seed, engine.token_prompts), s.prompt_len, s.new_tokens, s.neighbours, tol, s.evict_tokens
     )
     run.notes.append(f"logprob tolerance {tol:g}: {why}")
+    metrics = engine.metrics() if engine.has_metrics else None
+    stated = metrics.block_size() if metrics is not None else None
+    if stated is not None:  # the prompts are laid out in the engine's own blocks
+        run.block_size = stated[0]
+    run.notes.append(f"prompts laid out in blocks of {run.block()} tokens ({stated[1] if stated else 'a guess'})")
     rows: list[CheckRow] = []
     try:
         for row in _rows(run, s):
