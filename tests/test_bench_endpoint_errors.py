@@ -152,10 +152,11 @@ def test_an_endpoint_run_folder_without_its_requests_is_refused(tmp_path):
     assert "is not a bench --endpoint run folder (no requests.csv)" in r.output
 
 
-def test_compare_refuses_an_alpha_outside_0_1_for_endpoint_runs_as_for_sweeps():
-    """Two committed bench --endpoint folders compared at --alpha 1.5: one line, exit 2, as two sweeps are."""
+def test_compare_refuses_an_alpha_outside_0_1_for_endpoint_runs_as_for_sweeps(tmp_path):
+    """Two committed bench --endpoint folders compared at --alpha 1.5: one line, exit 2, as two sweeps are (a
+    comparison that ran would write into --out, never into the committed folder)."""
     run = str(Path(__file__).resolve().parents[1] / "results" / "cpu-2core-serve-gpt2-prefix512")
-    r = CliRunner().invoke(app, ["compare", run, run, "--alpha", "1.5"])
+    r = CliRunner().invoke(app, ["compare", run, run, "--alpha", "1.5", "--out", str(tmp_path / "cmp")])
     assert r.exit_code == 2, r.output
     assert "--alpha must be between 0 and 1, got 1.5" in r.output and "Traceback" not in r.output
 

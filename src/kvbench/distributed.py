@@ -21,6 +21,7 @@ the run's one line (`RanksFailed` with the run's exit status). A command becomes
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
@@ -209,6 +210,9 @@ def start(world: int, device, timeout_s: float) -> Rank:
             ) from None
     wait = datetime.timedelta(seconds=min(timeout_s, TOGETHER_TIMEOUT_S))
     _TOGETHER["group"] = dist.new_group(backend="gloo", timeout=wait)  # every rank makes it, in the same order
+    # the group is torn down before the interpreter is: a rank that exits with gloo's threads still running can
+    # abort in native code ("terminate called without an active exception") after its work is done
+    atexit.register(finish)
     _JOINED["rank"] = dist.get_rank()
     return Rank(dist.get_rank(), dist.get_world_size(), device, backend)
 
