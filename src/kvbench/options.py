@@ -61,7 +61,10 @@ DTYPE_HELP = (
     "fp32 | fp16 | bf16 | auto (fp16 on CUDA, fp32 on CPU); torch's names work too: float32/float, float16/half, "
     "bfloat16 (case-insensitive)."
 )
-MODEL_HELP = "gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-tiny, or a GPT-2 config.json."
+MODEL_HELP = (
+    "gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-tiny, gpt2-shakespeare (shipped with its weights: real text "
+    "offline), or a GPT-2 config.json."
+)
 WEIGHTS_HELP = "auto | hub | random | PATH (a local Hugging Face GPT-2 directory)."
 COMPILE_HELP = (
     "How static-graph's fixed-shape decode step runs: off (eager), default (torch.compile), or max (CPU only: "

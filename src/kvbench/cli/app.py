@@ -28,7 +28,6 @@ import threading
 import typing
 from collections.abc import Sequence
 from dataclasses import MISSING
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -471,14 +470,8 @@ CHECK_INIT_STD = 0.05
 def load_for_checks(model: str | None, weights: str, device: str, dtype: str, seed: int):
     """Like load_for_cli, with CHECK_INIT_STD for random weights; also the Hugging Face directory the weights came
     from, if any, so the reference loads the checkpoint itself rather than our port of it."""
-    from kvbench.model.weights import hub_snapshot
+    from kvbench.model.weights import checkpoint_dir
 
     loaded, dev, dt = load_for_cli(model, weights, device, dtype, seed, init_std=CHECK_INIT_STD)
-    hf_dir = None
-    if not loaded.random:
-        if weights not in ("auto", "hub"):
-            hf_dir = str(Path(weights).expanduser())
-        else:
-            snap = hub_snapshot(model or "gpt2", allow_download=False)
-            hf_dir = str(snap) if snap else None
-    return loaded, dev, dt, hf_dir
+    found = None if loaded.random else checkpoint_dir(model, weights)
+    return loaded, dev, dt, str(found) if found else None

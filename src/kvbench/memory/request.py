@@ -8,7 +8,7 @@ files. Only then does the command plan, measure or check, so a bad value never a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvbench.errors import KVBenchError
@@ -27,6 +27,7 @@ from kvbench.memory.spec import (
 )
 from kvbench.memory.units import MAX_TOKENS, parse_bytes, parse_ctx, parse_overhead
 from kvbench.options import option
+from kvbench.resources import BUNDLED_MODELS
 from kvbench.validate import MAX_PLAN_BATCH, one_of
 
 DEFAULT_COPY_RANGE = (128, 528)  # a 128-token prompt and 400 new tokens
@@ -323,6 +324,10 @@ def _specs(o: Options, extra: Callable[[str], ModelSpec | None] | None) -> tuple
     for name in dict.fromkeys(o.model or []):  # a model named twice is planned once
         key = name.strip().lower()
         spec = extra(name) if extra and key not in presets else None
+        if spec is None and key in BUNDLED_MODELS:  # shipped with kvbench: its own config.json, offline
+            r = resolve_local(str(BUNDLED_MODELS[key]))
+            spec = replace(r.spec, name=key, source=f"bundled with kvbench (kvbench/data/{key})")
+            resolved[key] = replace(r, spec=spec)
         if spec is None and key not in presets and (is_local(name) or looks_like_hub_id(name)):
             r = resolve_local(name) if is_local(name) else resolve_hub(name.strip())
             spec, resolved[r.spec.name] = r.spec, r

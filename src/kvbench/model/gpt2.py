@@ -53,6 +53,9 @@ PRESETS: dict[str, GPTConfig] = {
     # Not a released checkpoint: GPT-2 124M's widths with 65,536 learned positions, for timing decode at long
     # context (random weights only; `bench --fill random`).
     "gpt2-long": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=65536, name="gpt2-long"),
+    # Not OpenAI's: a small GPT-2 trained on Shakespeare by scripts/train_tiny.py, shipped with kvbench
+    # (kvbench/data/gpt2-shakespeare), so demos and `verify --text` read as language offline.
+    "gpt2-shakespeare": GPTConfig(n_layer=6, n_head=4, n_embd=128, block_size=512, name="gpt2-shakespeare"),
 }
 
 

@@ -1,11 +1,14 @@
-"""Resolve and load weights into our GPT-2: Hugging Face hub, a local Hugging Face directory, or seeded random init.
+"""Resolve and load weights into our GPT-2: Hugging Face hub, a local Hugging Face directory, a checkpoint shipped
+with kvbench, or seeded random init.
 
 `--weights auto|hub|random|PATH`:
 - hub:    openai-community/gpt2 (-medium, -large, -xl) through huggingface_hub's cache and download (respects
           HF_HUB_OFFLINE and HF_HOME), then the same loader as PATH;
 - PATH:   a directory with config.json + model.safetensors (or pytorch_model.bin), as `save_pretrained` writes it;
 - random: GPT-2's initialisation, seeded;
-- auto:   the local cache, else the hub if it answers within seconds, else random with a visible warning.
+- auto:   a preset shipped with its weights (gpt2-shakespeare: resources.BUNDLED_MODELS) loads them, never the hub
+          and never random; a hub preset takes the local cache, else the hub if it answers within seconds, else
+          random with a visible warning.
 The port from Hugging Face is a plain copy: our four projections are Conv1D with (in, out) weights, as GPT-2's own
 checkpoint stores them (model/gpt2.py says why), and lm_head is tied to wte.
 """
@@ -27,6 +30,7 @@ from safetensors.torch import load_file
 from kvbench import files, validate
 from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPT, PRESETS, GPTConfig
+from kvbench.resources import BUNDLED_MODELS
 
 HUB_REPOS = {
     "gpt2": "openai-community/gpt2",
@@ -37,8 +41,10 @@ HUB_REPOS = {
 RANDOM_WARNING = (
     "no GPT-2 weights available offline: using random weights (GPT-2's init scheme at std {std}, seed {seed}). "
     "Timings are those of the "
-    "real {name} architecture, but generated text will be meaningless. Use --weights hub online, or --weights PATH."
+    "real {name} architecture, but generated text will be meaningless. Use --weights hub online, or --weights PATH, "
+    "or --model gpt2-shakespeare (a small GPT-2 shipped with kvbench)."
 )
+DEMO_FALLBACK = "gpt2-shakespeare"  # the demo's model when GPT-2's weights are neither cached nor reachable
 
 
 @dataclass
@@ -193,6 +199,25 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+def demo_model() -> str:
+    """The model `make demo` runs: gpt2 when its weights are in the local cache or the hub answers, else the
+    bundled gpt2-shakespeare (real text offline, never random weights)."""
+    return "gpt2" if hub_snapshot("gpt2", allow_download=False) or hub_reachable() else DEMO_FALLBACK
+
+
+def checkpoint_dir(model: str | None, weights: str) -> Path | None:
+    """The Hugging Face directory `load_model(model, weights)` reads real weights from, without loading them: PATH,
+    a bundled checkpoint, or the hub preset's local snapshot; None otherwise (random, or not cached)."""
+    if weights not in ("auto", "hub", "random"):
+        return Path(weights).expanduser()
+    name = model or "gpt2"
+    if weights == "random":
+        return None
+    if name in BUNDLED_MODELS and weights == "auto":
+        return BUNDLED_MODELS[name]
+    return hub_snapshot(name, allow_download=False) if name in HUB_REPOS else None
+
+
 def hub_snapshot(name: str, allow_download: bool) -> Path | None:
     """Local directory with config.json + model.safetensors for a preset, from the cache or (if allowed) the hub."""
     repo = HUB_REPOS[name]
@@ -251,6 +276,11 @@ def load_model(
     name = model or "gpt2"
     config = resolve_config(name)
     warning = None
+    if weights == "auto" and name in BUNDLED_MODELS:  # shipped with its weights: never the hub, never random
+        net, _ = load_from_dir(BUNDLED_MODELS[name])
+        config = net.config
+        config.name = name
+        return LoadedModel(net.to(device=device, dtype=dtype).eval(), config, f"bundled:{name}", False)
     if weights in ("auto", "hub"):
         if name not in HUB_REPOS:
             if weights == "hub":
