@@ -60,16 +60,20 @@ class Path(Protocol):
 
 
 # --- the figures -----------------------------------------------------------------------------------------------
-def step_figures(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def step_figures(
+    p_logits: torch.Tensor, q_logits: torch.Tensor, target: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(KL(p || q), top-1 agreement, |Δp|) of logits (..., V), each (...,): KL and |Δp| float64, top-1 bool.
     p is the full-precision path's distribution, q the lossy one's; a token p gives no probability adds nothing to
-    KL, a token q rules out that p does not makes it infinite."""
+    KL, a token q rules out that p does not makes it infinite. |Δp| is taken at `target` (...,) where given (the
+    text's next token, verify --text), else at the full-precision path's own top token."""
     lp = torch.log_softmax(p_logits.double(), dim=-1)
     lq = torch.log_softmax(q_logits.double(), dim=-1)
     p = lp.exp()
     kl = torch.where(p > 0, p * (lp - lq), 0.0).sum(-1).clamp_min(0.0)  # float64 rounding can dip below 0 by 1e-17
-    t = p.argmax(-1, keepdim=True)  # (..., 1): the full-precision path's token
-    top1 = lq.argmax(-1, keepdim=True) == t
+    top = p.argmax(-1, keepdim=True)  # (..., 1): the full-precision path's token
+    top1 = lq.argmax(-1, keepdim=True) == top
+    t = top if target is None else target.to(top.device)[..., None]  # (..., 1)
     dp = (lq.gather(-1, t).exp() - p.gather(-1, t)).abs()
     return kl, top1.squeeze(-1), dp.squeeze(-1)
 

@@ -20,10 +20,11 @@ from kvbench.check.causal import refuse_non_causal
 from kvbench.check.distortion import HF_REFERENCE_CACHE, measure_subjects
 from kvbench.check.hf_paged import ENTRY, PAGED_CHECKS, paged_rows
 from kvbench.check.hf_policy import hf_policy_rows
-from kvbench.check.hf_subject import HFModel, HFSubject
+from kvbench.check.hf_subject import HFModel, HFSubject, full_logits
 from kvbench.check.judge import LOW_PRECISION_NOTE, CheckRow, VerifyReport, skipped
 from kvbench.check.lifecycle import LIFECYCLE
 from kvbench.check.suite import SHORT_TOKENS, prompts_note, run_checks
+from kvbench.check.text import TextRun, text_rows
 from kvbench.check.tp import RankBytes, hf_tp_rows
 from kvbench.check.verify import verify_report
 from kvbench.distributed import Rank
@@ -33,6 +34,7 @@ from kvbench.hf.models import LoadedHF
 from kvbench.memory.config import quiet_transformers
 from kvbench.validate import past_context
 
+HF_TEXT_REFERENCE = "transformers no-cache forward (use_cache=False, one forward over each window)"
 SUITE = ("logits", "greedy", "batched", "cache_state", *LIFECYCLE)
 CHECKS = (*SUITE, *PAGED_CHECKS)  # the paged entry's rows: its own checks (check/hf_paged.py)
 
@@ -48,13 +50,15 @@ def run_hf_verify(
     tp: Rank | None = None,
     shard: LoadedHF | None = None,
     distortion: bool = True,
+    text: tuple[list[int], int] | None = None,
 ) -> VerifyReport:
     """Run `checks` for every cache in `caches` (names in HF_CACHES) on `prompts` (prompts[0] is the single-prompt
     checks' prompt; all of them form the batch; prompts[1] is cache_state's second prompt). `tp`: this process is
     one rank (kvbench.distributed.Rank) and `shard` its split of the model: the cached runs go through it, held to
     `loaded` (the whole model); rank 0's report holds every rank's rows, with rank_cache (check/tp.py).
     `distortion`: each lossy cache's cost against the model with transformers' `dynamic` cache on prompts[0]
-    (check/distortion.py; not under `tp`)."""
+    (check/distortion.py; not under `tp`). `text`: (tokens, window), every cache teacher-forced over real text
+    against the model's own no-cache forward (check/text.py; not under `tp`)."""
     lens = [len(p) for p in prompts]
     unknown = [c for c in caches if c not in HF_CACHES]
     assert not unknown, f"unknown caches {unknown}"
@@ -90,10 +94,26 @@ def run_hf_verify(
             costs = measure_subjects(subjects, full, prompts[0], new_tokens, loaded.random, raised)
         batch_rows, batch_notes = _batching(target, batching, prompts, min(short_tokens, new_tokens), tp, report)
         rows += batch_rows
+        text_found, text_doc = _text(loaded, subjects, text if tp is None else None, report)
+        rows += text_found
     notes = _notes(loaded, subjects, prompts, new_tokens, short_tokens) + policy_notes + batch_notes
     notes += _tp_notes(tp, held) + raised
     reference = "transformers no-cache path (use_cache=False)"
-    return verify_report(rows, target.dtype, prompts, new_tokens, reference, notes, held, costs)
+    return verify_report(rows, target.dtype, prompts, new_tokens, reference, notes, held, costs, text_doc)
+
+
+def _text(
+    loaded: LoadedHF,
+    subjects: list[HFSubject],
+    text: tuple[list[int], int] | None,
+    report: Callable[[CheckRow], None] | None,
+) -> tuple[list[CheckRow], dict]:
+    """verify --hf --text: each cache's rows and the report's text section, against the no-cache forward."""
+    if text is None:
+        return [], {}
+    scorer = TextRun(*text, lambda seq: full_logits(loaded, seq[:1], seq[1:]), HF_TEXT_REFERENCE)
+    dtype = next(loaded.model.parameters()).dtype
+    return text_rows(scorer, subjects, dtype, report)
 
 
 def _batching(

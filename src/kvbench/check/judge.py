@@ -81,6 +81,8 @@ class VerifyReport:
     rank_cache_bytes: list[dict] = field(default_factory=list)
     # each lossy cache's cost against the full-precision path, by cache (check/distortion.py Distortion.as_dict)
     distortion: dict[str, dict] = field(default_factory=dict)
+    # verify --text: the text teacher-forced through every cache, perplexity and KL by cache (check/text.py)
+    text: dict = field(default_factory=dict)
     nothing_checked: bool = False  # every row was skipped: no verdict either way
 
 

@@ -10,10 +10,11 @@ import torch
 
 from kvbench.caches import get_cache_spec
 from kvbench.check.distortion import REFERENCE_CACHE, measure_subjects
-from kvbench.check.gpt2_subject import REFERENCE, GPT2Model, GPT2Subject, Injection
+from kvbench.check.gpt2_subject import REFERENCE, GPT2Model, GPT2Subject, Injection, full_logits, hf_logits
 from kvbench.check.judge import LOW_PRECISION_NOTE, TP_NOTE, CheckRow, VerifyReport, verdict
 from kvbench.check.policy import policy_rows
 from kvbench.check.suite import CHECKS, SHORT_TOKENS, prompts_note, run_checks
+from kvbench.check.text import TextRun, text_rows
 from kvbench.check.tp import RankBytes, rank_bytes_notes, tp_rows
 from kvbench.devices import dtype_name
 from kvbench.distributed import Rank
@@ -88,6 +89,7 @@ def run_verify(
     tp: Rank | None = None,
     distortion: bool = True,
     random_weights: bool = False,
+    text: tuple[list[int], int] | None = None,
 ) -> VerifyReport:
     """Run `checks` for every cache in `caches` on `prompts` (prompts[0] is the single-prompt checks' prompt; all
     of them form the batch). `fault` injects a bug (faults.Fault) into every cached run. `compile`: how a fixed-shape
@@ -95,7 +97,8 @@ def run_verify(
     cached runs go through its shard (check/tp.py), every rank runs this, and rank 0's report holds every rank's
     rows (the other ranks' reports hold their own). `distortion`: each lossy cache's cost against the full-precision
     `static` cache on prompts[0] (check/distortion.py; not with a fault or under `tp`), its note saying what the
-    figures mean for `random_weights`."""
+    figures mean for `random_weights`. `text`: (tokens, window), every cache teacher-forced over real text against
+    the no-cache forward and transformers (check/text.py; not with a fault or under `tp`)."""
     lens = [len(p) for p in prompts]
     # the caller's promise (validate.verify_rules, validate.fits_context)
     assert reference in ("hf", "none") and max(lens) + new_tokens <= model.config.block_size, (
@@ -116,9 +119,27 @@ def run_verify(
     if distortion and fault is None and tp is None:
         full = GPT2Subject(target, REFERENCE_CACHE)
         costs = measure_subjects(subjects, full, prompts[0], new_tokens, random_weights, raised)
+    text_doc: dict = {}
+    if text is not None and fault is None and tp is None:
+        text_found, text_doc = text_rows(gpt2_text_run(target, *text), subjects, target.dtype, on_row)
+        rows += text_found
     notes = _notes(target, caches, prompts, new_tokens, short_tokens, hf_dir, tp, held) + raised
     reference_name = REFERENCE if target.hf is not None else "none"
-    return verify_report(rows, target.dtype, prompts, new_tokens, reference_name, notes, held, costs)
+    return verify_report(rows, target.dtype, prompts, new_tokens, reference_name, notes, held, costs, text_doc)
+
+
+def gpt2_text_run(target: GPT2Model, tokens: list[int], window: int) -> TextRun:
+    """verify --text on our GPT-2: the no-cache forward as reference, transformers' GPT2LMHeadModel (when it runs)
+    scoring the same windows independently."""
+    hf = target.hf
+    return TextRun(
+        tokens,
+        window,
+        lambda seq: full_logits(target.gpt, seq[:1], seq[1:]),
+        "no-cache forward (one causal forward over each window)",
+        None if hf is None else (lambda seq: hf_logits(hf, seq[:1], seq[1:])),
+        None if hf is None else REFERENCE,
+    )
 
 
 def verify_report(
@@ -130,9 +151,10 @@ def verify_report(
     notes: list[str],
     held: list[RankBytes],
     costs: dict[str, dict],
+    text: dict | None = None,
 ) -> VerifyReport:
     """The report of a verify run (ours or --hf): its rows' verdict, what ran, the notes, each rank's cache bytes
-    (under --tp) and each lossy cache's cost."""
+    (under --tp), each lossy cache's cost and, with --text, the text's perplexities."""
     return VerifyReport(
         **verdict(rows),
         checks=rows,
@@ -144,6 +166,7 @@ def verify_report(
         notes=notes,
         rank_cache_bytes=[asdict(b) | {"equal": b.equal} for b in held],
         distortion=costs,
+        text=text or {},
     )
 
 

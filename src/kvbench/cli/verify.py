@@ -12,6 +12,7 @@ import typer
 from kvbench import console, options
 from kvbench.cli.app import NOTHING_CHECKED, command, load_for_checks
 from kvbench.cli.verify_render import render_verify, verify_row
+from kvbench.cli.verify_text import gpt2_text, hf_text, hf_text_tokens, text_plot, text_rules
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import option
@@ -40,6 +41,22 @@ class VerifyOptions:
     batch: int = option("--batch", default=3, help="Prompts of different lengths in the batched check (>= 2).")
     reference: str = option(
         "--reference", default="hf", help="hf: also check against transformers' GPT2LMHeadModel; none: skip."
+    )
+    text: str | None = option(
+        "--text",
+        default=None,
+        help="A UTF-8 text file teacher-forced through every cache: perplexity, KL divergence, top-1 agreement and "
+        "RMS Δp against the no-cache forward and transformers (default for gpt2-shakespeare with its bundled weights: "
+        "its held-out passage; none: no text rows).",
+    )
+    window: int | None = option(
+        "--window", default=None, help="With --text: tokens per window (default: the model's context); stride half."
+    )
+    plot: str | None = option(
+        "--plot",
+        default=None,
+        help="With --text: where the PNG of KL divergence by context depth goes (default: "
+        "results/<timestamp>-verify/text-kld.png; written when a lossy cache ran).",
     )
     model: str | None = options.model_option()
     weights: str = options.weights_option()
@@ -103,7 +120,8 @@ def verify(o: VerifyOptions) -> None:
     """Prove cached decoding equals full recomputation, for every cache, against Hugging Face.
 
     With --hf SOURCE: the same checks on any Hugging Face causal LM, for each of transformers' own caches, against
-    its own no-cache path. Exit 0 when every check passes, 1 when any fails, 5 when every row was skipped. In fp16/bf16 a token flip at a
+    its own no-cache path. With --text FILE, real text teacher-forced through every cache: perplexity and KL
+    divergence, an exact cache held to transformers' perplexity. Exit 0 when every check passes, 1 when any fails, 5 when every row was skipped. In fp16/bf16 a token flip at a
     near-tie that the logit error explains is reported, not failed."""
     from kvbench import distributed, tp_command, validate
     from kvbench.results import junit
@@ -115,6 +133,7 @@ def verify(o: VerifyOptions) -> None:
     with junit.errors_reported(o.junit_xml if role.writes_errors else None, "verify", clock):
         junit_path = junit.check_junit_path(o.junit_xml) if reports else None
         validate.verify_rules(o)
+        text_rules(o)
         _endpoint_rules(o)
         if launching:
             exit_code = tp_command.launch(_split(o), sys.argv[1:])
@@ -126,12 +145,16 @@ def verify(o: VerifyOptions) -> None:
         raise typer.Exit(exit_code)
     if not reports:
         return
+    if report.text:
+        meta["text"]["plot"] = text_plot(report, meta, o.plot)
     if junit_path is not None:
         junit.write_suite(junit_path, junit.verify_suite(report, meta, clock.seconds, clock.total()))
     if o.json_out:
         from dataclasses import asdict
 
-        console.print_json({"schema_version": SCHEMA_VERSION, "passed": report.passed, **meta, **asdict(report)})
+        doc = asdict(report)
+        doc["text"] = {**meta.pop("text", {}), **doc["text"]}  # empty where no text was scored
+        console.print_json({"schema_version": SCHEMA_VERSION, "passed": report.passed, **meta, **doc})
     else:
         render_verify(report, meta, o.verbose)
     if report.nothing_checked:
@@ -173,6 +196,7 @@ def _verify_gpt2(o: VerifyOptions, on_row):
 
     run_on = resolve_device(device)
     check_run_fits(cfg, o.batch, o.prompt_len + o.new_tokens, resolve_dtype(o.dtype, run_on), run_on)
+    text, text_meta = gpt2_text(o, cfg)
     loaded, dev, dt, hf_dir = load_for_checks(o.model, o.weights, device, o.dtype, o.seed)
     compile_mode(o.compile, dev.type)
     prompts = random_prompts(loaded.config.vocab_size, o.prompt_len, o.batch, o.seed)
@@ -187,6 +211,7 @@ def _verify_gpt2(o: VerifyOptions, on_row):
         compile=o.compile,
         tp=rank,
         random_weights=loaded.random,
+        text=text,
     )
     meta = {
         "model": loaded.config.name,
@@ -196,6 +221,8 @@ def _verify_gpt2(o: VerifyOptions, on_row):
         "compile": o.compile,
         "tp": o.tp,
     }
+    if text_meta:
+        meta["text"] = text_meta
     return report, meta
 
 
@@ -221,6 +248,7 @@ def _verify_hf(o: VerifyOptions, on_row):
             "lower --prompt-len or --new-tokens",
         )
 
+    text_tokens = hf_text_tokens(o)  # the text and the model's tokenizer, before the model
     # one rank of the group: join it, then load the whole model and this rank's split of it
     rank, shard = tp_command.join(_split(o)), None
     device = o.device if rank is None else str(rank.device)
@@ -240,7 +268,8 @@ def _verify_hf(o: VerifyOptions, on_row):
 
         shard = load_hf(o.hf, dev, dt, o.seed, o.layers, o.trust_remote_code, tp=True)
     prompts = random_prompts(loaded.info.vocab_size, o.prompt_len, o.batch, o.seed)
-    report = run_hf_verify(loaded, names, prompts, o.new_tokens, on_row=on_row, tp=rank, shard=shard)
+    text, text_meta = hf_text(o, text_tokens, loaded)
+    report = run_hf_verify(loaded, names, prompts, o.new_tokens, on_row=on_row, tp=rank, shard=shard, text=text)
     meta = {
         "model": loaded.label,
         "weights": loaded.weights,
@@ -249,6 +278,8 @@ def _verify_hf(o: VerifyOptions, on_row):
         "tp": o.tp,
         "hf": {**loaded.meta(), "caches": {n: HF_CACHES[n].summary for n in names}},
     }
+    if text_meta:
+        meta["text"] = text_meta
     return report, meta
 
 

@@ -1,7 +1,8 @@
 """How `kvbench verify` (and `verify --hf`) lays out its report: a grid of checks by caches, each cell a verdict and
 its figure; beneath it each failing cell's tolerance and detail with where it went wrong (its location), the skipped
-cells' reasons, a line of figures for each lossy cache's distortion, the notes and the verdict line. `--verbose` lists
-every row's tolerance and detail in full instead."""
+cells' reasons, a line of figures for each lossy cache's distortion, with --text the table of each cache's perplexity
+and KL divergence on the text, the notes and the verdict line. `--verbose` lists every row's tolerance and detail in
+full instead."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from rich.text import Text
 from kvbench.console import clipped, err, fitted, fmt_bytes, fmt_share, line, out, styled
 
 if TYPE_CHECKING:
+    from rich.console import JustifyMethod
+
     from kvbench.check.judge import CheckRow
 
 # A failing cell's tolerance and detail beneath the grid: at most this many lines without --verbose.
@@ -155,6 +158,52 @@ def distortion_notes(costs: dict[str, dict]) -> list[str]:
     ]
 
 
+def _g(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def text_table(text: dict, about: dict, width: int) -> list:
+    """verify --text: each cache's perplexity on the text, its ln(PPL / PPL_ref), KL divergence mean and p99, top-1
+    agreement and RMS Δp against the no-cache forward; the title says what was scored and both reference PPLs."""
+    if not text:
+        return []
+    from kvbench.resources import TEMPEST_HELDOUT
+
+    file = about.get("file", "?")
+    shown = f"{TEMPEST_HELDOUT.name} (bundled, held out of training)" if file == str(TEMPEST_HELDOUT) else file
+    title = f"text: {shown}, {text['tokens']:,} tokens, windows of {text['window']:,} every {text['stride']:,}"
+    rows = []
+    for cache, d in text["caches"].items():
+        if "error" in d:
+            rows.append([cache, "exact" if d["exact"] else "lossy", styled("raised", "bold red"), *["-"] * 5])
+            continue
+        verdict = styled("pass", "green") if d.get("passed") else styled("FAIL", "bold red")
+        rows.append(
+            [
+                cache,
+                "exact" if d["exact"] else "lossy",
+                line(f"{d['ppl']:.6g} ", verdict if d["exact"] or not d.get("passed") else ""),
+                _g(d.get("ln_ppl_ratio"), "+.2e"),
+                _g(d["kld"]["mean"], ".2e"),
+                _g(d["kld"]["p99"], ".2e"),
+                fmt_share(d["top1_agreement"]),
+                _g(d["rms_dp"], ".2e"),
+            ]
+        )
+    columns = ["cache", "kind", "PPL", "ln(PPL/ref)", "KLD mean", "KLD p99", "top-1", "RMS Δp"]
+    right: list[JustifyMethod] = ["right"] * 6
+    tables = fitted(title, columns, rows, width, justify=["left", "left", *right])
+    tables.append(
+        line(
+            f"reference PPL: no cache {text['ppl_no_cache']:.6g}, transformers {text['ppl_transformers']:.6g}; an "
+            f"exact cache's must equal it (|ln(PPL/ref)| <= {text['tolerance']:g}), a lossy one's is reported"
+        )
+    )
+    if about.get("plot"):
+        tables.append(styled(f"KL divergence by context depth: {about['plot']}", "dim"))
+    return tables
+
+
 def verbose_rows(checks: list) -> None:
     """--verbose: every row, its verdict, tolerance and detail in full."""
     for r in checks:
@@ -185,6 +234,8 @@ def render_verify(report, meta: dict, verbose: bool = False) -> None:
     costs = getattr(report, "distortion", {})
     for cache, d in costs.items():
         out.print(distortion_line(cache, d))
+    for t in text_table(getattr(report, "text", {}), meta.get("text", {}), width):
+        out.print(t)
     for n in report.notes + distortion_notes(costs):
         out.print(styled(f"- {n}", "dim"))
     also = f" ({len(skipped)} row(s) skipped: see the rows)" if skipped else ""

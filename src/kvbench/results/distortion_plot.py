@@ -1,4 +1,5 @@
-"""distortion.png: what each lossy cache of a bench run costs against the full-precision path, by context depth.
+"""distortion.png: what each lossy cache of a bench run costs against the full-precision path, by context depth;
+and verify --text's KL divergence by depth (text_figure).
 
 Three panels over the depth a step reads (log2 axis, tokens): KL(p_full || p_lossy) in nats, top-1 agreement and
 mean |Δp|. Each cache has its colour (as in every bench figure); a faint dot per token (averaged over the batch's
@@ -8,6 +9,7 @@ or context and batch size of the run pooled. The title says what the weights mak
 
 from __future__ import annotations
 
+import io
 import textwrap
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from matplotlib.ticker import FuncFormatter, NullLocator, PercentFormatter  # no
 
 from kvbench.caches import CACHES  # noqa: E402
 from kvbench.check.distortion import depth_bin  # noqa: E402
+from kvbench.outputs import write_output  # noqa: E402
 from kvbench.results.plot_style import cache_colour, context_label, run_title  # noqa: E402
 
 PANELS = (  # column, y label, panel title, log y
@@ -91,4 +94,33 @@ def distortion_figure(rows: pd.DataFrame, meta: dict, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
+    return path
+
+
+def text_figure(lossy: dict[str, dict], text: dict, title: str, path: Path) -> Path:
+    """verify --text: mean KL(p_ref || p_cache) by context depth (power-of-two bins, log2 axes), one line per lossy
+    cache (`lossy`: its entries of the report's text section), in the cache's colour."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for cache, d in lossy.items():
+        bins = [b for b in d["by_depth"] if b["kld"]["mean"] > 0]
+        depth = [(b["depth_from"] + b["depth_to"]) / 2 for b in bins]
+        label = f"{cache}: PPL {d['ppl']:.4g} (exact {text['ppl_transformers']:.4g})"
+        ax.plot(depth, [b["kld"]["mean"] for b in bins], marker="o", color=cache_colour(cache), label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: context_label(x)))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.grid(True, which="major", alpha=0.3)
+    ax.set(xlabel="context depth (tokens the prediction reads)", ylabel="mean KL(p_exact || p_cache), nats")
+    ax.legend(fontsize=9, loc="best")
+    ax.set_title(
+        f"{textwrap.fill(title, 90)}\n{text['tokens']:,} tokens teacher-forced, windows of {text['window']:,} "
+        f"every {text['stride']:,}; a bin with KL 0 is left off",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=130)
+    plt.close(fig)
+    write_output(path, png.getvalue(), "--plot")
     return path

@@ -129,7 +129,24 @@ def verify_suite(report, meta: dict, seconds: list[float], total: float) -> Suit
             c.outcome, c.message, c.text = "failure", f"{r.name} on {r.cache}: {r.detail}", _row_text(r)
         cases.append(c)
     props = {k: str(v) for k, v in meta.items() if isinstance(v, str | int | float)}
-    return Suite("kvbench verify", cases, total, props)
+    return Suite("kvbench verify", cases, total, props | text_properties(getattr(report, "text", {})))
+
+
+def text_properties(text: dict) -> dict[str, str]:
+    """verify --text's figures as suite properties, for CI dashboards: both reference perplexities, and each
+    cache's perplexity and mean and p99 KL divergence (text.ppl.int8, text.kld_mean.int8, ...)."""
+    if not text:
+        return {}
+    props = {
+        "text.ppl_no_cache": f"{text['ppl_no_cache']:.9g}",
+        "text.ppl_transformers": f"{text['ppl_transformers']:.9g}",
+    }
+    for cache, d in text["caches"].items():
+        if "ppl" in d:
+            props[f"text.ppl.{cache}"] = f"{d['ppl']:.9g}"
+            props[f"text.kld_mean.{cache}"] = f"{d['kld']['mean']:.6g}"
+            props[f"text.kld_p99.{cache}"] = f"{d['kld']['p99']:.6g}"
+    return props
 
 
 def _row_text(r) -> str:
