@@ -69,12 +69,21 @@ format: $(STAMP)
 # A short tour on the default device (about 3 minutes on a 2-core CPU once .venv exists): generate, verify, break, a small bench
 # and the memory planner. Real GPT-2 when the hub (or its local cache) is reachable; clearly labelled random weights
 # otherwise. The bench lands in results/<timestamp>-bench/ (summary.csv, steps.csv, meta.json, two plots).
+# The demo's model: gpt2 when its weights are in the local Hugging Face cache or the hub answers, else the bundled
+# gpt2-shakespeare (kvbench.model.weights.demo_model), sampled from a Shakespearean prompt; never random weights.
+# DEMO_MODEL=NAME chooses one.
 demo: $(STAMP)
-	$(BIN)/kvbench generate "The key to fast inference is" --new-tokens 40 --cache static
-	$(BIN)/kvbench verify --caches dynamic,static,paged --new-tokens 40
-	$(BIN)/kvbench break position --new-tokens 24
-	$(BIN)/kvbench bench --prompt-len 256 --new-tokens 24 --caches none,dynamic,static --engine kvbench,hf \
-		--repeats 1 --warmup 1
+	$(eval DEMO_MODEL ?= $(shell $(BIN)/python -c "from kvbench.model.weights import demo_model; print(demo_model())"))
+	$(eval SHAKESPEARE := $(filter gpt2-shakespeare,$(DEMO_MODEL)))
+	$(eval DEMO_PROMPT := $(if $(SHAKESPEARE),ROMEO:,The key to fast inference is))
+	@echo "demo model: $(DEMO_MODEL)$(if $(SHAKESPEARE), (the small GPT-2 trained on Shakespeare that ships with \
+	kvbench: GPT-2's weights are neither cached nor reachable))"
+	$(BIN)/kvbench generate "$(DEMO_PROMPT)" --model $(DEMO_MODEL) --new-tokens 40 --cache static \
+		$(if $(SHAKESPEARE),--temperature 0.8 --top-k 40 --seed 1)
+	$(BIN)/kvbench verify --model $(DEMO_MODEL) --caches dynamic,static,paged --new-tokens 40 --text none
+	$(BIN)/kvbench break position --model $(DEMO_MODEL) --new-tokens 24 --prompt "$(DEMO_PROMPT)"
+	$(BIN)/kvbench bench --model $(DEMO_MODEL) --prompt-len 256 --new-tokens 24 --caches none,dynamic,static \
+		--engine kvbench,hf --repeats 1 --warmup 1
 	$(BIN)/kvbench memory --model llama-3-8b --ctx 8k,128k
 
 # verify --hf on every causal-LM type transformers has, each as a tiny random config (about 30 minutes on a 2-core
