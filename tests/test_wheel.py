@@ -68,6 +68,9 @@ def test_the_wheel_ships_configs_and_ranks(installed):
         "configs/bench/quick.toml",
         "data/gpt2.tiktoken",
         "data/README.md",
+        "data/gpt2-shakespeare/config.json",
+        "data/gpt2-shakespeare/model.safetensors",
+        "data/tempest-heldout.txt",
         *(f"schemas/{k}.json" for k in KINDS),
     ):
         assert f"kvbench/{f}" in names, f
@@ -98,6 +101,12 @@ def test_generate_with_the_bundled_tokenizer(installed):
     doc = json.loads(r.stdout)
     assert doc["settings"]["tokenizer"] == "bundled:gpt2.tiktoken"
     assert doc["completions"][0]["prompt_tokens"] == 2  # "Hello world" = [15496, 995]
+
+
+def test_generate_with_the_bundled_checkpoint(installed):
+    r = kvbench(installed, "generate", "ROMEO:", "-m", "gpt2-shakespeare", "-d", "cpu", "-n", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["settings"]["weights"] == "bundled:gpt2-shakespeare"
 
 
 def test_bench_config_by_name(installed):
