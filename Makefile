@@ -70,7 +70,8 @@ format: $(STAMP)
 # and the memory planner. Real GPT-2 when the hub (or its local cache) is reachable; clearly labelled random weights
 # otherwise. The bench lands in results/<timestamp>-bench/ (summary.csv, steps.csv, meta.json, two plots).
 # The demo's model: gpt2 when its weights are in the local Hugging Face cache or the hub answers, else the bundled
-# gpt2-shakespeare (kvbench.model.weights.demo_model), sampled from a Shakespearean prompt; never random weights.
+# gpt2-shakespeare (kvbench.model.weights.demo_model), sampled from a Shakespearean prompt (and break's greedy run
+# given a line to continue: a model this small repeats a speaker's name from "ROMEO:" alone); never random weights.
 # DEMO_MODEL=NAME chooses one.
 demo: $(STAMP)
 	$(eval DEMO_MODEL ?= $(shell $(BIN)/python -c "from kvbench.model.weights import demo_model; print(demo_model())"))
@@ -81,7 +82,8 @@ demo: $(STAMP)
 	$(BIN)/kvbench generate "$(DEMO_PROMPT)" --model $(DEMO_MODEL) --new-tokens 40 --cache static \
 		$(if $(SHAKESPEARE),--temperature 0.8 --top-k 40 --seed 1)
 	$(BIN)/kvbench verify --model $(DEMO_MODEL) --caches dynamic,static,paged --new-tokens 40 --text none
-	$(BIN)/kvbench break position --model $(DEMO_MODEL) --new-tokens 24 --prompt "$(DEMO_PROMPT)"
+	$(BIN)/kvbench break position --model $(DEMO_MODEL) --new-tokens 24 \
+		$(if $(SHAKESPEARE),--prompt "$$(printf 'JULIET:\nWhat')")
 	$(BIN)/kvbench bench --model $(DEMO_MODEL) --prompt-len 256 --new-tokens 24 --caches none,dynamic,static \
 		--engine kvbench,hf --repeats 1 --warmup 1
 	$(BIN)/kvbench memory --model llama-3-8b --ctx 8k,128k
