@@ -85,7 +85,9 @@ class Scored:
 
     @property
     def ppl(self) -> float:
-        return math.exp(sum(self.nll) / len(self.nll))
+        """exp of the mean -log q(next); inf past what a float holds, nan where a log-probability was nan."""
+        mean = sum(self.nll) / len(self.nll)
+        return math.exp(mean) if mean < 700 else math.inf if mean == mean else math.nan
 
 
 def figures(s: Scored) -> dict:
