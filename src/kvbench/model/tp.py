@@ -151,4 +151,4 @@ def shard(model: GPT, rank: int, world: int) -> GPT:
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     fields.update(n_head=H // world, n_embd=C // world, tp_rank=rank, tp_size=world)
     part.cache_config = ShardConfig(**fields)
-    return part
+    return part.lay_out()  # the column-parallel Conv1Ds were built (in, out): as the device's kernels want them
