@@ -153,3 +153,37 @@ def test_bench_times_ct2_beside_kvbench(tmp_path):
 def test_bench_peer_bad_input_is_one_line(args, says):
     r = CliRunner().invoke(app, ["bench", "--weights", "random", "--prompt-len", "8", *args])
     assert r.exit_code == 2 and says in r.output and "Traceback" not in r.output, r.output
+
+
+def test_a_damaged_cached_model_is_converted_again(model):
+    from kvbench.peers.ct2 import CT2Model, converted
+
+    path = converted(model)
+    (path / "model.bin").write_bytes(b"not a model")
+    runner = CT2Model(model, PEERS["ct2-fp32"], 1)
+    assert runner.path == path and (path / "model.bin").stat().st_size > 1000
+    assert runner.generate([[1, 2, 3]], 2).tokens[0] == runner.generate([[1, 2, 3]], 2).tokens[0]
+
+
+def test_an_unwritable_cache_folder_is_one_line(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(blocker / "cache"))
+    r = CliRunner().invoke(
+        app, ["verify", "--model", "gpt2-tiny", "--weights", "random", "--seed", "7", "--engine", "ct2-fp32"]
+    )
+    assert (
+        r.exit_code == 2
+        and "cannot write CTranslate2's converted model" in r.output
+        and "KVBENCH_CACHE_DIR" in r.output
+    )
+
+
+def test_bench_batches_through_a_peer(tmp_path):
+    out = tmp_path / "run"
+    args = ["bench", *TINY, "--engine", "kvbench,ct2-fp32", "--caches", "none,dynamic", "--prompt-len", "12", "-n", "5"]
+    r = CliRunner().invoke(app, [*args, "--batch", "1,3", "--repeats", "1", "--threads", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = pd.read_csv(out / "summary.csv")
+    peer = rows[rows.engine == "ct2-fp32"].set_index("batch")
+    assert list(peer.status) == ["ok", "ok"] and (peer.token_agreement == 1.0).all()

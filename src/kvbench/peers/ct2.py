@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, one_line
 from kvbench.peers import EXTRAS, PeerSpec
 
 if TYPE_CHECKING:
@@ -79,14 +79,23 @@ def token(i: int, vocab_size: int) -> str:
 def converted(model: GPT) -> Path:
     """The CTranslate2 model of `model`'s weights (float32), converted now or found in the cache."""
     ct2 = require()
+    out = cache_root() / "ct2" / ct2.__version__ / weights_key(model)
+    if (out / "model.bin").is_file():
+        return out
+    try:
+        return _convert(model, out)
+    except OSError as e:
+        raise KVBenchError(
+            f"cannot write CTranslate2's converted model under {out.parent}: {e.strerror or e}; set "
+            f"{CACHE_ENV} to a writable folder"
+        ) from None
+
+
+def _convert(model: GPT, out: Path) -> Path:
     from ctranslate2.converters import TransformersConverter
 
     from kvbench.memory.config import quiet_transformers
     from kvbench.model.weights import to_hf_model
-
-    out = cache_root() / "ct2" / ct2.__version__ / weights_key(model)
-    if (out / "model.bin").is_file():
-        return out
     hf = to_hf_model(model, "eager", torch.float32).cpu()
     vocab = _IdVocabulary(model.config.vocab_size)
 
@@ -137,11 +146,22 @@ class CT2Model:
                 f"{peer.name} runs kvbench's float32 weights on the CPU here: use --device cpu --dtype fp32"
             )
         self.vocab_size = model.config.vocab_size
-        self.path = converted(model)
-        self.generator = ct2.Generator(
-            str(self.path), device="cpu", compute_type=peer.compute, intra_threads=threads, inter_threads=1
-        )
         self.peer = peer
+        self.path = converted(model)
+        try:
+            self.generator = self._load(ct2, threads)
+        except RuntimeError:  # a cached model damaged since it was written: convert it again, once
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = converted(model)
+            try:
+                self.generator = self._load(ct2, threads)
+            except RuntimeError as e:
+                raise KVBenchError(f"CTranslate2 cannot load {self.path}: {one_line(e)}") from None
+
+    def _load(self, ct2: Any, threads: int) -> Any:
+        return ct2.Generator(
+            str(self.path), device="cpu", compute_type=self.peer.compute, intra_threads=threads, inter_threads=1
+        )
 
     def _tokens(self, ids: list[list[int]]) -> list[list[str]]:
         return [[token(i, self.vocab_size) for i in row] for row in ids]
