@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from kvbench.devices import synchronize
 from kvbench.model.gpt2 import GPT, MLP, CausalSelfAttention, Conv1D, GPTConfig
+from kvbench.model.matmul import linear
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class RowParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         *lead, n_in = x.shape
-        y = x.reshape(-1, n_in) @ self.weight  # (tokens, out): this rank's partial sum
+        y = linear(x.reshape(-1, n_in), self.weight.t())  # (tokens, out): this rank's partial sum
         COLLECTIVES.all_reduce(y)
         return (y + self.bias).view(*lead, y.size(-1))
 
