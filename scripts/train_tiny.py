@@ -80,7 +80,7 @@ def plot(log: list[dict], path: Path) -> None:
     tokens = [r["tokens"] / 1e6 for r in log]
     ax.plot(tokens, [r["train_loss"] for r in log], label="training (mean of the last 25 steps)", color="#4c72b0")
     held = [(r["tokens"] / 1e6, r["heldout_loss"]) for r in log if r["heldout_loss"] == r["heldout_loss"]]
-    ax.plot(*zip(*held), "o-", label="held out (The Tempest)", color="#dd8452")
+    ax.plot(*zip(*held, strict=True), "o-", label="held out (The Tempest)", color="#dd8452")
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("cross-entropy (nats per token)")
     ax.set_title("gpt2-shakespeare: 6 layers x 128 wide, GPT-2's tokenizer, 2-core CPU")
@@ -92,7 +92,9 @@ def plot(log: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", type=Path, required=True, help="train.bin and heldout.bin (scripts/shakespeare_corpus.py)")
+    ap.add_argument(
+        "--data", type=Path, required=True, help="train.bin and heldout.bin (scripts/shakespeare_corpus.py)"
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=16)
