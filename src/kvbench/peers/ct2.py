@@ -96,6 +96,7 @@ def _convert(model: GPT, out: Path) -> Path:
 
     from kvbench.memory.config import quiet_transformers
     from kvbench.model.weights import to_hf_model
+
     hf = to_hf_model(model, "eager", torch.float32).cpu()
     vocab = _IdVocabulary(model.config.vocab_size)
 
