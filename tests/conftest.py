@@ -21,6 +21,8 @@ os.environ["KVBENCH_PROBE_BYTES"] = str(16 << 20)
 # Remote code (--trust-remote-code) is copied into a modules folder of this process's own, not into ~/.cache where
 # other test runs on the machine copy theirs (transformers reads the variable when it is first imported).
 os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="kvbench-test-hf-modules-")
+# Peer engines' converted models (peers/ct2.py) go to a folder of this run's own, never to ~/.cache/kvbench.
+os.environ["KVBENCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvbench-test-cache-")
 
 from pathlib import Path
 
@@ -38,6 +40,7 @@ TINY = dict(n_layer=3, n_head=4, n_embd=64, block_size=128, vocab_size=500)
 
 def pytest_unconfigure(config):
     shutil.rmtree(_MODULES, ignore_errors=True)
+    shutil.rmtree(os.environ["KVBENCH_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -83,7 +83,7 @@ def test_a_world_of_one_rank_is_the_whole_model_bit_for_bit(monkeypatch):
 
     monkeypatch.setattr(tp.COLLECTIVES, "all_reduce", lambda y: None)  # one rank: the sum is its own
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=128)
-    model = GPT(cfg).init_weights(seed=0, std=0.1).eval()
+    model = GPT(cfg).init_weights(seed=0, std=0.1).eval().lay_out()  # as loaded: weights laid out for the CPU
     part = tp.shard(model, 0, 1)
     ids = torch.randint(0, 128, (2, 9))
     pos = torch.arange(9).expand(2, 9)

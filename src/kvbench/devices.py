@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 
 import torch
 
@@ -61,7 +62,40 @@ def synchronize(device: torch.device) -> None:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"CPU ({cpu_model() or platform.machine()}, {isa}, {torch.get_num_threads()} threads)"
+
+
+def cpu_model() -> str | None:
+    """/proc/cpuinfo's first `model name`, else platform.processor(); None where neither says."""
+    try:
+        for text in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = text.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+# the instruction-set extensions a CPU's kernels choose between (x86 and ARM), as /proc/cpuinfo names them
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
+
+
+def cpu_isa() -> dict:
+    """What a CPU kernel can use: torch's CPU capability (the ISA its own kernels dispatch to: DEFAULT, AVX2, AVX512,
+    ...) and the extensions /proc/cpuinfo lists among ISA_FLAGS (None where it cannot be read)."""
+    flags: list[str] | None = None
+    try:
+        for text in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = text.partition(":")
+            if key.strip() in ("flags", "Features"):
+                have = set(value.split())
+                flags = [f for f in ISA_FLAGS if f in have]
+                break
+    except OSError:
+        pass
+    return {"torch_capability": torch.backends.cpu.get_cpu_capability(), "flags": flags}
 
 
 def reset_peak_memory(device: torch.device) -> None:

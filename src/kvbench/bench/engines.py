@@ -1,4 +1,4 @@
-"""The engines bench times: our generation loop, and transformers' `generate` eager and compiled.
+"""The engines bench times: our generation loop, transformers' `generate` eager and compiled, and peers (CTranslate2).
 
 An engine prepares one *configuration* (a cache at a batch size and a maximum length) once, and the sweep then runs
 that configuration's cold run, warm-ups and timed repeats on it: our caches are allocated once and reset between
@@ -9,6 +9,8 @@ get it; that allocation is part of its TTFT.
     kvbench       generation.generate on our GPT-2; every registered cache and plugin
     hf            transformers' generate, eager (disable_compile=True): none, dynamic, static
     hf-compiled   transformers' generate with its static cache and its default automatic torch.compile
+    ct2-fp32      CTranslate2's Generator on the same weights, float32 (`ct2` names it and ct2-int8 together)
+    ct2-int8      the same with int8 weights
 
 An engine also says how its rows' tokens are judged (bench/agreement.py): `token_reference` is True for the engine whose
 `none` rows are the sweep's token reference (kvbench here; `bench --hf`'s engine on its own model, bench/hf_sweep.py),
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from kvbench.bench.agreement import reference_logits
+from kvbench.bench.floor import weight_bytes as floor_weight_bytes
 from kvbench.caches import get_cache_spec, make_caches
 from kvbench.caches.base import UNKNOWN_TRAFFIC, Traffic
 from kvbench.caches.static_graph import StaticGraphCache
@@ -35,10 +38,12 @@ from kvbench.devices import synchronize
 from kvbench.hf.caches import HF_CACHES
 from kvbench.hf.engine import ENGINE_CACHES as HF_ENGINE_CACHES
 from kvbench.hf.engine import build_hf_model, compiled_decode, hf_generate
+from kvbench.peers import PEERS, PeerSpec
 
 if TYPE_CHECKING:
     from kvbench.bench.rows import SummaryRow
     from kvbench.model.gpt2 import GPT
+    from kvbench.peers.ct2 import CT2Model
 
 
 @dataclass
@@ -112,6 +117,7 @@ class InOneProcess:
     """How an engine in one process takes part in a sweep (bench/tp.py's RankEngine: as one rank of a group)."""
 
     has_floor = True  # its rows get the bandwidth floor (the device's read bandwidth, measured once)
+    weight_element_size: int | None = None  # bytes a weight the floor counts (None: the model's dtype)
     failure_ends_sweep = False  # a configuration that raises (oom, a plugin) is a failed row, and the sweep goes on
 
     def rank_rows(self, conf: Configuration, ids: torch.Tensor, new_tokens: int, row: SummaryRow) -> list | None:
@@ -288,11 +294,81 @@ class HFCompiledEngine(HFEngine):
         )
 
 
-# One registry of engines: the CLI's --engine choices and the sweep iterate it.
-ENGINES: dict[str, type[KVBenchEngine] | type[HFEngine]] = {
+# --- peers -------------------------------------------------------------------------------------------------------------
+# A peer (peers/PEERS: CTranslate2) runs its own cache, which grows with the sequence as `dynamic`'s does, so its rows
+# appear under --caches dynamic. TTFT is the call's start to the first token (the generation callback), TPOT the time
+# between two tokens' callbacks; the floor reads the weights in the peer's own type (4 bytes a weight in float32, 1
+# in int8) and the K/V of the context (what its cache moves on top is not stated, so counted as nothing); tokens are
+# judged as verify judges an independent implementation, or as a lossy path (int8 weights).
+PEER_CACHE = "dynamic"  # the rows a peer's own cache appears under
+# int8 weights move a correct path's logits by ~1% of their scale: a flip within this is the quantisation's
+LOSSY_LOGITS = (0.05, 0.1)
+
+
+class _PeerConfiguration:
+    capture_s = None
+
+    def __init__(self, peer: CT2Model) -> None:
+        self.peer = peer
+
+    def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False) -> RunTiming:
+        g = self.peer.generate(ids.tolist(), new_tokens, record_logits)
+        logits = None if g.logits is None else list(g.logits.unbind(1))  # (B, V) per token
+        return RunTiming(g.ttft_s, g.step_s, g.total_s, None, None, g.tokens, logits)
+
+    def probe(self, ids: torch.Tensor) -> None:
+        """A peer makes no SDPA call of torch's: nothing to watch."""
+
+
+class PeerEngine(_OnOurGPT):
+    """A peer (peers/PEERS) on our model's weights; one subclass per peer, so the registry holds classes."""
+
+    spec: PeerSpec
+    token_reference = False
+
+    def __init__(self, model: GPT, threads: int | None = None) -> None:
+        from kvbench.peers.ct2 import CT2Model
+
+        self.model = model
+        self.peer = CT2Model(model, self.spec, threads or torch.get_num_threads())
+
+    @classmethod
+    def supports(cls, cache: str) -> bool:
+        return cache == PEER_CACHE
+
+    @classmethod
+    def traffic(cls, cache: str) -> Traffic | None:
+        return Traffic(f"{cls.spec.name}'s own cache: weights and K/V of L slots only") if cls.supports(cache) else None
+
+    def weight_bytes(self) -> int:
+        return floor_weight_bytes(self.model.config, self.spec.weight_bytes)
+
+    def configure(self, cache: str, batch: int, max_len: int) -> _PeerConfiguration:
+        return _PeerConfiguration(self.peer)
+
+    def describe(self) -> str:
+        return f"{self.spec.summary}; greedy generate_batch on {self.peer.path}"
+
+    def token_tolerance(self, cache: str, dtype: torch.dtype) -> tuple[float, float, bool]:
+        tol = tolerance(dtype, None if self.spec.exact else LOSSY_LOGITS, reference=True)
+        return tol.rtol, tol.atol, tol.lossy
+
+    def rank_rows(self, conf: object, ids: torch.Tensor, new_tokens: int, row: SummaryRow) -> list | None:
+        return None
+
+
+def _engine_class(peer: PeerSpec) -> type[PeerEngine]:
+    attrs = {"spec": peer, "name": peer.name, "family": peer.name, "weight_element_size": peer.weight_bytes}
+    return type(f"PeerEngine_{peer.name}", (PeerEngine,), attrs)
+
+
+# One registry of engines: the CLI's --engine choices and the sweep iterate it (a peer family such as `ct2` stands
+# for its peers, peers.FAMILIES).
+ENGINES: dict[str, type[KVBenchEngine] | type[HFEngine] | type[PeerEngine]] = {
     "kvbench": KVBenchEngine,
     "hf": HFEngine,
     "hf-compiled": HFCompiledEngine,
+    **{name: _engine_class(p) for name, p in PEERS.items()},
 }
 
 
@@ -306,6 +382,8 @@ def build_engines(model: GPT, names: list[str], compile: str = "off") -> dict[st
         if issubclass(cls, HFEngine):
             engines[name] = built = cls(model, hf)
             hf = built.hf
+        elif issubclass(cls, PeerEngine):
+            engines[name] = cls(model)
         else:
             engines[name] = cls(model, compile)
     return engines

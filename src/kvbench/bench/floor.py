@@ -209,10 +209,17 @@ def weight_bytes(cfg: GPTConfig, elt: int, batch: int = 1) -> int:
 
 
 def step_bytes(
-    cfg: GPTConfig, dtype: torch.dtype, batch: int, context: int, capacity: int, traffic: Traffic | None
+    cfg: GPTConfig,
+    dtype: torch.dtype,
+    batch: int,
+    context: int,
+    capacity: int,
+    traffic: Traffic | None,
+    weight_elt: int | None = None,
 ) -> StepBytes:
     """Bytes of one decode step at `context` slots (this token included) for a design moving `traffic` (None: a
-    design that does not say, counted as weights and K/V only). capacity: the slots the cache's buffer holds."""
+    design that does not say, counted as weights and K/V only). capacity: the slots the cache's buffer holds.
+    weight_elt: bytes a weight, where an engine stores its weights in another type (a peer's int8); default dtype's."""
     elt = torch.empty((), dtype=dtype).element_size()
     scale = torch.empty((), dtype=scale_dtype_for(dtype)).element_size()
     L, cap = context, max(capacity, context)
@@ -221,7 +228,7 @@ def step_bytes(
     t = traffic or UNKNOWN_TRAFFIC
     slots = cap if t.whole_buffer else (t.slots(L) if t.slots is not None else L)
     return StepBytes(
-        weights=weight_bytes(cfg, elt, batch),
+        weights=weight_bytes(cfg, weight_elt or elt, batch),
         kv=slots * slot,
         kv_write=t.write(slot, q8),
         design=t.extra(L, slot, q8),
@@ -250,11 +257,11 @@ def decode_floor_ms(
     traffic: Traffic | None,
     bw: Bandwidth,
     capacity: int | None = None,
+    weight_elt: int | None = None,
 ) -> tuple[float, StepBytes]:
     """The floor of the median decode step of a generation. capacity: the buffer's slots (default prompt + new)."""
-    b = step_bytes(
-        cfg, dtype, batch, median_step_context(prompt_len, new_tokens), capacity or prompt_len + new_tokens, traffic
-    )
+    context = median_step_context(prompt_len, new_tokens)
+    b = step_bytes(cfg, dtype, batch, context, capacity or prompt_len + new_tokens, traffic, weight_elt)
     return floor_ms(b, bw), b
 
 

@@ -51,6 +51,7 @@ def bench_rules(s: BenchSettings) -> None:
     from kvbench.bench.engines import ENGINES
     from kvbench.caches import parse_cache_names
     from kvbench.decode.rules import compile_mode
+    from kvbench.peers import FAMILIES, expand
 
     _value_rules(s)
     if not s.prompt_len:
@@ -61,12 +62,13 @@ def bench_rules(s: BenchSettings) -> None:
     if not s.caches:
         raise KVBenchError("--caches is empty; name one or more caches, or 'all'")
     s.caches = parse_cache_names(",".join(s.caches))  # validated, each once
+    names = [*ENGINES, *FAMILIES]
     if not s.engine:
-        raise KVBenchError(f"--engine is empty; name one or more of {', '.join(ENGINES)}")
+        raise KVBenchError(f"--engine is empty; name one or more of {', '.join(names)}")
     for e in s.engine:
-        if e not in ENGINES:
-            raise KVBenchError(f"unknown engine {e!r}; engines: {', '.join(ENGINES)}")
-    s.engine = list(dict.fromkeys(s.engine))
+        if e not in names:
+            raise KVBenchError(f"unknown engine {e!r}; engines: {', '.join(names)}")
+    s.engine = expand(s.engine)  # a peer family (ct2) is its peers, each engine once
     if s.fill not in ("prefill", "random"):
         raise KVBenchError(f"--fill {s.fill!r}: use prefill (a real prefill, the default) or random")
     compile_mode(s.compile, caches=s.caches if "kvbench" in s.engine else [])
@@ -80,6 +82,7 @@ def bench_rules(s: BenchSettings) -> None:
         _random_fill_rules(s)
     if s.tp > 1:
         _tp_bench_rules(s)
+    _peer_rules(s)
     for e in s.engine:
         if not any(ENGINES[e].supports(c) for c in s.caches):
             runs = [c for c in ("none", "dynamic", "static") if ENGINES[e].supports(c)]
@@ -87,6 +90,20 @@ def bench_rules(s: BenchSettings) -> None:
                 f"engine {e} runs none of the caches asked for ({', '.join(s.caches)}): it runs "
                 f"{', '.join(runs)}; add one of them to --caches or drop {e} from --engine"
             )
+
+
+def _peer_rules(s: BenchSettings) -> None:
+    """Peer engines (CTranslate2) run kvbench's float32 weights on the CPU (--fill random: _random_fill_rules)."""
+    from kvbench.peers import PEERS
+
+    peers = [e for e in s.engine if e in PEERS]
+    if not peers:
+        return
+    if s.device not in ("cpu", "auto") or s.dtype not in ("fp32", "float32", "auto"):
+        raise KVBenchError(
+            f"--engine {','.join(peers)}: peers run kvbench's float32 weights on the CPU here; use --device cpu "
+            f"--dtype fp32 (got --device {s.device} --dtype {s.dtype})"
+        )
 
 
 def _tp_bench_rules(s: BenchSettings) -> None:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 
 ENDPOINT_PANEL = "Serving engines (--endpoint)"
+PEER_PANEL = "Peer engines (--engine)"
 
 
 @dataclass
@@ -72,6 +73,20 @@ class VerifyOptions:
     layers: int | None = options.layers_option()
     junit_xml: str | None = options.junit_option()
     verbose: bool = options.verbose_option()
+    engine: str | None = option(
+        "--engine",
+        default=None,
+        panel=PEER_PANEL,
+        help="Check a peer engine's cache instead, on the same weights against transformers: ct2 (CTranslate2 in "
+        "float32 and with int8 weights), ct2-fp32, ct2-int8; comma-separated. Needs kvbench[ct2].",
+    )
+    hold_exact: bool = option(
+        "--hold-exact/--no-hold-exact",
+        default=False,
+        panel=PEER_PANEL,
+        help="With --engine: hold lossy peers (int8 weights) to the exact fp32 tolerance too, as a deployment that "
+        "claims exactness; they then fail with their distortion figures.",
+    )
     endpoint: str | None = option(
         "--endpoint",
         default=None,
@@ -135,10 +150,13 @@ def verify(o: VerifyOptions) -> None:
         validate.verify_rules(o)
         text_rules(o)
         _endpoint_rules(o)
+        _peer_rules(o)
         if launching:
             exit_code = tp_command.launch(_split(o), sys.argv[1:])
         elif o.endpoint is not None:
             report, meta = _verify_endpoint(o, clock)
+        elif o.engine is not None:
+            report, meta = _verify_peers(o, clock)
         else:
             report, meta = _verify_hf(o, clock) if o.hf is not None else _verify_gpt2(o, clock)
     if exit_code is not None:  # the ranks have reported
@@ -280,6 +298,64 @@ def _verify_hf(o: VerifyOptions, on_row):
     }
     if text_meta:
         meta["text"] = text_meta
+    return report, meta
+
+
+def _peer_rules(o: VerifyOptions) -> list[str]:
+    """--engine's peers (families expanded), and the options that do not apply to them refused."""
+    from kvbench.peers import FAMILIES, PEERS, expand
+
+    if o.engine is None:
+        if o.hold_exact:
+            raise KVBenchError("--hold-exact holds a peer engine to the exact tolerance: give --engine too")
+        return []
+    names = [n.strip() for n in o.engine.split(",") if n.strip()]
+    if not names:
+        raise KVBenchError(f"--engine is empty; name one or more of {', '.join([*FAMILIES, *PEERS])}")
+    for n in names:
+        if n not in PEERS and n not in FAMILIES:
+            raise KVBenchError(f"unknown peer engine {n!r}; peers: {', '.join([*FAMILIES, *PEERS])}")
+    given = {
+        "--caches": o.caches is not None,
+        "--hf": o.hf is not None,
+        "--endpoint": o.endpoint is not None,
+        "--dtype": o.dtype not in ("fp32", "float32"),
+        "--compile": o.compile != "off",
+        "--tp": o.tp != 1,
+        "--reference": o.reference != "hf",
+    }
+    for flag, on in given.items():
+        if on:
+            raise KVBenchError(
+                f"{flag} with --engine: a peer runs its own cache on kvbench's float32 weights, held to transformers; "
+                f"drop {flag}"
+            )
+    return expand(names)
+
+
+def _verify_peers(o: VerifyOptions, on_row: Callable[[CheckRow], None]) -> tuple[VerifyReport, dict]:
+    """`kvbench verify --engine PEER`: a peer's cache on our GPT-2's weights (check/peer_verify.py)."""
+    from kvbench import validate
+    from kvbench.check.peer_verify import run_peer_verify
+    from kvbench.check.verify import random_prompts
+    from kvbench.model.weights import peek_config
+    from kvbench.peers import spec
+
+    peers = [spec(n) for n in _peer_rules(o)]
+    cfg = peek_config(o.model, o.weights)
+    validate.fits_context(
+        "--prompt-len", o.prompt_len, o.new_tokens, cfg.block_size, "lower --prompt-len or --new-tokens"
+    )
+    loaded, dev, dt, _ = load_for_checks(o.model, o.weights, o.device, o.dtype, o.seed)
+    prompts = random_prompts(loaded.config.vocab_size, o.prompt_len, o.batch, o.seed)
+    report = run_peer_verify(loaded.model, peers, prompts, o.new_tokens, o.hold_exact, on_row, loaded.random)
+    meta = {
+        "model": loaded.config.name,
+        "weights": loaded.weights,
+        "device": str(dev),
+        "dtype": report.dtype,
+        "engines": {p.name: p.summary for p in peers},
+    }
     return report, meta
 
 

@@ -22,8 +22,9 @@ same step runs eagerly, so CI tests its exactness on the CPU. `compile` (the `--
     off       the eager step
     default   Inductor's default: LayerNorm, bias, GELU and residual adds fused, matrix products left to the BLAS;
     max       CPU only: the weights frozen into the compiled step as constants, every matrix product autotuned
-              between Inductor's C++ GEMM templates and ATen's, and the kernels called from generated C++ (no
-              Python between them). Frozen weights are a copy the step no longer reads from the model, so this
+              between Inductor's C++ GEMM templates and ATen's (the projections reach Inductor as oneDNN linear
+              ops over packed constants, model/matmul.py), and the kernels called from generated C++ (no Python
+              between them). Frozen weights are a copy the step no longer reads from the model, so this
               runner also keys on the parameters' version counters: an in-place change (`copy_`,
               `load_state_dict`) gets a new compilation.
 
@@ -42,6 +43,7 @@ import torch
 
 from kvbench.caches.static_graph import StaticGraphCache
 from kvbench.model.gpt2 import EXACT_MASK, GPT, MaskRule
+from kvbench.model.matmul import frozen_weights
 
 COMPILE_MODES = ("off", "default", "max")  # the --compile choices
 
@@ -140,7 +142,7 @@ def _compiled(mode: str, model: GPT, key: tuple) -> Callable[..., torch.Tensor]:
         compiled = torch.compile(fresh, dynamic=False, options=guards)
 
         def step(*args):
-            with inductor_config.patch(MAX_OPTIONS):
+            with inductor_config.patch(MAX_OPTIONS), frozen_weights():
                 return compiled(*args)
 
         _frozen_step = (weakref.ref(model), key, step)

@@ -57,14 +57,17 @@ ENGINE_CACHES = ("none", "dynamic", "static")
 
 
 def build_hf_model(model: GPT):
-    """transformers' GPT2LMHeadModel holding `model`'s own weight tensors (shared, not copied), SDPA attention.
+    """transformers' GPT2LMHeadModel holding `model`'s own weight tensors (shared, not copied, except where our
+    model lays a weight out otherwise: then transformers gets it (in, out)), SDPA attention.
 
     Built on the meta device, so transformers' random init never runs and nothing is allocated on the host; then
     every parameter is assigned from our state dict: already on the device, already in the target dtype."""
     cfg = hf_gpt2_config(model.config, "sdpa")
     with torch.device("meta"):
         hf = GPT2LMHeadModel(cfg)
-    sd = {k: t for k, t in model.state_dict().items() if k != "lm_head.weight"}  # lm_head is tied to wte
+    # lm_head is tied to wte; a weight our model lays out (out, in) for its CPU kernels (GPT.lay_out) is copied into
+    # the (in, out) layout transformers' Conv1D was written for, so its engine runs as its users get it
+    sd = {k: t.contiguous() for k, t in model.state_dict().items() if k != "lm_head.weight"}
     missing, unexpected = hf.load_state_dict(sd, strict=False, assign=True)
     assert list(missing) == ["lm_head.weight"] and not unexpected, (
         f"HF port mismatch: missing {missing}, unexpected {unexpected}"

@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kvbench.model.matmul import linear, out_in_layout
+
 
 @dataclass
 class GPTConfig:
@@ -61,9 +63,8 @@ PRESETS: dict[str, GPTConfig] = {
 
 class Conv1D(nn.Module):
     """GPT-2's own linear layer: y = x @ W + b with W stored (in, out), as in OpenAI's checkpoint and Hugging Face's
-    port of it. At batch 1 a decode step streams every weight once (a matrix-vector product per layer), and on the
-    CPU the BLAS runs that ~20% faster over an (in, out) matrix than over nn.Linear's (out, in) once the weights no
-    longer fit in cache (gpt2's 48 block matrices, fp32, 2-core x86: 20.0 vs 25.0 ms a step)."""
+    port of it. How the product runs (oneDNN over the transposed view on the CPU, ATen's addmm elsewhere) is
+    model/matmul.py's one rule."""
 
     def __init__(self, n_in: int, n_out: int):
         super().__init__()
@@ -71,9 +72,14 @@ class Conv1D(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        *lead, n_in = x.shape
-        y = torch.addmm(self.bias, x.reshape(-1, n_in), self.weight)  # (N, out)
-        return y.view(*lead, y.size(-1))
+        return linear(x, self.weight.t(), self.bias)  # (..., in) -> (..., out)
+
+
+class Head(nn.Linear):
+    """lm_head: nn.Linear without a bias (weight (V, C), tied to wte), its product by model/matmul.py's rule."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)  # (..., C) -> (..., V)
 
 
 class CausalSelfAttention(nn.Module):
@@ -235,7 +241,7 @@ class GPT(nn.Module):
                 ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
             )
         )
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = Head(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
         # the shape one layer's cache holds (make_caches): the model's own; a tensor-parallel shard's holds its heads
         self.cache_config = cfg
@@ -258,6 +264,17 @@ class GPT(nn.Module):
                 else:
                     s = resid_std if name.endswith("c_proj.weight") else std
                     p.copy_(torch.randn(p.shape, generator=g, device=device) * s)
+        return self
+
+    def lay_out(self) -> GPT:
+        """Store every Conv1D weight in the memory layout its device's kernels stream fastest (model/matmul.py): on
+        the CPU (out, in), the parameter a transposed view of it; elsewhere (in, out). Same shapes, same values."""
+        w = self.lm_head.weight
+        out_in = out_in_layout(w.device, w.dtype)
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, Conv1D) and m.weight.t().is_contiguous() != out_in:
+                    m.weight.data = m.weight.data.t().contiguous().t() if out_in else m.weight.data.contiguous()
         return self
 
     @classmethod

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from kvbench.devices import synchronize
 from kvbench.model.gpt2 import GPT, MLP, CausalSelfAttention, Conv1D, GPTConfig
+from kvbench.model.matmul import linear
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class RowParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         *lead, n_in = x.shape
-        y = x.reshape(-1, n_in) @ self.weight  # (tokens, out): this rank's partial sum
+        y = linear(x.reshape(-1, n_in), self.weight.t())  # (tokens, out): this rank's partial sum
         COLLECTIVES.all_reduce(y)
         return (y + self.bias).view(*lead, y.size(-1))
 
@@ -151,4 +152,4 @@ def shard(model: GPT, rank: int, world: int) -> GPT:
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     fields.update(n_head=H // world, n_embd=C // world, tp_rank=rank, tp_size=world)
     part.cache_config = ShardConfig(**fields)
-    return part
+    return part.lay_out()  # the column-parallel Conv1Ds were built (in, out): as the device's kernels want them

@@ -259,7 +259,16 @@ def load_model(
     seed: int = 0,
     init_std: float = 0.02,
 ) -> LoadedModel:
-    """Build the model named by `model` and fill it from `weights`; see the module docstring for the sources."""
+    """Build the model named by `model` and fill it from `weights`; see the module docstring for the sources. Its
+    weights are laid out in memory for the device's kernels (GPT.lay_out)."""
+    loaded = _load_model(model, weights, device, dtype, seed, init_std)
+    loaded.model.lay_out()
+    return loaded
+
+
+def _load_model(
+    model: str | None, weights: str, device: torch.device, dtype: torch.dtype, seed: int, init_std: float
+) -> LoadedModel:
     _check_model_name(model)
     if weights not in ("auto", "hub", "random"):  # a path
         # The directory's config.json decides the architecture; an explicit --model must agree with it.

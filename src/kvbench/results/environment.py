@@ -14,7 +14,6 @@ bandwidth) is shown side by side, and warned about when it differs.
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,18 +42,6 @@ def git_revision() -> dict[str, Any]:
     return {"commit": rev, "dirty": bool(status) if status is not None else None}
 
 
-def cpu_model() -> str | None:
-    """/proc/cpuinfo's first `model name`, else platform.processor(); None where neither says."""
-    try:
-        for text in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            key, _, value = text.partition(":")
-            if key.strip() == "model name" and value.strip():
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
 def usable_cpus() -> int | None:
     """The cores this process may run on (its affinity mask); None where the platform does not say."""
     try:
@@ -73,8 +60,18 @@ def load_average() -> dict[str, float] | None:
 
 
 def cpu_facts() -> dict:
-    """meta.json host fields: the CPU model, the cores usable, and the load average at the start."""
-    return {"cpu_model": cpu_model(), "cpus_usable": usable_cpus(), "load_average": {"start": load_average()}}
+    """meta.json host fields: the CPU model and ISA, how our projections run on it (model/matmul.py), the cores
+    usable, and the load average at the start."""
+    from kvbench.devices import cpu_isa, cpu_model
+    from kvbench.model.matmul import route
+
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_isa": cpu_isa(),
+        "cpu_matmul": route(),
+        "cpus_usable": usable_cpus(),
+        "load_average": {"start": load_average()},
+    }
 
 
 def cuda_facts(device) -> dict:

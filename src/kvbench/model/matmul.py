@@ -1,0 +1,93 @@
+"""How the model's projections run: one rule for every weight matrix of the forward (the four per block, lm_head).
+
+At batch 1 a decode step is a matrix-vector product per weight matrix, so its time is how fast the kernel streams
+the weights from memory. On the CPU, ATen sends `addmm` / `linear` to MKL, and on AMD's EPYC (AVX-512) MKL streams
+these shapes at about half the memory's bandwidth: gpt2's 48 block matrices took 19.0 ms a step through MKL and
+11.0 ms through oneDNN's inner product, the lm_head (50,257 x 768, 154 MB) 10.9 vs 3.7 ms (2-core AMD EPYC, fp32,
+2 threads, 2026-12-05; scripts/cpu_matmul.py measures it on any machine). oneDNN picks its kernels by the ISA the
+CPU reports, not by its vendor, and is what Inductor itself calls for a CPU linear.
+
+So on the CPU, in float32 or bfloat16, when no gradient is wanted (and, under torch.compile, only where the weights
+are frozen: `frozen_weights`), a projection is
+oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`) over an (out, in) weight. oneDNN streams that layout
+only: over Conv1D's (in, out) matrix seen transposed it is no faster than MKL (17.5 GB/s). So a model loaded for the
+CPU lays its Conv1D weights out (out, in) in memory (`out_in_layout`, GPT.lay_out): the parameter keeps GPT-2's
+(in, out) shape, names and values, as a transposed view of that storage, so checkpoints port as before. Everywhere
+else (CUDA, fp16, training, `--compile default`'s tracing, a torch without oneDNN) a projection is ATen's `addmm`. Both
+accumulate fp32 in fp32 and differ by rounding only (verify holds every cache to transformers at 1e-5 either way).
+
+`KVBENCH_CPU_MATMUL=aten` (or `set_route("aten")`) turns the oneDNN route off, for an A/B of the same step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from kvbench.errors import KVBenchError
+
+ROUTE_ENV = "KVBENCH_CPU_MATMUL"
+ROUTES = ("onednn", "aten")
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+_route: str | None = None  # None: read ROUTE_ENV on first use
+_frozen = False  # inside `frozen_weights`: Inductor traces a step whose weights are constants
+
+
+@contextmanager
+def frozen_weights() -> Iterator[None]:
+    """Around a compiled step whose weights Inductor freezes (`--compile max`): the oneDNN route is traced too, and
+    Inductor lowers it to its C++ GEMM templates over the packed constant weights (on gpt2, 2-core AMD EPYC, fp32:
+    12.8 ms a decode step against 18.3 ms tracing ATen's addmm, 2026-12-05). Inductor lowers the op only over
+    constant weights, so a step that reads the weights as inputs (`--compile default`) traces addmm."""
+    global _frozen
+    before, _frozen = _frozen, True
+    try:
+        yield
+    finally:
+        _frozen = before
+
+
+def route() -> str:
+    """The CPU route in use: "onednn" or "aten" (ROUTE_ENV, read on first use)."""
+    return _route if _route is not None else set_route(None)
+
+
+def set_route(name: str | None) -> str:
+    """Choose the CPU route ("onednn" or "aten"; None: as ROUTE_ENV says, default onednn) and return it."""
+    global _route
+    chosen = name if name is not None else os.environ.get(ROUTE_ENV, "").strip().lower() or "onednn"
+    if chosen not in ROUTES:
+        raise KVBenchError(f"{ROUTE_ENV}={chosen!r}: expected one of {', '.join(ROUTES)}")
+    if chosen == "onednn" and not torch.backends.mkldnn.is_available():
+        chosen = "aten"  # a torch built without oneDNN (some ARM builds): ATen's kernels
+    _route = chosen
+    return chosen
+
+
+def out_in_layout(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether weights on `device` in `dtype` should be stored (out, in) in memory: where the oneDNN route runs."""
+    return device.type == "cpu" and dtype in _ONEDNN_DTYPES and route() == "onednn"
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype in _ONEDNN_DTYPES
+        and weight.dtype == x.dtype
+        and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))  # no backward there
+        and (_frozen or not torch.compiler.is_compiling())  # traced only where Inductor can lower it
+        and route() == "onednn"
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias: x (..., in), weight (out, in) in any strides, bias (out,) -> (..., out)."""
+    if _onednn(x, weight):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    *lead, n_in = x.shape
+    x2 = x.reshape(-1, n_in)  # (N, in)
+    y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())  # (N, out)
+    return y.view(*lead, y.size(-1))
