@@ -650,3 +650,20 @@ def test_a_run_without_schema_version_is_read_as_version_1_with_a_warning(runs):
         f"warning: baseline {base / 'meta.json'} has no schema_version (a run from before kvbench recorded it): "
         "read as version 1"
     ], text
+
+
+def test_every_peer_series_reads_apart_from_every_other_series():
+    """A peer's rows carry the cache name `dynamic` (its own cache), so the look must not come from the cache alone:
+    two peers drawn alike, or a peer drawn like kvbench's dynamic cache, is a figure nobody can read."""
+    from kvbench.peers import PEERS
+    from kvbench.results import plot_style
+
+    series = [(e, c) for e in ("kvbench", "hf") for c in ("none", "dynamic", "static")]
+    series += [(p, "dynamic") for p in PEERS]
+    looks = [
+        (str(plot_style.series_colour(e, c)), str(plot_style.series_style(e)), plot_style.series_hatch(e))
+        for e, c in series
+    ]
+    assert len(set(looks)) == len(looks)
+    bars = {plot_style.series_hatch(p) for p in PEERS} | {plot_style.series_colour(p, "dynamic") for p in PEERS}
+    assert len(bars) == 2 * len(PEERS)

@@ -1,6 +1,7 @@
 """The one look every bench and compare figure shares: a colour per cache (registry order, so a cache keeps its
 colour across figures and runs), a line style per engine (solid: kvbench, dashed: transformers, dash-dot:
-transformers compiled), plain-number log ticks, one legend under the panels, and the run's title."""
+transformers compiled), a look of its own per peer engine (a peer's cache is its own, not one of kvbench's, so it
+does not take a cache's colour), plain-number log ticks, one legend under the panels, and the run's title."""
 
 from __future__ import annotations
 
@@ -13,16 +14,40 @@ import pandas as pd  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: E402
 
 from kvbench.caches import CACHES  # noqa: E402
+from kvbench.peers import PEERS  # noqa: E402
 
 ENGINE_STYLE = {"kvbench": "-", "hf": "--", "hf-compiled": "-."}
 ENGINE_LABEL = {"kvbench": "kvbench", "hf": "transformers", "hf-compiled": "transformers compiled"}
 ENGINE_ORDER = list(ENGINE_STYLE)
+# Peer engines, in registry order: (colour, line style, bar hatch); dark greys, so they read apart from the caches.
+PEER_LOOKS = [("0.15", ":", ".."), ("0.5", (0, (5, 2, 1, 2)), "xx"), ("0.3", (0, (1, 1)), "oo"), ("0.65", ":", "--")]
 
 
 def cache_colour(cache: str) -> tuple[float, float, float, float]:
     names = list(CACHES)
     i = names.index(cache) if cache in names else len(names)
     return plt.get_cmap("tab10")(i % 10)
+
+
+def _peer_look(engine: str) -> tuple | None:
+    names = list(PEERS)
+    return PEER_LOOKS[names.index(engine) % len(PEER_LOOKS)] if engine in names else None
+
+
+def series_colour(engine: str, cache: str):
+    """A kvbench or transformers series takes its cache's colour; a peer its own grey."""
+    look = _peer_look(engine)
+    return look[0] if look else cache_colour(cache)
+
+
+def series_style(engine: str):
+    look = _peer_look(engine)
+    return look[1] if look else ENGINE_STYLE.get(engine, ":")
+
+
+def series_hatch(engine: str) -> str:
+    look = _peer_look(engine)
+    return look[2] if look else {"kvbench": "", "hf": "//", "hf-compiled": "\\\\"}.get(engine, "..")
 
 
 def series_label(engine: str, cache: str) -> str:
@@ -79,8 +104,8 @@ def context_label(n: float) -> str:
 def line_kw(engine: str, cache: str, **more) -> dict:
     """One engine x cache line's look: the cache's colour, the engine's line style, round markers."""
     return dict(
-        color=cache_colour(cache),
-        linestyle=ENGINE_STYLE.get(engine, ":"),
+        color=series_colour(engine, cache),
+        linestyle=series_style(engine),
         marker="o",
         linewidth=1.4,
         markersize=5,

@@ -18,15 +18,16 @@ from matplotlib.ticker import FuncFormatter, NullLocator  # noqa: E402
 
 from kvbench.results.batch_plot import batch_figure  # noqa: E402
 from kvbench.results.plot_style import (  # noqa: E402
-    ENGINE_STYLE,
     MAX_TICKS,
     PLAIN,
-    cache_colour,
     line_kw,
     maybe_log,
     run_title,
+    series_colour,
+    series_hatch,
     series_keys,
     series_label,
+    series_style,
     shared_legend,
 )
 
@@ -59,7 +60,7 @@ def latency_figure(summary: pd.DataFrame, steps: pd.DataFrame, meta: dict, path:
             if per_step is None or per_step.empty:
                 continue
             ttft_ms = float(sub[(sub.engine == engine) & (sub.cache == cache)]["ttft_ms"].iloc[0])
-            kw = dict(color=cache_colour(cache), linestyle=ENGINE_STYLE.get(engine, ":"), linewidth=1.4)
+            kw = dict(color=series_colour(engine, cache), linestyle=series_style(engine), linewidth=1.4)
             # decode step j produces token j + 1; token 1 comes from the prefill
             ax_step.plot(per_step.index + 1, per_step.values, label=series_label(engine, cache), **kw)
             cum = (ttft_ms + per_step.cumsum()) / 1e3
@@ -90,8 +91,8 @@ def _single_prompt_bars(ok: pd.DataFrame, meta: dict, path: Path) -> Path:
     """One prompt length: lines against prompt length would be single points, so draw one bar per engine x cache."""
     rows = [ok[(ok.engine == e) & (ok.cache == c)].iloc[0] for e, c in series_keys(ok)]
     labels = [series_label(r.engine, r.cache) for r in rows]
-    colours = [cache_colour(r.cache) for r in rows]
-    hatches = [{"kvbench": "", "hf": "//"}.get(r.engine, "..") for r in rows]
+    colours = [series_colour(r.engine, r.cache) for r in rows]
+    hatches = [series_hatch(r.engine) for r in rows]
     fig, (ax_sp, ax_tp) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 2.2))
     y = range(len(rows))
     panels = (
@@ -101,9 +102,10 @@ def _single_prompt_bars(ok: pd.DataFrame, meta: dict, path: Path) -> Path:
     for ax, values, xlabel, fmt in panels:
         bars = ax.barh(list(y), values, color=colours, hatch=hatches, edgecolor="white")
         for bar, v in zip(bars, values, strict=True):
+            missing = pd.isna(v)  # a peer has no uncached run, so no speedup over one
             ax.annotate(
-                fmt.format(v),
-                (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                "no uncached run" if missing else fmt.format(v),
+                (0 if missing else bar.get_width(), bar.get_y() + bar.get_height() / 2),
                 xytext=(3, 0),
                 textcoords="offset points",
                 va="center",
