@@ -196,12 +196,16 @@ def test_verify_hf_text(tiny_llama_dir, short_text):
         assert c["exact"] and c["passed"] and abs(math.log(c["ppl"] / text["ppl_no_cache"])) <= 1e-4, c
 
 
-def test_verify_hf_text_needs_the_models_tokenizer(tmp_path, short_text):
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_verify_hf_text_needs_the_models_tokenizer(tmp_path, short_text, arch):
+    """A folder of weights without tokenizer files. For gpt2, transformers (5.25) builds an empty GPT2Tokenizer
+    rather than raising: the text must not be scored as zero tokens."""
+    from transformers import AutoModelForCausalLM, GPT2Config
 
     from tiny import tiny_llama
 
-    AutoModelForCausalLM.from_config(tiny_llama()).save_pretrained(tmp_path)
+    config = tiny_llama() if arch == "llama" else GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     r = CliRunner().invoke(app, ["verify", "--hf", str(tmp_path), "--device", "cpu", "--text", str(short_text)])
     assert r.exit_code == 2, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and "needs the model's tokenizer" in r.stderr

@@ -100,6 +100,11 @@ def hf_text_tokens(o: Any) -> tuple[list[int], str] | None:
     except Exception as e:  # transformers raises many types for "no tokenizer here"
         why = " ".join(str(e).split())[:160] or type(e).__name__
         raise KVBenchError(f"--text needs the model's tokenizer, and {o.hf} has none that loads ({why})") from None
+    if tok.vocab_size == 0:  # transformers 5.x builds an empty tokenizer for a folder without vocabulary files
+        raise KVBenchError(
+            f"--text needs the model's tokenizer, and {o.hf} has none: {type(tok).__name__} loaded with an empty "
+            "vocabulary (no tokenizer files beside the weights)"
+        )
     ids = read_text_tokens(path, lambda t: list(tok(t, add_special_tokens=False)["input_ids"]))
     return ids, f"{type(tok).__name__} from {o.hf}"
 
