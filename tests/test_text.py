@@ -209,3 +209,65 @@ def test_verify_hf_text_needs_the_models_tokenizer(tmp_path, short_text, arch):
     r = CliRunner().invoke(app, ["verify", "--hf", str(tmp_path), "--device", "cpu", "--text", str(short_text)])
     assert r.exit_code == 2, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and "needs the model's tokenizer" in r.stderr
+
+
+def test_verify_hf_names_the_bundled_model_and_scores_it_with_its_own_bpe(short_text):
+    """`--hf gpt2-shakespeare` is the shipped folder (weights only) read by transformers, its text tokenized with the
+    GPT-2 BPE it was trained with: transformers' perplexity equals the one our own model scores on the same windows,
+    and transformers' fp8 QuantizedCache moves it."""
+    text_args = ["--text", str(short_text), "--window", "128", "--json"]
+    r = CliRunner().invoke(
+        app, ["verify", "--hf", "gpt2-shakespeare", "-d", "cpu", *FAST, "--caches", "static,quantized-fp8", *text_args]
+    )
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    hf = doc["text"]
+    assert hf["tokenizer"].startswith("GPT-2 BPE (bundled") and doc["weights"] == "bundled:gpt2-shakespeare"
+    ours = CliRunner().invoke(
+        app, ["verify", "-m", "gpt2-shakespeare", "-d", "cpu", *FAST, "--caches", "static", *text_args]
+    )
+    assert ours.exit_code == 0, ours.output
+    mine = json.loads(ours.stdout)["text"]
+    assert hf["tokens"] == mine["tokens"] and hf["scored"] == mine["scored"]
+    assert abs(math.log(hf["ppl_no_cache"] / mine["ppl_no_cache"])) <= 1e-4
+    assert hf["caches"]["static"]["passed"] and not hf["caches"]["quantized-fp8"]["exact"]
+    assert abs(math.log(hf["caches"]["quantized-fp8"]["ppl"] / hf["ppl_no_cache"])) > 1e-4
+
+
+@pytest.mark.parametrize(
+    ("given", "scored"),
+    [
+        ({}, True),
+        ({"tp": 2}, False),  # --text runs in one process: no default text to refuse under --tp
+        ({"endpoint": "http://127.0.0.1:1"}, False),
+        ({"weights": "random"}, False),
+        ({"model": "gpt2"}, False),
+        ({"hf": "gpt2-shakespeare"}, True),
+        ({"hf": "gpt2-shakespeare", "tp": 2}, False),
+        ({"text": "none"}, False),
+    ],
+)
+def test_the_bundled_passage_is_the_default_only_where_text_is_scored(given, scored):
+    from types import SimpleNamespace
+
+    from kvbench.cli.verify_text import text_path
+
+    o = SimpleNamespace(
+        **{"text": None, "hf": None, "endpoint": None, "tp": 1, "model": "gpt2-shakespeare"}
+        | {"weights": "auto", **given}
+    )
+    assert (text_path(o) == str(TEMPEST_HELDOUT)) is scored
+
+
+@pytest.mark.slow
+def test_verify_tp_on_the_bundled_model_runs_without_text():
+    """Ranks re-run the command line, so this runs kvbench in a process of its own."""
+    import os
+    import subprocess
+    import sys
+
+    args = ["verify", "-m", "gpt2-shakespeare", "--tp", "2", "-d", "cpu", *FAST, "--caches", "static"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "kvbench", *args], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PASSED" in r.stdout and "text" not in r.stderr

@@ -20,12 +20,16 @@ PLOT_NAME = "text-kld.png"
 
 
 def text_path(o: Any) -> str | None:
-    """The file --text names; for a bundled checkpoint without --text, its held-out passage; None for no text."""
+    """The file --text names; for a bundled checkpoint without --text (`-m gpt2-shakespeare` with its weights, or
+    `--hf gpt2-shakespeare`), its held-out passage, where text is scored at all (one process, no --endpoint); None
+    for no text."""
+    from kvbench.hf.models import bundled_source
     from kvbench.resources import BUNDLED_MODELS, TEMPEST_HELDOUT
 
     if o.text is not None:
         return None if o.text == NO_TEXT else o.text
-    if o.hf is None and o.endpoint is None and o.model in BUNDLED_MODELS and o.weights == "auto":
+    bundled = o.model in BUNDLED_MODELS and o.weights == "auto" if o.hf is None else bundled_source(o.hf)
+    if bundled and o.endpoint is None and o.tp == 1:
         return str(TEMPEST_HELDOUT)
     return None
 
@@ -93,6 +97,13 @@ def hf_text_tokens(o: Any) -> tuple[list[int], str] | None:
     if path is None:
         return None
     files.read_text(path, f"--text {path}", files.PROMPTS_BYTES, "a text file")  # a bad file before the tokenizer
+    from kvbench.hf.models import bundled_source
+
+    if bundled_source(o.hf):  # trained with GPT-2's BPE, which kvbench ships (the folder holds weights only)
+        from kvbench.model.tokenizer import load_tokenizer
+
+        tok = load_tokenizer()
+        return read_text_tokens(path, tok.encode), f"GPT-2 BPE ({tok.source})"
     try:
         from transformers import AutoTokenizer
 

@@ -39,6 +39,7 @@ from kvbench.hf.introspect import HFModelInfo, describe
 from kvbench.memory.config import check_fields, quiet_transformers
 from kvbench.memory.units import fmt_bytes
 from kvbench.model.weights import hub_reachable
+from kvbench.resources import BUNDLED_MODELS
 from kvbench.thirdparty import contained, did
 from kvbench.validate import context_error, past_context
 
@@ -179,10 +180,17 @@ class _Resolved:
     layers_of: int | None  # the layers the config has (before --layers)
 
 
+def bundled_source(source: str) -> bool:
+    """--hf SOURCE names a model shipped with kvbench, in Hugging Face's format (no path of that name exists)."""
+    return source in BUNDLED_MODELS and not Path(source).expanduser().exists()
+
+
 def _resolve(source: str, layers: int | None, trust_remote_code: bool) -> _Resolved:
     """Everything load_hf checks before it reads a weight: the source exists, its config reads, it is a decoder-only
-    causal LM transformers can build, --layers fits; one line naming the source otherwise."""
-    path = Path(source).expanduser()
+    causal LM transformers can build, --layers fits; one line naming the source otherwise. A model shipped with
+    kvbench (gpt2-shakespeare) is named by its preset name, where no file or folder of that name is."""
+    bundled = bundled_source(source)
+    path = BUNDLED_MODELS[source] if bundled else Path(source).expanduser()
     kwargs = {"trust_remote_code": trust_remote_code}  # never None: that would prompt on the terminal
     if path.is_file():
         doc = _read_config(path)
@@ -209,7 +217,7 @@ def _resolve(source: str, layers: int | None, trust_remote_code: bool) -> _Resol
             raise KVBenchError(
                 f"no weights in {path} (model.safetensors or pytorch_model.bin); for random weights pass {cfg_path}"
             )
-        where, weights = str(path), str(path)
+        where, weights = str(path), f"bundled:{source}" if bundled else str(path)
     elif path.exists():  # a device, a pipe, a socket
         raise KVBenchError(f"--hf {source} is {files.what_is(path)}, neither a config.json file nor a model directory")
     elif HUB_ID.match(source) and not source.startswith("."):
