@@ -153,3 +153,14 @@ def test_every_page_the_code_names_exists():
             if not page.exists() or (m.group(2) and m.group(2) not in anchors(page)):
                 broken.append(f"{path.relative_to(ROOT)}: {m.group(0)}")
     assert not broken, "pages the code names that do not exist:\n" + "\n".join(broken)
+
+
+def test_every_script_the_code_and_docs_name_exists():
+    """A docstring or page that says `scripts/NAME.py measures it` must point at a script that is there."""
+    missing = []
+    texts = [*(ROOT / "src").rglob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md", ROOT / "Makefile"]
+    for path in sorted(texts):
+        for m in re.finditer(r"scripts/([\w-]+\.(?:py|sh))", path.read_text(encoding="utf-8")):
+            if not (ROOT / "scripts" / m.group(1)).is_file():
+                missing.append(f"{path.relative_to(ROOT)}: {m.group(0)}")
+    assert not missing, "scripts named that do not exist:\n" + "\n".join(missing)

@@ -1,0 +1,113 @@
+"""Time a gpt2 decode step's matrix-vector products on this CPU, route by route: what model/matmul.py chooses from.
+
+    python scripts/cpu_matmul.py                  # gpt2's shapes, this machine's threads
+    python scripts/cpu_matmul.py --threads 2 --copies 3 --repeats 20
+
+At batch 1 each weight matrix is read once per token, so each route's time is how fast its kernel streams the
+weights from memory. Measured, per step, with the same random fp32 weights in every route:
+
+    blocks   the 48 block matrices (12 layers x c_attn 768x2304, attn c_proj 768x768, c_fc 768x3072, mlp c_proj
+             3072x768), 340 MB
+    lm_head  the tied output layer, 50,257 x 768, 154 MB
+
+through four routes:
+
+    aten (in, out)      torch.addmm over Conv1D's (in, out) matrix: what ATen (MKL on x86) runs for GPT-2 as stored
+    aten (out, in)      torch.nn.functional.linear over an (out, in) copy
+    onednn (in, out)^T  oneDNN's inner product (mkldnn._linear_pointwise) over the (in, out) matrix seen transposed
+    onednn (out, in)    the same over an (out, in) matrix: kvbench's CPU route (model/matmul.py)
+
+`--copies` sets of weights are cycled so that no call finds its matrix in the last-level cache (a decode step reads
+~500 MB between two reads of one matrix). Median and range of `--repeats` timed passes after `--warmup`; GB/s is the
+bytes read over the median. Prints one table; writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+C, V, LAYERS = 768, 50257, 12
+SHAPES = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]  # (in, out) of c_attn, attn c_proj, c_fc, mlp c_proj
+
+
+def _timed(fn, warmup: int, repeats: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--copies", type=int, default=3, help="weight sets cycled, so none is read from cache")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if not torch.backends.mkldnn.is_available():
+        raise SystemExit("error: this torch has no oneDNN (torch.backends.mkldnn); only ATen's route exists here")
+    torch.manual_seed(0)
+    # copies x layers x 4 matrices, each (in, out) as GPT-2's Conv1D stores it, and its (out, in) transpose
+    w_io = [[[torch.randn(i, o) * 0.02 for i, o in SHAPES] for _ in range(LAYERS)] for _ in range(args.copies)]
+    w_oi = [[[w.t().contiguous() for w in layer] for layer in copy] for copy in w_io]
+    bias = [torch.zeros(o) for _, o in SHAPES]
+    head_oi = [torch.randn(V, C) * 0.02 for _ in range(args.copies)]  # wte: (vocab, C), the lm_head as (out, in)
+    head_io = [h.t().contiguous() for h in head_oi]
+    x = {C: torch.randn(1, C), 4 * C: torch.randn(1, 4 * C)}
+    lp = torch.ops.mkldnn._linear_pointwise
+
+    def blocks(op, weights):
+        turn = [0]
+
+        def run():
+            for layer in weights[turn[0] % len(weights)]:
+                for w, (n_in, _), b in zip(layer, SHAPES, bias, strict=True):
+                    op(x[n_in], w, b)
+            turn[0] += 1
+
+        return run
+
+    def head(op, weights):
+        turn = [0]
+
+        def run():
+            op(x[C], weights[turn[0] % len(weights)], None)
+            turn[0] += 1
+
+        return run
+
+    def addmm(xx, w, b):
+        return torch.mm(xx, w) if b is None else torch.addmm(b, xx, w)
+
+    routes = {
+        "aten (in, out)": (addmm, w_io, head_io),
+        "aten (out, in)": (torch.nn.functional.linear, w_oi, head_oi),
+        "onednn (in, out)^T": (lambda xx, w, b: lp(xx, w.t(), b, "none", [], ""), w_io, head_io),
+        "onednn (out, in)": (lambda xx, w, b: lp(xx, w, b, "none", [], ""), w_oi, head_oi),
+    }
+    block_mb = sum(i * o for i, o in SHAPES) * LAYERS * 4 / 1e6
+    head_mb = V * C * 4 / 1e6
+    cpu = torch.backends.cpu.get_cpu_capability()
+    print(f"gpt2 fp32 batch-1 projections, {torch.get_num_threads()} threads, {cpu}, torch {torch.__version__}")
+    print(f"{'route':<20} {'48 block GEMVs, ms':<20} {'GB/s':>5}   {'lm_head, ms':<17} {'GB/s':>5}")
+    with torch.inference_mode():
+        for name, (op, w_blocks, w_head) in routes.items():
+            tb = _timed(blocks(op, w_blocks), args.warmup, args.repeats)
+            th = _timed(head(op, w_head), args.warmup, args.repeats)
+            mb, mh = statistics.median(tb), statistics.median(th)
+            cells = (f"{mb:.2f} ({min(tb):.1f}-{max(tb):.1f})", f"{mh:.2f} ({min(th):.1f}-{max(th):.1f})")
+            print(f"{name:<20} {cells[0]:<20} {block_mb / mb:5.1f}   {cells[1]:<17} {head_mb / mh:5.1f}")
+
+
+if __name__ == "__main__":
+    main()
