@@ -52,6 +52,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
+    for flag, value in (("--copies", args.copies), ("--repeats", args.repeats), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            ap.error(f"{flag} must be >= 1")
+    if args.warmup < 0:
+        ap.error("--warmup must be >= 0")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if not torch.backends.mkldnn.is_available():
