@@ -102,8 +102,8 @@ def hf_text_tokens(o: Any) -> tuple[list[int], str] | None:
     if bundled_source(o.hf):  # trained with GPT-2's BPE, which kvbench ships (the folder holds weights only)
         from kvbench.model.tokenizer import load_tokenizer
 
-        tok = load_tokenizer()
-        return read_text_tokens(path, tok.encode), f"GPT-2 BPE ({tok.source})"
+        bpe = load_tokenizer()
+        return read_text_tokens(path, bpe.encode), f"GPT-2 BPE ({bpe.source})"
     try:
         from transformers import AutoTokenizer
 
