@@ -3,6 +3,9 @@ block accounting, and int8's quantisation bound. CUDA-graph tests run only where
 
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -417,6 +420,41 @@ def test_frozen_step_is_exact_and_sees_weights_changed_in_place():
     fresh, after = decode_and_check()
     assert fresh is not runner
     assert not torch.allclose(after, before, atol=1e-3), "the update must change the logits"
+
+
+_FROZEN_IN_A_PROCESS = """
+import sys, torch
+from kvbench.caches import make_caches
+from kvbench.decode.generate import generate
+from kvbench.model.gpt2 import GPT, GPTConfig
+torch.set_num_threads(1)
+cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=512)
+model = GPT(cfg).init_weights(seed=int(sys.argv[1]), std=0.1).eval()
+prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [26, 43, 38, 32], [7, 9, 400, 12, 5, 5, 301]]
+caches = make_caches("static-graph", cfg, 3, 23, torch.float32, "cpu")
+got = generate(model, prompts, 12, cache="static-graph", caches=caches, compile="max").tokens
+ref = generate(model, prompts, 12, cache="static").tokens
+print("equal" if got == ref else f"differ: {got} != {ref}")
+"""
+
+
+@pytest.mark.slow
+def test_frozen_step_of_other_weights_in_another_process_is_compiled_for_them(tmp_path):
+    """Two processes compile `--compile max` for two models of the same shapes, sharing Inductor's on-disk caches.
+    Before: the second was served the first one's packed weights from Inductor's FX graph cache (same shapes, same
+    key) and decoded other tokens than its own eager static cache."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
+    for seed in (0, 1):
+        p = subprocess.run(
+            [sys.executable, "-c", _FROZEN_IN_A_PROCESS, str(seed)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert p.stdout.strip().splitlines()[-1] == "equal", (seed, p.stdout[-2000:])
 
 
 @pytest.mark.slow

@@ -49,9 +49,13 @@ COMPILE_MODES = ("off", "default", "max")  # the --compile choices
 
 # Inductor settings of the `max` mode (CPU): weights as constants, GEMMs autotuned over C++ templates and ATen, the
 # ~150 kernels of a step called from generated C++ rather than Python (less overhead per kernel than the Python
-# wrapper), and the autotuning tables kept off the terminal.
+# wrapper), and the autotuning tables kept off the terminal. Inductor's FX graph cache stays off here: it keys a frozen
+# graph on the weights' shapes, and the weights its C++ GEMM templates pack into constants of their own are stored in
+# the cache entry by value, so a second model of the same shapes (other weights, another process) was served the
+# first one's packed weights and decoded wrong tokens (torch 2.13, oneDNN linears; tests/test_fast_caches.py).
 MAX_OPTIONS = {
     "freezing": True,
+    "fx_graph_cache": False,
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
     "cpp_wrapper": True,
