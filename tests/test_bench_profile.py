@@ -17,12 +17,27 @@ from kvbench.bench.profile import trace_name
 from kvbench.bench.settings import load_settings
 from kvbench.cli import app
 from kvbench.errors import KVBenchError
+from kvbench.model import matmul
 
 TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 
 
-def test_profile_writes_a_trace_per_configuration_and_gpt2s_operator_counts(tmp_path):
+# the operator a projection runs as, on each CPU route (model/matmul.py): oneDNN's inner product for all five linears
+# of a forward; ATen's addmm for the four biased ones per block and mm for lm_head
+LINEAR_OPS = {"onednn": ("mkldnn::_linear_pointwise", None), "aten": ("aten::addmm", "aten::mm")}
+
+
+@pytest.fixture(params=sorted(LINEAR_OPS))
+def cpu_route(request):
+    before = matmul.route()
+    matmul.set_route(request.param)
+    yield matmul.route()
+    matmul.set_route(before)
+
+
+def test_profile_writes_a_trace_per_configuration_and_gpt2s_operator_counts(tmp_path, cpu_route):
     out, new = tmp_path / "run", 6
+    biased, bias_free = LINEAR_OPS[cpu_route]
     result = CliRunner().invoke(
         app,
         [
@@ -44,7 +59,7 @@ def test_profile_writes_a_trace_per_configuration_and_gpt2s_operator_counts(tmp_
     for rel in meta["profiles"].values():
         trace = json.loads((out / rel).read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
-        assert "aten::addmm" in names and "aten::scaled_dot_product_attention" in names
+        assert biased in names and "aten::scaled_dot_product_attention" in names
     ops = pd.read_csv(out / "profile_ops.csv")
     assert set(ops.cache) == {"none", "static"}
     for _, g in ops.groupby("cache"):
@@ -53,8 +68,10 @@ def test_profile_writes_a_trace_per_configuration_and_gpt2s_operator_counts(tmp_
         calls = g.set_index("op").calls
         # one forward per generated token (the prefill, then new - 1 decode steps); per forward, each of the
         # 2 blocks runs 4 biased linears (c_attn, attn.c_proj, c_fc, mlp.c_proj) and lm_head one bias-free matmul
-        assert calls["aten::addmm"] == new * 2 * 4
-        assert calls["aten::mm"] == new
+        if bias_free is None:
+            assert calls[biased] == new * (2 * 4 + 1)
+        else:
+            assert calls[biased] == new * 2 * 4 and calls[bias_free] == new
     # the timed rows are not the profiled run: summary.csv holds the one timed repeat
     s = pd.read_csv(out / "summary.csv")
     assert (s.repeats == 1).all()
