@@ -534,6 +534,37 @@ def test_a_closed_stdout_ends_quietly_with_141(tmp_path, args):
     assert proc.stderr == "", proc.stderr  # no traceback, no "Exception ignored", no verdict
 
 
+# --- a stdout that takes no more (a full disk) -------------------------------------------------------------------------
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize(
+    ("args", "lost"),
+    [
+        (["memory", "-m", "gpt2"], "the output"),
+        (["memory", "-m", "gpt2", "--json"], "the JSON document"),
+        (["--help"], "the help"),
+        (["verify", "--help"], "the help"),
+    ],
+    ids=["memory", "memory-json", "help", "verify-help"],
+)
+def test_a_full_stdout_is_one_line_and_exit_2(args, lost, unbuffered):
+    """Before: Rich's table or Typer's help written to /dev/full raised a traceback (or 'unexpected OSError', exit
+    70), and the text left in Python's buffer failed again at exit ("Exception ignored", exit 120)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env.update(PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1", **({"PYTHONUNBUFFERED": "1"} if unbuffered else {}))
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvbench", *args],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"error: stdout cannot be written (No space left on device): {lost} is lost"
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+
+
 # --- plots that would take long are left out, saying so ---------------------------------------------------------------
 def test_latency_png_is_left_out_past_its_panel_limit(tmp_path):
     from kvbench.results import plots

@@ -59,6 +59,17 @@ class SafeConsole(Console):
                 seg = Segment(escape_controls(seg.text), seg.style)
             yield seg
 
+    def _check_buffer(self) -> None:
+        """Rich writes what it rendered here; a stdout that takes no more (a full disk, /dev/full) is one line."""
+        try:
+            super()._check_buffer()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            if self.stderr:
+                raise
+            raise stdout_lost(e, self.file, "the output") from None
+
     def on_broken_pipe(self) -> None:
         """A reader closing the pipe early raises BrokenPipeError (the CLI's error layer ends the command quietly,
         cli/app.py) instead of Rich's own exit 1, which reads as a failed check."""
@@ -163,7 +174,23 @@ def print_json(doc: Any) -> None:
     except BrokenPipeError:  # the reader went away: the CLI ends quietly (cli/app.py)
         raise
     except OSError as e:  # a full disk, /dev/full: one line, not a traceback
-        raise KVBenchError(f"stdout cannot be written ({e.strerror or e}): the JSON document is lost") from None
+        raise stdout_lost(e, stream, "the JSON document") from None
+
+
+def stdout_lost(e: OSError, stream: Any, what: str) -> KVBenchError:
+    """The one-line error for a stdout that cannot be written (a full disk, /dev/full; not a closed pipe), `what`
+    was on its way there. A write that failed leaves its text in the stream's buffer, and Python flushes it again at
+    exit, where the failure is a message on stderr and exit status 120; the text is lost either way, so the stream's
+    descriptor is pointed at /dev/null and the buffer let go there."""
+    with suppress(OSError, ValueError, AttributeError):
+        fd = stream.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, fd)
+        finally:
+            os.close(null)
+        stream.flush()
+    return KVBenchError(f"stdout cannot be written ({e.strerror or e}): {what} is lost")
 
 
 def documents_printed() -> int:

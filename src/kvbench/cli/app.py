@@ -285,6 +285,9 @@ class KVBenchGroup(TyperGroup):
         except BrokenPipeError:  # help or a usage error written to a pipe closed early
             console.stdout_closed()
             sys.exit(STDOUT_CLOSED)
+        except OSError as e:  # help written to a stdout that takes no more (a full disk, /dev/full)
+            console.error(str(console.stdout_lost(e, sys.stdout, "the help")))
+            sys.exit(BAD_INPUT)
         except SystemExit as e:
             # Typer's help is printed by a Rich console of its own, which answers a closed pipe by pointing stdout
             # at /dev/null and exiting 1; seen from here, that is the same closed pipe.
