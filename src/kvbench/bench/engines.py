@@ -11,6 +11,8 @@ get it; that allocation is part of its TTFT.
     hf-compiled   transformers' generate with its static cache and its default automatic torch.compile
     ct2-fp32      CTranslate2's Generator on the same weights, float32 (`ct2` names it and ct2-int8 together)
     ct2-int8      the same with int8 weights
+    llamacpp-*    llama.cpp (llama-cpp-python) on a GGUF of the same weights: f32 (float32 weights and cache), f16
+                  (float16 weights and cache), f16-kv-q8_0 and f16-kv-q4_0 (quantised caches); `llamacpp` names all
 
 An engine also says how its rows' tokens are judged (bench/agreement.py): `token_reference` is True for the engine whose
 `none` rows are the sweep's token reference (kvbench here; `bench --hf`'s engine on its own model, bench/hf_sweep.py),
@@ -43,7 +45,7 @@ from kvbench.peers import PEERS, PeerSpec
 if TYPE_CHECKING:
     from kvbench.bench.rows import SummaryRow
     from kvbench.model.gpt2 import GPT
-    from kvbench.peers.ct2 import CT2Model
+    from kvbench.peers import PeerRunner
 
 
 @dataclass
@@ -118,6 +120,7 @@ class InOneProcess:
 
     has_floor = True  # its rows get the bandwidth floor (the device's read bandwidth, measured once)
     weight_element_size: int | None = None  # bytes a weight the floor counts (None: the model's dtype)
+    kv_element_size: float | None = None  # bytes a K or V element the floor counts (None: the model's dtype)
     failure_ends_sweep = False  # a configuration that raises (oom, a plugin) is a failed row, and the sweep goes on
 
     def rank_rows(self, conf: Configuration, ids: torch.Tensor, new_tokens: int, row: SummaryRow) -> list | None:
@@ -308,7 +311,7 @@ LOSSY_LOGITS = (0.05, 0.1)
 class _PeerConfiguration:
     capture_s = None
 
-    def __init__(self, peer: CT2Model) -> None:
+    def __init__(self, peer: PeerRunner) -> None:
         self.peer = peer
 
     def run(self, ids: torch.Tensor, new_tokens: int, record_logits: bool = False) -> RunTiming:
@@ -327,10 +330,10 @@ class PeerEngine(_OnOurGPT):
     token_reference = False
 
     def __init__(self, model: GPT, threads: int | None = None) -> None:
-        from kvbench.peers.ct2 import CT2Model
+        from kvbench.peers import load
 
         self.model = model
-        self.peer = CT2Model(model, self.spec, threads or torch.get_num_threads())
+        self.peer = load(model, self.spec, threads or torch.get_num_threads())
 
     @classmethod
     def supports(cls, cache: str) -> bool:
@@ -347,7 +350,7 @@ class PeerEngine(_OnOurGPT):
         return _PeerConfiguration(self.peer)
 
     def describe(self) -> str:
-        return f"{self.spec.summary}; greedy generate_batch on {self.peer.path}"
+        return f"{self.spec.summary}; {self.peer.describe()}"
 
     def token_tolerance(self, cache: str, dtype: torch.dtype) -> tuple[float, float, bool]:
         tol = tolerance(dtype, None if self.spec.exact else LOSSY_LOGITS, reference=True)
@@ -358,7 +361,13 @@ class PeerEngine(_OnOurGPT):
 
 
 def _engine_class(peer: PeerSpec) -> type[PeerEngine]:
-    attrs = {"spec": peer, "name": peer.name, "family": peer.name, "weight_element_size": peer.weight_bytes}
+    attrs = {
+        "spec": peer,
+        "name": peer.name,
+        "family": peer.name,
+        "weight_element_size": peer.weight_bytes,
+        "kv_element_size": peer.kv_bytes,
+    }
     return type(f"PeerEngine_{peer.name}", (PeerEngine,), attrs)
 
 

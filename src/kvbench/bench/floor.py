@@ -216,14 +216,16 @@ def step_bytes(
     capacity: int,
     traffic: Traffic | None,
     weight_elt: int | None = None,
+    kv_elt: float | None = None,
 ) -> StepBytes:
     """Bytes of one decode step at `context` slots (this token included) for a design moving `traffic` (None: a
     design that does not say, counted as weights and K/V only). capacity: the slots the cache's buffer holds.
-    weight_elt: bytes a weight, where an engine stores its weights in another type (a peer's int8); default dtype's."""
+    weight_elt: bytes a weight, where an engine stores its weights in another type (a peer's int8); default dtype's.
+    kv_elt: bytes a K or V element, where an engine's cache stores another type (llama.cpp's q8_0: 34/32)."""
     elt = torch.empty((), dtype=dtype).element_size()
     scale = torch.empty((), dtype=scale_dtype_for(dtype)).element_size()
     L, cap = context, max(capacity, context)
-    slot = 2 * cfg.n_layer * batch * cfg.n_embd * elt  # K + V of one token position, all layers
+    slot = round(2 * cfg.n_layer * batch * cfg.n_embd * (kv_elt or elt))  # K + V of one token position, all layers
     q8 = 2 * cfg.n_layer * batch * (cfg.n_embd + cfg.n_head * scale)  # int8 + one scale per head
     t = traffic or UNKNOWN_TRAFFIC
     slots = cap if t.whole_buffer else (t.slots(L) if t.slots is not None else L)
@@ -258,10 +260,11 @@ def decode_floor_ms(
     bw: Bandwidth,
     capacity: int | None = None,
     weight_elt: int | None = None,
+    kv_elt: float | None = None,
 ) -> tuple[float, StepBytes]:
     """The floor of the median decode step of a generation. capacity: the buffer's slots (default prompt + new)."""
     context = median_step_context(prompt_len, new_tokens)
-    b = step_bytes(cfg, dtype, batch, context, capacity or prompt_len + new_tokens, traffic, weight_elt)
+    b = step_bytes(cfg, dtype, batch, context, capacity or prompt_len + new_tokens, traffic, weight_elt, kv_elt)
     return floor_ms(b, bw), b
 
 

@@ -326,8 +326,9 @@ def add_floor(
     capacity = r.prompt_len + r.new_tokens
     if traffic.whole_buffer and cache_bytes:
         capacity = cache_bytes // per_slot
-    welt = ENGINES[r.engine].weight_element_size
-    ms, b = floor.decode_floor_ms(cfg, dtype, r.batch, r.prompt_len, r.new_tokens, traffic, bw, capacity, welt)
+    engine = ENGINES[r.engine]
+    welt, kvelt = engine.weight_element_size, engine.kv_element_size
+    ms, b = floor.decode_floor_ms(cfg, dtype, r.batch, r.prompt_len, r.new_tokens, traffic, bw, capacity, welt, kvelt)
     r.floor_ms, r.x_floor, r.step_bytes = ms, r.tpot_ms_median / ms, float(b.total)
     result.floor_bytes = b
 

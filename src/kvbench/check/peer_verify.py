@@ -38,14 +38,23 @@ from kvbench.check.judge import (
     verdict,
 )
 from kvbench.model.gpt2 import GPT
-from kvbench.peers import PeerSpec
-from kvbench.peers.ct2 import CT2Model
+from kvbench.peers import PeerRunner, PeerSpec, load
 
 REFERENCE = "transformers GPT2LMHeadModel (eager attention, no cache, float32)"
-PREFIX_CACHE_NOTE = (
-    "prefix-cache: the peer's own prefix cache (CTranslate2: static_prompt with cache_static_prompt=True), warm "
-    "(the second call with the prefix, which reads it from the cache) vs cold (the first, which computed it)"
-)
+# what each family's prefix cache is (the prefix-cache row): warm (the second call with the prefix, which reads it
+# from the cache) vs cold (the first, which computed it)
+PREFIX_CACHES = {
+    "ct2": "CTranslate2: static_prompt with cache_static_prompt=True",
+    "llamacpp": "llama.cpp: the context's cache reused up to the shared prefix, the rest dropped and evaluated",
+}
+
+
+def prefix_cache_note(peers: list[PeerSpec]) -> str:
+    kinds = "; ".join(PREFIX_CACHES[f] for f in dict.fromkeys(p.family for p in peers))
+    return (
+        f"prefix-cache: the peer's own prefix cache ({kinds}), warm (the second call with the prefix, which reads it "
+        "from the cache) vs cold (the first, which computed it)"
+    )
 
 
 @dataclass
@@ -125,7 +134,7 @@ def _row(name: str, peer: PeerSpec, j: Judged, what: str) -> CheckRow:
 
 
 def check_logits(
-    peer: PeerSpec, runner: CT2Model, ref: Reference, prompt: list[int], n: int, hold: bool, note: str
+    peer: PeerSpec, runner: PeerRunner, ref: Reference, prompt: list[int], n: int, hold: bool, note: str
 ) -> tuple[CheckRow, Distortion | None]:
     g = runner.generate([prompt], n, record_logits=True)
     got, want = g.rows[0], ref.steps(prompt, g.tokens[0])
@@ -136,7 +145,7 @@ def check_logits(
     return _row("logits", peer, j, f"{n} cached steps after a {len(prompt)}-token prompt"), j.figures
 
 
-def check_greedy(peer: PeerSpec, runner: CT2Model, ref: Reference, prompt: list[int], n: int, hold: bool) -> CheckRow:
+def check_greedy(peer: PeerSpec, runner: PeerRunner, ref: Reference, prompt: list[int], n: int, hold: bool) -> CheckRow:
     g = runner.generate([prompt], n, record_logits=True)
     want, want_rows = ref.greedy(prompt, n)
     if not (peer.exact or hold):  # a lossy peer's text drifts from its first flip: the logits row judges it
@@ -164,7 +173,7 @@ def check_greedy(peer: PeerSpec, runner: CT2Model, ref: Reference, prompt: list[
 
 
 def check_batched(
-    peer: PeerSpec, runner: CT2Model, ref: Reference, prompts: list[list[int]], n: int, hold: bool, note: str
+    peer: PeerSpec, runner: PeerRunner, ref: Reference, prompts: list[list[int]], n: int, hold: bool, note: str
 ) -> CheckRow:
     batch = runner.generate(prompts, n, record_logits=True)
     judged, alone_diff = [], []
@@ -183,7 +192,7 @@ def check_batched(
 
 
 def check_prefix_cache(
-    peer: PeerSpec, runner: CT2Model, ref: Reference, prompt: list[int], n: int, hold: bool, note: str
+    peer: PeerSpec, runner: PeerRunner, ref: Reference, prompt: list[int], n: int, hold: bool, note: str
 ) -> CheckRow:
     half = max(1, len(prompt) // 2)
     prefix, rest = prompt[:half], prompt[half:]
@@ -217,7 +226,7 @@ def run_peer_verify(
     rows: list[CheckRow] = []
     costs: dict[str, dict] = {}
     for peer in peers:
-        runner = CT2Model(model, peer, threads or torch.get_num_threads())
+        runner = load(model, peer, threads or torch.get_num_threads())
         row, figures = check_logits(peer, runner, ref, prompts[0], new_tokens, hold_exact, note)
         found = [row]
         found.append(check_greedy(peer, runner, ref, prompts[0], new_tokens, hold_exact))
@@ -231,8 +240,8 @@ def run_peer_verify(
             costs[peer.name] = figures.as_dict()
     notes = [
         f"peers: {', '.join(f'{p.name} ({p.summary})' for p in peers)}; converted from these weights by the peer's "
-        "own converter",
-        PREFIX_CACHE_NOTE,
+        "own converter or format",
+        prefix_cache_note(peers),
     ]
     if hold_exact:
         notes.append("--hold-exact: lossy peers held to the exact fp32 tolerance")

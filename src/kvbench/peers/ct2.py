@@ -17,12 +17,9 @@ Times per step come from the generation callback, called as each step's token is
 
 from __future__ import annotations
 
-import hashlib
-import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +28,10 @@ import torch
 
 from kvbench.errors import KVBenchError, one_line
 from kvbench.peers import EXTRAS, PeerSpec
+from kvbench.peers.common import CACHE_ENV, EOT, Generation, cache_root, token, weights_key
 
 if TYPE_CHECKING:
     from kvbench.model.gpt2 import GPT
-
-CACHE_ENV = "KVBENCH_CACHE_DIR"
-EOT = "<|endoftext|>"
 
 
 def require() -> Any:
@@ -45,19 +40,6 @@ def require() -> Any:
     except ImportError:
         raise KVBenchError(f"CTranslate2 is not installed: pip install '{EXTRAS['ct2']}'") from None
     return ctranslate2
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvbench").expanduser()
-
-
-def weights_key(model: GPT) -> str:
-    """A hash of the weights' names, shapes and float32 bytes: the same weights give the same key anywhere."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(f"{name}{tuple(t.shape)}".encode())
-        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()[:24]
 
 
 class _IdVocabulary:
@@ -70,10 +52,6 @@ class _IdVocabulary:
 
     def get_vocab(self) -> dict[str, int]:
         return {token(i, self.vocab_size): i for i in range(self.vocab_size)}
-
-
-def token(i: int, vocab_size: int) -> str:
-    return EOT if i == vocab_size - 1 else str(i)
 
 
 def converted(model: GPT) -> Path:
@@ -121,21 +99,6 @@ def _convert(model: GPT, out: Path) -> Path:
     return out
 
 
-@dataclass
-class Generation:
-    tokens: list[list[int]]  # (B, N) generated ids
-    logits: torch.Tensor | None  # (B, N, V) float32: each step's logits from the cached path (record_logits)
-    ttft_s: float  # the call's start to the first token
-    step_s: list[float]  # each later token's time after the one before
-    total_s: float
-
-    @property
-    def rows(self) -> torch.Tensor:
-        """The (B, N, V) logits, which a generation with `record_logits` has."""
-        assert self.logits is not None, "generate(..., record_logits=True)"
-        return self.logits
-
-
 class CT2Model:
     """One loaded CTranslate2 generator over `model`'s weights, in `peer.compute`, on `threads` CPU threads."""
 
@@ -158,6 +121,9 @@ class CT2Model:
                 self.generator = self._load(ct2, threads)
             except RuntimeError as e:
                 raise KVBenchError(f"CTranslate2 cannot load {self.path}: {one_line(e)}") from None
+
+    def describe(self) -> str:
+        return f"greedy generate_batch on {self.path}"
 
     def _load(self, ct2: Any, threads: int) -> Any:
         return ct2.Generator(

@@ -20,7 +20,14 @@ ENGINE_STYLE = {"kvbench": "-", "hf": "--", "hf-compiled": "-."}
 ENGINE_LABEL = {"kvbench": "kvbench", "hf": "transformers", "hf-compiled": "transformers compiled"}
 ENGINE_ORDER = list(ENGINE_STYLE)
 # Peer engines, in registry order: (colour, line style, bar hatch); dark greys, so they read apart from the caches.
-PEER_LOOKS = [("0.15", ":", ".."), ("0.5", (0, (5, 2, 1, 2)), "xx"), ("0.3", (0, (1, 1)), "oo"), ("0.65", ":", "--")]
+PEER_LOOKS = [
+    ("0.15", ":", ".."),
+    ("0.5", (0, (5, 2, 1, 2)), "xx"),
+    ("0.3", (0, (1, 1)), "oo"),
+    ("0.65", ":", "--"),
+    ("0.4", (0, (3, 1, 1, 1, 1, 1)), "++"),
+    ("0.75", (0, (6, 2)), "||"),
+]
 
 
 def cache_colour(cache: str) -> tuple[float, float, float, float]:
