@@ -139,7 +139,11 @@ def test_bench_times_ct2_beside_kvbench(tmp_path):
     assert rows.loc["ct2-fp32", "token_agreement"] == 1.0  # exact: kvbench none's tokens
     # int8 weights: a quarter of the bytes a step reads from the weights
     assert rows.loc["ct2-int8", "step_bytes"] < rows.loc["ct2-fp32", "step_bytes"] / 2
-    assert "ct2-int8" in json.loads((out / "meta.json").read_text())["engines"]
+    meta = json.loads((out / "meta.json").read_text())
+    assert "ct2-int8" in meta["engines"]
+    import ctranslate2
+
+    assert meta["versions"]["ctranslate2"] == ctranslate2.__version__  # what ran the peer's rows
 
 
 @pytest.mark.parametrize(

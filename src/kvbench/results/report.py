@@ -4,6 +4,7 @@ rewritten as each configuration completes, and the plots plus a final meta.json 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
 import math
 import os
@@ -42,9 +43,15 @@ def versions() -> dict[str, str | None]:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = None
+    for pkg in PEER_PACKAGES:  # the peer engines' packages, where installed (a peer row names what ran it)
+        with contextlib.suppress(md.PackageNotFoundError):
+            out[pkg] = md.version(pkg)
     out["cuda"] = torch.version.cuda
     out["torch_threads"] = str(torch.get_num_threads())
     return out
+
+
+PEER_PACKAGES = ("ctranslate2", "llama_cpp_python", "gguf")
 
 
 def meta_doc(**fields: Any) -> dict[str, Any]:
