@@ -205,3 +205,17 @@ def test_bench_times_llama_cpp_beside_kvbench(tmp_path):
     # float16 weights: half the bytes a step reads from the weights; a q4_0 cache stores less than float16's
     assert rows.loc["llamacpp-f16", "step_bytes"] < rows.loc["llamacpp-f32", "step_bytes"] * 0.6
     assert rows.loc["llamacpp-f16-kv-q4_0", "step_bytes"] < rows.loc["llamacpp-f16", "step_bytes"]
+
+
+@needs_llama_cpp
+def test_a_damaged_cached_gguf_is_written_again(model):
+    from kvbench.peers import load
+    from kvbench.peers.llamacpp import converted
+
+    path = converted(model, "f32")
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size // 3)  # an interrupted copy, a full disk
+    runner = load(model, PEERS["llamacpp-f32"], 1)
+    assert runner.path == path and path.stat().st_size == size
+    assert runner.generate([[1, 2, 3]], 2).tokens == runner.generate([[1, 2, 3]], 2).tokens

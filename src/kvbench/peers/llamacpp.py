@@ -70,6 +70,9 @@ def converted(model: GPT, weights: str) -> Path:
         os.close(fd)
         try:
             _write_gguf(model, Path(tmp), weights, gguf)
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(tmp, 0o666 & ~mask)  # as any file written here, not mkstemp's owner-only
             os.replace(tmp, out)
         finally:
             Path(tmp).unlink(missing_ok=True)
