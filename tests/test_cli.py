@@ -149,3 +149,24 @@ def test_tokenizer_missing_and_malformed(tmp_path):
     bad.write_text("garbage\n")
     r = run("generate", "hi", *TINY, "--tokenizer", bad)
     assert r.exit_code == 2 and "malformed tokenizer file" in r.output, r.output
+
+
+def test_every_help_text_reads_as_written():
+    """Typer renders help as Rich markup, so a bracket is a style tag unless escaped: `kvbench[ct2]` in --engine's
+    help printed as `kvbench`, the extra's name eaten. Every command's and option's help, rendered, must say what its
+    source says (an escaped `\\[` is a literal bracket)."""
+    import typer
+    from rich.text import Text
+
+    eaten = []
+
+    def walk(command, path: str) -> None:
+        texts = [("help", command.help or "")] + [(p.name, getattr(p, "help", None) or "") for p in command.params]
+        for name, text in texts:
+            if Text.from_markup(text).plain != text.replace("\\[", "["):
+                eaten.append(f"{path} {name}: {text[:60]!r}")
+        for sub_name, sub in getattr(command, "commands", {}).items():
+            walk(sub, f"{path} {sub_name}")
+
+    walk(typer.main.get_command(app), "kvbench")
+    assert not eaten, eaten

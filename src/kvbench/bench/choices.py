@@ -59,9 +59,9 @@ class BenchSettings:
         "--engine",
         default=lambda: ["kvbench", "hf"],
         help="kvbench, hf (transformers' generate, eager), hf-compiled (its static cache with its default "
-        "torch.compile), ct2 (CTranslate2 in float32 and with int8 weights: ct2-fp32, ct2-int8; needs kvbench[ct2]), "
+        "torch.compile), ct2 (CTranslate2 in float32 and with int8 weights: ct2-fp32, ct2-int8; needs kvbench\\[ct2]), "
         "llamacpp (llama.cpp: llamacpp-f32, llamacpp-f16, llamacpp-f16-kv-q8_0, llamacpp-f16-kv-q4_0; needs "
-        "kvbench[llamacpp]), comma-separated (default: kvbench,hf).",
+        "kvbench\\[llamacpp]), comma-separated (default: kvbench,hf).",
     )
     # sequences per run (same length, no padding); several: a batch sweep (rows per batch size, batch.png)
     batch: list[int] = list_option(

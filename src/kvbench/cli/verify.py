@@ -78,8 +78,8 @@ class VerifyOptions:
         default=None,
         panel=PEER_PANEL,
         help="Check a peer engine's cache instead, on the same weights against transformers: ct2 (CTranslate2 in "
-        "float32 and with int8 weights), ct2-fp32, ct2-int8 (needs kvbench[ct2]); llamacpp (llama.cpp: "
-        "llamacpp-f32, llamacpp-f16, llamacpp-f16-kv-q8_0, llamacpp-f16-kv-q4_0; needs kvbench[llamacpp]); "
+        "float32 and with int8 weights), ct2-fp32, ct2-int8 (needs kvbench\\[ct2]); llamacpp (llama.cpp: "
+        "llamacpp-f32, llamacpp-f16, llamacpp-f16-kv-q8_0, llamacpp-f16-kv-q4_0; needs kvbench\\[llamacpp]); "
         "comma-separated.",
     )
     hold_exact: bool = option(
