@@ -12,8 +12,8 @@ temporary name and renamed, so an interrupted conversion never leaves half a mod
 Generation is llama-cpp-python's `Llama.eval` over kvbench's ids: the prompt in one batch, then one token a call,
 each chosen greedily from the last position's logits (`llama_get_logits_ith(ctx, -1)`, float32 over the whole
 vocabulary); llama.cpp's sampler is not involved. The KV cache is llama.cpp's own, in the type the peer names
-(`type_k` / `type_v`: f32, f16, q8_0, q4_0); a quantised V cache needs llama.cpp's flash attention, so every peer
-but the exact one runs with it. Prompts of a batch run one after another on one context (llama-cpp-python's `Llama`
+(`type_k` / `type_v`: f32, f16, q8_0, q4_0), attended with llama.cpp's flash attention (its default on a CPU, and
+what a quantised V cache needs) except in the float32 row, llama.cpp at its most exact. Prompts of a batch run one after another on one context (llama-cpp-python's `Llama`
 holds one sequence), the cache cleared between them. Its prefix cache is llama-cpp-python's own prompt reuse: the
 context keeps the K/V of what it evaluated, and a call whose tokens start with them evaluates only the rest
 (`n_tokens` set to the shared length, the rest of the cache dropped).
@@ -144,7 +144,7 @@ def _load(llama_cpp: Any, path: Path, peer: PeerSpec, n_ctx: int, threads: int) 
         n_gpu_layers=0,
         type_k=kv,
         type_v=kv,
-        flash_attn=not peer.exact,
+        flash_attn=peer.flash_attention,
         verbose=False,
     )
 
