@@ -104,7 +104,7 @@ def _peer_rules(s: BenchSettings) -> None:
             f"--engine {','.join(peers)}: peers run kvbench's float32 weights on the CPU here; use --device cpu "
             f"--dtype fp32 (got --device {s.device} --dtype {s.dtype})"
         )
-    one_sequence = [p for p in peers if PEERS[p].family == "llamacpp"]
+    one_sequence = [p for p in peers if not PEERS[p].batches]
     if one_sequence and max(s.batch) > 1:
         raise KVBenchError(
             f"--batch {max(s.batch)} with --engine {','.join(one_sequence)}: llama.cpp's peer decodes one sequence "

@@ -32,6 +32,7 @@ class PeerSpec:
     kv: str = "f32"  # the KV cache's type (llama.cpp's type_k / type_v; CTranslate2 keeps float32)
     kv_bytes: float = 4.0  # bytes per K or V element the cache stores, block scales included (the floor)
     flash_attention: bool = True  # llama.cpp: attend with its flash-attention kernel (a quantised V cache needs it)
+    batches: bool = True  # decodes several sequences in one call (llama-cpp-python's Llama holds one sequence)
 
 
 # A lossy peer is held to a mean KL divergence from the reference, llama.cpp's measure of a quantised model (top-1
@@ -76,6 +77,7 @@ for _name, _weights, _kv, _kv_bytes, _max_kl, _words in (
         kv=_kv,
         kv_bytes=_kv_bytes,
         flash_attention=_name != "llamacpp-f32",
+        batches=False,
     )
 FAMILIES: dict[str, list[str]] = {
     "ct2": ["ct2-fp32", "ct2-int8"],
