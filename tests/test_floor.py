@@ -164,3 +164,40 @@ def test_a_real_bandwidth_probe():
     assert real.read_gbps > 0.1 and real.copy_gbps > 0.1 and real.used == "read" and real.gbps == real.read_gbps
     assert real.read_range[0] <= real.read_gbps <= real.read_range[1]
     assert real.nbytes == 16 << 20 and real.repeats == 2
+
+
+def _probe(lo: float, hi: float) -> dict:
+    return Bandwidth((lo + hi) / 2, 30.0, 1 << 20, "cpu", read_range=(lo, hi), repeats=7).as_dict()
+
+
+def test_a_run_whose_bandwidth_moved_past_the_steady_swing_is_called_unsteady():
+    from kvbench.bench.floor import STEADY_SWING, unsteady
+
+    assert unsteady({"bandwidth": _probe(30.0, 30.0 * STEADY_SWING)}) is None  # at the limit: steady
+    assert unsteady({}) is None and unsteady({"bandwidth": _probe(math.nan, math.nan)}) is None  # nothing probed
+    note = unsteady({"bandwidth": _probe(33.0, 35.0), "by_prompt_len": {"512": _probe(29.1, 63.7)}})
+    assert note is not None and "between 29.1 and 63.7 GB/s (x2.19)" in note  # the rounds' extremes count
+    # each probe steady, but the run's first and a later one far apart
+    assert "(x1.80)" in unsteady({"bandwidth": _probe(33.0, 34.0), "by_prompt_len": {"8": _probe(55.0, 59.4)}})
+
+
+def test_bench_says_when_the_floor_is_unsteady_and_not_when_it_is_steady(tmp_path, monkeypatch):
+    import dataclasses
+
+    from typer.testing import CliRunner
+
+    from kvbench.bench import floor
+    from kvbench.cli import app
+    from kvbench.cli import bench as cli_bench
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    real = floor.measure_bandwidth(torch.device("cpu"), nbytes=16 << 20, repeats=2)
+    argv = ["bench", "--model", "gpt2-tiny", "--weights", "random", "--device", "cpu", "--repeats", "1"]
+    argv += ["--warmup", "0", "--prompt-len", "8", "--new-tokens", "4", "--caches", "static"]
+    for hi, shown in ((real.read_gbps, False), (2 * real.read_gbps, True)):
+        # the machine's bandwidth as a shared host moves it: the real probe, its fastest repeat `hi`
+        moved = dataclasses.replace(real, read_range=(real.read_gbps, hi))
+        monkeypatch.setattr(cli_bench, "measure_bandwidth", lambda dev, moved=moved: moved)
+        result = CliRunner().invoke(app, [*argv, "--out", str(tmp_path / f"run-{shown}")])
+        assert result.exit_code == 0, result.output
+        assert ("unsteady floor: the device's read bandwidth moved" in result.stdout) == shown, result.stdout

@@ -69,6 +69,28 @@ class Bandwidth:
         return {**asdict(self), "gbps": self.gbps}
 
 
+STEADY_SWING = 1.25  # fastest / slowest repeat of a run's read probes beyond which its floor is called unsteady
+
+
+def unsteady(floor_meta: dict) -> str | None:
+    """What to say of a run whose read bandwidth moved while it was probed (meta.json's `floor`: the first probe and,
+    interleaved, each prompt length's pooled rounds), or None when its fastest repeat is within STEADY_SWING of its
+    slowest. A machine that shares its memory with other work can move far: a 2-core AMD EPYC VM read 512 MiB at
+    34-35 GB/s for twenty seconds, then at 55-63 GB/s and 35 by turns (2026-12-06), and one compiled decode step
+    moved between 16 and 21 ms within a run with it. x floor is then no better known than that ratio."""
+    probes = [floor_meta.get("bandwidth") or {}, *(floor_meta.get("by_prompt_len") or {}).values()]
+    ranges = [b["read_range"] for b in probes if b.get("read_range")]
+    lows, highs = [lo for lo, _ in ranges if lo == lo and lo > 0], [hi for _, hi in ranges if hi == hi]  # no NaN
+    if not lows or not highs or max(highs) / min(lows) <= STEADY_SWING:
+        return None
+    lo, hi = min(lows), max(highs)
+    return (
+        f"the device's read bandwidth moved between {lo:.1f} and {hi:.1f} GB/s (x{hi / lo:.2f}) while this run "
+        "probed it: its memory is shared with other work, so each row's x floor is uncertain by as much and rows "
+        "timed minutes apart may differ by it; rerun on a quiet machine before holding a row to its floor"
+    )
+
+
 def pooled(probes: list[Bandwidth]) -> Bandwidth:
     """Several probes of one device as one: the median of their medians, the extremes of their ranges. An
     interleaved sweep probes once per round, so its floor moves with the drift its rows met."""

@@ -91,6 +91,15 @@ def _oom_lines(rows: list) -> None:
         out.print(styled(f"oom ({', '.join(dict.fromkeys(which))}): {note}", "red"))
 
 
+def _unsteady_line(meta: dict) -> None:
+    """A warning when the run's read bandwidth moved further than its floor can absorb (bench/floor.py's rule)."""
+    from kvbench.bench.floor import unsteady
+
+    note = unsteady(meta.get("floor") or {})
+    if note:
+        out.print(styled(f"unsteady floor: {note}", "yellow"))
+
+
 def _bench_row(r, swept: bool) -> list:
     """One row of the bench table; `swept`: a batch sweep, with the batch size after the prompt length."""
     return [
@@ -195,6 +204,7 @@ def render_bench(rows: list, meta: dict, run_dir, files: list, ranks: Sequence =
     ]
     body = [_bench_row(r, swept) for r in rows]
     _print_table(_bench_title(meta, rows, batches), cols, body, caption_text(meta, rows))
+    _unsteady_line(meta)
     _oom_lines(rows)
     for r in rows:
         where = f"{r.engine} {r.cache} prompt {r.prompt_len}" + (f" batch {r.batch}" if swept else "")
@@ -343,6 +353,7 @@ def render_context(rows: list, meta: dict, run_dir, files: list) -> None:
             ]
         )
     _print_table(title, cols, body, caption)
+    _unsteady_line(meta)
     for r in rows:
         if r.status.startswith("error"):
             out.print(styled(f"{r.cache} context {r.context}: {r.status}", "red"))
