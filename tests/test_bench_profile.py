@@ -22,12 +22,20 @@ from kvbench.model import matmul
 TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 
 
-# the operator a projection runs as, on each CPU route (model/matmul.py): oneDNN's inner product for all five linears
-# of a forward; ATen's addmm for the four biased ones per block and mm for lm_head
-LINEAR_OPS = {"onednn": ("mkldnn::_linear_pointwise", None), "aten": ("aten::addmm", "aten::mm")}
+def linear_calls(route: str, cache: str, new: int) -> dict[str, int]:
+    """{operator: calls} of the projections of a run of `new` tokens on gpt2-tiny (2 blocks of 4 biased linears, and
+    lm_head), one forward per token, on each CPU route (model/matmul.py): ATen's addmm for the biased ones and mm for
+    lm_head; oneDNN's inner product for all; or kvbench's GEMV for every one-row product (a decode step's, and
+    lm_head's over the last position), oneDNN's for the rest (the prefill's, every forward of `none`)."""
+    if route == "aten":
+        return {"aten::addmm": new * 2 * 4, "aten::mm": new}
+    if route == "onednn":
+        return {"mkldnn::_linear_pointwise": new * (2 * 4 + 1)}
+    steps = 0 if cache == "none" else new - 1
+    return {"mkldnn::_linear_pointwise": (new - steps) * 2 * 4, "kvbench::gemv": new + steps * 2 * 4}
 
 
-@pytest.fixture(params=sorted(LINEAR_OPS))
+@pytest.fixture(params=["aten", "gemv", "onednn"])
 def cpu_route(request):
     before = matmul.route()
     matmul.set_route(request.param)
@@ -37,7 +45,6 @@ def cpu_route(request):
 
 def test_profile_writes_a_trace_per_configuration_and_gpt2s_operator_counts(tmp_path, cpu_route):
     out, new = tmp_path / "run", 6
-    biased, bias_free = LINEAR_OPS[cpu_route]
     result = CliRunner().invoke(
         app,
         [
@@ -59,19 +66,15 @@ def test_profile_writes_a_trace_per_configuration_and_gpt2s_operator_counts(tmp_
     for rel in meta["profiles"].values():
         trace = json.loads((out / rel).read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
-        assert biased in names and "aten::scaled_dot_product_attention" in names
+        assert {*linear_calls(cpu_route, "static", new), "aten::scaled_dot_product_attention"} <= names
     ops = pd.read_csv(out / "profile_ops.csv")
     assert set(ops.cache) == {"none", "static"}
-    for _, g in ops.groupby("cache"):
+    for cache, g in ops.groupby("cache"):
         assert g.share.sum() == pytest.approx(1.0, abs=1e-3)  # the top operators and the rest
         assert (g.self_cpu_ms >= 0).all() and (g.self_device_ms == 0).all()  # a CPU run
         calls = g.set_index("op").calls
-        # one forward per generated token (the prefill, then new - 1 decode steps); per forward, each of the
-        # 2 blocks runs 4 biased linears (c_attn, attn.c_proj, c_fc, mlp.c_proj) and lm_head one bias-free matmul
-        if bias_free is None:
-            assert calls[biased] == new * (2 * 4 + 1)
-        else:
-            assert calls[biased] == new * 2 * 4 and calls[bias_free] == new
+        for op, n in linear_calls(cpu_route, cache, new).items():
+            assert calls[op] == n, (op, cache)
     # the timed rows are not the profiled run: summary.csv holds the one timed repeat
     s = pd.read_csv(out / "summary.csv")
     assert (s.repeats == 1).all()

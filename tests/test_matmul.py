@@ -1,5 +1,6 @@
-"""The projections' one rule (model/matmul.py): oneDNN's inner product on the CPU over (out, in) weights, ATen's
-addmm elsewhere. Both are held to each other and the whole model to transformers, with the layout GPT.lay_out gives."""
+"""The projections' one rule (model/matmul.py): kvbench's GEMV for one float32 row and oneDNN's inner product on the
+CPU over (out, in) weights, ATen's addmm elsewhere. Each is held to the others and the whole model to transformers,
+with the layout GPT.lay_out gives; the GEMV's build (model/gemv.py) to what it does without a compiler."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from kvbench.errors import KVBenchError
-from kvbench.model import matmul
+from kvbench.model import gemv, matmul
 from kvbench.model.gpt2 import GPT, PRESETS, Conv1D
 from kvbench.model.weights import to_hf_model
 
@@ -17,22 +18,101 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reas
 @pytest.fixture
 def aten_then_back():
     yield
-    matmul.set_route("onednn")
+    matmul.set_route(None)
 
 
 @needs_onednn
-@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 5, 64), (7, 64)])
-def test_onednn_equals_addmm(shape, aten_then_back):
+@pytest.mark.parametrize("route", ["gemv", "onednn"])
+@pytest.mark.parametrize("shape", [(1, 1, 64), (1, 64), (2, 5, 64), (7, 64)])
+def test_each_cpu_route_equals_addmm(shape, route, aten_then_back):
     layer = Conv1D(64, 96)
     torch.nn.init.normal_(layer.weight, std=0.1)
     torch.nn.init.normal_(layer.bias, std=0.1)
+    layer.weight.data = layer.weight.data.t().contiguous().t()  # (out, in) in memory, as GPT.lay_out stores it
     x = torch.randn(shape)
     with torch.inference_mode():
+        matmul.set_route(route)
         fast = layer(x)
         matmul.set_route("aten")
         slow = layer(x)
     assert fast.shape == slow.shape == (*shape[:-1], 96)
     assert torch.allclose(fast, slow, rtol=0, atol=1e-5)
+
+
+needs_gemv = pytest.mark.skipif(gemv.library() is None, reason=f"kvbench's GEMV cannot be built: {gemv.unavailable()}")
+
+
+@needs_gemv
+@pytest.mark.parametrize("n_out, n_in", [(1, 1), (37, 131), (768, 768), (50, 3072)])
+def test_the_gemv_kernel_against_float64_and_the_same_at_any_thread_count(n_out, n_in):
+    w, x, b = torch.randn(n_out, n_in), torch.randn(1, 1, n_in), torch.randn(n_out)
+    ref = (w.double() @ x.double().view(-1) + b.double()).view(1, 1, n_out)
+    before = torch.get_num_threads()
+    try:
+        got = {}
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got[threads] = (gemv.gemv(x, w, b), gemv.gemv(x, w, None))
+    finally:
+        torch.set_num_threads(before)
+    biased, bare = got[1]
+    assert torch.allclose(biased.double(), ref, rtol=1e-6, atol=1e-5 * n_in**0.5)
+    assert torch.allclose(bare.double(), ref - b.double(), rtol=1e-6, atol=1e-5 * n_in**0.5)
+    # a row is summed by one thread, in one order: the split changes nothing
+    assert all(torch.equal(biased, g[0]) and torch.equal(bare, g[1]) for g in got.values())
+
+
+@needs_gemv
+def test_a_decode_step_runs_the_gemv_and_equals_transformers(tiny_config, aten_then_back, monkeypatch):
+    from kvbench.caches import make_caches
+
+    matmul.set_route("gemv")
+    model = GPT(tiny_config).init_weights(seed=0, std=0.1).eval().lay_out()
+    ids = torch.randint(0, tiny_config.vocab_size, (1, 12))
+    caches = make_caches("static", tiny_config, 1, 12, torch.float32, "cpu")
+    calls = []
+    real = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(a[1].shape) or real(*a))  # counts, then runs it
+    with torch.inference_mode():
+        model(ids[:, :11], torch.arange(11)[None], caches, last_only=True)
+        assert calls == [(tiny_config.vocab_size, tiny_config.n_embd)]  # the prefill's one row: lm_head's
+        step = model(ids[:, 11:], torch.tensor([[11]]), caches)[:, -1]  # (1, V)
+        theirs = to_hf_model(model, "eager")(ids).logits[:, -1]
+    assert len(calls) == 1 + tiny_config.n_layer * 4 + 1  # every projection of the decode step
+    assert (step - theirs).abs().max() < 1e-5
+
+
+def test_without_a_compiler_the_gemv_route_is_onednn_and_says_why(tmp_path, monkeypatch, aten_then_back):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    gemv.reset()
+    try:
+        assert gemv.library() is None and "cannot run" in gemv.unavailable() and "no-such-cc" in gemv.unavailable()
+        expected = "onednn" if torch.backends.mkldnn.is_available() else "aten"
+        assert matmul.set_route("gemv") == expected and matmul.set_route(None) == expected
+    finally:
+        gemv.reset()
+
+
+def test_a_compiler_that_fails_and_a_damaged_cached_library(tmp_path):
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho 'gemv.c:1: error: no such ISA' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    lib, why = gemv.build(str(failing), tmp_path)
+    assert lib is None and why == f"{failing} failed to build gemv.c: gemv.c:1: error: no such ISA"
+    real = gemv.compiler()
+    if real is None:
+        pytest.skip("no C compiler here")
+    lib, why = gemv.build(real, tmp_path / "a")
+    assert lib is not None and why == ""
+    (built,) = (tmp_path / "a").glob("gemv/*/libkvgemv.so")
+    # the same library in another cache, damaged since it was written (never rewritten in place here: this process
+    # has the first one mapped): built again, once
+    damaged = tmp_path / "b" / built.relative_to(tmp_path / "a")
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"not a library")
+    lib, why = gemv.build(real, tmp_path / "b")
+    assert lib is not None and why == "" and damaged.read_bytes()[:4] == b"\x7fELF"
 
 
 @needs_onednn
@@ -51,7 +131,7 @@ def test_lay_out_keeps_shapes_values_and_the_checkpoint_format(tiny_config):
         model.lay_out()
         assert all(m.weight.is_contiguous() for m in model.modules() if isinstance(m, Conv1D))
     finally:
-        matmul.set_route("onednn")
+        matmul.set_route(None)
 
 
 @needs_onednn
@@ -83,7 +163,7 @@ def test_the_hf_engine_gets_its_own_in_out_layout(tiny_config):
 
 def test_an_unknown_route_is_refused(monkeypatch, aten_then_back):
     monkeypatch.setenv(matmul.ROUTE_ENV, "mkl")
-    with pytest.raises(KVBenchError, match="KVBENCH_CPU_MATMUL='mkl': expected one of onednn, aten"):
+    with pytest.raises(KVBenchError, match="KVBENCH_CPU_MATMUL='mkl': expected one of gemv, onednn, aten"):
         matmul.set_route(None)
     monkeypatch.setenv(matmul.ROUTE_ENV, "ATEN")
     assert matmul.set_route(None) == "aten"
@@ -99,5 +179,5 @@ def test_bf16_runs_the_onednn_route():
         try:
             slow = model(ids, torch.arange(6)[None]).float()
         finally:
-            matmul.set_route("onednn")
+            matmul.set_route(None)
     assert (fast - slow).abs().max() < 0.1  # bf16 rounding of two summation orders

@@ -5,18 +5,22 @@ the weights from memory. On the CPU, ATen sends `addmm` / `linear` to MKL, and o
 these shapes at about half the memory's bandwidth: gpt2's 48 block matrices took 19.0 ms a step through MKL and
 11.0 ms through oneDNN's inner product, the lm_head (50,257 x 768, 154 MB) 10.9 vs 3.7 ms (2-core AMD EPYC, fp32,
 2 threads, 2026-12-05; scripts/cpu_matmul.py measures it on any machine). oneDNN picks its kernels by the ISA the
-CPU reports, not by its vendor, and is what Inductor itself calls for a CPU linear.
+CPU reports, not by its vendor, and is what Inductor itself calls for a CPU linear. For one row in float32 (a decode
+step at batch 1) kvbench's own GEMV (model/gemv.py) streams faster still and costs a fifth of oneDNN's call.
 
 So on the CPU, in float32 or bfloat16, when no gradient is wanted (and, under torch.compile, only where the weights
 are frozen: `frozen_weights`), a projection is
-oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`) over an (out, in) weight. oneDNN streams that layout
-only: over Conv1D's (in, out) matrix seen transposed it is no faster than MKL (17.5 GB/s). So a model loaded for the
-CPU lays its Conv1D weights out (out, in) in memory (`out_in_layout`, GPT.lay_out): the parameter keeps GPT-2's
-(in, out) shape, names and values, as a transposed view of that storage, so checkpoints port as before. Everywhere
-else (CUDA, fp16, training, `--compile default`'s tracing, a torch without oneDNN) a projection is ATen's `addmm`. Both
-accumulate fp32 in fp32 and differ by rounding only (verify holds every cache to transformers at 1e-5 either way).
+- route "gemv" (the default): one float32 row, contiguous, over a contiguous (out, in) weight, outside torch.compile:
+  model/gemv.py's kernel; anything else as "onednn". Where the kernel cannot be built, the route is "onednn";
+- route "onednn": oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`) over an (out, in) weight.
+Both stream that layout only: over Conv1D's (in, out) matrix seen transposed oneDNN is no faster than MKL
+(17.5 GB/s). So a model loaded for the CPU lays its Conv1D weights out (out, in) in memory (`out_in_layout`,
+GPT.lay_out): the parameter keeps GPT-2's (in, out) shape, names and values, as a transposed view of that storage,
+so checkpoints port as before. Everywhere else (CUDA, fp16, training, `--compile default`'s tracing, a torch
+without oneDNN) a projection is ATen's `addmm`. All accumulate fp32 in fp32 and differ by rounding only (verify
+holds every cache to transformers at 1e-5 on each).
 
-`KVBENCH_CPU_MATMUL=aten` (or `set_route("aten")`) turns the oneDNN route off, for an A/B of the same step.
+`KVBENCH_CPU_MATMUL=onednn` or `aten` (or `set_route`) chooses another route, for an A/B of the same step.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from contextlib import contextmanager
 import torch
 
 from kvbench.errors import KVBenchError
+from kvbench.model import gemv
 
 ROUTE_ENV = "KVBENCH_CPU_MATMUL"
-ROUTES = ("onednn", "aten")
+ROUTES = ("gemv", "onednn", "aten")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _route: str | None = None  # None: read ROUTE_ENV on first use
 _frozen = False  # inside `frozen_weights`: Inductor traces a step whose weights are constants
@@ -51,25 +56,29 @@ def frozen_weights() -> Iterator[None]:
 
 
 def route() -> str:
-    """The CPU route in use: "onednn" or "aten" (ROUTE_ENV, read on first use)."""
+    """The CPU route in use: "gemv", "onednn" or "aten" (ROUTE_ENV, read on first use)."""
     return _route if _route is not None else set_route(None)
 
 
 def set_route(name: str | None) -> str:
-    """Choose the CPU route ("onednn" or "aten"; None: as ROUTE_ENV says, default onednn) and return it."""
+    """Choose the CPU route ("gemv", "onednn" or "aten"; None: as ROUTE_ENV says, default gemv) and return the one
+    that runs: "gemv" where its kernel cannot be built is "onednn" (gemv.unavailable() says why), and either in a
+    torch without oneDNN (some ARM builds) is "aten"."""
     global _route
-    chosen = name if name is not None else os.environ.get(ROUTE_ENV, "").strip().lower() or "onednn"
+    chosen = name if name is not None else os.environ.get(ROUTE_ENV, "").strip().lower() or "gemv"
     if chosen not in ROUTES:
         raise KVBenchError(f"{ROUTE_ENV}={chosen!r}: expected one of {', '.join(ROUTES)}")
-    if chosen == "onednn" and not torch.backends.mkldnn.is_available():
-        chosen = "aten"  # a torch built without oneDNN (some ARM builds): ATen's kernels
+    if chosen == "gemv" and gemv.library() is None:
+        chosen = "onednn"
+    if not torch.backends.mkldnn.is_available():
+        chosen = "aten"  # gemv runs beside oneDNN (prefill, batches), and neither is there
     _route = chosen
     return chosen
 
 
 def out_in_layout(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether weights on `device` in `dtype` should be stored (out, in) in memory: where the oneDNN route runs."""
-    return device.type == "cpu" and dtype in _ONEDNN_DTYPES and route() == "onednn"
+    """Whether weights on `device` in `dtype` should be stored (out, in) in memory: where gemv or oneDNN runs."""
+    return device.type == "cpu" and dtype in _ONEDNN_DTYPES and route() != "aten"
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -79,13 +88,29 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == x.dtype
         and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))  # no backward there
         and (_frozen or not torch.compiler.is_compiling())  # traced only where Inductor can lower it
-        and route() == "onednn"
+        and route() != "aten"
+    )
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Where kvbench's GEMV runs, given the oneDNN route's conditions: one float32 row and contiguous operands,
+    never inside a traced step (a ctypes call is opaque to torch.compile)."""
+    return (
+        route() == "gemv"
+        and x.dtype == torch.float32
+        and x.numel() == x.size(-1)
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32))
+        and not torch.compiler.is_compiling()
     )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias: x (..., in), weight (out, in) in any strides, bias (out,) -> (..., out)."""
     if _onednn(x, weight):
+        if _gemv(x, weight, bias):
+            return gemv.gemv(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     *lead, n_in = x.shape
     x2 = x.reshape(-1, n_in)  # (N, in)

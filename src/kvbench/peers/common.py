@@ -1,12 +1,10 @@
-"""What every peer engine shares: where converted models are cached, the key of a model's weights, the ids as token
+"""What every peer engine shares: the key of a model's weights (converted models are cached under it), the ids as token
 strings, and what a generation returns."""
 
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,13 +12,7 @@ import torch
 if TYPE_CHECKING:
     from kvbench.model.gpt2 import GPT
 
-CACHE_ENV = "KVBENCH_CACHE_DIR"
 EOT = "<|endoftext|>"
-
-
-def cache_root() -> Path:
-    """Where converted models are kept between runs: $KVBENCH_CACHE_DIR, default ~/.cache/kvbench."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvbench").expanduser()
 
 
 def weights_key(model: GPT) -> str:

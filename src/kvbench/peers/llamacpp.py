@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvbench.cachedir import CACHE_ENV, cache_root
 from kvbench.errors import KVBenchError, one_line
 from kvbench.peers import EXTRAS, PeerSpec
-from kvbench.peers.common import CACHE_ENV, Generation, cache_root, token, weights_key
+from kvbench.peers.common import Generation, token, weights_key
 
 if TYPE_CHECKING:
     from kvbench.model.gpt2 import GPT

@@ -63,12 +63,14 @@ def cpu_facts() -> dict:
     """meta.json host fields: the CPU model and ISA, how our projections run on it (model/matmul.py), the cores
     usable, and the load average at the start."""
     from kvbench.devices import cpu_isa, cpu_model
+    from kvbench.model import gemv
     from kvbench.model.matmul import route
 
     return {
         "cpu_model": cpu_model(),
         "cpu_isa": cpu_isa(),
         "cpu_matmul": route(),
+        "cpu_gemv_unavailable": gemv.unavailable(),  # why the route is not kvbench's GEMV, where it could not be built
         "cpus_usable": usable_cpus(),
         "load_average": {"start": load_average()},
     }

@@ -1,0 +1,146 @@
+"""kvbench's own CPU GEMV: the one-row float32 projection of a batch-1 decode step, from gemv.c.
+
+At batch 1 a decode step is a matrix-vector product per weight matrix, and on the CPU its time is how fast the
+kernel streams the (out, in) matrix. oneDNN's inner product streams gpt2's matrices at 19-28 GB/s with two threads
+and costs about 20 us a call, where a sum reads the same bytes at 30-50 (2-core AMD EPYC, 2026-12-06). gemv.c reads
+each row once, in order, and sums it in SIMD lanes: 30-49 GB/s on the same matrices, 4 us a call for a small one
+(docs/performance.md). It is compiled once per machine, for its CPU (`-march=native`), with the C compiler on PATH
+($CC, else cc, else gcc) into $KVBENCH_CACHE_DIR/gemv/<key>/, checked against torch before first use, and loaded
+with ctypes (the call releases the GIL). Without a compiler, or where the build or the check fails, `library()` is
+None, `unavailable()` says why, and model/matmul.py runs oneDNN instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from kvbench.cachedir import CACHE_ENV, cache_root
+
+SOURCE = Path(__file__).with_name("gemv.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+SYMBOL = "kv_gemv_f32"
+_state: dict[str, object] = {}  # "lib": the loaded function or None, "why": the reason it is None
+
+
+def compiler() -> str | None:
+    """The C compiler: $CC, else cc or gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the machine and, on Linux, the CPU's model name and flags."""
+    text = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+        text += "".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        pass
+    return text
+
+
+def build(cc: str | None, root: Path) -> tuple[object | None, str]:
+    """Compile gemv.c with `cc` under `root` (once per source, compiler, flags and CPU) and load it: (the kernel,
+    "") or (None, why not). A cached library that no longer loads is built again."""
+    if not cc:
+        return None, "no C compiler ($CC, cc or gcc) on PATH"
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), cc, *FLAGS, _cpu_identity(), torch.__version__]).encode()
+    ).hexdigest()[:20]
+    out = root / "gemv" / key / "libkvgemv.so"
+    if not out.is_file():
+        why = _compile(cc, out)
+        if why:
+            return None, why
+    fn = _load(out)
+    if fn is None:  # a cached library damaged since it was written: built again, once
+        why = _compile(cc, out)
+        if why:
+            return None, why
+        fn = _load(out)
+        if fn is None:
+            return None, f"{out} was built but does not load"
+    return (fn, "") if _agrees(fn) else (None, f"{out} disagrees with torch's product: not used")
+
+
+def _load(path: Path):
+    """The kernel's function from the library at `path`, typed; None when it does not load."""
+    try:
+        fn = getattr(ctypes.CDLL(str(path)), SYMBOL)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def _compile(cc: str, out: Path) -> str:
+    """Build the library at `out` (written beside it, then renamed: a concurrent build never loads half a file);
+    "" or why it failed, in one line."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot write under {out.parent}: {e.strerror or e}; set {CACHE_ENV} to a writable folder"
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    try:
+        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"cannot run {cc}: {e}"
+    if done.returncode != 0:
+        first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])
+        return f"{cc} failed to build {SOURCE.name}: {first}"
+    os.replace(tmp, out)
+    return ""
+
+
+def _agrees(fn) -> bool:
+    """The built kernel against torch on odd sizes, with and without a bias, before any model uses it."""
+    g = torch.Generator().manual_seed(0)
+    for n_out, n_in, biased in ((37, 131, True), (64, 768, False)):
+        w, x, b = (torch.randn(s, generator=g) for s in ((n_out, n_in), (n_in,), (n_out,)))
+        y = torch.empty(n_out)
+        fn(w.data_ptr(), x.data_ptr(), b.data_ptr() if biased else None, y.data_ptr(), n_out, n_in, 2)
+        ref = w.double() @ x.double() + (b.double() if biased else 0)
+        if not torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4):
+            return False
+    return True
+
+
+def library():
+    """The kernel, built and checked on first use in this process; None where it cannot be (see `unavailable`)."""
+    if "lib" not in _state:
+        _state["lib"], _state["why"] = build(compiler(), cache_root())
+    return _state["lib"]
+
+
+def unavailable() -> str | None:
+    """Why `library()` is None (building it if that was not tried yet), or None when it is available."""
+    return None if library() is not None else str(_state["why"])
+
+
+def reset() -> None:
+    """Forget the loaded kernel: the next `library()` looks again (after $CC or $KVBENCH_CACHE_DIR change)."""
+    _state.clear()
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) holding one row, contiguous; weight (out, in) contiguous; bias (out,) contiguous or None; all
+    float32 on the CPU (model/matmul.py checks) -> (..., out)."""
+    n_out, n_in = weight.shape
+    y = torch.empty(n_out, dtype=x.dtype)
+    fn = library()
+    args = (weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n_out, n_in)
+    if torch.autograd._profiler_enabled():  # a ctypes call is no operator: name it for `bench --profile`
+        with torch.profiler.record_function("kvbench::gemv"):
+            fn(*args, torch.get_num_threads())
+    else:
+        fn(*args, torch.get_num_threads())
+    return y.view(*x.shape[:-1], n_out)
