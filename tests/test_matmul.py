@@ -181,3 +181,23 @@ def test_bf16_runs_the_onednn_route():
         finally:
             matmul.set_route(None)
     assert (fast - slow).abs().max() < 0.1  # bf16 rounding of two summation orders
+
+
+@needs_gemv
+def test_a_row_of_the_wrong_width_is_refused_by_onednn_never_read_past_by_the_gemv(aten_then_back):
+    matmul.set_route("gemv")
+    w, b = torch.randn(96, 64), torch.randn(96)
+    with torch.inference_mode(), pytest.raises(RuntimeError):
+        matmul.linear(torch.randn(1, 1, 63), w, b)  # the kernel would read one float past the row
+    with torch.inference_mode(), pytest.raises(RuntimeError):
+        matmul.linear(torch.randn(1, 1, 64), w, torch.randn(95))  # nor write past a short bias
+
+
+def test_cc_may_carry_flags(tmp_path):
+    real = gemv.compiler()
+    if real is None:
+        pytest.skip("no C compiler here")
+    lib, why = gemv.build(f"{real} -DKVBENCH_UNUSED=1", tmp_path)
+    assert lib is not None and why == ""
+    lib, why = gemv.build('cc "unterminated', tmp_path)
+    assert lib is None and why.startswith('cannot run cc "unterminated:')

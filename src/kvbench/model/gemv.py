@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -91,8 +92,9 @@ def _compile(cc: str, out: Path) -> str:
         return f"cannot write under {out.parent}: {e.strerror or e}; set {CACHE_ENV} to a writable folder"
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError) as e:
+        argv = [*shlex.split(cc), *FLAGS, str(SOURCE), "-o", str(tmp)]  # $CC may carry flags: "gcc -m64"
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    except (OSError, ValueError, subprocess.SubprocessError) as e:  # ValueError: $CC that shlex cannot split
         return f"cannot run {cc}: {e}"
     if done.returncode != 0:
         first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])

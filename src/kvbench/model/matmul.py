@@ -98,10 +98,10 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
     return (
         route() == "gemv"
         and x.dtype == torch.float32
-        and x.numel() == x.size(-1)
+        and x.numel() == x.size(-1) == weight.size(1)  # one row, of the weight's width: the kernel trusts both
         and x.is_contiguous()
         and weight.is_contiguous()
-        and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32))
+        and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.shape == weight.shape[:1]))
         and not torch.compiler.is_compiling()
     )
 
