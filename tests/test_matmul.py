@@ -201,3 +201,29 @@ def test_cc_may_carry_flags(tmp_path):
     assert lib is not None and why == ""
     lib, why = gemv.build('cc "unterminated', tmp_path)
     assert lib is None and why.startswith('cannot run cc "unterminated:')
+
+
+def test_a_library_without_the_kernel_is_never_used(tmp_path):
+    real = gemv.compiler()
+    if real is None:
+        pytest.skip("no C compiler here")
+    lib, why = gemv.build(f"{real} -Dkv_gemv_f32=other_name", tmp_path)  # builds, but not the kernel's symbol
+    assert lib is None and why.endswith("was built but does not load"), why
+
+
+def test_a_kernel_that_computes_wrongly_fails_its_check():
+    import ctypes
+
+    def zeros(w, x, b, y, n_out, n_in, threads):  # a kernel's signature; writes zeros where the product goes
+        ctypes.memset(y, 0, 4 * n_out)
+
+    assert gemv._agrees(zeros) is False
+    if gemv.library() is not None:
+        assert gemv._agrees(gemv.library()) is True
+
+
+def test_a_cache_folder_that_cannot_be_written(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    lib, why = gemv.build(gemv.compiler() or "cc", blocker)
+    assert lib is None and why.startswith(f"cannot write under {blocker / 'gemv'}") and "KVBENCH_CACHE_DIR" in why
