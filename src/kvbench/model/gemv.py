@@ -13,6 +13,7 @@ None, `unavailable()` says why, and model/matmul.py runs oneDNN instead.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -28,7 +29,6 @@ from kvbench.cachedir import CACHE_ENV, cache_root
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 SYMBOL = "kv_gemv_f32"
-_state: dict[str, object] = {}  # "lib": the loaded function or None, "why": the reason it is None
 
 
 def compiler() -> str | None:
@@ -116,21 +116,26 @@ def _agrees(fn) -> bool:
     return True
 
 
+@functools.cache
+def _built() -> tuple[object | None, str]:
+    """(the kernel or None, why not), built and checked on first use in this process."""
+    return build(compiler(), cache_root())
+
+
 def library():
     """The kernel, built and checked on first use in this process; None where it cannot be (see `unavailable`)."""
-    if "lib" not in _state:
-        _state["lib"], _state["why"] = build(compiler(), cache_root())
-    return _state["lib"]
+    return _built()[0]
 
 
 def unavailable() -> str | None:
     """Why `library()` is None (building it if that was not tried yet), or None when it is available."""
-    return None if library() is not None else str(_state["why"])
+    lib, why = _built()
+    return None if lib is not None else why
 
 
 def reset() -> None:
     """Forget the loaded kernel: the next `library()` looks again (after $CC or $KVBENCH_CACHE_DIR change)."""
-    _state.clear()
+    _built.cache_clear()
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

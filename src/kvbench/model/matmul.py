@@ -68,10 +68,10 @@ def set_route(name: str | None) -> str:
     chosen = name if name is not None else os.environ.get(ROUTE_ENV, "").strip().lower() or "gemv"
     if chosen not in ROUTES:
         raise KVBenchError(f"{ROUTE_ENV}={chosen!r}: expected one of {', '.join(ROUTES)}")
-    if chosen == "gemv" and gemv.library() is None:
-        chosen = "onednn"
     if not torch.backends.mkldnn.is_available():
         chosen = "aten"  # gemv runs beside oneDNN (prefill, batches), and neither is there
+    elif chosen == "gemv" and gemv.library() is None:
+        chosen = "onednn"
     _route = chosen
     return chosen
 
