@@ -10,12 +10,14 @@ weights from memory. Measured, per step, with the same random fp32 weights in ev
              3072x768), 340 MB
     lm_head  the tied output layer, 50,257 x 768, 154 MB
 
-through four routes:
+through five routes:
 
     aten (in, out)      torch.addmm over Conv1D's (in, out) matrix: what ATen (MKL on x86) runs for GPT-2 as stored
     aten (out, in)      torch.nn.functional.linear over an (out, in) copy
     onednn (in, out)^T  oneDNN's inner product (mkldnn._linear_pointwise) over the (in, out) matrix seen transposed
-    onednn (out, in)    the same over an (out, in) matrix: kvbench's CPU route (model/matmul.py)
+    onednn (out, in)    the same over an (out, in) matrix: model/matmul.py's route "onednn"
+    gemv (out, in)      kvbench's own kernel (model/gemv.py) over an (out, in) matrix: the default route, where
+                        it builds (the row is left out, with the reason, where it does not)
 
 `--copies` sets of weights are cycled so that no call finds its matrix in the last-level cache (a decode step reads
 ~500 MB between two reads of one matrix). Median and range of `--repeats` timed passes after `--warmup`; GB/s is the
@@ -29,6 +31,8 @@ import statistics
 import time
 
 import torch
+
+from kvbench.model import gemv
 
 C, V, LAYERS = 768, 50257, 12
 SHAPES = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]  # (in, out) of c_attn, attn c_proj, c_fc, mlp c_proj
@@ -100,6 +104,8 @@ def main() -> None:
         "onednn (in, out)^T": (lambda xx, w, b: lp(xx, w.t(), b, "none", [], ""), w_io, head_io),
         "onednn (out, in)": (lambda xx, w, b: lp(xx, w, b, "none", [], ""), w_oi, head_oi),
     }
+    if gemv.library() is not None:
+        routes["gemv (out, in)"] = (gemv.gemv, w_oi, head_oi)
     block_mb = sum(i * o for i, o in SHAPES) * LAYERS * 4 / 1e6
     head_mb = V * C * 4 / 1e6
     cpu = torch.backends.cpu.get_cpu_capability()
@@ -112,6 +118,8 @@ def main() -> None:
             mb, mh = statistics.median(tb), statistics.median(th)
             cells = (f"{mb:.2f} ({min(tb):.1f}-{max(tb):.1f})", f"{mh:.2f} ({min(th):.1f}-{max(th):.1f})")
             print(f"{name:<20} {cells[0]:<20} {block_mb / mb:5.1f}   {cells[1]:<17} {head_mb / mh:5.1f}")
+    if gemv.library() is None:
+        print(f"gemv (out, in): not run, {gemv.unavailable()}")
 
 
 if __name__ == "__main__":

@@ -96,6 +96,11 @@ def test_meta_records_the_cpu_and_the_load_at_start_and_end(run):
         load = h["load_average"][when]
         assert set(load) == {"1m", "5m", "15m"} and all(v >= 0 for v in load.values())
     assert "cuda" not in h  # a CPU run has no device facts
+    from kvbench.model import gemv
+
+    kernel = gemv.library()  # the GEMV's tuned row group where it was built, why not where it was not
+    assert h["cpu_gemv_rows"] == (None if kernel is None else kernel.rows)
+    assert (h["cpu_gemv_rows"] is None) == (h["cpu_gemv_unavailable"] is not None)
 
 
 def _copy(src: Path, dst: Path, ttft_factor: float = 1.0, n: int | None = None) -> Path:

@@ -3,11 +3,15 @@
 At batch 1 a decode step is a matrix-vector product per weight matrix, and on the CPU its time is how fast the
 kernel streams the (out, in) matrix. oneDNN's inner product streams gpt2's matrices at 19-28 GB/s with two threads
 and costs about 20 us a call, where a sum reads the same bytes at 30-50 (2-core AMD EPYC, 2026-12-06). gemv.c reads
-each row once, in order, and sums it in SIMD lanes: 30-49 GB/s on the same matrices, 4 us a call for a small one
-(docs/performance.md). It is compiled once per machine, for its CPU (`-march=native`), with the C compiler on PATH
-($CC, else cc, else gcc) into $KVBENCH_CACHE_DIR/gemv/<key>/, checked against torch before first use, and loaded
-with ctypes (the call releases the GIL). Without a compiler, or where the build or the check fails, `library()` is
-None, `unavailable()` says why, and model/matmul.py runs oneDNN instead.
+each row in order and sums it in SIMD lanes: 30-49 GB/s on the same matrices, 4 us a call for a small one
+(docs/performance.md). Which is faster, one row at a time or four side by side, depends on the CPU (on a 2-core
+Intel Xeon, 2026-12-06, four read gpt2's block matrices 12-20% faster; on the AMD EPYC one row ran at a sum's rate),
+so the first build on a machine times both (`tune`) and keeps the faster; the two give the same bits.
+
+It is compiled once per machine, for its CPU (`-march=native`), with the C compiler on PATH ($CC, else cc, else gcc)
+into $KVBENCH_CACHE_DIR/gemv/<key>/ (the library, and `rows.json`: the tuning's times and choice), checked against
+torch before first use, and loaded with ctypes (the call releases the GIL). Without a compiler, or where the build or
+the check fails, `library()` is None, `unavailable()` says why, and model/matmul.py runs oneDNN instead.
 """
 
 from __future__ import annotations
@@ -15,11 +19,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import shlex
 import shutil
+import statistics
 import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +38,21 @@ from kvbench.cachedir import CACHE_ENV, cache_root
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 SYMBOL = "kv_gemv_f32"
+ROW_GROUPS = (1, 4)  # rows a thread reads side by side: gemv.c's two loops
+# what `tune` times: gpt2's four block matrices (out, in), in copies enough to stream from memory, not cache
+TUNE_SHAPES = ((2304, 768), (768, 768), (3072, 768), (768, 3072))
+TUNE_COPIES, TUNE_ROUNDS = 4, 7
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """The built C function and the rows a thread reads at a time on this machine (one of ROW_GROUPS)."""
+
+    fn: Callable[..., None]  # kv_gemv_f32(W, x, b, y, out, in, threads, rows): pointers, then sizes
+    rows: int
+
+    def __call__(self, w: int, x: int, b: int | None, y: int, n_out: int, n_in: int, threads: int) -> None:
+        self.fn(w, x, b, y, n_out, n_in, threads, self.rows)
 
 
 def compiler() -> str | None:
@@ -48,9 +72,9 @@ def _cpu_identity() -> str:
     return text
 
 
-def build(cc: str | None, root: Path) -> tuple[object | None, str]:
-    """Compile gemv.c with `cc` under `root` (once per source, compiler, flags and CPU) and load it: (the kernel,
-    "") or (None, why not). A cached library that no longer loads is built again."""
+def build(cc: str | None, root: Path) -> tuple[Kernel | None, str]:
+    """Compile gemv.c with `cc` under `root` (once per source, compiler, flags and CPU), load it, check it and tune
+    it: (the kernel, "") or (None, why not). A cached library that no longer loads is built again."""
     if not cc:
         return None, "no C compiler ($CC, cc or gcc) on PATH"
     key = hashlib.sha256(
@@ -69,7 +93,9 @@ def build(cc: str | None, root: Path) -> tuple[object | None, str]:
         fn = _load(out)
         if fn is None:
             return None, f"{out} was built but does not load"
-    return (fn, "") if _agrees(fn) else (None, f"{out} disagrees with torch's product: not used")
+    if not all(_agrees(Kernel(fn, rows)) for rows in ROW_GROUPS):
+        return None, f"{out} disagrees with torch's product: not used"
+    return Kernel(fn, tune(fn, out.with_name("rows.json"))), ""
 
 
 def _load(path: Path):
@@ -78,7 +104,7 @@ def _load(path: Path):
         fn = getattr(ctypes.CDLL(str(path)), SYMBOL)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int]
     fn.restype = None
     return fn
 
@@ -103,8 +129,54 @@ def _compile(cc: str, out: Path) -> str:
     return ""
 
 
+def tune(fn: Callable[..., None], record: Path) -> int:
+    """The rows a thread reads at a time on this machine: the one of ROW_GROUPS that streamed gpt2's block matrices
+    faster, timed once (~0.2 s) and kept in `record` (JSON: the choice, each median in ms, the threads); a record
+    that cannot be read is timed again, one that cannot be written is only not kept."""
+    try:
+        rows = json.loads(record.read_text())["rows"]
+        if type(rows) is int and rows in ROW_GROUPS:  # not `true`, which equals 1
+            return rows
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    ms, threads = _time_row_groups(fn)
+    rows = min(ms, key=lambda r: ms[r])
+    kept = {"rows": rows, "median_ms": {str(r): round(t, 3) for r, t in ms.items()}, "threads": threads}
+    tmp = record.with_name(f".{record.name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(kept) + "\n")
+        os.replace(tmp, record)
+    except OSError:
+        pass
+    return rows
+
+
+def _time_row_groups(fn: Callable[..., None]) -> tuple[dict[int, float], int]:
+    """Median ms of one pass over TUNE_COPIES copies of TUNE_SHAPES (~113 MB) per row group, the groups taking
+    turns for TUNE_ROUNDS rounds after one warm-up pass each, on every core this process may use (a benchmark's
+    threads), whichever process builds the library first."""
+    mats = [torch.full(shape, 0.01) for _ in range(TUNE_COPIES) for shape in TUNE_SHAPES]  # (out, in) each
+    x, y = torch.ones(max(n_in for _, n_in in TUNE_SHAPES)), torch.empty(max(n for n, _ in TUNE_SHAPES))
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+    def one_pass(rows: int) -> float:
+        t0 = time.perf_counter()
+        for w in mats:
+            fn(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), w.size(0), w.size(1), threads, rows)
+        return (time.perf_counter() - t0) * 1e3
+
+    times: dict[int, list[float]] = {rows: [] for rows in ROW_GROUPS}
+    for rnd in range(TUNE_ROUNDS + 1):
+        for rows in ROW_GROUPS:
+            t = one_pass(rows)
+            if rnd:  # the first round warms up
+                times[rows].append(t)
+    return {rows: statistics.median(t) for rows, t in times.items()}, threads
+
+
 def _agrees(fn) -> bool:
-    """The built kernel against torch on odd sizes, with and without a bias, before any model uses it."""
+    """The built kernel (called as `Kernel` is) against torch on odd sizes, with and without a bias, before any
+    model uses it."""
     g = torch.Generator().manual_seed(0)
     for n_out, n_in, biased in ((37, 131, True), (64, 768, False)):
         w, x, b = (torch.randn(s, generator=g) for s in ((n_out, n_in), (n_in,), (n_out,)))
@@ -117,13 +189,14 @@ def _agrees(fn) -> bool:
 
 
 @functools.cache
-def _built() -> tuple[object | None, str]:
+def _built() -> tuple[Kernel | None, str]:
     """(the kernel or None, why not), built and checked on first use in this process."""
     return build(compiler(), cache_root())
 
 
-def library():
-    """The kernel, built and checked on first use in this process; None where it cannot be (see `unavailable`)."""
+def library() -> Kernel | None:
+    """The kernel, built, checked and tuned on first use in this process; None where it cannot be (see
+    `unavailable`)."""
     return _built()[0]
 
 
@@ -143,11 +216,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     float32 on the CPU (model/matmul.py checks) -> (..., out)."""
     n_out, n_in = weight.shape
     y = torch.empty(n_out, dtype=x.dtype)
-    fn = library()
-    args = (weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n_out, n_in)
+    kernel = library()
+    assert kernel is not None, "model/matmul.py routes here only where the kernel was built"
+    b = None if bias is None else bias.data_ptr()
+    args = (weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), n_out, n_in, torch.get_num_threads(), kernel.rows)
     if torch.autograd._profiler_enabled():  # a ctypes call is no operator: name it for `bench --profile`
         with torch.profiler.record_function("kvbench::gemv"):
-            fn(*args, torch.get_num_threads())
+            kernel.fn(*args)
     else:
-        fn(*args, torch.get_num_threads())
+        kernel.fn(*args)
     return y.view(*x.shape[:-1], n_out)

@@ -66,11 +66,13 @@ def cpu_facts() -> dict:
     from kvbench.model import gemv
     from kvbench.model.matmul import route
 
+    kernel = gemv.library()
     return {
         "cpu_model": cpu_model(),
         "cpu_isa": cpu_isa(),
         "cpu_matmul": route(),
         "cpu_gemv_unavailable": gemv.unavailable(),  # why the route is not kvbench's GEMV, where it could not be built
+        "cpu_gemv_rows": None if kernel is None else kernel.rows,  # rows read side by side, as tuned on this machine
         "cpus_usable": usable_cpus(),
         "load_average": {"start": load_average()},
     }
