@@ -3,7 +3,9 @@ them beside our loop. Real CTranslate2 (the dev extra), converted from the tiny 
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -17,7 +19,9 @@ from kvbench.cli import app
 from kvbench.model.gpt2 import GPT, PRESETS
 from kvbench.peers import PEERS, expand
 
-pytest.importorskip("ctranslate2")
+# found, not imported: kvbench imports it (peers/ct2.py require), as the CLI does
+if importlib.util.find_spec("ctranslate2") is None:
+    pytest.skip("CTranslate2 is not installed (the dev extra)", allow_module_level=True)
 TINY = ["--model", "gpt2-tiny", "--weights", "random"]
 
 
@@ -191,3 +195,31 @@ def test_bench_batches_through_a_peer(tmp_path):
     rows = pd.read_csv(out / "summary.csv")
     peer = rows[rows.engine == "ct2-fp32"].set_index("batch")
     assert list(peer.status) == ["ok", "ok"] and (peer.token_agreement == 1.0).all()
+
+
+def _gomp_bindings(tmp_path, code: str) -> set[str]:
+    """The libgomp files CTranslate2's library binds GOMP_parallel to when a fresh Python runs `code` (the dynamic
+    loader's own report, LD_DEBUG=bindings; Python loads extensions with RTLD_NOW, so the import binds it)."""
+    log = tmp_path / "ld"
+    env = {**os.environ, "LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": str(log)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=300)
+    found = set()
+    for part in tmp_path.glob("ld.*"):
+        for line in part.read_text(errors="replace").splitlines():
+            if "libctranslate2" in line.split(" to ")[0] and "`GOMP_parallel'" in line:
+                found.add(line.split(" to ")[1].split(" [")[0])
+        part.unlink()
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(os, "RTLD_DEEPBIND"), reason="glibc's loader")
+def test_ctranslate2_runs_its_openmp_teams_in_its_own_runtime_not_torchs(tmp_path):
+    # imported plainly after torch, CTranslate2 binds torch's libgomp: its worker's team then counts against torch's
+    # runtime, which throttles every team's spinning (docs/peers.md)
+    plain = _gomp_bindings(tmp_path, "import torch, ctranslate2")
+    torch_gomp = [p for p in plain if "/torch/" in p]
+    if not torch_gomp:
+        pytest.skip(f"this torch has no libgomp of its own to share: {plain}")
+    # through kvbench, after torch as always, it binds the libgomp its wheel ships
+    ours = _gomp_bindings(tmp_path, "import torch; from kvbench.peers.ct2 import require; require()")
+    assert ours and all("ctranslate2" in p and "/torch/" not in p for p in ours), ours

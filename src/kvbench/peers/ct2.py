@@ -17,9 +17,13 @@ Times per step come from the generation callback, called as each step's token is
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,11 +40,36 @@ if TYPE_CHECKING:
 
 
 def require() -> Any:
+    """The ctranslate2 module, imported on first use with its own OpenMP runtime (`_own_openmp`)."""
     try:
-        import ctranslate2
+        with _own_openmp():
+            import ctranslate2
     except ImportError:
         raise KVBenchError(f"CTranslate2 is not installed: pip install '{EXTRAS['ct2']}'") from None
     return ctranslate2
+
+
+@contextmanager
+def _own_openmp() -> Iterator[None]:
+    """Around ctranslate2's first import: its library binds its own symbols first (RTLD_DEEPBIND), where the
+    platform has the flag.
+
+    CTranslate2's wheel ships its own libgomp, but a library resolves GOMP_parallel in the global scope first, and
+    torch has put its libgomp there. So by default CTranslate2's worker thread runs its OpenMP team in torch's
+    runtime, which then manages more threads than there are cores; from then on every runtime team in the process
+    spins only briefly before sleeping, and each parallel region pays a wake-up. On a 2-core Intel Xeon VM
+    (2026-12-06) one CTranslate2 generation made a 2-thread region of torch's cost ~80 us instead of ~6, and
+    kvbench's and transformers' decode steps 15-25% slower for the rest of the process. Bound to its own libgomp,
+    it leaves torch's runtime as it was (docs/peers.md)."""
+    if "ctranslate2" in sys.modules or not hasattr(os, "RTLD_DEEPBIND"):
+        yield
+        return
+    flags = sys.getdlopenflags()
+    sys.setdlopenflags(flags | os.RTLD_DEEPBIND)
+    try:
+        yield
+    finally:
+        sys.setdlopenflags(flags)
 
 
 class _IdVocabulary:
