@@ -10,23 +10,28 @@ weights from memory. Measured, per step, with the same random fp32 weights in ev
              3072x768), 340 MB
     lm_head  the tied output layer, 50,257 x 768, 154 MB
 
-through five routes:
+through these routes:
 
     aten (in, out)      torch.addmm over Conv1D's (in, out) matrix: what ATen (MKL on x86) runs for GPT-2 as stored
     aten (out, in)      torch.nn.functional.linear over an (out, in) copy
     onednn (in, out)^T  oneDNN's inner product (mkldnn._linear_pointwise) over the (in, out) matrix seen transposed
     onednn (out, in)    the same over an (out, in) matrix: model/matmul.py's route "onednn"
-    gemv (out, in)      kvbench's own kernel (model/gemv.py) over an (out, in) matrix: the default route, where
-                        it builds (the row is left out, with the reason, where it does not)
+    gemv R rows, K KiB  kvbench's own kernel (model/gemv.py) over an (out, in) matrix, each way it can read the
+                        rows (R side by side, prefetching K KiB ahead); `*` marks the way tuned for this machine,
+                        the default route's (the rows are left out, with the reason, where it does not build)
+
+and then what a small operator costs in an eager step: a LayerNorm of one row (gpt2's, 768 wide) timed alone, and
+right after each block GEMV, whose stream of weights has evicted from the caches what the LayerNorm's call reads.
 
 `--copies` sets of weights are cycled so that no call finds its matrix in the last-level cache (a decode step reads
 ~500 MB between two reads of one matrix). Median and range of `--repeats` timed passes after `--warmup`; GB/s is the
-bytes read over the median. Prints one table; writes nothing.
+bytes read over the median. Prints one table and a line; writes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -47,6 +52,45 @@ def _timed(fn, warmup: int, repeats: int) -> list[float]:
         fn()
         times.append((time.perf_counter() - t) * 1e3)
     return times
+
+
+def _gemv_reading(kernel: gemv.Kernel, way: tuple[int, int]):
+    """gemv.gemv with the kernel reading its rows `way` ((rows, prefetch)), whatever was tuned."""
+    fixed = gemv.Kernel(kernel.fn, *way)
+
+    def run(x, w, b):
+        n_out, n_in = w.shape
+        y = torch.empty(n_out)
+        fixed(
+            w.data_ptr(),
+            x.data_ptr(),
+            None if b is None else b.data_ptr(),
+            y.data_ptr(),
+            n_out,
+            n_in,
+            torch.get_num_threads(),
+        )
+        return y
+
+    return run
+
+
+def _layer_norm_cold(gemvs: list, repeats: int) -> tuple[float, float]:
+    """Median us of a one-row LayerNorm alone, and right after each of `gemvs` (calls that take no argument)."""
+    ln = torch.nn.LayerNorm(C)
+    x = torch.randn(1, 1, C)
+    alone, after = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        ln(x)
+        alone.append((time.perf_counter() - t) * 1e6)
+    for _ in range(max(1, repeats // 5)):
+        for call in gemvs:
+            call()
+            t = time.perf_counter()
+            ln(x)
+            after.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(alone), statistics.median(after)
 
 
 def main() -> None:
@@ -104,22 +148,35 @@ def main() -> None:
         "onednn (in, out)^T": (lambda xx, w, b: lp(xx, w.t(), b, "none", [], ""), w_io, head_io),
         "onednn (out, in)": (lambda xx, w, b: lp(xx, w, b, "none", [], ""), w_oi, head_oi),
     }
-    if gemv.library() is not None:
-        routes["gemv (out, in)"] = (gemv.gemv, w_oi, head_oi)
+    kernel = gemv.library()
+    if kernel is not None:
+        for way in gemv.WAYS:
+            mark = "*" if way == (kernel.rows, kernel.prefetch) else ""
+            name = f"gemv {way[0]} row{'s' * (way[0] > 1)}, {way[1] >> 10} KiB{mark}"
+            routes[name] = (_gemv_reading(kernel, way), w_oi, head_oi)
     block_mb = sum(i * o for i, o in SHAPES) * LAYERS * 4 / 1e6
     head_mb = V * C * 4 / 1e6
     cpu = torch.backends.cpu.get_cpu_capability()
     print(f"gpt2 fp32 batch-1 projections, {torch.get_num_threads()} threads, {cpu}, torch {torch.__version__}")
-    print(f"{'route':<20} {'48 block GEMVs, ms':<20} {'GB/s':>5}   {'lm_head, ms':<17} {'GB/s':>5}")
+    print(f"{'route':<22} {'48 block GEMVs, ms':<20} {'GB/s':>5}   {'lm_head, ms':<17} {'GB/s':>5}")
     with torch.inference_mode():
         for name, (op, w_blocks, w_head) in routes.items():
             tb = _timed(blocks(op, w_blocks), args.warmup, args.repeats)
             th = _timed(head(op, w_head), args.warmup, args.repeats)
             mb, mh = statistics.median(tb), statistics.median(th)
             cells = (f"{mb:.2f} ({min(tb):.1f}-{max(tb):.1f})", f"{mh:.2f} ({min(th):.1f}-{max(th):.1f})")
-            print(f"{name:<20} {cells[0]:<20} {block_mb / mb:5.1f}   {cells[1]:<17} {head_mb / mh:5.1f}")
-    if gemv.library() is None:
+            print(f"{name:<22} {cells[0]:<20} {block_mb / mb:5.1f}   {cells[1]:<17} {head_mb / mh:5.1f}")
+        project = torch.nn.functional.linear if kernel is None else gemv.gemv  # the default route
+        calls = [
+            functools.partial(project, x[n_in], w, b)
+            for copy in w_oi
+            for layer in copy
+            for w, (n_in, _), b in zip(layer, SHAPES, bias, strict=True)
+        ]
+        warm, cold = _layer_norm_cold(calls, args.repeats)
+    if kernel is None:
         print(f"gemv (out, in): not run, {gemv.unavailable()}")
+    print(f"a LayerNorm of one row: {warm:.1f} us alone, {cold:.1f} us right after each block GEMV (medians)")
 
 
 if __name__ == "__main__":

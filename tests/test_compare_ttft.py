@@ -100,6 +100,7 @@ def test_meta_records_the_cpu_and_the_load_at_start_and_end(run):
 
     kernel = gemv.library()  # the GEMV's tuned row group where it was built, why not where it was not
     assert h["cpu_gemv_rows"] == (None if kernel is None else kernel.rows)
+    assert h["cpu_gemv_prefetch"] == (None if kernel is None else kernel.prefetch)
     assert (h["cpu_gemv_rows"] is None) == (h["cpu_gemv_unavailable"] is not None)
 
 

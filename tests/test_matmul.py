@@ -46,46 +46,62 @@ needs_gemv = pytest.mark.skipif(gemv.library() is None, reason=f"kvbench's GEMV 
 
 @needs_gemv
 @pytest.mark.parametrize("n_out, n_in", [(1, 1), (3, 17), (4, 16), (37, 131), (768, 768), (50, 3072)])
-def test_the_gemv_kernel_against_float64_and_the_same_at_any_thread_count_and_row_group(n_out, n_in, monkeypatch):
+def test_the_gemv_kernel_against_float64_and_the_same_at_any_thread_count_and_way_of_reading(n_out, n_in, monkeypatch):
     w, x, b = torch.randn(n_out, n_in), torch.randn(1, 1, n_in), torch.randn(n_out)
     ref = (w.double() @ x.double().view(-1) + b.double()).view(1, 1, n_out)
     kernel = gemv.library()
     before = torch.get_num_threads()
     got = {}
     try:
-        for rows in gemv.ROW_GROUPS:  # one row at a time, and four side by side (a tail of 0-3 rows one by one)
-            monkeypatch.setattr(gemv, "library", lambda rows=rows: gemv.Kernel(kernel.fn, rows))
+        # one row at a time, and four side by side (a tail of 0-3 rows one by one), each prefetching or not
+        for way in gemv.WAYS:
+            monkeypatch.setattr(gemv, "library", lambda way=way: gemv.Kernel(kernel.fn, *way))
             for threads in (1, 2, 3):
                 torch.set_num_threads(threads)
-                got[rows, threads] = (gemv.gemv(x, w, b), gemv.gemv(x, w, None))
+                got[way, threads] = (gemv.gemv(x, w, b), gemv.gemv(x, w, None))
     finally:
         torch.set_num_threads(before)
-    biased, bare = got[1, 1]
+    biased, bare = got[(1, 0), 1]
     assert torch.allclose(biased.double(), ref, rtol=1e-6, atol=1e-5 * n_in**0.5)
     assert torch.allclose(bare.double(), ref - b.double(), rtol=1e-6, atol=1e-5 * n_in**0.5)
-    # a row is summed by one thread, in one order, whatever its neighbours: neither the split nor the group changes it
-    assert len(got) == 6 and all(torch.equal(biased, g[0]) and torch.equal(bare, g[1]) for g in got.values())
+    # a row is summed by one thread, in one order, whatever its neighbours: neither the split nor the way changes it
+    assert len(got) == 3 * len(gemv.WAYS) == 18 and all(
+        torch.equal(biased, g[0]) and torch.equal(bare, g[1]) for g in got.values()
+    )
 
 
 @needs_gemv
-def test_the_row_group_is_timed_once_per_machine_and_kept(tmp_path, monkeypatch):
-    record = tmp_path / "rows.json"
+def test_the_way_of_reading_is_timed_once_per_machine_and_kept(tmp_path, monkeypatch):
+    record = tmp_path / "tuning.json"
     fn = gemv.library().fn
     timed = []
-    real = gemv._time_row_groups
-    monkeypatch.setattr(gemv, "_time_row_groups", lambda f: timed.append(1) or real(f))  # counts, then times
-    rows = gemv.tune(fn, record)
+    real = gemv._time_ways
+    monkeypatch.setattr(gemv, "_time_ways", lambda f: timed.append(1) or real(f))  # counts, then times
+    way = gemv.tune(fn, record)
     saved = json.loads(record.read_text())
-    assert rows in gemv.ROW_GROUPS and saved["rows"] == rows and saved["threads"] >= 1
-    assert set(saved["median_ms"]) == {"1", "4"} and all(t > 0 for t in saved["median_ms"].values())
-    assert rows == min(gemv.ROW_GROUPS, key=lambda r: saved["median_ms"][str(r)])  # the faster one
-    assert gemv.tune(fn, record) == rows and len(timed) == 1  # kept: not timed again
-    for damaged in ("{not json", '{"rows": 3}', '{"rows": true}', "[]", '{"other": 1}'):  # unreadable, or no group
-        record.write_text(damaged)
-        assert gemv.tune(fn, record) in gemv.ROW_GROUPS
-    assert len(timed) == 6 and json.loads(record.read_text())["rows"] in gemv.ROW_GROUPS
+    assert way in gemv.WAYS and (saved["rows"], saved["prefetch"]) == way and saved["threads"] >= 1
+    ms = saved["median_ms"]
+    assert {"1 row, 0 B ahead", "4 rows, 32768 B ahead"} <= set(ms) == {gemv._label(w) for w in gemv.WAYS}
+    assert len(ms) == 6 and all(t > 0 for t in ms.values())
+    assert way == min(gemv.WAYS, key=lambda w: ms[gemv._label(w)])  # the fastest one
+    assert gemv.tune(fn, record) == way and len(timed) == 1  # kept: not timed again
+    damaged = (
+        "{not json",
+        '{"rows": 3, "prefetch": 0}',
+        '{"rows": true, "prefetch": 0}',
+        '{"rows": 1}',
+        '{"rows": 1, "prefetch": 5}',
+        '{"rows": 1, "prefetch": 0.0}',
+        "[]",
+        '{"other": 1}',
+    )  # no way of ours
+    for text in damaged:
+        record.write_text(text)
+        assert gemv.tune(fn, record) in gemv.WAYS
+    saved = json.loads(record.read_text())
+    assert len(timed) == 1 + len(damaged) and (saved["rows"], saved["prefetch"]) in gemv.WAYS
     # a record that cannot be written is only not kept
-    assert gemv.tune(fn, tmp_path / "no-such-folder" / "rows.json") in gemv.ROW_GROUPS
+    assert gemv.tune(fn, tmp_path / "no-such-folder" / "tuning.json") in gemv.WAYS
     assert not (tmp_path / "no-such-folder").exists()
 
 
@@ -241,12 +257,12 @@ def test_a_library_without_the_kernel_is_never_used(tmp_path):
 def test_a_kernel_that_computes_wrongly_fails_its_check():
     import ctypes
 
-    def zeros(w, x, b, y, n_out, n_in, threads, rows):  # the C kernel's signature; writes zeros for the product
+    def zeros(w, x, b, y, n_out, n_in, threads, rows, prefetch):  # the C kernel's signature; writes zeros
         ctypes.memset(y, 0, 4 * n_out)
 
     assert gemv._agrees(gemv.Kernel(zeros, 4)) is False
     if gemv.library() is not None:
-        assert all(gemv._agrees(gemv.Kernel(gemv.library().fn, rows)) for rows in gemv.ROW_GROUPS)
+        assert all(gemv._agrees(gemv.Kernel(gemv.library().fn, *way)) for way in gemv.WAYS)
 
 
 def test_a_cache_folder_that_cannot_be_written(tmp_path):

@@ -4,12 +4,14 @@ At batch 1 a decode step is a matrix-vector product per weight matrix, and on th
 kernel streams the (out, in) matrix. oneDNN's inner product streams gpt2's matrices at 19-28 GB/s with two threads
 and costs about 20 us a call, where a sum reads the same bytes at 30-50 (2-core AMD EPYC, 2026-12-06). gemv.c reads
 each row in order and sums it in SIMD lanes: 30-49 GB/s on the same matrices, 4 us a call for a small one
-(docs/performance.md). Which is faster, one row at a time or four side by side, depends on the CPU (on a 2-core
+(docs/performance.md). How best to read the rows depends on the CPU: one at a time or four side by side (on a 2-core
 Intel Xeon, 2026-12-06, four read gpt2's block matrices 12-20% faster; on the AMD EPYC one row ran at a sum's rate),
-so the first build on a machine times both (`tune`) and keeps the faster; the two give the same bits.
+and whether each stream asks for its bytes 16 or 32 KiB ahead (on the same Xeon, 2026-12-07, one row 16 KiB ahead
+read them 11% faster than the best way without). So the first build on a machine times every way (`tune`) and
+keeps the fastest; all give the same bits.
 
 It is compiled once per machine, for its CPU (`-march=native`), with the C compiler on PATH ($CC, else cc, else gcc)
-into $KVBENCH_CACHE_DIR/gemv/<key>/ (the library, and `rows.json`: the tuning's times and choice), checked against
+into $KVBENCH_CACHE_DIR/gemv/<key>/ (the library, and `tuning.json`: the tuning's times and choice), checked against
 torch before first use, and loaded with ctypes (the call releases the GIL). Without a compiler, or where the build or
 the check fails, `library()` is None, `unavailable()` says why, and model/matmul.py runs oneDNN instead.
 """
@@ -39,6 +41,8 @@ SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 SYMBOL = "kv_gemv_f32"
 ROW_GROUPS = (1, 4)  # rows a thread reads side by side: gemv.c's two loops
+PREFETCH = (0, 16 << 10, 32 << 10)  # bytes ahead each row stream asks for (0: the hardware prefetcher alone)
+WAYS = tuple((rows, ahead) for rows in ROW_GROUPS for ahead in PREFETCH)  # what `tune` chooses from
 # what `tune` times: gpt2's four block matrices (out, in), in copies enough to stream from memory, not cache
 TUNE_SHAPES = ((2304, 768), (768, 768), (3072, 768), (768, 3072))
 TUNE_COPIES, TUNE_ROUNDS = 4, 7
@@ -46,13 +50,15 @@ TUNE_COPIES, TUNE_ROUNDS = 4, 7
 
 @dataclass(frozen=True)
 class Kernel:
-    """The built C function and the rows a thread reads at a time on this machine (one of ROW_GROUPS)."""
+    """The built C function and how a thread reads its rows on this machine: `rows` at a time (one of ROW_GROUPS),
+    each stream asking for the bytes `prefetch` ahead (one of PREFETCH)."""
 
-    fn: Callable[..., None]  # kv_gemv_f32(W, x, b, y, out, in, threads, rows): pointers, then sizes
+    fn: Callable[..., None]  # kv_gemv_f32(W, x, b, y, out, in, threads, rows, prefetch): pointers, then sizes
     rows: int
+    prefetch: int = 0
 
     def __call__(self, w: int, x: int, b: int | None, y: int, n_out: int, n_in: int, threads: int) -> None:
-        self.fn(w, x, b, y, n_out, n_in, threads, self.rows)
+        self.fn(w, x, b, y, n_out, n_in, threads, self.rows, self.prefetch)
 
 
 def compiler() -> str | None:
@@ -93,9 +99,9 @@ def build(cc: str | None, root: Path) -> tuple[Kernel | None, str]:
         fn = _load(out)
         if fn is None:
             return None, f"{out} was built but does not load"
-    if not all(_agrees(Kernel(fn, rows)) for rows in ROW_GROUPS):
+    if not all(_agrees(Kernel(fn, *way)) for way in WAYS):
         return None, f"{out} disagrees with torch's product: not used"
-    return Kernel(fn, tune(fn, out.with_name("rows.json"))), ""
+    return Kernel(fn, *tune(fn, out.with_name("tuning.json"))), ""
 
 
 def _load(path: Path):
@@ -104,7 +110,7 @@ def _load(path: Path):
         fn = getattr(ctypes.CDLL(str(path)), SYMBOL)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     fn.restype = None
     return fn
 
@@ -129,49 +135,61 @@ def _compile(cc: str, out: Path) -> str:
     return ""
 
 
-def tune(fn: Callable[..., None], record: Path) -> int:
-    """The rows a thread reads at a time on this machine: the one of ROW_GROUPS that streamed gpt2's block matrices
-    faster, timed once (~0.2 s) and kept in `record` (JSON: the choice, each median in ms, the threads); a record
-    that cannot be read is timed again, one that cannot be written is only not kept."""
+def tune(fn: Callable[..., None], record: Path) -> tuple[int, int]:
+    """How a thread reads its rows on this machine, (rows, prefetch): the one of WAYS that streamed gpt2's block
+    matrices fastest, timed once (~0.4 s) and kept in `record` (JSON: the choice, each way's median in ms, the
+    threads); a record that cannot be read is timed again, one that cannot be written is only not kept."""
     try:
-        rows = json.loads(record.read_text())["rows"]
-        if type(rows) is int and rows in ROW_GROUPS:  # not `true`, which equals 1
-            return rows
+        kept = json.loads(record.read_text())
+        way = (kept["rows"], kept["prefetch"])
+        if all(type(v) is int for v in way) and way in WAYS:  # not `true`, which equals 1
+            return way
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    ms, threads = _time_row_groups(fn)
-    rows = min(ms, key=lambda r: ms[r])
-    kept = {"rows": rows, "median_ms": {str(r): round(t, 3) for r, t in ms.items()}, "threads": threads}
+    ms, threads = _time_ways(fn)
+    way = min(ms, key=lambda w: ms[w])
+    kept = {
+        "rows": way[0],
+        "prefetch": way[1],
+        "median_ms": {_label(w): round(t, 3) for w, t in ms.items()},
+        "threads": threads,
+    }
     tmp = record.with_name(f".{record.name}.{os.getpid()}")
     try:
         tmp.write_text(json.dumps(kept) + "\n")
         os.replace(tmp, record)
     except OSError:
         pass
-    return rows
+    return way
 
 
-def _time_row_groups(fn: Callable[..., None]) -> tuple[dict[int, float], int]:
-    """Median ms of one pass over TUNE_COPIES copies of TUNE_SHAPES (~113 MB) per row group, the groups taking
+def _label(way: tuple[int, int]) -> str:
+    """A way's key in the tuning record: "4 rows, 16384 B ahead"."""
+    rows, ahead = way
+    return f"{rows} row{'s' * (rows > 1)}, {ahead} B ahead"
+
+
+def _time_ways(fn: Callable[..., None]) -> tuple[dict[tuple[int, int], float], int]:
+    """Median ms of one pass over TUNE_COPIES copies of TUNE_SHAPES (~113 MB) per way of reading, the ways taking
     turns for TUNE_ROUNDS rounds after one warm-up pass each, on every core this process may use (a benchmark's
     threads), whichever process builds the library first."""
     mats = [torch.full(shape, 0.01) for _ in range(TUNE_COPIES) for shape in TUNE_SHAPES]  # (out, in) each
     x, y = torch.ones(max(n_in for _, n_in in TUNE_SHAPES)), torch.empty(max(n for n, _ in TUNE_SHAPES))
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
-    def one_pass(rows: int) -> float:
+    def one_pass(rows: int, ahead: int) -> float:
         t0 = time.perf_counter()
         for w in mats:
-            fn(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), w.size(0), w.size(1), threads, rows)
+            fn(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), w.size(0), w.size(1), threads, rows, ahead)
         return (time.perf_counter() - t0) * 1e3
 
-    times: dict[int, list[float]] = {rows: [] for rows in ROW_GROUPS}
+    times: dict[tuple[int, int], list[float]] = {way: [] for way in WAYS}
     for rnd in range(TUNE_ROUNDS + 1):
-        for rows in ROW_GROUPS:
-            t = one_pass(rows)
+        for way in WAYS:
+            t = one_pass(*way)
             if rnd:  # the first round warms up
-                times[rows].append(t)
-    return {rows: statistics.median(t) for rows, t in times.items()}, threads
+                times[way].append(t)
+    return {way: statistics.median(t) for way, t in times.items()}, threads
 
 
 def _agrees(fn) -> bool:
@@ -219,10 +237,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     kernel = library()
     assert kernel is not None, "model/matmul.py routes here only where the kernel was built"
     b = None if bias is None else bias.data_ptr()
-    args = (weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), n_out, n_in, torch.get_num_threads(), kernel.rows)
+    args = (weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), n_out, n_in, torch.get_num_threads())
     if torch.autograd._profiler_enabled():  # a ctypes call is no operator: name it for `bench --profile`
         with torch.profiler.record_function("kvbench::gemv"):
-            kernel.fn(*args)
+            kernel(*args)
     else:
-        kernel.fn(*args)
+        kernel(*args)
     return y.view(*x.shape[:-1], n_out)

@@ -73,6 +73,7 @@ def cpu_facts() -> dict:
         "cpu_matmul": route(),
         "cpu_gemv_unavailable": gemv.unavailable(),  # why the route is not kvbench's GEMV, where it could not be built
         "cpu_gemv_rows": None if kernel is None else kernel.rows,  # rows read side by side, as tuned on this machine
+        "cpu_gemv_prefetch": None if kernel is None else kernel.prefetch,  # bytes ahead each row stream asks for
         "cpus_usable": usable_cpus(),
         "load_average": {"start": load_average()},
     }
