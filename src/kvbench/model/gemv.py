@@ -6,9 +6,9 @@ and costs about 20 us a call, where a sum reads the same bytes at 30-50 (2-core 
 each row in order and sums it in SIMD lanes: 30-49 GB/s on the same matrices, 4 us a call for a small one
 (docs/performance.md). How best to read the rows depends on the CPU: one at a time or four side by side (on a 2-core
 Intel Xeon, 2026-12-06, four read gpt2's block matrices 12-20% faster; on the AMD EPYC one row ran at a sum's rate),
-and whether each stream asks for its bytes 16 or 32 KiB ahead (on the same Xeon, 2026-12-07, one row 16 KiB ahead
-read them 11% faster than the best way without). So the first build on a machine times every way (`tune`) and
-keeps the fastest; all give the same bits.
+and whether each stream asks for its bytes 16 or 32 KiB ahead (on the same Xeon, later that day, a gpt2 decode
+step's 494 MB took 20.1 ms one row at a time 32 KiB ahead, 22.6 four rows without, 26.1 one row without). So the
+first build on a machine times every way (`tune`) and keeps the fastest; all give the same bits.
 
 It is compiled once per machine, for its CPU (`-march=native`), with the C compiler on PATH ($CC, else cc, else gcc)
 into $KVBENCH_CACHE_DIR/gemv/<key>/ (the library, and `tuning.json`: the tuning's times and choice), checked against
@@ -43,9 +43,11 @@ SYMBOL = "kv_gemv_f32"
 ROW_GROUPS = (1, 4)  # rows a thread reads side by side: gemv.c's two loops
 PREFETCH = (0, 16 << 10, 32 << 10)  # bytes ahead each row stream asks for (0: the hardware prefetcher alone)
 WAYS = tuple((rows, ahead) for rows in ROW_GROUPS for ahead in PREFETCH)  # what `tune` chooses from
-# what `tune` times: gpt2's four block matrices (out, in), in copies enough to stream from memory, not cache
-TUNE_SHAPES = ((2304, 768), (768, 768), (3072, 768), (768, 3072))
-TUNE_COPIES, TUNE_ROUNDS = 4, 7
+# what `tune` times: one gpt2 decode step's matrices (out, in), its 12 blocks' four and the lm_head: 494 MB, the bytes
+# a step streams between two reads of one matrix (more than most last-level caches: a smaller set is partly read from
+# there and can choose a way that is not the fastest from memory)
+TUNE_SHAPES = ((2304, 768), (768, 768), (3072, 768), (768, 3072)) * 12 + ((50257, 768),)
+TUNE_ROUNDS = 7
 
 
 @dataclass(frozen=True)
@@ -136,8 +138,8 @@ def _compile(cc: str, out: Path) -> str:
 
 
 def tune(fn: Callable[..., None], record: Path) -> tuple[int, int]:
-    """How a thread reads its rows on this machine, (rows, prefetch): the one of WAYS that streamed gpt2's block
-    matrices fastest, timed once (~0.4 s) and kept in `record` (JSON: the choice, each way's median in ms, the
+    """How a thread reads its rows on this machine, (rows, prefetch): the one of WAYS that streamed a gpt2 decode
+    step's matrices fastest, timed once (~1 s) and kept in `record` (JSON: the choice, each way's median in ms, the
     threads); a record that cannot be read is timed again, one that cannot be written is only not kept."""
     try:
         kept = json.loads(record.read_text())
@@ -170,10 +172,10 @@ def _label(way: tuple[int, int]) -> str:
 
 
 def _time_ways(fn: Callable[..., None]) -> tuple[dict[tuple[int, int], float], int]:
-    """Median ms of one pass over TUNE_COPIES copies of TUNE_SHAPES (~113 MB) per way of reading, the ways taking
-    turns for TUNE_ROUNDS rounds after one warm-up pass each, on every core this process may use (a benchmark's
-    threads), whichever process builds the library first."""
-    mats = [torch.full(shape, 0.01) for _ in range(TUNE_COPIES) for shape in TUNE_SHAPES]  # (out, in) each
+    """Median ms of one pass over TUNE_SHAPES per way of reading, the ways taking turns for TUNE_ROUNDS rounds after
+    one warm-up pass each, on every core this process may use (a benchmark's threads), whichever process builds the
+    library first."""
+    mats = [torch.full(shape, 0.01) for shape in TUNE_SHAPES]  # (out, in) each
     x, y = torch.ones(max(n_in for _, n_in in TUNE_SHAPES)), torch.empty(max(n for n, _ in TUNE_SHAPES))
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
