@@ -23,13 +23,22 @@ START_S = 180  # a loaded 2-core machine imports torch and FastAPI slowly: a dea
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def default_sighup() -> None:
+    """In a child, before exec: SIGHUP back to its default action (nohup and some job runners start everything
+    with it ignored, and kvbench keeps an ignored SIGHUP ignored)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 class Server:
     def __init__(self, *args: str) -> None:
         self.log = Path(tempfile.mkstemp(prefix="kvbench-serve-", suffix=".log")[1])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
         cmd = [sys.executable, "-m", "kvbench", "serve", "--port", "0", "--device", "cpu", *args]
         with self.log.open("w") as err:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+            # SIGHUP as a terminal leaves it, whatever this run inherited: under nohup the server would keep ignoring it
+            self.proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, preexec_fn=default_sighup
+            )
         self.ready_line = self._ready()
         m = READY.match(self.ready_line)
         assert m, f"not the ready line: {self.ready_line!r}"

@@ -7,6 +7,7 @@ and the CPU's limits on --tp.
 The launcher's rules are one table over what the launcher knows (`_outcome`); real launches of two ranks with a
 cache plugin that misbehaves on one rank prove the wiring, in the slow tier."""
 
+import functools
 import json
 import os
 import signal
@@ -324,8 +325,16 @@ def _start(tmp_path: Path, *args, background: bool = False) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env={**base, "OMP_NUM_THREADS": "1", **_slow(tmp_path)},
-        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None,
+        preexec_fn=functools.partial(_child_signals, background),
     )
+
+
+def _child_signals(background: bool) -> None:
+    """In the child, before exec: SIGHUP at its default action (under nohup this run inherited it ignored, and
+    kvbench keeps an ignored SIGHUP ignored), and SIGINT ignored for a background job."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    if background:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _wait_for_marks(tmp_path: Path, n: int, p: subprocess.Popen, timeout: float = 240) -> list[int]:
