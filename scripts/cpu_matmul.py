@@ -54,27 +54,6 @@ def _timed(fn, warmup: int, repeats: int) -> list[float]:
     return times
 
 
-def _gemv_reading(kernel: gemv.Kernel, way: tuple[int, int]):
-    """gemv.gemv with the kernel reading its rows `way` ((rows, prefetch)), whatever was tuned."""
-    fixed = gemv.Kernel(kernel.fn, *way)
-
-    def run(x, w, b):
-        n_out, n_in = w.shape
-        y = torch.empty(n_out)
-        fixed(
-            w.data_ptr(),
-            x.data_ptr(),
-            None if b is None else b.data_ptr(),
-            y.data_ptr(),
-            n_out,
-            n_in,
-            torch.get_num_threads(),
-        )
-        return y
-
-    return run
-
-
 def _layer_norm_cold(gemvs: list, repeats: int) -> tuple[float, float]:
     """Median us of a one-row LayerNorm alone, and right after each of `gemvs` (calls that take no argument)."""
     ln = torch.nn.LayerNorm(C)
@@ -153,7 +132,7 @@ def main() -> None:
         for way in gemv.WAYS:
             mark = "*" if way == (kernel.rows, kernel.prefetch) else ""
             name = f"gemv {way[0]} row{'s' * (way[0] > 1)}, {way[1] >> 10} KiB{mark}"
-            routes[name] = (_gemv_reading(kernel, way), w_oi, head_oi)
+            routes[name] = (functools.partial(gemv.gemv, kernel=gemv.Kernel(kernel.fn, *way)), w_oi, head_oi)
     block_mb = sum(i * o for i, o in SHAPES) * LAYERS * 4 / 1e6
     head_mb = V * C * 4 / 1e6
     cpu = torch.backends.cpu.get_cpu_capability()

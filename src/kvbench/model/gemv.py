@@ -231,18 +231,24 @@ def reset() -> None:
     _built.cache_clear()
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Kernel | None = None
+) -> torch.Tensor:
     """x (..., in) holding one row, contiguous; weight (out, in) contiguous; bias (out,) contiguous or None; all
-    float32 on the CPU (model/matmul.py checks) -> (..., out)."""
+    float32 on the CPU (model/matmul.py checks) -> (..., out). `kernel`: the one tuned for this machine unless given
+    (scripts/cpu_matmul.py times every way of reading)."""
     n_out, n_in = weight.shape
     y = torch.empty(n_out, dtype=x.dtype)
-    kernel = library()
+    if kernel is None:
+        kernel = library()
     assert kernel is not None, "model/matmul.py routes here only where the kernel was built"
     b = None if bias is None else bias.data_ptr()
-    args = (weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), n_out, n_in, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    # the C function itself, not Kernel's __call__: in a decode step every Python call here runs with cold caches
+    args = (weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), n_out, n_in, threads, kernel.rows, kernel.prefetch)
     if torch.autograd._profiler_enabled():  # a ctypes call is no operator: name it for `bench --profile`
         with torch.profiler.record_function("kvbench::gemv"):
-            kernel(*args)
+            kernel.fn(*args)
     else:
-        kernel(*args)
+        kernel.fn(*args)
     return y.view(*x.shape[:-1], n_out)
