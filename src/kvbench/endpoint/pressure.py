@@ -7,14 +7,16 @@
 - evicted:reset: R cached before the flood (so it sits in a lower tier, or nowhere), then the reset, then R: 0
   cached tokens, since a reset that empties the device alone leaves a lower tier answering
 - batch-invariance:distinct: a prompt alone, then among concurrent neighbours of other lengths, repeated
-- batch-invariance:shared-prefix: S cached, then S+B among neighbours that share S and finish first; an engine that
-  frees a shared block when one holder finishes hands it out while S+B still reads it
+- batch-invariance:shared-prefix: S cached, then S+B among neighbours that share S and finish first (started with
+  it, or joining it a quarter into its time alone); an engine that frees a shared block when one holder finishes
+  hands it out while S+B still reads it
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from kvbench.check.judge import CheckRow, skipped
 from kvbench.endpoint.checks import Run, cached, join
@@ -24,7 +26,10 @@ from kvbench.endpoint.completion import Completion, Prompt, length
 from kvbench.endpoint.engine import LOWER_TIER_HITS, Engine
 
 REPEATS = 3  # batch-invariance: bursts of the prompt among its neighbours
-JOIN_LATE_S = 0.05  # in every other burst the prompt starts this long after its neighbours (a running batch)
+JOIN_LATE_S = 0.05  # batch-invariance:distinct: every other burst, the prompt starts this long after its neighbours
+# batch-invariance:shared-prefix: every other burst, the neighbours start this share of the prompt's time alone after
+# it: it holds S by then, and still decodes (and takes new blocks) after they finish, however fast the engine is
+NEIGHBOURS_LATE = 0.25
 # The flood is bounded before it starts, whatever pool size /metrics or --evict-tokens states: at most this many
 # requests of at most MAX_FLOOD_PROMPT tokens, and no longer than MAX_FLOOD_S at the pace of its first requests.
 MAX_FLOOD_PROMPT = 2048
@@ -111,6 +116,14 @@ class FloodTooLong(Exception):
     """The flood would take past MAX_FLOOD_S at the pace of its first requests."""
 
 
+class Late(NamedTuple):
+    """Who joins a burst late, and by how much."""
+
+    target: bool  # the prompt checked (else its neighbours)
+    seconds: float
+    words: str  # "joining them late"
+
+
 def flood_plan(e: Engine, prompt_len: int, neighbours: int, pool: int) -> tuple[int, int]:
     """(prompt size, requests) of a flood past `pool` tokens: a prompt as long as the context allows (up to
     MAX_FLOOD_PROMPT, and at most half the pool's share of one of the `neighbours` requests run at a time; in words
@@ -161,9 +174,9 @@ def _call(e: Engine, prompt: Prompt, n: int, cold: bool = False) -> Callable[[],
     return call
 
 
-def _late(call: Callable[[], Completion]) -> Callable[[], Completion]:
+def _late(call: Callable[[], Completion], wait: float) -> Callable[[], Completion]:
     def later() -> Completion:
-        time.sleep(JOIN_LATE_S)
+        time.sleep(wait)
         return call()
 
     return later
@@ -175,10 +188,16 @@ def batch_invariance(r: Run) -> Iterator[CheckRow]:
 
 
 def _bursts(
-    r: Run, target: Prompt, alone: Completion, neighbours: Callable[[], list[Prompt]], n: int, prime: Prompt | None
+    r: Run,
+    target: Prompt,
+    alone: Completion,
+    neighbours: Callable[[], list[Prompt]],
+    n: int,
+    prime: Prompt | None,
+    late: Callable[[], Late],
 ) -> list[Comparison]:
     """REPEATS bursts of `target` (cold where `prime` is None, else after `prime` cached what they share) among
-    `neighbours()` run with `n` new tokens; every other burst, the target joins late."""
+    `neighbours()` run with `n` new tokens; every other burst, one side joins late (`late()`: which, how late)."""
     e, comps = r.engine, []
     for rep in range(REPEATS):
         others = neighbours()
@@ -187,9 +206,16 @@ def _bursts(
         if prime is not None:
             e.complete(prime, 1, cold=not e.reset.clears_all)
         first = _call(e, target, r.new_tokens, cold=prime is None)
-        late = rep % 2 == 1
-        among = parallel([_late(first) if late else first] + [_call(e, q, n) for q in others])[0]
-        when = "joining them late" if late else "started together"
+        rest = [_call(e, q, n) for q in others]
+        when = "started together"
+        if rep % 2 == 1:
+            who = late()
+            when = who.words
+            if who.target:
+                first = _late(first, who.seconds)
+            else:
+                rest = [_late(c, who.seconds) for c in rest]
+        among = parallel([first, *rest])[0]
         comps.append(compare(f"burst {rep + 1} ({when}) vs alone", alone, among, r.tol))
     return comps
 
@@ -198,7 +224,8 @@ def _distinct(r: Run) -> CheckRow:
     p = r.prompts.fresh(r.prompt_len)
     alone = r.cold(p)
     lens = [r.prompt_len + 4 * (i + 1) for i in range(r.neighbours)]
-    comps = _bursts(r, p, alone, lambda: [r.prompts.fresh(n) for n in lens], 2 * r.new_tokens, None)
+    late = Late(True, JOIN_LATE_S, "joining them late")
+    comps = _bursts(r, p, alone, lambda: [r.prompts.fresh(n) for n in lens], 2 * r.new_tokens, None, lambda: late)
     warm = "" if r.engine.reset.available else "; no reset, so the bursts also reuse the alone run's prefix"
     what = (
         f"a {r.prompt_len}-{r.unit()} prompt alone, then {REPEATS} times among {r.neighbours} concurrent neighbours "
@@ -209,11 +236,13 @@ def _distinct(r: Run) -> CheckRow:
 
 def _shared(r: Run) -> CheckRow:
     """S+B's prompt ends a token short of a block boundary, so its second decode step takes a new block: after the
-    neighbours (S+A_i, one token each) have finished and released what they shared."""
+    neighbours (S+A_i, one token each) have finished and released what they shared, when they start together. Where
+    they join late, S+B already holds S and takes a new block every block's worth of tokens after they finish."""
     k, tail = r.whole_blocks(), r.block() - 1
     s = r.prompts.fresh(k)
     target = join(s, r.prompts.fresh(tail))
     alone = r.cold(target)
+    wait = NEIGHBOURS_LATE * alone.seconds
     comps = _bursts(
         r,
         target,
@@ -221,6 +250,7 @@ def _shared(r: Run) -> CheckRow:
         lambda: [join(s, r.prompts.fresh(tail)) for _ in range(r.neighbours)],
         1,
         join(s, r.prompts.fresh(tail)),
+        lambda: Late(False, wait, f"they join {wait * 1e3:.0f} ms into it"),
     )
     what = (
         f"S of {k} {r.unit()}s cached, then S+B ({tail} more) {REPEATS} times among {r.neighbours} concurrent "
