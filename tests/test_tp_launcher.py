@@ -139,6 +139,46 @@ def test_the_run_ends_in_the_line_of_the_rank_that_ended_it(codes, ends, stopped
     assert e.value.code != 70  # never "a kvbench bug" for what a rank or a signal did
 
 
+STACKS = """Fatal Python error: Segmentation fault
+
+Thread 0x00007f0000000001 (most recent call first):
+  File "/work/p/src/kvbench/distributed.py", line 247 in watch
+  File "/usr/lib/python3.11/threading.py", line 982 in run
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/v/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2850 in all_reduce
+  File "/v/lib/python3.11/site-packages/transformers/integrations/tensor_parallel.py", line 512 in _prepare_output_fn
+{own}  File "<frozen runpy>", line 88 in _run_code
+
+Extension modules: torch._C (total: 1)
+"""
+
+
+@pytest.mark.parametrize(
+    "own, want",
+    [
+        (
+            '  File "/work/p/src/kvbench/check/hf_verify.py", line 40 in step\n',
+            " in torch/distributed/distributed_c10d.py line 2850, in all_reduce (called from hf_verify.py line 40, "
+            "in step)",
+        ),
+        ("", " in torch/distributed/distributed_c10d.py line 2850, in all_reduce"),
+    ],
+    ids=["own-caller", "libraries-only"],
+)
+def test_a_crashed_rank_is_placed_at_the_crashing_threads_innermost_frame(tmp_path, own, want):
+    """The crashing thread's frame, not the first thread faulthandler lists; the innermost frame of one's own code
+    (kvbench, a plugin, a script) as the caller where the crash is inside installed packages."""
+    (tmp_path / "ends").mkdir()
+    distributed.fault_file(tmp_path / "ends", 1).write_text(STACKS.replace("{own}", own))
+    at, kept = launcher.crash_report(tmp_path, 1)
+    assert at == want
+    path = Path(kept.removeprefix(" (its stacks: ").removesuffix(")"))
+    assert path.read_text().startswith("Fatal Python error: Segmentation fault"), kept
+    path.unlink()
+    assert launcher.crash_report(tmp_path, 0) == ("", "")  # a rank that left nothing (SIGKILL, os._exit)
+
+
 def test_the_launchers_line_names_the_plugins_and_the_timeout_only_when_given():
     assert launcher._plugins(["verify", "--caches", "dynamic,static"]) == ""
     assert launcher._plugins(["break", "-c", "a.b:C"]) == "; cache plugin loaded: a.b:C"
@@ -432,6 +472,32 @@ def test_a_lost_rank_is_named_with_how_and_the_reports_are_the_runs(tmp_path, bo
     doc = json.loads(r.stdout)  # one document, the run's
     assert doc == {"schema_version": 1, "passed": False, "error": said.removeprefix("error: "), "exit_code": code}
     assert f'<error message="{said.removeprefix("error: ")}"' in xml.read_text().replace("&apos;", "'")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_that_crashes_in_native_code_is_named_with_where_and_its_stacks_are_kept(tmp_path, rank):
+    """A SIGSEGV in a rank: the line names the Python frame it crashed in (faulthandler in the rank, written to the
+    launcher's folder, never the terminal) and a file kept after the run, with every thread's stack and, for ranks
+    other than 0 (whose output is the terminal's), the end of that rank's own output."""
+    body = "import ctypes, sys; print('last words of the rank', file=sys.stderr, flush=True); ctypes.string_at(0)"
+    env = _misbehaving(tmp_path, body, rank) | {"TMPDIR": str(tmp_path)}
+    line_no = MISBEHAVING.splitlines().index("            {body}") + 1
+    args = ["verify", "--tp", 2, *TINY, *SMALL, "--caches", "badplug:C", "--tp-timeout", 10]
+    r = kvbench(*args, env=env, timeout=400)
+    assert r.returncode == 75, r.stderr
+    (said,) = errors(r.stderr)
+    what = "stacks and last output" if rank else "stacks"
+    want = f"error: rank {rank} was killed by SIGSEGV in ctypes/__init__.py line "  # the innermost frame, then the caller's
+    assert said.startswith(want), said
+    want = f", in string_at (called from badplug.py line {line_no}, in update), so the run lost it (its {what}: "
+    assert want in said, said
+    assert "Fatal Python error" not in r.stderr, r.stderr  # the stacks are in the file, not on the terminal
+    (kept,) = tmp_path.glob(f"kvbench-rank{rank}-lost-*.txt")
+    assert said.endswith(f"{kept}); cache plugin loaded: badplug:C"), said
+    text = kept.read_text()
+    assert "Segmentation fault" in text and f'badplug.py", line {line_no} in update' in text, text
+    assert ("last words of the rank" in text) == (rank != 0), text
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import faulthandler
 import json
 import os
 import signal
@@ -327,6 +328,27 @@ def record_end(code: int, line: str | None, kind: str, documents: int, where: st
         os.replace(tmp, folder / f"rank-{rank}.json")
     except OSError:  # the launcher's folder is gone (the launcher is): nobody reads it
         pass
+
+
+_FAULTS: dict = {}  # "file": where this rank's Python stacks go if it crashes (record_faults)
+
+
+def fault_file(folder: Path, rank: int) -> Path:
+    return folder / f"fault-{rank}.txt"
+
+
+def record_faults() -> None:
+    """Under kvbench's launcher: a crash in native code (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) writes every
+    thread's Python stack to a file of the launcher's folder (faulthandler), which the launcher's line points at;
+    never to the terminal."""
+    folder = status_dir()
+    if folder is None or _FAULTS:
+        return
+    try:
+        _FAULTS["file"] = fault_file(folder, int(os.environ.get("RANK", "0"))).open("w")
+    except OSError:  # the launcher's folder is gone: nobody would read it
+        return
+    faulthandler.enable(_FAULTS["file"], all_threads=True)
 
 
 def gather(obj: object) -> list | None:

@@ -4,7 +4,8 @@ c10d rendezvous on localhost at a free port), waited for, and how the run ended 
 Each rank writes how it ended to a folder of the launcher's (kvbench.distributed.record_end); the launcher says the
 run's one line: rank 0's verdict when it gave one, otherwise the rank that failed first and how (its own error, a
 signal that killed it, an exit without a word, or a hang past --tp-timeout), as `RanksFailed` with the run's exit
-status. Ctrl-C, SIGTERM and SIGHUP reach every rank; the launcher stops them all before it returns.
+status. A rank that crashed in native code is placed at its Python frame, and its stacks and last output are kept in
+a file the line names (`crash_report`). Ctrl-C, SIGTERM and SIGHUP reach every rank; the launcher stops them all before it returns.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -73,7 +75,7 @@ def launch(world: int, argv: list[str]) -> int:
             signalled.ranks = {r for r, pid in pids.items() if pid in signalled.pids}
         except SignalException as e:
             stopped_by = signal.Signals(e.sigval)
-        return _outcome(Ended(codes, _read_ends(ends), order, signalled, stopped_by), argv)
+        return _outcome(Ended(codes, _read_ends(ends), order, signalled, stopped_by, logs), argv)
     finally:
         if marker is None:
             os.environ.pop(LAUNCHER_ENV, None)
@@ -116,6 +118,7 @@ class Ended:
     order: list[int]
     signalled: _Signalled
     stopped_by: signal.Signals | None = None
+    logs: Path | None = None  # the launcher's folder: the ranks' output (ranks 1..N-1) and fault stacks (ends/)
 
     def stopped_by_launcher(self, r: int) -> bool:
         """Did the launcher stop rank `r` (after another rank ended, or on the launcher's own signal)?"""
@@ -169,12 +172,14 @@ def _outcome(run: Ended, argv: list[str]) -> int:
         r = killed[0]
         sig = _signal_name(-run.codes[r])
         why = " (as the kernel's out-of-memory killer does)" if sig == "SIGKILL" else ""
-        raise RanksFailed(f"rank {r} was killed by {sig}{why}, so the run lost it{plugins}", PEER_LOST)
+        at, kept = crash_report(run.logs, r)
+        raise RanksFailed(f"rank {r} was killed by {sig}{at}{why}, so the run lost it{kept}{plugins}", PEER_LOST)
     if silent and run.stopped_by is None:
         r = silent[0]
+        at, kept = crash_report(run.logs, r)
         raise RanksFailed(
-            f"rank {r} left the run early: it exited with status {run.codes[r]} without a word (os._exit() or a "
-            f"crash in native code){plugins}",
+            f"rank {r} left the run early{at}: it exited with status {run.codes[r]} without a word (os._exit() or a "
+            f"crash in native code){kept}{plugins}",
             PEER_LOST,
         )
     if run.stopped_by is not None:
@@ -194,6 +199,70 @@ def _outcome(run: Ended, argv: list[str]) -> int:
         )
     said = ", ".join(f"rank {r} {_how(run, r)}" for r in range(len(run.codes)))
     raise RanksFailed(f"the ranks ended without a verdict and without an error of their own ({said})", PEER_LOST)
+
+
+FAULT_FRAME = re.compile(r'^\s*File "(.+)", line (\d+) in (\S+)')
+TAIL_LINES = 200  # of a lost rank's own output, kept beside its stacks
+
+
+def crash_report(logs: Path | None, r: int) -> tuple[str, str]:
+    """Where a lost rank was, for its line (" in FILE line N, in FUNC": the innermost Python frame of the thread that
+    crashed, from its faulthandler file; "" when it left none, as after SIGKILL or os._exit), and a file kept after
+    the launcher's folder is removed, with the rank's Python stacks and the end of its output (ranks 1..N-1; rank 0's
+    went to the terminal): "(its stacks and last output: PATH)", or "" when there is nothing to keep."""
+    if logs is None:
+        return "", ""
+    from kvbench.distributed import fault_file
+
+    stacks = _read(fault_file(logs / "ends", r))
+    output = [f"--- {p.name} ---\n" + "".join(_read(p).splitlines(True)[-TAIL_LINES:]) for p in _rank_logs(logs, r)]
+    output = [o for o in output if not o.endswith("---\n")]  # the empty ones
+    if not stacks.strip() and not output:
+        return "", ""
+    at = _crashed_at(stacks)
+    fd, name = tempfile.mkstemp(prefix=f"kvbench-rank{r}-lost-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join([stacks.rstrip("\n"), *output]) + "\n")
+    what = "stacks and last output" if stacks.strip() and output else "stacks" if stacks.strip() else "last output"
+    return at, f" (its {what}: {name})"
+
+
+LIBRARY = re.compile(r"(?:.*/site-packages/|.*/lib/python3\.\d+/)(.+)")
+
+
+def _crashed_at(stacks: str) -> str:
+    """' in FILE line N, in FUNC' for the innermost frame of the thread that crashed (faulthandler's "Current
+    thread", listed among the others), and ' (called from ...)' for the innermost frame outside the standard library
+    and installed packages where that frame is not one: the caller's own code, a plugin or kvbench."""
+    lines = stacks.splitlines()
+    start = next((i + 1 for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+    frames = []
+    for line in lines[start:] if start is not None else []:
+        m = FAULT_FRAME.match(line)
+        if m is None:
+            break
+        frames.append((m.group(1), m.group(2), m.group(3)))
+    if not frames:
+        return ""
+
+    def where(f: tuple[str, str, str]) -> str:
+        lib = LIBRARY.match(f[0])
+        return f"{lib.group(1) if lib else Path(f[0]).name} line {f[1]}, in {f[2]}"
+
+    own = next((f for f in frames if not LIBRARY.match(f[0]) and not f[0].startswith("<")), None)
+    caller = f" (called from {where(own)})" if own is not None and own != frames[0] else ""
+    return f" in {where(frames[0])}{caller}"
+
+
+def _rank_logs(logs: Path, r: int) -> list[Path]:
+    return sorted(logs.glob(f"*/attempt_*/{r}/std*.log"))
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _how(run: Ended, r: int) -> str:

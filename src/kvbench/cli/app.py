@@ -199,6 +199,7 @@ class KVBenchCommand(TyperCommand):
         from kvbench import distributed
 
         distributed.stop_with_launcher()
+        distributed.record_faults()
         printed = console.documents_printed()
         code, line, kind, where = 0, None, "done", None
         try:
