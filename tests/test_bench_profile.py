@@ -25,14 +25,20 @@ TINY = ["--model", "gpt2-tiny", "--weights", "random", "--device", "cpu"]
 def linear_calls(route: str, cache: str, new: int) -> dict[str, int]:
     """{operator: calls} of the projections of a run of `new` tokens on gpt2-tiny (2 blocks of 4 biased linears, and
     lm_head), one forward per token, on each CPU route (model/matmul.py): ATen's addmm for the biased ones and mm for
-    lm_head; oneDNN's inner product for all; or kvbench's GEMV for every one-row product (a decode step's, and
-    lm_head's over the last position), oneDNN's for the rest (the prefill's, every forward of `none`)."""
+    lm_head; oneDNN's inner product for all; or, on the gemv route, kvbench's fused calls for one row (ln_f with
+    lm_head over the last position; a decode step's block as ln_1 with c_attn, then everything after attention),
+    oneDNN's for the rest (the prefill's, every forward of `none`)."""
     if route == "aten":
         return {"aten::addmm": new * 2 * 4, "aten::mm": new}
     if route == "onednn":
         return {"mkldnn::_linear_pointwise": new * (2 * 4 + 1)}
     steps = 0 if cache == "none" else new - 1
-    return {"mkldnn::_linear_pointwise": (new - steps) * 2 * 4, "kvbench::gemv": new + steps * 2 * 4}
+    calls = {
+        "mkldnn::_linear_pointwise": (new - steps) * 2 * 4,
+        "kvbench::ln_gemv": new + steps * 2,
+        "kvbench::block_tail": steps * 2,
+    }
+    return {op: n for op, n in calls.items() if n}
 
 
 @pytest.fixture(params=["aten", "gemv", "onednn"])
@@ -63,10 +69,11 @@ def test_profile_writes_a_trace_per_configuration_and_gpt2s_operator_counts(tmp_
     assert "profile: top operators by self time" in result.output
     meta = json.loads((out / "meta.json").read_text())
     assert set(meta["profiles"]) == {"kvbench none prompt 12 batch 1", "kvbench static prompt 12 batch 1"}
-    for rel in meta["profiles"].values():
+    for key, rel in meta["profiles"].items():
         trace = json.loads((out / rel).read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
-        assert {*linear_calls(cpu_route, "static", new), "aten::scaled_dot_product_attention"} <= names
+        cache = key.split()[1]  # "kvbench none prompt 12 batch 1"
+        assert {*linear_calls(cpu_route, cache, new), "aten::scaled_dot_product_attention"} <= names
     ops = pd.read_csv(out / "profile_ops.csv")
     assert set(ops.cache) == {"none", "static"}
     for cache, g in ops.groupby("cache"):

@@ -107,23 +107,115 @@ def test_the_way_of_reading_is_timed_once_per_machine_and_kept(tmp_path, monkeyp
 
 
 @needs_gemv
-def test_a_decode_step_runs_the_gemv_and_equals_transformers(tiny_config, aten_then_back, monkeypatch):
+def test_a_decode_step_runs_two_fused_calls_a_block_and_equals_transformers(tiny_config, aten_then_back, monkeypatch):
+    """ln_1 with c_attn, and everything after attention, one C call each; ln_f with lm_head one more (the prefill's
+    last row too)."""
     from kvbench.caches import make_caches
 
     matmul.set_route("gemv")
     model = GPT(tiny_config).init_weights(seed=0, std=0.1).eval().lay_out()
     ids = torch.randint(0, tiny_config.vocab_size, (1, 12))
     caches = make_caches("static", tiny_config, 1, 12, torch.float32, "cpu")
-    calls = []
-    real = gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(a[1].shape) or real(*a))  # counts, then runs it
+    calls: list[str] = []
+    for name in ("gemv", "ln_gemv", "block_tail"):
+        real = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     with torch.inference_mode():
         model(ids[:, :11], torch.arange(11)[None], caches, last_only=True)
-        assert calls == [(tiny_config.vocab_size, tiny_config.n_embd)]  # the prefill's one row: lm_head's
+        assert calls == ["ln_gemv"]  # the prefill's one row: ln_f and lm_head
         step = model(ids[:, 11:], torch.tensor([[11]]), caches)[:, -1]  # (1, V)
         theirs = to_hf_model(model, "eager")(ids).logits[:, -1]
-    assert len(calls) == 1 + tiny_config.n_layer * 4 + 1  # every projection of the decode step
+    L = tiny_config.n_layer
+    assert calls == ["ln_gemv"] + ["ln_gemv", "block_tail"] * L + ["ln_gemv"]
     assert (step - theirs).abs().max() < 1e-5
+
+
+def _block_and_row(tiny_config):
+    from kvbench.model.gpt2 import Block
+
+    torch.manual_seed(0)
+    block = Block(tiny_config).eval()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    for m in block.modules():
+        if isinstance(m, Conv1D):
+            m.weight.data = m.weight.data.t().contiguous().t()  # (out, in) in memory, as GPT.lay_out stores it
+    return block, torch.randn(1, 1, tiny_config.n_embd)
+
+
+def _decode(block, x, tiny_config, dtype=torch.float32):
+    """The block's decode step for row x at position 5 over 5 cached random K/V."""
+    from kvbench.caches import make_caches
+    from kvbench.model.gpt2 import EXACT_MASK, AttentionMask
+
+    (cache,) = make_caches("dynamic", tiny_config, 1, 6, dtype, "cpu")[:1]
+    g = torch.Generator().manual_seed(1)
+    H, Dh = tiny_config.n_head, tiny_config.head_dim
+    past = [torch.randn(1, H, 5, Dh, generator=g).to(dtype) for _ in range(2)]
+    cache.update(*past, torch.arange(5)[None])
+    mask = AttentionMask(1, 6, None, EXACT_MASK, torch.tensor([[5]]))
+    with torch.inference_mode():
+        return block(x.to(dtype), torch.tensor([[5]]), cache, mask)
+
+
+@needs_gemv
+def test_the_fused_block_against_float64_and_the_same_at_any_thread_count_and_way_of_reading(
+    tiny_config, aten_then_back, monkeypatch
+):
+    block, x = _block_and_row(tiny_config)
+    matmul.set_route("aten")
+    ref = _decode(block.double(), x, tiny_config, torch.float64)  # the modules' own path, in float64
+    block.float()
+    for m in block.modules():
+        if isinstance(m, Conv1D):
+            m.weight.data = m.weight.data.t().contiguous().t()
+    matmul.set_route("gemv")
+    kernel = gemv.library()
+    before, got = torch.get_num_threads(), {}
+    fused = []
+    monkeypatch.setattr(gemv, "block_tail", lambda *a, real=gemv.block_tail: fused.append(1) or real(*a))
+    try:
+        for way in gemv.WAYS:
+            k = gemv.Kernel(kernel.fn, *way, kernel.ln_fn, kernel.tail_fn)
+            monkeypatch.setattr(gemv, "library", lambda k=k: k)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                got[way, threads] = _decode(block, x, tiny_config)
+    finally:
+        torch.set_num_threads(before)
+    assert len(fused) == len(got) == 18  # every one ran the fused calls
+    first = got[(1, 0), 1]
+    assert (first.double() - ref).abs().max() < 1e-5
+    assert all(torch.equal(first, g) for g in got.values())  # LayerNorm on one thread, each row summed one way
+
+
+@needs_gemv
+def test_a_hooked_or_replaced_part_keeps_the_modules_own_path(tiny_config, aten_then_back):
+    """The fused calls stand for exactly the stock modules: a hook on one of them, or a part replaced (a subclass,
+    a tensor-parallel RowParallel), runs the modules' own path, with the same result to rounding."""
+    from kvbench.model.gpt2 import MLP
+
+    block, x = _block_and_row(tiny_config)
+    matmul.set_route("gemv")
+    fused = _decode(block, x, tiny_config)
+    seen = []
+    hook = block.mlp.c_fc.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    hooked = _decode(block, x, tiny_config)
+    hook.remove()
+    assert seen == [(1, 1, 4 * tiny_config.n_embd)] and (hooked - fused).abs().max() < 1e-6
+
+    class LoudMLP(MLP):
+        def forward(self, x):
+            seen.append("mine")
+            return super().forward(x)
+
+    mlp = LoudMLP(tiny_config)
+    mlp.load_state_dict(block.mlp.state_dict())
+    mlp.c_fc.weight.data = mlp.c_fc.weight.data.t().contiguous().t()
+    mlp.c_proj.weight.data = mlp.c_proj.weight.data.t().contiguous().t()
+    block.mlp = mlp
+    replaced = _decode(block, x, tiny_config)
+    assert seen[-1] == "mine" and (replaced - fused).abs().max() < 1e-6
 
 
 def test_without_a_compiler_the_gemv_route_is_onednn_and_says_why(tmp_path, monkeypatch, aten_then_back):

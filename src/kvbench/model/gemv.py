@@ -39,7 +39,10 @@ from kvbench.cachedir import CACHE_ENV, cache_root
 
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+LIBS = ("-lm",)  # after the source: tanhf, sqrtf
 SYMBOL = "kv_gemv_f32"
+LN_SYMBOL = "kv_ln_gemv_f32"  # a LayerNorm, then a projection
+TAIL_SYMBOL = "kv_block_tail_f32"  # a GPT-2 block after attention
 ROW_GROUPS = (1, 4)  # rows a thread reads side by side: gemv.c's two loops
 PREFETCH = (0, 16 << 10, 32 << 10)  # bytes ahead each row stream asks for (0: the hardware prefetcher alone)
 WAYS = tuple((rows, ahead) for rows in ROW_GROUPS for ahead in PREFETCH)  # what `tune` chooses from
@@ -58,6 +61,8 @@ class Kernel:
     fn: Callable[..., None]  # kv_gemv_f32(W, x, b, y, out, in, threads, rows, prefetch): pointers, then sizes
     rows: int
     prefetch: int = 0
+    ln_fn: Callable[..., None] | None = None  # kv_ln_gemv_f32(x, g, gb, eps, W, b, ln, y, out, in, threads, ...)
+    tail_fn: Callable[..., None] | None = None  # kv_block_tail_f32(x, a, Wo, bo, g, gb, eps, Wf, bf, Wp, bp, ...)
 
     def __call__(self, w: int, x: int, b: int | None, y: int, n_out: int, n_in: int, threads: int) -> None:
         self.fn(w, x, b, y, n_out, n_in, threads, self.rows, self.prefetch)
@@ -86,35 +91,45 @@ def build(cc: str | None, root: Path) -> tuple[Kernel | None, str]:
     if not cc:
         return None, "no C compiler ($CC, cc or gcc) on PATH"
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), cc, *FLAGS, _cpu_identity(), torch.__version__]).encode()
+        "\0".join([SOURCE.read_text(), cc, *FLAGS, *LIBS, _cpu_identity(), torch.__version__]).encode()
     ).hexdigest()[:20]
     out = root / "gemv" / key / "libkvgemv.so"
     if not out.is_file():
         why = _compile(cc, out)
         if why:
             return None, why
-    fn = _load(out)
-    if fn is None:  # a cached library damaged since it was written: built again, once
+    fns = _load(out)
+    if fns is None:  # a cached library damaged since it was written: built again, once
         why = _compile(cc, out)
         if why:
             return None, why
-        fn = _load(out)
-        if fn is None:
+        fns = _load(out)
+        if fns is None:
             return None, f"{out} was built but does not load"
-    if not all(_agrees(Kernel(fn, *way)) for way in WAYS):
+    if not all(_agrees(Kernel(fns[0], *way)) for way in WAYS):
         return None, f"{out} disagrees with torch's product: not used"
-    return Kernel(fn, *tune(fn, out.with_name("tuning.json"))), ""
+    rows, prefetch = tune(fns[0], out.with_name("tuning.json"))
+    kernel = Kernel(fns[0], rows, prefetch, *fns[1:])
+    if not _fused_agree(kernel):
+        return None, f"{out}'s fused block calls disagree with torch's: not used"
+    return kernel, ""
 
 
-def _load(path: Path):
-    """The kernel's function from the library at `path`, typed; None when it does not load."""
+def _load(path: Path) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]] | None:
+    """The library's three functions (the GEMV, LayerNorm then GEMV, a block after attention), typed; None when it
+    does not load."""
     try:
-        fn = getattr(ctypes.CDLL(str(path)), SYMBOL)
+        lib = ctypes.CDLL(str(path))
+        fn, ln_fn, tail_fn = (getattr(lib, name) for name in (SYMBOL, LN_SYMBOL, TAIL_SYMBOL))
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    fn.restype = None
-    return fn
+    P, long, way = ctypes.c_void_p, ctypes.c_long, [ctypes.c_int, ctypes.c_int, ctypes.c_long]  # threads, rows, ahead
+    fn.argtypes = [P] * 4 + [long, long, *way]
+    ln_fn.argtypes = [P, P, P, ctypes.c_float, P, P, P, P, long, long, *way]
+    tail_fn.argtypes = [P, P, P, P, P, P, ctypes.c_float, P, P, P, P, P, P, P, P, long, long, *way]
+    for f in (fn, ln_fn, tail_fn):
+        f.restype = None
+    return fn, ln_fn, tail_fn
 
 
 def _compile(cc: str, out: Path) -> str:
@@ -126,7 +141,7 @@ def _compile(cc: str, out: Path) -> str:
         return f"cannot write under {out.parent}: {e.strerror or e}; set {CACHE_ENV} to a writable folder"
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
     try:
-        argv = [*shlex.split(cc), *FLAGS, str(SOURCE), "-o", str(tmp)]  # $CC may carry flags: "gcc -m64"
+        argv = [*shlex.split(cc), *FLAGS, str(SOURCE), "-o", str(tmp), *LIBS]  # $CC may carry flags: "gcc -m64"
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     except (OSError, ValueError, subprocess.SubprocessError) as e:  # ValueError: $CC that shlex cannot split
         return f"cannot run {cc}: {e}"
@@ -208,6 +223,29 @@ def _agrees(fn) -> bool:
     return True
 
 
+def _fused_agree(kernel: Kernel) -> bool:
+    """The two fused calls against torch's own LayerNorm, linear, GELU and additions on a small block (C 48, MLP
+    192, odd enough to leave tails), before any model uses them."""
+    g = torch.Generator().manual_seed(1)
+    C, F = 48, 192
+    x, a, gamma, beta = (torch.randn(C, generator=g) for _ in range(4))
+    wq, wo, wf, wp = (torch.randn(o, i, generator=g) / i**0.5 for o, i in ((3 * C, C), (C, C), (F, C), (C, F)))
+    bq, bo, bf, bp = (torch.randn(n, generator=g) for n in (3 * C, C, F, C))
+    ln = torch.nn.functional.layer_norm
+    with torch.no_grad():
+        want_qkv = torch.nn.functional.linear(ln(x, (C,), gamma, beta, 1e-5), wq, bq)
+        x1 = x + torch.nn.functional.linear(a, wo, bo)
+        hidden = torch.nn.functional.gelu(
+            torch.nn.functional.linear(ln(x1, (C,), gamma, beta, 1e-5), wf, bf), approximate="tanh"
+        )
+        want_y = x1 + torch.nn.functional.linear(hidden, wp, bp)
+        got_qkv = ln_gemv(x, gamma, beta, 1e-5, wq, bq, kernel)
+        got_y = block_tail(x, a, (wo, bo), (gamma, beta, 1e-5), (wf, bf), (wp, bp), kernel)
+    return torch.allclose(got_qkv, want_qkv, rtol=1e-5, atol=1e-5) and torch.allclose(
+        got_y, want_y, rtol=1e-5, atol=1e-5
+    )
+
+
 @functools.cache
 def _built() -> tuple[Kernel | None, str]:
     """(the kernel or None, why not), built and checked on first use in this process."""
@@ -252,3 +290,75 @@ def gemv(
     else:
         kernel.fn(*args)
     return y.view(*x.shape[:-1], n_out)
+
+
+def ln_gemv(
+    x: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    kernel: Kernel | None = None,
+) -> torch.Tensor:
+    """weight @ layer_norm(x) + bias for x (..., in) holding one row: the LayerNorm's weight and bias (in,), weight
+    (out, in), bias (out,) or None, all contiguous float32 on the CPU -> (..., out). One call for ln_1 and c_attn, or
+    ln_f and lm_head."""
+    kernel = kernel if kernel is not None else library()
+    assert kernel is not None and kernel.ln_fn is not None, "the model runs fused calls only where they were built"
+    n_out, n_in = weight.shape
+    buf = torch.empty(n_in + n_out, dtype=x.dtype)  # LN(x), then y
+    ptr = buf.data_ptr()
+    b = None if bias is None else bias.data_ptr()
+    args = (x.data_ptr(), ln_weight.data_ptr(), ln_bias.data_ptr(), eps, weight.data_ptr(), b, ptr, ptr + 4 * n_in)
+    _call(kernel.ln_fn, "kvbench::ln_gemv", *args, n_out, n_in, torch.get_num_threads(), kernel.rows, kernel.prefetch)
+    return buf[n_in:].view(*x.shape[:-1], n_out)
+
+
+Pair = tuple[torch.Tensor, torch.Tensor]  # a projection's (weight (out, in), bias (out,))
+
+
+def block_tail(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    attn_proj: Pair,
+    ln: tuple[torch.Tensor, torch.Tensor, float],
+    fc: Pair,
+    mlp_proj: Pair,
+    kernel: Kernel | None = None,
+) -> torch.Tensor:
+    """A GPT-2 block after attention, for one row: x + c_proj(a), then that + mlp.c_proj(gelu(mlp.c_fc(ln_2(...)))).
+    x, a (..., C) contiguous; `ln` ln_2's (weight, bias, eps); all float32 on the CPU -> (..., C)."""
+    kernel = kernel if kernel is not None else library()
+    assert kernel is not None and kernel.tail_fn is not None, "the model runs fused calls only where they were built"
+    C, F = x.size(-1), fc[0].size(0)
+    buf = torch.empty(3 * C + F, dtype=x.dtype)  # x1, LN(x1), the MLP's hidden row, y
+    p = buf.data_ptr()
+    args = (
+        x.data_ptr(),
+        a.data_ptr(),
+        attn_proj[0].data_ptr(),
+        attn_proj[1].data_ptr(),
+        ln[0].data_ptr(),
+        ln[1].data_ptr(),
+        ln[2],
+        fc[0].data_ptr(),
+        fc[1].data_ptr(),
+        mlp_proj[0].data_ptr(),
+        mlp_proj[1].data_ptr(),
+        p,
+        p + 4 * C,
+        p + 8 * C,
+        p + 4 * (2 * C + F),
+    )
+    _call(kernel.tail_fn, "kvbench::block_tail", *args, C, F, torch.get_num_threads(), kernel.rows, kernel.prefetch)
+    return buf[2 * C + F :].view(x.shape)
+
+
+def _call(fn: Callable[..., None], name: str, *args) -> None:
+    """`fn(*args)`, named `name` for `bench --profile` where the profiler runs (a ctypes call is no operator)."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            fn(*args)
+    else:
+        fn(*args)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kvbench.model.matmul import linear, out_in_layout
+from kvbench.model import gemv
+from kvbench.model.matmul import fused_row, linear, out_in_layout
 
 
 @dataclass
@@ -91,17 +93,20 @@ class CausalSelfAttention(nn.Module):
         self.c_proj: nn.Module = Conv1D(cfg.n_embd, cfg.n_embd)  # a RowParallel on a tensor-parallel shard
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache, mask: AttentionMask) -> torch.Tensor:
-        B, T, _ = x.shape
+        return self.c_proj(self.attend(self.c_attn(x), positions, cache, mask))  # (B, T, C)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cache, mask: AttentionMask) -> torch.Tensor:
+        """Attention from c_attn's output qkv (B, T, 3 * H * Dh), before c_proj -> (B, T, H * Dh)."""
+        B, T, _ = qkv.shape
         H, Dh = self.n_head, self.head_dim
-        q, k, v = self.c_attn(x).split(H * Dh, dim=2)  # each (B, T, H * Dh)
+        q, k, v = qkv.split(H * Dh, dim=2)  # each (B, T, H * Dh)
         q, k, v = (t.view(B, T, H, Dh).transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
         if cache is not None:
             # The one line of cache code in attention: store this call's K/V, get back what to attend over.
             k, v = cache.update(k, v, positions)  # (B, H, S, Dh)
         attn_mask, is_causal = mask.for_keys(k.size(2), cache)  # as this layer's cache states its slots
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)  # (B, H, T, Dh)
-        y = y.transpose(1, 2).contiguous().view(B, T, H * Dh)  # (B, T, H * Dh)
-        return self.c_proj(y)  # (B, T, C)
+        return y.transpose(1, 2).contiguous().view(B, T, H * Dh)  # (B, T, H * Dh)
 
 
 class MLP(nn.Module):
@@ -123,9 +128,62 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, positions, cache, mask) -> torch.Tensor:
+        if x.numel() == x.size(-1) and self._stock() and fused_row(x, *self._weights()):
+            return self._fused(x, positions, cache, mask)
         x = x + self.attn(self.ln_1(x), positions, cache, mask)  # pre-LayerNorm residual blocks
         x = x + self.mlp(self.ln_2(x))
         return x
+
+    def _fused(self, x, positions, cache, mask) -> torch.Tensor:
+        """The same block for one row (B = T = 1) on the CPU, as two C calls around attention (model/gemv.py): ln_1
+        and c_attn, then c_proj, the residual, ln_2, the MLP and its residual. The same sums, rounded alike to
+        within a float's last bits; between two projections the Python in between runs with cold caches, so fewer
+        calls make a faster step (docs/performance.md)."""
+        attn, mlp = cast(CausalSelfAttention, self.attn), cast(MLP, self.mlp)
+        ln_1, ln_2 = self.ln_1, self.ln_2
+        qkv = gemv.ln_gemv(x, ln_1.weight, ln_1.bias, ln_1.eps, attn.c_attn.weight.t(), attn.c_attn.bias)  # (1, 1, 3C)
+        a = attn.attend(qkv, positions, cache, mask)  # (1, 1, C)
+        ln = (ln_2.weight, ln_2.bias, ln_2.eps)
+        return gemv.block_tail(x, a, _pair(attn.c_proj), ln, _pair(mlp.c_fc), _pair(mlp.c_proj))  # (1, 1, C)
+
+    def _weights(self) -> tuple[torch.Tensor, ...]:
+        """The (out, in) matrices the fused calls read (contiguous only where GPT.lay_out laid them out); asked only
+        of a stock block."""
+        attn, mlp = cast(CausalSelfAttention, self.attn), cast(MLP, self.mlp)
+        return tuple(_pair(m)[0] for m in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj))
+
+    def _stock(self) -> bool:
+        """Is every part of the block the stock one, with no hooks: the fused calls stand for exactly these modules
+        (a tensor-parallel shard's RowParallel, a subclass, a hook that reads c_attn's output keep the modules' own
+        path)."""
+        attn, mlp = self.attn, self.mlp
+        parts = (
+            (self.ln_1, nn.LayerNorm),
+            (self.ln_2, nn.LayerNorm),
+            (attn, CausalSelfAttention),
+            (mlp, MLP),
+            (getattr(attn, "c_attn", None), Conv1D),
+            (getattr(attn, "c_proj", None), Conv1D),
+            (getattr(mlp, "c_fc", None), Conv1D),
+            (getattr(mlp, "c_proj", None), Conv1D),
+        )
+        return _no_global_hooks() and all(type(m) is t and not _hooked(m) for m, t in parts)
+
+
+def _pair(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Conv1D's (weight as (out, in), bias)."""
+    conv = cast(Conv1D, m)
+    return conv.weight.t(), conv.bias
+
+
+def _hooked(m: nn.Module | None) -> bool:
+    return m is None or bool(m._forward_hooks or m._forward_pre_hooks)
+
+
+def _no_global_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return not (module._global_forward_hooks or module._global_forward_pre_hooks)
 
 
 class MaskRule:
@@ -315,7 +373,22 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             x = block(x, positions, None if caches is None else caches[i], mask)
-        x = self.transformer.ln_f(x)
         if last_only:
-            x = x[:, -1:]  # (B, 1, C)
-        return self.lm_head(x)  # (B, T, V) or (B, 1, V)
+            x = x[:, -1:]  # (B, 1, C): LayerNorm is per row
+        ln_f = self.transformer.ln_f
+        if self._fused_head(x):
+            return gemv.ln_gemv(x, ln_f.weight, ln_f.bias, ln_f.eps, self.lm_head.weight, None)  # (1, 1, V)
+        return self.lm_head(ln_f(x))  # (B, T, V) or (B, 1, V)
+
+    def _fused_head(self, x: torch.Tensor) -> bool:
+        """ln_f and lm_head as one C call (model/gemv.py) for one row on the CPU, where both are the stock
+        modules without hooks."""
+        ln_f, head = self.transformer.ln_f, self.lm_head
+        return (
+            x.numel() == x.size(-1)
+            and fused_row(x, head.weight)
+            and type(ln_f) is nn.LayerNorm
+            and type(head) is Head
+            and not (_hooked(ln_f) or _hooked(head))
+            and _no_global_hooks()
+        )

@@ -20,6 +20,9 @@ so checkpoints port as before. Everywhere else (CUDA, fp16, training, `--compile
 without oneDNN) a projection is ATen's `addmm`. All accumulate fp32 in fp32 and differ by rounding only (verify
 holds every cache to transformers at 1e-5 on each).
 
+On the gemv route a block's one-row step goes further (`fused_row`): ln_1 with c_attn, and everything after
+attention (c_proj, the residual, ln_2, the MLP and its residual) are one C call each, and ln_f with lm_head one more.
+
 `KVBENCH_CPU_MATMUL=onednn` or `aten` (or `set_route`) chooses another route, for an A/B of the same step.
 """
 
@@ -103,6 +106,25 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
         and weight.is_contiguous()
         and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.shape == weight.shape[:1]))
         and not torch.compiler.is_compiling()
+    )
+
+
+def fused_row(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Where a block's one-row step runs as gemv.py's fused calls (a LayerNorm and c_attn; everything after
+    attention) and ln_f with lm_head as one: the gemv route, one float32 row on the CPU, contiguous, with every
+    weight of the call (out, in) contiguous, and no gradient wanted, outside torch.compile. The model decides which
+    of its modules may be fused (GPT.fusable); this says where the product may be."""
+    return (
+        route() == "gemv"
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.numel() == x.size(-1)
+        and x.is_contiguous()
+        and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights)
+        and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
+        and not torch.compiler.is_compiling()
+        and (kernel := gemv.library()) is not None
+        and kernel.tail_fn is not None
     )
 
 
