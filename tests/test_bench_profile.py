@@ -26,17 +26,18 @@ def linear_calls(route: str, cache: str, new: int) -> dict[str, int]:
     """{operator: calls} of the projections of a run of `new` tokens on gpt2-tiny (2 blocks of 4 biased linears, and
     lm_head), one forward per token, on each CPU route (model/matmul.py): ATen's addmm for the biased ones and mm for
     lm_head; oneDNN's inner product for all; or, on the gemv route, kvbench's fused calls for one row (ln_f with
-    lm_head over the last position; a decode step's block as ln_1 with c_attn, then everything after attention),
-    oneDNN's for the rest (the prefill's, every forward of `none`)."""
+    lm_head over the last position; a whole decode step over static caches, in one call), oneDNN's for the
+    rest (the prefill's, every forward of `none`)."""
     if route == "aten":
         return {"aten::addmm": new * 2 * 4, "aten::mm": new}
     if route == "onednn":
         return {"mkldnn::_linear_pointwise": new * (2 * 4 + 1)}
     steps = 0 if cache == "none" else new - 1
+    assert cache in ("none", "static"), "the caches this test runs"
     calls = {
         "mkldnn::_linear_pointwise": (new - steps) * 2 * 4,
-        "kvbench::ln_gemv": new + steps * 2,
-        "kvbench::block_tail": steps * 2,
+        "kvbench::ln_gemv": new - steps,  # ln_f and lm_head, over the last row of a forward that is not a step
+        "kvbench::step": steps,  # a decode step over static caches: one call
     }
     return {op: n for op, n in calls.items() if n}
 

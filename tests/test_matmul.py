@@ -44,6 +44,14 @@ def test_each_cpu_route_equals_addmm(shape, route, aten_then_back):
 needs_gemv = pytest.mark.skipif(gemv.library() is None, reason=f"kvbench's GEMV cannot be built: {gemv.unavailable()}")
 
 
+def test_where_there_is_a_compiler_the_gemv_builds_and_passes_its_checks():
+    """The tests marked needs_gemv skip where the kernel is unavailable; with a compiler here that is a failure: a
+    kernel or a fused call that disagrees with torch is never used, and would leave the fast path untested."""
+    if gemv.compiler() is None:
+        pytest.skip("no C compiler ($CC, cc or gcc) here")
+    assert gemv.library() is not None, gemv.unavailable()
+
+
 @needs_gemv
 @pytest.mark.parametrize("n_out, n_in", [(1, 1), (3, 17), (4, 16), (37, 131), (768, 768), (50, 3072)])
 def test_the_gemv_kernel_against_float64_and_the_same_at_any_thread_count_and_way_of_reading(n_out, n_in, monkeypatch):
@@ -107,17 +115,23 @@ def test_the_way_of_reading_is_timed_once_per_machine_and_kept(tmp_path, monkeyp
 
 
 @needs_gemv
-def test_a_decode_step_runs_two_fused_calls_a_block_and_equals_transformers(tiny_config, aten_then_back, monkeypatch):
-    """ln_1 with c_attn, and everything after attention, one C call each; ln_f with lm_head one more (the prefill's
-    last row too)."""
+@pytest.mark.parametrize(
+    "cache, per_block, after", [("static", [], ["step_static"]), ("dynamic", ["ln_gemv", "block_tail"], ["ln_gemv"])]
+)
+def test_a_decode_step_runs_fused_calls_and_equals_transformers(
+    tiny_config, aten_then_back, monkeypatch, cache, per_block, after
+):
+    """Over static caches the whole step is one C call, writing into the caches' buffers; over any other cache a
+    block is two, ln_1 with c_attn and everything after attention, around the cache's own update, and ln_f with
+    lm_head one more (the prefill's last row too)."""
     from kvbench.caches import make_caches
 
     matmul.set_route("gemv")
     model = GPT(tiny_config).init_weights(seed=0, std=0.1).eval().lay_out()
     ids = torch.randint(0, tiny_config.vocab_size, (1, 12))
-    caches = make_caches("static", tiny_config, 1, 12, torch.float32, "cpu")
+    caches = make_caches(cache, tiny_config, 1, 12, torch.float32, "cpu")
     calls: list[str] = []
-    for name in ("gemv", "ln_gemv", "block_tail"):
+    for name in ("gemv", "ln_gemv", "block_tail", "step_static"):
         real = getattr(gemv, name)
         monkeypatch.setattr(gemv, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     with torch.inference_mode():
@@ -125,8 +139,8 @@ def test_a_decode_step_runs_two_fused_calls_a_block_and_equals_transformers(tiny
         assert calls == ["ln_gemv"]  # the prefill's one row: ln_f and lm_head
         step = model(ids[:, 11:], torch.tensor([[11]]), caches)[:, -1]  # (1, V)
         theirs = to_hf_model(model, "eager")(ids).logits[:, -1]
-    L = tiny_config.n_layer
-    assert calls == ["ln_gemv"] + ["ln_gemv", "block_tail"] * L + ["ln_gemv"]
+    assert calls == ["ln_gemv"] + per_block * tiny_config.n_layer + after
+    assert all(c.length == 12 for c in caches)
     assert (step - theirs).abs().max() < 1e-5
 
 
@@ -143,28 +157,30 @@ def _block_and_row(tiny_config):
     return block, torch.randn(1, 1, tiny_config.n_embd)
 
 
-def _decode(block, x, tiny_config, dtype=torch.float32):
-    """The block's decode step for row x at position 5 over 5 cached random K/V."""
+def _decode(block, x, tiny_config, dtype=torch.float32, kind="dynamic", padding=None, cache=None):
+    """The block's decode step for row x at position 5 over 5 cached random K/V (in a `kind` cache of 6 slots, or
+    `cache`)."""
     from kvbench.caches import make_caches
     from kvbench.model.gpt2 import EXACT_MASK, AttentionMask
 
-    (cache,) = make_caches("dynamic", tiny_config, 1, 6, dtype, "cpu")[:1]
+    cache = cache if cache is not None else make_caches(kind, tiny_config, 1, 6, dtype, "cpu")[0]
     g = torch.Generator().manual_seed(1)
     H, Dh = tiny_config.n_head, tiny_config.head_dim
     past = [torch.randn(1, H, 5, Dh, generator=g).to(dtype) for _ in range(2)]
     cache.update(*past, torch.arange(5)[None])
-    mask = AttentionMask(1, 6, None, EXACT_MASK, torch.tensor([[5]]))
+    mask = AttentionMask(1, 6, padding, EXACT_MASK, torch.tensor([[5]]))
     with torch.inference_mode():
         return block(x.to(dtype), torch.tensor([[5]]), cache, mask)
 
 
 @needs_gemv
+@pytest.mark.parametrize("kind, fused_call", [("dynamic", "block_tail")])
 def test_the_fused_block_against_float64_and_the_same_at_any_thread_count_and_way_of_reading(
-    tiny_config, aten_then_back, monkeypatch
+    tiny_config, aten_then_back, monkeypatch, kind, fused_call
 ):
     block, x = _block_and_row(tiny_config)
     matmul.set_route("aten")
-    ref = _decode(block.double(), x, tiny_config, torch.float64)  # the modules' own path, in float64
+    ref = _decode(block.double(), x, tiny_config, torch.float64, kind)  # the modules' own path, in float64
     block.float()
     for m in block.modules():
         if isinstance(m, Conv1D):
@@ -173,14 +189,15 @@ def test_the_fused_block_against_float64_and_the_same_at_any_thread_count_and_wa
     kernel = gemv.library()
     before, got = torch.get_num_threads(), {}
     fused = []
-    monkeypatch.setattr(gemv, "block_tail", lambda *a, real=gemv.block_tail: fused.append(1) or real(*a))
+    real = getattr(gemv, fused_call)
+    monkeypatch.setattr(gemv, fused_call, lambda *a: fused.append(1) or real(*a))
     try:
         for way in gemv.WAYS:
-            k = gemv.Kernel(kernel.fn, *way, kernel.ln_fn, kernel.tail_fn)
+            k = gemv.Kernel(kernel.fn, *way, kernel.ln_fn, kernel.tail_fn, kernel.step_fn)
             monkeypatch.setattr(gemv, "library", lambda k=k: k)
             for threads in (1, 2, 3):
                 torch.set_num_threads(threads)
-                got[way, threads] = _decode(block, x, tiny_config)
+                got[way, threads] = _decode(block, x, tiny_config, kind=kind)
     finally:
         torch.set_num_threads(before)
     assert len(fused) == len(got) == 18  # every one ran the fused calls
@@ -216,6 +233,105 @@ def test_a_hooked_or_replaced_part_keeps_the_modules_own_path(tiny_config, aten_
     block.mlp = mlp
     replaced = _decode(block, x, tiny_config)
     assert seen[-1] == "mine" and (replaced - fused).abs().max() < 1e-6
+
+
+def _step(model, caches, ids, padding=None):
+    """The prefill of ids[:, :-1] into `caches`, then the one-row step of the last token: its logits (1, V)."""
+    T = ids.size(1)
+    with torch.inference_mode():
+        model(ids[:, :-1], torch.arange(T - 1)[None], caches, padding_mask=None if padding is None else padding[:, :-1])
+        return model(ids[:, -1:], torch.tensor([[T - 1]]), caches, padding_mask=padding)[:, -1]
+
+
+@needs_gemv
+def test_the_whole_step_call_against_float64_the_same_at_any_thread_count_and_way(
+    tiny_config, aten_then_back, monkeypatch
+):
+    from kvbench.caches import make_caches
+
+    model = GPT(tiny_config).init_weights(seed=0, std=0.1).eval()
+    ids = torch.randint(0, tiny_config.vocab_size, (1, 9))
+    matmul.set_route("aten")
+    ref = _step(model.double(), make_caches("static", tiny_config, 1, 9, torch.float64, "cpu"), ids)
+    matmul.set_route("gemv")
+    model.float().lay_out()  # (out, in), as the gemv route reads them
+    kernel, before, got, steps = gemv.library(), torch.get_num_threads(), {}, []
+    real = gemv.step_static
+    monkeypatch.setattr(gemv, "step_static", lambda *a: steps.append(1) or real(*a))
+    try:
+        for way in gemv.WAYS:
+            k = gemv.Kernel(kernel.fn, *way, kernel.ln_fn, kernel.tail_fn, kernel.step_fn)
+            monkeypatch.setattr(gemv, "library", lambda k=k: k)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                caches = make_caches("static", tiny_config, 1, 9, torch.float32, "cpu")
+                got[way, threads] = (_step(model, caches, ids), caches[1].k.clone())
+    finally:
+        torch.set_num_threads(before)
+    assert len(steps) == len(got) == 18
+    first, k = got[(1, 0), 1]
+    assert (first.double() - ref).abs().max() < 1e-5
+    assert all(torch.equal(first, g) and torch.equal(k, kk) for g, kk in got.values())  # bit for bit
+
+
+@needs_gemv
+def test_the_whole_step_call_only_where_every_layer_is_stock_static_and_reads_every_slot(
+    tiny_config, aten_then_back, monkeypatch
+):
+    assert tiny_config.n_layer == 3
+    """Left padding (a mask to apply), a StaticCache subclass (its own update), a hook on one block, or a dynamic
+    cache keep the blocks one by one, with the same result to rounding; the one call writes each row's K/V where
+    update would; a full cache is refused as update refuses it."""
+    from kvbench.caches import make_caches
+    from kvbench.caches.static import StaticCache
+    from kvbench.errors import CacheOverflowError
+
+    matmul.set_route("gemv")
+    model = GPT(tiny_config).init_weights(seed=0, std=0.1).eval().lay_out()
+    ids = torch.randint(0, tiny_config.vocab_size, (1, 9))
+    steps: list[int] = []
+    real = gemv.step_static
+    monkeypatch.setattr(gemv, "step_static", lambda *a: steps.append(1) or real(*a))
+    H, Dh = tiny_config.n_head, tiny_config.head_dim
+
+    def static(cls=StaticCache, n=9):
+        return [cls(1, H, n, Dh, torch.float32, "cpu") for _ in range(tiny_config.n_layer)]
+
+    one = static()
+    whole = _step(model, one, ids)
+    assert steps == [1] and all(c.length == 9 for c in one)
+    updates = []
+
+    class Counted(StaticCache):
+        def update(self, k, v, positions):
+            updates.append(k.size(2))
+            return super().update(k, v, positions)
+
+    counted = static(Counted)
+    assert (_step(model, counted, ids) - whole).abs().max() < 1e-6 and updates == [8] * 3 + [1] * 3 and steps == [1]
+    assert all(
+        torch.allclose(a.k, b.k, atol=1e-6) and torch.allclose(a.v, b.v, atol=1e-6)
+        for a, b in zip(one, counted, strict=True)
+    )
+    hook = model.transformer.h[1].register_forward_hook(lambda m, a, out: updates.append("hook"))
+    assert (_step(model, static(), ids) - whole).abs().max() < 1e-6 and updates[-1] == "hook" and steps == [1]
+    hook.remove()
+    dynamic = make_caches("dynamic", tiny_config, 1, 9, torch.float32, "cpu")
+    assert (_step(model, dynamic, ids) - whole).abs().max() < 1e-6 and steps == [1]
+    padding = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1]])  # the first slot is padding: a mask the step must apply
+    masked = _step(model, static(), ids, padding)
+    matmul.set_route("aten")
+    plain = _step(model, static(), ids, padding)
+    matmul.set_route("gemv")
+    assert steps == [1] and (masked - plain).abs().max() < 1e-6 and (masked - whole).abs().max() > 1e-4
+    full = static(n=8)
+    with torch.inference_mode():
+        model(ids[:, :8], torch.arange(8)[None], full)
+        with pytest.raises(
+            CacheOverflowError, match="static KV cache overflow: 8 cached \\+ 1 new = 9 tokens, capacity 8"
+        ):
+            model(ids[:, 8:], torch.tensor([[8]]), full)
+    assert steps == [1] and all(c.length == 8 for c in full)
 
 
 def test_without_a_compiler_the_gemv_route_is_onednn_and_says_why(tmp_path, monkeypatch, aten_then_back):

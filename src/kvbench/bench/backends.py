@@ -58,6 +58,9 @@ def _choice(args: tuple, kwargs: dict) -> str:
     return f"{name} (cpu)" if q.device.type == "cpu" and name == "flash" else name
 
 
+KVBENCH_C = "kvbench C (cpu)"  # attention in kvbench's fused block call, not SDPA
+
+
 class _SDPAWatch(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
@@ -73,8 +76,14 @@ class _SDPAWatch(TorchFunctionMode):
 def watch_sdpa(fn: Callable[[], object], prefill_calls: int) -> dict[str, str]:
     """Run `fn` (a generation) and return {"prefill": backends, "decode": backends}: the first `prefill_calls` SDPA
     calls (one per layer: the prefill's forward) and the rest, each a '+'-joined sorted list ('' if none). Run it
-    eagerly: calls replayed from a CUDA graph or made inside compiled code are not seen."""
+    eagerly: calls replayed from a CUDA graph or made inside compiled code are not seen. A decode step whose blocks
+    ran as one C call (model/gemv.py's step_static: its attention is kvbench's own) adds KVBENCH_C."""
+    from kvbench.model import gemv
+
+    before = gemv.step_calls
     with _SDPAWatch() as watch:
         fn()
     split = {"prefill": watch.calls[:prefill_calls], "decode": watch.calls[prefill_calls:]}
+    if gemv.step_calls > before:  # one-row steps only: never a prefill's
+        split["decode"].append(KVBENCH_C)
     return {phase: "+".join(sorted(set(names))) for phase, names in split.items()}

@@ -66,6 +66,17 @@ class LayerCache:
     def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def in_place_slot(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Where a fused one-row decode step (model/gpt2.py) may write the next token's K/V itself: (k, v, slot), the
+        (B, H, L, Dh) buffers and the column to write, every column before it holding the tokens so far; the step
+        then reads columns [0, slot] and calls `wrote_in_place`. None (the default): the step calls `update`. Asking
+        changes nothing."""
+        return None
+
+    def wrote_in_place(self, end: int) -> None:
+        """The fused step wrote column `end - 1` of `in_place_slot`'s buffers."""
+        self.length = end
+
     def reset(self) -> None:
         self.length = 0
         self.bytes_copied = 0

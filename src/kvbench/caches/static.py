@@ -30,6 +30,14 @@ class StaticCache(LayerCache):
         self.length = end  # one past the last written slot
         return self.k[:, :, :end], self.v[:, :, :end]  # views: (B, H, end, Dh)
 
+    def in_place_slot(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The buffers and the write pointer, for one token (an overflow refused as `update` refuses it); a subclass,
+        whose `update` is its own, gets None."""
+        if type(self) is not StaticCache:
+            return None
+        start, _ = self.check_capacity(1, "static")
+        return self.k, self.v, start
+
     def crop(self, length: int) -> None:
         self.length = self.check_crop(length)  # update returns views of the first `length` columns only
 

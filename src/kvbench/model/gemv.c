@@ -9,10 +9,11 @@
  * A row is summed the same way in every case: LANES running sums over its chunks of LANES floats, then its tail,
  * then the lanes in order. So y depends neither on the way of reading nor on the thread count, bit for bit.
  *
- * Two more entry points run a GPT-2 block's one-row decode step as two calls around attention (model/gpt2.py):
+ * More entry points run GPT-2's one-row decode step in fewer calls (model/gpt2.py): kv_step_f32, the whole step
+ * over static caches' buffers; elsewhere two calls a block around the cache's own update and attention,
  * kv_ln_gemv_f32 (a LayerNorm, then a projection) and kv_block_tail_f32 (everything after attention). Each Python
  * call between two projections runs with caches the matrix just streamed through, at several times its warm cost;
- * the two calls leave two such gaps a block instead of eight (docs/performance.md).
+ * these leave no such gap, or two a block, instead of eight (docs/performance.md).
  */
 #include <math.h>
 #include <stddef.h>
@@ -105,27 +106,109 @@ void kv_ln_gemv_f32(const float *restrict x, const float *restrict g, const floa
     share(W, ln, b, y, out, in, rows, prefetch);
 }
 
-/* The rest of a GPT-2 block after attention, for one row of width C (MLP width F):
+/* The rest of a GPT-2 block after attention, for one row of width C (MLP width F), inside a parallel region:
  *     x1 = x + (bo + Wo a)                              attn.c_proj and the first residual
  *     y  = x1 + (bp + Wp gelu(bf + Wf LN(x1)))           ln_2, mlp.c_fc, GELU, mlp.c_proj, the second residual
- * in one parallel region. Sums in the order the model's own code adds them. Scratch: x1 (C), ln (C), h (F). */
+ * Sums in the order the model's own code adds them. Scratch: x1 (C), ln (C), h (F). */
+static inline __attribute__((always_inline)) void tail(
+    const float *restrict x, const float *restrict a, const float *restrict Wo, const float *restrict bo,
+    const float *restrict g, const float *restrict gb, float eps, const float *restrict Wf, const float *restrict bf,
+    const float *restrict Wp, const float *restrict bp, float *restrict x1, float *restrict ln, float *restrict h,
+    float *restrict y, long C, long F, int rows, long prefetch) {
+    share(Wo, a, bo, x1, C, C, rows, prefetch);
+#pragma omp for schedule(static)
+    for (long i = 0; i < C; i++) x1[i] = x[i] + x1[i];
+#pragma omp single
+    layer_norm(x1, g, gb, ln, C, eps);
+    share(Wf, ln, bf, h, F, C, rows, prefetch);
+#pragma omp for schedule(static)
+    for (long i = 0; i < F; i++) h[i] = gelu_tanh(h[i]);
+    share(Wp, h, bp, y, C, F, rows, prefetch);
+#pragma omp for schedule(static)
+    for (long i = 0; i < C; i++) y[i] = x1[i] + y[i];
+}
+
 void kv_block_tail_f32(const float *restrict x, const float *restrict a, const float *restrict Wo,
                        const float *restrict bo, const float *restrict g, const float *restrict gb, float eps,
                        const float *restrict Wf, const float *restrict bf, const float *restrict Wp,
                        const float *restrict bp, float *restrict x1, float *restrict ln, float *restrict h,
                        float *restrict y, long C, long F, int threads, int rows, long prefetch) {
 #pragma omp parallel num_threads(threads)
+    tail(x, a, Wo, bo, g, gb, eps, Wf, bf, Wp, bp, x1, ln, h, y, C, F, rows, prefetch);
+}
+
+/* One head's attention for one query over slots [0, n) of its (L, Dh) K and V: softmax(q K^T / sqrt(Dh)) V, the
+ * maximum subtracted first. scores (n,): scratch. */
+static void attend_head(const float *restrict q, const float *restrict K, const float *restrict V,
+                        float *restrict out, float *restrict scores, long n, long Dh) {
+    const float scale = 1.f / sqrtf((float)Dh);
+    float top = -INFINITY;
+    for (long s = 0; s < n; s++) {
+        float d = 0.f;
+#pragma omp simd reduction(+ : d)
+        for (long j = 0; j < Dh; j++) d += q[j] * K[s * Dh + j];
+        scores[s] = d * scale;
+        top = scores[s] > top ? scores[s] : top;
+    }
+    float sum = 0.f;
+    for (long s = 0; s < n; s++) {
+        scores[s] = expf(scores[s] - top);
+        sum += scores[s];
+    }
+    for (long j = 0; j < Dh; j++) out[j] = 0.f;
+    for (long s = 0; s < n; s++) {
+        const float p = scores[s] / sum;
+#pragma omp simd
+        for (long j = 0; j < Dh; j++) out[j] += p * V[s * Dh + j];
+    }
+}
+
+/* The pointers of one layer in kv_step_f32's table, in this order. */
+enum { G1, GB1, WQ, BQ, KBUF, VBUF, WO, BO, G2, GB2, WF, BF, WP, BP, NPTR };
+
+/* A whole GPT-2 decode step for one row over static caches (batch 1), to its logits, in one parallel region:
+ *     for each of n_layer layers (NPTR pointers each in `table`, the order above):
+ *         qkv = bq + Wq LN1(x)                                        ln_1, attn.c_attn
+ *         K[h, slot], V[h, slot] = qkv's k and v of head h            the cache's write
+ *         a[h] = softmax(q_h K[h, :slot+1]^T / sqrt(Dh)) V[h, :slot+1]   attention over every filled slot
+ *         x = tail(x, a)                                              c_proj, ln_2, the MLP, both residuals
+ *     logits = Wh LN_f(x)                                             ln_f, lm_head (no bias)
+ * K and V are each layer's (H, L, Dh) buffers. Scratch: x twice (C each), ln (C), qkv (3C), a (C), x1 (C), h (F),
+ * scores (H * (slot + 1)). */
+void kv_step_f32(const float *restrict x0, const void *const *table, long n_layer, long L, long slot, long H,
+                 float eps, const float *restrict gf, const float *restrict gbf, const float *restrict Wh,
+                 float *restrict logits, long V, float *restrict scratch, long C, long F, int threads, int rows,
+                 long prefetch) {
+    const long Dh = C / H, n = slot + 1;
+    float *xa = scratch, *xb = xa + C, *ln = xb + C, *qkv = ln + C, *a = qkv + 3 * C, *x1 = a + C, *h = x1 + C;
+    float *scores = h + F;
+    for (long i = 0; i < C; i++) xa[i] = x0[i];
+#pragma omp parallel num_threads(threads)
     {
-        share(Wo, a, bo, x1, C, C, rows, prefetch);
-#pragma omp for schedule(static)
-        for (long i = 0; i < C; i++) x1[i] = x[i] + x1[i];
+        float *xin = xa, *xout = xb; /* each thread swaps its own copies alike */
+        for (long l = 0; l < n_layer; l++) {
+            const float *const *p = (const float *const *)(table + l * NPTR);
+            float *K = (float *)p[KBUF], *Vc = (float *)p[VBUF];
 #pragma omp single
-        layer_norm(x1, g, gb, ln, C, eps);
-        share(Wf, ln, bf, h, F, C, rows, prefetch);
+            layer_norm(xin, p[G1], p[GB1], ln, C, eps);
+            share(p[WQ], ln, p[BQ], qkv, 3 * C, C, rows, prefetch);
 #pragma omp for schedule(static)
-        for (long i = 0; i < F; i++) h[i] = gelu_tanh(h[i]);
-        share(Wp, h, bp, y, C, F, rows, prefetch);
-#pragma omp for schedule(static)
-        for (long i = 0; i < C; i++) y[i] = x1[i] + y[i];
+            for (long hd = 0; hd < H; hd++) {
+                float *Kh = K + hd * L * Dh, *Vh = Vc + hd * L * Dh;
+                for (long j = 0; j < Dh; j++) {
+                    Kh[slot * Dh + j] = qkv[C + hd * Dh + j];
+                    Vh[slot * Dh + j] = qkv[2 * C + hd * Dh + j];
+                }
+                attend_head(qkv + hd * Dh, Kh, Vh, a + hd * Dh, scores + hd * n, n, Dh);
+            }
+            tail(xin, a, p[WO], p[BO], p[G2], p[GB2], eps, p[WF], p[BF], p[WP], p[BP], x1, ln, h, xout, C, F, rows,
+                 prefetch);
+            float *t = xin;
+            xin = xout;
+            xout = t;
+        }
+#pragma omp single
+        layer_norm(xin, gf, gbf, ln, C, eps);
+        share(Wh, ln, NULL, logits, V, C, rows, prefetch);
     }
 }

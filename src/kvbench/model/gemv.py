@@ -43,6 +43,7 @@ LIBS = ("-lm",)  # after the source: tanhf, sqrtf
 SYMBOL = "kv_gemv_f32"
 LN_SYMBOL = "kv_ln_gemv_f32"  # a LayerNorm, then a projection
 TAIL_SYMBOL = "kv_block_tail_f32"  # a GPT-2 block after attention
+STEP_SYMBOL = "kv_step_f32"  # a whole GPT-2 decode step over static caches' buffers
 ROW_GROUPS = (1, 4)  # rows a thread reads side by side: gemv.c's two loops
 PREFETCH = (0, 16 << 10, 32 << 10)  # bytes ahead each row stream asks for (0: the hardware prefetcher alone)
 WAYS = tuple((rows, ahead) for rows in ROW_GROUPS for ahead in PREFETCH)  # what `tune` chooses from
@@ -51,6 +52,7 @@ WAYS = tuple((rows, ahead) for rows in ROW_GROUPS for ahead in PREFETCH)  # what
 # there and can choose a way that is not the fastest from memory)
 TUNE_SHAPES = ((2304, 768), (768, 768), (3072, 768), (768, 3072)) * 12 + ((50257, 768),)
 TUNE_ROUNDS = 7
+step_calls = 0  # step_static calls in this process: attention that ran in C, not SDPA (bench's backends.py reads it)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Kernel:
     prefetch: int = 0
     ln_fn: Callable[..., None] | None = None  # kv_ln_gemv_f32(x, g, gb, eps, W, b, ln, y, out, in, threads, ...)
     tail_fn: Callable[..., None] | None = None  # kv_block_tail_f32(x, a, Wo, bo, g, gb, eps, Wf, bf, Wp, bp, ...)
+    step_fn: Callable[..., None] | None = None  # kv_step_f32(x, table, n_layer, L, slot, H, eps, ...)
 
     def __call__(self, w: int, x: int, b: int | None, y: int, n_out: int, n_in: int, threads: int) -> None:
         self.fn(w, x, b, y, n_out, n_in, threads, self.rows, self.prefetch)
@@ -115,21 +118,23 @@ def build(cc: str | None, root: Path) -> tuple[Kernel | None, str]:
     return kernel, ""
 
 
-def _load(path: Path) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]] | None:
-    """The library's three functions (the GEMV, LayerNorm then GEMV, a block after attention), typed; None when it
-    does not load."""
+def _load(path: Path) -> tuple[Callable[..., None], ...] | None:
+    """The library's four functions (the GEMV, LayerNorm then GEMV, a block after attention, a whole step), typed;
+    None when it does not load."""
     try:
         lib = ctypes.CDLL(str(path))
-        fn, ln_fn, tail_fn = (getattr(lib, name) for name in (SYMBOL, LN_SYMBOL, TAIL_SYMBOL))
+        fn, ln_fn, tail_fn, step_fn = (getattr(lib, n) for n in (SYMBOL, LN_SYMBOL, TAIL_SYMBOL, STEP_SYMBOL))
     except (OSError, AttributeError):
         return None
     P, long, way = ctypes.c_void_p, ctypes.c_long, [ctypes.c_int, ctypes.c_int, ctypes.c_long]  # threads, rows, ahead
     fn.argtypes = [P] * 4 + [long, long, *way]
     ln_fn.argtypes = [P, P, P, ctypes.c_float, P, P, P, P, long, long, *way]
     tail_fn.argtypes = [P, P, P, P, P, P, ctypes.c_float, P, P, P, P, P, P, P, P, long, long, *way]
-    for f in (fn, ln_fn, tail_fn):
+    # x, table, n_layer, L, slot, H, eps, ln_f weight and bias, head, logits, V, scratch, C, F
+    step_fn.argtypes = [P, P, long, long, long, long, ctypes.c_float, P, P, P, P, long, P, long, long, *way]
+    for f in (fn, ln_fn, tail_fn, step_fn):
         f.restype = None
-    return fn, ln_fn, tail_fn
+    return fn, ln_fn, tail_fn, step_fn
 
 
 def _compile(cc: str, out: Path) -> str:
@@ -224,26 +229,55 @@ def _agrees(fn) -> bool:
 
 
 def _fused_agree(kernel: Kernel) -> bool:
-    """The two fused calls against torch's own LayerNorm, linear, GELU and additions on a small block (C 48, MLP
-    192, odd enough to leave tails), before any model uses them."""
+    """The fused calls against torch's own LayerNorm, linear, SDPA, GELU and additions on a small model (C 48 in 4
+    heads, MLP 192, odd enough to leave tails; two layers, 5 cached tokens in caches of 9, a vocabulary of 37),
+    before any model uses them."""
+    F_ = torch.nn.functional
     g = torch.Generator().manual_seed(1)
-    C, F = 48, 192
-    x, a, gamma, beta = (torch.randn(C, generator=g) for _ in range(4))
-    wq, wo, wf, wp = (torch.randn(o, i, generator=g) / i**0.5 for o, i in ((3 * C, C), (C, C), (F, C), (C, F)))
-    bq, bo, bf, bp = (torch.randn(n, generator=g) for n in (3 * C, C, F, C))
-    ln = torch.nn.functional.layer_norm
+    C, F, H, L, slot, V = 48, 192, 4, 9, 5, 37
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) / (shape[-1] ** 0.5 if len(shape) == 2 else 1)
+
+    shapes = ((C,), (C,), (3 * C, C), (3 * C,), (1, H, L, C // H), (1, H, L, C // H), (C, C), (C,), (C,), (C,))
+    layers = [tuple(rand(*s) for s in (*shapes, (F, C), (F,), (C, F), (C,))) for _ in range(2)]
+    x, a, gf, bf_ = rand(C), rand(C), rand(C), rand(C)
+    head = rand(V, C)
+
+    def ln(t: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F_.layer_norm(t, (C,), w, b, 1e-5)
+
+    def after(layer: Layer, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:  # torch's block after attention
+        x1 = x + F_.linear(a, layer[6], layer[7])
+        hidden = F_.gelu(F_.linear(ln(x1, layer[8], layer[9]), layer[10], layer[11]), approximate="tanh")
+        return x1 + F_.linear(hidden, layer[12], layer[13])
+
+    first = layers[0]
+
+    def pair(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return first[i], first[i + 1]
+
     with torch.no_grad():
-        want_qkv = torch.nn.functional.linear(ln(x, (C,), gamma, beta, 1e-5), wq, bq)
-        x1 = x + torch.nn.functional.linear(a, wo, bo)
-        hidden = torch.nn.functional.gelu(
-            torch.nn.functional.linear(ln(x1, (C,), gamma, beta, 1e-5), wf, bf), approximate="tanh"
-        )
-        want_y = x1 + torch.nn.functional.linear(hidden, wp, bp)
-        got_qkv = ln_gemv(x, gamma, beta, 1e-5, wq, bq, kernel)
-        got_y = block_tail(x, a, (wo, bo), (gamma, beta, 1e-5), (wf, bf), (wp, bp), kernel)
-    return torch.allclose(got_qkv, want_qkv, rtol=1e-5, atol=1e-5) and torch.allclose(
-        got_y, want_y, rtol=1e-5, atol=1e-5
-    )
+        got = [
+            (
+                ln_gemv(x, first[0], first[1], 1e-5, first[2], first[3], kernel),
+                F_.linear(ln(x, *first[:2]), *first[2:4]),
+            ),
+            (
+                block_tail(x, a, pair(6), (first[8], first[9], 1e-5), pair(10), pair(12), kernel),
+                after(first, x, a),
+            ),
+        ]
+        y, rows = x, []
+        for layer in layers:  # torch's step, on copies of the caches
+            q, kn, vn = (t.view(1, H, 1, C // H) for t in F_.linear(ln(y, *layer[:2]), *layer[2:4]).split(C))
+            keys, values = (torch.cat([c[:, :, :slot], new], 2) for c, new in ((layer[4], kn), (layer[5], vn)))
+            y = after(layer, y, F_.scaled_dot_product_attention(q, keys, values).reshape(C))
+            rows += [(layer[4][:, :, slot], kn[:, :, 0]), (layer[5][:, :, slot], vn[:, :, 0])]
+        logits = F_.linear(ln(y, gf, bf_), head)
+        got.append((step_static(x.view(1, 1, C), layers, slot, 1e-5, (gf, bf_), head, kernel).view(V), logits))
+        got += rows  # each layer's row of K/V, written at `slot`
+    return all(torch.allclose(mine, theirs, rtol=1e-5, atol=1e-5) for mine, theirs in got)
 
 
 @functools.cache
@@ -353,6 +387,41 @@ def block_tail(
     )
     _call(kernel.tail_fn, "kvbench::block_tail", *args, C, F, torch.get_num_threads(), kernel.rows, kernel.prefetch)
     return buf[2 * C + F :].view(x.shape)
+
+
+Layer = tuple[torch.Tensor, ...]  # step_static's 14 tensors of a layer, in gemv.c's table order (STEP_LAYER)
+STEP_LAYER = (
+    "ln_1 w, ln_1 b, c_attn W, c_attn b, K, V, c_proj W, c_proj b, ln_2 w, ln_2 b, c_fc W, c_fc b, mlp W, mlp b"
+)
+
+
+def step_static(
+    x: torch.Tensor,
+    layers: list[Layer],
+    slot: int,
+    eps: float,
+    ln_f: tuple[torch.Tensor, torch.Tensor],
+    head: torch.Tensor,
+    kernel: Kernel | None = None,
+) -> torch.Tensor:
+    """A whole GPT-2 decode step for one row over static caches, to its logits: x (1, 1, C) the token's embedding;
+    each layer's tensors as STEP_LAYER names them (matrices (out, in), K and V (1, H, L, Dh) buffers), the row's K/V
+    written at column `slot` and attention reading columns [0, slot]; every LayerNorm's `eps`; ln_f's (weight,
+    bias); head (V, C). All contiguous float32 on the CPU -> (1, 1, V)."""
+    kernel = kernel if kernel is not None else library()
+    assert kernel is not None and kernel.step_fn is not None, "the model runs fused calls only where they were built"
+    k = layers[0][4]
+    _, H, L, _ = k.shape
+    C, F, V = x.size(-1), layers[0][10].size(0), head.size(0)
+    table = torch.tensor([t.data_ptr() for layer in layers for t in layer], dtype=torch.int64)
+    logits = torch.empty(V, dtype=x.dtype)
+    scratch = torch.empty(8 * C + F + H * (slot + 1), dtype=x.dtype)
+    args: tuple = (x.data_ptr(), table.data_ptr(), len(layers), L, slot, H, eps, ln_f[0].data_ptr(), ln_f[1].data_ptr())
+    args += (head.data_ptr(), logits.data_ptr(), V, scratch.data_ptr(), C, F)
+    _call(kernel.step_fn, "kvbench::step", *args, torch.get_num_threads(), kernel.rows, kernel.prefetch)
+    global step_calls
+    step_calls += 1
+    return logits.view(1, 1, V)
 
 
 def _call(fn: Callable[..., None], name: str, *args) -> None:

@@ -135,16 +135,30 @@ class Block(nn.Module):
         return x
 
     def _fused(self, x, positions, cache, mask) -> torch.Tensor:
-        """The same block for one row (B = T = 1) on the CPU, as two C calls around attention (model/gemv.py): ln_1
-        and c_attn, then c_proj, the residual, ln_2, the MLP and its residual. The same sums, rounded alike to
-        within a float's last bits; between two projections the Python in between runs with cold caches, so fewer
-        calls make a faster step (docs/performance.md)."""
-        attn, mlp = cast(CausalSelfAttention, self.attn), cast(MLP, self.mlp)
-        ln_1, ln_2 = self.ln_1, self.ln_2
-        qkv = gemv.ln_gemv(x, ln_1.weight, ln_1.bias, ln_1.eps, attn.c_attn.weight.t(), attn.c_attn.bias)  # (1, 1, 3C)
+        """The same block for one row (B = T = 1) on the CPU, as two C calls around the cache's own update and
+        attention (model/gemv.py): ln_1 and c_attn, then c_proj, the residual, ln_2, the MLP and its residual. The
+        same sums, rounded alike to within a float's last bits; between two projections the Python in between runs
+        with cold caches, so fewer calls make a faster step (docs/performance.md). Over static caches the whole
+        step is one call instead (GPT._fused_step)."""
+        attn = cast(CausalSelfAttention, self.attn)
+        ln_1, ln_2 = (
+            (self.ln_1.weight, self.ln_1.bias, self.ln_1.eps),
+            (self.ln_2.weight, self.ln_2.bias, self.ln_2.eps),
+        )
+        qkv = gemv.ln_gemv(x, *ln_1, *_pair(attn.c_attn))  # (1, 1, 3C)
         a = attn.attend(qkv, positions, cache, mask)  # (1, 1, C)
-        ln = (ln_2.weight, ln_2.bias, ln_2.eps)
-        return gemv.block_tail(x, a, _pair(attn.c_proj), ln, _pair(mlp.c_fc), _pair(mlp.c_proj))  # (1, 1, C)
+        return gemv.block_tail(x, a, _pair(attn.c_proj), ln_2, *self._mlp_pairs())  # (1, 1, C)
+
+    def _mlp_pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        mlp = cast(MLP, self.mlp)
+        return _pair(mlp.c_fc), _pair(mlp.c_proj)
+
+    def _step_layer(self, k: torch.Tensor, v: torch.Tensor) -> gemv.Layer:
+        """This block's tensors for gemv.step_static (STEP_LAYER's order), over the cache buffers k and v."""
+        attn = cast(CausalSelfAttention, self.attn)
+        fc, proj = self._mlp_pairs()
+        ln_1, ln_2 = (self.ln_1.weight, self.ln_1.bias), (self.ln_2.weight, self.ln_2.bias)
+        return (*ln_1, *_pair(attn.c_attn), k, v, *_pair(attn.c_proj), *ln_2, *fc, *proj)
 
     def _weights(self) -> tuple[torch.Tensor, ...]:
         """The (out, in) matrices the fused calls read (contiguous only where GPT.lay_out laid them out); asked only
@@ -168,6 +182,19 @@ class Block(nn.Module):
             (getattr(mlp, "c_proj", None), Conv1D),
         )
         return _no_global_hooks() and all(type(m) is t and not _hooked(m) for m, t in parts)
+
+
+def _in_place(cache, mask: AttentionMask) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(k, v, slot) where a one-row step may write this layer's K/V into the cache's buffers itself and read every
+    slot up to it (`LayerCache.in_place_slot`: the stock static cache, batch 1, float32), with no mask to apply
+    (no padding, the exact rule); else None."""
+    ask = getattr(cache, "in_place_slot", None)  # a cache is anything with update (a step's slot writer, a plugin)
+    got = ask() if ask is not None else None
+    if got is None:
+        return None
+    k, v, slot = got
+    ok = k.size(0) == 1 and k.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+    return got if ok and mask.for_keys(slot + 1, cache) == (None, False) else None
 
 
 def _pair(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,6 +398,10 @@ class GPT(nn.Module):
             assert padding_mask.shape == (B, past + T), f"padding_mask {tuple(padding_mask.shape)} != {(B, past + T)}"
         mask = AttentionMask(T, past + T, padding_mask, mask_rule, positions)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
+        if caches is not None and x.numel() == x.size(-1):
+            logits = self._fused_step(x, caches, mask)
+            if logits is not None:
+                return logits  # (1, 1, V)
         for i, block in enumerate(self.transformer.h):
             x = block(x, positions, None if caches is None else caches[i], mask)
         if last_only:
@@ -379,6 +410,27 @@ class GPT(nn.Module):
         if self._fused_head(x):
             return gemv.ln_gemv(x, ln_f.weight, ln_f.bias, ln_f.eps, self.lm_head.weight, None)  # (1, 1, V)
         return self.lm_head(ln_f(x))  # (B, T, V) or (B, 1, V)
+
+    def _fused_step(self, x: torch.Tensor, caches: list, mask: AttentionMask) -> torch.Tensor | None:
+        """The whole one-row step as one C call (gemv.step_static), where every block is the stock one without hooks
+        (and so are ln_f and lm_head), every LayerNorm has one eps, and every layer's cache is the stock static
+        one writing at the same slot with no mask to apply (`_in_place`); each cache then counts the token. None
+        elsewhere: the blocks run one by one."""
+        blocks, ln_f = list(self.transformer.h), self.transformer.ln_f
+        if not (self._fused_head(x) and all(type(b) is Block and not _hooked(b) and b._stock() for b in blocks)):
+            return None
+        if not all(fused_row(x, *cast(Block, b)._weights()) for b in blocks):
+            return None
+        norms = [m for b in blocks for m in (cast(Block, b).ln_1, cast(Block, b).ln_2)] + [ln_f]
+        slots = [_in_place(c, mask) for c in caches]
+        if any(s is None for s in slots) or len({s[2] for s in slots if s}) != 1 or len({m.eps for m in norms}) != 1:
+            return None
+        layers = [cast(Block, b)._step_layer(s[0], s[1]) for b, s in zip(blocks, slots, strict=True) if s]
+        slot = cast(tuple, slots[0])[2]
+        logits = gemv.step_static(x, layers, slot, ln_f.eps, (ln_f.weight, ln_f.bias), self.lm_head.weight)
+        for c in caches:
+            c.wrote_in_place(slot + 1)
+        return logits
 
     def _fused_head(self, x: torch.Tensor) -> bool:
         """ln_f and lm_head as one C call (model/gemv.py) for one row on the CPU, where both are the stock

@@ -20,8 +20,9 @@ so checkpoints port as before. Everywhere else (CUDA, fp16, training, `--compile
 without oneDNN) a projection is ATen's `addmm`. All accumulate fp32 in fp32 and differ by rounding only (verify
 holds every cache to transformers at 1e-5 on each).
 
-On the gemv route a block's one-row step goes further (`fused_row`): ln_1 with c_attn, and everything after
-attention (c_proj, the residual, ln_2, the MLP and its residual) are one C call each, and ln_f with lm_head one more.
+On the gemv route the one-row step goes further (`fused_row`; model/gpt2.py decides which modules): over static
+caches the whole step is one C call; over any other cache, ln_1 with c_attn, and everything after attention (c_proj,
+the residual, ln_2, the MLP and its residual), are one C call each, and ln_f with lm_head one more.
 
 `KVBENCH_CPU_MATMUL=onednn` or `aten` (or `set_route`) chooses another route, for an A/B of the same step.
 """
@@ -110,10 +111,10 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
 
 
 def fused_row(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Where a block's one-row step runs as gemv.py's fused calls (a LayerNorm and c_attn; everything after
-    attention) and ln_f with lm_head as one: the gemv route, one float32 row on the CPU, contiguous, with every
-    weight of the call (out, in) contiguous, and no gradient wanted, outside torch.compile. The model decides which
-    of its modules may be fused (GPT.fusable); this says where the product may be."""
+    """Where the one-row step may run as gemv.py's fused calls (the whole step; a LayerNorm and c_attn; everything
+    after attention; ln_f and lm_head): the gemv route, one float32 row on the CPU, contiguous, with every weight of
+    the call (out, in) contiguous, and no gradient wanted, outside torch.compile. The model decides which of its
+    modules may be fused (Block._stock, GPT._fused_head, GPT._fused_step); this says where the product may be."""
     return (
         route() == "gemv"
         and x.device.type == "cpu"
