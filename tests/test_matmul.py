@@ -324,6 +324,12 @@ def test_the_whole_step_call_only_where_every_layer_is_stock_static_and_reads_ev
     plain = _step(model, static(), ids, padding)
     matmul.set_route("gemv")
     assert steps == [1] and (masked - plain).abs().max() < 1e-6 and (masked - whole).abs().max() > 1e-4
+    wrong = static()
+    for c in wrong:  # a design that offers buffers of another layout: never handed to the C code
+        c.in_place_slot = lambda c=c: (c.k.transpose(2, 3).contiguous(), c.v.transpose(2, 3).contiguous(), c.length)
+    with torch.inference_mode():
+        model(ids[:, :8], torch.arange(8)[None], wrong)
+        assert (model(ids[:, 8:], torch.tensor([[8]]), wrong)[:, -1] - whole).abs().max() < 1e-6 and steps == [1]
     full = static(n=8)
     with torch.inference_mode():
         model(ids[:, :8], torch.arange(8)[None], full)

@@ -425,8 +425,15 @@ class GPT(nn.Module):
         slots = [_in_place(c, mask) for c in caches]
         if any(s is None for s in slots) or len({s[2] for s in slots if s}) != 1 or len({m.eps for m in norms}) != 1:
             return None
+        # the C code trusts these: each layer's buffers (1, H, L, Dh) for this model's heads, one L, the slot in it
+        attn = cast(CausalSelfAttention, cast(Block, blocks[0]).attn)
+        shapes = {(tuple(s[0].shape), tuple(s[1].shape)) for s in slots if s}
+        (k_shape, v_shape), slot = next(iter(shapes)), cast(tuple, slots[0])[2]
+        if len(shapes) != 1 or k_shape != v_shape or len(k_shape) != 4 or not 0 <= slot < k_shape[2]:
+            return None
+        if (k_shape[1], k_shape[3]) != (attn.n_head, attn.head_dim) or len(slots) != len(blocks):
+            return None
         layers = [cast(Block, b)._step_layer(s[0], s[1]) for b, s in zip(blocks, slots, strict=True) if s]
-        slot = cast(tuple, slots[0])[2]
         logits = gemv.step_static(x, layers, slot, ln_f.eps, (ln_f.weight, ln_f.bias), self.lm_head.weight)
         for c in caches:
             c.wrote_in_place(slot + 1)
