@@ -193,7 +193,8 @@ def _in_place(cache, mask: AttentionMask) -> tuple[torch.Tensor, torch.Tensor, i
     if got is None:
         return None
     k, v, slot = got
-    ok = k.size(0) == 1 and k.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+    ok = k.size(0) == 1 and k.dtype == v.dtype == torch.float32 and k.device.type == v.device.type == "cpu"
+    ok = ok and k.is_contiguous() and v.is_contiguous()
     return got if ok and mask.for_keys(slot + 1, cache) == (None, False) else None
 
 
@@ -448,6 +449,7 @@ class GPT(nn.Module):
             and fused_row(x, head.weight)
             and type(ln_f) is nn.LayerNorm
             and type(head) is Head
+            and head.bias is None
             and not (_hooked(ln_f) or _hooked(head))
             and _no_global_hooks()
         )
