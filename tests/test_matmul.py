@@ -4,6 +4,7 @@ with the layout GPT.lay_out gives; the GEMV's build (model/gemv.py) to what it d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -52,23 +53,28 @@ def test_where_there_is_a_compiler_the_gemv_builds_and_passes_its_checks():
     assert gemv.library() is not None, gemv.unavailable()
 
 
+def _every_way_and_thread(monkeypatch, run):
+    """{(way, threads): run()} for each way of reading (the built kernel's functions, reading its rows that way) at
+    1, 2 and 3 threads."""
+    kernel, before, got = gemv.library(), torch.get_num_threads(), {}
+    try:
+        for way in gemv.WAYS:
+            k = dataclasses.replace(kernel, rows=way[0], prefetch=way[1])
+            monkeypatch.setattr(gemv, "library", lambda k=k: k)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                got[way, threads] = run()
+    finally:
+        torch.set_num_threads(before)
+    return got
+
+
 @needs_gemv
 @pytest.mark.parametrize("n_out, n_in", [(1, 1), (3, 17), (4, 16), (37, 131), (768, 768), (50, 3072)])
 def test_the_gemv_kernel_against_float64_and_the_same_at_any_thread_count_and_way_of_reading(n_out, n_in, monkeypatch):
     w, x, b = torch.randn(n_out, n_in), torch.randn(1, 1, n_in), torch.randn(n_out)
     ref = (w.double() @ x.double().view(-1) + b.double()).view(1, 1, n_out)
-    kernel = gemv.library()
-    before = torch.get_num_threads()
-    got = {}
-    try:
-        # one row at a time, and four side by side (a tail of 0-3 rows one by one), each prefetching or not
-        for way in gemv.WAYS:
-            monkeypatch.setattr(gemv, "library", lambda way=way: gemv.Kernel(kernel.fn, *way))
-            for threads in (1, 2, 3):
-                torch.set_num_threads(threads)
-                got[way, threads] = (gemv.gemv(x, w, b), gemv.gemv(x, w, None))
-    finally:
-        torch.set_num_threads(before)
+    got = _every_way_and_thread(monkeypatch, lambda: (gemv.gemv(x, w, b), gemv.gemv(x, w, None)))
     biased, bare = got[(1, 0), 1]
     assert torch.allclose(biased.double(), ref, rtol=1e-6, atol=1e-5 * n_in**0.5)
     assert torch.allclose(bare.double(), ref - b.double(), rtol=1e-6, atol=1e-5 * n_in**0.5)
@@ -186,20 +192,10 @@ def test_the_fused_block_against_float64_and_the_same_at_any_thread_count_and_wa
         if isinstance(m, Conv1D):
             m.weight.data = m.weight.data.t().contiguous().t()
     matmul.set_route("gemv")
-    kernel = gemv.library()
-    before, got = torch.get_num_threads(), {}
     fused = []
     real = getattr(gemv, fused_call)
     monkeypatch.setattr(gemv, fused_call, lambda *a: fused.append(1) or real(*a))
-    try:
-        for way in gemv.WAYS:
-            k = gemv.Kernel(kernel.fn, *way, kernel.ln_fn, kernel.tail_fn, kernel.step_fn)
-            monkeypatch.setattr(gemv, "library", lambda k=k: k)
-            for threads in (1, 2, 3):
-                torch.set_num_threads(threads)
-                got[way, threads] = _decode(block, x, tiny_config, kind=kind)
-    finally:
-        torch.set_num_threads(before)
+    got = _every_way_and_thread(monkeypatch, lambda: _decode(block, x, tiny_config, kind=kind))
     assert len(fused) == len(got) == 18  # every one ran the fused calls
     first = got[(1, 0), 1]
     assert (first.double() - ref).abs().max() < 1e-5
@@ -255,19 +251,15 @@ def test_the_whole_step_call_against_float64_the_same_at_any_thread_count_and_wa
     ref = _step(model.double(), make_caches("static", tiny_config, 1, 9, torch.float64, "cpu"), ids)
     matmul.set_route("gemv")
     model.float().lay_out()  # (out, in), as the gemv route reads them
-    kernel, before, got, steps = gemv.library(), torch.get_num_threads(), {}, []
+    steps = []
     real = gemv.step_static
     monkeypatch.setattr(gemv, "step_static", lambda *a: steps.append(1) or real(*a))
-    try:
-        for way in gemv.WAYS:
-            k = gemv.Kernel(kernel.fn, *way, kernel.ln_fn, kernel.tail_fn, kernel.step_fn)
-            monkeypatch.setattr(gemv, "library", lambda k=k: k)
-            for threads in (1, 2, 3):
-                torch.set_num_threads(threads)
-                caches = make_caches("static", tiny_config, 1, 9, torch.float32, "cpu")
-                got[way, threads] = (_step(model, caches, ids), caches[1].k.clone())
-    finally:
-        torch.set_num_threads(before)
+
+    def run():
+        caches = make_caches("static", tiny_config, 1, 9, torch.float32, "cpu")
+        return _step(model, caches, ids), caches[1].k.clone()
+
+    got = _every_way_and_thread(monkeypatch, run)
     assert len(steps) == len(got) == 18
     first, k = got[(1, 0), 1]
     assert (first.double() - ref).abs().max() < 1e-5

@@ -315,14 +315,8 @@ def gemv(
         kernel = library()
     assert kernel is not None, "model/matmul.py routes here only where the kernel was built"
     b = None if bias is None else bias.data_ptr()
-    threads = torch.get_num_threads()
-    # the C function itself, not Kernel's __call__: in a decode step every Python call here runs with cold caches
-    args = (weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), n_out, n_in, threads, kernel.rows, kernel.prefetch)
-    if torch.autograd._profiler_enabled():  # a ctypes call is no operator: name it for `bench --profile`
-        with torch.profiler.record_function("kvbench::gemv"):
-            kernel.fn(*args)
-    else:
-        kernel.fn(*args)
+    args = (weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), n_out, n_in, torch.get_num_threads())
+    _call(kernel.fn, "kvbench::gemv", *args, kernel.rows, kernel.prefetch)
     return y.view(*x.shape[:-1], n_out)
 
 

@@ -418,13 +418,15 @@ class GPT(nn.Module):
         one writing at the same slot with no mask to apply (`_in_place`); each cache then counts the token. None
         elsewhere: the blocks run one by one."""
         blocks, ln_f = list(self.transformer.h), self.transformer.ln_f
+        slots = [_in_place(c, mask) for c in caches]  # first: other caches say None at once, before the blocks' checks
+        if any(s is None for s in slots) or len({s[2] for s in slots if s}) != 1:
+            return None
         if not (self._fused_head(x) and all(type(b) is Block and not _hooked(b) and b._stock() for b in blocks)):
             return None
         if not all(fused_row(x, *cast(Block, b)._weights()) for b in blocks):
             return None
         norms = [m for b in blocks for m in (cast(Block, b).ln_1, cast(Block, b).ln_2)] + [ln_f]
-        slots = [_in_place(c, mask) for c in caches]
-        if any(s is None for s in slots) or len({s[2] for s in slots if s}) != 1 or len({m.eps for m in norms}) != 1:
+        if len({m.eps for m in norms}) != 1:
             return None
         # the C code trusts these: each layer's buffers (1, H, L, Dh) for this model's heads, one L, the slot in it
         attn = cast(CausalSelfAttention, cast(Block, blocks[0]).attn)
