@@ -39,7 +39,7 @@ from kvbench.cachedir import CACHE_ENV, cache_root
 
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
-LIBS = ("-lm",)  # after the source: tanhf, sqrtf
+LIBS = ("-lm",)  # after the source: sqrtf, floorf
 SYMBOL = "kv_gemv_f32"
 LN_SYMBOL = "kv_ln_gemv_f32"  # a LayerNorm, then a projection
 TAIL_SYMBOL = "kv_block_tail_f32"  # a GPT-2 block after attention
