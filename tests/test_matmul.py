@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import cast
 
 import pytest
 import torch
 
 from kvbench.errors import KVBenchError
 from kvbench.model import gemv, matmul
-from kvbench.model.gpt2 import GPT, PRESETS, Conv1D
+from kvbench.model.gpt2 import GPT, PRESETS, Block, CausalSelfAttention, Conv1D
 from kvbench.model.weights import to_hf_model
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch built without oneDNN")
@@ -281,10 +282,10 @@ def test_the_whole_step_call_against_float64_the_same_at_any_thread_count_and_wa
 def test_the_whole_step_call_only_where_every_layer_is_stock_static_and_reads_every_slot(
     tiny_config, aten_then_back, monkeypatch
 ):
-    assert tiny_config.n_layer == 3
     """Left padding (a mask to apply), a StaticCache subclass (its own update), a hook on one block, or a dynamic
     cache keep the blocks one by one, with the same result to rounding; the one call writes each row's K/V where
     update would; a full cache is refused as update refuses it."""
+    assert tiny_config.n_layer == 3
     from kvbench.caches import make_caches
     from kvbench.caches.static import StaticCache
     from kvbench.errors import CacheOverflowError
@@ -341,6 +342,90 @@ def test_the_whole_step_call_only_where_every_layer_is_stock_static_and_reads_ev
         ):
             model(ids[:, 8:], torch.tensor([[8]]), full)
     assert steps == [1] and all(c.length == 8 for c in full)
+
+
+@needs_gemv
+def test_what_the_whole_step_checked_once_follows_every_later_change_to_the_model(
+    tiny_config, aten_then_back, monkeypatch
+):
+    """The step keeps what it checked of the modules between steps; a weight given new storage, a new value in place,
+    a hook, a replaced module, another eps or a gradient wanted after a fused step are all seen at the next one: the
+    result is the modules' own (the aten route's) every time, through the C step only where it may run."""
+    from kvbench.caches.static import StaticCache
+
+    matmul.set_route("gemv")
+    model = GPT(tiny_config).init_weights(seed=0, std=0.1).eval().lay_out()
+    ids = torch.randint(0, tiny_config.vocab_size, (1, 9))
+    steps: list[int] = []
+    real = gemv.step_static
+    monkeypatch.setattr(gemv, "step_static", lambda *a: steps.append(1) or real(*a))
+    H, Dh = tiny_config.n_head, tiny_config.head_dim
+
+    def check(fused: bool) -> torch.Tensor:
+        caches = [StaticCache(1, H, 9, Dh, torch.float32, "cpu") for _ in range(tiny_config.n_layer)]
+        before = len(steps)
+        got = _step(model, caches, ids)
+        matmul.set_route("aten")
+        want = _step(model, [StaticCache(1, H, 9, Dh, torch.float32, "cpu") for _ in caches], ids)
+        matmul.set_route("gemv")
+        assert len(steps) - before == fused and (got - want).abs().max() < 1e-5
+        return got
+
+    first = check(fused=True)
+    block = cast(Block, model.transformer.h[1])
+    fc = block.mlp.c_fc
+    fc.weight.data = (torch.randn_like(fc.weight) * 0.1).t().contiguous().t()  # new storage, (out, in) laid out
+    assert (check(fused=True) - first).abs().max() > 1e-4
+    with torch.no_grad():
+        fc.bias.add_(0.5)  # a new value in place: same storage, read live
+    check(fused=True)
+    seen = []
+    hook = block.attn.c_attn.register_forward_hook(lambda m, a, out: seen.append(tuple(out.shape)))
+    check(fused=False)
+    assert seen == [(1, 8, 3 * tiny_config.n_embd), (1, 1, 3 * tiny_config.n_embd)] * 2
+    hook.remove()
+    check(fused=True)
+
+    class Louder(type(block.mlp)):
+        def forward(self, x):
+            seen.append("louder")
+            return super().forward(x)
+
+    class Watched(CausalSelfAttention):
+        def attend(self, *args):
+            seen.append("watched")
+            return super().attend(*args)
+
+    louder = Louder(tiny_config)
+    louder.load_state_dict(block.mlp.state_dict())
+    block.mlp = louder
+    check(fused=False)
+    assert seen[-1] == "louder"
+    block.mlp = type(block.mlp).__mro__[1](tiny_config)  # a stock MLP again, its weights (in, out): not laid out
+    block.mlp.load_state_dict(louder.state_dict())
+    check(fused=False)
+    model.lay_out()
+    check(fused=True)
+    watched = Watched(tiny_config)  # another attention module around the same projections: the same parameters
+    watched.c_attn, watched.c_proj = block.attn.c_attn, block.attn.c_proj
+    block.attn = watched
+    check(fused=False)
+    assert seen[-1] == "watched"
+    block.attn = CausalSelfAttention(tiny_config)
+    block.attn.c_attn, block.attn.c_proj = watched.c_attn, watched.c_proj
+    check(fused=True)
+    block.ln_2.eps = 1e-3  # one eps unlike the others
+    check(fused=False)
+    block.ln_2.eps = model.transformer.ln_f.eps
+    check(fused=True)
+    for p in (*model.transformer.wte.parameters(), *model.transformer.wpe.parameters()):
+        p.requires_grad_(False)  # frozen embeddings (and the tied head), trained blocks: the row wants no gradient
+    caches = [StaticCache(1, H, 9, Dh, torch.float32, "cpu") for _ in range(tiny_config.n_layer)]
+    with torch.no_grad():
+        model(ids[:, :8], torch.arange(8)[None], caches)
+    before = len(steps)
+    step = model(ids[:, 8:], torch.tensor([[8]]), caches)  # a gradient wanted: the differentiable path
+    assert step.grad_fn is not None and len(steps) == before
 
 
 def test_without_a_compiler_the_gemv_route_is_onednn_and_says_why(tmp_path, monkeypatch, aten_then_back):

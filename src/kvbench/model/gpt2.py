@@ -153,12 +153,13 @@ class Block(nn.Module):
         mlp = cast(MLP, self.mlp)
         return _pair(mlp.c_fc), _pair(mlp.c_proj)
 
-    def _step_layer(self, k: torch.Tensor, v: torch.Tensor) -> gemv.Layer:
-        """This block's tensors for gemv.step_static (STEP_LAYER's order), over the cache buffers k and v."""
+    def _step_layer(self) -> tuple[torch.Tensor, ...]:
+        """This block's tensors for gemv.step_static, in STEP_LAYER's order but for the cache buffers K and V (the
+        fifth and sixth)."""
         attn = cast(CausalSelfAttention, self.attn)
         fc, proj = self._mlp_pairs()
         ln_1, ln_2 = (self.ln_1.weight, self.ln_1.bias), (self.ln_2.weight, self.ln_2.bias)
-        return (*ln_1, *_pair(attn.c_attn), k, v, *_pair(attn.c_proj), *ln_2, *fc, *proj)
+        return (*ln_1, *_pair(attn.c_attn), *_pair(attn.c_proj), *ln_2, *fc, *proj)
 
     def _weights(self) -> tuple[torch.Tensor, ...]:
         """The (out, in) matrices the fused calls read (contiguous only where GPT.lay_out laid them out); asked only
@@ -212,6 +213,72 @@ def _no_global_hooks() -> bool:
     from torch.nn.modules import module
 
     return not (module._global_forward_hooks or module._global_forward_pre_hooks)
+
+
+class _StepPlan:
+    """What GPT._fused_step checks of the modules before the whole-step C call, found once and kept while it holds:
+    the same modules (none replaced, added or hooked), the same parameters, each in the same storage, shape, strides
+    and dtype, and the same LayerNorm eps. Checking that costs a third of finding it again, and each decode step
+    asks (its Python runs with the caches the step's matrices streamed through). The caches, the row and the route
+    are checked every step."""
+
+    def __init__(self, model: GPT, layers: list[tuple[torch.Tensor, ...]], heads: tuple[int, int]) -> None:
+        ln_f = model.transformer.ln_f
+        self.parts = _parts(model)
+        self.params = _params(self.parts)
+        self.layout = [_layout(p) for p in self.params]
+        self.norms = [m for m in self.parts if type(m) is nn.LayerNorm]
+        self.eps = ln_f.eps
+        self.layers = layers  # each block's STEP_LAYER tensors but K and V
+        self.heads = heads  # (H, Dh) of each layer's cache buffers
+        self.ln_f, self.head = (ln_f.weight, ln_f.bias), model.lm_head.weight
+
+    @classmethod
+    def of(cls, model: GPT, x: torch.Tensor) -> _StepPlan | None:
+        """The plan for `model`, or None where its modules cannot run as one call."""
+        blocks, ln_f = list(model.transformer.h), model.transformer.ln_f
+        if not (model._fused_head(x) and all(type(b) is Block and not _hooked(b) and b._stock() for b in blocks)):
+            return None
+        if not all(fused_row(x, *cast(Block, b)._weights()) for b in blocks):
+            return None
+        norms = [m for b in blocks for m in (cast(Block, b).ln_1, cast(Block, b).ln_2)] + [ln_f]
+        if len({m.eps for m in norms}) != 1:
+            return None
+        attn = cast(CausalSelfAttention, cast(Block, blocks[0]).attn)
+        layers = [cast(Block, b)._step_layer() for b in blocks]
+        return cls(model, layers, (attn.n_head, attn.head_dim))
+
+    def holds(self, model: GPT) -> bool:
+        parts = _parts(model)
+        params = _params(parts)
+        return (
+            len(parts) == len(self.parts)
+            and all(a is b for a, b in zip(parts, self.parts, strict=True))
+            and not any(_hooked(m) for m in parts)
+            and _no_global_hooks()
+            and len(params) == len(self.params)
+            and all(a is b for a, b in zip(params, self.params, strict=True))
+            and all(_layout(p) == was for p, was in zip(params, self.layout, strict=True))
+            and all(m.eps == self.eps for m in self.norms)
+        )
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Is `x` a row the C step reads, with no gradient wanted of any parameter (asked each step: requires_grad
+        changes no layout)?"""
+        return fused_row(x) and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.params))
+
+
+def _parts(model: GPT) -> tuple[nn.Module, ...]:
+    """Every module below the model (not the model itself: a plan that held it would keep it alive in a cycle)."""
+    return tuple(model.modules())[1:]
+
+
+def _params(parts: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(p for m in parts for p in m._parameters.values() if p is not None)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.stride(), t.dtype
 
 
 class MaskRule:
@@ -416,28 +483,24 @@ class GPT(nn.Module):
         """The whole one-row step as one C call (gemv.step_static), where every block is the stock one without hooks
         (and so are ln_f and lm_head), every LayerNorm has one eps, and every layer's cache is the stock static
         one writing at the same slot with no mask to apply (`_in_place`); each cache then counts the token. None
-        elsewhere: the blocks run one by one."""
-        blocks, ln_f = list(self.transformer.h), self.transformer.ln_f
+        elsewhere: the blocks run one by one. What it checks of the modules is kept (`_StepPlan`) while they hold."""
         slots = [_in_place(c, mask) for c in caches]  # first: other caches say None at once, before the blocks' checks
         if any(s is None for s in slots) or len({s[2] for s in slots if s}) != 1:
             return None
-        if not (self._fused_head(x) and all(type(b) is Block and not _hooked(b) and b._stock() for b in blocks)):
-            return None
-        if not all(fused_row(x, *cast(Block, b)._weights()) for b in blocks):
-            return None
-        norms = [m for b in blocks for m in (cast(Block, b).ln_1, cast(Block, b).ln_2)] + [ln_f]
-        if len({m.eps for m in norms}) != 1:
+        plan = getattr(self, "_step_plan", None)
+        if plan is None or not plan.holds(self):
+            plan = self._step_plan = _StepPlan.of(self, x)
+        if plan is None or not plan.takes(x):
             return None
         # the C code trusts these: each layer's buffers (1, H, L, Dh) for this model's heads, one L, the slot in it
-        attn = cast(CausalSelfAttention, cast(Block, blocks[0]).attn)
         shapes = {(tuple(s[0].shape), tuple(s[1].shape)) for s in slots if s}
         (k_shape, v_shape), slot = next(iter(shapes)), cast(tuple, slots[0])[2]
         if len(shapes) != 1 or k_shape != v_shape or len(k_shape) != 4 or not 0 <= slot < k_shape[2]:
             return None
-        if (k_shape[1], k_shape[3]) != (attn.n_head, attn.head_dim) or len(slots) != len(blocks):
+        if (k_shape[1], k_shape[3]) != plan.heads or len(slots) != len(plan.layers):
             return None
-        layers = [cast(Block, b)._step_layer(s[0], s[1]) for b, s in zip(blocks, slots, strict=True) if s]
-        logits = gemv.step_static(x, layers, slot, ln_f.eps, (ln_f.weight, ln_f.bias), self.lm_head.weight)
+        layers = [(*w[:4], s[0], s[1], *w[4:]) for w, s in zip(plan.layers, slots, strict=True) if s]
+        logits = gemv.step_static(x, layers, slot, plan.eps, plan.ln_f, plan.head)
         for c in caches:
             c.wrote_in_place(slot + 1)
         return logits
