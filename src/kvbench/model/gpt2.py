@@ -269,8 +269,15 @@ class _StepPlan:
 
 
 def _parts(model: GPT) -> tuple[nn.Module, ...]:
-    """Every module below the model (not the model itself: a plan that held it would keep it alive in a cycle)."""
-    return tuple(model.modules())[1:]
+    """Every module below the model, depth first (not the model itself: a plan that held it would keep it alive in a
+    cycle). model.modules() walks the same tree, building each one's dotted name on the way."""
+    parts: list[nn.Module] = []
+    todo = [m for m in reversed(model._modules.values()) if m is not None]
+    while todo:
+        m = todo.pop()
+        parts.append(m)
+        todo.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return tuple(parts)
 
 
 def _params(parts: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
