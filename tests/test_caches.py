@@ -37,6 +37,22 @@ def test_fifty_greedy_tokens_identical_to_no_cache(tiny_model, name):
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_greedy_sampler_picks_argmax_s_token_among_ties_nans_and_minus_infinity(dtype):
+    """The loop's greedy pick (a max's index, faster than argmax on the CPU) is argmax's: the first of tied maxima,
+    the first NaN where a row has one, index 0 of a row that is all -inf."""
+    from kvbench.decode.generate import Sampler
+
+    torch.manual_seed(0)
+    logits = torch.randint(0, 4, (6, 50257)).to(dtype)  # many ties at the maximum
+    logits[1, [7, 900, 40000]] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 50256] = 9  # the last column
+    got = Sampler()(logits, None)
+    assert got.shape == (6, 1) and torch.equal(got, logits.argmax(-1, keepdim=True))
+    assert got[:4, 0].tolist() == [logits[0].tolist().index(3), 7, 0, 50256]
+
+
 def test_greedy_output_depends_on_prompt(tiny_model):
     a = generate(tiny_model, [PROMPT], 20, cache="dynamic").tokens
     b = generate(tiny_model, [PROMPT[:-1] + [7]], 20, cache="dynamic").tokens
