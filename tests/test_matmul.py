@@ -428,6 +428,25 @@ def test_what_the_whole_step_checked_once_follows_every_later_change_to_the_mode
     assert step.grad_fn is not None and len(steps) == before
 
 
+@needs_gemv
+def test_a_nan_reaching_the_gelu_comes_out_as_nan_as_in_the_modules(tiny_config, aten_then_back):
+    """A NaN in the MLP (a broken checkpoint) gives NaN logits through the C step's GELU, as through torch's: never
+    numbers that look fine."""
+    from kvbench.caches.static import StaticCache
+
+    model = GPT(tiny_config).init_weights(seed=0, std=0.1).eval()
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.bias[0] = float("nan")
+    ids = torch.randint(0, tiny_config.vocab_size, (1, 9))
+    H, Dh = tiny_config.n_head, tiny_config.head_dim
+    got = {}
+    for route in ("aten", "gemv"):
+        matmul.set_route(route)
+        model.lay_out()
+        got[route] = _step(model, [StaticCache(1, H, 9, Dh, torch.float32, "cpu") for _ in range(3)], ids)
+    assert got["aten"].isnan().all() and got["gemv"].isnan().all()
+
+
 def test_without_a_compiler_the_gemv_route_is_onednn_and_says_why(tmp_path, monkeypatch, aten_then_back):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))

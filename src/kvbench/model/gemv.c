@@ -87,10 +87,12 @@ static void layer_norm(const float *restrict x, const float *restrict g, const f
 /* e^x in float to within an ulp or two, as arithmetic the compiler vectorises: libm's expf and tanhf take one
  * element a call, and in a gpt2 step at prompt 512 the softmax's and the GELU's cost 1-2 ms of 21. Cephes' expf:
  * e^x = 2^k e^r, k = round(x / ln 2), r = x - k ln 2 in two parts, e^r by a degree-7 polynomial. 0 below -87.3 (where
- * expf's result leaves the normal floats), and x is clamped at 88 (e^88 ~ 1.7e38; only the GELU asks that high). */
+ * expf's result leaves the normal floats), x clamped at 88 (e^88 ~ 1.7e38; only the GELU asks that high), NaN kept.
+ * k is computed from the clamped value, so it is always a small integer, NaN included. */
 static inline float exp_f32(float x) {
     const float lo = -87.33654f;
-    const float z = x < lo ? lo : (x > 88.f ? 88.f : x);
+    const float above = x > lo ? x : lo; /* NaN compares false: lo */
+    const float z = above < 88.f ? above : 88.f;
     const float k = floorf(z * 1.44269504088896341f + 0.5f);
     const float r = (z - k * 0.693359375f) - k * -2.12194440e-4f; /* ln 2 = 0.693359375 - 2.12194440e-4 */
     float p = 1.9875691500e-4f;
@@ -101,7 +103,7 @@ static inline float exp_f32(float x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.f;
     const union { int i; float f; } two_k = {.i = ((int)k + 127) << 23}; /* 2^k from its exponent bits */
-    return x < lo ? 0.f : p * two_k.f;
+    return x < lo ? 0.f : (x == x ? p * two_k.f : x);
 }
 
 /* GPT-2's tanh-GELU (torch.nn.functional.gelu(approximate="tanh")): 0.5 v (1 + tanh(u)), written as v sigmoid(2u),
