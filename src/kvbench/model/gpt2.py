@@ -262,10 +262,9 @@ class _StepPlan:
             and all(m.eps == self.eps for m in self.norms)
         )
 
-    def takes(self, x: torch.Tensor) -> bool:
-        """Is `x` a row the C step reads, with no gradient wanted of any parameter (asked each step: requires_grad
-        changes no layout)?"""
-        return fused_row(x) and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.params))
+    def wants_gradient(self) -> bool:
+        """Is a gradient wanted of any parameter (asked each step: requires_grad changes no layout)?"""
+        return torch.is_grad_enabled() and any(p.requires_grad for p in self.params)
 
 
 def _parts(model: GPT) -> tuple[nn.Module, ...]:
@@ -494,10 +493,12 @@ class GPT(nn.Module):
         slots = [_in_place(c, mask) for c in caches]  # first: other caches say None at once, before the blocks' checks
         if any(s is None for s in slots) or len({s[2] for s in slots if s}) != 1:
             return None
+        if not fused_row(x):  # first: the row, the route, and never inside torch.compile's tracing
+            return None
         plan = getattr(self, "_step_plan", None)
         if plan is None or not plan.holds(self):
             plan = self._step_plan = _StepPlan.of(self, x)
-        if plan is None or not plan.takes(x):
+        if plan is None or plan.wants_gradient():
             return None
         # the C code trusts these: each layer's buffers (1, H, L, Dh) for this model's heads, one L, the slot in it
         shapes = {(tuple(s[0].shape), tuple(s[1].shape)) for s in slots if s}
