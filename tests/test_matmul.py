@@ -418,14 +418,23 @@ def test_what_the_whole_step_checked_once_follows_every_later_change_to_the_mode
     check(fused=False)
     block.ln_2.eps = model.transformer.ln_f.eps
     check(fused=True)
+
+    def step_with_grad_enabled() -> torch.Tensor:
+        caches = [StaticCache(1, H, 9, Dh, torch.float32, "cpu") for _ in range(tiny_config.n_layer)]
+        with torch.no_grad():
+            model(ids[:, :8], torch.arange(8)[None], caches)
+        return model(ids[:, 8:], torch.tensor([[8]]), caches)
+
+    model.requires_grad_(False)  # nothing to train: the C step, gradient mode or not
+    before = len(steps)
+    assert step_with_grad_enabled().grad_fn is None and len(steps) == before + 1
+    fc = block.mlp.c_fc  # the MLP's now
+    fc.weight = torch.nn.Parameter(fc.weight.data)  # a trainable parameter over the same storage and layout
+    assert step_with_grad_enabled().grad_fn is not None and len(steps) == before + 1
+    model.requires_grad_(True)
     for p in (*model.transformer.wte.parameters(), *model.transformer.wpe.parameters()):
         p.requires_grad_(False)  # frozen embeddings (and the tied head), trained blocks: the row wants no gradient
-    caches = [StaticCache(1, H, 9, Dh, torch.float32, "cpu") for _ in range(tiny_config.n_layer)]
-    with torch.no_grad():
-        model(ids[:, :8], torch.arange(8)[None], caches)
-    before = len(steps)
-    step = model(ids[:, 8:], torch.tensor([[8]]), caches)  # a gradient wanted: the differentiable path
-    assert step.grad_fn is not None and len(steps) == before
+    assert step_with_grad_enabled().grad_fn is not None and len(steps) == before + 1
 
 
 @needs_gemv
