@@ -435,6 +435,11 @@ def test_what_the_whole_step_checked_once_follows_every_later_change_to_the_mode
     for p in (*model.transformer.wte.parameters(), *model.transformer.wpe.parameters()):
         p.requires_grad_(False)  # frozen embeddings (and the tied head), trained blocks: the row wants no gradient
     assert step_with_grad_enabled().grad_fn is not None and len(steps) == before + 1
+    model.requires_grad_(False)
+    check(fused=True)
+    assert getattr(model, "_step_plan", None) is not None
+    model.double()  # the kept checks hold views of the float32 weights: they go with them
+    assert model._step_plan is None
 
 
 @needs_gemv

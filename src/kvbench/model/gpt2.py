@@ -425,6 +425,12 @@ class GPT(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g, device=device) * s)
         return self
 
+    def _apply(self, fn, recurse=True):
+        """Under .to(), .half(), .cuda() and the like: the whole-step call's kept checks hold views of the old
+        parameters, so they go with them (else a model moved off the CPU would keep its CPU weights alive)."""
+        self._step_plan = None
+        return super()._apply(fn, recurse)
+
     def lay_out(self) -> GPT:
         """Store every Conv1D weight in the memory layout its device's kernels stream fastest (model/matmul.py): on
         the CPU (out, in), the parameter a transposed view of it; elsewhere (in, out). Same shapes, same values."""
