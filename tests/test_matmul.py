@@ -232,6 +232,16 @@ def test_a_hooked_or_replaced_part_keeps_the_modules_own_path(tiny_config, aten_
     assert seen[-1] == "mine" and (replaced - fused).abs().max() < 1e-6
 
 
+def _laid_out_counting_steps(tiny_config, monkeypatch) -> tuple[GPT, torch.Tensor, list[int]]:
+    """On the gemv route: a laid-out tiny model, 9 token ids, and a list that gains an item per whole-step call."""
+    matmul.set_route("gemv")
+    model = GPT(tiny_config).init_weights(seed=0, std=0.1).eval().lay_out()
+    steps: list[int] = []
+    real = gemv.step_static
+    monkeypatch.setattr(gemv, "step_static", lambda *a: steps.append(1) or real(*a))
+    return model, torch.randint(0, tiny_config.vocab_size, (1, 9)), steps
+
+
 def _step(model, caches, ids, padding=None):
     """The prefill of ids[:, :-1] into `caches`, then the one-row step of the last token: its logits (1, V)."""
     T = ids.size(1)
@@ -290,12 +300,7 @@ def test_the_whole_step_call_only_where_every_layer_is_stock_static_and_reads_ev
     from kvbench.caches.static import StaticCache
     from kvbench.errors import CacheOverflowError
 
-    matmul.set_route("gemv")
-    model = GPT(tiny_config).init_weights(seed=0, std=0.1).eval().lay_out()
-    ids = torch.randint(0, tiny_config.vocab_size, (1, 9))
-    steps: list[int] = []
-    real = gemv.step_static
-    monkeypatch.setattr(gemv, "step_static", lambda *a: steps.append(1) or real(*a))
+    model, ids, steps = _laid_out_counting_steps(tiny_config, monkeypatch)
     H, Dh = tiny_config.n_head, tiny_config.head_dim
 
     def static(cls=StaticCache, n=9):
@@ -353,12 +358,7 @@ def test_what_the_whole_step_checked_once_follows_every_later_change_to_the_mode
     result is the modules' own (the aten route's) every time, through the C step only where it may run."""
     from kvbench.caches.static import StaticCache
 
-    matmul.set_route("gemv")
-    model = GPT(tiny_config).init_weights(seed=0, std=0.1).eval().lay_out()
-    ids = torch.randint(0, tiny_config.vocab_size, (1, 9))
-    steps: list[int] = []
-    real = gemv.step_static
-    monkeypatch.setattr(gemv, "step_static", lambda *a: steps.append(1) or real(*a))
+    model, ids, steps = _laid_out_counting_steps(tiny_config, monkeypatch)
     H, Dh = tiny_config.n_head, tiny_config.head_dim
 
     def check(fused: bool) -> torch.Tensor:

@@ -236,17 +236,14 @@ class _StepPlan:
     @classmethod
     def of(cls, model: GPT, x: torch.Tensor) -> _StepPlan | None:
         """The plan for `model`, or None where its modules cannot run as one call."""
-        blocks, ln_f = list(model.transformer.h), model.transformer.ln_f
+        blocks = list(model.transformer.h)
         if not (model._fused_head(x) and all(type(b) is Block and not _hooked(b) and b._stock() for b in blocks)):
             return None
         if not all(fused_row(x, *cast(Block, b)._weights()) for b in blocks):
             return None
-        norms = [m for b in blocks for m in (cast(Block, b).ln_1, cast(Block, b).ln_2)] + [ln_f]
-        if len({m.eps for m in norms}) != 1:
-            return None
         attn = cast(CausalSelfAttention, cast(Block, blocks[0]).attn)
-        layers = [cast(Block, b)._step_layer() for b in blocks]
-        return cls(model, layers, (attn.n_head, attn.head_dim))
+        plan = cls(model, [cast(Block, b)._step_layer() for b in blocks], (attn.n_head, attn.head_dim))
+        return plan if all(m.eps == plan.eps for m in plan.norms) else None  # the C step takes one eps
 
     def holds(self, model: GPT) -> bool:
         parts = _parts(model)
