@@ -12,6 +12,7 @@ import sys
 import pandas as pd
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from typer.testing import CliRunner
 
 from kvbench.check.peer_verify import Reference, check_logits, check_prefix_cache, run_peer_verify
@@ -54,6 +55,22 @@ def test_ct2_fp32_is_exact_and_int8_within_its_bound(model):
     assert set(report.distortion) == {"ct2-int8"} and report.distortion["ct2-int8"]["kl_mean"] > 0
 
 
+def test_a_batch_whose_shortest_prompt_is_one_token_is_exact(model):
+    """Where the shortest prompt is one token, CTranslate2 4.8.5 returns a longer prompt's other tokens as generated
+    ones: the runner asks for the prompts in the result and cuts each sequence to its own tokens and steps."""
+    from kvbench.peers.ct2 import CT2Model
+
+    short = [p[:n] for p, n in zip(prompts(), (3, 2, 1), strict=True)]
+    runner = CT2Model(model, PEERS["ct2-fp32"], 1)
+    batch = runner.generate(short, 4, record_logits=True)
+    for i, p in enumerate(short):
+        alone = runner.generate([p], 4, record_logits=True)
+        assert batch.tokens[i] == alone.tokens[0] and len(batch.tokens[i]) == 4
+        assert torch.allclose(batch.rows[i], alone.rows[0], rtol=0, atol=1e-5)
+    report = run_peer_verify(model, [PEERS["ct2-fp32"]], short, 4)
+    assert report.passed, [(r.name, r.detail) for r in report.checks if not r.passed]
+
+
 def test_int8_held_exact_fails_with_its_distortion(model):
     report = run_peer_verify(model, [PEERS["ct2-int8"]], prompts(), 10, hold_exact=True)
     failed = {r.name for r in report.checks if not r.passed}
@@ -78,6 +95,27 @@ def test_a_peer_on_other_weights_fails_the_logits_check(model):
     # the same runner's prefix cache is still self-consistent: warm equals cold, yet both are wrong
     row = check_prefix_cache(PEERS["ct2-fp32"], runner, Reference(model), prompts()[0], 6, False, "")
     assert not row.passed and "warm vs cold: bit-identical" in row.detail
+
+
+def test_the_references_greedy_run_keeps_no_whole_forward_alive(model):
+    """Each greedy step's forward is (T, V); the step keeps one row of it. Kept as a view, the row held the whole
+    forward's storage, and a 300-token run on gpt2-tiny took 9.8 GB: each earlier forward must be gone by the next
+    step."""
+    ref = Reference(model)
+    whole = ref.logits
+    earlier: list[StorageWeakRef] = []
+
+    def logits(seq: list[int]) -> torch.Tensor:
+        out = whole(seq)  # (T, V)
+        assert all(w.expired() for w in earlier), f"an earlier step's forward is alive at length {len(seq)}"
+        earlier.append(StorageWeakRef(out.untyped_storage()))
+        return out
+
+    ref.logits = logits  # type: ignore[method-assign]
+    prompt = prompts()[0]
+    tokens, rows = ref.greedy(prompt, 5)
+    assert len(earlier) == 5 and rows.shape == (5, model.config.vocab_size)
+    assert tokens == [int(r.argmax()) for r in rows] and torch.equal(rows[0], whole(prompt)[-1])
 
 
 def test_the_converted_model_is_cached_by_weights(model):

@@ -79,6 +79,11 @@ class Reference:
     def logits(self, seq: list[int]) -> torch.Tensor:
         return self.hf(torch.tensor([seq])).logits[0].float()  # (T, V)
 
+    def last(self, seq: list[int]) -> torch.Tensor:
+        """(V,): the logits after `seq`, in storage of its own (a view of the row would keep the whole (T, V)
+        forward alive: over a greedy run, memory quadratic in its length)."""
+        return self.logits(seq)[-1].clone()
+
     def steps(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
         """(N, V): the logits each of N generated tokens was chosen from, teacher-forced on `tokens`."""
         return self.logits(prompt + tokens[:-1])[len(prompt) - 1 :]
@@ -86,7 +91,7 @@ class Reference:
     def greedy(self, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
         seq, rows = list(prompt), []
         for _ in range(n):
-            row = self.logits(seq)[-1]
+            row = self.last(seq)  # (V,)
             rows.append(row)
             seq.append(int(row.argmax()))
         return seq[len(prompt) :], torch.stack(rows)
