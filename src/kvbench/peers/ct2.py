@@ -180,28 +180,36 @@ class CT2Model:
             return False
 
         extra = {"static_prompt": self._tokens([prefix])[0], "cache_static_prompt": True} if prefix else {}
+        # Prompts of different lengths: CTranslate2 forwards the shortest length at once and decodes the rest of each
+        # longer prompt as forced steps. Where the shortest is one token (CTranslate2 4.8.5) those forced tokens come
+        # back as generated ones and count against max_length, so the batch is asked for its prompts in the result:
+        # each sequence is then its prompt and its tokens, its logits one per step after its first token.
+        lengths = [len(p) for p in prompts]
+        forced = len(set(lengths)) > 1 and min(lengths) == 1
         t0 = time.perf_counter()
         results = self.generator.generate_batch(
             self._tokens(prompts),
-            max_length=new_tokens,
+            max_length=new_tokens + (max(lengths) - 1 if forced else 0),
             sampling_topk=1,
             end_token=[],
-            include_prompt_in_result=False,
+            include_prompt_in_result=forced,
             return_logits_vocab=record_logits,
             callback=mark,
             **extra,
         )
         total = time.perf_counter() - t0
-        tokens = [list(r.sequences_ids[0]) for r in results]
+        # where each sequence's generated tokens start in its result, and its logits' steps
+        starts = [(n, n - 1) if forced else (0, None) for n in lengths]
+        tokens = [list(r.sequences_ids[0][t : t + new_tokens]) for r, (t, _) in zip(results, starts, strict=True)]
         logits = None
         if record_logits:
-            # in a batch of prompts of different lengths, CTranslate2 starts decoding at the shortest and returns a
-            # longer prompt's remaining tokens as forced steps too: the last N are the generated tokens'
+            # otherwise, a longer prompt's forced steps come first in its logits: the last N are the generated tokens'
+            steps = [
+                r.logits[0][-new_tokens:] if at is None else r.logits[0][at : at + new_tokens]
+                for r, (_, at) in zip(results, starts, strict=True)
+            ]
             logits = torch.stack(
-                [
-                    torch.stack([torch.from_numpy(np.array(s, copy=True)) for s in r.logits[0][-new_tokens:]])
-                    for r in results
-                ]
+                [torch.stack([torch.from_numpy(np.array(s, copy=True)) for s in rows]) for rows in steps]
             ).float()  # (B, N, V)
         times = [marks[k] for k in sorted(marks)][-new_tokens:]
         steps = [b - a for a, b in zip(times, times[1:], strict=False)]
