@@ -150,11 +150,22 @@ def test_verify_engine_from_the_command_line(tmp_path):
         (["--engine", "ct2", "--caches", "static"], "--caches with --engine"),
         (["--engine", "ct2", "--hf", "gpt2"], "--hf with --engine"),
         (["--hold-exact"], "--hold-exact holds a peer engine"),
+        # the text rows score kvbench's own caches: a file given with a peer was dropped without a word
+        (["--engine", "ct2", "--text", "/no/such/file.txt"], "--text with --engine"),
+        (["--engine", "ct2", "--window", "8"], "--window with --engine"),
+        (["--engine", "ct2", "--dtype", "FP16"], "--dtype with --engine"),
+        (["--engine", "ct2", "--dtype", "float64"], "unknown --dtype 'float64'"),
     ],
 )
 def test_verify_engine_bad_input_is_one_line(args, says):
     r = CliRunner().invoke(app, ["verify", *([] if "--hf" in args else TINY), *args])
     assert r.exit_code == 2 and says in r.output and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.parametrize("dtype", ["FP32", "float", "auto", " Float32 "])
+def test_verify_engine_takes_every_spelling_of_float32(dtype):
+    r = CliRunner().invoke(app, ["verify", *TINY, "--engine", "ct2-fp32", "--dtype", dtype, "-n", "4", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["passed"], r.output
 
 
 def test_a_missing_peer_names_its_extra():

@@ -12,7 +12,8 @@ import typer
 from kvbench import console, options
 from kvbench.cli.app import NOTHING_CHECKED, command, load_for_checks
 from kvbench.cli.verify_render import render_verify, verify_row
-from kvbench.cli.verify_text import gpt2_text, hf_text, hf_text_tokens, text_plot, text_rules
+from kvbench.cli.verify_text import NO_TEXT, gpt2_text, hf_text, hf_text_tokens, text_plot, text_rules
+from kvbench.dtypes import FLOATS, canonical
 from kvbench.errors import KVBenchError
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.options import option
@@ -150,9 +151,9 @@ def verify(o: VerifyOptions) -> None:
     with junit.errors_reported(o.junit_xml if role.writes_errors else None, "verify", clock):
         junit_path = junit.check_junit_path(o.junit_xml) if reports else None
         validate.verify_rules(o)
+        _peer_rules(o)  # first: a peer takes no --text, so --window is refused for that, not for a missing --text
         text_rules(o)
         _endpoint_rules(o)
-        _peer_rules(o)
         if launching:
             exit_code = tp_command.launch(_split(o), sys.argv[1:])
         elif o.endpoint is not None:
@@ -321,10 +322,13 @@ def _peer_rules(o: VerifyOptions) -> list[str]:
         "--caches": o.caches is not None,
         "--hf": o.hf is not None,
         "--endpoint": o.endpoint is not None,
-        "--dtype": o.dtype not in ("fp32", "float32"),
+        "--dtype": canonical(o.dtype, "--dtype", FLOATS, ("auto",)) not in ("fp32", "auto"),  # auto: fp32 on a CPU
         "--compile": o.compile != "off",
         "--tp": o.tp != 1,
         "--reference": o.reference != "hf",
+        "--text": o.text not in (None, NO_TEXT),  # the text rows score kvbench's caches; a peer has none of them
+        "--window": o.window is not None,
+        "--plot": o.plot is not None,
     }
     for flag, on in given.items():
         if on:
