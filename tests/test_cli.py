@@ -114,6 +114,8 @@ BAD = {
     "weights path": (["generate", "hi", "--weights", "/no/such/dir"], "weights path /no/such/dir not found"),
     "empty prompt": (["generate", "   "], "prompt 1 is empty"),
     "no prompt": (["generate"], "no prompt given"),
+    # b"hi\xff\xfe" on the command line: Python's argv holds the bytes as lone surrogates
+    "not utf-8": (["generate", "hi\udcff\udcfe"], "prompt 1 is not UTF-8 text (character 3)"),
     "fp16 cpu": (["generate", "hi", "--device", "cpu", "--dtype", "fp16"], "fp16 on the CPU"),
     "bad dtype": (["generate", "hi", "--dtype", "fp8"], "unknown --dtype 'fp8'"),
     "bad top-k": (["generate", "hi", "--top-k", "0"], "--top-k must be >= 1"),

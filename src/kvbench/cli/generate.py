@@ -30,6 +30,10 @@ def read_prompts(prompt: str | None, prompts: list[str] | None, prompts_file: Pa
     for i, t in enumerate(texts):
         if not t.strip():
             raise KVBenchError(f"prompt {i + 1} is empty")
+        # bytes that are not UTF-8 reach argv as lone surrogates (Python's surrogateescape): refused as a file's are
+        bad = next((at for at, c in enumerate(t) if "\ud800" <= c <= "\udfff"), None)
+        if bad is not None:
+            raise KVBenchError(f"prompt {i + 1} is not UTF-8 text (character {bad + 1:,})")
     return texts
 
 
