@@ -172,3 +172,21 @@ def test_every_help_text_reads_as_written():
 
     walk(typer.main.get_command(app), "kvbench")
     assert not eaten, eaten
+
+
+def test_an_interrupted_stream_ends_its_line_before_the_error(monkeypatch):
+    """Ctrl-C while a completion streams: the streamed line is ended, so `error: interrupted` starts its own line
+    in the terminal instead of being glued to the text."""
+    from kvbench.cli.generate import TextStream
+
+    real_push = TextStream.push
+
+    def push(self, ids):
+        real_push(self, ids)
+        if len(self.ids) == 2:  # Ctrl-C as the second token arrives
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(TextStream, "push", push)
+    r = run("generate", "Once upon a time", "-n", 8, "--no-stop", *TINY)
+    assert r.exit_code == 130 and "interrupted" in r.stderr, r.output
+    assert r.stdout.startswith("Once upon a time") and r.stdout.endswith("\n") and r.stdout.count("\n") == 1

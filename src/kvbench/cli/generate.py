@@ -178,32 +178,34 @@ def run_generation(o: GenerateOptions, p: Prepared) -> tuple[dict, bool]:
     stop_token = p.tok.eot_id if o.stop_at_eot else None
     on_token = stream.push if stream else None
     spec = None
-    if o.draft == "prompt-lookup":
-        k, n = draft_settings(o)
-        spec = speculative_generate(
-            p.loaded.model,
-            p.ids,
-            o.new_tokens,
-            cache=o.cache,
-            draft_tokens=k,
-            ngram=n,
-            stop_token=stop_token,
-            on_token=on_token,
-        )
-        result = spec.generation
-    else:
-        result = run_generate(
-            p.loaded.model,
-            p.ids,
-            o.new_tokens,
-            cache=o.cache,
-            sampler=p.sampler,
-            stop_token=stop_token,
-            on_token=on_token,
-            compile=o.compile,
-        )
-    if stream:
-        stream.close()
+    try:
+        if o.draft == "prompt-lookup":
+            k, n = draft_settings(o)
+            spec = speculative_generate(
+                p.loaded.model,
+                p.ids,
+                o.new_tokens,
+                cache=o.cache,
+                draft_tokens=k,
+                ngram=n,
+                stop_token=stop_token,
+                on_token=on_token,
+            )
+            result = spec.generation
+        else:
+            result = run_generate(
+                p.loaded.model,
+                p.ids,
+                o.new_tokens,
+                cache=o.cache,
+                sampler=p.sampler,
+                stop_token=stop_token,
+                on_token=on_token,
+                compile=o.compile,
+            )
+    finally:  # the streamed line ends before anything else is printed, an interruption's line too
+        if stream:
+            stream.close()
     doc = generation_report(
         p.texts, result, p.tok, p.loaded, p.device, p.dtype, p.sampler, tokenizer_source=p.tok.source
     )
