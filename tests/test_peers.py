@@ -272,3 +272,17 @@ def test_ctranslate2_runs_its_openmp_teams_in_its_own_runtime_not_torchs(tmp_pat
     # through kvbench, after torch as always, it binds the libgomp its wheel ships
     ours = _gomp_bindings(tmp_path, "import torch; from kvbench.peers.ct2 import require; require()")
     assert ours and all("ctranslate2" in p and "/torch/" not in p for p in ours), ours
+
+
+def test_bench_profile_traces_the_torch_rows_and_not_a_peers(tmp_path):
+    """torch's profiler sees none of a peer's step (CTranslate2's own code): its rows are not profiled, where they
+    used to print leftovers as its top operators; a run of peers alone has nothing to profile."""
+    out = tmp_path / "run"
+    args = [*TINY, "--prompt-len", "8", "--new-tokens", "3", "--caches", "dynamic", "--repeats", "1", "--warmup", "0"]
+    r = CliRunner().invoke(app, ["bench", *args, "--engine", "kvbench,ct2-fp32", "--out", str(out), "--profile"])
+    assert r.exit_code == 0, r.output
+    assert set(json.loads((out / "meta.json").read_text())["profiles"]) == {"kvbench dynamic prompt 8 batch 1"}
+    assert set(pd.read_csv(out / "profile_ops.csv").engine) == {"kvbench"}
+    assert len(pd.read_csv(out / "summary.csv")) == 2  # the peer's row is timed as before
+    r = CliRunner().invoke(app, ["bench", *args, "--engine", "ct2", "--out", str(tmp_path / "p"), "--profile"])
+    assert r.exit_code == 2 and "--profile with --engine ct2-fp32,ct2-int8" in r.output, r.output

@@ -88,6 +88,8 @@ class Engine(Protocol):
     def token_reference(self) -> bool: ...
     @property
     def reference_label(self) -> str: ...
+    @property
+    def profiled(self) -> bool: ...
 
     def supports(self, cache: str) -> bool: ...
 
@@ -122,6 +124,7 @@ class InOneProcess:
     weight_element_size: int | None = None  # bytes a weight the floor counts (None: the model's dtype)
     kv_element_size: float | None = None  # bytes a K or V element the floor counts (None: the model's dtype)
     failure_ends_sweep = False  # a configuration that raises (oom, a plugin) is a failed row, and the sweep goes on
+    profiled = True  # --profile traces its rows: its step is torch's operators, which torch.profiler sees
 
     def rank_rows(self, conf: Configuration, ids: torch.Tensor, new_tokens: int, row: SummaryRow) -> list | None:
         """Every rank's row of a finished configuration (tp.csv); None in one process."""
@@ -328,6 +331,7 @@ class PeerEngine(_OnOurGPT):
 
     spec: PeerSpec
     token_reference = False
+    profiled = False  # its step runs in CTranslate2's or llama.cpp's own code, which torch.profiler does not see
 
     def __init__(self, model: GPT, threads: int | None = None) -> None:
         from kvbench.peers import load

@@ -99,6 +99,11 @@ def _peer_rules(s: BenchSettings) -> None:
     peers = [e for e in s.engine if e in PEERS]
     if not peers:
         return
+    if s.profile and len(peers) == len(s.engine):
+        raise KVBenchError(
+            f"--profile with --engine {','.join(peers)}: a peer's step runs in its own code, which torch's profiler "
+            "does not see; add --engine kvbench (or hf) to profile those rows, or drop --profile"
+        )
     if s.device not in ("cpu", "auto") or s.dtype not in ("fp32", "float32", "auto"):
         raise KVBenchError(
             f"--engine {','.join(peers)}: peers run kvbench's float32 weights on the CPU here; use --device cpu "

@@ -299,7 +299,7 @@ class _Configuration:
             add_floor(result, model.config, _head(model).dtype, bandwidth, runs[-1].cache_bytes)
         result.bandwidth = bandwidth
         result.ranks = engine.rank_rows(conf, ids, s.new_tokens, result.summary)  # None in one process
-        if profile_dir is not None:  # after every timed run: the profiler's overhead is in none of them
+        if profile_dir is not None and engine.profiled:  # after every timed run: its overhead is in none of them
             labels = {k: common[k] for k in ("engine", "cache", "prompt_len", "batch")}
             result.profile = profile_run(lambda: conf.run(ids, s.new_tokens), ids.device, profile_dir, labels)
         return result
