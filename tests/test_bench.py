@@ -927,3 +927,26 @@ def test_bench_hf_refuses_compile(tmp_path):
     result, _ = invoke("--hf", str(cfg), "--device", "cpu", "--compile", "max", "--out", str(tmp_path / "r"))
     assert result.exit_code == 2 and "--compile max: --compile runs kvbench's own" in result.stderr, result.output
     assert not (tmp_path / "r").exists()
+
+
+def test_a_sweep_without_kvbench_says_only_token_agreement_stays_empty(tmp_path):
+    """speedup_vs_none is each engine family's own `none`, so transformers' rows get it without kvbench; only
+    token_agreement, against kvbench's `none`, stays empty, and the note says just that."""
+    out = tmp_path / "run"
+    result, text = invoke(
+        *"--model gpt2-tiny --weights random --prompt-len 8 --new-tokens 3 --repeats 1 --warmup 0".split(),
+        *"--engine hf --caches none,dynamic --out".split(),
+        str(out),
+    )
+    assert result.exit_code == 0, text
+    s = pd.read_csv(out / "summary.csv").set_index("cache")
+    assert s.loc["none", "speedup_vs_none"] == 1 and s.loc["dynamic", "speedup_vs_none"] > 0
+    assert s.token_agreement.isna().all()
+    assert "token_agreement needs kvbench's `none`" in text and "speedup_vs_none and" not in text
+    result, text = invoke(
+        *"--model gpt2-tiny --weights random --prompt-len 8 --new-tokens 3 --repeats 1 --warmup 0".split(),
+        *"--engine kvbench --caches dynamic --out".split(),
+        str(tmp_path / "no-none"),
+    )
+    assert result.exit_code == 0 and "speedup_vs_none and token_agreement need `none`" in text, text
+    assert pd.read_csv(tmp_path / "no-none" / "summary.csv").speedup_vs_none.isna().all()

@@ -46,6 +46,7 @@ REFUSED = [
     ("zero", ["--tp", "0"], "--tp must be >= 1"),
     ("timeout", ["--tp", "2", "--tp-timeout", "0"], "--tp-timeout must be >= 1"),
     ("engine-hf", ["--tp", "2", "--engine", "kvbench,hf"], "--engine hf with --tp 2: transformers' engines cannot"),
+    ("engine-peer", ["--tp", "2", "--engine", "kvbench,ct2-fp32"], "--engine ct2-fp32 with --tp 2: a peer engine"),
     ("fill-random", ["--tp", "2", "--fill", "random"], "--fill random with --tp 2"),
     ("interleaved", ["--tp", "2", "--order", "interleaved"], "--order interleaved with --tp 2"),
     ("profile", ["--tp", "2", "--profile"], "--profile with --tp 2"),

@@ -119,7 +119,15 @@ def _peer_rules(s: BenchSettings) -> None:
 
 def _tp_bench_rules(s: BenchSettings) -> None:
     """bench --tp N (N > 1): what the ranks cannot run in step is refused before any rank starts."""
+    from kvbench.peers import PEERS
+
     others = [e for e in s.engine if e != "kvbench"]
+    peers = [e for e in others if e in PEERS]
+    if peers:
+        raise KVBenchError(
+            f"--engine {','.join(peers)} with --tp {s.tp}: a peer engine runs in one process here, with its own "
+            "threads; use --engine kvbench, or drop --tp"
+        )
     if others:
         raise KVBenchError(
             f"--engine {','.join(others)} with --tp {s.tp}: transformers' engines cannot split GPT-2 (it has no "
