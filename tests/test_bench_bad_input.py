@@ -152,6 +152,7 @@ CASES = [
     ("config-repeats-bool", ["--config", _toml("repeats = true\n")], "repeats must be an integer"),
     ("config-engine-empty", ["--config", _toml("engine = []\n")], "--engine is empty"),
     ("config-caches-numbers", ["--config", _toml("caches = [1, 2]\n")], "caches must be names"),
+    ("config-engine-number", ["--config", _toml("engine = 3\n")], "engine must be names, got 3"),
     ("config-not-toml", ["--config", _toml("prompt_len = [16\n")], "not valid TOML"),
     ("config-not-utf8", ["--config", _toml(b"model = '\xff\xfe'\n")], "not UTF-8"),
     ("prompt-len-bad-suffix", ["--prompt-len", "4m"], "whole numbers"),

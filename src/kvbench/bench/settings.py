@@ -52,6 +52,7 @@ def _whole(value: object, key: str, where: str) -> int:
 
 
 def _as_list(key: str, value: typing.Any, where: str, integers: bool) -> list:
+    given = value  # for the error: what the file said, not the list made of it
     if isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
     if not isinstance(value, list | tuple):
@@ -59,7 +60,7 @@ def _as_list(key: str, value: typing.Any, where: str, integers: bool) -> list:
     if integers:
         return [_whole(v, key, where) for v in value]
     if not all(isinstance(v, str) for v in value):
-        raise KVBenchError(f"{where}: {key} must be names, got {shown(value)}")
+        raise KVBenchError(f"{where}: {key} must be names, got {shown(given)}")
     return [v.strip() for v in value if v.strip()]
 
 

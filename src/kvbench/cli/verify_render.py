@@ -51,7 +51,7 @@ def verify_row(row) -> None:
     """One line per check as it finishes (stderr, so a long run shows progress)."""
     err.print(
         line(
-            styled(f"{row.cache:>16} {row.name:<15} ", "dim"),
+            styled(f"{row.cache:>20} {row.name:<15} ", "dim"),  # llamacpp-f16-kv-q8_0: 20
             _result(row),
             styled(f" {_diff(row.max_abs_diff)}", "dim"),
         ),
