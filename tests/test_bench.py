@@ -950,3 +950,17 @@ def test_a_sweep_without_kvbench_says_only_token_agreement_stays_empty(tmp_path)
     )
     assert result.exit_code == 0 and "speedup_vs_none and token_agreement need `none`" in text, text
     assert pd.read_csv(tmp_path / "no-none" / "summary.csv").speedup_vs_none.isna().all()
+
+
+def test_more_threads_than_cores_is_said(tmp_path):
+    from kvbench.results.environment import usable_cpus
+
+    cores, before = usable_cpus() or 1, torch.get_num_threads()
+    args = "--model gpt2-tiny --weights random --prompt-len 8 --new-tokens 2 --repeats 1 --warmup 0 --caches dynamic"
+    try:
+        result, text = invoke(*args.split(), "--threads", str(cores + 1), "--out", str(tmp_path / "over"))
+        assert result.exit_code == 0 and f"--threads {cores + 1} is more than the {cores} core(s)" in text, text
+        result, text = invoke(*args.split(), "--threads", "1", "--out", str(tmp_path / "one"))
+        assert result.exit_code == 0 and "is more than the" not in text, text
+    finally:
+        torch.set_num_threads(before)  # bench sets the process's threads

@@ -142,7 +142,15 @@ def sweep_warnings(s: BenchSettings) -> list[str]:
     from kvbench.bench.engines import ENGINES
     from kvbench.caches import parse_cache_names
 
+    from kvbench.results.environment import usable_cpus
+
     notes: list[str] = []
+    cpus = usable_cpus()
+    if s.threads is not None and cpus is not None and s.threads > cpus:
+        notes.append(
+            f"--threads {s.threads} is more than the {cpus} core(s) this process may use: the threads wait on each "
+            "other and every CPU row is timed far slower than the machine can run"
+        )
     if s.fill == "random":
         return notes  # every check of a random-fill sweep is an error above, and it has no token reference
     if set(s.caches) != set(parse_cache_names("all")):
