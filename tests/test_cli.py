@@ -190,3 +190,32 @@ def test_an_interrupted_stream_ends_its_line_before_the_error(monkeypatch):
     r = run("generate", "Once upon a time", "-n", 8, "--no-stop", *TINY)
     assert r.exit_code == 130 and "interrupted" in r.stderr, r.output
     assert r.stdout.startswith("Once upon a time") and r.stdout.endswith("\n") and r.stdout.count("\n") == 1
+
+
+def test_each_commands_help_is_paragraphs_for_rich_to_wrap():
+    """Typer keeps a docstring's line breaks after its first paragraph; at 100 columns Rich then left fragments
+    ('Face causal', 'LM, in the same rows') on lines of their own."""
+    from kvbench.cli.app import app as the_app
+
+    helps = {c.name or c.callback.__name__: c.help for c in the_app.registered_commands}
+    assert len(helps) >= 8 and all(helps.values())
+    for name, text in helps.items():
+        assert all("\n" not in p and p == p.strip() for p in text.split("\n\n")), (name, text)
+    assert "on any Hugging Face causal LM, in the same rows" in helps["bench"]
+
+
+def test_piped_help_is_laid_out_wide_not_cut(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TERMINAL_WIDTH", "COLUMNS")}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbench", "generate", "--help"], capture_output=True, text=True, env=env, check=True
+    ).stdout
+    assert "--new-tokens,--max-new-tokens" in out and "…" not in out
+    env["TERMINAL_WIDTH"] = "80"  # Typer's own setting still wins
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbench", "generate", "--help"], capture_output=True, text=True, env=env, check=True
+    ).stdout
+    assert max(len(line) for line in out.splitlines()) <= 80

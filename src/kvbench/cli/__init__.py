@@ -15,4 +15,20 @@ __all__ = ["app", "main"]
 
 def main() -> None:
     hugepages.request()  # before torch loads: its CPU allocator reads THP_MEM_ALLOC_ENABLE once (bench/hugepages.py)
+    _piped_help_width()
     app()
+
+
+def _piped_help_width() -> None:
+    """--help piped (`kvbench bench --help | less`) is laid out as wide as kvbench's other piped output: at Rich's
+    default of 80 columns Typer cut option names and defaults short with an ellipsis. TERMINAL_WIDTH, Typer's own
+    setting, still wins."""
+    import os
+    import sys
+
+    import typer.rich_utils
+
+    from kvbench.console import PIPE_WIDTH
+
+    if not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH"):
+        typer.rich_utils.MAX_WIDTH = PIPE_WIDTH

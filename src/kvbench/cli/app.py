@@ -391,10 +391,16 @@ def command(*sources: type | Given, name: str | None = None, error_doc: dict | N
         run.__annotations__ = {p.name: p.annotation for p in params}
         del run.__wrapped__  # Typer reads the signature above, not the function's own
         cls = type(f"{fn.__name__}Command", (KVBenchCommand,), {"error_doc": error_doc or {}})
-        app.command(name=name, cls=cls)(run)
+        app.command(name=name, cls=cls, help=_flowing(fn.__doc__ or ""))(run)
         return fn
 
     return register
+
+
+def _flowing(doc: str) -> str:
+    """A docstring as help: each paragraph one line, for Rich to wrap at the terminal's width (Typer keeps the
+    source's line breaks after the first paragraph, which left fragments on lines of their own)."""
+    return "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(doc).split("\n\n"))
 
 
 # --- the root: --version, --verbose, the environment --------------------------------------------------------------
