@@ -286,3 +286,19 @@ def test_bench_profile_traces_the_torch_rows_and_not_a_peers(tmp_path):
     assert len(pd.read_csv(out / "summary.csv")) == 2  # the peer's row is timed as before
     r = CliRunner().invoke(app, ["bench", *args, "--engine", "ct2", "--out", str(tmp_path / "p"), "--profile"])
     assert r.exit_code == 2 and "--profile with --engine ct2-fp32,ct2-int8" in r.output, r.output
+
+
+def test_the_conversion_reads_kvbench_own_tensors_not_a_copy(model):
+    """CTranslate2's converter reads transformers' model once: built on the meta device and given kvbench's own
+    tensors, it costs no copy of the weights (gpt2-xl's first conversion was killed for memory on a 23 GB host)."""
+    from kvbench.model.weights import to_hf_model
+
+    hf = to_hf_model(model, "eager", share=True)
+    ours = {p.data_ptr() for p in model.parameters()}
+    assert not any(t.is_meta for t in (*hf.parameters(), *hf.buffers()))
+    assert {p.data_ptr() for p in hf.parameters()} <= ours
+    ids = torch.tensor([prompts()[0]])
+    copy = to_hf_model(model, "eager")
+    assert {p.data_ptr() for p in copy.parameters()}.isdisjoint(ours)
+    with torch.inference_mode():
+        assert torch.equal(hf(ids).logits, copy(ids).logits)

@@ -15,6 +15,8 @@ checkpoint stores them (model/gpt2.py says why), and lm_head is tied to wte.
 
 from __future__ import annotations
 
+import contextlib
+
 import difflib
 import os
 import socket
@@ -149,23 +151,30 @@ def port_hf_state_dict(model: GPT, hf: dict[str, torch.Tensor], source: str) -> 
             dst.copy_(w)
 
 
-def to_hf_model(model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtype | None = None):
+def to_hf_model(
+    model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtype | None = None, share: bool = False
+):
     """The inverse port: a transformers GPT2LMHeadModel holding `model`'s weights (a plain copy, lm_head tied), on
     the model's device, in `dtype` (default: the model's), eval mode.
-    Used as the independent reference (`verify`) and as the `hf` engine (`bench`)."""
+    Used as the independent reference (`verify`) and as the `hf` engine (`bench`). `share`: the same tensors as
+    `model` instead of a copy (in the model's own dtype and device), for a reader that only reads them once (a
+    conversion): one copy of the weights less in memory."""
     from transformers import GPT2LMHeadModel
 
     from kvbench.model.hf_config import hf_gpt2_config
 
     weight = model.lm_head.weight
     cfg = hf_gpt2_config(model.config, attn_implementation)
-    hf = GPT2LMHeadModel(cfg)
+    with torch.device("meta") if share else contextlib.nullcontext():  # shared: no weights of its own drawn first
+        hf = GPT2LMHeadModel(cfg)
     # lm_head.weight is tied to wte in both models
     sd = {k: t for k, t in model.state_dict().items() if k != "lm_head.weight"}
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing, unexpected = hf.load_state_dict(sd, strict=False, assign=share)
     missing = [k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))]
     assert not missing and not unexpected, f"inverse port mismatch: missing {missing}, unexpected {unexpected}"
     hf.tie_weights()
+    if share:
+        return hf.eval()
     # transformers wraps `to` with functools.wraps(nn.Module.to), which its types leave unbound (self unfilled)
     return hf.to(device=weight.device, dtype=dtype or weight.dtype).eval()  # type: ignore[call-arg]
 

@@ -105,7 +105,8 @@ def _convert(model: GPT, out: Path) -> Path:
     from kvbench.memory.config import quiet_transformers
     from kvbench.model.weights import to_hf_model
 
-    hf = to_hf_model(model, "eager", torch.float32).cpu()
+    assert model.lm_head.weight.dtype == torch.float32 and model.lm_head.weight.device.type == "cpu", "peers' rules"
+    hf = to_hf_model(model, "eager", share=True)  # read once by the converter: kvbench's own tensors, not a copy
     vocab = _IdVocabulary(model.config.vocab_size)
 
     class Converter(TransformersConverter):
