@@ -16,7 +16,6 @@ checkpoint stores them (model/gpt2.py says why), and lm_head is tied to wte.
 from __future__ import annotations
 
 import contextlib
-
 import difflib
 import os
 import socket
@@ -151,9 +150,7 @@ def port_hf_state_dict(model: GPT, hf: dict[str, torch.Tensor], source: str) -> 
             dst.copy_(w)
 
 
-def to_hf_model(
-    model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtype | None = None, share: bool = False
-):
+def to_hf_model(model: GPT, attn_implementation: str = "sdpa", dtype: torch.dtype | None = None, share: bool = False):
     """The inverse port: a transformers GPT2LMHeadModel holding `model`'s weights (a plain copy, lm_head tied), on
     the model's device, in `dtype` (default: the model's), eval mode.
     Used as the independent reference (`verify`) and as the `hf` engine (`bench`). `share`: the same tensors as
