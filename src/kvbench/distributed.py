@@ -381,8 +381,9 @@ def check_ranks_fit(world: int, device: str, weights_bytes: int) -> None:
     if device == "auto" and torch.cuda.is_available():
         return
     from kvbench.devices import available_memory_bytes
+    from kvbench.devices import cores as usable_cores
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     if world > cores:
         raise KVBenchError(
             f"--tp {world} on the CPU runs {world} rank processes, and this machine gives kvbench {cores} core"

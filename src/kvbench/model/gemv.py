@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from kvbench.cachedir import CACHE_ENV, cache_root
+from kvbench.devices import cores
 
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
@@ -197,7 +198,7 @@ def _time_ways(fn: Callable[..., None]) -> tuple[dict[tuple[int, int], float], i
     library first."""
     mats = [torch.full(shape, 0.01) for shape in TUNE_SHAPES]  # (out, in) each
     x, y = torch.ones(max(n_in for _, n_in in TUNE_SHAPES)), torch.empty(max(n for n, _ in TUNE_SHAPES))
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = cores()
 
     def one_pass(rows: int, ahead: int) -> float:
         t0 = time.perf_counter()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbench.devices import usable_cpus
 from kvbench.errors import KVBenchError
 
 LOAD_APART = 1.0  # compare warns when the runs' 1-minute load averages at start differ by more (one core)
@@ -40,14 +41,6 @@ def git_revision() -> dict[str, Any]:
     rev = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no") if rev else None
     return {"commit": rev, "dirty": bool(status) if status is not None else None}
-
-
-def usable_cpus() -> int | None:
-    """The cores this process may run on (its affinity mask); None where the platform does not say."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
 
 
 def load_average() -> dict[str, float] | None:
