@@ -219,3 +219,21 @@ def test_piped_help_is_laid_out_wide_not_cut(tmp_path):
         [sys.executable, "-m", "kvbench", "generate", "--help"], capture_output=True, text=True, env=env, check=True
     ).stdout
     assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_generate_on_kvbench_weights_never_imports_transformers():
+    """transformers takes about a second to import and another to exit here: `generate`, which runs kvbench's own
+    model, reads check.verify's memory rule only, and that module keeps transformers' import for the reference."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.argv = ['kvbench', 'generate', '-m', 'gpt2-tiny', '-w', 'random', '-n', '2', '--device', 'cpu', "
+        "'--json', 'hi']\n"
+        "from kvbench.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+        "print('transformers' in sys.modules, file=sys.stderr)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(r.stdout)["completions"] and r.stderr.strip().splitlines()[-1] == "False", r.stderr

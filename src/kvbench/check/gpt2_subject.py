@@ -12,10 +12,9 @@ GPT2LMHeadModel with the same weights, by the `reference` row of cache `none`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from transformers import GPT2LMHeadModel
 
 from kvbench.caches import get_cache_spec, make_caches
 from kvbench.caches.base import LayerCache
@@ -29,6 +28,9 @@ from kvbench.decode.speculative import speculative_generate
 from kvbench.errors import KVBenchError
 from kvbench.model.gpt2 import GPT, GPTConfig
 from kvbench.model.weights import to_hf_model
+
+if TYPE_CHECKING:  # transformers takes a second to import and to exit: `generate` reads this module
+    from transformers import GPT2LMHeadModel
 
 REFERENCE = "transformers GPT2LMHeadModel (eager, fp32)"
 
@@ -93,6 +95,8 @@ def hf_reference(model: GPT, hf_dir: str | None = None) -> GPT2LMHeadModel:
     same names and layouts)."""
     if hf_dir is None:
         return to_hf_model(model, attn_implementation="eager", dtype=torch.float32)
+    from transformers import GPT2LMHeadModel
+
     hf = GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
     # transformers wraps `to` with functools.wraps(nn.Module.to), which its types leave unbound (self unfilled)
     return hf.to(model.lm_head.weight.device).eval()  # type: ignore[arg-type]
