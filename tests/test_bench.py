@@ -953,7 +953,7 @@ def test_a_sweep_without_kvbench_says_only_token_agreement_stays_empty(tmp_path)
 
 
 def test_more_threads_than_cores_is_said(tmp_path):
-    from kvbench.devices import usable_cpus
+    from kvbench.host import usable_cpus
 
     cores, before = usable_cpus() or 1, torch.get_num_threads()
     args = "--model gpt2-tiny --weights random --prompt-len 8 --new-tokens 2 --repeats 1 --warmup 0 --caches dynamic"

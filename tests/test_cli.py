@@ -237,3 +237,12 @@ def test_generate_on_kvbench_weights_never_imports_transformers():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(r.stdout)["completions"] and r.stderr.strip().splitlines()[-1] == "False", r.stderr
+
+
+def test_compare_reads_host_facts_without_torch():
+    """compare reads two runs' CSVs and meta.json: the cores rule it shares with bench lives where torch is not."""
+    import subprocess
+    import sys
+
+    code = "import sys, kvbench.cli.compare, kvbench.results.compare; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

@@ -14,19 +14,6 @@ from kvbench.errors import KVBenchError
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def usable_cpus() -> int | None:
-    """The cores this process may run on (its affinity mask); None where the platform does not say."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
-
-
-def cores() -> int:
-    """The cores this process may run on, or the machine's count where the platform has no affinity mask."""
-    return usable_cpus() or os.cpu_count() or 1
-
-
 def resolve_device(name: str) -> torch.device:
     """'auto' -> cuda when available, else cpu; 'cuda' without CUDA is an error, not a silent fallback."""
     name = name.strip().lower()

@@ -381,7 +381,7 @@ def check_ranks_fit(world: int, device: str, weights_bytes: int) -> None:
     if device == "auto" and torch.cuda.is_available():
         return
     from kvbench.devices import available_memory_bytes
-    from kvbench.devices import cores as usable_cores
+    from kvbench.host import cores as usable_cores
 
     cores = usable_cores()
     if world > cores:

@@ -141,7 +141,7 @@ def sweep_warnings(s: BenchSettings) -> list[str]:
     """Things the sweep will quietly not do, said out loud: caches no selected engine runs, a missing reference."""
     from kvbench.bench.engines import ENGINES
     from kvbench.caches import parse_cache_names
-    from kvbench.devices import usable_cpus
+    from kvbench.host import usable_cpus
 
     notes: list[str] = []
     cpus = usable_cpus()

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from kvbench.cachedir import CACHE_ENV, cache_root
-from kvbench.devices import cores
+from kvbench.host import cores
 
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbench.devices import usable_cpus
 from kvbench.errors import KVBenchError
+from kvbench.host import usable_cpus
 
 LOAD_APART = 1.0  # compare warns when the runs' 1-minute load averages at start differ by more (one core)
 
