@@ -205,12 +205,12 @@ class CT2Model:
         logits = None
         if record_logits:
             # otherwise, a longer prompt's forced steps come first in its logits: the last N are the generated tokens'
-            steps = [
+            generated = [
                 r.logits[0][-new_tokens:] if at is None else r.logits[0][at : at + new_tokens]
                 for r, (_, at) in zip(results, starts, strict=True)
             ]
             logits = torch.stack(
-                [torch.stack([torch.from_numpy(np.array(s, copy=True)) for s in rows]) for rows in steps]
+                [torch.stack([torch.from_numpy(np.array(s, copy=True)) for s in rows]) for rows in generated]
             ).float()  # (B, N, V)
         times = [marks[k] for k in sorted(marks)][-new_tokens:]
         steps = [b - a for a, b in zip(times, times[1:], strict=False)]
