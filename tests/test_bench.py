@@ -850,8 +850,11 @@ def test_token_check_that_cannot_explain_a_flip_says_so():
 # --- --compile: an option, recorded with the run ---------------------------------------------------------------------
 @pytest.mark.slow
 def test_bench_compile_max_runs_on_the_cpu_and_is_recorded(tmp_path):
-    """`--compile max` (frozen weights, autotuned C++ GEMMs) through the whole bench: rows as exact as eager ones
-    (token agreement with kvbench's none), and the choice in meta.json's settings."""
+    """`--compile max` (frozen weights, autotuned C++ GEMMs, kvbench's attention) through the whole bench: rows as
+    exact as eager ones (token agreement with kvbench's none), the choice in meta.json's settings, and the compiled
+    decode's attention named as what ran (the eager probe sees SDPA)."""
+    from kvbench.model import gemv
+
     cfg = hf_config_json(tmp_path / "config.json", n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=512)
     out = tmp_path / "run"
     result, text = invoke(
@@ -865,6 +868,9 @@ def test_bench_compile_max_runs_on_the_cpu_and_is_recorded(tmp_path):
     s = pd.read_csv(out / "summary.csv")
     assert (s.status == "ok").all() and (s.token_agreement == 1.0).all(), s
     assert json.loads((out / "meta.json").read_text())["settings"]["compile"] == "max"
+    decode = dict(zip(s.cache, s.sdpa_decode, strict=True))
+    assert decode["none"] == "flash (cpu)", decode
+    assert decode["static-graph"] == ("kvbench C (cpu)" if gemv.library() is not None else "flash (cpu)"), decode
 
 
 @pytest.mark.parametrize("value", ["1", "fast", "MAX", ""])

@@ -23,6 +23,7 @@ from kvbench.decode.fixed_step import FixedShapeDecoder, runner_for
 from kvbench.decode.generate import EXACT, generate
 from kvbench.decode.rules import compile_mode
 from kvbench.errors import CacheOverflowError
+from kvbench.model import gemv
 from kvbench.model.gpt2 import GPT, PRESETS, GPTConfig
 
 MASK_FAULT = FAULTS["mask"].rules  # the loop's rules with SDPA's causal flag left on in decode
@@ -396,15 +397,21 @@ def test_compiled_rows_count_their_compilations_and_a_failure_is_located_eagerly
 
 
 @pytest.mark.slow
-def test_frozen_step_is_exact_and_sees_weights_changed_in_place():
-    """`--compile max` (weights frozen into the step, GEMMs autotuned over C++ templates) gives the eager static
-    cache's tokens and logits to 1e-5, batched with left padding. After an in-place weight update (same storage) the
+def test_frozen_step_is_exact_and_sees_weights_changed_in_place(monkeypatch):
+    """`--compile max` (weights frozen into the step, GEMMs autotuned over C++ templates, attention kvbench's C) gives
+    the eager static cache's tokens and logits to 1e-5, batched with left padding. After an in-place weight update (same storage) the
     runner no longer matches, and the one built next decodes with the new weights, not the frozen old ones."""
     model = _small_model()
     caches = make_caches("static-graph", model.config, 3, 11 + 12, torch.float32, "cpu")
+    attended = []
+    if gemv.library() is not None:  # attention is kvbench's C in the compiled step, every layer of every step
+        real = gemv.attend
+        monkeypatch.setattr(gemv, "attend", lambda *a: attended.append(1) or real(*a))
 
     def decode_and_check():
+        attended.clear()
         got = generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches, compile="max")
+        assert len(attended) == (11 * 2 if gemv.library() is not None else 0)
         ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
         runner = caches[0].runner
         assert runner.compile_mode == "max" and runner.fixed_steps == 11

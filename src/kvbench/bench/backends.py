@@ -73,11 +73,21 @@ class _SDPAWatch(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def watch_sdpa(fn: Callable[[], object], prefill_calls: int) -> dict[str, str]:
+def c_attention_calls() -> int:
+    """One-query attentions kvbench's C has run in this process: a compiled step's `kvbench::decode_attention`
+    (model/attention.py), which `watch_sdpa` cannot see. Read before and after timed runs."""
+    from kvbench.model import gemv
+
+    return gemv.attend_calls
+
+
+def watch_sdpa(fn: Callable[[], object], prefill_calls: int, compiled_in_c: bool = False) -> dict[str, str]:
     """Run `fn` (a generation) and return {"prefill": backends, "decode": backends}: the first `prefill_calls` SDPA
     calls (one per layer: the prefill's forward) and the rest, each a '+'-joined sorted list ('' if none). Run it
     eagerly: calls replayed from a CUDA graph or made inside compiled code are not seen. A decode step whose blocks
-    ran as one C call (model/gemv.py's step_static: its attention is kvbench's own) adds KVBENCH_C."""
+    ran as one C call (model/gemv.py's step_static: its attention is kvbench's own) adds KVBENCH_C; where the timed
+    runs' compiled decode steps ran kvbench's attention (`compiled_in_c`, from `c_attention_calls`), decode is
+    KVBENCH_C alone, whatever the eager probe saw."""
     from kvbench.model import gemv
 
     before = gemv.step_calls
@@ -86,4 +96,6 @@ def watch_sdpa(fn: Callable[[], object], prefill_calls: int) -> dict[str, str]:
     split = {"prefill": watch.calls[:prefill_calls], "decode": watch.calls[prefill_calls:]}
     if gemv.step_calls > before:  # one-row steps only: never a prefill's
         split["decode"].append(KVBENCH_C)
+    if compiled_in_c:
+        split["decode"] = [KVBENCH_C]
     return {phase: "+".join(sorted(set(names))) for phase, names in split.items()}

@@ -32,7 +32,7 @@ import torch
 
 from kvbench.bench import floor
 from kvbench.bench.agreement import TokenCheck, check_tokens
-from kvbench.bench.backends import watch_sdpa
+from kvbench.bench.backends import c_attention_calls, watch_sdpa
 from kvbench.bench.engines import ENGINES, Configuration, Engine, RunTiming, build_engines
 from kvbench.bench.profile import profile_run
 from kvbench.bench.rows import ConfigResult, StepRow, SummaryRow
@@ -236,6 +236,7 @@ class _Configuration:
         self.peaks: list[tuple[float, float]] = []  # (peak above the base, reserved) of the back-to-back runs
         self.failure: str | None = None
         self.base = 0.0
+        self.compiled_in_c = False  # the timed runs called kvbench's attention op (a `--compile max` CPU step)
         self.oversized = oversized  # predicted not to fit the device: an `oom` row with this reason, never run
         if oversized is not None:
             self.failure = "oom"
@@ -250,6 +251,7 @@ class _Configuration:
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # every configuration's cold run starts from an empty pool; warm never do
             self.base = memory_in_use(device)
+        c_calls = c_attention_calls()
         for _ in range(n):
             try:
                 if self.conf is None:  # allocated once, inside the try: a failure here is this row's
@@ -266,6 +268,7 @@ class _Configuration:
                 break
             self.runs.append(t)
             self.progress.advance(1, self.label)
+        self.compiled_in_c |= c_attention_calls() > c_calls
         if self.failure is not None:  # outside the except block, so its frames (and tensors) are freed
             self.conf = None
             if device.type == "cuda":
@@ -291,7 +294,7 @@ class _Configuration:
             refs.setdefault(key, runs[0].tokens)
         tokens = _check_tokens(model, conf, engine, cache, ids, s, refs.get(key), runs)
         try:
-            sdpa = watch_sdpa(lambda: conf.probe(ids), prefill_calls=model.config.n_layer)
+            sdpa = watch_sdpa(lambda: conf.probe(ids), model.config.n_layer, self.compiled_in_c)
         except Exception as e:  # a diagnosis, not a measurement: say it failed, keep the row
             sdpa = {"prefill": f"unknown ({type(e).__name__})", "decode": ""}
         result = _summarise(common, runs, s, self.peaks, engine.weight_bytes(), conf.capture_s, tokens, sdpa, bpt)

@@ -23,8 +23,8 @@ same step runs eagerly, so CI tests its exactness on the CPU. `compile` (the `--
     default   Inductor's default: LayerNorm, bias, GELU and residual adds fused, matrix products left to the BLAS;
     max       CPU only: the weights frozen into the compiled step as constants, every matrix product autotuned
               between Inductor's C++ GEMM templates and ATen's (the projections reach Inductor as oneDNN linear
-              ops over packed constants, model/matmul.py), and the kernels called from generated C++ (no Python
-              between them). Frozen weights are a copy the step no longer reads from the model, so this
+              ops over packed constants, model/matmul.py), one-query attention kvbench's C as an opaque operator
+              (model/attention.py), and the kernels called from generated C++. Frozen weights are a copy the step no longer reads from the model, so this
               runner also keys on the parameters' version counters: an in-place change (`copy_`,
               `load_state_dict`) gets a new compilation.
 
@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from kvbench.caches.static_graph import StaticGraphCache
+from kvbench.model.attention import own_attention
 from kvbench.model.gpt2 import EXACT_MASK, GPT, MaskRule
 from kvbench.model.matmul import frozen_weights
 
@@ -146,7 +147,7 @@ def _compiled(mode: str, model: GPT, key: tuple) -> Callable[..., torch.Tensor]:
         compiled = torch.compile(fresh, dynamic=False, options=guards)
 
         def step(*args):
-            with inductor_config.patch(MAX_OPTIONS), frozen_weights():
+            with inductor_config.patch(MAX_OPTIONS), frozen_weights(), own_attention():
                 return compiled(*args)
 
         _frozen_step = (weakref.ref(model), key, step)

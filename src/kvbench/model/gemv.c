@@ -209,6 +209,53 @@ static void attend_head(const float *restrict q, const float *restrict K, const 
     }
 }
 
+/* One query's attention for every (batch row, head) of (B, H, L, Dh) K and V buffers, where `allowed` (B, L), one
+ * byte a slot, says which slots each row may see:
+ *     out[b, h] = softmax(q[b, h] K[b, h, s]^T / sqrt(Dh) over the allowed s) V[b, h, s]
+ * q and out (B, H, Dh). Slots after a row's last allowed one are not read; a row that may see every slot up to its
+ * last reads as kv_step_f32's attention does, others skip the rest. A row that may see no slot gets zeros, as
+ * torch's CPU SDPA answers an all-false mask (torch 2.13). scratch: B * H * L floats. */
+void kv_attend_f32(const float *restrict q, const float *restrict K, const float *restrict V,
+                   const unsigned char *restrict allowed, float *restrict out, long B, long H, long L, long Dh,
+                   float *restrict scratch, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long bh = 0; bh < B * H; bh++) {
+        const unsigned char *m = allowed + bh / H * L;
+        const float *Kh = K + bh * L * Dh, *Vh = V + bh * L * Dh, *qh = q + bh * Dh;
+        float *o = out + bh * Dh, *scores = scratch + bh * L;
+        long n = L, seen = 0;
+        while (n > 0 && !m[n - 1]) n--;
+        for (long s = 0; s < n; s++) seen += m[s] != 0;
+        if (seen == n && n > 0) {
+            attend_head(qh, Kh, Vh, o, scores, n, Dh);
+            continue;
+        }
+        for (long j = 0; j < Dh; j++) o[j] = 0.f;
+        if (!n) continue;
+        const float scale = 1.f / sqrtf((float)Dh);
+        float top = -INFINITY, sum = 0.f;
+        for (long s = 0; s < n; s++) {
+            float d = 0.f;
+            if (m[s]) {
+#pragma omp simd reduction(+ : d)
+                for (long j = 0; j < Dh; j++) d += qh[j] * Kh[s * Dh + j];
+                top = d * scale > top ? d * scale : top;
+            }
+            scores[s] = d * scale;
+        }
+        for (long s = 0; s < n; s++) {
+            scores[s] = m[s] ? exp_f32(scores[s] - top) : 0.f;
+            sum += scores[s];
+        }
+        for (long s = 0; s < n; s++) {
+            if (!m[s]) continue;
+            const float p = scores[s] / sum;
+#pragma omp simd
+            for (long j = 0; j < Dh; j++) o[j] += p * Vh[s * Dh + j];
+        }
+    }
+}
+
 /* The pointers of one layer in kv_step_f32's table, in this order. */
 enum { G1, GB1, WQ, BQ, KBUF, VBUF, WO, BO, G2, GB2, WF, BF, WP, BP, NPTR };
 

@@ -45,6 +45,7 @@ SYMBOL = "kv_gemv_f32"
 LN_SYMBOL = "kv_ln_gemv_f32"  # a LayerNorm, then a projection
 TAIL_SYMBOL = "kv_block_tail_f32"  # a GPT-2 block after attention
 STEP_SYMBOL = "kv_step_f32"  # a whole GPT-2 decode step over static caches' buffers
+ATTEND_SYMBOL = "kv_attend_f32"  # one query's attention over (B, H, L, Dh) buffers, under a mask of slots
 ROW_GROUPS = (1, 4)  # rows a thread reads side by side: gemv.c's two loops
 PREFETCH = (0, 16 << 10, 32 << 10)  # bytes ahead each row stream asks for (0: the hardware prefetcher alone)
 WAYS = tuple((rows, ahead) for rows in ROW_GROUPS for ahead in PREFETCH)  # what `tune` chooses from
@@ -54,6 +55,7 @@ WAYS = tuple((rows, ahead) for rows in ROW_GROUPS for ahead in PREFETCH)  # what
 TUNE_SHAPES = ((2304, 768), (768, 768), (3072, 768), (768, 3072)) * 12 + ((50257, 768),)
 TUNE_ROUNDS = 7
 step_calls = 0  # step_static calls in this process: attention that ran in C, not SDPA (bench's backends.py reads it)
+attend_calls = 0  # attend calls in this process (kvbench::decode_attention inside a compiled step; backends.py too)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class Kernel:
     ln_fn: Callable[..., None] | None = None  # kv_ln_gemv_f32(x, g, gb, eps, W, b, ln, y, out, in, threads, ...)
     tail_fn: Callable[..., None] | None = None  # kv_block_tail_f32(x, a, Wo, bo, g, gb, eps, Wf, bf, Wp, bp, ...)
     step_fn: Callable[..., None] | None = None  # kv_step_f32(x, table, n_layer, L, slot, H, eps, ...)
+    attend_fn: Callable[..., None] | None = None  # kv_attend_f32(q, K, V, allowed, out, B, H, L, Dh, scratch, ...)
 
     def __call__(self, w: int, x: int, b: int | None, y: int, n_out: int, n_in: int, threads: int) -> None:
         self.fn(w, x, b, y, n_out, n_in, threads, self.rows, self.prefetch)
@@ -120,11 +123,12 @@ def build(cc: str | None, root: Path) -> tuple[Kernel | None, str]:
 
 
 def _load(path: Path) -> tuple[Callable[..., None], ...] | None:
-    """The library's four functions (the GEMV, LayerNorm then GEMV, a block after attention, a whole step), typed;
-    None when it does not load."""
+    """The library's five functions (the GEMV, LayerNorm then GEMV, a block after attention, a whole step, attention),
+    typed; None when it does not load."""
+    names = (SYMBOL, LN_SYMBOL, TAIL_SYMBOL, STEP_SYMBOL, ATTEND_SYMBOL)
     try:
         lib = ctypes.CDLL(str(path))
-        fn, ln_fn, tail_fn, step_fn = (getattr(lib, n) for n in (SYMBOL, LN_SYMBOL, TAIL_SYMBOL, STEP_SYMBOL))
+        fn, ln_fn, tail_fn, step_fn, attend_fn = (getattr(lib, n) for n in names)
     except (OSError, AttributeError):
         return None
     P, long, way = ctypes.c_void_p, ctypes.c_long, [ctypes.c_int, ctypes.c_int, ctypes.c_long]  # threads, rows, ahead
@@ -133,9 +137,11 @@ def _load(path: Path) -> tuple[Callable[..., None], ...] | None:
     tail_fn.argtypes = [P, P, P, P, P, P, ctypes.c_float, P, P, P, P, P, P, P, P, long, long, *way]
     # x, table, n_layer, L, slot, H, eps, ln_f weight and bias, head, logits, V, scratch, C, F
     step_fn.argtypes = [P, P, long, long, long, long, ctypes.c_float, P, P, P, P, long, P, long, long, *way]
-    for f in (fn, ln_fn, tail_fn, step_fn):
+    # q, K, V, allowed, out, B, H, L, Dh, scratch, threads
+    attend_fn.argtypes = [P] * 5 + [long] * 4 + [P, ctypes.c_int]
+    for f in (fn, ln_fn, tail_fn, step_fn, attend_fn):
         f.restype = None
-    return fn, ln_fn, tail_fn, step_fn
+    return fn, ln_fn, tail_fn, step_fn, attend_fn
 
 
 def _compile(cc: str, out: Path) -> str:
@@ -230,9 +236,9 @@ def _agrees(fn) -> bool:
 
 
 def _fused_agree(kernel: Kernel) -> bool:
-    """The fused calls against torch's own LayerNorm, linear, SDPA, GELU and additions on a small model (C 48 in 4
-    heads, MLP 192, odd enough to leave tails; two layers, 5 cached tokens in caches of 9, a vocabulary of 37),
-    before any model uses them."""
+    """The fused calls and attention against torch's own LayerNorm, linear, SDPA, GELU and additions on a small model
+    (C 48 in 4 heads, MLP 192, odd enough to leave tails; two layers, 5 cached tokens in caches of 9, a vocabulary of
+    37), before any model uses them."""
     F_ = torch.nn.functional
     g = torch.Generator().manual_seed(1)
     C, F, H, L, slot, V = 48, 192, 4, 9, 5, 37
@@ -278,6 +284,12 @@ def _fused_agree(kernel: Kernel) -> bool:
         logits = F_.linear(ln(y, gf, bf_), head)
         got.append((step_static(x.view(1, 1, C), layers, slot, 1e-5, (gf, bf_), head, kernel).view(V), logits))
         got += rows  # each layer's row of K/V, written at `slot`
+        # attention under a mask: a row that sees slots [0, slot], one left-padded that sees [2, slot)
+        q, keys, values = rand(2, H, 1, C // H), rand(2, H, L, C // H), rand(2, H, L, C // H)
+        cols = torch.arange(L)
+        allowed = torch.stack([cols <= slot, (cols >= 2) & (cols < slot)]).view(2, 1, 1, L)
+        sdpa = F_.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
+        got.append((attend(q, keys, values, allowed, kernel), sdpa))
     return all(torch.allclose(mine, theirs, rtol=1e-5, atol=1e-5) for mine, theirs in got)
 
 
@@ -417,6 +429,25 @@ def step_static(
     global step_calls
     step_calls += 1
     return logits.view(1, 1, V)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, kernel: Kernel | None = None
+) -> torch.Tensor:
+    """SDPA with a boolean mask for one query a row, reading only the slots each row may see: q (B, H, 1, Dh); k, v
+    (B, H, L, Dh) contiguous; allowed (B, 1, 1, L) bool contiguous, True where a slot is seen; all float32 on the
+    CPU -> (B, H, 1, Dh). A row that sees no slot gets zeros, as SDPA gives on the CPU (torch 2.13)."""
+    kernel = kernel if kernel is not None else library()
+    assert kernel is not None and kernel.attend_fn is not None, "attention runs in C only where it was built"
+    B, H, L, Dh = k.shape
+    q = q.contiguous()  # (B, H, 1, Dh): c_attn's row seen per head is strided
+    out = torch.empty(B, H, 1, Dh, dtype=q.dtype)
+    scratch = torch.empty(B * H * L, dtype=q.dtype)  # each (row, head)'s scores
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), allowed.data_ptr(), out.data_ptr(), B, H, L, Dh)
+    _call(kernel.attend_fn, "kvbench::attend", *args, scratch.data_ptr(), torch.get_num_threads())
+    global attend_calls
+    attend_calls += 1
+    return out
 
 
 def _call(fn: Callable[..., None], name: str, *args) -> None:

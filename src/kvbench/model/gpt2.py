@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kvbench.model import gemv
+from kvbench.model.attention import attention
 from kvbench.model.matmul import fused_row, linear, out_in_layout
 
 
@@ -105,7 +106,7 @@ class CausalSelfAttention(nn.Module):
             # The one line of cache code in attention: store this call's K/V, get back what to attend over.
             k, v = cache.update(k, v, positions)  # (B, H, S, Dh)
         attn_mask, is_causal = mask.for_keys(k.size(2), cache)  # as this layer's cache states its slots
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)  # (B, H, T, Dh)
+        y = attention(q, k, v, attn_mask, is_causal)  # (B, H, T, Dh): SDPA, or kvbench's own (model/attention.py)
         return y.transpose(1, 2).contiguous().view(B, T, H * Dh)  # (B, T, H * Dh)
 
 
