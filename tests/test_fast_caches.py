@@ -429,6 +429,29 @@ def test_frozen_step_is_exact_and_sees_weights_changed_in_place(monkeypatch):
     assert not torch.allclose(after, before, atol=1e-3), "the update must change the logits"
 
 
+@pytest.mark.slow
+def test_frozen_step_that_dynamo_breaks_is_still_exact(monkeypatch):
+    """A step Dynamo cannot trace whole (here attention behind code it breaks the graph at, as a plugin's can be):
+    the code after the break is one resume function for every block, and with the modules' guards skipped its graph,
+    compiled with the first block's frozen weights, served every block (logits off by 4.2). `--compile max` now
+    compiles such a step with every guard, and it decodes the eager cache's tokens and logits."""
+    from kvbench.model import gpt2
+
+    real = gpt2.attention
+
+    def untraceable(*args):
+        torch._dynamo.graph_break()
+        return real(*args)
+
+    monkeypatch.setattr(gpt2, "attention", untraceable)
+    model = _small_model()
+    caches = make_caches("static-graph", model.config, 3, 11 + 12, torch.float32, "cpu")
+    got = generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches, compile="max")
+    ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
+    assert got.tokens == ref.tokens
+    torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
+
+
 _FROZEN_IN_A_PROCESS = """
 import sys, torch
 from kvbench.caches import make_caches

@@ -137,24 +137,36 @@ def _compiled(mode: str, model: GPT, key: tuple) -> Callable[..., torch.Tensor]:
         # here, not at the top: Inductor takes seconds to import, and only --compile max uses its settings
         from torch._inductor import config as inductor_config
 
-        f = fixed_decode_step
-        fresh = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         # Dynamo's guards on the model's modules cost ~0.5 ms a call; this step is already keyed on everything of
-        # the model it reads (identity, parameter storage and versions), so only tensor guards stay.
+        # the model it reads (identity, parameter storage and versions), so only tensor guards stay. That holds for
+        # one graph only: where the step breaks into several (a plugin's code Dynamo cannot trace), the code after a
+        # break inside a block is one resume function for every block, and without module guards the graph compiled
+        # for the first block (its weights frozen in) would serve them all. So the step is traced whole, and a step
+        # that cannot be is compiled again with every guard (correct, and slower by its breaks and guards).
         guards: dict[str, str | int | bool | Callable[..., Any]] = {
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe
         }
-        compiled = torch.compile(fresh, dynamic=False, options=guards)
+        compiled = torch.compile(_fresh(fixed_decode_step), dynamic=False, fullgraph=True, options=guards)
 
         def step(*args):
+            nonlocal compiled
             with inductor_config.patch(MAX_OPTIONS), frozen_weights(), own_attention():
-                return compiled(*args)
+                try:
+                    return compiled(*args)
+                except torch._dynamo.exc.Unsupported:  # traced, not run: nothing of the step has happened yet
+                    compiled = torch.compile(_fresh(fixed_decode_step), dynamic=False)
+                    return compiled(*args)
 
         _frozen_step = (weakref.ref(model), key, step)
         return step
     if _compiled_step is None:
         _compiled_step = torch.compile(fixed_decode_step, dynamic=False)
     return _compiled_step
+
+
+def _fresh(f: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of `f` with a code object of its own: Dynamo keeps compiled code per code object."""
+    return types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
 
 
 def _model_key(model: GPT, mask_rule: MaskRule, frozen: bool = False) -> tuple:
