@@ -399,8 +399,9 @@ def test_compiled_rows_count_their_compilations_and_a_failure_is_located_eagerly
 @pytest.mark.slow
 def test_frozen_step_is_exact_and_sees_weights_changed_in_place(monkeypatch):
     """`--compile max` (weights frozen into the step, GEMMs autotuned over C++ templates, attention kvbench's C) gives
-    the eager static cache's tokens and logits to 1e-5, batched with left padding. After an in-place weight update (same storage) the
-    runner no longer matches, and the one built next decodes with the new weights, not the frozen old ones."""
+    the eager static cache's tokens and logits to 1e-5, batched with left padding. After an in-place weight update
+    (same storage), and after a LayerNorm's eps changes, the runner no longer matches, and the one built next decodes
+    with the new weights and eps, not the frozen old ones."""
     model = _small_model()
     caches = make_caches("static-graph", model.config, 3, 11 + 12, torch.float32, "cpu")
     attended = []
@@ -427,6 +428,11 @@ def test_frozen_step_is_exact_and_sees_weights_changed_in_place(monkeypatch):
     fresh, after = decode_and_check()
     assert fresh is not runner
     assert not torch.allclose(after, before, atol=1e-3), "the update must change the logits"
+    for block in model.transformer.h:  # a module's setting, not a tensor: Dynamo's module guards are skipped
+        block.ln_1.eps = 0.5
+    assert not fresh.matches(model, caches, compile="max")
+    _, with_eps = decode_and_check()
+    assert not torch.allclose(with_eps, after, atol=1e-3), "the new eps must change the logits"
 
 
 @pytest.mark.slow
@@ -450,6 +456,19 @@ def test_frozen_step_that_dynamo_breaks_is_still_exact(monkeypatch):
     ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
     assert got.tokens == ref.tokens
     torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_frozen_step_past_dynamos_recompile_limit_still_decodes(monkeypatch):
+    """Each cache shape is a compilation of the same step, and Dynamo allows `recompile_limit` per function (8 in
+    torch 2.13); a step traced whole raises past it. `--compile max` then compiles a new copy for the new shape."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    model = _small_model()
+    for prompts in (PROMPTS, PROMPTS[:2]):  # two batch sizes: two shapes
+        got = generate(model, prompts, 6, cache="static-graph", record_logits=True, compile="max")
+        ref = generate(model, prompts, 6, cache="static", record_logits=True)
+        assert got.tokens == ref.tokens
+        torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
 
 
 _FROZEN_IN_A_PROCESS = """

@@ -153,9 +153,12 @@ def _compiled(mode: str, model: GPT, key: tuple) -> Callable[..., torch.Tensor]:
             with inductor_config.patch(MAX_OPTIONS), frozen_weights(), own_attention():
                 try:
                     return compiled(*args)
-                except torch._dynamo.exc.Unsupported:  # traced, not run: nothing of the step has happened yet
+                # both raised before anything of the step runs
+                except torch._dynamo.exc.FailOnRecompileLimitHit:  # a ninth shape: Dynamo counts per code object
+                    compiled = torch.compile(_fresh(fixed_decode_step), dynamic=False, fullgraph=True, options=guards)
+                except torch._dynamo.exc.Unsupported:  # a step Dynamo cannot trace whole
                     compiled = torch.compile(_fresh(fixed_decode_step), dynamic=False)
-                    return compiled(*args)
+                return compiled(*args)
 
         _frozen_step = (weakref.ref(model), key, step)
         return step
@@ -174,12 +177,19 @@ def _model_key(model: GPT, mask_rule: MaskRule, frozen: bool = False) -> tuple:
     every parameter. A graph replays reads of the exact addresses it recorded, so after
     `model.to(...)` (new tensors; the old ones freed) it must be rebuilt, never replayed. Weights changed in place
     (`copy_`, `load_state_dict`) keep their storage, and the graph reads the new values; a step that froze the
-    weights (`frozen`) holds copies, so there every parameter's version counter is part of the key too."""
+    weights (`frozen`) holds copies, so there every parameter's version counter is part of the key too, and so is
+    every module's plain setting (a LayerNorm's eps, `training`): that step skips Dynamo's guards on modules. A write
+    through `.data` bumps no version counter, and a frozen step does not see it."""
     storage = tuple(
         (p.data_ptr(), p.dtype, p.device, tuple(p.shape), p._version if frozen else 0)
         for p in (*model.parameters(), *model.buffers())
     )
-    return id(mask_rule), storage
+    settings = tuple(
+        (type(m), tuple((k, v) for k, v in vars(m).items() if isinstance(v, (bool, int, float, str))))
+        for m in model.modules()
+        if frozen
+    )
+    return id(mask_rule), storage, settings
 
 
 class FixedShapeDecoder:
