@@ -55,7 +55,6 @@ WAYS = tuple((rows, ahead) for rows in ROW_GROUPS for ahead in PREFETCH)  # what
 TUNE_SHAPES = ((2304, 768), (768, 768), (3072, 768), (768, 3072)) * 12 + ((50257, 768),)
 TUNE_ROUNDS = 7
 step_calls = 0  # step_static calls in this process: attention that ran in C, not SDPA (bench's backends.py reads it)
-attend_calls = 0  # attend calls in this process (kvbench::decode_attention inside a compiled step; backends.py too)
 
 
 @dataclass(frozen=True)
@@ -445,8 +444,6 @@ def attend(
     scratch = torch.empty(B * H * L, dtype=q.dtype)  # each (row, head)'s scores
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), allowed.data_ptr(), out.data_ptr(), B, H, L, Dh)
     _call(kernel.attend_fn, "kvbench::attend", *args, scratch.data_ptr(), torch.get_num_threads())
-    global attend_calls
-    attend_calls += 1
     return out
 
 
