@@ -459,13 +459,13 @@ def test_frozen_step_that_dynamo_breaks_is_still_exact(monkeypatch):
 
 
 @pytest.mark.slow
-def test_frozen_step_past_dynamos_recompile_limit_still_decodes(monkeypatch):
+def test_frozen_step_past_dynamos_recompile_limit_still_decodes():
     """Each cache shape is a compilation of the same step, and Dynamo allows `recompile_limit` per function (8 in
     torch 2.13); a step traced whole raises past it. `--compile max` then compiles a new copy for the new shape."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     model = _small_model()
     for prompts in (PROMPTS, PROMPTS[:2]):  # two batch sizes: two shapes
-        got = generate(model, prompts, 6, cache="static-graph", record_logits=True, compile="max")
+        with torch._dynamo.config.patch(recompile_limit=1):  # (monkeypatch's undo deletes a config's attribute)
+            got = generate(model, prompts, 6, cache="static-graph", record_logits=True, compile="max")
         ref = generate(model, prompts, 6, cache="static", record_logits=True)
         assert got.tokens == ref.tokens
         torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
