@@ -45,7 +45,7 @@ from kvbench.caches import get_cache_spec
 from kvbench.check.distortion import measure_layers
 from kvbench.devices import memory_in_use, memory_peak, reset_peak_memory
 from kvbench.errors import KVBenchError, is_out_of_memory
-from kvbench.model import gemv, matmul
+from kvbench.model import gemv
 from kvbench.model.gpt2 import GPT, GPTConfig
 
 if TYPE_CHECKING:
@@ -148,9 +148,9 @@ def run_sweep(
     if engines is None:
         assert isinstance(model, GPT), "a --hf sweep is given its engines"
         engines = build_engines(model, s.engine, s.compile)
-    if device.type == "cpu":  # kvbench's C kernels built and tuned (a machine's first run: seconds and 494 MB of
-        matmul.route()  # matrices) before any row's time or memory, not in the first row's; under every route:
-        gemv.library()  # `--compile max` calls its attention
+    if device.type == "cpu":  # kvbench's C kernels (the projections' on the gemv route, `--compile max`'s attention
+        gemv.library()  # on every route) built and tuned before any row's time or memory: on a machine's first run,
+        # seconds and 494 MB of matrices
     if bandwidth is None and all(e.has_floor for e in engines.values()):
         bandwidth = floor.measure_bandwidth(device)
     oversized = oversized or {}

@@ -24,9 +24,9 @@ same step runs eagerly, so CI tests its exactness on the CPU. `compile` (the `--
     max       CPU only: the weights frozen into the compiled step as constants, every matrix product autotuned
               between Inductor's C++ GEMM templates and ATen's (the projections reach Inductor as oneDNN linear
               ops over packed constants, model/matmul.py), one-query attention kvbench's C as an opaque operator
-              (model/attention.py), and the kernels called from generated C++. Frozen weights are a copy the step no longer reads from the model, so this
-              runner also keys on the parameters' version counters: an in-place change (`copy_`,
-              `load_state_dict`) gets a new compilation.
+              (model/attention.py), and the kernels called from generated C++. Frozen weights are a copy the
+              step no longer reads from the model, so this runner also keys on the parameters' version counters:
+              an in-place change (`copy_`, `load_state_dict`) gets a new compilation.
 
 The prefill (T > 1) runs the ordinary eager forward and writes the same buffers.
 """
@@ -37,7 +37,6 @@ import time
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -143,10 +142,17 @@ def _compiled(mode: str, model: GPT, key: tuple) -> Callable[..., torch.Tensor]:
         # break inside a block is one resume function for every block, and without module guards the graph compiled
         # for the first block (its weights frozen in) would serve them all. So the step is traced whole, and a step
         # that cannot be is compiled again with every guard (correct, and slower by its breaks and guards).
-        guards: dict[str, str | int | bool | Callable[..., Any]] = {
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        }
-        compiled = torch.compile(_fresh(fixed_decode_step), dynamic=False, fullgraph=True, options=guards)
+        def compile_step(whole: bool) -> Callable[..., torch.Tensor]:
+            """A new copy of the step compiled: traced whole with tensor guards only, or in pieces with every guard.
+            A copy of its own, as Dynamo keeps compiled code (and counts recompilations) per code object."""
+            f = fixed_decode_step
+            fresh = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+            skip: dict[str, str | int | bool | Callable[..., object]] = {
+                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe
+            }
+            return torch.compile(fresh, dynamic=False, fullgraph=whole, options=skip if whole else None)
+
+        compiled = compile_step(whole=True)
 
         def step(*args):
             nonlocal compiled
@@ -155,9 +161,9 @@ def _compiled(mode: str, model: GPT, key: tuple) -> Callable[..., torch.Tensor]:
                     return compiled(*args)
                 # both raised before anything of the step runs
                 except torch._dynamo.exc.FailOnRecompileLimitHit:  # a ninth shape: Dynamo counts per code object
-                    compiled = torch.compile(_fresh(fixed_decode_step), dynamic=False, fullgraph=True, options=guards)
+                    compiled = compile_step(whole=True)
                 except torch._dynamo.exc.Unsupported:  # a step Dynamo cannot trace whole
-                    compiled = torch.compile(_fresh(fixed_decode_step), dynamic=False)
+                    compiled = compile_step(whole=False)
                 return compiled(*args)
 
         _frozen_step = (weakref.ref(model), key, step)
@@ -165,11 +171,6 @@ def _compiled(mode: str, model: GPT, key: tuple) -> Callable[..., torch.Tensor]:
     if _compiled_step is None:
         _compiled_step = torch.compile(fixed_decode_step, dynamic=False)
     return _compiled_step
-
-
-def _fresh(f: Callable[..., Any]) -> Callable[..., Any]:
-    """A copy of `f` with a code object of its own: Dynamo keeps compiled code per code object."""
-    return types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
 
 
 def _model_key(model: GPT, mask_rule: MaskRule, frozen: bool = False) -> tuple:
