@@ -7,6 +7,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pandas as pd
@@ -479,6 +480,61 @@ def test_interleaved_order_runs_the_timed_repeats_in_rounds(tiny_model):
     ]
     assert labels[:5] == ["kvbench none prompt 5"] * 5, "sequential: each configuration's runs back to back"
     assert [(r.cache, r.token_agreement) for r in again] == [(r.cache, r.token_agreement) for r in summary]
+
+
+@pytest.mark.parametrize("order", ["sequential", "interleaved"])
+def test_paired_floor_holds_each_timed_run_to_the_reads_beside_it(tiny_model, monkeypatch, order):
+    """x_floor_paired: every timed run of a row with a floor gets the mean of the read taken just before it and the
+    one just after it; a read after one timed run is the next one's read before when nothing ran in between (a cold
+    or warm-up run, a `none` run, a round's probe), and the row reports the median run's x floor and the extremes.
+    The reads here are a known sequence (10, 20, 30, ... GB/s) so the pairing can be followed; the arithmetic is
+    checked against floor_ms, computed apart."""
+    from kvbench.bench import floor
+
+    reads = iter(range(10, 10_000, 10))
+    monkeypatch.setattr(floor, "read_now", lambda bw, repeats=3: float(next(reads)))
+    s = BenchSettings(prompt_len=[6], new_tokens=5, caches=["none", "static", "dynamic"], engine=["kvbench"])
+    s.warmup, s.repeats, s.order = 1, 2, order
+    rows = {x.summary.cache: x for x in B.run_sweep(tiny_model, s, "fp32", "cpu")}
+    assert rows["none"].run_gbps is None and math.isnan(rows["none"].summary.x_floor_paired)
+    if order == "sequential":  # static: 10 | run | 20 | run | 30; dynamic's warm-up drops 30: 40 | run | 50 | run | 60
+        want = {"static": [15, 25], "dynamic": [45, 55]}
+    else:  # a round's probe, then static: 10 | run | 20, dynamic: run | 30; next round: 40 | 50 | 60
+        want = {"static": [15, 45], "dynamic": [25, 55]}
+    for cache, gbps in want.items():
+        x = rows[cache]
+        assert x.run_gbps == gbps
+        per_run = []
+        for i, g in enumerate(gbps):
+            run_ms = statistics.median(st.latency_ms for st in x.steps if st.repeat == i + 1)
+            bw = floor.Bandwidth(read_gbps=g, copy_gbps=math.nan, nbytes=1, device="cpu")
+            per_run.append(run_ms / floor.floor_ms(x.floor_bytes, bw))
+        r = x.summary
+        assert r.x_floor_paired == pytest.approx(statistics.median(per_run), rel=1e-9)
+        assert (r.x_floor_paired_min, r.x_floor_paired_max) == pytest.approx((min(per_run), max(per_run)), rel=1e-9)
+        assert r.paired_read_gbps == statistics.median(gbps)
+
+
+def test_paired_floor_reads_the_real_device_and_is_recorded(tmp_path):
+    """From the command line, unpatched: each row with a floor has a paired x floor inside its run range, one real
+    read per timed run in meta.json, and the table shows the column."""
+    out = tmp_path / "run"
+    result, text = invoke(
+        *"--model gpt2-tiny --weights random --device cpu --prompt-len 8 --new-tokens 4".split(),
+        *"--caches none,static,static-graph --engine kvbench --repeats 3 --warmup 1 --out".split(),
+        str(out),
+    )
+    assert result.exit_code == 0, text
+    assert "x paired" in result.stdout
+    s = pd.read_csv(out / "summary.csv").set_index("cache")
+    paired = json.loads((out / "meta.json").read_text())["floor"]["paired_read_gbps"]
+    assert set(paired) == {"kvbench static prompt 8 batch 1", "kvbench static-graph prompt 8 batch 1"}
+    for key, gbps in paired.items():
+        r = s.loc[key.split()[1]]
+        assert len(gbps) == 3 and all(g > 0 for g in gbps)
+        assert r.x_floor_paired_min <= r.x_floor_paired <= r.x_floor_paired_max
+        assert r.paired_read_gbps == pytest.approx(statistics.median(gbps), rel=1e-2)
+    assert math.isnan(s.loc["none"].x_floor_paired)
 
 
 def test_bench_order_interleaved_from_the_command_line(tmp_path):

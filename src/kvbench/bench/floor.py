@@ -87,7 +87,8 @@ def unsteady(floor_meta: dict) -> str | None:
     return (
         f"the device's read bandwidth moved between {lo:.1f} and {hi:.1f} GB/s (x{hi / lo:.2f}) while this run "
         "probed it: its memory is shared with other work, so each row's x floor is uncertain by as much and rows "
-        "timed minutes apart may differ by it; rerun on a quiet machine before holding a row to its floor"
+        "timed minutes apart may differ by it; x paired, which holds each run to the bandwidth read beside it, "
+        "follows the drift better; rerun on a quiet machine before holding a row to either"
     )
 
 
@@ -163,22 +164,9 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: 
     src, dst = x[: n // 2], x[n // 2 :]
 
     def timed(fn: Callable[[], object]) -> list[float]:
-        fn()  # warm-up: first touch of pages, kernel selection
-        times = []
-        for _ in range(repeats):
-            synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
-        return times
+        return _timed(fn, device, repeats)
 
-    cols = 1024 if n % 1024 == 0 else 2
-    matrix, vec = x.view(-1, cols), torch.ones(cols, dtype=torch.float32, device=device)  # (n / cols, cols)
-    reads = {
-        "sum": [nbytes / t / GB for t in timed(lambda: x.sum())],
-        "mv": [nbytes / t / GB for t in timed(lambda: torch.mv(matrix, vec))],
-    }
+    reads = {k: [nbytes / t / GB for t in timed(fn)] for k, fn in _read_kernels(x).items()}
     kernel = max(reads, key=lambda k: statistics.median(reads[k]))
     read = reads[kernel]
     copy = [nbytes / t / GB for t in timed(lambda: dst.copy_(src))]  # half read + half written
@@ -194,6 +182,37 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: 
         read_kernel=kernel,
         read_by_kernel={k: statistics.median(v) for k, v in reads.items()},
     )
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> list[float]:
+    """Seconds of `repeats` synchronised calls of fn, after one warm-up call (first touch of pages, kernel choice)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _read_kernels(x: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The two ways the probe reads all of the flat float32 tensor x: a sum, and a matrix-vector product."""
+    n = x.numel()
+    cols = 1024 if n % 1024 == 0 else 2
+    matrix, vec = x.view(-1, cols), torch.ones(cols, dtype=torch.float32, device=x.device)  # (n / cols, cols)
+    return {"sum": lambda: x.sum(), "mv": lambda: torch.mv(matrix, vec)}
+
+
+def read_now(bw: Bandwidth, repeats: int = 3) -> float:
+    """The device's read bandwidth now, in GB/s: the median of `repeats` reads of a fresh tensor of the size the
+    run's first probe `bw` streamed, by the read kernel that won it. A tenth of that probe's work (no copy, one
+    kernel), so bench can take one between any two timed runs (the paired floor, bench/sweep.py)."""
+    device = torch.device(bw.device)
+    x = torch.ones(bw.nbytes // 4, dtype=torch.float32, device=device)
+    times = _timed(_read_kernels(x)[bw.read_kernel], device, repeats)
+    return statistics.median(bw.nbytes / t / GB for t in times)
 
 
 @dataclass
@@ -270,6 +289,25 @@ def median_step_context(prompt_len: int, new_tokens: int) -> int:
 
 def floor_ms(b: StepBytes, bw: Bandwidth) -> float:
     return 1e3 * b.total / (bw.gbps * GB)
+
+
+@dataclass
+class Paired:
+    """x floor with each timed run held to the bandwidth read beside it, where the run-wide probe's median cannot
+    follow a memory whose bandwidth moves within the run (`unsteady`). Per timed run: its median step over the floor
+    at the mean of the reads just before and just after it; the row reports the median run and the extremes."""
+
+    x_floor: float
+    x_floor_min: float
+    x_floor_max: float
+    read_gbps: float  # median over the runs of the bandwidth each was held to
+
+
+def paired(b: StepBytes, run_tpot_ms: list[float], run_gbps: list[float]) -> Paired:
+    """x floor per run from each run's median step (ms) and the read bandwidth beside it (GB/s), equal lengths."""
+    assert run_gbps, "at least one timed run"
+    xs = [ms * gbps * GB / (1e3 * b.total) for ms, gbps in zip(run_tpot_ms, run_gbps, strict=True)]
+    return Paired(statistics.median(xs), min(xs), max(xs), statistics.median(run_gbps))
 
 
 def decode_floor_ms(

@@ -39,6 +39,12 @@ class SummaryRow(CsvRow):
     # the bandwidth floor of the median decode step: step_bytes / measured read bandwidth (bench/floor.py)
     floor_ms: float
     x_floor: float  # tpot_ms_median / floor_ms; empty for `none` (no cache: the floor does not apply)
+    # each timed run's median step over the floor at the read bandwidth measured just before and after that run
+    # (bench/floor.py, `paired`): the median run, then the fastest and slowest
+    x_floor_paired: float
+    x_floor_paired_min: float
+    x_floor_paired_max: float
+    paired_read_gbps: float  # median over the timed runs of the read bandwidth each was held to, GB/s
     # bytes the median decode step moves: weights, K/V read and written, the design's copies
     step_bytes: float
     total_s: float  # median over timed repeats: the whole generation, prefill included
@@ -132,6 +138,7 @@ class ConfigResult:
     ttft_ms: list[float]  # per timed repeat
     floor_bytes: floor.StepBytes | None = None  # the median decode step's bytes by source; None: no floor
     bandwidth: floor.Bandwidth | None = None  # what floor_ms divides by (interleaved: pooled over the rounds)
+    run_gbps: list[float] | None = None  # the read bandwidth beside each timed run (x_floor_paired), GB/s
     profile: Profiled | None = None  # --profile: the trace of one more warm run and its top operators
     distortion: Distortion | None = None  # a lossy row's cost against the full-precision path
     distortion_failed: str = ""  # why a lossy row's distortion was not measured (failure_status)

@@ -42,6 +42,7 @@ from kvbench.bench.settings import (
 )
 from kvbench.bench.timing_stats import ALWAYS, TTFT_PERCENTILES, describe_ms, tpot_extra_columns
 from kvbench.caches import get_cache_spec
+from kvbench.caches.base import Traffic
 from kvbench.check.distortion import measure_layers
 from kvbench.devices import memory_in_use, memory_peak, reset_peak_memory
 from kvbench.errors import KVBenchError, is_out_of_memory
@@ -164,6 +165,8 @@ def run_sweep(
     refs: dict[tuple[int, int], list[list[int]]] = {}  # kvbench none's tokens per (prompt, batch): the reference
     results: list[ConfigResult] = []
 
+    beside = _Beside(bandwidth)
+
     def emit(c: _Configuration, bw: floor.Bandwidth | None = bandwidth) -> None:
         results.append(c.finish(refs, per_token * c.batch, bw, profile_dir if s.profile else None))
         add_distortion(results[-1], model, c.ids, s.new_tokens)  # untimed, once finish has let the caches go
@@ -175,12 +178,38 @@ def run_sweep(
         ids = prompts[p][:b].to(device)
         shared = dict(prompt_len=p, new_tokens=s.new_tokens, batch=b, dtype=dtype_name, device=device_label)
         group = [
-            _Configuration(model, engines[e], ids, s, progress, dict(engine=e, cache=c, **shared), oversized.get(b))
+            _Configuration(
+                model, engines[e], ids, s, progress, dict(engine=e, cache=c, **shared), oversized.get(b), beside
+            )
             for p_, b_, e, c in configs
             if (p_, b_) == (p, b)
         ]
         _run_group(group, s.order, bandwidth, device, emit)
     return results
+
+
+class _Beside:
+    """The read bandwidth just before and just after each timed run (floor.read_now), for the paired floor. A read
+    taken after one timed run is the next one's read before when nothing ran in between, so a round of k runs costs
+    k + 1 reads; any untimed run (cold, warm-up) in between drops it. Without a floor (tensor parallelism, --hf
+    models) it reads nothing."""
+
+    def __init__(self, bandwidth: floor.Bandwidth | None) -> None:
+        self.bandwidth, self.last = bandwidth, math.nan
+
+    def read(self) -> float:
+        return math.nan if self.bandwidth is None else floor.read_now(self.bandwidth)
+
+    def before(self) -> float:
+        before, self.last = (self.last if self.last == self.last else self.read()), math.nan  # NaN: none kept
+        return before
+
+    def after(self) -> float:
+        self.last = self.read()
+        return self.last
+
+    def untimed(self) -> None:
+        self.last = math.nan
 
 
 class _Emit(Protocol):
@@ -205,6 +234,8 @@ def _run_group(
         c.run(c.back_to_back)
     for _ in range(rounds):
         probes.append(floor.measure_bandwidth(device, probes[0].nbytes, repeats=3))
+        for c in group[:1]:  # the round's probe ran between the last timed run and the next: a read of its own
+            c.beside.untimed()
         for c in group:
             c.run(1)
     pooled = floor.pooled(probes)
@@ -226,8 +257,12 @@ class _Configuration:
         progress: _Progress,
         common: dict[str, Any],
         oversized: str | None = None,
+        beside: _Beside | None = None,
     ) -> None:
         self.model, self.engine, self.ids, self.s = model, engine, ids, s
+        self.beside = beside or _Beside(None)
+        self.has_floor = _traffic(model.config, common["engine"], common["cache"]) is not None
+        self.run_gbps: list[float] = []  # per timed run: the mean of the reads just before and after it
         self.progress, self.common, self.batch = progress, common, common["batch"]
         self.label = f"{common['engine']} {common['cache']} prompt {common['prompt_len']}" + (
             f" batch {self.batch}" if len(s.batch) > 1 else ""
@@ -261,11 +296,18 @@ class _Configuration:
                 if self.conf is None:  # allocated once, inside the try: a failure here is this row's
                     max_len = self.common["prompt_len"] + self.s.new_tokens
                     self.conf = self.engine.configure(cache, self.batch, max_len)
+                paired = self.has_floor and len(self.runs) >= self.s.warmup  # a timed run with a floor
+                before = self.beside.before() if paired else math.nan  # outside the peak: the read's tensor
                 reset_peak_memory(device)
                 t = self.conf.run(self.ids, self.s.new_tokens)
                 if len(self.runs) < self.back_to_back:  # a CPU resident set can shrink below its baseline
                     self.peaks.append((max(memory_peak(device) - self.base, 0.0), _reserved(device)))
+                if paired:
+                    self.run_gbps.append((before + self.beside.after()) / 2)
+                else:
+                    self.beside.untimed()
             except Exception as e:
+                self.beside.untimed()
                 if self.engine.failure_ends_sweep:  # one rank of several: the others are in this run's collectives
                     raise
                 self.failure = failure_status(e)  # oom, or a plugin raised: the sweep goes on
@@ -304,6 +346,7 @@ class _Configuration:
         result = _summarise(common, runs, s, self.peaks, engine.weight_bytes(), conf.capture_s, tokens, sdpa, bpt)
         if bandwidth is not None:  # none under tensor parallelism: a rank's step is not one device's floor
             add_floor(result, model.config, _head(model).dtype, bandwidth, runs[-1].cache_bytes)
+            add_paired_floor(result, runs[s.warmup :], self.run_gbps)
         result.bandwidth = bandwidth
         result.ranks = engine.rank_rows(conf, ids, s.new_tokens, result.summary)  # None in one process
         if profile_dir is not None and engine.profiled:  # after every timed run: its overhead is in none of them
@@ -323,11 +366,8 @@ def add_floor(
     (static-graph, transformers' StaticCache) is read from the cache the run held: transformers sizes its buffer
     per call, and never smaller than an earlier call's on the same model, so it can exceed prompt + new tokens."""
     r = result.summary
-    # the byte count is GPT-2's; --hf models have none
-    if not isinstance(cfg, GPTConfig) or r.engine not in ENGINES:
-        return
-    traffic = ENGINES[r.engine].traffic(r.cache)
-    if traffic is None:  # the no-cache path recomputes the sequence: no floor
+    traffic = _traffic(cfg, r.engine, r.cache)
+    if traffic is None or not isinstance(cfg, GPTConfig):  # the second: what _traffic said, for the type checker
         return
     per_slot = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * r.batch
     capacity = r.prompt_len + r.new_tokens
@@ -338,6 +378,26 @@ def add_floor(
     ms, b = floor.decode_floor_ms(cfg, dtype, r.batch, r.prompt_len, r.new_tokens, traffic, bw, capacity, welt, kvelt)
     r.floor_ms, r.x_floor, r.step_bytes = ms, r.tpot_ms_median / ms, float(b.total)
     result.floor_bytes = b
+
+
+def add_paired_floor(result: ConfigResult, timed: list[RunTiming], run_gbps: list[float]) -> None:
+    """Fill a row's paired x floor (floor.paired) from its timed runs and the read bandwidth beside each, once
+    add_floor has given it a floor; a row without one, or with a run that has no decode step, keeps it empty."""
+    b, r = result.floor_bytes, result.summary
+    if b is None or len(run_gbps) != len(timed) or not all(t.step_s for t in timed):
+        return
+    p = floor.paired(b, [1e3 * statistics.median(t.step_s) for t in timed], run_gbps)
+    r.x_floor_paired, r.x_floor_paired_min, r.x_floor_paired_max = p.x_floor, p.x_floor_min, p.x_floor_max
+    r.paired_read_gbps = p.read_gbps
+    result.run_gbps = list(run_gbps)
+
+
+def _traffic(cfg: GPTConfig | HFBenchConfig, engine: str, cache: str) -> Traffic | None:
+    """What a row's median decode step moves, or None where it has no floor: --hf models (the byte count is
+    GPT-2's) and `none` (no cache: the step recomputes the sequence)."""
+    if not isinstance(cfg, GPTConfig) or engine not in ENGINES:
+        return None
+    return ENGINES[engine].traffic(cache)
 
 
 def add_distortion(result: ConfigResult, model: GPT | SweepModel, ids: torch.Tensor, new_tokens: int) -> None:
@@ -448,6 +508,10 @@ def _summarise(
         tpot_ms_more={c: tpot[c.removeprefix("tpot_ms_")] for c in tpot_extra_columns(s.percentiles)},
         floor_ms=math.nan,  # filled by add_floor
         x_floor=math.nan,
+        x_floor_paired=math.nan,  # filled by add_paired_floor
+        x_floor_paired_min=math.nan,
+        x_floor_paired_max=math.nan,
+        paired_read_gbps=math.nan,
         step_bytes=math.nan,
         total_s=total,
         total_s_min=min(totals),

@@ -31,7 +31,8 @@ def floor_caption(meta: dict, rows: Sequence) -> str:
     text = (
         f"floor: the bytes the median decode step must move (weights, K/V read and written, the design's copies) / "
         f"read bandwidth measured in this run ({bw['read_gbps']:.1f} GB/s read, {bw['copy_gbps']:.1f} GB/s copy, "
-        f"{bw['nbytes'] / 2**20:.0f} MiB streamed); x floor = TPOT / floor; none has no floor. "
+        f"{bw['nbytes'] / 2**20:.0f} MiB streamed); x floor = TPOT / floor; none has no floor. x paired: each timed "
+        "run's median step over the floor at the bandwidth read just before and after it, the median run. "
     )
     rounds = meta["floor"].get("by_prompt_len")
     if rounds:  # --order interleaved: probed again every round
@@ -112,6 +113,7 @@ def _bench_row(r, swept: bool) -> list:
         _f(r.tpot_ms_p90, ".2f"),
         _f(r.floor_ms, ".2f"),
         _times(r.x_floor),
+        _times(r.x_floor_paired),
         _f(r.total_s, ".3f"),
         _f(r.decode_tokens_per_s, ",.0f"),
         _times(r.speedup_vs_none),
@@ -191,6 +193,7 @@ def render_bench(rows: list, meta: dict, run_dir, files: list, ranks: Sequence =
         "p90",
         "floor ms",
         "x floor",
+        "x paired",
         "total s",
         "tok/s",
         "speedup",

@@ -103,7 +103,9 @@ FLOOR_NOTE = (
     "gathers, int8 dequantisation) over the device's read bandwidth measured at the start of the run (with "
     "--order interleaved: the median of that probe and one more per round, per prompt length in by_prompt_len); "
     "x_floor = tpot_ms_median / floor_ms; step_bytes: those bytes. Rows without a cache (`none`) have no floor. "
-    "floor.steps below breaks each row's bytes down."
+    "x_floor_paired holds each timed run to the read bandwidth measured just before and after it (the mean of the "
+    "two, per run in paired_read_gbps) and reports the median run: on a machine whose bandwidth moves within a run "
+    "it is the one to read. floor.steps below breaks each row's bytes down."
 )
 
 
@@ -214,6 +216,8 @@ class BenchRecorder:
         if result.floor_bytes is not None and "floor" in self.meta:
             key = f"{r.engine} {r.cache} prompt {r.prompt_len} batch {r.batch}"
             self.meta["floor"]["steps"][key] = result.floor_bytes.as_dict()
+            if result.run_gbps:  # the read bandwidth beside each timed run (x_floor_paired)
+                self.meta["floor"].setdefault("paired_read_gbps", {})[key] = [round(g, 2) for g in result.run_gbps]
             if result.bandwidth is not None and result.bandwidth is not self.bandwidth:
                 rounds = self.meta["floor"].setdefault("by_prompt_len", {})  # interleaved: probed every round
                 swept = len(self.meta["settings"].get("batch", [])) > 1
