@@ -179,6 +179,11 @@ def test_a_run_whose_bandwidth_moved_past_the_steady_swing_is_called_unsteady():
     assert note is not None and "between 29.1 and 63.7 GB/s (x2.19)" in note  # the rounds' extremes count
     # each probe steady, but the run's first and a later one far apart
     assert "(x1.80)" in unsteady({"bandwidth": _probe(33.0, 34.0), "by_prompt_len": {"8": _probe(55.0, 59.4)}})
+    # every probe steady, but a timed run met another bandwidth (the reads beside it, x_floor_paired)
+    steady = {"bandwidth": _probe(30.0, 34.0), "by_prompt_len": {"512": _probe(31.0, 36.0)}}
+    assert unsteady({**steady, "paired_read_gbps": {"kvbench static prompt 512 batch 1": [33.0, 35.5]}}) is None
+    note = unsteady({**steady, "paired_read_gbps": {"a": [33.0, 35.5], "b": [34.0, 63.0]}})
+    assert note is not None and "between 30.0 and 63.0 GB/s (x2.10)" in note
 
 
 def test_bench_says_when_the_floor_is_unsteady_and_not_when_it_is_steady(tmp_path, monkeypatch):
@@ -198,6 +203,7 @@ def test_bench_says_when_the_floor_is_unsteady_and_not_when_it_is_steady(tmp_pat
         # the machine's bandwidth as a shared host moves it: the real probe, its fastest repeat `hi`
         moved = dataclasses.replace(real, read_range=(real.read_gbps, hi))
         monkeypatch.setattr(cli_bench, "measure_bandwidth", lambda dev, moved=moved: moved)
+        monkeypatch.setattr(floor, "read_now", lambda bw, repeats=3: bw.read_gbps)  # the reads beside the run too
         result = CliRunner().invoke(app, [*argv, "--out", str(tmp_path / f"run-{shown}")])
         assert result.exit_code == 0, result.output
         assert ("unsteady floor: the device's read bandwidth moved" in result.stdout) == shown, result.stdout

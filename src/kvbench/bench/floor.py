@@ -73,13 +73,16 @@ STEADY_SWING = 1.25  # fastest / slowest repeat of a run's read probes beyond wh
 
 
 def unsteady(floor_meta: dict) -> str | None:
-    """What to say of a run whose read bandwidth moved while it was probed (meta.json's `floor`: the first probe and,
-    interleaved, each prompt length's pooled rounds), or None when its fastest repeat is within STEADY_SWING of its
-    slowest. A machine that shares its memory with other work can move far: a 2-core AMD EPYC VM read 512 MiB at
-    34-35 GB/s for twenty seconds, then at 55-63 GB/s and 35 by turns (2026-12-06), and one compiled decode step
-    moved between 16 and 21 ms within a run with it. x floor is then no better known than that ratio."""
+    """What to say of a run whose read bandwidth moved while it was probed (meta.json's `floor`: the first probe,
+    interleaved each prompt length's pooled rounds, and the reads beside each timed run), or None when its fastest
+    read is within STEADY_SWING of its slowest. A machine that shares its memory with other work can move far: a
+    2-core AMD EPYC VM read 512 MiB at 34-35 GB/s for twenty seconds, then at 55-63 GB/s and 35 by turns
+    (2026-12-06), and one compiled decode step moved between 16 and 21 ms within a run with it. x floor is then no
+    better known than that ratio. The reads beside the runs count: on that VM (2026-12-07) every probe of a run read
+    29.8-36.5 GB/s while its timed runs met 33-66."""
     probes = [floor_meta.get("bandwidth") or {}, *(floor_meta.get("by_prompt_len") or {}).values()]
     ranges = [b["read_range"] for b in probes if b.get("read_range")]
+    ranges += [(g, g) for run in (floor_meta.get("paired_read_gbps") or {}).values() for g in run]
     lows, highs = [lo for lo, _ in ranges if lo == lo and lo > 0], [hi for _, hi in ranges if hi == hi]  # no NaN
     if not lows or not highs or max(highs) / min(lows) <= STEADY_SWING:
         return None
