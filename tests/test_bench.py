@@ -504,15 +504,51 @@ def test_paired_floor_holds_each_timed_run_to_the_reads_beside_it(tiny_model, mo
     for cache, gbps in want.items():
         x = rows[cache]
         assert x.run_gbps == gbps
-        per_run = []
+        held = {}  # run -> each of its steps over the floor at its run's bandwidth
         for i, g in enumerate(gbps):
-            run_ms = statistics.median(st.latency_ms for st in x.steps if st.repeat == i + 1)
             bw = floor.Bandwidth(read_gbps=g, copy_gbps=math.nan, nbytes=1, device="cpu")
-            per_run.append(run_ms / floor.floor_ms(x.floor_bytes, bw))
-        r = x.summary
-        assert r.x_floor_paired == pytest.approx(statistics.median(per_run), rel=1e-9)
-        assert (r.x_floor_paired_min, r.x_floor_paired_max) == pytest.approx((min(per_run), max(per_run)), rel=1e-9)
+            ms = floor.floor_ms(x.floor_bytes, bw)
+            held[i] = [st.latency_ms / ms for st in x.steps if st.repeat == i + 1]
+        r, medians = x.summary, [statistics.median(v) for v in held.values()]
+        assert r.x_floor_paired == pytest.approx(statistics.median(sum(held.values(), [])), rel=1e-9)
+        assert (r.x_floor_paired_min, r.x_floor_paired_max) == pytest.approx((min(medians), max(medians)), rel=1e-9)
         assert r.paired_read_gbps == statistics.median(gbps)
+
+
+def test_paired_floor_takes_a_fresh_read_after_a_finished_row(tiny_model, monkeypatch):
+    """With --warmup 0 a row's first timed run follows the previous row's checks (tokens, SDPA probe, distortion)
+    directly: its read before is taken then, not kept from before that work."""
+    from kvbench.bench import floor
+
+    reads = iter(range(10, 10_000, 10))
+    monkeypatch.setattr(floor, "read_now", lambda bw, repeats=3: float(next(reads)))
+    s = BenchSettings(prompt_len=[6], new_tokens=4, caches=["static", "int8"], engine=["kvbench"])
+    s.warmup, s.repeats = 0, 2
+    rows = {x.summary.cache: x.run_gbps for x in B.run_sweep(tiny_model, s, "fp32", "cpu")}
+    assert rows == {"static": [15, 25], "int8": [45, 55]}  # int8: 40 | run | 50 | run | 60, not 30 kept
+
+
+def test_paired_floor_pools_the_steps_as_x_floor_does():
+    """A timed run whose first step compiled (seconds) is one outlier among the steps, as in x floor, not the median
+    of a two-step run; the extremes are the runs' own medians."""
+    from kvbench.bench import floor
+
+    b = floor.StepBytes(weights=10**9, kv=0, kv_write=0, design=0, note="", context=1, slots=1)  # 1 GB a step
+    steps = [[11_383.0, 1.45], [1.44, 1.46]]  # ms; at 100 GB/s the floor is 10 ms
+    p = floor.paired(b, steps, [100.0, 100.0])
+    assert p.x_floor == pytest.approx(statistics.median([1138.3, 0.145, 0.144, 0.146]))  # 0.1455
+    assert (p.x_floor_min, p.x_floor_max) == pytest.approx((0.145, (1138.3 + 0.145) / 2))
+    assert p.read_gbps == 100.0
+
+
+def test_paired_reads_leave_the_rows_memory_alone(tiny_model, monkeypatch):
+    """A small probe (8 MiB, under the C allocator's mmap threshold) read beside every run: its pages are unmapped
+    after each read, so no row's peak resident set counts them."""
+    monkeypatch.setenv("KVBENCH_PROBE_BYTES", str(8 << 20))
+    s = BenchSettings(prompt_len=[16], new_tokens=3, caches=["none", "static", "paged"], engine=["kvbench"])
+    s.warmup, s.repeats = 1, 2
+    for x in B.run_sweep(tiny_model, s, "fp32", "cpu"):
+        assert x.summary.run_peak_mib < 4, (x.summary.cache, x.summary.run_peak_mib)
 
 
 def test_paired_floor_reads_the_real_device_and_is_recorded(tmp_path):
@@ -1026,3 +1062,35 @@ def test_more_threads_than_cores_is_said(tmp_path):
         assert result.exit_code == 0 and "is more than the" not in text, text
     finally:
         torch.set_num_threads(before)  # bench sets the process's threads
+
+
+def test_paired_reads_only_on_the_cpu(monkeypatch):
+    """On CUDA a read's tensor would stay in the caching allocator's pool the rows' reserved memory measures: no
+    paired read there (the run's probes stand), nor without a floor."""
+    from kvbench.bench import floor
+
+    def refuse(bw, repeats=3):
+        raise AssertionError("read off the CPU")
+
+    monkeypatch.setattr(floor, "read_now", refuse)
+    for beside in (B._Beside(floor.Bandwidth(3000.0, 2500.0, 1 << 30, "cuda:0")), B._Beside(None)):
+        assert math.isnan(beside.before()) and math.isnan(beside.after())
+
+
+def test_the_floor_caption_explains_only_the_columns_shown():
+    """x paired is explained where a row has it; no floor sentence at all where no row has a floor (--hf models)."""
+    from types import SimpleNamespace
+
+    from kvbench.cli.bench_render import floor_caption
+
+    bw = {"read_gbps": 30.0, "copy_gbps": 20.0, "nbytes": 1 << 29, "llc_bytes": None}
+    meta = {"floor": {"bandwidth": bw}}
+
+    def row(x_floor: float, **more: float) -> SimpleNamespace:
+        return SimpleNamespace(x_floor=x_floor, step_bytes=1e9, **more)
+
+    assert "x paired" in floor_caption(meta, [row(1.2, x_floor_paired=1.1)])
+    context_rows = [row(1.2)]  # --fill random's rows: no paired floor
+    assert "x floor = TPOT / floor" in floor_caption(meta, context_rows)
+    assert "x paired" not in floor_caption(meta, context_rows)
+    assert floor_caption(meta, [row(math.nan, x_floor_paired=math.nan)]) == ""

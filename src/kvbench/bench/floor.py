@@ -23,6 +23,7 @@ traffic is overhead that `x_floor` shows, not part of the floor. docs/performanc
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import statistics
 import time
@@ -209,13 +210,20 @@ def _read_kernels(x: torch.Tensor) -> dict[str, Callable[[], object]]:
 
 
 def read_now(bw: Bandwidth, repeats: int = 3) -> float:
-    """The device's read bandwidth now, in GB/s: the median of `repeats` reads of a fresh tensor of the size the
-    run's first probe `bw` streamed, by the read kernel that won it. A tenth of that probe's work (no copy, one
-    kernel), so bench can take one between any two timed runs (the paired floor, bench/sweep.py)."""
-    device = torch.device(bw.device)
-    x = torch.ones(bw.nbytes // 4, dtype=torch.float32, device=device)
-    times = _timed(_read_kernels(x)[bw.read_kernel], device, repeats)
+    """The CPU's read bandwidth now, in GB/s: the median of `repeats` reads of fresh memory of the size the run's
+    first probe `bw` streamed, by the read kernel that won it. A tenth of that probe's work (no copy, one kernel), so
+    bench can take one between any two timed runs (the paired floor, bench/sweep.py). The memory is mapped for the
+    read and unmapped after it, never the C allocator's: a heap keeps what a small probe frees, and the rows' peak
+    resident set would count it."""
+    assert torch.device(bw.device).type == "cpu", "the paired reads run on the CPU"
+    with mmap.mmap(-1, bw.nbytes) as mm:
+        times = _read_mapped(mm, bw.read_kernel, repeats)  # every tensor over `mm` gone before it is unmapped
     return statistics.median(bw.nbytes / t / GB for t in times)
+
+
+def _read_mapped(mm: mmap.mmap, kernel: str, repeats: int) -> list[float]:
+    x = torch.frombuffer(mm, dtype=torch.float32).fill_(1.0)  # (nbytes / 4,), its pages touched
+    return _timed(_read_kernels(x)[kernel], x.device, repeats)
 
 
 @dataclass
@@ -297,20 +305,27 @@ def floor_ms(b: StepBytes, bw: Bandwidth) -> float:
 @dataclass
 class Paired:
     """x floor with each timed run held to the bandwidth read beside it, where the run-wide probe's median cannot
-    follow a memory whose bandwidth moves within the run (`unsteady`). Per timed run: its median step over the floor
-    at the mean of the reads just before and just after it; the row reports the median run and the extremes."""
+    follow a memory whose bandwidth moves within the run (`unsteady`). Each step of a timed run over the floor at
+    the mean of the reads just before and just after that run; the row reports the median step and the fastest and
+    slowest run's median."""
 
     x_floor: float
-    x_floor_min: float
+    x_floor_min: float  # the fastest run's median step, so held
     x_floor_max: float
     read_gbps: float  # median over the runs of the bandwidth each was held to
 
 
-def paired(b: StepBytes, run_tpot_ms: list[float], run_gbps: list[float]) -> Paired:
-    """x floor per run from each run's median step (ms) and the read bandwidth beside it (GB/s), equal lengths."""
+def paired(b: StepBytes, run_steps_ms: list[list[float]], run_gbps: list[float]) -> Paired:
+    """x floor with each timed run's decode steps (ms) held to the read bandwidth beside that run (GB/s): every
+    step over the floor at its run's bandwidth, pooled, and the median, as x floor pools the steps (a compiling
+    first step stays one outlier); the extremes are the runs' own medians."""
     assert run_gbps, "at least one timed run"
-    xs = [ms * gbps * GB / (1e3 * b.total) for ms, gbps in zip(run_tpot_ms, run_gbps, strict=True)]
-    return Paired(statistics.median(xs), min(xs), max(xs), statistics.median(run_gbps))
+    per_run = [
+        [ms * gbps * GB / (1e3 * b.total) for ms in steps] for steps, gbps in zip(run_steps_ms, run_gbps, strict=True)
+    ]
+    medians = [statistics.median(xs) for xs in per_run]
+    pooled = statistics.median(x for xs in per_run for x in xs)
+    return Paired(pooled, min(medians), max(medians), statistics.median(run_gbps))
 
 
 def decode_floor_ms(

@@ -39,8 +39,8 @@ class SummaryRow(CsvRow):
     # the bandwidth floor of the median decode step: step_bytes / measured read bandwidth (bench/floor.py)
     floor_ms: float
     x_floor: float  # tpot_ms_median / floor_ms; empty for `none` (no cache: the floor does not apply)
-    # each timed run's median step over the floor at the read bandwidth measured just before and after that run
-    # (bench/floor.py, `paired`): the median run, then the fastest and slowest
+    # every timed step over the floor at the read bandwidth measured just before and after its run, the median
+    # (bench/floor.py, `paired`; CPU only), then the fastest and slowest run's median step so held
     x_floor_paired: float
     x_floor_paired_min: float
     x_floor_paired_max: float

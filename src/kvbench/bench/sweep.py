@@ -170,6 +170,7 @@ def run_sweep(
     def emit(c: _Configuration, bw: floor.Bandwidth | None = bandwidth) -> None:
         results.append(c.finish(refs, per_token * c.batch, bw, profile_dir if s.profile else None))
         add_distortion(results[-1], model, c.ids, s.new_tokens)  # untimed, once finish has let the caches go
+        beside.untimed()  # the row's checks, profile and distortion ran since the last read
         fill_relative([r.summary for r in results])
         if on_result is not None:
             on_result(results[-1])
@@ -191,11 +192,15 @@ def run_sweep(
 class _Beside:
     """The read bandwidth just before and just after each timed run (floor.read_now), for the paired floor. A read
     taken after one timed run is the next one's read before when nothing ran in between, so a round of k runs costs
-    k + 1 reads; any untimed run (cold, warm-up) in between drops it. Without a floor (tensor parallelism, --hf
-    models) it reads nothing."""
+    k + 1 reads; anything else between them (a cold or warm-up run, a round's probe, a finished row's checks,
+    profile and distortion pass) drops it. It reads nothing without a floor (tensor parallelism, --hf models) and
+    off the CPU: on CUDA a read's 2 GiB would stay in the caching allocator's pool that the rows' reserved memory
+    measures, and the run's own probes stand."""
 
     def __init__(self, bandwidth: floor.Bandwidth | None) -> None:
-        self.bandwidth, self.last = bandwidth, math.nan
+        on_cpu = bandwidth is not None and torch.device(bandwidth.device).type == "cpu"
+        self.bandwidth = bandwidth if on_cpu else None
+        self.last = math.nan
 
     def read(self) -> float:
         return math.nan if self.bandwidth is None else floor.read_now(self.bandwidth)
@@ -386,7 +391,7 @@ def add_paired_floor(result: ConfigResult, timed: list[RunTiming], run_gbps: lis
     b, r = result.floor_bytes, result.summary
     if b is None or len(run_gbps) != len(timed) or not all(t.step_s for t in timed):
         return
-    p = floor.paired(b, [1e3 * statistics.median(t.step_s) for t in timed], run_gbps)
+    p = floor.paired(b, [[1e3 * dt for dt in t.step_s] for t in timed], run_gbps)
     r.x_floor_paired, r.x_floor_paired_min, r.x_floor_paired_max = p.x_floor, p.x_floor_min, p.x_floor_max
     r.paired_read_gbps = p.read_gbps
     result.run_gbps = list(run_gbps)

@@ -4,6 +4,7 @@ naming the files written."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from rich import box
@@ -24,16 +25,26 @@ def _times(x: float) -> str:
     return _f(x, ".2f") + ("" if x != x else "x")
 
 
+def _shown(rows: Sequence, column: str) -> bool:
+    """Whether any row has a figure in `column` (a table leaves out a column empty in every row)."""
+    return any(getattr(r, column, math.nan) == getattr(r, column, math.nan) for r in rows)  # x == x: not NaN
+
+
 def floor_caption(meta: dict, rows: Sequence) -> str:
+    """What the floor columns mean, for the rows shown: nothing where no row has a floor (--hf models)."""
     bw = meta.get("floor", {}).get("bandwidth")
-    if not bw:
+    if not bw or not _shown(rows, "x_floor"):
         return ""
     text = (
         f"floor: the bytes the median decode step must move (weights, K/V read and written, the design's copies) / "
         f"read bandwidth measured in this run ({bw['read_gbps']:.1f} GB/s read, {bw['copy_gbps']:.1f} GB/s copy, "
-        f"{bw['nbytes'] / 2**20:.0f} MiB streamed); x floor = TPOT / floor; none has no floor. x paired: each timed "
-        "run's median step over the floor at the bandwidth read just before and after it, the median run. "
+        f"{bw['nbytes'] / 2**20:.0f} MiB streamed); x floor = TPOT / floor; none has no floor. "
     )
+    if _shown(rows, "x_floor_paired"):
+        text += (
+            "x paired: every timed step over the floor at the bandwidth read just before and after its run, the "
+            "median. "
+        )
     rounds = meta["floor"].get("by_prompt_len")
     if rounds:  # --order interleaved: probed again every round
         each = ", ".join(f"prompt {p}: {b['read_gbps']:.1f}" for p, b in rounds.items())

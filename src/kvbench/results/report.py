@@ -103,8 +103,9 @@ FLOOR_NOTE = (
     "gathers, int8 dequantisation) over the device's read bandwidth measured at the start of the run (with "
     "--order interleaved: the median of that probe and one more per round, per prompt length in by_prompt_len); "
     "x_floor = tpot_ms_median / floor_ms; step_bytes: those bytes. Rows without a cache (`none`) have no floor. "
-    "x_floor_paired holds each timed run to the read bandwidth measured just before and after it (the mean of the "
-    "two, per run in paired_read_gbps) and reports the median run: on a machine whose bandwidth moves within a run "
+    "x_floor_paired holds each timed run's steps to the read bandwidth measured just before and after that run "
+    "(the mean of the two, per run in paired_read_gbps; CPU only) and reports the median step: on a machine whose "
+    "bandwidth moves within a run "
     "it is the one to read. floor.steps below breaks each row's bytes down."
 )
 
