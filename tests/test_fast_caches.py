@@ -436,6 +436,26 @@ def test_frozen_step_is_exact_and_sees_weights_changed_in_place(monkeypatch):
 
 
 @pytest.mark.slow
+def test_frozen_step_of_one_row_runs_every_projection_on_the_gemv(monkeypatch):
+    """At batch 1, `--compile max`'s step calls kvbench's GEMV (the operator kvbench::gemv) for every projection of
+    every step, four a block and lm_head, and decodes the eager static cache's tokens and logits to 1e-5."""
+    if gemv.library() is None:
+        pytest.skip(f"kvbench's GEMV cannot be built: {gemv.unavailable()}")
+    model = _small_model().lay_out()
+    calls = []
+    real = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = generate(model, PROMPTS[:1], 9, cache="static-graph", record_logits=True, compile="max")
+    steps = 9 - 1  # the first token comes from the prefill, which is not one row
+    assert len(calls) == (4 * model.config.n_layer + 1) * steps
+    calls.clear()
+    ref = generate(model, PROMPTS[:1], 9, cache="static", record_logits=True)
+    assert not calls, "the eager static step is one C call, not the GEMV alone"
+    assert got.tokens == ref.tokens
+    torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_frozen_step_that_dynamo_breaks_is_still_exact(monkeypatch):
     """A step Dynamo cannot trace whole (here attention behind code it breaks the graph at, as a plugin's can be):
     the code after the break is one resume function for every block, and with the modules' guards skipped its graph,

@@ -609,3 +609,44 @@ def test_a_cache_folder_that_cannot_be_written(tmp_path):
     blocker.write_text("")
     lib, why = gemv.build(gemv.compiler() or "cc", blocker)
     assert lib is None and why.startswith(f"cannot write under {blocker / 'gemv'}") and "KVBENCH_CACHE_DIR" in why
+
+
+@needs_gemv
+def test_the_gemv_operator_runs_the_kernel_and_states_its_shape():
+    """`kvbench::gemv`, as `--compile max`'s step calls it: the GEMV on real tensors against a float64 product, with
+    and without a bias; the output shape on fake tensors (what tracing sees)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(1, 1, 131, generator=g), torch.randn(37, 131, generator=g), torch.randn(37, generator=g)
+    for bias in (b, None):
+        got = torch.ops.kvbench.gemv(x, w, bias)
+        ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+        assert got.shape == (1, 1, 37)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.kvbench.gemv(*(mode.from_tensor(t) for t in (x, w, b)))
+    assert fake.shape == (1, 1, 37)
+
+
+@needs_gemv
+def test_gemv_inside_a_traced_step_only_where_frozen_weights_says(monkeypatch):
+    """Traced outside `frozen_weights` (`--compile default`), a projection is ATen's; inside it on the gemv route it
+    is the operator; eager, the ctypes call."""
+    calls = []
+    real = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w = torch.randn(1, 64), torch.randn(48, 64)
+    with torch.no_grad():
+        eager = matmul.linear(x, w)
+        assert len(calls) == 1
+        torch._dynamo.reset()
+        traced = torch.compile(matmul.linear, backend="eager", fullgraph=True)(x, w)
+        assert len(calls) == 1, "--compile default's trace: no GEMV"
+        torch._dynamo.reset()
+        with matmul.frozen_weights():
+            frozen = torch.compile(matmul.linear, backend="eager", fullgraph=True)(x, w)
+        assert len(calls) == 2, "frozen: the operator, which runs the GEMV"
+    torch._dynamo.reset()
+    for y in (traced, frozen):
+        torch.testing.assert_close(y, eager, rtol=1e-5, atol=1e-5)

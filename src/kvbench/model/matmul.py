@@ -10,8 +10,9 @@ step at batch 1) kvbench's own GEMV (model/gemv.py) streams faster still and cos
 
 So on the CPU, in float32 or bfloat16, when no gradient is wanted (and, under torch.compile, only where the weights
 are frozen: `frozen_weights`), a projection is
-- route "gemv" (the default): one float32 row, contiguous, over a contiguous (out, in) weight, outside torch.compile:
-  model/gemv.py's kernel; anything else as "onednn". Where the kernel cannot be built, the route is "onednn";
+- route "gemv" (the default): one float32 row, contiguous, over a contiguous (out, in) weight: model/gemv.py's
+  kernel, outside torch.compile and, as the operator `kvbench::gemv`, inside `--compile max`'s frozen step;
+  anything else as "onednn". Where the kernel cannot be built, the route is "onednn";
 - route "onednn": oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`) over an (out, in) weight.
 Both stream that layout only: over Conv1D's (in, out) matrix seen transposed oneDNN is no faster than MKL
 (17.5 GB/s). So a model loaded for the CPU lays its Conv1D weights out (out, in) in memory (`out_in_layout`,
@@ -43,6 +44,21 @@ ROUTES = ("gemv", "onednn", "aten")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _route: str | None = None  # None: read ROUTE_ENV on first use
 _frozen = False  # inside `frozen_weights`: Inductor traces a step whose weights are constants
+_frozen_gemv = False  # and one-row projections there are kvbench's GEMV, as the operator kvbench::gemv
+
+_lib = torch.library.Library("kvbench", "FRAGMENT")
+_lib.define("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+@torch.library.impl(_lib, "gemv", "CPU")
+def _gemv_operator(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) one row, weight (out, in), bias (out,) or None, float32 and contiguous -> (..., out)."""
+    return gemv.gemv(x, weight, bias)
+
+
+@torch.library.register_fake("kvbench::gemv", lib=_lib)
+def _gemv_operator_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.size(0)))
 
 
 @contextmanager
@@ -50,13 +66,18 @@ def frozen_weights() -> Iterator[None]:
     """Around a compiled step whose weights Inductor freezes (`--compile max`): the oneDNN route is traced too, and
     Inductor lowers it to its C++ GEMM templates over the packed constant weights (on gpt2, 2-core AMD EPYC, fp32:
     12.8 ms a decode step against 18.3 ms tracing ATen's addmm, 2026-12-05). Inductor lowers the op only over
-    constant weights, so a step that reads the weights as inputs (`--compile default`) traces addmm."""
-    global _frozen
-    before, _frozen = _frozen, True
+    constant weights, so a step that reads the weights as inputs (`--compile default`) traces addmm. On the gemv
+    route a one-row float32 projection there is kvbench's GEMV instead, as the operator `kvbench::gemv` that
+    Inductor calls and cannot see into: its templates streamed gpt2's matrices at 24-26 GB/s where the GEMV
+    streams at 0.9-0.97x a sum's rate (docs/performance.md). Whether the kernel is built is decided here, outside
+    the trace."""
+    global _frozen, _frozen_gemv
+    before = _frozen, _frozen_gemv
+    _frozen, _frozen_gemv = True, route() == "gemv"  # route() builds the kernel, or falls back, on first use
     try:
         yield
     finally:
-        _frozen = before
+        _frozen, _frozen_gemv = before
 
 
 def route() -> str:
@@ -97,8 +118,9 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Where kvbench's GEMV runs, given the oneDNN route's conditions: one float32 row and contiguous operands,
-    never inside a traced step (a ctypes call is opaque to torch.compile)."""
+    """Where kvbench's GEMV runs, given the oneDNN route's conditions: one float32 row and contiguous operands, on
+    the gemv route; in a traced step only where `frozen_weights` says (as an operator: a ctypes call is opaque to
+    torch.compile)."""
     return (
         route() == "gemv"
         and x.dtype == torch.float32
@@ -106,7 +128,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
         and x.is_contiguous()
         and weight.is_contiguous()
         and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.shape == weight.shape[:1]))
-        and not torch.compiler.is_compiling()
+        and (_frozen_gemv or not torch.compiler.is_compiling())
     )
 
 
@@ -133,6 +155,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight.T + bias: x (..., in), weight (out, in) in any strides, bias (out,) -> (..., out)."""
     if _onednn(x, weight):
         if _gemv(x, weight, bias):
+            if torch.compiler.is_compiling():  # `--compile max`'s step (frozen_weights)
+                return torch.ops.kvbench.gemv(x, weight, bias)
             return gemv.gemv(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     *lead, n_in = x.shape
