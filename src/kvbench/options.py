@@ -68,7 +68,8 @@ MODEL_HELP = (
 WEIGHTS_HELP = "auto | hub | random | PATH (a local Hugging Face GPT-2 directory)."
 COMPILE_HELP = (
     "How static-graph's fixed-shape decode step runs: off (eager), default (torch.compile), or max (CPU only: "
-    "weights frozen into the step, GEMMs autotuned over Inductor's C++ templates). The first step compiles."
+    "weights frozen into the step; one-row products and attention kvbench's C kernels, other GEMMs autotuned over "
+    "Inductor's C++ templates). The first step compiles."
 )
 
 

@@ -21,10 +21,11 @@ same step runs eagerly, so CI tests its exactness on the CPU. `compile` (the `--
 `torch.compile` (inside the graph on CUDA):
     off       the eager step
     default   Inductor's default: LayerNorm, bias, GELU and residual adds fused, matrix products left to the BLAS;
-    max       CPU only: the weights frozen into the compiled step as constants, every matrix product autotuned
-              between Inductor's C++ GEMM templates and ATen's (the projections reach Inductor as oneDNN linear
-              ops over packed constants, model/matmul.py), one-query attention kvbench's C as an opaque operator
-              (model/attention.py), and the kernels called from generated C++. Frozen weights are a copy the
+    max       CPU only: the weights frozen into the compiled step as constants; a projection of one float32 row
+              kvbench's GEMV as an opaque operator, any other matrix product autotuned between Inductor's C++ GEMM
+              templates and ATen's (those reach Inductor as oneDNN linear ops over packed constants;
+              model/matmul.py); one-query attention kvbench's C as an opaque operator (model/attention.py); and
+              the kernels called from generated C++. Frozen weights are a copy the
               step no longer reads from the model, so this runner also keys on the parameters' version counters:
               an in-place change (`copy_`, `load_state_dict`) gets a new compilation.
 
