@@ -650,3 +650,23 @@ def test_gemv_inside_a_traced_step_only_where_frozen_weights_says(monkeypatch):
     torch._dynamo.reset()
     for y in (traced, frozen):
         torch.testing.assert_close(y, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_frozen_step_without_the_kernel_keeps_onednn(monkeypatch):
+    """Where the GEMV cannot be built the route is oneDNN, so `--compile max`'s trace never holds the operator."""
+    monkeypatch.setattr(gemv, "library", lambda: None)
+    monkeypatch.setattr(matmul, "_route", None)  # chosen again on first use, without the kernel
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.extend(str(n.target) for n in gm.graph.nodes)
+        return gm.forward
+
+    x, w = torch.randn(1, 64), torch.randn(48, 64)
+    with torch.no_grad(), matmul.frozen_weights():
+        assert matmul._frozen_gemv is False and matmul.route() == "onednn"
+        torch._dynamo.reset()
+        y = torch.compile(matmul.linear, backend=backend, fullgraph=True)(x, w)
+    torch._dynamo.reset()
+    assert traced and not any("kvbench" in t for t in traced), traced
+    torch.testing.assert_close(y, x @ w.t(), rtol=1e-5, atol=1e-5)
