@@ -133,3 +133,33 @@ def test_importing_the_command_line_leaves_torch_unloaded_so_main_can_ask_first(
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True", "1"], out.stdout
+
+
+@pytest.mark.skipif(not THP_WORKS, reason="needs Linux transparent huge pages (always or madvise) and /proc")
+def test_the_paired_floor_reads_private_memory_advised_as_torch_advises_its_buffers(monkeypatch):
+    """bench's reads beside each timed run (floor.read_now) map memory of their own: private, and advised for huge
+    pages where torch's buffers are (ENV 1). In mmap's default, shared memory, which never gets huge pages, those
+    reads ran at 49-51 GB/s beside weights read at 58-66: a floor too high, and every x paired too low."""
+    import torch
+
+    from kvbench.bench import floor
+
+    flags: list[list[str]] = []
+    real = floor._read_mapped
+
+    def spy(mm, kernel, repeats):
+        x = torch.frombuffer(mm, dtype=torch.float32)
+        fields = hugepages._mapping_at(x.data_ptr())
+        del x  # no view of the mapping may outlive its read
+        assert fields is not None and "VmFlags" in fields
+        flags.append(fields["VmFlags"].split())
+        return real(mm, kernel, repeats)
+
+    monkeypatch.setattr(floor, "_read_mapped", spy)
+    bw = floor.Bandwidth(read_gbps=1.0, copy_gbps=1.0, nbytes=8 << 20, device="cpu")
+    for value, advised in (("1", True), ("0", False)):
+        monkeypatch.setenv(hugepages.ENV, value)
+        flags.clear()
+        assert floor.read_now(bw, repeats=1) > 0
+        assert "sh" not in flags[0]  # private
+        assert ("hg" in flags[0]) is advised

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvbench import validate
+from kvbench.bench import hugepages
 from kvbench.caches.base import UNKNOWN_TRAFFIC, Traffic
 from kvbench.caches.int8 import scale_dtype_for
 from kvbench.devices import synchronize
@@ -214,9 +215,11 @@ def read_now(bw: Bandwidth, repeats: int = 3) -> float:
     first probe `bw` streamed, by the read kernel that won it. A tenth of that probe's work (no copy, one kernel), so
     bench can take one between any two timed runs (the paired floor, bench/sweep.py). The memory is mapped for the
     read and unmapped after it, never the C allocator's: a heap keeps what a small probe frees, and the rows' peak
-    resident set would count it."""
+    resident set would count it. It gets the pages torch gives the weights (bench/hugepages.py)."""
     assert torch.device(bw.device).type == "cpu", "the paired reads run on the CPU"
-    with mmap.mmap(-1, bw.nbytes) as mm:
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # not mmap's default, shared memory: it never gets huge pages
+    with mmap.mmap(-1, bw.nbytes, flags=private) as mm:
+        hugepages.advise(mm)
         times = _read_mapped(mm, bw.read_kernel, repeats)  # every tensor over `mm` gone before it is unmapped
     return statistics.median(bw.nbytes / t / GB for t in times)
 
