@@ -942,7 +942,7 @@ def test_token_check_that_cannot_explain_a_flip_says_so():
 # --- --compile: an option, recorded with the run ---------------------------------------------------------------------
 @pytest.mark.slow
 def test_bench_compile_max_runs_on_the_cpu_and_is_recorded(tmp_path):
-    """`--compile max` (frozen weights, autotuned C++ GEMMs, kvbench's attention) through the whole bench: rows as
+    """`--compile max` (frozen weights, kvbench's GEMV and attention as operators) through the whole bench: rows as
     exact as eager ones (token agreement with kvbench's none), the choice in meta.json's settings, and the compiled
     decode's attention named as what ran (the eager probe sees SDPA)."""
     from kvbench.model import gemv

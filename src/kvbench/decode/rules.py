@@ -39,7 +39,7 @@ def compile_mode(mode: str, device_type: str | None = None, caches: list[str] | 
     if mode not in COMPILE_MODES:
         raise KVBenchError(
             f"--compile {mode!r}: use off (the eager step), default (torch.compile) or max (CPU: frozen weights, "
-            "autotuned C++ GEMMs)"
+            "kvbench's GEMV and attention as operators)"
         )
     if caches is not None and mode != "off" and not any(get_cache_spec(c).fixed_step for c in caches):
         runs = ", ".join(caches) or "none of kvbench's"
@@ -49,7 +49,7 @@ def compile_mode(mode: str, device_type: str | None = None, caches: list[str] | 
         )
     if mode == "max" and device_type not in (None, "cpu"):
         raise KVBenchError(
-            f"--compile max compiles the CPU decode step (frozen weights, C++ GEMM templates); on {device_type} "
+            f"--compile max compiles the CPU decode step (frozen weights, kvbench's CPU kernels); on {device_type} "
             "use --compile default"
         )
     return mode
