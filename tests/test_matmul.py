@@ -98,18 +98,18 @@ def test_the_way_of_reading_is_timed_once_per_machine_and_kept(tmp_path, monkeyp
     ms = saved["median_ms"]
     assert {"1 row, 0 B ahead", "4 rows, 32768 B ahead"} <= set(ms) == {gemv._label(w) for w in gemv.WAYS}
     assert len(ms) == 6 and all(t > 0 for t in ms.values())
-    assert way == min(gemv.WAYS, key=lambda w: ms[gemv._label(w)])  # the fastest one
+    assert way == gemv.choose({w: ms[gemv._label(w)] for w in gemv.WAYS})
     assert gemv.tune(fn, record) == way and len(timed) == 1  # kept: not timed again
+    every = {gemv._label(w): 2.0 for w in gemv.WAYS}
     damaged = (
         "{not json",
-        '{"rows": 3, "prefetch": 0}',
-        '{"rows": true, "prefetch": 0}',
-        '{"rows": 1}',
-        '{"rows": 1, "prefetch": 5}',
-        '{"rows": 1, "prefetch": 0.0}',
+        '{"rows": 1, "prefetch": 0}',  # no times
         "[]",
         '{"other": 1}',
-    )  # no way of ours
+        json.dumps({"median_ms": {**every, "1 row, 0 B ahead": True}}),  # not a time
+        json.dumps({"median_ms": {**every, "1 row, 0 B ahead": -1.0}}),
+        json.dumps({"median_ms": {k: v for k, v in every.items() if k != "4 rows, 16384 B ahead"}}),  # one missing
+    )
     monkeypatch.setattr(gemv, "TUNE_SHAPES", ((300, 64), (5, 3)))  # timed again each time: on a small set here
     for text in damaged:
         record.write_text(text)
@@ -119,6 +119,22 @@ def test_the_way_of_reading_is_timed_once_per_machine_and_kept(tmp_path, monkeyp
     # a record that cannot be written is only not kept
     assert gemv.tune(fn, tmp_path / "no-such-folder" / "tuning.json") in gemv.WAYS
     assert not (tmp_path / "no-such-folder").exists()
+
+
+def test_the_tuning_keeps_one_row_without_prefetching_unless_another_way_beats_it_by_more_than_five_percent(
+    tmp_path,
+):
+    """Timed once, ways that tie within the noise are chosen by chance; one row with the hardware prefetcher alone is
+    kept unless another way is clearly faster, and a kept record is chosen from by the same rule."""
+    plain, other = gemv.PLAIN, (4, 32 << 10)
+    ms = {w: 20.0 for w in gemv.WAYS}
+    assert gemv.choose({**ms, plain: 15.3, other: 15.0}) == plain  # 2% slower: a tie
+    assert gemv.choose({**ms, plain: 15.76, other: 15.0}) == other  # 5.1% slower: beaten
+    assert gemv.choose({**ms, plain: 14.0, other: 15.0}) == plain
+    record = tmp_path / "tuning.json"  # as the tuning wrote it before the rule: its own choice, the fastest
+    times = {gemv._label(w): t for w, t in {**ms, plain: 15.33, other: 15.04}.items()}
+    record.write_text(json.dumps({"rows": 4, "prefetch": 32768, "median_ms": times, "threads": 2}))
+    assert gemv.tune(lambda *a: pytest.fail("timed again"), record) == plain
 
 
 @needs_gemv
