@@ -1,9 +1,8 @@
 /* kvbench's CPU matrix-vector product for one-row float32 projections (model/gemv.py builds and loads it).
  *
  * y[o] = b[o] + W[o, :] . x  for o in [0, out): W (out, in) row-major, x (in,), b (out,) or NULL, y (out,).
- * Rows are shared out over `threads` OpenMP threads, long runs of them first (`share`; torch's own pool where
- * torch uses GNU OpenMP: the library's libgomp.so.1 is the one torch has loaded). How a thread reads its rows is
- * tuned per machine (model/gemv.py times each way once): `rows` at a time (1 or 4: one stream or four side by
+ * Rows are shared out over `threads` OpenMP threads (`share`; torch's own pool where torch uses GNU OpenMP: the
+ * library's libgomp.so.1 is the one torch has loaded). How a thread reads its rows is tuned per machine (model/gemv.py times each way once): `rows` at a time (1 or 4: one stream or four side by
  * side), and with `prefetch` > 0 each stream asks for the bytes that far ahead of it into L2 (never past W's end),
  * which keeps more reads in flight than the hardware prefetcher alone on some CPUs.
  * A row is summed the same way in every case: LANES running sums over its chunks of LANES floats, then its tail,
@@ -50,27 +49,39 @@ static inline __attribute__((always_inline)) void dot_rows(const float *restrict
 }
 
 /* A thread's share of W's rows, inside a parallel region: rows [0, grouped) four at a time, the rest one by one.
- * Shared out `guided`: a thread takes half of what is left (a long stream of contiguous rows), and the last rows go
- * in chunks of CHUNK_ROWS to whichever thread is free. Two cores of a VM need not stream alike: where one ran 20%
- * slower, static halves left the faster idle at every matrix's end (a gpt2 step's 49 matrices in one parallel region,
- * 2-core AMD EPYC VM, 2026-12-07: 44-48 GB/s static, 52-58 guided, where a sum read 58-66; alike, 31-34 GB/s, when
- * the memory ran at its usual 33-36). Which thread sums a row does not change its bits.
+ * `guided` (a constant where inlined) where the region goes on to more matrices: a thread takes half of what is left
+ * (a long stream of contiguous rows), and the last rows go in chunks of CHUNK_ROWS to whichever thread is free. Two
+ * cores of a VM need not stream alike: where one ran 20% slower, static halves left the faster idle at every
+ * matrix's end (a gpt2 step's 49 matrices in one parallel region, 2-core AMD EPYC VM, 2026-12-07: 44-48 GB/s static,
+ * 52-58 guided, where a sum read 58-66; alike, 31-34 GB/s, when the memory ran at its usual 33-36). Else static
+ * halves: a call of one matrix is short, and there guided was slower (`--compile max`'s step, a call a projection:
+ * 21.1 ms against 19.2). Which thread sums a row does not change its bits.
  * Ends at a barrier, so every row of y is written when any thread goes on. */
 #define CHUNK_ROWS 16
 static inline __attribute__((always_inline)) void share(const float *restrict W, const float *restrict x,
                                                          const float *restrict b, float *restrict y, long out,
-                                                         long in, int rows, long prefetch) {
-    const long grouped = rows == 4 ? out / 4 * 4 : 0;
+                                                         long in, int rows, long prefetch, const int guided) {
+    const long groups = rows == 4 ? out / 4 : 0, grouped = 4 * groups;
     const char *end = (const char *)(W + out * in);
-    if (prefetch > 0) {
+    if (guided && prefetch > 0) {
 #pragma omp for schedule(guided, CHUNK_ROWS / 4) nowait
-        for (long g = 0; g < grouped / 4; g++) dot_rows(W, x, b, y, 4 * g, 4, in, 1, prefetch, end);
+        for (long g = 0; g < groups; g++) dot_rows(W, x, b, y, 4 * g, 4, in, 1, prefetch, end);
 #pragma omp for schedule(guided, CHUNK_ROWS)
         for (long o = grouped; o < out; o++) dot_rows(W, x, b, y, o, 1, in, 1, prefetch, end);
-    } else {
+    } else if (guided) {
 #pragma omp for schedule(guided, CHUNK_ROWS / 4) nowait
-        for (long g = 0; g < grouped / 4; g++) dot_rows(W, x, b, y, 4 * g, 4, in, 0, 0, end);
+        for (long g = 0; g < groups; g++) dot_rows(W, x, b, y, 4 * g, 4, in, 0, 0, end);
 #pragma omp for schedule(guided, CHUNK_ROWS)
+        for (long o = grouped; o < out; o++) dot_rows(W, x, b, y, o, 1, in, 0, 0, end);
+    } else if (prefetch > 0) {
+#pragma omp for schedule(static) nowait
+        for (long g = 0; g < groups; g++) dot_rows(W, x, b, y, 4 * g, 4, in, 1, prefetch, end);
+#pragma omp for schedule(static)
+        for (long o = grouped; o < out; o++) dot_rows(W, x, b, y, o, 1, in, 1, prefetch, end);
+    } else {
+#pragma omp for schedule(static) nowait
+        for (long g = 0; g < groups; g++) dot_rows(W, x, b, y, 4 * g, 4, in, 0, 0, end);
+#pragma omp for schedule(static)
         for (long o = grouped; o < out; o++) dot_rows(W, x, b, y, o, 1, in, 0, 0, end);
     }
 }
@@ -123,7 +134,7 @@ static inline float gelu_tanh(float v) {
 void kv_gemv_f32(const float *restrict W, const float *restrict x, const float *restrict b, float *restrict y,
                  long out, long in, int threads, int rows, long prefetch) {
 #pragma omp parallel num_threads(threads)
-    share(W, x, b, y, out, in, rows, prefetch);
+    share(W, x, b, y, out, in, rows, prefetch, 0);
 }
 
 /* y = b + W LN(x): a LayerNorm (g, gb, eps) and the projection after it (ln_1 and c_attn; ln_f and lm_head).
@@ -133,7 +144,7 @@ void kv_ln_gemv_f32(const float *restrict x, const float *restrict g, const floa
                     long in, int threads, int rows, long prefetch) {
     layer_norm(x, g, gb, ln, in, eps);
 #pragma omp parallel num_threads(threads)
-    share(W, ln, b, y, out, in, rows, prefetch);
+    share(W, ln, b, y, out, in, rows, prefetch, 0);
 }
 
 /* The rest of a GPT-2 block after attention, for one row of width C (MLP width F), inside a parallel region:
@@ -145,15 +156,15 @@ static inline __attribute__((always_inline)) void tail(
     const float *restrict g, const float *restrict gb, float eps, const float *restrict Wf, const float *restrict bf,
     const float *restrict Wp, const float *restrict bp, float *restrict x1, float *restrict ln, float *restrict h,
     float *restrict y, long C, long F, int rows, long prefetch) {
-    share(Wo, a, bo, x1, C, C, rows, prefetch);
+    share(Wo, a, bo, x1, C, C, rows, prefetch, 1);
 #pragma omp for schedule(static)
     for (long i = 0; i < C; i++) x1[i] = x[i] + x1[i];
 #pragma omp single
     layer_norm(x1, g, gb, ln, C, eps);
-    share(Wf, ln, bf, h, F, C, rows, prefetch);
+    share(Wf, ln, bf, h, F, C, rows, prefetch, 1);
 #pragma omp for simd schedule(static)
     for (long i = 0; i < F; i++) h[i] = gelu_tanh(h[i]);
-    share(Wp, h, bp, y, C, F, rows, prefetch);
+    share(Wp, h, bp, y, C, F, rows, prefetch, 1);
 #pragma omp for schedule(static)
     for (long i = 0; i < C; i++) y[i] = x1[i] + y[i];
 }
@@ -290,7 +301,7 @@ void kv_step_f32(const float *restrict x0, const void *const *table, long n_laye
             float *K = (float *)p[KBUF], *Vc = (float *)p[VBUF];
 #pragma omp single
             layer_norm(xin, p[G1], p[GB1], ln, C, eps);
-            share(p[WQ], ln, p[BQ], qkv, 3 * C, C, rows, prefetch);
+            share(p[WQ], ln, p[BQ], qkv, 3 * C, C, rows, prefetch, 1);
 #pragma omp for schedule(static)
             for (long hd = 0; hd < H; hd++) {
                 float *Kh = K + hd * L * Dh, *Vh = Vc + hd * L * Dh;
@@ -308,6 +319,6 @@ void kv_step_f32(const float *restrict x0, const void *const *table, long n_laye
         }
 #pragma omp single
         layer_norm(xin, gf, gbf, ln, C, eps);
-        share(Wh, ln, NULL, logits, V, C, rows, prefetch);
+        share(Wh, ln, NULL, logits, V, C, rows, prefetch, 1);
     }
 }
