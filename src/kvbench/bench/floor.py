@@ -217,11 +217,19 @@ def read_now(bw: Bandwidth, repeats: int = 3) -> float:
     read and unmapped after it, never the C allocator's: a heap keeps what a small probe frees, and the rows' peak
     resident set would count it. It gets the pages torch gives the weights (bench/hugepages.py)."""
     assert torch.device(bw.device).type == "cpu", "the paired reads run on the CPU"
-    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # not mmap's default, shared memory: it never gets huge pages
-    with mmap.mmap(-1, bw.nbytes, flags=private) as mm:
+    with _private_map(bw.nbytes) as mm:
         hugepages.advise(mm)
         times = _read_mapped(mm, bw.read_kernel, repeats)  # every tensor over `mm` gone before it is unmapped
     return statistics.median(bw.nbytes / t / GB for t in times)
+
+
+def _private_map(nbytes: int) -> mmap.mmap:
+    """Anonymous private memory: not mmap's default on POSIX, shared memory, which Linux backs with huge pages only
+    where shmem_enabled allows (`never` by default). Windows has neither flag: there an anonymous map is the
+    process's own."""
+    if hasattr(mmap, "MAP_PRIVATE"):
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mmap.mmap(-1, nbytes)
 
 
 def _read_mapped(mm: mmap.mmap, kernel: str, repeats: int) -> list[float]:

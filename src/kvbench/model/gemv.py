@@ -197,9 +197,9 @@ def tune(fn: Callable[..., None], record: Path) -> tuple[int, int]:
 def choose(ms: dict[tuple[int, int], float]) -> tuple[int, int]:
     """The way to keep, from each way's median ms: the fastest, unless PLAIN is within TIE of it. Timed once, ways
     can tie within the noise, and then which is fastest is chance. On a 2-core AMD EPYC VM (2026-12-07) all ways
-    but four rows without prefetching were within 3% of each other while the memory read 33-36 GB/s (one tuning
-    chose four rows 32 KiB ahead by 2%); while it read 60-67, one row without prefetching streamed at 50-54 GB/s
-    and four rows 32 KiB ahead at 44-46. Where prefetching wins it wins by more (a 2-core Intel Xeon: 20.1 ms
+    but four rows without prefetching were within 6% of each other while the memory read 33-36 GB/s (one tuning
+    chose four rows 32 KiB ahead by 2%); while it read 60-67, one row without prefetching streamed at 46-54 GB/s
+    and four rows 32 KiB ahead at 38-46. Where prefetching wins it wins by more (a 2-core Intel Xeon: 20.1 ms
     against 26.1)."""
     fastest = min(ms, key=lambda w: ms[w])
     return PLAIN if ms[PLAIN] <= ms[fastest] * (1 + TIE) else fastest
