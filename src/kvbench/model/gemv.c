@@ -2,9 +2,10 @@
  *
  * y[o] = b[o] + W[o, :] . x  for o in [0, out): W (out, in) row-major, x (in,), b (out,) or NULL, y (out,).
  * Rows are shared out over `threads` OpenMP threads (`share`; torch's own pool where torch uses GNU OpenMP: the
- * library's libgomp.so.1 is the one torch has loaded). How a thread reads its rows is tuned per machine (model/gemv.py times each way once): `rows` at a time (1 or 4: one stream or four side by
- * side), and with `prefetch` > 0 each stream asks for the bytes that far ahead of it into L2 (never past W's end),
- * which keeps more reads in flight than the hardware prefetcher alone on some CPUs.
+ * library's libgomp.so.1 is the one torch has loaded). How a thread reads its rows is tuned per machine
+ * (model/gemv.py times each way once): `rows` at a time (1 or 4: one stream or four side by side), and with
+ * `prefetch` > 0 each stream asks for the bytes that far ahead of it into L2 (never past W's end), which keeps more
+ * reads in flight than the hardware prefetcher alone on some CPUs.
  * A row is summed the same way in every case: LANES running sums over its chunks of LANES floats, then its tail,
  * then the lanes in order. So y depends neither on the way of reading nor on the thread count, bit for bit.
  *
@@ -51,12 +52,11 @@ static inline __attribute__((always_inline)) void dot_rows(const float *restrict
 /* A thread's share of W's rows, inside a parallel region: rows [0, grouped) four at a time, the rest one by one.
  * `guided` (a constant where inlined) where the region goes on to more matrices: a thread takes half of what is left
  * (a long stream of contiguous rows), and the last rows go in chunks of CHUNK_ROWS to whichever thread is free. Two
- * cores of a VM need not stream alike: where one ran 20% slower, static halves left the faster idle at every
- * matrix's end (a gpt2 step's 49 matrices in one parallel region, 2-core AMD EPYC VM, 2026-12-07: 44-48 GB/s static,
- * 52-58 guided, where a sum read 58-66; alike, 31-34 GB/s, when the memory ran at its usual 33-36). Else static
- * halves: a call of one matrix is short, and there guided was slower (`--compile max`'s step, a call a projection:
- * 21.1 ms against 19.2). Which thread sums a row does not change its bits.
- * Ends at a barrier, so every row of y is written when any thread goes on. */
+ * cores of a VM need not stream alike, and static halves left the faster idle at every matrix's end (a gpt2 step's
+ * 49 matrices in one parallel region, 2-core AMD EPYC VM, 2026-12-07, medians: 46 GB/s static, 55 guided, where a
+ * sum read 63; 32 and 34 where it read its usual 34.5). Else static halves: a call of one matrix is short, and there
+ * guided was slower (`--compile max`'s step, a call a projection: 21.1 ms against 19.2). Which thread sums a row
+ * does not change its bits. Ends at a barrier, so every row of y is written when any thread goes on. */
 #define CHUNK_ROWS 16
 static inline __attribute__((always_inline)) void share(const float *restrict W, const float *restrict x,
                                                          const float *restrict b, float *restrict y, long out,
