@@ -163,3 +163,18 @@ def test_the_paired_floor_reads_private_memory_advised_as_torch_advises_its_buff
         assert floor.read_now(bw, repeats=1) > 0
         assert "sh" not in flags[0]  # private
         assert ("hg" in flags[0]) is advised
+
+
+def test_advice_a_kernel_refuses_leaves_the_read_in_the_pages_it_has():
+    """A kernel built without transparent huge pages answers MADV_HUGEPAGE with EINVAL: the paired floor's read goes
+    on in ordinary pages rather than ending the run."""
+    import errno
+    import mmap
+
+    class Refusing:
+        def madvise(self, option):
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        hugepages.advise(Refusing(), {hugepages.ENV: "1"})  # type: ignore[arg-type]
+    hugepages.advise(Refusing(), {hugepages.ENV: "0"})  # type: ignore[arg-type]  # not asked at all

@@ -50,7 +50,10 @@ def advise(mm: mmap.mmap, environ: Mapping[str, str] = os.environ) -> None:
     other pages than the weights' it reads at another rate (4 KiB pages: 49-51 GB/s where huge pages read 58-66, a
     2-core AMD EPYC VM, 2026-12-07)."""
     if environ.get(ENV) == "1" and hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without THP (EINVAL): the read goes on in the pages it has
+            pass
 
 
 def system_mode(path: Path = SYSTEM) -> str | None:
