@@ -38,8 +38,7 @@ def compile_mode(mode: str, device_type: str | None = None, caches: list[str] | 
     step, since nothing else is compiled."""
     if mode not in COMPILE_MODES:
         raise KVBenchError(
-            f"--compile {mode!r}: use off (the eager step), default (torch.compile) or max (CPU: frozen weights, "
-            "kvbench's GEMV and attention as operators)"
+            f"--compile {mode!r}: use off (eager), default (torch.compile) or max (CPU, frozen weights)"
         )
     if caches is not None and mode != "off" and not any(get_cache_spec(c).fixed_step for c in caches):
         runs = ", ".join(caches) or "none of kvbench's"
