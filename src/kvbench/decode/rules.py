@@ -37,9 +37,7 @@ def compile_mode(mode: str, device_type: str | None = None, caches: list[str] | 
     device is not known yet: None); other than off, only where one of `caches` (when given) has a fixed-shape
     step, since nothing else is compiled."""
     if mode not in COMPILE_MODES:
-        raise KVBenchError(
-            f"--compile {mode!r}: use off (eager), default (torch.compile) or max (CPU, frozen weights)"
-        )
+        raise KVBenchError(f"--compile {mode!r}: use off (eager), default (torch.compile) or max (CPU, frozen weights)")
     if caches is not None and mode != "off" and not any(get_cache_spec(c).fixed_step for c in caches):
         runs = ", ".join(caches) or "none of kvbench's"
         raise KVBenchError(
