@@ -23,7 +23,7 @@ from kvbench.decode.fixed_step import FixedShapeDecoder, runner_for
 from kvbench.decode.generate import EXACT, generate
 from kvbench.decode.rules import compile_mode
 from kvbench.errors import CacheOverflowError
-from kvbench.model import gemv
+from kvbench.model import gemv, operators
 from kvbench.model.gpt2 import GPT, PRESETS, GPTConfig
 
 MASK_FAULT = FAULTS["mask"].rules  # the loop's rules with SDPA's causal flag left on in decode
@@ -397,22 +397,19 @@ def test_compiled_rows_count_their_compilations_and_a_failure_is_located_eagerly
 
 
 @pytest.mark.slow
-def test_frozen_step_is_exact_and_sees_weights_changed_in_place(monkeypatch):
+def test_frozen_step_is_exact_and_sees_weights_changed_in_place():
     """`--compile max` (weights frozen into the step, GEMMs autotuned over C++ templates, attention kvbench's C) gives
     the eager static cache's tokens and logits to 1e-5, batched with left padding. After an in-place weight update
     (same storage), and after a LayerNorm's eps changes, the runner no longer matches, and the one built next decodes
     with the new weights and eps, not the frozen old ones."""
     model = _small_model()
     caches = make_caches("static-graph", model.config, 3, 11 + 12, torch.float32, "cpu")
-    attended = []
-    if gemv.library() is not None:  # attention is kvbench's C in the compiled step, every layer of every step
-        real = gemv.attend
-        monkeypatch.setattr(gemv, "attend", lambda *a: attended.append(1) or real(*a))
 
     def decode_and_check():
-        attended.clear()
+        attended = operators.attention_calls()
         got = generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches, compile="max")
-        assert len(attended) == (11 * 2 if gemv.library() is not None else 0)
+        # attention is kvbench's C in the compiled step, every layer of every step
+        assert operators.attention_calls() - attended == (11 * 2 if gemv.library() is not None else 0)
         ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
         runner = caches[0].runner
         assert runner.compile_mode == "max" and runner.fixed_steps == 11
@@ -435,22 +432,26 @@ def test_frozen_step_is_exact_and_sees_weights_changed_in_place(monkeypatch):
     assert not torch.allclose(with_eps, after, atol=1e-3), "the new eps must change the logits"
 
 
+def _op_calls(prof, name: str) -> int:
+    """How many times the profiled run called the operator `name`."""
+    return sum(e.count for e in prof.key_averages() if e.key == name)
+
+
 @pytest.mark.slow
-def test_frozen_step_of_one_row_runs_every_projection_on_the_gemv(monkeypatch):
+def test_frozen_step_of_one_row_runs_every_projection_on_the_gemv():
     """At batch 1, `--compile max`'s step calls kvbench's GEMV (the operator kvbench::gemv) for every projection of
     every step, four a block and lm_head, and decodes the eager static cache's tokens and logits to 1e-5."""
     if gemv.library() is None:
         pytest.skip(f"kvbench's GEMV cannot be built: {gemv.unavailable()}")
     model = _small_model().lay_out()
-    calls = []
-    real = gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
-    got = generate(model, PROMPTS[:1], 9, cache="static-graph", record_logits=True, compile="max")
+    generate(model, PROMPTS[:1], 9, cache="static-graph", compile="max")  # compiled outside the profile
+    with torch.profiler.profile() as prof:  # the operator's calls, whichever kernel (C++ or Python) answers
+        got = generate(model, PROMPTS[:1], 9, cache="static-graph", record_logits=True, compile="max")
     steps = 9 - 1  # the first token comes from the prefill, which is not one row
-    assert len(calls) == (4 * model.config.n_layer + 1) * steps
-    calls.clear()
-    ref = generate(model, PROMPTS[:1], 9, cache="static", record_logits=True)
-    assert not calls, "the eager static step is one C call, not the GEMV alone"
+    assert _op_calls(prof, "kvbench::gemv") == (4 * model.config.n_layer + 1) * steps
+    with torch.profiler.profile() as prof:
+        ref = generate(model, PROMPTS[:1], 9, cache="static", record_logits=True)
+    assert _op_calls(prof, "kvbench::gemv") == 0, "the eager static step is one C call, not the GEMV alone"
     assert got.tokens == ref.tokens
     torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
 

@@ -75,10 +75,10 @@ class _SDPAWatch(TorchFunctionMode):
 
 def c_attention_calls() -> int:
     """One-query attentions kvbench's C has run in this process: a compiled step's `kvbench::decode_attention`
-    (model/attention.py), which `watch_sdpa` cannot see. Read before and after timed runs."""
-    from kvbench.model import attention
+    (model/operators.py), which `watch_sdpa` cannot see. Read before and after timed runs."""
+    from kvbench.model import operators
 
-    return attention.calls
+    return operators.attention_calls()
 
 
 def watch_sdpa(fn: Callable[[], object], prefill_calls: int, compiled_in_c: bool = False) -> dict[str, str]:

@@ -3,8 +3,8 @@
 Under `--compile max` Inductor generates every kernel of the step but attention, which it hands to ATen's CPU flash
 SDPA: with a mask over a static cache's whole buffer, that read gpt2's 40 MB of K/V in 2.82 ms of a 21.6 ms step,
 against 1.76-2.12 ms in the eager step's C (2-core Intel Xeon, prompt 512, 2026-12-07; docs/performance.md). So in
-that trace a one-query attention over float32 CPU buffers is the operator `kvbench::decode_attention`, gemv.c's
-`kv_attend_f32` behind it: Inductor sees an opaque call with SDPA's inputs and output, and every matrix product
+that trace a one-query attention over float32 CPU buffers is the operator `kvbench::decode_attention`
+(model/operators.py), gemv.c's `kv_attend_f32` behind it: Inductor sees an opaque call with SDPA's inputs and output, and every matrix product
 stays its own. Elsewhere (eager, `--compile default`, CUDA, a prefill, a mask that is not boolean) attention is SDPA.
 gemv.py checks the kernel against SDPA before first use; where the library is not built, attention is SDPA.
 """
@@ -17,25 +17,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from kvbench.model import gemv
+from kvbench.model import gemv, operators
 
 _own = False  # inside `own_attention`, with the kernel built
-calls = 0  # the operator's calls in this process (bench's backends.py reads it; the kernel's own check is not one)
-
-_lib = torch.library.Library("kvbench", "FRAGMENT")
-_lib.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor allowed) -> Tensor")
-
-
-@torch.library.impl(_lib, "decode_attention", "CPU")
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    global calls
-    calls += 1
-    return gemv.attend(q, k, v, allowed)
-
-
-@torch.library.register_fake("kvbench::decode_attention", lib=_lib)
-def _decode_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    return q.new_empty(q.shape)  # (B, H, 1, Dh), contiguous
 
 
 @contextmanager
@@ -44,7 +28,7 @@ def own_attention() -> Iterator[None]:
     built. Decided here, outside the trace (Dynamo would trace the build's file checks)."""
     global _own
     kernel = gemv.library()
-    before, _own = _own, kernel is not None and kernel.attend_fn is not None
+    before, _own = _own, kernel is not None and kernel.attend_fn is not None and operators.prepare()
     try:
         yield
     finally:

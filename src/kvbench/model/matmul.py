@@ -11,7 +11,8 @@ step at batch 1) kvbench's own GEMV (model/gemv.py) streams faster still and cos
 So on the CPU, in float32 or bfloat16, when no gradient is wanted (and, under torch.compile, only where the weights
 are frozen: `frozen_weights`), a projection is
 - route "gemv" (the default): one float32 row, contiguous, over a contiguous (out, in) weight: model/gemv.py's
-  kernel, outside torch.compile and, as the operator `kvbench::gemv`, inside `--compile max`'s frozen step;
+  kernel, outside torch.compile and, as the operator `kvbench::gemv` (model/operators.py), inside
+  `--compile max`'s frozen step;
   anything else as "onednn". Where the kernel cannot be built, the route is "onednn";
 - route "onednn": oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`) over an (out, in) weight.
 Both stream that layout only: over Conv1D's (in, out) matrix seen transposed oneDNN is no faster than MKL
@@ -37,7 +38,7 @@ from contextlib import contextmanager
 import torch
 
 from kvbench.errors import KVBenchError
-from kvbench.model import gemv
+from kvbench.model import gemv, operators
 
 ROUTE_ENV = "KVBENCH_CPU_MATMUL"
 ROUTES = ("gemv", "onednn", "aten")
@@ -45,20 +46,6 @@ _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _route: str | None = None  # None: read ROUTE_ENV on first use
 _frozen = False  # inside `frozen_weights`: Inductor traces a step whose weights are constants
 _frozen_gemv = False  # and one-row projections there are kvbench's GEMV, as the operator kvbench::gemv
-
-_lib = torch.library.Library("kvbench", "FRAGMENT")
-_lib.define("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-
-
-@torch.library.impl(_lib, "gemv", "CPU")
-def _gemv_operator(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) one row, weight (out, in), bias (out,) or None, float32 and contiguous -> (..., out)."""
-    return gemv.gemv(x, weight, bias)
-
-
-@torch.library.register_fake("kvbench::gemv", lib=_lib)
-def _gemv_operator_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.size(0)))
 
 
 @contextmanager
@@ -73,7 +60,8 @@ def frozen_weights() -> Iterator[None]:
     the trace."""
     global _frozen, _frozen_gemv
     before = _frozen, _frozen_gemv
-    _frozen, _frozen_gemv = True, route() == "gemv"  # route() builds the kernel, or falls back, on first use
+    # route() builds the kernel, or falls back, on first use; prepare() loads the operator's C++ kernel
+    _frozen, _frozen_gemv = True, route() == "gemv" and operators.prepare()
     try:
         yield
     finally:

@@ -53,10 +53,11 @@ def load_average() -> dict[str, float] | None:
 
 
 def cpu_facts() -> dict:
-    """meta.json host fields: the CPU model and ISA, how our projections run on it (model/matmul.py), the cores
-    usable, and the load average at the start."""
+    """meta.json host fields: the CPU model and ISA, how our projections run on it (model/matmul.py) and what runs
+    kvbench's operators in a compiled step (model/operators.py), the cores usable, and the load average at the
+    start."""
     from kvbench.devices import cpu_isa, cpu_model
-    from kvbench.model import gemv
+    from kvbench.model import gemv, operators
     from kvbench.model.matmul import route
 
     kernel = gemv.library()
@@ -67,6 +68,9 @@ def cpu_facts() -> dict:
         "cpu_gemv_unavailable": gemv.unavailable(),  # why the route is not kvbench's GEMV, where it could not be built
         "cpu_gemv_rows": None if kernel is None else kernel.rows,  # rows read side by side, as tuned on this machine
         "cpu_gemv_prefetch": None if kernel is None else kernel.prefetch,  # bytes ahead each row stream asks for
+        # what answers `--compile max`'s calls of kvbench's operators: their C++ kernels, or Python ones (and why)
+        "cpu_operators": operators.kernels(),  # builds operators.cpp once per machine, where it can: "c++"
+        "cpu_operators_unavailable": operators.unavailable(),
         "cpus_usable": usable_cpus(),
         "load_average": {"start": load_average()},
     }
