@@ -49,39 +49,29 @@ static inline __attribute__((always_inline)) void dot_rows(const float *restrict
     }
 }
 
-/* A thread's share of W's rows, inside a parallel region: rows [0, grouped) four at a time, the rest one by one.
- * `guided` (a constant where inlined) where the region goes on to more matrices: a thread takes half of what is left
- * (a long stream of contiguous rows), and the last rows go in chunks of CHUNK_ROWS to whichever thread is free. Two
- * cores of a VM need not stream alike, and static halves left the faster idle at every matrix's end (a gpt2 step's
- * 49 matrices in one parallel region, 2-core AMD EPYC VM, 2026-12-07, medians: 46 GB/s static, 55 guided, where a
- * sum read 63; 32 and 34 where it read its usual 34.5). Else static halves: a call of one matrix is short, and there
- * guided was slower (`--compile max`'s step, a call a projection: 21.1 ms against 19.2). Which thread sums a row
- * does not change its bits. Ends at a barrier, so every row of y is written when any thread goes on. */
+/* A thread's share of W's rows, inside a parallel region: rows [0, grouped) four at a time, the rest one by one,
+ * shared out guided: a thread takes half of what is left (a long stream of contiguous rows), and the last rows go in
+ * chunks of CHUNK_ROWS to whichever thread is free. Two cores of a VM need not stream alike, and static halves left
+ * the faster idle at every matrix's end (2-core AMD EPYC VM, 2026-12-07, medians: a gpt2 step's 49 matrices in one
+ * parallel region 46 GB/s static, 55 guided, where a sum read 63; 32 and 34 where it read its usual 34.5; the same
+ * matrices a call each, one row at a time without prefetching, 21.7 ms static against 14.9 guided, and four rows
+ * 16 KiB ahead 14.75 against 14.68). Which thread sums a row does not change its bits. Ends at a barrier, so every
+ * row of y is written when any thread goes on. */
 #define CHUNK_ROWS 16
 static inline __attribute__((always_inline)) void share(const float *restrict W, const float *restrict x,
                                                          const float *restrict b, float *restrict y, long out,
-                                                         long in, int rows, long prefetch, const int guided) {
+                                                         long in, int rows, long prefetch) {
     const long groups = rows == 4 ? out / 4 : 0, grouped = 4 * groups;
     const char *end = (const char *)(W + out * in);
-    if (guided && prefetch > 0) {
+    if (prefetch > 0) {
 #pragma omp for schedule(guided, CHUNK_ROWS / 4) nowait
         for (long g = 0; g < groups; g++) dot_rows(W, x, b, y, 4 * g, 4, in, 1, prefetch, end);
 #pragma omp for schedule(guided, CHUNK_ROWS)
-        for (long o = grouped; o < out; o++) dot_rows(W, x, b, y, o, 1, in, 1, prefetch, end);
-    } else if (guided) {
-#pragma omp for schedule(guided, CHUNK_ROWS / 4) nowait
-        for (long g = 0; g < groups; g++) dot_rows(W, x, b, y, 4 * g, 4, in, 0, 0, end);
-#pragma omp for schedule(guided, CHUNK_ROWS)
-        for (long o = grouped; o < out; o++) dot_rows(W, x, b, y, o, 1, in, 0, 0, end);
-    } else if (prefetch > 0) {
-#pragma omp for schedule(static) nowait
-        for (long g = 0; g < groups; g++) dot_rows(W, x, b, y, 4 * g, 4, in, 1, prefetch, end);
-#pragma omp for schedule(static)
         for (long o = grouped; o < out; o++) dot_rows(W, x, b, y, o, 1, in, 1, prefetch, end);
     } else {
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(guided, CHUNK_ROWS / 4) nowait
         for (long g = 0; g < groups; g++) dot_rows(W, x, b, y, 4 * g, 4, in, 0, 0, end);
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided, CHUNK_ROWS)
         for (long o = grouped; o < out; o++) dot_rows(W, x, b, y, o, 1, in, 0, 0, end);
     }
 }
@@ -134,7 +124,7 @@ static inline float gelu_tanh(float v) {
 void kv_gemv_f32(const float *restrict W, const float *restrict x, const float *restrict b, float *restrict y,
                  long out, long in, int threads, int rows, long prefetch) {
 #pragma omp parallel num_threads(threads)
-    share(W, x, b, y, out, in, rows, prefetch, 0);
+    share(W, x, b, y, out, in, rows, prefetch);
 }
 
 /* y = b + W LN(x): a LayerNorm (g, gb, eps) and the projection after it (ln_1 and c_attn; ln_f and lm_head).
@@ -144,7 +134,7 @@ void kv_ln_gemv_f32(const float *restrict x, const float *restrict g, const floa
                     long in, int threads, int rows, long prefetch) {
     layer_norm(x, g, gb, ln, in, eps);
 #pragma omp parallel num_threads(threads)
-    share(W, ln, b, y, out, in, rows, prefetch, 0);
+    share(W, ln, b, y, out, in, rows, prefetch);
 }
 
 /* The rest of a GPT-2 block after attention, for one row of width C (MLP width F), inside a parallel region:
@@ -156,15 +146,15 @@ static inline __attribute__((always_inline)) void tail(
     const float *restrict g, const float *restrict gb, float eps, const float *restrict Wf, const float *restrict bf,
     const float *restrict Wp, const float *restrict bp, float *restrict x1, float *restrict ln, float *restrict h,
     float *restrict y, long C, long F, int rows, long prefetch) {
-    share(Wo, a, bo, x1, C, C, rows, prefetch, 1);
+    share(Wo, a, bo, x1, C, C, rows, prefetch);
 #pragma omp for schedule(static)
     for (long i = 0; i < C; i++) x1[i] = x[i] + x1[i];
 #pragma omp single
     layer_norm(x1, g, gb, ln, C, eps);
-    share(Wf, ln, bf, h, F, C, rows, prefetch, 1);
+    share(Wf, ln, bf, h, F, C, rows, prefetch);
 #pragma omp for simd schedule(static)
     for (long i = 0; i < F; i++) h[i] = gelu_tanh(h[i]);
-    share(Wp, h, bp, y, C, F, rows, prefetch, 1);
+    share(Wp, h, bp, y, C, F, rows, prefetch);
 #pragma omp for schedule(static)
     for (long i = 0; i < C; i++) y[i] = x1[i] + y[i];
 }
@@ -301,7 +291,7 @@ void kv_step_f32(const float *restrict x0, const void *const *table, long n_laye
             float *K = (float *)p[KBUF], *Vc = (float *)p[VBUF];
 #pragma omp single
             layer_norm(xin, p[G1], p[GB1], ln, C, eps);
-            share(p[WQ], ln, p[BQ], qkv, 3 * C, C, rows, prefetch, 1);
+            share(p[WQ], ln, p[BQ], qkv, 3 * C, C, rows, prefetch);
 #pragma omp for schedule(static)
             for (long hd = 0; hd < H; hd++) {
                 float *Kh = K + hd * L * Dh, *Vh = Vc + hd * L * Dh;
@@ -319,6 +309,6 @@ void kv_step_f32(const float *restrict x0, const void *const *table, long n_laye
         }
 #pragma omp single
         layer_norm(xin, gf, gbf, ln, C, eps);
-        share(Wh, ln, NULL, logits, V, C, rows, prefetch, 1);
+        share(Wh, ln, NULL, logits, V, C, rows, prefetch);
     }
 }
