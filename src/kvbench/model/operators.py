@@ -26,6 +26,7 @@ import shlex
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -151,8 +152,8 @@ def _loaded() -> tuple[ctypes.CDLL | None, str]:
 
 def _bind(lib: ctypes.CDLL, kernel: gemv.Kernel) -> None:
     """Point the C++ kernels at `kernel`'s C functions and its way of reading rows."""
-    address = ctypes.cast(kernel.fn, ctypes.c_void_p).value
-    attend = ctypes.cast(kernel.attend_fn, ctypes.c_void_p).value
+    gemv_fn, attend_fn = cast(Any, kernel.fn), cast(Any, kernel.attend_fn)  # ctypes functions (gemv._load)
+    address, attend = (ctypes.cast(f, ctypes.c_void_p).value for f in (gemv_fn, attend_fn))
     lib.kv_bind(address, attend, kernel.rows, kernel.prefetch)
 
 
