@@ -959,7 +959,16 @@ def test_bench_compile_max_runs_on_the_cpu_and_is_recorded(tmp_path):
     assert result.exit_code == 0, text
     s = pd.read_csv(out / "summary.csv")
     assert (s.status == "ok").all() and (s.token_agreement == 1.0).all(), s
-    assert json.loads((out / "meta.json").read_text())["settings"]["compile"] == "max"
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["settings"]["compile"] == "max"
+    # what answered the compiled step's operators: their C++ kernels where a C++ compiler built them, else why not
+    from kvbench.model import operators
+
+    built = gemv.library() is not None and operators.compiler() is not None
+    assert meta["host"]["cpu_operators"] == ("c++" if built else "python"), meta["host"]
+    assert (meta["host"]["cpu_operators_unavailable"] is None) == built
+    way = (meta["host"]["cpu_operators_gemv_rows"], meta["host"]["cpu_operators_gemv_prefetch"])
+    assert way == (gemv.library().between if gemv.library() is not None else (None, None))
     decode = dict(zip(s.cache, s.sdpa_decode, strict=True))
     assert decode["none"] == "flash (cpu)", decode
     assert decode["static-graph"] == ("kvbench C (cpu)" if gemv.library() is not None else "flash (cpu)"), decode

@@ -102,11 +102,7 @@ def test_meta_records_the_cpu_and_the_load_at_start_and_end(run):
     assert h["cpu_gemv_rows"] == (None if kernel is None else kernel.rows)
     assert h["cpu_gemv_prefetch"] == (None if kernel is None else kernel.prefetch)
     assert (h["cpu_gemv_rows"] is None) == (h["cpu_gemv_unavailable"] is not None)
-    from kvbench.model import operators  # what answers a compiled step's operators: C++ where it builds, else why
-
-    assert h["cpu_operators"] == operators.kernels() and h["cpu_operators_unavailable"] == operators.unavailable()
-    assert h["cpu_operators"] in ("c++", "python", "none")
-    assert (h["cpu_operators"] == "c++") == (h["cpu_operators_unavailable"] is None)
+    assert "cpu_operators" not in h  # a run without `--compile max` calls no operator
 
 
 def _copy(src: Path, dst: Path, ttft_factor: float = 1.0, n: int | None = None) -> Path:

@@ -8,7 +8,8 @@ The CPU kernel is registered from C++ where it can be built (operators.cpp, once
 $KVBENCH_CACHE_DIR/operators/<key>/): Inductor's generated C++ calls an operator through the dispatcher, and a kernel
 registered from Python turns each call into a trip through the interpreter, about 20 us, for 61 calls a gpt2 step.
 The C++ kernel calls the very C functions gemv.py built, checked and tuned (`prepare` binds them before each compiled
-step), and is held to them bit for bit on first load. Until it loads, and wherever it cannot be built (no C++
+step), and is held to them bit for bit on first load; its GEMV reads a matrix as gemv.between_calls says a call
+between other kernels should. Until it loads, and wherever it cannot be built (no C++
 compiler, no torch headers, a build that fails), the kernels are the Python ones below; `unavailable()` says why.
 
     operator                         kernel                 what it computes
@@ -19,6 +20,7 @@ compiler, no torch headers, a build that fails), the kernels are the Python ones
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -54,7 +56,10 @@ def _attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
 
 
 def _gemv_python(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return gemv.gemv(x, weight, bias)
+    kernel = gemv.library()
+    assert kernel is not None, "model/matmul.py calls the operator only where the kernel was built"
+    rows, prefetch = kernel.between  # as a call between other kernels reads (gemv.between_calls)
+    return gemv.gemv(x, weight, bias, dataclasses.replace(kernel, rows=rows, prefetch=prefetch))
 
 
 def _attention_python(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -151,10 +156,10 @@ def _loaded() -> tuple[ctypes.CDLL | None, str]:
 
 
 def _bind(lib: ctypes.CDLL, kernel: gemv.Kernel) -> None:
-    """Point the C++ kernels at `kernel`'s C functions and its way of reading rows."""
+    """Point the C++ kernels at `kernel`'s C functions and its way of reading rows between other kernels."""
     gemv_fn, attend_fn = cast(Any, kernel.fn), cast(Any, kernel.attend_fn)  # ctypes functions (gemv._load)
     address, attend = (ctypes.cast(f, ctypes.c_void_p).value for f in (gemv_fn, attend_fn))
-    lib.kv_bind(address, attend, kernel.rows, kernel.prefetch)
+    lib.kv_bind(address, attend, *kernel.between)
 
 
 def _agrees(kernel: gemv.Kernel) -> bool:
@@ -191,15 +196,24 @@ def in_cpp() -> bool:
     return lib is not None and not why
 
 
-def kernels() -> str:
-    """What answers the operators' calls (loading the C++ kernels if not tried yet): "c++", "python", or "none"
-    (the C++ kernels loaded but disagreed with gemv.py's: compiled steps do not call the operators)."""
+def way() -> tuple[int, int] | None:
+    """(rows, prefetch): how the operators' GEMV reads a matrix (gemv.between_calls), where the kernel is built."""
+    kernel = gemv.library()
+    return None if kernel is None else kernel.between
+
+
+def kernels() -> str | None:
+    """What answers the operators' calls in this process: "c++", "python", or "none" (the C++ kernels loaded but
+    disagreed with gemv.py's: compiled steps do not call the operators); None before any `prepare`."""
+    if not _loaded.cache_info().currsize:
+        return None
     lib, why = _loaded()
     return "python" if lib is None else "none" if why else "c++"
 
 
 def unavailable() -> str | None:
-    """Why the operators' kernels are not the C++ ones, where they are not (loading them if not tried yet)."""
+    """Why the operators' kernels are not the C++ ones, where they are not (loading them if not tried yet: on a
+    machine's first use, seconds of a C++ build)."""
     lib, why = _loaded()
     return why or None
 

@@ -53,11 +53,10 @@ def load_average() -> dict[str, float] | None:
 
 
 def cpu_facts() -> dict:
-    """meta.json host fields: the CPU model and ISA, how our projections run on it (model/matmul.py) and what runs
-    kvbench's operators in a compiled step (model/operators.py), the cores usable, and the load average at the
-    start."""
+    """meta.json host fields: the CPU model and ISA, how our projections run on it (model/matmul.py), the cores
+    usable, and the load average at the start."""
     from kvbench.devices import cpu_isa, cpu_model
-    from kvbench.model import gemv, operators
+    from kvbench.model import gemv
     from kvbench.model.matmul import route
 
     kernel = gemv.library()
@@ -68,9 +67,6 @@ def cpu_facts() -> dict:
         "cpu_gemv_unavailable": gemv.unavailable(),  # why the route is not kvbench's GEMV, where it could not be built
         "cpu_gemv_rows": None if kernel is None else kernel.rows,  # rows read side by side, as tuned on this machine
         "cpu_gemv_prefetch": None if kernel is None else kernel.prefetch,  # bytes ahead each row stream asks for
-        # what answers `--compile max`'s calls of kvbench's operators: their C++ kernels, or Python ones (and why)
-        "cpu_operators": operators.kernels(),  # builds operators.cpp once per machine, where it can: "c++"
-        "cpu_operators_unavailable": operators.unavailable(),
         "cpus_usable": usable_cpus(),
         "load_average": {"start": load_average()},
     }
@@ -284,3 +280,19 @@ def check_environment(
             f"Rerun both on the same machine and software, or compare anyway with {command} --allow-env-change"
         )
     return changes
+
+
+def operator_facts() -> dict:
+    """meta.json host fields of a run whose CPU steps are compiled with `--compile max`: what answered their calls of
+    kvbench's operators (model/operators.py), "c++", "python" or "none", why not C++, and how their GEMV reads."""
+    from kvbench.model import operators
+
+    operators.prepare()  # where the run has not yet: builds operators.cpp once per machine
+    way = operators.way()
+    return {
+        "cpu_operators": operators.kernels(),
+        "cpu_operators_unavailable": operators.unavailable(),
+        # how their GEMV reads a matrix: rows side by side, bytes ahead (model/gemv.py between_calls)
+        "cpu_operators_gemv_rows": None if way is None else way[0],
+        "cpu_operators_gemv_prefetch": None if way is None else way[1],
+    }

@@ -31,7 +31,7 @@ from kvbench.check.distortion import REFERENCE_CACHE, weights_note
 from kvbench.devices import cpu_peak_resettable, device_name, dtype_name
 from kvbench.jsonio import SCHEMA_VERSION
 from kvbench.outputs import writing_into
-from kvbench.results.environment import cpu_facts, cuda_facts, git_revision, load_average
+from kvbench.results.environment import cpu_facts, cuda_facts, git_revision, load_average, operator_facts
 from kvbench.results.rundir import write_csv, write_json
 from kvbench.rows import CsvRow
 
@@ -150,6 +150,8 @@ def run_meta(loaded, device, dtype, settings, config_path) -> dict[str, Any]:
     )
     if device.type == "cuda":
         meta["host"]["cuda"] = cuda_facts(device)
+    if device.type == "cpu" and settings.compile == "max":
+        meta["host"].update(operator_facts())
     return meta
 
 
