@@ -137,6 +137,27 @@ def test_the_tuning_keeps_one_row_without_prefetching_unless_another_way_beats_i
     assert gemv.tune(lambda *a: pytest.fail("timed again"), record) == plain
 
 
+def test_a_call_between_other_kernels_reads_the_fastest_way_that_asks_ahead(tmp_path):
+    """`--compile max`'s operator calls one matrix between other kernels, and there asking ahead won where the
+    tuning's back-to-back calls chose one row without: its way is the fastest prefetching one of the same record,
+    and a build keeps it beside the tuned way."""
+    ms = {w: 20.0 for w in gemv.WAYS}
+    assert gemv.between_calls({**ms, gemv.PLAIN: 10.0, (4, 32 << 10): 15.0}) == (4, 32 << 10)
+    assert gemv.between_calls({**ms, (1, 16 << 10): 12.0, (4, 16 << 10): 12.5}) == (1, 16 << 10)
+    assert all(gemv.between_calls({**ms, w: 1.0}) == w for w in gemv.WAYS if w[1] > 0)
+    kernel = gemv.library()
+    if kernel is None:
+        pytest.skip(f"kvbench's GEMV cannot be built: {gemv.unavailable()}")
+    records = [gemv.kept_times(r) for r in gemv.cache_root().glob("gemv/*/tuning.json")]  # this process's builds
+    assert any(
+        kept is not None
+        and kernel.between == gemv.between_calls(kept)
+        and (kernel.rows, kernel.prefetch) == gemv.choose(kept)
+        for kept in records
+    )
+    assert kernel.between[1] > 0
+
+
 @needs_gemv
 @pytest.mark.parametrize(
     "cache, per_block, after", [("static", [], ["step_static"]), ("dynamic", ["ln_gemv", "block_tail"], ["ln_gemv"])]
