@@ -79,11 +79,14 @@ def test_a_head_seen_per_head_strided_is_read_as_its_values():
 
 
 def test_the_build_says_why_it_cannot_in_one_line(tmp_path):
-    """No compiler, a compiler that fails, a cache folder that cannot be written: no library, and one line why."""
+    """No compiler, a compiler that fails, one that cannot be run, a cache folder that cannot be written: no library,
+    and one line why."""
     path, why = operators.build(None, tmp_path)
     assert path is None and why == "no C++ compiler ($CXX, c++ or g++) on PATH"
     path, why = operators.build("false", tmp_path)
     assert path is None and why.startswith("false failed to build operators.cpp") and "\n" not in why
+    path, why = operators.build('g++ "-O2', tmp_path)  # $CXX with an unclosed quote
+    assert path is None and why.startswith('cannot run g++ "-O2: ') and "\n" not in why
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     path, why = operators.build("c++", blocker)
@@ -113,3 +116,26 @@ def test_without_a_cpp_compiler_the_python_kernels_answer(tmp_path):
     assert frozen is True and in_cpp is False and same is True
     assert why.startswith("false failed to build operators.cpp")
     assert "operators.py" in line and "operators.cpp" not in line
+
+
+@needs_gemv
+@needs_cxx
+def test_a_damaged_cached_library_is_built_again(tmp_path):
+    """A cached operators library damaged since it was written (here: not a library at all) is built again, once,
+    and its C++ kernels answer. (A fresh process, as in the test above.)"""
+    script = textwrap.dedent(
+        """
+        import json, sys
+        from kvbench.cachedir import cache_root
+        from kvbench.model import gemv, operators
+        gemv.library()
+        path, why = operators.build(operators.compiler(), cache_root())
+        path.write_bytes(b"not a shared library")
+        print(json.dumps([operators.prepare(), operators.kernels(), operators.unavailable(), path.stat().st_size]))
+        """
+    )
+    env = {**os.environ, "KVBENCH_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    prepared, kernels, why, size = json.loads(done.stdout.splitlines()[-1])
+    assert prepared is True and kernels == "c++" and why is None and size > 1000

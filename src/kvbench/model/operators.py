@@ -138,6 +138,25 @@ def _loaded() -> tuple[ctypes.CDLL | None, str]:
         return None, why
     assert _python is not None
     _python._destroy()  # first: loading registers the C++ kernels, which must not override (and warn about) these
+    lib, why = _open(path)
+    if lib is None:  # a cached library damaged since it was written: built again, once
+        path.unlink(missing_ok=True)
+        path, why = build(compiler(), cache_root())
+        lib, why = (None, why) if path is None else _open(path)
+    if lib is None:
+        _python = _python_kernels()
+        return None, why
+    _bind(lib, kernel)
+    global _checked
+    agrees, _checked = _agrees(kernel), lib.kv_attend_calls()
+    if not agrees:
+        return lib, f"{path}'s kernels disagree with gemv.py's calls of the same C: not used"
+    return lib, ""
+
+
+def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
+    """Load the library at `path` (registering its kernels with the dispatcher) and type its two functions: (it, "")
+    or (None, why not)."""
     try:
         torch.ops.load_library(str(path))
         lib = ctypes.CDLL(str(path))
@@ -145,13 +164,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str]:
         lib.kv_bind.restype = None
         lib.kv_attend_calls.restype = ctypes.c_long
     except (OSError, AttributeError) as e:
-        _python = _python_kernels()
         return None, f"{path} was built but does not load: {e}"
-    _bind(lib, kernel)
-    global _checked
-    agrees, _checked = _agrees(kernel), lib.kv_attend_calls()
-    if not agrees:
-        return lib, f"{path}'s kernels disagree with gemv.py's calls of the same C: not used"
     return lib, ""
 
 
