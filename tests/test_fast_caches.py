@@ -406,10 +406,10 @@ def test_frozen_step_is_exact_and_sees_weights_changed_in_place():
     caches = make_caches("static-graph", model.config, 3, 11 + 12, torch.float32, "cpu")
 
     def decode_and_check():
-        attended = operators.attention_calls()
+        attended = operators.calls("decode_attention")
         got = generate(model, PROMPTS, 12, cache="static-graph", record_logits=True, caches=caches, compile="max")
         # attention is kvbench's C in the compiled step, every layer of every step
-        assert operators.attention_calls() - attended == (11 * 2 if gemv.library() is not None else 0)
+        assert operators.calls("decode_attention") - attended == (11 * 2 if gemv.library() is not None else 0)
         ref = generate(model, PROMPTS, 12, cache="static", record_logits=True)
         runner = caches[0].runner
         assert runner.compile_mode == "max" and runner.fixed_steps == 11
@@ -432,11 +432,6 @@ def test_frozen_step_is_exact_and_sees_weights_changed_in_place():
     assert not torch.allclose(with_eps, after, atol=1e-3), "the new eps must change the logits"
 
 
-def _op_calls(prof, name: str) -> int:
-    """How many times the profiled run called the operator `name`."""
-    return sum(e.count for e in prof.key_averages() if e.key == name)
-
-
 @pytest.mark.slow
 def test_frozen_step_of_one_row_runs_every_projection_on_the_gemv():
     """At batch 1, `--compile max`'s step calls kvbench's GEMV (the operator kvbench::gemv) for every projection of
@@ -444,14 +439,13 @@ def test_frozen_step_of_one_row_runs_every_projection_on_the_gemv():
     if gemv.library() is None:
         pytest.skip(f"kvbench's GEMV cannot be built: {gemv.unavailable()}")
     model = _small_model().lay_out()
-    generate(model, PROMPTS[:1], 9, cache="static-graph", compile="max")  # compiled outside the profile
-    with torch.profiler.profile() as prof:  # the operator's calls, whichever kernel (C++ or Python) answers
-        got = generate(model, PROMPTS[:1], 9, cache="static-graph", record_logits=True, compile="max")
+    before = operators.calls("gemv")  # the operator's calls, whichever kernel (C++ or Python) answers
+    got = generate(model, PROMPTS[:1], 9, cache="static-graph", record_logits=True, compile="max")
     steps = 9 - 1  # the first token comes from the prefill, which is not one row
-    assert _op_calls(prof, "kvbench::gemv") == (4 * model.config.n_layer + 1) * steps
-    with torch.profiler.profile() as prof:
-        ref = generate(model, PROMPTS[:1], 9, cache="static", record_logits=True)
-    assert _op_calls(prof, "kvbench::gemv") == 0, "the eager static step is one C call, not the GEMV alone"
+    assert operators.calls("gemv") - before == (4 * model.config.n_layer + 1) * steps
+    before = operators.calls("gemv")
+    ref = generate(model, PROMPTS[:1], 9, cache="static", record_logits=True)
+    assert operators.calls("gemv") == before, "the eager static step is one C call, not the GEMV alone"
     assert got.tokens == ref.tokens
     torch.testing.assert_close(_logits(got), _logits(ref), rtol=1e-5, atol=1e-5)
 

@@ -78,7 +78,7 @@ def c_attention_calls() -> int:
     (model/operators.py), which `watch_sdpa` cannot see. Read before and after timed runs."""
     from kvbench.model import operators
 
-    return operators.attention_calls()
+    return operators.calls("decode_attention")
 
 
 def watch_sdpa(fn: Callable[[], object], prefill_calls: int, compiled_in_c: bool = False) -> dict[str, str]:

@@ -29,6 +29,7 @@ std::atomic<GemvFn> gemv_fn{nullptr};
 std::atomic<AttendFn> attend_fn{nullptr};
 std::atomic<int> rows{1};
 std::atomic<long> prefetch{0};
+std::atomic<long> gemv_calls{0};
 std::atomic<long> attend_calls{0};
 
 // x (..., in) one row, weight (out, in), bias (out,) or None; float32, contiguous (model/matmul.py checks) -> (..., out)
@@ -41,6 +42,7 @@ at::Tensor gemv(const at::Tensor &x, const at::Tensor &weight, const std::option
     at::Tensor y = at::empty(shape, x.options());
     fn(weight.const_data_ptr<float>(), x.const_data_ptr<float>(), bias ? bias->const_data_ptr<float>() : nullptr,
        y.mutable_data_ptr<float>(), n_out, n_in, at::get_num_threads(), rows.load(), prefetch.load());
+    gemv_calls.fetch_add(1);
     return y;
 }
 
@@ -70,7 +72,8 @@ void kv_bind(void *gemv, void *attend, int way_rows, long way_prefetch) {
     prefetch.store(way_prefetch);
 }
 
-// How many attentions the operator has run in this process (bench reports which attention a compiled step ran).
+// How many calls each operator has run in this process (bench reports which attention a compiled step ran).
+long kv_gemv_calls(void) { return gemv_calls.load(); }
 long kv_attend_calls(void) { return attend_calls.load(); }
 }
 

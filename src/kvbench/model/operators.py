@@ -41,8 +41,8 @@ FLAGS = ("-O2", "-std=c++20", "-fPIC", "-shared", "-w")  # -w: torch's headers w
 _defs = torch.library.Library("kvbench", "FRAGMENT")
 _defs.define("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _defs.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor allowed) -> Tensor")
-_python_calls = 0  # attentions the Python kernel ran in this process
-_checked = 0  # attentions the C++ kernel ran for its own check (`_agrees`)
+_python_calls = {"gemv": 0, "decode_attention": 0}  # calls the Python kernels ran in this process
+_checked = {"gemv": 0, "decode_attention": 0}  # calls the C++ kernels ran for their own check (`_agrees`)
 
 
 @torch.library.register_fake("kvbench::gemv", lib=_defs)
@@ -58,13 +58,13 @@ def _attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
 def _gemv_python(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     kernel = gemv.library()
     assert kernel is not None, "model/matmul.py calls the operator only where the kernel was built"
+    _python_calls["gemv"] += 1
     rows, prefetch = kernel.between  # as a call between other kernels reads (gemv.between_calls)
     return gemv.gemv(x, weight, bias, dataclasses.replace(kernel, rows=rows, prefetch=prefetch))
 
 
 def _attention_python(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    global _python_calls
-    _python_calls += 1
+    _python_calls["decode_attention"] += 1
     return gemv.attend(q, k, v, allowed)
 
 
@@ -147,8 +147,8 @@ def _loaded() -> tuple[ctypes.CDLL | None, str]:
         _python = _python_kernels()
         return None, why
     _bind(lib, kernel)
-    global _checked
-    agrees, _checked = _agrees(kernel), lib.kv_attend_calls()
+    agrees = _agrees(kernel)
+    _checked.update(gemv=lib.kv_gemv_calls(), decode_attention=lib.kv_attend_calls())
     if not agrees:
         return lib, f"{path}'s kernels disagree with gemv.py's calls of the same C: not used"
     return lib, ""
@@ -162,7 +162,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(str(path))
         lib.kv_bind.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_long]
         lib.kv_bind.restype = None
-        lib.kv_attend_calls.restype = ctypes.c_long
+        lib.kv_gemv_calls.restype = lib.kv_attend_calls.restype = ctypes.c_long
     except (OSError, AttributeError) as e:
         return None, f"{path} was built but does not load: {e}"
     return lib, ""
@@ -231,8 +231,11 @@ def unavailable() -> str | None:
     return why or None
 
 
-def attention_calls() -> int:
-    """Attentions `kvbench::decode_attention` has run in this process, in either kernel (bench reports which
-    attention a compiled step ran: calls inside compiled code are invisible to a TorchFunctionMode)."""
+def calls(name: str) -> int:
+    """Calls of the operator `name` ("gemv" or "decode_attention") run in this process, in either kernel (bench
+    reports which attention a compiled step ran: calls inside compiled code are invisible to a TorchFunctionMode)."""
     lib, why = _loaded() if _loaded.cache_info().currsize else (None, "")
-    return _python_calls + (lib.kv_attend_calls() - _checked if lib is not None else 0)
+    if lib is None:
+        return _python_calls[name]
+    ran = lib.kv_gemv_calls() if name == "gemv" else lib.kv_attend_calls()
+    return _python_calls[name] + ran - _checked[name]
