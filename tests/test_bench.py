@@ -8,6 +8,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import json
 import math
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -972,6 +974,19 @@ def test_bench_compile_max_runs_on_the_cpu_and_is_recorded(tmp_path):
     decode = dict(zip(s.cache, s.sdpa_decode, strict=True))
     assert decode["none"] == "flash (cpu)", decode
     assert decode["static-graph"] == ("kvbench C (cpu)" if gemv.library() is not None else "flash (cpu)"), decode
+
+
+@pytest.mark.parametrize("mode, cxx", [("max", "false"), ("default", "/no/such/c++")])
+def test_bench_compile_without_a_working_cpp_compiler_is_one_line(tmp_path, mode, cxx):
+    """Inductor compiles the CPU step with $CXX (read when Inductor is imported: a process of its own here): a
+    bench whose $CXX does not work stops before anything runs, in one line, exit 2, and leaves no run folder."""
+    argv = [sys.executable, "-m", "kvbench", "bench", "--compile", mode, "--out", str(tmp_path / "r")]
+    argv += "--model gpt2-tiny --weights random --device cpu --prompt-len 8 --new-tokens 4 --caches static-graph --engine kvbench".split()
+    done = subprocess.run(argv, env={**os.environ, "CXX": cxx}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    said = f"--compile {mode}: Inductor compiles the CPU step with a C++ compiler, and $CXX={cxx!r} does not work"
+    assert said in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("value", ["1", "fast", "MAX", ""])

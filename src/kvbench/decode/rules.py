@@ -8,6 +8,7 @@ the generic checks they use (integer, seed, sampling_rules) are validate.py's.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -49,7 +50,26 @@ def compile_mode(mode: str, device_type: str | None = None, caches: list[str] | 
             f"--compile max compiles the CPU decode step (frozen weights, kvbench's CPU kernels); on {device_type} "
             "use --compile default"
         )
+    if mode != "off" and device_type == "cpu":
+        _cpp_compiler(mode)
     return mode
+
+
+def _cpp_compiler(mode: str) -> None:
+    """Inductor compiles a CPU step's kernels with a C++ compiler ($CXX, else its default): refused up front where
+    it finds none that works, rather than as every compiled row's error."""
+    from torch._inductor.cpp_builder import get_cpp_compiler  # here: Inductor takes seconds to import
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler:
+        cxx = os.environ.get("CXX")
+        which = f"$CXX={cxx!r} does not work" if cxx else "no working C++ compiler (g++) on PATH"
+        raise KVBenchError(
+            f"--compile {mode}: Inductor compiles the CPU step with a C++ compiler, and {which}; install one or set "
+            "CXX, or use --compile off"
+        ) from None
 
 
 def draft_rules(
