@@ -141,3 +141,26 @@ def test_a_damaged_cached_library_is_built_again(tmp_path):
     assert done.returncode == 0, done.stderr
     prepared, kernels, why, size = json.loads(done.stdout.splitlines()[-1])
     assert prepared is True and kernels == "c++" and why is None and size > 1000
+
+
+@needs_gemv
+@needs_cxx
+def test_the_first_load_holds_the_kernels_to_the_c_itself_not_to_what_stands_in_for_gemv_py(tmp_path):
+    """The C++ kernels are checked once, on the first `prepare` of a process, against the C functions themselves: a
+    stand-in for gemv.gemv or gemv.attend at that moment (a test's counter) neither breaks the check nor is what the
+    kernels are held to. (A fresh process: the first load happens once.)"""
+    script = textwrap.dedent(
+        """
+        import json
+        from kvbench.model import attention, gemv, operators
+        gemv.library()  # built and checked first, as in any process that reaches a compiled step
+        gemv.attend = gemv.gemv = lambda *a, **k: None
+        with attention.own_attention():
+            own = attention._own
+        print(json.dumps([own, operators.kernels(), operators.unavailable()]))
+        """
+    )
+    env = {**os.environ, "KVBENCH_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [True, "c++", None]

@@ -176,15 +176,27 @@ def _bind(lib: ctypes.CDLL, kernel: gemv.Kernel) -> None:
 
 
 def _agrees(kernel: gemv.Kernel) -> bool:
-    """The operators, through the dispatcher, against gemv.py's ctypes calls of the same C: bit for bit."""
+    """The operators, through the dispatcher, against `kernel`'s C functions called directly: bit for bit (how a
+    GEMV reads its rows does not change its bits). Directly, not through gemv.gemv and gemv.attend: whatever stands
+    in for those when the kernels first load (a test's stand-in) is not what the C++ kernels call."""
     g = torch.Generator().manual_seed(2)
-    x, w, b = torch.randn(1, 1, 131, generator=g), torch.randn(37, 131, generator=g), torch.randn(37, generator=g)
-    q, k, v = torch.randn(2, 3, 1, 64, generator=g), torch.randn(2, 3, 7, 64, generator=g), torch.randn(2, 3, 7, 64)
+    x, w, b = torch.randn(131, generator=g), torch.randn(37, 131, generator=g), torch.randn(37, generator=g)
+    q, k, v = (torch.randn(2, 3, n, 64, generator=g) for n in (1, 7, 7))  # (B, H, 1 or L, Dh)
     allowed = torch.tensor([[True] * 5 + [False] * 2, [False] * 2 + [True] * 4 + [False]]).view(2, 1, 1, 7)
+    threads = torch.get_num_threads()
+    same = []
     with torch.no_grad():
-        same = [(torch.ops.kvbench.gemv(x, w, bias), gemv.gemv(x, w, bias, kernel)) for bias in (b, None)] + [
-            (torch.ops.kvbench.decode_attention(q, k, v, allowed), gemv.attend(q, k, v, allowed, kernel))
-        ]
+        for bias in (b, None):
+            y = torch.empty(37)
+            kernel(
+                w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), 37, 131, threads
+            )
+            same.append((torch.ops.kvbench.gemv(x.view(1, 1, 131), w, bias), y.view(1, 1, 37)))
+        out, scratch = torch.empty(2, 3, 1, 64), torch.empty(2 * 3 * 7)
+        assert kernel.attend_fn is not None  # _loaded checks before it loads the library
+        args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), allowed.data_ptr(), out.data_ptr(), 2, 3, 7, 64)
+        kernel.attend_fn(*args, scratch.data_ptr(), threads)
+        same.append((torch.ops.kvbench.decode_attention(q, k, v, allowed), out))
     return all(a.shape == b_.shape and torch.equal(a, b_) for a, b_ in same)
 
 
