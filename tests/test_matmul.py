@@ -275,7 +275,7 @@ def _laid_out_counting_steps(tiny_config, monkeypatch) -> tuple[GPT, torch.Tenso
     model = GPT(tiny_config).init_weights(seed=0, std=0.1).eval().lay_out()
     steps: list[int] = []
     real = gemv.step_static
-    monkeypatch.setattr(gemv, "step_static", lambda *a: steps.append(1) or real(*a))
+    monkeypatch.setattr(gemv, "step_static", lambda *a, **k: steps.append(1) or real(*a, **k))
     return model, torch.randint(0, tiny_config.vocab_size, (1, 9)), steps
 
 
@@ -312,7 +312,7 @@ def test_the_whole_step_call_against_float64_the_same_at_any_thread_count_and_wa
     model.float().lay_out()  # (out, in), as the gemv route reads them
     steps = []
     real = gemv.step_static
-    monkeypatch.setattr(gemv, "step_static", lambda *a: steps.append(1) or real(*a))
+    monkeypatch.setattr(gemv, "step_static", lambda *a, **k: steps.append(1) or real(*a, **k))
 
     def run():
         caches = make_caches("static", config, 1, T, torch.float32, "cpu")
@@ -415,6 +415,11 @@ def test_what_the_whole_step_checked_once_follows_every_later_change_to_the_mode
     assert (check(fused=True) - first).abs().max() > 1e-4
     with torch.no_grad():
         fc.bias.add_(0.5)  # a new value in place: same storage, read live
+    check(fused=True)
+    proj = block.attn.c_proj  # square: its storage seen transposed keeps the address, not the strides
+    proj.weight.data = proj.weight.data.t()
+    check(fused=False)
+    proj.weight.data = proj.weight.data.t()
     check(fused=True)
     seen = []
     hook = block.attn.c_attn.register_forward_hook(lambda m, a, out: seen.append(tuple(out.shape)))

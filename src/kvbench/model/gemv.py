@@ -435,6 +435,12 @@ Layer = tuple[torch.Tensor, ...]  # step_static's 14 tensors of a layer, in gemv
 STEP_LAYER = (
     "ln_1 w, ln_1 b, c_attn W, c_attn b, K, V, c_proj W, c_proj b, ln_2 w, ln_2 b, c_fc W, c_fc b, mlp W, mlp b"
 )
+STEP_WIDTH = len(STEP_LAYER.split(", "))  # 14 a layer; K and V the fifth and sixth
+
+
+def step_table(layers: list[Layer]) -> torch.Tensor:
+    """step_static's table: the address of each layer's tensors, in STEP_LAYER's order (int64, 14 a layer)."""
+    return torch.tensor([t.data_ptr() for layer in layers for t in layer], dtype=torch.int64)
 
 
 def step_static(
@@ -445,17 +451,19 @@ def step_static(
     ln_f: tuple[torch.Tensor, torch.Tensor],
     head: torch.Tensor,
     kernel: Kernel | None = None,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A whole GPT-2 decode step for one row over static caches, to its logits: x (1, 1, C) the token's embedding;
     each layer's tensors as STEP_LAYER names them (matrices (out, in), K and V (1, H, L, Dh) buffers), the row's K/V
     written at column `slot` and attention reading columns [0, slot]; every LayerNorm's `eps`; ln_f's (weight,
-    bias); head (V, C). All contiguous float32 on the CPU -> (1, 1, V)."""
+    bias); head (V, C). All contiguous float32 on the CPU -> (1, 1, V). `table`: their addresses (`step_table`),
+    where the caller kept them."""
     kernel = kernel if kernel is not None else library()
     assert kernel is not None and kernel.step_fn is not None, "the model runs fused calls only where they were built"
     k = layers[0][4]
     _, H, L, _ = k.shape
     C, F, V = x.size(-1), layers[0][10].size(0), head.size(0)
-    table = torch.tensor([t.data_ptr() for layer in layers for t in layer], dtype=torch.int64)
+    table = step_table(layers) if table is None else table
     logits = torch.empty(V, dtype=x.dtype)
     scratch = torch.empty(8 * C + F + H * (slot + 1), dtype=x.dtype)
     args: tuple = (x.data_ptr(), table.data_ptr(), len(layers), L, slot, H, eps, ln_f[0].data_ptr(), ln_f[1].data_ptr())
