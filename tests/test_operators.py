@@ -37,7 +37,7 @@ def test_the_cpp_kernels_answer_after_prepare_as_the_same_c_and_as_torch():
     count."""
     with matmul.frozen_weights():
         assert matmul._frozen_gemv
-    assert operators.in_cpp(), operators.unavailable()
+    assert operators.kernels() == "c++", operators.unavailable()
     assert operators.unavailable() is None
     for name in ("kvbench::gemv", "kvbench::decode_attention"):
         assert "operators.cpp" in _cpu_kernel(name)
@@ -108,7 +108,7 @@ def test_without_a_cpp_compiler_the_python_kernels_answer(tmp_path):
         x, w = torch.randn(1, 1, 64), torch.randn(48, 64)
         line = next(ln for ln in torch._C._dispatch_dump("kvbench::gemv").splitlines() if ln.startswith("CPU:"))
         same = torch.equal(torch.ops.kvbench.gemv(x, w, None), gemv.gemv(x, w, None))
-        print(json.dumps([frozen, operators.in_cpp(), operators.unavailable(), line, same]))
+        print(json.dumps([frozen, operators.kernels() == "c++", operators.unavailable(), line, same]))
         """
     )
     env = {**os.environ, "CXX": "false", "KVBENCH_CACHE_DIR": str(tmp_path)}

@@ -25,10 +25,8 @@ import hashlib
 import json
 import os
 import platform
-import shlex
 import shutil
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from kvbench.cachedir import CACHE_ENV, cache_root
+from kvbench.cachedir import cache_root
 from kvbench.host import cores
+from kvbench.model.native import compile_library
 
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
@@ -151,23 +150,8 @@ def _load(path: Path) -> tuple[Callable[..., None], ...] | None:
 
 
 def _compile(cc: str, out: Path) -> str:
-    """Build the library at `out` (written beside it, then renamed: a concurrent build never loads half a file);
-    "" or why it failed, in one line."""
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        return f"cannot write under {out.parent}: {e.strerror or e}; set {CACHE_ENV} to a writable folder"
-    tmp = out.with_name(f".{out.name}.{os.getpid()}")
-    try:
-        argv = [*shlex.split(cc), *FLAGS, str(SOURCE), "-o", str(tmp), *LIBS]  # $CC may carry flags: "gcc -m64"
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    except (OSError, ValueError, subprocess.SubprocessError) as e:  # ValueError: $CC that shlex cannot split
-        return f"cannot run {cc}: {e}"
-    if done.returncode != 0:
-        first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])
-        return f"{cc} failed to build {SOURCE.name}: {first}"
-    os.replace(tmp, out)
-    return ""
+    """Build the library at `out`: "" or why it failed, in one line."""
+    return compile_library(cc, SOURCE, out, FLAGS, LIBS, timeout=120)
 
 
 def tune(fn: Callable[..., None], record: Path) -> tuple[int, int]:

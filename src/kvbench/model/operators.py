@@ -24,16 +24,15 @@ import dataclasses
 import functools
 import hashlib
 import os
-import shlex
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
-from kvbench.cachedir import CACHE_ENV, cache_root
+from kvbench.cachedir import cache_root
 from kvbench.model import gemv
+from kvbench.model.native import compile_library
 
 SOURCE = Path(__file__).with_name("operators.cpp")
 FLAGS = ("-O2", "-std=c++20", "-fPIC", "-shared", "-w")  # -w: torch's headers warn by the screenful under some g++
@@ -108,21 +107,8 @@ def build(cxx: str | None, root: Path) -> tuple[Path | None, str]:
     out = root / "operators" / key.hexdigest()[:20] / "libkvops.so"
     if out.is_file():
         return out, ""
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        return None, f"cannot write under {out.parent}: {e.strerror or e}; set {CACHE_ENV} to a writable folder"
-    tmp = out.with_name(f".{out.name}.{os.getpid()}")  # renamed when whole: a concurrent build never loads half
-    try:
-        argv = [*shlex.split(cxx), *FLAGS, str(SOURCE), "-o", str(tmp), *torch_flags, "-lc10", "-ltorch_cpu"]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    except (OSError, ValueError, subprocess.SubprocessError) as e:  # ValueError: $CXX that shlex cannot split
-        return None, f"cannot run {cxx}: {e}"
-    if done.returncode != 0:
-        first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])
-        return None, f"{cxx} failed to build {SOURCE.name}: {first or f'exit status {done.returncode}'}"
-    os.replace(tmp, out)
-    return out, ""
+    why = compile_library(cxx, SOURCE, out, FLAGS, [*torch_flags, "-lc10", "-ltorch_cpu"], timeout=300)
+    return (None, why) if why else (out, "")
 
 
 @functools.cache
@@ -222,12 +208,6 @@ def prepare() -> bool:
     if kernel is not None and kernel.attend_fn is not None:
         _bind(lib, kernel)
     return True
-
-
-def in_cpp() -> bool:
-    """Whether the operators' CPU kernels are the C++ ones (after a `prepare`)."""
-    lib, why = _loaded() if _loaded.cache_info().currsize else (None, "")
-    return lib is not None and not why
 
 
 def way() -> tuple[int, int] | None:
