@@ -117,11 +117,8 @@ def build(cc: str | None, root: Path) -> tuple[Kernel | None, str]:
             return None, f"{out} was built but does not load"
     if not all(_agrees(Kernel(fns[0], *way)) for way in WAYS):
         return None, f"{out} disagrees with torch's product: not used"
-    record = out.with_name("tuning.json")
-    rows, prefetch = tune(fns[0], record)
-    ms = kept_times(record)
-    between = between_calls(ms) if ms is not None else (rows, prefetch)
-    kernel = Kernel(fns[0], rows, prefetch, between, *fns[1:])
+    (rows, prefetch), ms = _tuned(fns[0], out.with_name("tuning.json"))
+    kernel = Kernel(fns[0], rows, prefetch, between_calls(ms), *fns[1:])
     if not _fused_agree(kernel):
         return None, f"{out}'s fused block calls disagree with torch's: not used"
     return kernel, ""
@@ -158,9 +155,14 @@ def tune(fn: Callable[..., None], record: Path) -> tuple[int, int]:
     """How a thread reads its rows on this machine, (rows, prefetch): `choose` over each way's time streaming a gpt2
     decode step's matrices, timed once (~1 s) and kept in `record` (JSON: each way's median in ms, the choice, the
     threads); a record without every way's time is timed again, one that cannot be written is only not kept."""
+    return _tuned(fn, record)[0]
+
+
+def _tuned(fn: Callable[..., None], record: Path) -> tuple[tuple[int, int], dict[tuple[int, int], float]]:
+    """`tune`'s choice, and each way's median ms as the record keeps them (rounded to the microsecond)."""
     kept = kept_times(record)
     if kept is not None:
-        return choose(kept)
+        return choose(kept), kept
     ms, threads = _time_ways(fn)
     way = choose(ms)
     doc = {
@@ -175,7 +177,7 @@ def tune(fn: Callable[..., None], record: Path) -> tuple[int, int]:
         os.replace(tmp, record)
     except OSError:
         pass
-    return way
+    return way, {w: round(t, 3) for w, t in ms.items()}
 
 
 def kept_times(record: Path) -> dict[tuple[int, int], float] | None:
